@@ -1,0 +1,66 @@
+"""Small helpers shared by the torch modules: twins of ``reference_jax.common`` (same names and semantics)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["compute_dtype", "rms_norm", "check_cu_seqlens", "segment_ids", "causal_document_mask", "RMSNorm"]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Kimi/DeepSeek RMSNorm: normalise in fp32, cast back to ``x.dtype``, then scale by ``weight`` (spec 3.4)."""
+    xf = x.to(compute_dtype(x))
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else y * weight.to(x.dtype)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with a ``weight`` parameter (checkpoint name), see :func:`rms_norm`."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int, B: int = 1) -> torch.Tensor:
+    """Validate packed-document boundaries ([N+1] ints, 0 .. T, strictly increasing, batch 1); return int64.
+
+    Raises:
+        ValueError: naming ``cu_seqlens``, the value and the expectation.
+    """
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.ndim != 1 or cu.numel() < 2 or cu.is_floating_point() or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens: got {cu.tolist()!r} ({cu.dtype}), expected a 1-D integer tensor [0, ..., T] of length >= 2")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: given with batch size {B}, expected batch size 1 (documents packed in one row)")
+    if int(cu[0]) != 0 or int(cu[-1]) != T:
+        raise ValueError(f"cu_seqlens: got {cu.tolist()}, expected to start at 0 and end at T={T}")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens: got {cu.tolist()}, expected strictly increasing offsets (no empty document)")
+    return cu.to(torch.int64)
+
+
+def segment_ids(cu_seqlens: torch.Tensor | None, T: int, device=None) -> torch.Tensor:
+    """Document index of every token, ``[T]`` int64; all zeros when ``cu_seqlens`` is None."""
+    if cu_seqlens is None:
+        return torch.zeros(T, dtype=torch.int64, device=device)
+    cu = check_cu_seqlens(cu_seqlens, T).to(device)
+    return torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)
+
+
+def causal_document_mask(T: int, cu_seqlens: torch.Tensor | None = None, S: int | None = None, device=None) -> torch.Tensor:
+    """``[T, S]`` bool: query t may see key s iff ``s <= t`` and both lie in the same document."""
+    S = T if S is None else S
+    t = torch.arange(T, device=device)[:, None]
+    s = torch.arange(S, device=device)[None, :]
+    seg = segment_ids(cu_seqlens, T, device=device)
+    return (s <= t) & (seg[:, None] == seg[None, :S])

@@ -1,0 +1,92 @@
+"""Small pure helpers shared by every reference module: dtype policy, linear, RMSNorm, packed-document masks.
+
+Dtype policy (whole reference): parameters and activations arrive in the run dtype (fp32 by default, fp64 under
+``jax.enable_x64``); bf16 inputs are upcast to fp32 for the math (``compute_dtype``). Nothing here is jitted.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["compute_dtype", "linear", "rms_norm", "check_cu_seqlens", "segment_ids", "causal_document_mask", "Linear", "RMSNorm"]
+
+
+def compute_dtype(x: jax.Array) -> jnp.dtype:
+    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 inputs."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``y = x Wᵀ`` with ``weight`` in the checkpoint's torch layout ``[out, in]``; x ``[..., in]`` -> ``[..., out]``."""
+    return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """Kimi/DeepSeek RMSNorm over the last axis: ``(x * rsqrt(mean(x²) + eps))`` in fp32 (fp64 for fp64 input),
+    cast back to ``x.dtype``, **then** multiplied by ``weight`` (spec 3.4). ``weight=None``: no scale."""
+    xf = x.astype(compute_dtype(x))
+    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return y if weight is None else y * weight.astype(x.dtype)
+
+
+def check_cu_seqlens(cu_seqlens, T: int, B: int = 1) -> np.ndarray:
+    """Validate packed-document boundaries and return them as an int64 numpy array.
+
+    ``cu_seqlens``: [N+1] int, starts at 0, strictly increasing (no empty document), ends at ``T``; needs ``B == 1``.
+
+    Raises:
+        ValueError: naming ``cu_seqlens``, the value and the expectation.
+    """
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"cu_seqlens: got {cu.tolist()!r} ({cu.dtype}), expected a 1-D integer array [0, ..., T] of length >= 2")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: given with batch size {B}, expected batch size 1 (documents packed in one row)")
+    if cu[0] != 0 or cu[-1] != T:
+        raise ValueError(f"cu_seqlens: got {cu.tolist()}, expected to start at 0 and end at T={T}")
+    if np.any(np.diff(cu) <= 0):
+        raise ValueError(f"cu_seqlens: got {cu.tolist()}, expected strictly increasing offsets (no empty document)")
+    return cu.astype(np.int64)
+
+
+def segment_ids(cu_seqlens, T: int) -> jax.Array:
+    """Document index of every token, ``[T]`` int32; all zeros when ``cu_seqlens`` is None."""
+    if cu_seqlens is None:
+        return jnp.zeros((T,), jnp.int32)
+    cu = check_cu_seqlens(cu_seqlens, T)
+    return jnp.asarray(np.searchsorted(cu[1:], np.arange(T), side="right"), jnp.int32)
+
+
+def causal_document_mask(T: int, cu_seqlens=None, S: int | None = None) -> jax.Array:
+    """``[T, S]`` bool: query t may see key s iff ``s <= t`` and both lie in the same document (S defaults to T)."""
+    S = T if S is None else S
+    t = jnp.arange(T)[:, None]
+    s = jnp.arange(S)[None, :]
+    seg = segment_ids(cu_seqlens, T)
+    return (s <= t) & (seg[:, None] == seg[None, :S])
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer whose only parameter is ``weight`` ``[out, in]`` (torch layout, checkpoint name)."""
+
+    features: int
+    in_features: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.initializers.normal(self.in_features ** -0.5), (self.features, self.in_features))
+        return linear(x, w)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with one parameter ``weight`` ``[dim]`` (checkpoint name); see :func:`rms_norm`."""
+
+    dim: int
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.param("weight", nn.initializers.ones, (self.dim,)), self.eps)
