@@ -96,7 +96,6 @@ class KimiConfig:
     use_full_rank_gate: bool = True
     gate_lower_bound: float | None = -5.0
     kda_gate_rank: int = 128  # f_a_proj rank; also g_a_proj rank for the low-rank output gate
-    a_log_storage: int = 128  # A_log entries stored in the checkpoint (96 used, zero-padded; spec 2.1)
     kda_layers: tuple[int, ...] = ()  # 0-based
     mla_layers: tuple[int, ...] = ()  # 0-based ("full_attn_layers")
     # --- DSA lightning indexer (spec 4) ---
@@ -143,6 +142,12 @@ class KimiConfig:
         return self.qk_head_dim ** -0.5
 
     @property
+    def a_log_storage(self) -> int:
+        """Entries of ``A_log`` on disk in K3 checkpoints: the active heads zero-padded to a multiple of 128
+        (96 -> 128; spec 2.1, Megatron-Bridge audit). Loaders slice ``[:H]``, exporters re-pad."""
+        return -(-self.kda_num_heads // 128) * 128
+
+    @property
     def is_kimi_linear(self) -> bool:
         return self.architecture in _KIMI_LINEAR
 
@@ -172,7 +177,9 @@ class KimiConfig:
         return self.has_attn_res and idx % self.attn_res_block_size == 0
 
     def replace(self, **changes: Any) -> "KimiConfig":
-        """A copy with ``changes`` applied (validated again)."""
+        """A copy with ``changes`` applied (validated again). The copy forgets ``raw`` (the JSON it was read from no
+        longer describes it), so it is written back from its fields."""
+        changes.setdefault("raw", None)
         return dataclasses.replace(self, **changes)
 
     def truncated(self, num_layers: int) -> "KimiConfig":
@@ -360,8 +367,8 @@ def _from_text_config(t: Mapping[str, Any], *, architecture: str, key_prefix: st
         short_conv_kernel_size=_get(lin, "short_conv_kernel_size", 4, int, w),
         use_full_rank_gate=bool(_get(lin, "use_full_rank_gate", False, bool, w)),
         gate_lower_bound=None if lin.get("gate_lower_bound") is None else float(_get(lin, "gate_lower_bound", None, num, w)),
-        kda_gate_rank=_get(lin, "gate_rank", _get(t, "head_dim", 128, int) if architecture in _KIMI_LINEAR else 128, int, w),
-        a_log_storage=_get(lin, "a_log_storage", 128, int, w),
+        # f_a/f_b (and Kimi-Linear's g_a/g_b) have rank = the KDA head_dim (128 in K3 and Kimi-Linear).
+        kda_gate_rank=_get(lin, "gate_rank", _get(lin, "head_dim", 128, int, w), int, w),
         kda_layers=kda_layers,
         mla_layers=mla_layers,
         dsa_layers=dsa_list,
@@ -405,10 +412,8 @@ def _to_text_config(c: KimiConfig) -> dict[str, Any]:
         "kda_layers": one(c.kda_layers),
         "full_attn_layers": one(c.mla_layers),
     }
-    if c.kda_gate_rank != 128:
+    if c.kda_gate_rank != c.kda_head_dim:
         lin["gate_rank"] = c.kda_gate_rank
-    if c.a_log_storage != 128:
-        lin["a_log_storage"] = c.a_log_storage
     t: dict[str, Any] = {
         "model_type": "kimi_linear",
         "vocab_size": c.vocab_size,
@@ -512,8 +517,6 @@ def _validate(c: KimiConfig) -> None:
     need(c.index_topk >= 1, "index_topk", c.index_topk, "an integer >= 1")
     if c.gate_lower_bound is not None:
         need(c.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", c.gate_lower_bound, "a negative number or null")
-    need(c.a_log_storage >= c.kda_num_heads, "linear_attn_config.a_log_storage", c.a_log_storage,
-         f">= num_heads ({c.kda_num_heads})")
 
     # Layer lists: every layer in exactly one of kda_layers / full_attn_layers (1-based in the JSON).
     n = c.num_hidden_layers
@@ -591,7 +594,7 @@ def _tiny() -> KimiConfig:
         max_position_embeddings=8192, intermediate_size=192,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        kda_num_heads=4, kda_head_dim=16, kda_gate_rank=16, a_log_storage=8,
+        kda_num_heads=4, kda_head_dim=16, kda_gate_rank=16,
         kda_layers=tuple(i for i in range(n) if i not in mla), mla_layers=mla, dsa_layers=mla,
         index_n_heads=4, index_head_dim=16, index_topk=64,
         num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=32,
@@ -599,7 +602,24 @@ def _tiny() -> KimiConfig:
     )
 
 
-PRESETS = {"k3.1-pro": _k31_pro, "k3": _k3, "tiny": _tiny}
+def _tiny_linear() -> KimiConfig:
+    """A tiny Kimi-Linear-shaped config (``KimiLinearForCausalLM``): softplus decay gate, low-rank output gate,
+    SiLU-gated MLPs, a standard MoE with ``routed_scaling_factor``, MLA without q-LoRA and without output gate,
+    plain residuals, no indexer, no quantisation, keys without the ``language_model.`` prefix."""
+    n = 6
+    mla = (3, 5)
+    return _tiny().replace(
+        architecture="KimiLinearForCausalLM", key_prefix="", num_hidden_layers=n,
+        kda_layers=tuple(i for i in range(n) if i not in mla), mla_layers=mla, dsa_layers=(),
+        gate_lower_bound=None, use_full_rank_gate=False,
+        index_n_heads=32, index_head_dim=128, index_topk=2048,
+        hidden_act="silu", activation_situ_linear_beta=None, q_lora_rank=None, mla_use_output_gate=False,
+        routed_expert_hidden_size=None, latent_moe_use_norm=False, num_shared_experts=1,
+        routed_scaling_factor=2.446, attn_res_block_size=None, quant_method=None,
+    )
+
+
+PRESETS = {"k3.1-pro": _k31_pro, "k3": _k3, "tiny": _tiny, "tiny-linear": _tiny_linear}
 
 
 def load_config(preset: str | None = None, config: str | Path | None = None,

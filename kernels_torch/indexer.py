@@ -1,0 +1,145 @@
+"""DSA lightning indexer, PyTorch twin of ``reference_jax.indexer`` (same names, arguments and shape letters).
+
+Spec: ``../shared/spec/architecture.md`` 4.1-4.3 and section 9. Notable:
+
+* Score ``I[t, s] = sum_j w[t, j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t, j] . k_I[s])`` in fp32 (fp64 for fp64 inputs),
+  from bf16 projections allowed. The constants do not change the selection but do change the KL loss (case 10).
+* ReLU ties: keys where every head has ``q . k <= 0`` score exactly 0. ``torch.topk`` leaves the order of ties
+  unspecified, so :func:`topk_indices` sorts explicitly (stable sort on the reversed key axis): higher score first,
+  among equal scores the larger key index first (spec 9). Identical to the JAX reference, index for index.
+* Masked keys get ``-inf`` before selection (case 8); slots past the visible count are ``-1`` (case 9).
+* No RoPE (``indexer_rope == "none"``, K3.1); other values raise NotImplementedError (case 11).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimi.config import KimiConfig
+from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
+
+__all__ = ["indexer_scores", "topk_indices", "sparse_mask", "LayerNorm", "Indexer"]
+
+
+def _promote(*xs: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores (spec 4.2), unmasked.
+
+    Args:
+        q_I: ``[B, T, HI, KI]``; k_I: ``[B, S, KI]`` (one key per token); weights: ``[B, T, HI]``.
+
+    Returns:
+        ``[B, T, S]`` ``sum_j weights[t,j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t,j] . k_I[s])``, fp32 (fp64 when any input
+        is fp64).
+    """
+    dt = _promote(q_I, k_I, weights)
+    HI, KI = q_I.shape[-2:]
+    logits = torch.einsum("btjk,bsk->btjs", q_I.to(dt), k_I.to(dt)) * (KI ** -0.5)  # [B, T, HI, S]
+    w = weights.to(dt) * (HI ** -0.5)  # [B, T, HI]
+    return torch.einsum("btj,btjs->bts", w, torch.relu(logits))
+
+
+def topk_indices(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-k key indices per query in the canonical order (spec 9), masked keys never selected.
+
+    Args:
+        scores: ``[B, T, S]``; mask: ``[T, S]`` or ``[B, T, S]`` bool (True = visible); topk: >= 1.
+
+    Returns:
+        ``[B, T, min(topk, S)]`` int32: score descending, equal scores by key index descending, -1 past the visible
+        keys.
+
+    Raises:
+        ValueError: ``topk`` < 1, or a mask shape other than ``[T, S]`` / ``[B, T, S]``.
+    """
+    if topk < 1:
+        raise ValueError(f"topk: got {topk}, expected an integer >= 1")
+    B, T, S = scores.shape
+    if tuple(mask.shape) not in ((T, S), (B, T, S)):
+        raise ValueError(f"mask: got shape {tuple(mask.shape)}, expected {(T, S)} or {(B, T, S)} "
+                         f"(scores {tuple(scores.shape)})")
+    mask = mask.to(torch.bool).expand(B, T, S)
+    k = min(topk, S)
+    masked = scores.masked_fill(~mask, float("-inf"))  # -inf before selection (case 8)
+    # torch.topk's tie order is unspecified: a *stable* descending sort on the reversed key axis keeps, among equal
+    # scores, the reversed order, i.e. the larger original key index first.
+    _, rev_idx = torch.sort(masked.flip(-1), dim=-1, descending=True, stable=True)
+    idx = (S - 1 - rev_idx[..., :k]).to(torch.int64)
+    picked_visible = torch.gather(mask, -1, idx)  # visible keys (finite scores) fill a prefix
+    return torch.where(picked_visible, idx, -1).to(torch.int32)
+
+
+def sparse_mask(topk_indices: torch.Tensor, S: int) -> torch.Tensor:
+    """``[B, T, S]`` bool, True at the keys listed in ``topk_indices`` ``[B, T, k]`` (-1 slots ignored)."""
+    B, T, _ = topk_indices.shape
+    idx = torch.where(topk_indices < 0, S, topk_indices).to(torch.int64)  # -1 -> spare column S, dropped below
+    out = torch.zeros(B, T, S + 1, dtype=torch.bool, device=topk_indices.device)
+    out.scatter_(-1, idx, True)
+    return out[..., :S]
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with ``weight`` and ``bias`` ``[dim]`` (checkpoint ``k_norm``), computed in fp32 (fp64 for fp64
+    input) and cast back to the input dtype (DeepSeek's indexer ``k_norm``)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = compute_dtype(x)
+        y = F.layer_norm(x.to(dt), (x.shape[-1],), self.weight.to(dt), self.bias.to(dt), self.eps)
+        return y.to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """The DSA lightning indexer of one K3.1 layer (``self_attn.indexer.*``, spec 4.1); twin of the JAX ``Indexer``.
+
+    Params: ``wq_b.weight`` ``[HI*KI, q_lora_rank]`` (``[HI*KI, D]`` when q_lora_rank is None), ``wk.weight``
+    ``[KI, D]``, ``k_norm.weight``/``k_norm.bias`` ``[KI]`` (LayerNorm, eps ``rms_norm_eps``, fp32),
+    ``weights_proj.weight`` ``[HI, D]`` (applied in fp32).
+
+    ``forward(x, c_q, cu_seqlens=None) -> (topk_indices, scores)``: x ``[B, T, D]``, c_q ``[B, T, q_lora_rank]``;
+    topk_indices ``[B, T, min(index_topk, T)]`` int32, scores ``[B, T, T]`` fp32 (unmasked); selection mask = causal
+    & same document.
+
+    Raises:
+        NotImplementedError: at construction, ``config.indexer_rope`` other than "none" (case 11).
+        ValueError: malformed ``cu_seqlens``.
+    """
+
+    def __init__(self, config: KimiConfig):
+        super().__init__()
+        c = config
+        if c.indexer_rope != "none":
+            raise NotImplementedError(
+                f"indexer_rope: got {c.indexer_rope!r}; only 'none' (Kimi K3.1) is implemented in the torch indexer"
+            )
+        self.config = c
+        D, HI, KI = c.hidden_size, c.index_n_heads, c.index_head_dim
+        q_in = c.q_lora_rank if c.q_lora_rank is not None else D
+        self.wq_b = nn.Linear(q_in, HI * KI, bias=False)
+        self.wk = nn.Linear(D, KI, bias=False)
+        self.k_norm = LayerNorm(KI, c.rms_norm_eps)
+        self.weights_proj = nn.Linear(D, HI, bias=False)
+
+    def forward(self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        B, T, D = x.shape
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, T, B)
+        HI, KI = c.index_n_heads, c.index_head_dim
+        q_I = self.wq_b(c_q).view(B, T, HI, KI)  # [B, T, HI, KI]
+        k_I = self.k_norm(self.wk(x))  # [B, T, KI]
+        dt = compute_dtype(x)  # weights_proj in fp32 (fp64 for fp64 x)
+        weights = F.linear(x.to(dt), self.weights_proj.weight.to(dt))  # [B, T, HI]
+        scores = indexer_scores(q_I, k_I, weights)  # [B, T, S=T]
+        mask = causal_document_mask(T, cu_seqlens, device=x.device)  # [T, S]
+        return topk_indices(scores, mask, c.index_topk), scores

@@ -1,0 +1,467 @@
+"""Kimi Delta Attention (KDA): the PyTorch twin of ``reference_jax/kda.py`` (spec ``architecture.md`` section 2).
+
+Same functions, argument names, shapes and dtypes as the reference: ``kda_gate``, ``l2norm``, ``short_conv``,
+``kda_recurrent`` (the equation, one token at a time), ``kda_chunk`` (the chunked WY algorithm, pure torch),
+``gated_rms_norm``, ``slice_A_log`` / ``pad_A_log``, ``KDACache`` and the module ``KimiDeltaAttention``.
+
+Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state ``S`` ``[N, H, K, V]`` (K-first, fla
+layout). Packed documents: ``cu_seqlens`` ``[N+1]`` with ``B == 1``.
+
+Backends: ``eager`` and ``sdpa`` both run the pure-torch algorithm (the backend only matters for attention layers).
+``cudnn`` -- or any CUDA input when fla is importable -- sends the chunk mode to fla's Triton kernel
+``fla.ops.kda.chunk_kda`` (see :func:`_fla_chunk_kda`, the only code here that cannot be tested on CPU).
+
+Numerics: activations may be bf16; gates, beta, norms and the state are fp32 (fp64 for fp64 inputs). g and beta are
+never narrowed to bf16 (case 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels_torch.common import check_cu_seqlens, rms_norm
+from kimi.config import KimiConfig
+
+__all__ = [
+    "BACKENDS",
+    "MODES",
+    "kda_gate",
+    "l2norm",
+    "short_conv",
+    "kda_recurrent",
+    "kda_chunk",
+    "gated_rms_norm",
+    "slice_A_log",
+    "pad_A_log",
+    "KDACache",
+    "ShortConvolution",
+    "GatedRMSNorm",
+    "KimiDeltaAttention",
+]
+
+BACKENDS = ("eager", "sdpa", "cudnn")
+MODES = ("chunk", "recurrent")
+
+
+def _cdt(*xs: torch.Tensor) -> torch.dtype:
+    """Compute dtype of a group of inputs: fp64 if any is fp64, else fp32 (bf16/fp16 are upcast)."""
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+# ------------------------------------------------------------------------------------------------ small helpers
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None) -> torch.Tensor:
+    """KDA log-space decay gate ``g`` (spec 2.2 step 5; fla ``fla/ops/kda/gate.py``).
+
+    Args:
+        f: ``[B, T, H, K]`` raw ``f_b(f_a(x))`` reshaped per head.
+        A_log: ``[H]`` canonical (already sliced, see :func:`slice_A_log`).
+        dt_bias: ``[H*K]``.
+        lower_bound: ``gate_lower_bound`` (K3: -5.0) or None (Kimi-Linear).
+
+    Returns:
+        g ``[B, T, H, K]`` fp32 (fp64 for fp64 ``f``): ``lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` when
+        ``lower_bound`` is set (a different function from a clamped softplus, case 1), else
+        ``-exp(A_log[h]) * softplus(f + dt_bias)`` (exact softplus, no linear threshold).
+
+    Raises:
+        ValueError: ``f`` not 4-D, ``A_log`` not ``[H]`` or ``dt_bias`` not ``[H*K]``.
+    """
+    if f.ndim != 4:
+        raise ValueError(f"f: got shape {tuple(f.shape)}, expected [B, T, H, K]")
+    H, K = f.shape[-2:]
+    if tuple(A_log.shape) != (H,):
+        raise ValueError(
+            f"A_log: got shape {tuple(A_log.shape)}, expected [H]=[{H}] (slice the checkpoint's padded A_log with slice_A_log)"
+        )
+    if tuple(dt_bias.shape) != (H * K,):
+        raise ValueError(f"dt_bias: got shape {tuple(dt_bias.shape)}, expected [H*K]=[{H * K}]")
+    dt = _cdt(f)
+    x = f.to(dt) + dt_bias.to(dt).reshape(H, K)  # [B,T,H,K]
+    a = torch.exp(A_log.to(dt))[:, None]  # [H,1]: one rate per head
+    if lower_bound is None:
+        return -a * torch.logaddexp(x, torch.zeros((), dtype=dt, device=x.device))  # softplus without F's threshold
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x²) + eps)`` over the last axis in fp32 (fp64 for fp64 input); spec 2.2 step 4."""
+    xf = x.to(_cdt(x))
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _conv_weight(weight: torch.Tensor, C: int) -> torch.Tensor:
+    """Depthwise conv weight as ``[C, W]``; accepts ``[C, 1, W]`` (checkpoint) or ``[C, W]`` (case 17)."""
+    if weight.ndim == 3 and weight.shape[0] == C and weight.shape[1] == 1:
+        return weight[:, 0, :]
+    if weight.ndim == 2 and weight.shape[0] == C:
+        return weight
+    raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [C, 1, W] or [C, W] with C={C}")
+
+
+def _conv_one(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One run without boundaries: x ``[B, T, C]``, w ``[C, W]`` (compute dtype), state ``[B, C, W-1]``."""
+    T, W = x.shape[1], w.shape[1]
+    xe = torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    xf = xe.to(w.dtype)
+    y = sum(w[:, i] * xf[:, i : i + T, :] for i in range(W))  # tap W-1 = current token (spec 2.2 step 2)
+    return F.silu(y), xe[:, T:, :].transpose(1, 2)  # new state: the last W-1 pre-conv inputs [B, C, W-1]
+
+
+def short_conv(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv_state: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv1d (no bias) then SiLU, in fp32; spec 2.2 step 2 (fla ``ShortConvolution``).
+
+    Args:
+        x: ``[B, T, C]``; weight ``[C, 1, W]`` or ``[C, W]``; cu_seqlens ``[N+1]`` (B == 1) or None;
+        conv_state: ``[N, C, W-1]`` the last ``W-1`` pre-conv inputs before each sequence/document, or None (zeros).
+
+    Returns:
+        ``(y, new_conv_state)``: y ``[B, T, C]`` in ``x.dtype``; new_conv_state ``[N, C, W-1]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: bad ``weight`` / ``conv_state`` shapes or invalid ``cu_seqlens``.
+    """
+    if x.ndim != 3:
+        raise ValueError(f"x: got shape {tuple(x.shape)}, expected [B, T, C]")
+    B, T, C = x.shape
+    w = _conv_weight(weight, C).to(_cdt(x, weight))
+    W = w.shape[1]
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
+    N = B if cu is None else len(cu) - 1
+    if conv_state is None:
+        conv_state = x.new_zeros(N, C, W - 1)
+    elif tuple(conv_state.shape) != (N, C, W - 1):
+        raise ValueError(f"conv_state: got shape {tuple(conv_state.shape)}, expected [N, C, W-1]=[{N}, {C}, {W - 1}]")
+    if cu is None:
+        y, new_state = _conv_one(x, w, conv_state)
+    else:  # one run per document, each starting from its own state row
+        parts = [_conv_one(x[:, cu[n] : cu[n + 1]], w, conv_state[n : n + 1]) for n in range(N)]
+        y, new_state = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
+    return y.to(x.dtype), new_state.to(x.dtype)
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """FusedRMSNormGated, sigmoid (spec 2.2 step 8): ``rmsnorm(o) * weight * sigmoid(gate)`` per head over V.
+    o, gate ``[B, T, H, V]``, weight ``[V]``. Returns fp32 (fp64 for fp64 input)."""
+    dt = _cdt(o, gate)
+    return rms_norm(o.to(dt), None, eps) * weight.to(dt) * torch.sigmoid(gate.to(dt))
+
+
+def slice_A_log(A_log, num_heads: int) -> torch.Tensor:
+    """Canonical ``[H]`` ``A_log`` from ``[H]``, zero-padded ``[S>=H]`` (K3 stores 128, uses 96) or Kimi-Linear's
+    ``[1, 1, H, 1]`` (spec 2.1; cases 7, 17).
+
+    Raises:
+        ValueError: any other shape, or non-zero padding entries.
+    """
+    a = torch.as_tensor(A_log)
+    if tuple(a.shape) == (1, 1, num_heads, 1):
+        return a.reshape(num_heads)
+    if a.ndim == 1 and a.shape[0] >= num_heads:
+        if bool((a[num_heads:] != 0).any()):
+            raise ValueError(
+                f"A_log: padding entries [{num_heads}:{a.shape[0]}] are not zero, expected {num_heads} used entries then zeros"
+            )
+        return a[:num_heads]
+    raise ValueError(f"A_log: got shape {tuple(a.shape)}, expected [H]={num_heads}, [S>=H] zero-padded, or [1, 1, H, 1]")
+
+
+def pad_A_log(A_log, shape: Sequence[int]) -> torch.Tensor:
+    """Stored ``A_log`` of ``shape`` (from ``kimi.layout.stored_layout``) from the canonical ``[H]``: zero-pad to
+    ``[S]`` or reshape to ``[1, 1, H, 1]``.
+
+    Raises:
+        ValueError: ``A_log`` not 1-D, or a ``shape`` that cannot hold it.
+    """
+    a = torch.as_tensor(A_log)
+    shape = tuple(int(s) for s in shape)
+    if a.ndim != 1:
+        raise ValueError(f"A_log: got shape {tuple(a.shape)}, expected canonical [H]")
+    H = a.shape[0]
+    if shape == (1, 1, H, 1):
+        return a.reshape(shape)
+    if len(shape) == 1 and shape[0] >= H:
+        return torch.cat([a, a.new_zeros(shape[0] - H)])
+    raise ValueError(f"shape: got {shape}, expected [S>=H={H}] or [1, 1, {H}, 1]")
+
+
+# ------------------------------------------------------------------------------------------------ the recurrence
+
+
+def _check_qkvgb(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
+    if q.ndim != 4:
+        raise ValueError(f"q: got shape {tuple(q.shape)}, expected [B, T, H, K]")
+    B, T, H, K = q.shape
+    for name, x, want in (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("beta", beta, (B, T, H))):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}: got shape {tuple(x.shape)}, expected {list(want)} (q is {list(q.shape)})")
+    if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v: got shape {tuple(v.shape)}, expected [B, T, H, V] with B, T, H = {B}, {T}, {H}")
+    return B, T, H, K, v.shape[-1]
+
+
+def _initial_state(initial_state, N, H, K, V, dt, device) -> torch.Tensor:
+    if initial_state is None:
+        return torch.zeros(N, H, K, V, dtype=dt, device=device)
+    if tuple(initial_state.shape) != (N, H, K, V):
+        raise ValueError(f"initial_state: got shape {tuple(initial_state.shape)}, expected [N, H, K, V]=[{N}, {H}, {K}, {V}]")
+    return initial_state.to(dt)
+
+
+def _delta_step(S, q_t, k_t, v_t, g_t, b_t):
+    """One token of spec 2.2 step 7. S ``[B,H,K,V]``; q_t (pre-scaled), k_t, g_t ``[B,H,K]``; v_t ``[B,H,V]``; b_t ``[B,H]``."""
+    S = S * torch.exp(g_t)[..., None]  # decay: row d_k scaled by exp(g[d_k])
+    e = v_t - torch.einsum("bhk,bhkv->bhv", k_t, S)  # error against the *decayed* state
+    S = S + torch.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * e)  # rank-1 write
+    return S, torch.einsum("bhk,bhkv->bhv", q_t, S)  # read from the *updated* state
+
+
+def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None):
+    """Gated delta rule one token at a time (spec 2.2 step 7; fla ``fla/ops/kda/naive.py``). Twin of
+    ``reference_jax.kda.kda_recurrent``: q, k ``[B,T,H,K]`` (L2-normalised), v ``[B,T,H,V]``, g ``[B,T,H,K]``, beta
+    ``[B,T,H]``, initial_state ``[N,H,K,V]``; returns o ``[B,T,H,V]`` in ``v.dtype`` and S ``[N,H,K,V]`` fp32/fp64.
+
+    Raises:
+        ValueError: inconsistent shapes or invalid ``cu_seqlens``.
+    """
+    B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
+    dt = _cdt(q, k, v, g, beta)
+    scale = K**-0.5 if scale is None else scale
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
+    N = B if cu is None else len(cu) - 1
+    S0 = _initial_state(initial_state, N, H, K, V, dt, q.device)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q = q * scale
+    o = torch.empty(B, T, H, V, dtype=dt, device=q.device)
+    bounds = [(0, T)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    finals = []
+    for n, (s, e) in enumerate(bounds):
+        S = S0 if cu is None else S0[n : n + 1]  # the state restarts at every document start
+        for t in range(s, e):
+            S, o[:, t] = _delta_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        finals.append(S)
+    return o.to(v.dtype), torch.cat(finals, dim=0)
+
+
+# ------------------------------------------------------------------------------------------------ chunked form
+
+
+def _chunk_run(q, k, v, g, beta, S0, C: int):
+    """Chunked algorithm over one run without boundaries (all in the compute dtype, q pre-scaled).
+    q, k, g ``[B,T,H,K]``; v ``[B,T,H,V]``; beta ``[B,T,H]``; S0 ``[B,H,K,V]``. Returns o ``[B,T,H,V]``, S."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = -(-T // C)
+    pad = NT * C - T
+
+    # Zero padding at the end is inert (k = 0, beta = 0 write nothing; g = 0 decays nothing).
+    def chunks(x):  # [B,T,H,...] -> [B,H,NT,C,...]
+        x = F.pad(x, [0, 0] * (x.ndim - 2) + [0, pad])
+        return x.reshape(B, NT, C, *x.shape[2:]).movedim(3, 1)
+
+    qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))  # [B,H,NT,C,*]
+    i = torch.arange(C, device=q.device)
+    causal = i[:, None] >= i[None, :]  # j <= i
+    strict = i[:, None] > i[None, :]  # j < i
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    S = S0
+    o = torch.empty(B, H, NT, C, V, dtype=q.dtype, device=q.device)
+    for n in range(NT):
+        q_c, k_c, v_c, g_c, b_c = qc[:, :, n], kc[:, :, n], vc[:, :, n], gc[:, :, n], bc[:, :, n]
+        G = g_c.cumsum(-2)  # within-chunk cumulative log-decay, <= 0
+        # Exponentiate only G_i - G_j with j <= i (masked to -inf before exp): exp(-G) alone overflows fp32 once the
+        # span passes 88, and with g >= -5 it reaches 320 over 64 tokens (spec 2.3, case 6). exp(G) = exp(G - 0).
+        diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
+        decay = diff.exp()  # [B,H,C,C,K]
+        A_kk = torch.einsum("bhik,bhjk,bhijk->bhij", k_c, k_c, decay) * b_c[..., :, None]
+        A_kk = A_kk.masked_fill(~strict, 0.0)
+        A_qk = torch.einsum("bhik,bhjk,bhijk->bhij", q_c, k_c, decay)
+        L = eye + A_kk  # (I + A_kk) delta = beta (v - (exp(G) k) S): forward substitution, unit lower triangular
+        w = torch.linalg.solve_triangular(L, b_c[..., None] * (G.exp() * k_c), upper=False, unitriangular=True)
+        u = torch.linalg.solve_triangular(L, b_c[..., None] * v_c, upper=False, unitriangular=True)
+        v_new = u - torch.einsum("bhck,bhkv->bhcv", w, S)
+        o[:, :, n] = torch.einsum("bhck,bhkv->bhcv", q_c * G.exp(), S) + torch.einsum("bhij,bhjv->bhiv", A_qk, v_new)
+        G_last = G[..., -1:, :]
+        S = S * G_last.exp()[..., 0, :, None] + torch.einsum("bhck,bhcv->bhkv", (G_last - G).exp() * k_c, v_new)
+    o = o.reshape(B, H, NT * C, V).transpose(1, 2)[:, :T]
+    return o, S
+
+
+def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None, chunk_size: int = 64):
+    """Gated delta rule, chunked WY algorithm in pure torch (spec 2.3; fla ``fla/ops/kda/naive.py``
+    ``naive_chunk_kda``, ``fla/ops/kda/chunk.py``). Twin of ``reference_jax.kda.kda_chunk``: same arguments, shapes,
+    dtypes and errors as :func:`kda_recurrent`, plus ``chunk_size`` (need not divide T). Packed documents run one at a
+    time, so chunks, state and cumulative decay restart at each document start.
+
+    Raises:
+        ValueError: inconsistent shapes, invalid ``cu_seqlens``, or ``chunk_size < 1``.
+    """
+    B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size: got {chunk_size}, expected a positive integer")
+    dt = _cdt(q, k, v, g, beta)
+    scale = K**-0.5 if scale is None else scale
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
+    N = B if cu is None else len(cu) - 1
+    S0 = _initial_state(initial_state, N, H, K, V, dt, q.device)
+    q, k, v_c, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q = q * scale
+    if cu is None:
+        o, S = _chunk_run(q, k, v_c, g, beta, S0, min(int(chunk_size), T))
+    else:
+        parts = [
+            _chunk_run(*(x[:, s:e] for x in (q, k, v_c, g, beta)), S0[n : n + 1], min(int(chunk_size), e - s))
+            for n, (s, e) in enumerate(zip(cu[:-1], cu[1:]))
+        ]
+        o, S = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
+    return o.to(v.dtype), S
+
+
+# ------------------------------------------------------------------------------------------------ fla fast path
+
+
+def _fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _fla_chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, backend: str):
+    """fla's Triton ``chunk_kda`` (GPU only; not testable on CPU). q, k are passed *un-normalised* and fla normalises
+    them in fp32 inside the kernel (``use_qk_l2norm_in_kernel=True``, eps 1e-6, spec 2.2 step 4); g is the finished
+    log-decay, beta already sigmoided, the state ``[N, H, K, V]`` fp32.
+
+    Raises:
+        RuntimeError: naming the backend, when fla is not importable or the tensors are not on CUDA.
+    """
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError as e:
+        raise RuntimeError(
+            f"backend={backend!r}: KDA's fast path needs flash-linear-attention (fla.ops.kda.chunk_kda), which is not "
+            "importable here; use backend='eager' on CPU"
+        ) from e
+    if not q.is_cuda:
+        raise RuntimeError(f"backend={backend!r}: fla.ops.kda.chunk_kda needs CUDA tensors, got device {q.device}")
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens, device=q.device, dtype=torch.long)
+    S0 = None if initial_state is None else initial_state.float().contiguous()
+    return chunk_kda(
+        q, k, v, g.float(), beta.float(), scale=q.shape[-1] ** -0.5, initial_state=S0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the layer
+
+
+class KDACache(NamedTuple):
+    """Decode cache of one KDA layer (spec 2.4): conv_q, conv_k, conv_v ``[N, P, W-1]`` the last ``W-1`` pre-conv
+    projections; S ``[N, H, K, V]`` the recurrent state (fp32, fp64 for fp64 inputs)."""
+
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    S: torch.Tensor
+
+
+class ShortConvolution(nn.Module):
+    """Depthwise causal conv + SiLU; one parameter ``weight`` ``[P, 1, W]`` (checkpoint ``*_conv1d.weight``, fp32)."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels, 1, kernel_size) * kernel_size**-0.5)
+
+    def forward(self, x, cu_seqlens=None, conv_state=None):
+        return short_conv(x, self.weight, cu_seqlens, conv_state)
+
+
+class GatedRMSNorm(nn.Module):
+    """KDA ``o_norm``: :func:`gated_rms_norm` with ``weight`` ``[V]`` shared by all heads."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o, gate):
+        return gated_rms_norm(o, gate, self.weight, self.eps)
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``x Wᵀ`` in the activation dtype (as ``reference_jax.common.linear``): the weight follows ``x.dtype``."""
+    return F.linear(x, layer.weight.to(x.dtype))
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer (spec 2.2), twin of ``reference_jax.kda.KimiDeltaAttention``.
+
+    ``state_dict()`` keys are the canonical names under ``model.layers.{i}.self_attn.`` (``kimi.layout.param_layout``):
+    ``q_proj.weight`` ... ``o_proj.weight``, ``q_conv1d.weight`` ``[P,1,W]``, ``dt_bias`` ``[P]``, ``A_log`` ``[H]``
+    (sliced), ``o_norm.weight`` ``[K]``, and ``g_proj.weight`` or ``g_a_proj.weight`` + ``g_b_proj.weight``.
+
+    ``forward(x, cu_seqlens=None, cache=None, mode="chunk") -> (out, new_cache)``: x ``[B, T, D]`` (bf16, fp32 or
+    fp64), out ``[B, T, D]`` in ``x.dtype``, new_cache a :class:`KDACache` with N rows.
+
+    Raises:
+        ValueError: unknown ``backend`` or ``mode``, ``layer_idx`` not a KDA layer, bad shapes.
+        RuntimeError: ``backend='cudnn'`` without fla or CUDA.
+    """
+
+    def __init__(self, config: KimiConfig, layer_idx: int, backend: str = "eager"):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: got {backend!r}, expected one of {list(BACKENDS)}")
+        if config.layer_type(layer_idx) != "kda":
+            raise ValueError(
+                f"layer_idx: got {layer_idx} ({config.layer_type(layer_idx)}), expected a KDA layer {list(config.kda_layers)}"
+            )
+        self.config, self.layer_idx, self.backend = config, layer_idx, backend
+        c = config
+        H, K, D, W, R = c.kda_num_heads, c.kda_head_dim, c.hidden_size, c.short_conv_kernel_size, c.kda_gate_rank
+        P = H * K
+        lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+        self.q_proj, self.k_proj, self.v_proj = lin(D, P), lin(D, P), lin(D, P)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConvolution(P, W) for _ in range(3))
+        self.f_a_proj, self.f_b_proj = lin(D, R), lin(R, P)
+        self.dt_bias = nn.Parameter(torch.randn(P))
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1.0, 16.0).log())  # canonical [H]; stored [128] is sliced
+        self.b_proj = lin(D, H)
+        if c.use_full_rank_gate:
+            self.g_proj = lin(D, P)
+        else:
+            self.g_a_proj, self.g_b_proj = lin(D, R), lin(R, P)
+        self.o_norm = GatedRMSNorm(K, c.rms_norm_eps)
+        self.o_proj = lin(P, D)
+
+    def _use_fla(self, x: torch.Tensor) -> bool:
+        return self.backend == "cudnn" or (x.is_cuda and _fla_available())
+
+    def forward(self, x, cu_seqlens=None, cache: KDACache | None = None, mode: str = "chunk"):
+        if mode not in MODES:
+            raise ValueError(f"mode: got {mode!r}, expected one of {list(MODES)}")
+        c = self.config
+        B, T, _ = x.shape
+        H, K = c.kda_num_heads, c.kda_head_dim
+        cq, ck, cv, S0 = (None,) * 4 if cache is None else cache
+        q, cq = self.q_conv1d(_linear(x, self.q_proj), cu_seqlens, cq)  # [B,T,P]
+        k, ck = self.k_conv1d(_linear(x, self.k_proj), cu_seqlens, ck)
+        v, cv = self.v_conv1d(_linear(x, self.v_proj), cu_seqlens, cv)
+        q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V] with V = K = head_dim
+        f = _linear(_linear(x, self.f_a_proj), self.f_b_proj).reshape(B, T, H, K)
+        g = kda_gate(f, self.A_log, self.dt_bias, c.gate_lower_bound)  # fp32, never narrowed (case 2)
+        beta = torch.sigmoid(_linear(x, self.b_proj).to(_cdt(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
+        if mode == "chunk" and self._use_fla(x):
+            o, S = _fla_chunk_kda(q, k, v, g, beta, S0, cu_seqlens, self.backend)
+        else:
+            recurrence = kda_chunk if mode == "chunk" else kda_recurrent
+            o, S = recurrence(l2norm(q), l2norm(k), v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)
+        gate = _linear(x, self.g_proj) if c.use_full_rank_gate else _linear(_linear(x, self.g_a_proj), self.g_b_proj)
+        y = self.o_norm(o, gate.reshape(B, T, H, K)).to(x.dtype).reshape(B, T, H * K)
+        return _linear(y, self.o_proj), KDACache(cq, ck, cv, S)

@@ -1,0 +1,254 @@
+"""SiTU-GLU, the dense MLP, the router and the (latent) MoE: the PyTorch twin of ``reference_jax.moe`` (spec 5.1-5.3).
+
+Same names, arguments and numerics as the reference:
+
+* :func:`situ` / :func:`glu_act` compute in fp32 (fp64 for fp64 input) and cast back to the input dtype;
+* :func:`route` runs the router in fp32 from the full-width x; the ``e_score_correction_bias`` chooses experts
+  only; DeepSeek-V3 grouped top-k; ties go to the lower expert index (a stable descending sort, because
+  ``torch.topk`` does not promise any order among equal values);
+* :class:`KimiMoE` differs from the reference only in *how* it runs the experts: each expert sees just the tokens
+  routed to it (gather, expert, weighted ``index_add_``), in expert order, with each expert output rounded to the
+  activation dtype, weighted by the fp32 router weight and summed in fp32, as the reference's dense loop.
+
+``state_dict()`` keys equal the canonical names relative to ``mlp.`` / ``block_sparse_moe.`` (``kimi.layout``).
+Note: ``gate.e_score_correction_bias`` is fp32 in the checkpoint; ``module.to(torch.bfloat16)`` would round it, so
+cast the model with care (the router upcasts whatever it gets).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimi.config import KimiConfig
+from kernels_torch.common import RMSNorm, compute_dtype
+
+__all__ = ["situ", "glu_act", "topk_ids", "route", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
+
+
+def _cd(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(compute_dtype(a), compute_dtype(b))
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+
+def situ(a: torch.Tensor, b: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+    """SiTU-GLU (spec 5.1): ``[beta·tanh(a/beta)·sigmoid(a)] · [linear_beta·tanh(b/linear_beta)]``.
+
+    ``a``, ``b``: ``[..., I]`` gate / up pre-activations. ``linear_beta=None`` uses plain ``b``. Returns ``[..., I]``
+    in ``a.dtype`` (fp32 math, fp64 for fp64 input, one rounding at the end).
+
+    Raises:
+        ValueError: shapes differ, ``beta <= 0`` or ``linear_beta <= 0``.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"situ: a has shape {tuple(a.shape)} and b {tuple(b.shape)}, expected equal shapes")
+    if not beta > 0:
+        raise ValueError(f"situ: beta got {beta!r}, expected a positive number (activation_situ_beta)")
+    if linear_beta is not None and not linear_beta > 0:
+        raise ValueError(f"situ: linear_beta got {linear_beta!r}, expected a positive number or None")
+    cd = _cd(a, b)
+    af, bf = a.to(cd), b.to(cd)
+    gate = beta * torch.tanh(af / beta) * torch.sigmoid(af)  # SiLU with x soft-capped to (-beta, beta)
+    up = bf if linear_beta is None else linear_beta * torch.tanh(bf / linear_beta)
+    return (gate * up).to(a.dtype)
+
+
+def glu_act(a: torch.Tensor, b: torch.Tensor, config: KimiConfig) -> torch.Tensor:
+    """SiTU (``hidden_act='situ'``) or SiLU-GLU ``silu(a) * b`` (``'silu'``, Kimi-Linear); fp32 math, ``a.dtype`` out.
+
+    Raises:
+        ValueError: an unknown ``hidden_act`` (or the errors of :func:`situ`).
+    """
+    if config.hidden_act == "situ":
+        return situ(a, b, config.activation_situ_beta, config.activation_situ_linear_beta)
+    if config.hidden_act == "silu":
+        cd = _cd(a, b)
+        return (F.silu(a.to(cd)) * b.to(cd)).to(a.dtype)
+    raise ValueError(f"hidden_act: got {config.hidden_act!r}, expected 'situ' or 'silu'")
+
+
+# ---------------------------------------------------------------------------------------------- router
+
+
+def topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries along the last axis, best first; among equal scores the **lower** index
+    first. ``scores [..., E]`` -> ``[..., k]`` int64. (A stable descending sort: ``torch.topk`` gives no tie order.)"""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _group_mask(biased: torch.Tensor, config: KimiConfig, has_bias: bool) -> torch.Tensor:
+    """DeepSeek-V3 grouped top-k: ``[N, E]`` bool, True for experts of the ``topk_group`` best groups; a group's
+    score is the sum of its two best biased scores (its best score without a correction bias)."""
+    N, E = biased.shape
+    G = config.num_expert_group
+    grouped = biased.reshape(N, G, E // G)  # [N, G, E/G]
+    if has_bias:
+        group_scores = torch.sort(grouped, dim=-1, descending=True).values[..., : min(2, E // G)].sum(-1)  # [N, G]
+    else:
+        group_scores = grouped.amax(-1)  # [N, G]
+    keep = topk_ids(group_scores, config.topk_group)  # [N, topk_group]
+    group_keep = torch.zeros(N, G, dtype=torch.bool, device=biased.device).scatter_(1, keep, True)  # [N, G]
+    return group_keep.repeat_interleave(E // G, dim=-1)  # [N, E]
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
+          config: KimiConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router (spec 5.3 steps 1-3); twin of ``reference_jax.moe.route``.
+
+    ``logits = x_fp32 · W_fp32ᵀ``; ``s = sigmoid(logits)`` (or softmax); ``topk_ids = top-k(s + bias)`` within the
+    best groups (DeepSeek-V3 ``noaux_tc``); ``w = s[topk_ids]``, ``w / (Σw + 1e-20)`` when ``moe_renormalize``,
+    times ``routed_scaling_factor``.
+
+    Args:
+        x: ``[N, D]`` (or ``[..., D]``), the full-width router input.
+        gate_weight: ``[E, D]``; e_score_correction_bias: ``[E]`` (fp32) or ``None``.
+
+    Returns:
+        ``(topk_ids [..., k] int64, topk_weights [..., k] fp32 (fp64 for fp64 x))``; ties: lower expert first.
+
+    Raises:
+        ValueError: shapes disagree, or grouping leaves fewer than k experts.
+    """
+    E, D = gate_weight.shape
+    k = config.num_experts_per_token
+    if x.shape[-1] != D:
+        raise ValueError(f"route: x has width {x.shape[-1]}, gate.weight is {tuple(gate_weight.shape)}; expected [E, {x.shape[-1]}]")
+    if e_score_correction_bias is not None and tuple(e_score_correction_bias.shape) != (E,):
+        raise ValueError(f"route: e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, expected ({E},)")
+    if not 1 <= k <= E:
+        raise ValueError(f"route: num_experts_per_token={k}, expected an integer in [1, {E}]")
+    lead = x.shape[:-1]
+    cd = compute_dtype(x)
+    xf = x.reshape(-1, D).to(cd)  # [N, D]
+    logits = xf @ gate_weight.to(cd).T  # [N, E], fp32 router
+    if config.moe_router_activation_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    elif config.moe_router_activation_func == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        raise ValueError(f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'")
+
+    biased = scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(cd)  # selection only
+    if config.use_grouped_topk:
+        G = config.num_expert_group
+        if E % G or not 1 <= config.topk_group <= G or config.topk_group * (E // G) < k:
+            raise ValueError(f"route: grouping num_experts={E}, num_expert_group={G}, topk_group={config.topk_group} "
+                             f"expected G | E, 1 <= topk_group <= G and topk_group*E/G >= k={k}")
+        mask = _group_mask(biased, config, e_score_correction_bias is not None)
+        biased = biased.masked_fill(~mask, float("-inf"))
+    ids = topk_ids(biased, k)  # [N, k]
+
+    weights = scores.gather(-1, ids)  # [N, k], uncorrected scores
+    if config.moe_renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    weights = weights * config.routed_scaling_factor
+    return ids.reshape(*lead, k), weights.reshape(*lead, k)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+class DenseMLP(nn.Module):
+    """GLU MLP ``down_proj(act(gate_proj(x), up_proj(x)))`` (spec 5.2): layer-0 ``mlp`` and ``shared_experts``.
+
+    Params ``gate_proj.weight`` / ``up_proj.weight`` ``[I, D]``, ``down_proj.weight`` ``[D, I]``.
+    x ``[B, T, D]`` -> ``[B, T, D]`` (x and the weights in one dtype; the activation runs in fp32).
+    """
+
+    def __init__(self, config: KimiConfig, intermediate_size: int):
+        super().__init__()
+        self.config = config
+        D, I = config.hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(D, I, bias=False)
+        self.up_proj = nn.Linear(D, I, bias=False)
+        self.down_proj = nn.Linear(I, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.config))
+
+
+class RoutedExpert(nn.Module):
+    """One routed expert ``w2 · act(w1 z, w3 z)`` (spec 5.3 step 5); ``hidden_size`` = latent width (or D)."""
+
+    def __init__(self, config: KimiConfig, hidden_size: int):
+        super().__init__()
+        self.config = config
+        I = config.moe_intermediate_size
+        self.w1 = nn.Linear(hidden_size, I, bias=False)  # gate
+        self.w3 = nn.Linear(hidden_size, I, bias=False)  # up
+        self.w2 = nn.Linear(I, hidden_size, bias=False)  # down
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.w2(glu_act(self.w1(z), self.w3(z), self.config))
+
+
+class MoEGate(nn.Module):
+    """Router parameters ``weight`` ``[E, D]`` and ``e_score_correction_bias`` ``[E]`` (fp32, frozen: no gradient);
+    calling it runs :func:`route`."""
+
+    def __init__(self, config: KimiConfig):
+        super().__init__()
+        self.config = config
+        E, D = config.num_experts, config.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, D).normal_(0.0, D ** -0.5))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(x, self.weight, self.e_score_correction_bias, self.config)
+
+
+class KimiMoE(nn.Module):
+    """The (latent) MoE layer ``block_sparse_moe`` (spec 5.3 steps 1-9); twin of ``reference_jax.moe.KimiMoE``.
+
+    Submodules (checkpoint names): ``gate``, ``experts`` (``nn.ModuleList`` of E :class:`RoutedExpert`),
+    ``routed_expert_down_proj`` / ``routed_expert_norm`` (only with ``latent_moe_use_norm``) /
+    ``routed_expert_up_proj`` (latent MoE only), ``shared_experts`` (absent when ``num_shared_experts == 0``).
+
+    ``forward(x)``: x ``[B, T, D]`` -> ``[B, T, D]`` in x's dtype.
+    """
+
+    def __init__(self, config: KimiConfig):
+        super().__init__()
+        c = self.config = config
+        D = c.hidden_size
+        Dl = c.routed_expert_hidden_size or D
+        self.gate = MoEGate(c)
+        self.experts = nn.ModuleList(RoutedExpert(c, Dl) for _ in range(c.num_experts))
+        if c.has_latent_moe:
+            self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
+            if c.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(Dl, c.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
+        if c.num_shared_experts:
+            self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if x.ndim != 3 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"KimiMoE: x has shape {tuple(x.shape)}, expected [B, T, {c.hidden_size}]")
+        B, T, D = x.shape
+        cd = compute_dtype(x)
+        xf = x.reshape(B * T, D)  # [N, D]
+        ids, weights = self.gate(xf)  # [N, k], [N, k] fp32 -- router on the full-width x
+        z = self.routed_expert_down_proj(xf) if c.has_latent_moe else xf  # [N, Dl]
+
+        # r = Σ_k w_k · E_{ids_k}(z): per expert, only its tokens; expert order; fp32 accumulation.
+        r = torch.zeros(z.shape, dtype=cd, device=z.device)  # [N, Dl]
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
+            if tok.numel() == 0:
+                continue
+            out = expert(z[tok])  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
+            r.index_add_(0, tok, out.to(cd) * weights[tok, slot, None].to(cd))
+        r = r.to(x.dtype)
+
+        if c.has_latent_moe:  # norm after the combine, then back up to D
+            if c.latent_moe_use_norm:
+                r = self.routed_expert_norm(r)
+            r = self.routed_expert_up_proj(r)  # [N, D]
+        if c.num_shared_experts:  # shared experts on the un-projected x
+            r = r + self.shared_experts(xf)
+        return r.reshape(B, T, D)

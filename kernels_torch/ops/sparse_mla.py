@@ -1,0 +1,415 @@
+"""Sparse MLA forward (DSA prefill) for SM90, with the FlashMLA ``flash_mla_sparse_fwd`` contract.
+
+Notable:
+* Absorbed MLA (spec 3.3, 4.3): every query head h of token t attends over one shared latent KV head,
+  ``d_qk = 576 = 512 latent + 64 rope``, ``d_v = 512`` (the value is the first 512 columns of the key row),
+  and only over the keys that the indexer selected for token t (all heads share that index set).
+* Footgun: the softmax scale is ``192 ** -0.5`` (qk_nope + qk_rope of the expanded form), NOT ``576 ** -0.5``.
+  The caller passes ``sm_scale``; nothing here defaults it.
+* Footgun: ``lse`` is the **natural-log** log-sum-exp of the scaled logits (what the cuDNN sparse backward
+  takes). The Triton kernel works in base 2 internally (exp2 with ``sm_scale * log2(e)`` folded in) and converts
+  on the way out.
+* Index ids that are ``< 0`` (``-1`` padding) or ``>= S_kv`` are skipped; with ``topk_length`` the entries at
+  positions ``>= topk_length[t]`` are skipped even when they look valid. A row with no valid key gets
+  ``out = 0``, ``lse = +inf``, ``max_logits = -inf``, never NaN.
+* Backends, in order: FlashMLA (if a ``flash_mla`` module with ``flash_mla_sparse_fwd`` imports; heads padded to
+  64/128 with zero queries, which are inert), else the Triton kernel below (CUDA tensors only).
+  :func:`sparse_mla_fwd_reference` is the readable fp32 oracle (CPU or GPU).
+
+Shapes (axis letters of ``shared/style.md``): ``T`` = S_q query tokens, ``S`` = S_kv key tokens, ``H`` heads,
+``K`` selected keys per token (topk), ``D`` = d_qk = 576, ``V`` = d_v = 512.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton is optional: the CPU CI machine has none; the reference works without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+
+try:  # FlashMLA is optional and never required (no SM90 wheel exists; see shared/spec/kernels.md).
+    from flash_mla import flash_mla_sparse_fwd as _flash_mla_sparse_fwd
+except Exception:  # ImportError, or a broken build raising at import
+    _flash_mla_sparse_fwd = None
+
+__all__ = ["sparse_mla_fwd", "sparse_mla_fwd_reference", "D_QK", "D_V", "D_ROPE", "TRITON_CONFIG"]
+
+D_QK = 576  # 512 latent (kv_lora_rank) + 64 rope
+D_V = 512  # the value is the latent part of the key row
+D_ROPE = D_QK - D_V
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+# Default launch configuration of the Triton kernel (measured on an H200: see benchmarks/README.md).
+# block_h: heads per program (all heads of a token share its index set, so each gathered KV tile is reused
+# by block_h heads); block_k: selected keys per tile.
+# layout: "hk" computes S = Q.KV^T as [heads, keys] (Triton then has both warpgroups of a 64-head block compute
+# the same S: it puts all warps of a chained dot on M); "kh" computes S^T = KV.Q^T as [keys, heads] and
+# O^T = V^T.P^T, which splits a 128-key tile over the two warpgroups (see benchmarks/README.md for the timings).
+TRITON_CONFIG = dict(layout="hk", block_h=64, block_k=64, num_warps=8, num_stages=2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, kv, indices, topk_length, d_v, *, fast: bool):
+    """Validate and normalise the arguments; return ``q [T,H,D]``, ``kv [S,D]``, ``indices [T,K]``, ``topk_length``.
+
+    Raises:
+        TypeError / ValueError naming the argument, the value and the expectation.
+    """
+    for name, x in (("q", q), ("kv", kv), ("indices", indices)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: got {type(x).__name__}, expected a torch.Tensor")
+    if q.ndim != 3:
+        raise ValueError(f"q: got shape {tuple(q.shape)}, expected [S_q, H, d_qk] (3-D)")
+    T, H, D = q.shape
+    if kv.ndim == 3:
+        if kv.shape[1] != 1:
+            raise ValueError(f"kv: got shape {tuple(kv.shape)}, expected [S_kv, 1, d_qk] (one latent KV head) or [S_kv, d_qk]")
+        kv = kv[:, 0]
+    elif kv.ndim != 2:
+        raise ValueError(f"kv: got shape {tuple(kv.shape)}, expected [S_kv, 1, d_qk] or [S_kv, d_qk]")
+    if kv.shape[-1] != D:
+        raise ValueError(f"kv: got d_qk={kv.shape[-1]} (shape {tuple(kv.shape)}), expected d_qk={D} to match q")
+    if indices.ndim == 3:
+        if indices.shape[1] != 1:
+            raise ValueError(f"indices: got shape {tuple(indices.shape)}, expected [S_q, 1, K] or [S_q, K]")
+        indices = indices[:, 0]
+    elif indices.ndim != 2:
+        raise ValueError(f"indices: got shape {tuple(indices.shape)}, expected [S_q, 1, K] or [S_q, K]")
+    if indices.shape[0] != T:
+        raise ValueError(f"indices: got {indices.shape[0]} rows (shape {tuple(indices.shape)}), expected S_q={T} rows")
+    if not (isinstance(d_v, int) and 0 < d_v <= D):
+        raise ValueError(f"d_v: got {d_v!r}, expected an int in (0, d_qk={D}]")
+    if fast:
+        if D != D_QK or d_v != D_V:
+            raise ValueError(f"q/d_v: got d_qk={D}, d_v={d_v}, expected d_qk={D_QK}, d_v={D_V} (absorbed MLA)")
+        for name, x in (("q", q), ("kv", kv)):
+            if x.dtype != torch.bfloat16:
+                raise TypeError(f"{name}: got dtype {x.dtype}, expected torch.bfloat16")
+        if indices.dtype != torch.int32:
+            raise TypeError(f"indices: got dtype {indices.dtype}, expected torch.int32")
+    else:
+        for name, x in (("q", q), ("kv", kv)):
+            if not x.is_floating_point():
+                raise TypeError(f"{name}: got dtype {x.dtype}, expected a floating dtype")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices: got dtype {indices.dtype}, expected torch.int32 (or int64)")
+    if topk_length is not None:
+        if not isinstance(topk_length, torch.Tensor):
+            raise TypeError(f"topk_length: got {type(topk_length).__name__}, expected a torch.Tensor [S_q] int32 or None")
+        if topk_length.shape != (T,):
+            raise ValueError(f"topk_length: got shape {tuple(topk_length.shape)}, expected [S_q]=[{T}]")
+        if topk_length.dtype not in ((torch.int32,) if fast else (torch.int32, torch.int64)):
+            raise TypeError(f"topk_length: got dtype {topk_length.dtype}, expected torch.int32")
+    devs = {x.device for x in (q, kv, indices) + (() if topk_length is None else (topk_length,))}
+    if len(devs) != 1:
+        raise ValueError(f"q/kv/indices/topk_length: got tensors on devices {sorted(map(str, devs))}, expected one device")
+    if fast and q.device.type != "cuda":
+        raise ValueError(f"q: on device {q.device}, expected a CUDA tensor (use sparse_mla_fwd_reference on CPU)")
+    return q, kv, indices, topk_length
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reference (the oracle)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length=None, d_v=D_V, *, rows_per_chunk=None):
+    """Readable sparse MLA forward: gather the selected KV rows, einsum, softmax in fp32 (fp64 for fp64 inputs).
+
+    Args:
+        q: ``[T, H, D]`` float (bf16 in the model), D = 576 for absorbed MLA.
+        kv: ``[S, 1, D]`` or ``[S, D]``, same dtype family; the value is ``kv[..., :d_v]``.
+        indices: ``[T, 1, K]`` or ``[T, K]`` int32 (int64 accepted) global key ids; ids ``< 0`` or ``>= S`` are skipped.
+        sm_scale: softmax scale, ``192 ** -0.5`` for K3.1 (spec 3.3), not ``D ** -0.5``.
+        topk_length: optional ``[T]`` int: entries at positions ``>= topk_length[t]`` are skipped.
+        d_v: value width (512).
+        rows_per_chunk: query rows per gather (default: about 512 MiB of gathered rows).
+
+    Returns:
+        ``(out [T, H, d_v], max_logits [T, H], lse [T, H])`` all in the compute dtype (fp32, or fp64 for fp64 q):
+        out is NOT rounded to bf16, so it can serve as the oracle. lse is the natural-log log-sum-exp of
+        ``sm_scale * q.k`` over the valid keys; a row without one gets out 0, lse +inf, max_logits -inf.
+
+    Raises:
+        TypeError / ValueError for wrong shapes, dtypes or mixed devices (naming the argument).
+    """
+    q, kv, indices, topk_length = _check_inputs(q, kv, indices, topk_length, d_v, fast=False)
+    T, H, D = q.shape
+    S, K = kv.shape[0], indices.shape[1]
+    dt = torch.float64 if torch.float64 in (q.dtype, kv.dtype) else torch.float32
+    out = torch.zeros(T, H, d_v, dtype=dt, device=q.device)
+    max_logits = torch.full((T, H), -math.inf, dtype=dt, device=q.device)
+    lse = torch.full((T, H), math.inf, dtype=dt, device=q.device)
+    if T == 0 or K == 0 or S == 0:
+        return out, max_logits, lse
+    kvf = kv.to(dt)  # [S, D]
+    if rows_per_chunk is None:
+        rows_per_chunk = max(1, (512 << 20) // (K * max(D, H) * kvf.element_size()))
+    pos = torch.arange(K, device=q.device)
+    for t0 in range(0, T, rows_per_chunk):
+        t1 = min(T, t0 + rows_per_chunk)
+        idx = indices[t0:t1].long()  # [C, K]
+        valid = (idx >= 0) & (idx < S)
+        if topk_length is not None:
+            valid &= pos[None, :] < topk_length[t0:t1, None].long()
+        kv_sel = kvf[idx.clamp(0, S - 1)]  # [C, K, D]
+        kv_sel = kv_sel.masked_fill(~valid[:, :, None], 0.0)  # skipped rows may hold anything (NaN too)
+        logits = torch.einsum("chd,ckd->chk", q[t0:t1].to(dt), kv_sel) * sm_scale  # [C, H, K]
+        logits = logits.masked_fill(~valid[:, None, :], -math.inf)
+        row_lse = torch.logsumexp(logits, dim=-1)  # [C, H]; -inf on rows without a valid key
+        empty = torch.isneginf(row_lse)
+        # exp(logits - (+inf)) = 0 on empty rows instead of exp(-inf - -inf) = NaN
+        p = torch.exp(logits - row_lse.masked_fill(empty, math.inf)[..., None])  # [C, H, K]
+        out[t0:t1] = torch.einsum("chk,ckv->chv", p, kv_sel[..., :d_v])
+        max_logits[t0:t1] = logits.amax(dim=-1)
+        lse[t0:t1] = row_lse.masked_fill(empty, math.inf)
+    return out, max_logits, lse
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["H", "S_kv", "K", "head_start"])
+    def _sparse_mla_fwd_kernel(
+        Q, KV, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE,
+        H, S_kv, K, head_start,  # H: heads >= H are masked (the end of this launch's head range)
+        stride_qt, stride_qh, stride_kvs, stride_it, stride_ot, stride_oh, stride_lt,
+        qk_scale_log2,  # sm_scale * log2(e): logits live in base 2 inside the kernel
+        N_HEAD_BLOCKS: tl.constexpr,
+        HAS_TOPK_LEN: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        D_NOPE: tl.constexpr,
+        D_PE: tl.constexpr,
+    ):
+        # One program = one query token x BLOCK_H heads. The programs of one token are adjacent, so the KV
+        # rows that the first one gathers are still in L2 for the next.
+        pid = tl.program_id(0)
+        t = (pid // N_HEAD_BLOCKS).to(tl.int64)
+        offs_h = head_start + (pid % N_HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        offs_n = tl.arange(0, D_NOPE)
+        offs_p = tl.arange(0, D_PE)
+
+        # q [BLOCK_H, 512 + 64]; heads past H read as zero queries (inert, never stored)
+        q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh
+        q_nope = tl.load(q_ptr + offs_n[None, :], mask=mask_h[:, None], other=0.0)
+        q_pe = tl.load(q_ptr + D_NOPE + offs_p[None, :], mask=mask_h[:, None], other=0.0)
+
+        n_keys = K
+        if HAS_TOPK_LEN:
+            n_keys = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t), 0), K)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, base-2 units
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp2(s - m_i)
+        acc = tl.zeros([BLOCK_H, D_NOPE], dtype=tl.float32)
+        idx_row = IDX + t * stride_it
+        for k0 in range(0, n_keys, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_len = offs_k < n_keys
+            idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+            valid = in_len & (idx >= 0) & (idx < S_kv)
+            kv_ptr = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvs
+            # skipped keys are never read (masked), so an out-of-range id cannot fault and garbage cannot leak
+            kv_nope = tl.load(kv_ptr + offs_n[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_K, 512]
+            kv_pe = tl.load(kv_ptr + D_NOPE + offs_p[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_K, 64]
+
+            s = tl.dot(q_pe, tl.trans(kv_pe))
+            s = tl.dot(q_nope, tl.trans(kv_nope), s)  # [BLOCK_H, BLOCK_K] fp32
+            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a head that has seen no valid key yet keeps m = -inf; subtract 0 then, never (-inf) - (-inf) = NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc)  # V = the latent part of the key row
+            m_i = m_new
+
+        has_key = l_i > 0.0
+        l_use = tl.where(has_key, l_i, 1.0)
+        out = acc / l_use[:, None]  # acc is exactly 0 on heads without a valid key
+        o_ptr = OUT + t * stride_ot + offs_h[:, None] * stride_oh + offs_n[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+        LN2: tl.constexpr = 0.6931471805599453
+        lse = tl.where(has_key, (m_i + tl.log2(l_use)) * LN2, float("inf"))  # natural log
+        tl.store(LSE + t * stride_lt + offs_h, lse, mask=mask_h)
+        tl.store(MAX_LOGITS + t * stride_lt + offs_h, m_i * LN2, mask=mask_h)  # -inf stays -inf
+
+
+    @triton.jit(do_not_specialize=["H", "S_kv", "K", "head_start"])
+    def _sparse_mla_fwd_kernel_t(
+        Q, KV, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE,
+        H, S_kv, K, head_start,
+        stride_qt, stride_qh, stride_kvs, stride_it, stride_ot, stride_oh, stride_lt,
+        qk_scale_log2,
+        N_HEAD_BLOCKS: tl.constexpr,
+        HAS_TOPK_LEN: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        D_NOPE: tl.constexpr,
+        D_PE: tl.constexpr,
+    ):
+        # Transposed variant: S^T = KV_tile . Q^T ([keys, heads]) and O^T = V^T . P^T ([512, heads]).
+        # Triton puts all warps of a chained dot on its M axis; with keys (not heads) on M, a 128-key tile
+        # splits over two warpgroups instead of both warpgroups recomputing the same [64 heads, keys] scores.
+        pid = tl.program_id(0)
+        t = (pid // N_HEAD_BLOCKS).to(tl.int64)
+        offs_h = head_start + (pid % N_HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        offs_n = tl.arange(0, D_NOPE)
+        offs_p = tl.arange(0, D_PE)
+        q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh
+        q_nope = tl.load(q_ptr + offs_n[None, :], mask=mask_h[:, None], other=0.0)
+        q_pe = tl.load(q_ptr + D_NOPE + offs_p[None, :], mask=mask_h[:, None], other=0.0)
+        n_keys = K
+        if HAS_TOPK_LEN:
+            n_keys = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t), 0), K)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([D_NOPE, BLOCK_H], dtype=tl.float32)  # O^T
+        idx_row = IDX + t * stride_it
+        for k0 in range(0, n_keys, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_len = offs_k < n_keys
+            idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+            valid = in_len & (idx >= 0) & (idx < S_kv)
+            kv_ptr = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvs
+            kv_nope = tl.load(kv_ptr + offs_n[None, :], mask=valid[:, None], other=0.0)
+            kv_pe = tl.load(kv_ptr + D_NOPE + offs_p[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(kv_pe, tl.trans(q_pe))
+            s = tl.dot(kv_nope, tl.trans(q_nope), s)  # [BLOCK_K, BLOCK_H]
+            s = tl.where(valid[:, None], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc)
+            m_i = m_new
+        has_key = l_i > 0.0
+        l_use = tl.where(has_key, l_i, 1.0)
+        out = acc / l_use[None, :]
+        o_ptr = OUT + t * stride_ot + offs_h[None, :] * stride_oh + offs_n[:, None]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[None, :])
+        LN2: tl.constexpr = 0.6931471805599453
+        lse = tl.where(has_key, (m_i + tl.log2(l_use)) * LN2, float("inf"))
+        tl.store(LSE + t * stride_lt + offs_h, lse, mask=mask_h)
+        tl.store(MAX_LOGITS + t * stride_lt + offs_h, m_i * LN2, mask=mask_h)
+
+
+def _sparse_mla_fwd_triton(q, kv, indices, sm_scale, topk_length=None, *, layout=None, block_h=None, block_k=None,
+                           num_warps=None, num_stages=None, head_splits=None, return_kernels=False,
+                           _out=None):
+    """Launch the Triton kernel on checked inputs ``q [T,H,576]``, ``kv [S,576]``, ``indices [T,K]`` (int32).
+
+    ``head_splits``: optional list of ``(head_start, n_heads, block_h)`` launches covering ``[0, H)`` (e.g.
+    ``[(0, 64, 64), (64, 32, 32)]`` for H = 96 without padded heads); default one launch of ``block_h`` blocks.
+    """
+    if triton is None:
+        raise RuntimeError("sparse_mla_fwd: Triton is not installed; use sparse_mla_fwd_reference or install triton")
+    cfg = dict(TRITON_CONFIG)
+    for key, val in (("layout", layout), ("block_h", block_h), ("block_k", block_k), ("num_warps", num_warps),
+                     ("num_stages", num_stages)):
+        if val is not None:
+            cfg[key] = val
+    T, H, D = q.shape
+    S, K = kv.shape[0], indices.shape[1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    indices = indices.contiguous()
+    if _out is not None:  # tests pass NaN-poisoned buffers so that an unwritten element fails
+        out, max_logits, lse = _out
+    else:
+        out = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)
+        max_logits = torch.empty(T, H, dtype=torch.float32, device=q.device)
+        lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    kernels = []
+    if T == 0:
+        return (out, max_logits, lse, kernels) if return_kernels else (out, max_logits, lse)
+    if K == 0 or S == 0:
+        out.zero_(), max_logits.fill_(-math.inf), lse.fill_(math.inf)
+        return (out, max_logits, lse, kernels) if return_kernels else (out, max_logits, lse)
+    tl_len = topk_length.contiguous() if topk_length is not None else indices  # dummy pointer when absent
+    splits = head_splits or [(0, H, cfg["block_h"])]
+    for head_start, n_heads, bh in splits:
+        n_blocks = triton.cdiv(n_heads, bh)
+        kernel = _sparse_mla_fwd_kernel_t if cfg["layout"] == "kh" else _sparse_mla_fwd_kernel
+        kernels.append(kernel[(T * n_blocks,)](
+            q, kv, indices, tl_len, out, max_logits, lse,
+            min(H, head_start + n_heads), S, K, head_start,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+            float(sm_scale) * _LOG2E,
+            N_HEAD_BLOCKS=n_blocks, HAS_TOPK_LEN=topk_length is not None, BLOCK_H=bh, BLOCK_K=cfg["block_k"],
+            D_NOPE=D_V, D_PE=D_ROPE, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ))
+    return (out, max_logits, lse, kernels) if return_kernels else (out, max_logits, lse)
+
+
+def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length):
+    """FlashMLA path: pad heads to 64 or 128 with zero queries (inert: they only produce rows we slice away)."""
+    T, H, D = q.shape
+    H_pad = 64 if H <= 64 else 128
+    if H_pad != H:
+        q_pad = q.new_zeros(T, H_pad, D)
+        q_pad[:, :H] = q
+        q = q_pad
+    K = indices.shape[1]
+    K_pad = -(-K // 128) * 128  # SM90 FlashMLA wants topk a multiple of 128: pad with skipped ids
+    if K_pad != K:
+        indices = torch.nn.functional.pad(indices, (0, K_pad - K), value=-1)
+    # Current FlashMLA returns natural-log lse (tests/ref.py there); some 2025 builds documented base 2.
+    out, max_logits, lse = _flash_mla_sparse_fwd(
+        q.contiguous(), kv[:, None, :].contiguous(), indices[:, None, :].contiguous(), float(sm_scale),
+        D_V, topk_length=topk_length)
+    return out[:, :H], max_logits[:, :H], lse[:, :H]
+
+
+def sparse_mla_fwd(q, kv, indices, sm_scale, topk_length=None, d_v=D_V, *, backend="auto"):
+    """Sparse MLA forward with the FlashMLA ``flash_mla_sparse_fwd`` contract (spec 4.3, kernels.md).
+
+    Args:
+        q: ``[T, H, 576]`` bf16, CUDA (absorbed queries: 512 latent + 64 rope).
+        kv: ``[S, 1, 576]`` or ``[S, 576]`` bf16 (the one latent KV head; value = ``kv[..., :512]``).
+        indices: ``[T, 1, K]`` or ``[T, K]`` int32 global key ids; ``-1``, ``< 0`` and ``>= S`` are skipped.
+        sm_scale: softmax scale; ``192 ** -0.5`` for K3.1 (spec 3.3), NOT ``576 ** -0.5``.
+        topk_length: optional ``[T]`` int32; entries at positions ``>= topk_length[t]`` are skipped.
+        d_v: must be 512.
+        backend: ``"auto"`` (FlashMLA if importable, else Triton), ``"flash_mla"`` or ``"triton"``.
+
+    Returns:
+        ``out [T, H, 512]`` bf16, ``max_logits [T, H]`` fp32 (max of ``sm_scale * q.k``, -inf on empty rows),
+        ``lse [T, H]`` fp32 natural-log log-sum-exp of the scaled logits (+inf on empty rows, where out is 0).
+
+    Raises:
+        TypeError / ValueError naming the argument, value and expectation (shape, dtype, device);
+        RuntimeError if the requested backend is not available.
+    """
+    q, kv, indices, topk_length = _check_inputs(q, kv, indices, topk_length, d_v, fast=True)
+    if backend not in ("auto", "flash_mla", "triton"):
+        raise ValueError(f"backend: got {backend!r}, expected 'auto', 'flash_mla' or 'triton'")
+    if backend == "flash_mla" and _flash_mla_sparse_fwd is None:
+        raise RuntimeError("backend: got 'flash_mla', but no flash_mla module with flash_mla_sparse_fwd imports")
+    use_flash = _flash_mla_sparse_fwd is not None and backend != "triton" and q.shape[1] <= 128
+    if use_flash:
+        return _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length)
+    return _sparse_mla_fwd_triton(q, kv, indices, sm_scale, topk_length)

@@ -1,0 +1,624 @@
+"""Checkpoint I/O in the real K3 / Kimi-Linear layout (spec section 6): lazy sharded reads, validated loads,
+atomic writes.
+
+A checkpoint is a directory holding ``config.json`` and either one ``model.safetensors`` or shards listed in
+``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {key: file}}``), the Hugging
+Face convention. Keys on disk carry ``config.key_prefix`` (``language_model.`` for K3, ``""`` for Kimi-Linear);
+names in this module never do. Vision keys (``vision_tower.*``, ``mm_projector.*``) are ignored.
+
+* :class:`CheckpointReader` opens a directory; shapes and dtypes come from the safetensors headers (parsed here,
+  no tensor data read), tensors are read one at a time, opening only the shard that holds them.
+* :func:`load_params` returns the **canonical** parameters (:func:`kimi.layout.param_layout`) of the requested
+  layers plus the global tensors, after checking every stored tensor of those layers against
+  :func:`kimi.layout.stored_layout` and reporting all problems in one :class:`CheckpointError`. Accepted storage
+  variants (spec 2.1, cases 7 and 17): conv weights ``[C, W]``; ``A_log`` as ``[a_log_storage]`` (K3, sliced to
+  ``[:H]``), ``[1, 1, H, 1]`` (Kimi-Linear) or ``[H]``; a DSA layer without ``indexer.k_norm.bias`` (zeros, spec 9).
+  MXFP4 experts are dequantised to ``experts.{E}.w{1,2,3}.weight`` in the config dtype.
+* :func:`to_stored` is the inverse; :func:`write_checkpoint` writes atomically (temporary names, fsync,
+  ``os.replace``; the index is written last and is the commit point); :func:`save_params` = both.
+
+``layers`` arguments everywhere: ``None`` (all layers), an int ``N`` (the first N layers) or an iterable of 0-based
+layer indices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+
+from kimi.config import KimiConfig
+from kimi.layout import TensorSpec, layer_of, param_layout, stored_layout
+from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+__all__ = ["CheckpointError", "CheckpointReader", "load_params", "to_stored", "write_checkpoint", "save_params",
+           "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME", "SINGLE_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default "5GB"
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+_MAX_LISTED = 200  # problems spelled out in one error message; all of them stay in CheckpointError.problems
+
+# safetensors dtype codes <-> torch dtype names (the names TensorSpec uses).
+_ST_TO_TORCH = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
+    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+_TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or tensor dict does not match the expected layout.
+
+    ``problems`` lists every problem found (one line each, by tensor name, with expected and found shape/dtype);
+    the message spells out the first 200.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _fmt(shape: Iterable[int], dtype: str) -> str:
+    return f"{list(shape)} {dtype}"
+
+
+def _normalise_layers(cfg: KimiConfig, layers: int | Iterable[int] | None) -> list[int]:
+    n = cfg.num_hidden_layers
+    if layers is None:
+        return list(range(n))
+    if isinstance(layers, bool):
+        raise TypeError(f"layers: got {layers!r}, expected None, an int or an iterable of layer indices")
+    if isinstance(layers, int):
+        if not 1 <= layers <= n:
+            raise ValueError(f"layers: got {layers}, expected a layer count in [1, {n}] (num_hidden_layers)")
+        return list(range(layers))
+    idx = sorted({int(i) for i in layers})
+    bad = [i for i in idx if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layers: got indices {bad}, expected 0-based indices in [0, {n})")
+    return idx
+
+
+def _safe_layer_of(name: str) -> int | None:
+    """layer_of(), but a malformed ``model.layers.x.…`` name counts as a global (then reported as unexpected)."""
+    try:
+        return layer_of(name)
+    except ValueError:
+        return None
+
+
+def _raise_problems(what: str, problems: list[str]) -> None:
+    if not problems:
+        return
+    shown = problems[:_MAX_LISTED]
+    more = len(problems) - len(shown)
+    tail = f"\n  ... and {more} more (see CheckpointError.problems)" if more else ""
+    raise CheckpointError(f"{what}: {len(problems)} problem(s):\n  " + "\n  ".join(shown) + tail, problems)
+
+
+# ---------------------------------------------------------------------------------------------- safetensors header
+
+
+def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Parse a safetensors header: ``{key: (shape, torch dtype name)}``; no tensor data is read.
+
+    Format (safetensors): u64 little-endian header length N, N bytes of JSON ``{key: {dtype, shape, data_offsets}}``
+    plus an optional ``__metadata__`` entry, then the data.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(f"{path}: not a safetensors file (header length {n} > file size {size})")
+            meta = json.loads(f.read(n).decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: shard file missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file (bad header: {e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
+    out = {}
+    for key, info in meta.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path}: not a safetensors file (header entry {key!r} is not an object)")
+        code = info.get("dtype")
+        dtype = _ST_TO_TORCH.get(code, f"unknown safetensors dtype {code}")
+        out[key] = (tuple(int(d) for d in info.get("shape", ())), dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reader
+
+
+class CheckpointReader:
+    """Lazy reader of a checkpoint directory (``config.json`` + ``model.safetensors`` or an index and shards).
+
+    Attributes:
+        path: the directory.
+        config: :class:`KimiConfig` from ``config.json``.
+        read_names: names (without prefix) whose data was read by :meth:`get`, in a set (proves laziness).
+        unprefixed: disk keys that lack ``config.key_prefix`` and are not vision keys (reported as unexpected by
+            :func:`load_params`).
+
+    Raises (constructor):
+        CheckpointError: not a directory, no ``config.json``, neither an index nor ``model.safetensors``, or an
+            index without a ``weight_map`` object. A shard that the index names but that is absent is reported
+            when one of its tensors is first needed (so a partial download can still serve the layers it holds);
+            :attr:`missing_files` lists such shards up front.
+        kimi.config.ConfigError: an invalid ``config.json``.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a checkpoint directory (no such directory)")
+        if not (self.path / CONFIG_NAME).is_file():
+            raise CheckpointError(f"{self.path}: not a checkpoint directory (no {CONFIG_NAME})")
+        self.config = KimiConfig.from_json(self.path / CONFIG_NAME)
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            try:
+                data = json.loads(index.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+            wm = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise CheckpointError(f"{index}: expected an object with a 'weight_map' of key -> shard file name")
+            weight_map = dict(wm)
+        elif (self.path / SINGLE_NAME).is_file():
+            weight_map = {k: SINGLE_NAME for k in _read_header(self.path / SINGLE_NAME)}
+        else:
+            raise CheckpointError(f"{self.path}: not a checkpoint directory (neither {INDEX_NAME} nor {SINGLE_NAME})")
+        prefix = self.config.key_prefix
+        self._where: dict[str, tuple[str, str]] = {}  # name -> (file, disk key)
+        self.unprefixed: list[str] = []
+        for key, file in weight_map.items():
+            if key.startswith(_VISION_PREFIXES):
+                continue
+            if not key.startswith(prefix):
+                self.unprefixed.append(key)
+                continue
+            self._where[key[len(prefix):]] = (file, key)
+        self.read_names: set[str] = set()
+        self._headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
+        self._handles: dict[str, object] = {}
+
+    # -- listing and metadata ------------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Stored tensor names without the key prefix (vision tensors and unprefixed keys left out)."""
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    @property
+    def files(self) -> list[str]:
+        """Shard file names referenced (sorted)."""
+        return sorted({f for f, _ in self._where.values()})
+
+    @property
+    def missing_files(self) -> list[str]:
+        """Shard files referenced by the index that do not exist in the directory."""
+        return [f for f in self.files if not (self.path / f).is_file()]
+
+    def file_of(self, name: str) -> str:
+        """The shard file holding ``name``. Raises CheckpointError for an unknown name."""
+        try:
+            return self._where[name][0]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor named {name!r} (prefix {self.config.key_prefix!r} "
+                                  "is added on disk)") from None
+
+    def _header(self, file: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        if file not in self._headers:
+            p = self.path / file
+            if not p.is_file():
+                raise CheckpointError(f"{self.path}: shard {file!r} named in {INDEX_NAME} is missing")
+            self._headers[file] = _read_header(p)
+        return self._headers[file]
+
+    def _meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        file = self.file_of(name)
+        key = self._where[name][1]
+        hdr = self._header(file)
+        if key not in hdr:
+            raise CheckpointError(f"{self.path / file}: tensor {key!r} listed in the index is not in this shard")
+        return hdr[key]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of ``name`` from the safetensors header (no data read)."""
+        return self._meta(name)[0]
+
+    def dtype(self, name: str) -> str:
+        """Torch dtype name (``"bfloat16"``, ``"uint8"``, …) of ``name`` from the header (no data read)."""
+        return self._meta(name)[1]
+
+    # -- data ----------------------------------------------------------------------------------------------
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (CPU, stored dtype and shape), opening only its shard (handles are cached).
+
+        Raises:
+            CheckpointError: unknown name, missing shard, or the shard lacks the key.
+        """
+        self._meta(name)  # validates name, shard and key with clear errors
+        file, key = self._where[name]
+        h = self._handles.get(file)
+        if h is None:
+            h = self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        t = h.get_tensor(key)
+        self.read_names.add(name)
+        return t
+
+    def close(self) -> None:
+        """Drop the cached shard handles."""
+        self._handles.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointReader({str(self.path)!r}, {len(self._where)} tensors in {len(self.files)} file(s))"
+
+
+# ---------------------------------------------------------------------------------------------- variants
+
+
+def _accepted_variant(spec: TensorSpec, shape: tuple[int, ...], cfg: KimiConfig) -> bool:
+    """True when ``shape`` is an accepted storage variant of ``spec`` (same dtype still required)."""
+    n = spec.name
+    if n.endswith(("_conv1d.weight",)) and len(spec.shape) == 3 and spec.shape[1] == 1:
+        return shape == (spec.shape[0], spec.shape[2])  # [C, W] (vLLM accepts it too; case 17)
+    if n.endswith(".self_attn.A_log"):
+        H = cfg.kda_num_heads
+        return shape in ((cfg.a_log_storage,), (1, 1, H, 1), (H,))  # spec 2.1, case 7
+    return False
+
+
+def _optional(spec: TensorSpec) -> bool:
+    """Stored tensors that may be absent (filled on load): the indexer LayerNorm bias (spec 9)."""
+    return spec.name.endswith(".indexer.k_norm.bias")
+
+
+def _check_stored_meta(expected: list[TensorSpec], found: Mapping[str, tuple[tuple[int, ...], str]],
+                       cfg: KimiConfig | None, extra: Iterable[str] = ()) -> list[str]:
+    """Compare found ``{name: (shape, dtype)}`` with ``expected``; every problem as one line.
+
+    ``cfg`` given: reading (variants and optional tensors accepted); ``None``: writing (exact layout only).
+    """
+    problems = []
+    exp = {s.name: s for s in expected}
+    for s in expected:
+        if s.name not in found:
+            if cfg is not None and _optional(s):
+                continue
+            problems.append(f"missing: {s.name} (expected {_fmt(s.shape, s.dtype)})")
+            continue
+        shape, dtype = found[s.name]
+        shape_ok = shape == s.shape or (cfg is not None and _accepted_variant(s, shape, cfg))
+        dtype_ok = dtype == s.dtype
+        if not shape_ok and not dtype_ok:
+            problems.append(f"wrong shape and dtype: {s.name} (expected {_fmt(s.shape, s.dtype)}, "
+                            f"found {_fmt(shape, dtype)})")
+        elif not shape_ok:
+            problems.append(f"wrong shape: {s.name} (expected {_fmt(s.shape, s.dtype)}, found {_fmt(shape, dtype)})")
+        elif not dtype_ok:
+            problems.append(f"wrong dtype: {s.name} (expected {_fmt(s.shape, s.dtype)}, found {_fmt(shape, dtype)})")
+    for name in found:
+        if name not in exp:
+            shape, dtype = found[name]
+            problems.append(f"unexpected: {name} (found {_fmt(shape, dtype)})")
+    problems.extend(extra)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def load_params(source: str | os.PathLike | CheckpointReader, config: KimiConfig | None = None,
+                layers: int | Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+    """Canonical parameters of the requested layers plus all global tensors, validated first.
+
+    Args:
+        source: a checkpoint directory or an open :class:`CheckpointReader`.
+        config: the layout to expect; default the checkpoint's own ``config.json``. A truncated config
+            (``config.truncated(N)``) reads the first N layers of a bigger checkpoint.
+        layers: ``None`` (all), an int N (first N) or 0-based indices. Only these layers' tensors are read.
+
+    Returns:
+        ``{name: tensor}`` with exactly the names, shapes and dtypes of ``param_layout(config, layers)``: MXFP4
+        experts dequantised to ``config.dtype``, ``A_log`` ``[H]`` fp32, conv weights ``[C, 1, W]``,
+        ``indexer.k_norm.bias`` zeros when absent.
+
+    Raises:
+        CheckpointError: every missing, unexpected, misshaped or wrongly typed tensor of the requested layers and the
+            globals, all in one error (nothing is read before this check), or a missing shard file.
+    """
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    own = config is None
+    cfg = reader.config if own else config
+    idx = _normalise_layers(cfg, layers)
+    wanted = set(idx)
+    expected = stored_layout(cfg, idx)
+
+    # Which stored names belong to this request (globals always; stray layers only when the config is the
+    # checkpoint's own, since a truncated config legitimately leaves later layers unread).
+    names = []
+    extra = [f"unexpected: {k} (key lacks the prefix {cfg.key_prefix!r})" for k in reader.unprefixed]
+    for name in reader.keys():
+        li = _safe_layer_of(name)
+        if li is None or li in wanted or (own and not 0 <= li < cfg.num_hidden_layers):
+            names.append(name)
+    need_files = sorted({f for f in (reader.file_of(n) for n in names) if not (reader.path / f).is_file()})
+    if need_files:
+        raise CheckpointError(f"{reader.path}: shard file(s) named in {INDEX_NAME} are missing: {need_files}",
+                              [f"missing shard: {f}" for f in need_files])
+    found = {n: (reader.shape(n), reader.dtype(n)) for n in names}
+    where = f"{reader.path} (layers {idx if len(idx) < 20 else f'{idx[0]}..{idx[-1]}'} + globals)"
+    _raise_problems(where, _check_stored_meta(expected, found, cfg, extra))
+
+    dt = _torch_dtype(cfg.dtype)
+    out: dict[str, torch.Tensor] = {}
+    for spec in param_layout(cfg, idx):
+        n = spec.name
+        if ".experts." in n and cfg.quant_method == "mxfp4":
+            base = n.removesuffix(".weight")
+            out[n] = dequantize_mxfp4(reader.get(base + ".weight_packed"), reader.get(base + ".weight_scale"),
+                                      dtype=dt, group_size=cfg.quant_group_size)
+        elif n.endswith(".self_attn.A_log"):
+            out[n] = reader.get(n).reshape(-1)[: cfg.kda_num_heads].clone()  # [128] -> [:96]; [1,1,H,1] -> [H]
+        elif n.endswith("_conv1d.weight"):
+            out[n] = reader.get(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
+        elif _optional(spec) and n not in reader:
+            out[n] = torch.zeros(spec.shape, dtype=_torch_dtype(spec.dtype))  # spec 9: absent bias = 0
+        else:
+            out[n] = reader.get(n)
+    _check_params(out, cfg, idx, what="load_params result")  # internal consistency (cheap: metadata only)
+    return out
+
+
+def _check_params(params: Mapping[str, torch.Tensor], cfg: KimiConfig, idx: list[int], what: str) -> None:
+    found, extra = {}, []
+    for n, t in params.items():
+        if not isinstance(t, torch.Tensor):
+            extra.append(f"not a torch tensor: {n} (found {type(t).__name__})")
+            continue
+        found[n] = (tuple(t.shape), _dtype_name(t.dtype))
+    _raise_problems(what, _check_stored_meta(param_layout(cfg, idx), found, None, extra))
+
+
+# ---------------------------------------------------------------------------------------------- to stored form
+
+
+def _stored_items(name: str, t: torch.Tensor, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """One canonical parameter -> its stored tensor(s)."""
+    if ".experts." in name and cfg.quant_method == "mxfp4":
+        base = name.removesuffix(".weight")
+        packed, scale = quantize_mxfp4(t, group_size=cfg.quant_group_size)
+        yield base + ".weight_packed", packed
+        yield base + ".weight_scale", scale
+    elif name.endswith(".self_attn.A_log"):
+        H = cfg.kda_num_heads
+        if cfg.is_kimi_linear:
+            yield name, t.reshape(1, 1, H, 1).contiguous()
+        else:  # re-pad with zeros to a_log_storage (spec 2.1, case 7)
+            pad = torch.zeros(cfg.a_log_storage - H, dtype=t.dtype)
+            yield name, torch.cat([t.reshape(H), pad])
+    else:
+        yield name, t
+
+
+def to_stored(params: Mapping[str, torch.Tensor], config: KimiConfig,
+              layers: int | Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+    """Canonical params -> the tensors as stored on disk (names without prefix), the inverse of :func:`load_params`.
+
+    Experts quantised to MXFP4 when ``config.quant_method == "mxfp4"`` (exact for weights that are a round trip
+    of MXFP4, as :func:`kimi.init.init_params` and :func:`load_params` produce); ``A_log`` ``[H]`` re-padded with
+    zeros to ``[a_log_storage]`` (K3) or reshaped to ``[1, 1, H, 1]`` (Kimi-Linear).
+
+    Raises:
+        CheckpointError: ``params`` does not match ``param_layout(config, layers)`` (all problems at once).
+    """
+    idx = _normalise_layers(config, layers)
+    _check_params(params, config, idx, what="to_stored: params")
+    out: dict[str, torch.Tensor] = {}
+    for spec in param_layout(config, idx):
+        out.update(_stored_items(spec.name, params[spec.name], config))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- write
+
+
+def _config_json(config: KimiConfig) -> dict:
+    """``config.raw`` when it still describes ``config`` (so a read config round-trips), else ``to_dict()``."""
+    if config.raw is not None:
+        try:
+            if KimiConfig.from_dict(config.raw) == config:
+                return dict(config.raw)
+        except ValueError:
+            pass
+    return config.to_dict()
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    return spec.numel * _torch_dtype(spec.dtype).itemsize
+
+
+def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy shards in layout order (globals, then layer by layer), so one layer spans few files."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        b = _nbytes(s)
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += b
+    return shards
+
+
+def _shard_header(specs: list[TensorSpec], prefix: str) -> bytes:
+    meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for s in specs:
+        b = _nbytes(s)
+        meta[prefix + s.name] = {"dtype": _TORCH_TO_ST[s.dtype], "shape": list(s.shape), "data_offsets": [off, off + b]}
+        off += b
+    h = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+    h += b" " * (-len(h) % 8)  # safetensors pads the header to 8-byte alignment with spaces
+    return struct.pack("<Q", len(h)) + h
+
+
+def _write_tensor_data(f, t: torch.Tensor) -> None:
+    """Append the raw little-endian bytes of ``t`` (C order) to the open file ``f``."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    if flat.numel():
+        f.write(flat.view(torch.uint8).numpy().data)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(path: Path, final: str) -> Path:
+    return path / f".{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
+    tmp = _tmp_name(path, final)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def _write_stream(path: str | os.PathLike, specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor],
+                  config: KimiConfig, max_shard_bytes: int) -> None:
+    """Write the tensors of ``specs`` (in order), each made by ``produce(spec)`` just before it is written.
+
+    Every file goes to a temporary name in the target directory and is fsynced; only when all are complete are
+    they ``os.replace``d to their final names, shards and ``config.json`` first, the index last (the commit point).
+    An exception removes the temporary files and leaves no final-named partial file; an existing index is removed
+    just before the replacements so that a stale index never points at a mix of old and new shards.
+    """
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes: got {max_shard_bytes!r}, expected a positive integer")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    prefix = config.key_prefix
+    shards = _plan_shards(specs, max_shard_bytes)
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tmps: list[tuple[Path, str]] = []
+    try:
+        for fname, group in zip(names, shards):
+            tmp = _tmp_name(path, fname)
+            tmps.append((tmp, fname))
+            with open(tmp, "wb") as f:
+                f.write(_shard_header(group, prefix))
+                for s in group:
+                    t = produce(s)
+                    got = (tuple(t.shape), _dtype_name(t.dtype))
+                    if got != (s.shape, s.dtype):
+                        raise CheckpointError(f"write: {s.name} expected {_fmt(s.shape, s.dtype)}, "
+                                              f"found {_fmt(*got)}")
+                    _write_tensor_data(f, t)
+                f.flush()
+                os.fsync(f.fileno())
+        tmps.append((_write_bytes_tmp(path, CONFIG_NAME,
+                                      (json.dumps(_config_json(config), indent=2) + "\n").encode()), CONFIG_NAME))
+        index = {"metadata": {"total_size": sum(_nbytes(s) for s in specs)},
+                 "weight_map": {prefix + s.name: fname for fname, g in zip(names, shards) for s in g}}
+        index_tmp = _write_bytes_tmp(path, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        tmps.append((index_tmp, INDEX_NAME))
+    except BaseException:
+        for tmp, _ in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
+    # Commit: drop any old index (de-commit), move the data files in place, then the index.
+    old_files: set[str] = set()
+    old_index = path / INDEX_NAME
+    if old_index.exists():
+        try:
+            old_files = set(json.loads(old_index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+        except (ValueError, AttributeError):
+            pass
+        old_index.unlink()
+        _fsync_dir(path)
+    for tmp, fname in tmps[:-1]:
+        os.replace(tmp, path / fname)
+    _fsync_dir(path)
+    os.replace(index_tmp, path / INDEX_NAME)
+    _fsync_dir(path)
+    for stale in old_files - set(names):  # shards of an overwritten checkpoint that the new index does not use
+        if "/" not in stale and stale.endswith(".safetensors"):
+            (path / stale).unlink(missing_ok=True)
+
+
+def write_checkpoint(path: str | os.PathLike, stored: Mapping[str, torch.Tensor], config: KimiConfig,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write a checkpoint directory atomically: ``config.json``, shards, ``model.safetensors.index.json``.
+
+    Args:
+        path: target directory (created if needed; an existing checkpoint there is replaced).
+        stored: ``{name: tensor}`` exactly as :func:`kimi.layout.stored_layout` ``(config)`` (names without prefix).
+        config: written as ``config.raw`` when that still parses to ``config``, else ``config.to_dict()``.
+        max_shard_bytes: shard size limit (a single larger tensor gets a shard of its own). One shard is written
+            as ``model.safetensors``; several as ``model-00001-of-0000N.safetensors``. The index (with
+            ``metadata.total_size`` in bytes and the ``weight_map`` of prefixed keys) is always written, last.
+
+    Raises:
+        CheckpointError: ``stored`` does not match the stored layout (all problems in one error); nothing is written.
+    """
+    specs = stored_layout(config)
+    found, extra = {}, []
+    for n, t in stored.items():
+        if not isinstance(t, torch.Tensor):
+            extra.append(f"not a torch tensor: {n} (found {type(t).__name__})")
+        else:
+            found[n] = (tuple(t.shape), _dtype_name(t.dtype))
+    _raise_problems(f"write_checkpoint {path}", _check_stored_meta(specs, found, None, extra))
+    _write_stream(path, specs, lambda s: stored[s.name], config, max_shard_bytes)
+
+
+def save_params(path: str | os.PathLike, params: Mapping[str, torch.Tensor], config: KimiConfig, **kw) -> None:
+    """``write_checkpoint(path, to_stored(params, config), config, **kw)``: canonical params to a checkpoint."""
+    write_checkpoint(path, to_stored(params, config), config, **kw)

@@ -1,0 +1,138 @@
+"""Deterministic random initialisation of the canonical parameters, and random checkpoints in the real layout.
+
+Every tensor is drawn from its own ``numpy.random.Generator(PCG64(SeedSequence([seed, *sha256(name)])))``, so a
+tensor depends only on ``(seed, name, shape)``: ``layers=N`` gives exactly the first N layers of the full model, and
+any subset of layers can be generated alone. The scale of residual-branch outputs uses the **full** config's layer
+count, so a truncated checkpoint (``init_checkpoint(..., layers=N)``) holds the same weights as the full one.
+
+Distributions (chosen for healthy activations in tests, not for training from scratch):
+
+* linear weights ``[out, in]``: N(0, 1/in); projections writing into the residual stream (``o_proj``, dense and
+  shared-expert ``down_proj``, ``routed_expert_up_proj``) additionally times ``1/sqrt(2 * num_hidden_layers)``;
+* ``embed_tokens``: N(0, 1); ``lm_head``: N(0, 1/D);
+* norm weights: ``1 + 0.05 * N(0, 1)`` (non-trivial, so tests see them); ``indexer.k_norm.bias``: 0.05 * N(0, 1);
+* AttnRes ``*_res_proj`` ``[1, D]``: N(0, 1/D), so depth-softmax logits have std ~1 (neither uniform nor saturated);
+* KDA ``*_conv1d.weight`` ``[C, 1, W]`` fp32: N(0, 1/W); ``dt_bias``: 0.1 * N(0, 1); ``A_log = log(U(1, 16))``;
+* router ``gate.weight``: N(0, 1/D); ``e_score_correction_bias``: 0.01 * N(0, 1);
+* routed experts (MXFP4 configs): N(0, 1/in), then replaced by ``dequantize(quantize(w))`` so that saving and
+  reloading is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from kimi.checkpoint import _normalise_layers, _stored_items, _write_stream, DEFAULT_MAX_SHARD_BYTES
+from kimi.config import KimiConfig
+from kimi.layout import TensorSpec, param_layout, stored_layout
+from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+__all__ = ["init_params", "init_tensor", "init_checkpoint"]
+
+_RESIDUAL_OUT = (".o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+                 "routed_expert_up_proj.weight")
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """A generator for one tensor: PCG64 seeded by (seed, sha256(name)) through SeedSequence (platform-stable)."""
+    words = np.frombuffer(hashlib.sha256(name.encode("utf-8")).digest(), dtype="<u4").tolist()
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), *words])))
+
+
+def _draw(spec: TensorSpec, config: KimiConfig, seed: int) -> np.ndarray:
+    """float32 values of one canonical tensor (before the cast to its dtype and the MXFP4 round trip)."""
+    g = _rng(seed, spec.name)
+    n, shape = spec.name, spec.shape
+    normal = lambda std: (g.standard_normal(shape, dtype=np.float32) * np.float32(std))  # noqa: E731
+    if n.endswith(".A_log"):
+        return np.log(g.uniform(1.0, 16.0, size=shape)).astype(np.float32)
+    if n.endswith(".dt_bias"):
+        return normal(0.1)
+    if n.endswith("e_score_correction_bias"):
+        return normal(0.01)
+    if n.endswith(".indexer.k_norm.bias"):
+        return normal(0.05)
+    if n.endswith("_conv1d.weight"):
+        return normal(1.0 / math.sqrt(shape[-1]))
+    if n.endswith("norm.weight"):  # every RMSNorm / LayerNorm weight (layernorm, o_norm, *_res_norm, k_norm, ...)
+        return 1.0 + normal(0.05)
+    if n == "model.embed_tokens.weight":
+        return normal(1.0)
+    if len(shape) == 2:  # linear [out, in], lm_head, router, *_res_proj [1, D]
+        std = 1.0 / math.sqrt(shape[1])
+        if n.endswith(_RESIDUAL_OUT):
+            std /= math.sqrt(2 * config.num_hidden_layers)
+        return normal(std)
+    raise ValueError(f"init: no rule for {n} with shape {list(shape)}")
+
+
+def init_tensor(spec: TensorSpec, config: KimiConfig, seed: int = 0) -> torch.Tensor:
+    """One canonical parameter (``spec`` from :func:`kimi.layout.param_layout`), deterministic in (seed, name).
+
+    Returns a CPU tensor of ``spec.shape`` and ``spec.dtype``; routed experts of an MXFP4 config are exactly
+    MXFP4-representable (``dequantize(quantize(w))`` in the config dtype).
+    """
+    t = torch.from_numpy(_draw(spec, config, seed)).to(getattr(torch, spec.dtype))
+    if ".experts." in spec.name and config.quant_method == "mxfp4":
+        p, s = quantize_mxfp4(t, group_size=config.quant_group_size)
+        t = dequantize_mxfp4(p, s, dtype=getattr(torch, spec.dtype), group_size=config.quant_group_size)
+    return t
+
+
+def init_params(config: KimiConfig, seed: int = 0,
+                layers: int | Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+    """Random canonical parameters: names, shapes and dtypes of ``param_layout(config, layers)``.
+
+    Args:
+        config: the model; its ``num_hidden_layers`` sets the residual-output scale.
+        seed: any non-negative int; equal seeds give bit-identical tensors, per tensor name.
+        layers: ``None`` (all), int N (first N) or 0-based indices; the global tensors are always included.
+
+    Returns:
+        ``{name: CPU tensor}``.
+    """
+    idx = _normalise_layers(config, layers)
+    return {s.name: init_tensor(s, config, seed) for s in param_layout(config, idx)}
+
+
+def init_checkpoint(path: str | os.PathLike, config: KimiConfig, seed: int = 0, layers: int | None = None,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> KimiConfig:
+    """Write a random checkpoint in the real layout (atomic, as :func:`kimi.checkpoint.write_checkpoint`).
+
+    Tensors are generated and written one at a time (at most one canonical tensor and its stored form in memory),
+    so big configs do not need the whole model in RAM.
+
+    Args:
+        layers: ``None`` for all layers, or N: the checkpoint holds ``config.truncated(N)`` and the same first-N-layer
+            weights as the full model (the residual scale still uses the full layer count).
+
+    Returns:
+        The config written to ``config.json``.
+    """
+    out_cfg = config if layers is None else config.truncated(int(layers))
+    canon = {s.name: s for s in param_layout(out_cfg)}
+    cache: dict[str, torch.Tensor] = {}
+    cache_src: list[str | None] = [None]
+
+    def canonical_name(stored_name: str) -> str:
+        for suf in (".weight_packed", ".weight_scale"):
+            if stored_name.endswith(suf) and ".experts." in stored_name:
+                return stored_name.removesuffix(suf) + ".weight"
+        return stored_name
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        cn = canonical_name(spec.name)
+        if cache_src[0] != cn:  # packed and scale of one expert are adjacent in the layout: one-entry cache
+            cache.clear()
+            cache.update(_stored_items(cn, init_tensor(canon[cn], config, seed), out_cfg))
+            cache_src[0] = cn
+        return cache[spec.name]
+
+    _write_stream(path, stored_layout(out_cfg), produce, out_cfg, max_shard_bytes)
+    return out_cfg

@@ -1,0 +1,229 @@
+"""The whole Kimi K3 / K3.1 Pro text model in the reference: decoder layers, Block Attention Residuals, head.
+
+Notable (spec 5.4, 5.5):
+
+* The residual stream is **Block AttnRes**: a partial sum ``p`` of layer outputs plus a list of stored ``blocks``.
+  Before each attention and each MLP, a learned softmax over depth mixes ``blocks + [p]``. On a block-write layer
+  (``idx % attn_res_block_size == 0``) the current ``p`` is stored as a new block *before* the attention and the
+  partial sum restarts, so ``blocks[0]`` is the embedding. The output mix sees every block plus the last ``p``.
+* ``attn_res_block_size=None`` (Kimi-Linear) gives the plain pre-norm residual stream instead.
+* Layer kinds come from the config (:meth:`KimiConfig.layer_type`): KDA, dense MLA, or MLA + DSA indexer.
+* ``return_aux=True`` returns per-layer intermediates for the equivalence harness: ``attn_out``, ``mlp_out``,
+  ``residual`` (the partial sum ``p`` after the layer; the hidden state for plain residuals) and, for DSA layers,
+  ``topk_indices`` and ``index_scores``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kimi.config import KimiConfig
+from reference_jax.attn_res import attn_res_mix
+from reference_jax.common import Linear, RMSNorm
+from reference_jax.kda import KimiDeltaAttention
+from reference_jax.mla import GatedMLA
+from reference_jax.moe import DenseMLP, KimiMoE
+
+__all__ = ["DecoderLayer", "KimiK3Model", "load_model", "load_params_tree", "save_params_tree"]
+
+
+class _Weight(nn.Module):
+    """A bare parameter named ``weight`` (for AttnRes ``*_res_norm`` vectors)."""
+
+    shape: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("weight", nn.initializers.ones, self.shape)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer: attention (KDA / MLA / DSA) and MLP (dense / MoE), with AttnRes mixes when configured.
+
+    Params (canonical names under ``model.layers.{i}.``): ``input_layernorm``, ``post_attention_layernorm``,
+    ``self_attention_res_{norm,proj}``, ``mlp_res_{norm,proj}``, ``self_attn``, ``mlp`` or ``block_sparse_moe``.
+    """
+
+    config: KimiConfig
+    layer_idx: int
+
+    def setup(self) -> None:
+        c, i = self.config, self.layer_idx
+        D = c.hidden_size
+        self.input_layernorm = RMSNorm(D, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, c.rms_norm_eps)
+        if c.has_attn_res:
+            self.self_attention_res_norm = _Weight((D,))
+            self.self_attention_res_proj = Linear(1, D)
+            self.mlp_res_norm = _Weight((D,))
+            self.mlp_res_proj = Linear(1, D)
+        self.self_attn = KimiDeltaAttention(c, i) if c.layer_type(i) == "kda" else GatedMLA(c, i)
+        if c.is_moe_layer(i):
+            self.block_sparse_moe = KimiMoE(c)
+        else:
+            self.mlp = DenseMLP(c, c.intermediate_size)
+
+    def attention(self, h: jax.Array, cu_seqlens=None, mla_form: str = "expanded") -> tuple[jax.Array, dict]:
+        x = self.input_layernorm(h)
+        if self.config.layer_type(self.layer_idx) == "kda":
+            out, _ = self.self_attn(x, cu_seqlens=cu_seqlens)
+            return out, {}
+        return self.self_attn(x, cu_seqlens=cu_seqlens, form=mla_form, return_aux=True)
+
+    def feed_forward(self, h: jax.Array) -> jax.Array:
+        x = self.post_attention_layernorm(h)
+        return self.block_sparse_moe(x) if self.config.is_moe_layer(self.layer_idx) else self.mlp(x)
+
+    def mix(self, which: str, sources: list[jax.Array]) -> jax.Array:
+        """AttnRes depth mix with this layer's ``{which}_res_norm`` / ``{which}_res_proj`` (which: self_attention|mlp)."""
+        norm = getattr(self, f"{which}_res_norm")()
+        proj = getattr(self, f"{which}_res_proj").variables["params"]["weight"]
+        return attn_res_mix(sources, norm, proj, eps=self.config.rms_norm_eps)
+
+    def __call__(self, blocks: list[jax.Array], p: jax.Array, cu_seqlens=None, mla_form: str = "expanded"):
+        """One step of the layer recurrence (spec 5.4). Returns ``(blocks, p, aux)``.
+
+        AttnRes: ``blocks`` (list of [B,T,D]) and ``p`` (partial sum [B,T,D]). Plain residuals: ``blocks`` is
+        unused and ``p`` is the hidden state.
+        """
+        c, i = self.config, self.layer_idx
+        if not c.has_attn_res:
+            a, aux = self.attention(p, cu_seqlens, mla_form)
+            p = p + a
+            m = self.feed_forward(p)
+            p = p + m
+            return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux}
+        h = self.mix("self_attention", blocks + [p]) if blocks else p
+        restart = c.is_block_write_layer(i)
+        if restart:  # store the finished block, then restart the partial sum
+            blocks = blocks + [p]
+        a, aux = self.attention(h, cu_seqlens, mla_form)
+        p = a if restart else p + a
+        m = self.feed_forward(self.mix("mlp", blocks + [p]))
+        p = p + m
+        return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux}
+
+
+class _Backbone(nn.Module):
+    """``model.*``: embed_tokens, layers, output AttnRes mix, final norm."""
+
+    config: KimiConfig
+
+    def setup(self) -> None:
+        c = self.config
+        self.embed_tokens = _Embedding(c.vocab_size, c.hidden_size)
+        self.layers = [DecoderLayer(c, i) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.has_attn_res:
+            self.output_attn_res_norm = _Weight((c.hidden_size,))
+            self.output_attn_res_proj = Linear(1, c.hidden_size)
+
+    def __call__(self, input_ids: jax.Array, cu_seqlens=None, mla_form: str = "expanded", on_layer=None):
+        c = self.config
+        p = self.embed_tokens(input_ids)
+        blocks: list[jax.Array] = []
+        auxes = []
+        for layer in self.layers:
+            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form)
+            auxes.append(aux)
+            if on_layer is not None:
+                on_layer(len(auxes) - 1)
+        if c.has_attn_res:
+            proj = self.output_attn_res_proj.variables["params"]["weight"]
+            h = attn_res_mix(blocks + [p], self.output_attn_res_norm(), proj, eps=c.rms_norm_eps)
+        else:
+            h = p
+        return self.norm(h), auxes
+
+
+class _Embedding(nn.Module):
+    """``embed_tokens.weight`` [vocab, D]; plain lookup, no scaling (spec 5.5)."""
+
+    num_embeddings: int
+    features: int
+
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        table = self.param("weight", nn.initializers.normal(1.0), (self.num_embeddings, self.features))
+        return jnp.take(table, ids, axis=0)
+
+
+class KimiK3Model(nn.Module):
+    """``KimiK3ForCausalLM``: ``logits = model(input_ids)``; params ``model.*`` and ``lm_head.weight``.
+
+    Call: ``model.apply({"params": tree}, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False)``
+    with ``input_ids`` [B, T] int. Returns logits [B, T, vocab] in the parameters' dtype (fp32 by default), and with
+    ``return_aux`` also a list (one dict per layer, see module docstring).
+
+    Raises:
+        ValueError: token ids outside [0, vocab_size), or invalid ``cu_seqlens`` (from the layers).
+    """
+
+    config: KimiConfig
+
+    def setup(self) -> None:
+        self.model = _Backbone(self.config)
+        if not self.config.tie_word_embeddings:
+            self.lm_head = Linear(self.config.vocab_size, self.config.hidden_size)
+
+    def __call__(self, input_ids, cu_seqlens=None, mla_form: str = "expanded", return_aux: bool = False, on_layer=None):
+        ids = jnp.asarray(input_ids)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T]")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")
+        h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer)
+        if self.config.tie_word_embeddings:
+            logits = h @ self.model.embed_tokens.variables["params"]["weight"].T
+        else:
+            logits = self.lm_head(h)
+        return (logits, auxes) if return_aux else logits
+
+
+def load_model(checkpoint: str | Path, layers: int | None = None, dtype: Any = jnp.float32):
+    """Read a checkpoint directory lazily and build the reference: returns ``(model, params_tree, config)``.
+
+    ``layers=N`` keeps the first N decoder layers (then the output mix, final norm and lm_head) and reads only
+    their tensors. Parameters are cast to ``dtype`` (fp32 default; fp64 needs ``jax.enable_x64``).
+
+    Raises:
+        kimi.checkpoint.CheckpointError: missing, unexpected, misshaped or wrongly typed tensors.
+        kimi.config.ConfigError: an invalid config.json.
+    """
+    from kimi.checkpoint import CheckpointReader, load_params
+    from reference_jax.params import to_tree
+
+    reader = CheckpointReader(checkpoint)
+    config = reader.config if layers is None else reader.config.truncated(layers)
+    params = load_params(reader, config, layers=range(config.num_hidden_layers))
+    return KimiK3Model(config), to_tree(params, dtype), config
+
+
+def load_params_tree(checkpoint: str | Path, layers: int | None = None, dtype: Any = None):
+    """The canonical parameters of a checkpoint as a linen tree (``dtype=None`` keeps the stored dtypes: bf16 as
+    ``ml_dtypes.bfloat16``, fp32 as fp32). Returns ``(tree, config)``."""
+    from kimi.checkpoint import CheckpointReader, load_params
+    from reference_jax.params import to_tree
+
+    reader = CheckpointReader(checkpoint)
+    config = reader.config if layers is None else reader.config.truncated(layers)
+    return to_tree(load_params(reader, config, layers=range(config.num_hidden_layers)), dtype), config
+
+
+def save_params_tree(path: str | Path, tree: dict, config: KimiConfig) -> None:
+    """Write a linen parameter tree as a checkpoint in the real layout (each tensor cast to its stored dtype;
+    experts re-quantised to MXFP4 when the config says so). Atomic per file, index last."""
+    import torch
+
+    from kimi.checkpoint import save_params
+    from kimi.layout import param_layout
+    from reference_jax.params import from_tree
+
+    dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(config)}
+    save_params(path, from_tree(tree, dtypes), config)

@@ -1,0 +1,122 @@
+"""GPU checks of the Triton sparse MLA forward against ``sparse_mla_fwd_reference`` (fp32), spec cases 12-15."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels_torch.ops import sparse_mla as sm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SM_SCALE = 192 ** -0.5  # spec 3.3: NOT 576^-1/2
+TOL_OUT = 1e-2  # ||out - ref|| / ||ref||, bf16 output and bf16 P in the PV product
+TOL_LSE = 1e-4  # |lse - ref| / max(1, |ref|), fp32 statistics
+TOL_MAX = 1e-4  # same for max_logits
+TOPK_LENGTHS = (0, 1, 63, 64, 65)  # plus K, per row at random
+
+
+def _inputs(T, H, S, K, seed, topk_length):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, H, sm.D_QK, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(S, 1, sm.D_QK, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randint(-8, S + 8, (T, K), device="cuda", generator=g, dtype=torch.int32)  # some < 0, some >= S
+    idx[torch.rand(T, K, device="cuda", generator=g) < 0.15] = -1  # -1 holes
+    idx[0] = -1  # a row with no valid key
+    if T > 1:
+        idx[1, : min(K, 64)] = S + 1  # the leading block all invalid, valid keys after it
+    if T > 2:
+        idx[2, : min(K, 64)] = -1
+    tlen = None
+    if topk_length:
+        choices = torch.tensor([x for x in TOPK_LENGTHS if x <= K] + [K], device="cuda", dtype=torch.int32)
+        tlen = choices[torch.randint(0, len(choices), (T,), device="cuda", generator=g)]
+        # a valid-looking id with NaN data past topk_length must stay unread
+        kv[S - 1] = float("nan")
+        past = torch.arange(K, device="cuda")[None, :] >= tlen[:, None].long()
+        idx = torch.where(past, torch.full_like(idx, S - 1), idx)
+        idx = torch.where(~past & (idx == S - 1), torch.full_like(idx, -1), idx)
+    return q, kv, idx[:, None, :], tlen
+
+
+def _poisoned(T, H):
+    nan = float("nan")
+    return (torch.full((T, H, sm.D_V), nan, device="cuda", dtype=torch.bfloat16),
+            torch.full((T, H), nan, device="cuda"), torch.full((T, H), nan, device="cuda"))
+
+
+def _check(got, ref, what):
+    out, mx, lse = got
+    out_r, mx_r, lse_r = ref
+    assert not torch.isnan(out).any(), f"{what}: NaN (or unwritten) in out"
+    assert not torch.isnan(lse).any() and not torch.isnan(mx).any(), f"{what}: NaN (or unwritten) in lse/max_logits"
+    rel = (out.float() - out_r).norm() / out_r.norm().clamp_min(1e-30)
+    assert rel <= TOL_OUT, f"{what}: out rel err {rel:.3e} > {TOL_OUT}"
+    empty = torch.isposinf(lse_r)
+    assert torch.equal(torch.isposinf(lse), empty), f"{what}: rows with no valid key differ"
+    assert torch.isneginf(mx[empty]).all() and (out[empty] == 0).all(), f"{what}: empty rows not (0, -inf, +inf)"
+    fin = ~empty
+    err_lse = ((lse - lse_r).abs() / lse_r.abs().clamp_min(1.0))[fin].max().item() if fin.any() else 0.0
+    err_mx = ((mx - mx_r).abs() / mx_r.abs().clamp_min(1.0))[fin].max().item() if fin.any() else 0.0
+    assert err_lse <= TOL_LSE, f"{what}: lse err {err_lse:.3e} > {TOL_LSE}"
+    assert err_mx <= TOL_MAX, f"{what}: max_logits err {err_mx:.3e} > {TOL_MAX}"
+
+
+CASES = [  # (S_q, H, K, S_kv, topk_length)
+    (1, 96, 2048, 3000, False),
+    (63, 96, 2048, 2500, True),
+    (63, 128, 100, 300, True),
+    (2049, 96, 2048, 4096, True),
+    (2049, 128, 2048, 2100, False),
+    (63, 96, 37, 50, False),
+]
+
+
+@pytest.mark.parametrize("layout", ["hk", "kh"])
+@pytest.mark.parametrize("T,H,K,S,topk", CASES, ids=[f"Sq{c[0]}-H{c[1]}-K{c[2]}-Skv{c[3]}{'-topklen' if c[4] else ''}" for c in CASES])
+def test_triton_matches_reference(T, H, K, S, topk, layout):
+    q, kv, idx, tlen = _inputs(T, H, S, K, seed=T * 7 + K + H, topk_length=topk)
+    ref = sm.sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, topk_length=tlen)
+    cfg = dict(layout=layout) if layout == "hk" else dict(layout="kh", block_k=128, num_stages=1)
+    got = sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, tlen, _out=_poisoned(T, H), **cfg)
+    _check(got, ref, f"{layout} T={T} H={H} K={K}")
+
+
+def test_public_api_shapes_and_head_splits():
+    T, H, K, S = 129, 96, 256, 700
+    q, kv, idx, tlen = _inputs(T, H, S, K, seed=11, topk_length=True)
+    ref = sm.sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, topk_length=tlen)
+    out = sm.sparse_mla_fwd(q, kv, idx, SM_SCALE, topk_length=tlen, backend="triton")  # [S,1,576] / [T,1,K]
+    _check(out, ref, "3-D shapes")
+    out2 = sm.sparse_mla_fwd(q, kv[:, 0], idx[:, 0], SM_SCALE, topk_length=tlen, backend="triton")  # 2-D forms
+    assert all(torch.equal(a, b) for a, b in zip(out, out2))
+    split = sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, tlen, head_splits=[(0, 64, 64), (64, 32, 32)],
+                                      layout="kh", block_k=128, num_stages=1, _out=_poisoned(T, H))
+    _check(split, ref, "head splits 64+32")
+
+
+def test_padded_heads_inert():
+    """Case 14: appending zero query heads (96 -> 128) leaves the real heads' outputs unchanged."""
+    T, H, K, S = 65, 96, 256, 500
+    q, kv, idx, tlen = _inputs(T, H, S, K, seed=5, topk_length=True)
+    a = sm.sparse_mla_fwd(q, kv, idx, SM_SCALE, topk_length=tlen, backend="triton")
+    q_pad = torch.cat([q, torch.zeros(T, 128 - H, sm.D_QK, device="cuda", dtype=q.dtype)], dim=1)
+    b = sm.sparse_mla_fwd(q_pad, kv, idx, SM_SCALE, topk_length=tlen, backend="triton")
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y[:, :H], rtol=1e-5, atol=1e-5)
+
+
+def test_errors_name_the_argument():
+    q = torch.randn(4, 96, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(10, 1, 576, device="cuda", dtype=torch.bfloat16)
+    idx = torch.zeros(4, 1, 64, device="cuda", dtype=torch.int32)
+    with pytest.raises(TypeError, match="indices"):
+        sm.sparse_mla_fwd(q, kv, idx.long(), SM_SCALE)
+    with pytest.raises(TypeError, match="kv"):
+        sm.sparse_mla_fwd(q, kv.float(), idx, SM_SCALE)
+    with pytest.raises(ValueError, match="q"):
+        sm.sparse_mla_fwd(q[..., :512], kv[..., :512], idx, SM_SCALE)
+    with pytest.raises(ValueError, match="device"):
+        sm.sparse_mla_fwd(q, kv.cpu(), idx, SM_SCALE)

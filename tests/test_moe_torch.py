@@ -1,0 +1,252 @@
+"""``kernels_torch.moe`` / ``kernels_torch.attn_res`` against their JAX twins with identical random weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from kimi.config import PRESETS
+from kimi.layout import param_layout
+from kernels_torch import attn_res as T_ar
+from kernels_torch import moe as T
+from reference_jax import attn_res as J_ar
+from reference_jax import moe as J
+from reference_jax.params import name_to_path
+
+TOL_FP32 = 1e-5  # torch vs JAX, fp32
+TOL_FP64 = 1e-10  # torch vs JAX, fp64
+TOL_BF16 = 3e-2  # bf16 run vs fp32 run (same bf16-exact weights and inputs)
+
+TINY = PRESETS["tiny"]()
+CONFIGS = {
+    "tiny-latent-situ": TINY,
+    "kimi-linear-standard-silu": TINY.replace(routed_expert_hidden_size=None, hidden_act="silu",
+                                              activation_situ_linear_beta=None, routed_scaling_factor=2.446,
+                                              quant_method=None),
+    "latent-no-norm-no-shared": TINY.replace(latent_moe_use_norm=False, num_shared_experts=0),
+    "softmax-no-renorm": TINY.replace(moe_router_activation_func="softmax", moe_renormalize=False),
+    "grouped-4x2": TINY.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2),
+}
+DTYPES = {"fp32": (torch.float32, jnp.float32, TOL_FP32), "fp64": (torch.float64, jnp.float64, TOL_FP64)}
+
+
+def rel_err(a, b) -> float:
+    a = a.detach().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, np.float64)
+    b = b.detach().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def layout_shapes(cfg, layer: int, prefix: str) -> dict:
+    pre = f"model.layers.{layer}.{prefix}"
+    return {s.name[len(pre):]: s.shape for s in param_layout(cfg, [layer]) if s.name.startswith(pre)}
+
+
+def random_flat(shapes: dict, seed: int) -> dict:
+    """Fresh random fp64 values per canonical name (linears ~ N(0, 1/in), norms 1 + N(0, .2), bias N(0, .1))."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("e_score_correction_bias"):
+            out[name] = 0.1 * rng.standard_normal(shape)
+        elif len(shape) == 1:
+            out[name] = 1.0 + 0.2 * rng.standard_normal(shape)
+        else:
+            out[name] = rng.standard_normal(shape) / np.sqrt(shape[-1])
+    return out
+
+
+def jax_tree(flat: dict, dtype) -> dict:
+    tree: dict = {}
+    for name, v in flat.items():
+        node = tree
+        path = name_to_path(name)
+        for seg in path[:-1]:
+            node = node.setdefault(seg, {})
+        node[path[-1]] = jnp.asarray(v, dtype)
+    return tree
+
+
+def torch_module(module: torch.nn.Module, flat: dict, dtype) -> torch.nn.Module:
+    assert set(module.state_dict()) == set(flat)
+    module = module.to(dtype)
+    module.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64)).to(dtype) for k, v in flat.items()})
+    return module
+
+
+def bf16_exact(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+# ---------------------------------------------------------------------------------------------- SiTU / GLU
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("name", ["tiny-latent-situ", "kimi-linear-standard-silu"])
+def test_glu_act_matches_jax(name, dt):
+    cfg = CONFIGS[name]
+    tdt, jdt, tol = DTYPES[dt]
+    rng = np.random.default_rng(0)
+    a, b = 8 * rng.standard_normal((3, 65)), 40 * rng.standard_normal((3, 65))
+    with jax.enable_x64(True):
+        want = J.glu_act(jnp.asarray(a, jdt), jnp.asarray(b, jdt), cfg)
+    got = T.glu_act(torch.from_numpy(a).to(tdt), torch.from_numpy(b).to(tdt), cfg)
+    assert got.dtype == tdt and rel_err(got, want) <= tol
+    for lb in (25.0, None):
+        with jax.enable_x64(True):
+            want = J.situ(jnp.asarray(a, jdt), jnp.asarray(b, jdt), 4.0, lb)
+        assert rel_err(T.situ(torch.from_numpy(a).to(tdt), torch.from_numpy(b).to(tdt), 4.0, lb), want) <= tol
+
+
+def test_situ_bf16_rounds_once_and_errors():
+    rng = np.random.default_rng(1)
+    a = torch.from_numpy(6 * rng.standard_normal((4, 33))).bfloat16()
+    b = torch.from_numpy(30 * rng.standard_normal((4, 33))).bfloat16()
+    got = T.situ(a, b)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, T.situ(a.float(), b.float()).bfloat16())
+    with pytest.raises(ValueError, match="beta"):
+        T.situ(a, b, beta=-1.0)
+    with pytest.raises(ValueError, match="shape"):
+        T.situ(a, b[:, :-1])
+
+
+# ---------------------------------------------------------------------------------------------- router
+
+
+def test_topk_ties_lower_index_first():
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.5] * 5, [0.0] * 5])
+    assert T.topk_ids(scores, 3).tolist() == [[1, 2, 4], [0, 1, 2], [0, 1, 2]]
+    cfg = TINY.replace(num_experts=6, num_experts_per_token=3)
+    W = [[0.5], [1.0], [0.5], [1.0], [1.0], [0.25]]  # D = 1: equal rows give bitwise-equal logits
+    x = [[2.0], [-2.0]]
+    ids_t, _ = T.route(torch.tensor(x), torch.tensor(W), torch.zeros(6), cfg)
+    ids_j, _ = J.route(jnp.asarray(x), jnp.asarray(W), jnp.zeros(6), cfg)
+    assert ids_t.tolist() == np.asarray(ids_j).tolist() == [[1, 3, 4], [5, 0, 2]]
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("name", list(CONFIGS), ids=list(CONFIGS))
+def test_route_matches_jax(name, dt):
+    cfg = CONFIGS[name]
+    tdt, jdt, tol = DTYPES[dt]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((37, cfg.hidden_size))
+    W = rng.standard_normal((cfg.num_experts, cfg.hidden_size)) / np.sqrt(cfg.hidden_size)
+    bias = 0.1 * rng.standard_normal(cfg.num_experts)
+    with jax.enable_x64(True):
+        ids_j, w_j = J.route(jnp.asarray(x, jdt), jnp.asarray(W, jdt), jnp.asarray(bias, jdt), cfg)
+    ids_t, w_t = T.route(torch.from_numpy(x).to(tdt), torch.from_numpy(W).to(tdt), torch.from_numpy(bias).to(tdt), cfg)
+    assert ids_t.dtype == torch.int64 and w_t.dtype == tdt
+    np.testing.assert_array_equal(ids_t.numpy(), np.asarray(ids_j))
+    assert rel_err(w_t, w_j) <= tol
+
+
+def test_route_bias_selects_only_and_renormalises():
+    cfg = TINY.replace(routed_scaling_factor=2.446)
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((29, cfg.hidden_size))).float()
+    W = torch.from_numpy(rng.standard_normal((cfg.num_experts, cfg.hidden_size))).float() / cfg.hidden_size ** 0.5
+    bias = torch.zeros(cfg.num_experts)
+    bias[6] = 10.0
+    ids, w = T.route(x, W, bias, cfg)
+    assert bool((ids[:, 0] == 6).all())
+    s = torch.sigmoid(x @ W.T).gather(-1, ids)
+    assert rel_err(w, 2.446 * s / s.sum(-1, keepdim=True)) <= 1e-6
+    assert float((w.sum(-1) / 2.446 - 1).abs().max()) <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+@pytest.mark.parametrize("name", list(CONFIGS), ids=list(CONFIGS))
+def test_state_dict_keys_match_layout(name):
+    cfg = CONFIGS[name]
+    sd = T.KimiMoE(cfg).state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == layout_shapes(cfg, 1, "block_sparse_moe.")
+    assert sd["gate.e_score_correction_bias"].dtype == torch.float32
+    sd = T.DenseMLP(cfg, cfg.intermediate_size).state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == layout_shapes(cfg, 0, "mlp.")
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("name", ["tiny-latent-situ", "kimi-linear-standard-silu"])
+def test_dense_mlp_matches_jax(name, dt):
+    cfg = CONFIGS[name]
+    tdt, jdt, tol = DTYPES[dt]
+    P = random_flat(layout_shapes(cfg, 0, "mlp."), seed=4)
+    x = 3 * np.random.default_rng(5).standard_normal((2, 7, cfg.hidden_size))
+    with jax.enable_x64(True):
+        want = J.DenseMLP(cfg, cfg.intermediate_size).apply({"params": jax_tree(P, jdt)}, jnp.asarray(x, jdt))
+    got = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), P, tdt)(torch.from_numpy(x).to(tdt))
+    assert got.dtype == tdt and rel_err(got, want) <= tol
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("name", list(CONFIGS), ids=list(CONFIGS))
+def test_moe_matches_jax(name, dt):
+    cfg = CONFIGS[name]
+    tdt, jdt, tol = DTYPES[dt]
+    P = random_flat(layout_shapes(cfg, 1, "block_sparse_moe."), seed=6)
+    x = 2 * np.random.default_rng(7).standard_normal((2, 7, cfg.hidden_size))
+    with jax.enable_x64(True):
+        want = J.KimiMoE(cfg).apply({"params": jax_tree(P, jdt)}, jnp.asarray(x, jdt))
+    got = torch_module(T.KimiMoE(cfg), P, tdt)(torch.from_numpy(x).to(tdt))
+    assert got.dtype == tdt and got.shape == x.shape
+    assert rel_err(got, want) <= tol
+
+
+def test_moe_bf16_close_to_fp32_and_to_jax_bf16():
+    """The tiny preset's MoE layer in bf16 (weights and activations) against the same bf16-exact numbers in fp32."""
+    cfg = TINY
+    P = {k: bf16_exact(v) for k, v in random_flat(layout_shapes(cfg, 1, "block_sparse_moe."), seed=8).items()}
+    x = bf16_exact(np.random.default_rng(9).standard_normal((2, 11, cfg.hidden_size)))
+    y32 = torch_module(T.KimiMoE(cfg), P, torch.float32)(torch.from_numpy(x).float())
+    y16 = torch_module(T.KimiMoE(cfg), P, torch.bfloat16)(torch.from_numpy(x).bfloat16())
+    assert y16.dtype == torch.bfloat16
+    assert rel_err(y16, y32) <= TOL_BF16
+    j16 = J.KimiMoE(cfg).apply({"params": jax_tree(P, jnp.bfloat16)}, jnp.asarray(x, jnp.bfloat16))
+    assert rel_err(y16, np.asarray(j16.astype(jnp.float32))) <= TOL_BF16
+    # dense MLP too
+    Pm = {k: bf16_exact(v) for k, v in random_flat(layout_shapes(cfg, 0, "mlp."), seed=10).items()}
+    m32 = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), Pm, torch.float32)(torch.from_numpy(x).float())
+    m16 = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), Pm, torch.bfloat16)(torch.from_numpy(x).bfloat16())
+    assert rel_err(m16, m32) <= TOL_BF16
+
+
+# ---------------------------------------------------------------------------------------------- AttnRes
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("M", [1, 3, 9], ids=["M1", "M3", "M9"])
+def test_attn_res_mix_matches_jax(M, dt):
+    tdt, jdt, tol = DTYPES[dt]
+    rng = np.random.default_rng(M)
+    V = rng.standard_normal((M, 2, 5, 24)) * rng.uniform(0.2, 20.0, (M, 1, 1, 1))
+    n, p = 1.0 + 0.3 * rng.standard_normal(24), rng.standard_normal((1, 24))
+    with jax.enable_x64(True):
+        want = J_ar.attn_res_mix([jnp.asarray(v, jdt) for v in V], jnp.asarray(n, jdt), jnp.asarray(p, jdt))
+        want_pi = J_ar.attn_res_weights(jnp.asarray(V, jdt), jnp.asarray(n, jdt), jnp.asarray(p, jdt))
+    Vt = [torch.from_numpy(v).to(tdt) for v in V]
+    got = T_ar.attn_res_mix(Vt, torch.from_numpy(n).to(tdt), torch.nn.Parameter(torch.from_numpy(p).to(tdt)))
+    got_pi = T_ar.attn_res_weights(torch.stack(Vt), torch.from_numpy(n).to(tdt), torch.from_numpy(p).to(tdt))
+    assert got.dtype == tdt and got.shape == V.shape[1:]
+    assert rel_err(got, want) <= tol and rel_err(got_pi, want_pi) <= tol
+    if M == 1:
+        assert torch.equal(got, Vt[0])
+
+
+def test_attn_res_mix_bf16():
+    rng = np.random.default_rng(11)
+    V = torch.from_numpy(rng.standard_normal((4, 2, 5, 24)) * rng.uniform(0.2, 20.0, (4, 1, 1, 1))).bfloat16()
+    n = torch.from_numpy(1.0 + 0.3 * rng.standard_normal(24)).bfloat16()
+    p = torch.from_numpy(rng.standard_normal((1, 24))).bfloat16()
+    got = T_ar.attn_res_mix(V, n, p)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, T_ar.attn_res_mix(V.float(), n.float(), p.float()).bfloat16())  # fp32 math, one rounding
+    with pytest.raises(ValueError, match="no sources"):
+        T_ar.attn_res_mix([], n, p)
+    with pytest.raises(ValueError, match="proj_weight"):
+        T_ar.attn_res_mix(V, n, p[:, :-1])

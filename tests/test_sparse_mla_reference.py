@@ -1,0 +1,118 @@
+"""CPU checks of ``sparse_mla_fwd_reference`` (the oracle) against a dense-mask softmax in fp64 (spec 4.3, cases 12-15)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels_torch.ops.sparse_mla import sparse_mla_fwd, sparse_mla_fwd_reference
+
+SM_SCALE = 192 ** -0.5  # spec 3.3: 192^-1/2 in both forms, not d_qk^-1/2
+TOL_OUT = 1e-6  # relative, reference (fp32) vs dense fp64
+TOL_LSE = 1e-6
+
+
+def _dense(q, kv, indices, sm_scale, topk_length, d_v):
+    """Dense-mask oracle in fp64: additive 0/-inf mask over all S keys built from the selected ids."""
+    T, H, D = q.shape
+    S, K = kv.shape[0], indices.shape[-1]
+    idx = indices.reshape(T, K).long()
+    keep = (idx >= 0) & (idx < S)
+    if topk_length is not None:
+        keep &= torch.arange(K)[None, :] < topk_length[:, None].long()
+    mask = torch.zeros(T, S, dtype=torch.bool)
+    rows = torch.arange(T)[:, None].expand(T, K)
+    mask[rows[keep], idx[keep]] = True  # duplicate ids would count once here: tests draw distinct ids
+    logits = torch.einsum("thd,sd->ths", q.double(), kv.reshape(S, D).double()) * sm_scale
+    logits = logits.masked_fill(~mask[:, None, :], -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(logits - lse.masked_fill(empty, math.inf)[..., None])
+    out = torch.einsum("ths,sv->thv", p, kv.reshape(S, D)[:, :d_v].double())
+    return out, logits.amax(-1), lse.masked_fill(empty, math.inf)
+
+
+def _inputs(T, H, S, K, D, d_v, seed, dtype=torch.float32, topk=False, kv3=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g, dtype=dtype)
+    kv = torch.randn(S, 1, D, generator=g, dtype=dtype) if kv3 else torch.randn(S, D, generator=g, dtype=dtype)
+    idx = torch.stack([torch.randperm(S + 8, generator=g)[:K] for _ in range(T)]).to(torch.int32) - 4  # ids in [-4, S+4)
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1  # -1 holes
+    idx[0] = -1  # an empty row
+    if T > 2:
+        idx[1, : K // 2] = S + 3  # leading block all out of range, valid keys after it
+    tlen = None
+    if topk:
+        tlen = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
+        tlen[-1] = 0
+    return q, kv, idx, tlen
+
+
+@pytest.mark.parametrize("T,H,S,K,D,d_v,topk", [(5, 3, 40, 16, 24, 16, False), (7, 4, 33, 20, 20, 12, True),
+                                                 (4, 2, 10, 10, 8, 8, False)], ids=["plain", "topk_length", "K_eq_S"])
+def test_reference_matches_dense_mask(T, H, S, K, D, d_v, topk):
+    q, kv, idx, tlen = _inputs(T, H, S, K, D, d_v, seed=T * 100 + K, topk=topk, kv3=(D != 20))
+    out, mx, lse = sparse_mla_fwd_reference(q, kv, idx[:, None, :], SM_SCALE, topk_length=tlen, d_v=d_v)
+    out_d, mx_d, lse_d = _dense(q, kv, idx, SM_SCALE, tlen, d_v)
+    assert out.shape == (T, H, d_v) and lse.shape == (T, H) and mx.shape == (T, H)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any() and not torch.isnan(mx).any()
+    rel = (out.double() - out_d).norm() / out_d.norm().clamp_min(1e-30)  # norm 0 when every row is empty
+    assert rel <= TOL_OUT, f"out rel err {rel:.2e} > {TOL_OUT}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_d)) and torch.equal(torch.isinf(mx), torch.isinf(mx_d))
+    fin = torch.isfinite(lse_d)
+    assert torch.allclose(lse.double()[fin], lse_d[fin], rtol=TOL_LSE, atol=TOL_LSE)
+    assert torch.allclose(mx.double()[fin], mx_d[fin], rtol=TOL_LSE, atol=TOL_LSE)
+
+
+def test_reference_empty_rows_and_topk_length_zero():
+    q, kv, idx, _ = _inputs(4, 2, 12, 6, 8, 8, seed=3)
+    tlen = torch.tensor([6, 0, 6, 1], dtype=torch.int32)
+    idx[2] = 12  # all out of range
+    kv[:, 0, :] = kv[:, 0, :]
+    out, mx, lse = sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, topk_length=tlen, d_v=8)
+    for t in (0, 1, 2):  # row 0: all -1; row 1: topk_length 0; row 2: all ids >= S
+        assert torch.equal(out[t], torch.zeros_like(out[t]))
+        assert torch.isposinf(lse[t]).all() and torch.isneginf(mx[t]).all()
+    assert torch.isfinite(lse[3]).all() or (idx[3, 0] < 0 or idx[3, 0] >= 12)
+
+
+def test_reference_ignores_ids_past_topk_length_even_nan_rows():
+    q, kv, idx, _ = _inputs(3, 2, 16, 8, 8, 8, seed=5)
+    idx = torch.arange(8, dtype=torch.int32).repeat(3, 1)
+    kv_nan = kv.clone()
+    kv_nan[4:8] = float("nan")  # keys only reachable past topk_length
+    tlen = torch.tensor([4, 4, 4], dtype=torch.int32)
+    a = sparse_mla_fwd_reference(q, kv_nan, idx, SM_SCALE, topk_length=tlen, d_v=8)
+    b = sparse_mla_fwd_reference(q, kv, idx[:, :4], SM_SCALE, d_v=8)
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y)
+
+
+def test_padded_heads_are_inert():
+    """Case 14: zero query heads appended (96 -> 128 style) change no real head."""
+    q, kv, idx, tlen = _inputs(4, 3, 20, 8, 16, 8, seed=7, topk=True)
+    a = sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, tlen, d_v=8)
+    q_pad = torch.cat([q, torch.zeros(4, 5, 16)], dim=1)
+    b = sparse_mla_fwd_reference(q_pad, kv, idx, SM_SCALE, tlen, d_v=8)
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y[:, :3], rtol=1e-6, atol=1e-6)
+
+
+def test_argument_errors_name_the_argument():
+    q = torch.randn(2, 3, 576, dtype=torch.bfloat16)
+    kv = torch.randn(5, 1, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv"):
+        sparse_mla_fwd_reference(q, torch.randn(5, 2, 576), idx, SM_SCALE)
+    with pytest.raises(ValueError, match="indices"):
+        sparse_mla_fwd_reference(q, kv, torch.zeros(3, 4, dtype=torch.int32), SM_SCALE)
+    with pytest.raises(TypeError, match="indices"):
+        sparse_mla_fwd_reference(q, kv, idx.float(), SM_SCALE)
+    with pytest.raises(ValueError, match="topk_length"):
+        sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, topk_length=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="q"):
+        sparse_mla_fwd(q.float(), kv, idx, SM_SCALE)
+    with pytest.raises(ValueError, match="CUDA"):
+        sparse_mla_fwd(q, kv, idx, SM_SCALE, backend="triton")
