@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -119,11 +118,12 @@ def main():
             torch.cuda.synchronize()
             comp_s = time.perf_counter() - t0
             rel = ((out[:1024].float() - ref).norm() / ref.norm()).item()
-            stats = dict(n_regs=[getattr(k, "n_regs", None) for k in kernels], n_spills=[getattr(k, "n_spills", None) for k in kernels],
+            stats = dict(n_regs=[getattr(k, "n_regs", None) for k in kernels],
+                         n_spills=[getattr(k, "n_spills", None) for k in kernels],
                          shared=[k.metadata.shared for k in kernels], rel_err_vs_torch=float(f"{rel:.2e}"),
                          compile_s=round(comp_s, 1))
             ms = time_ms(lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg))
-            r = row(S0, ms, f"triton {name}", sweep=True, **stats)
+            row(S0, ms, f"triton {name}", sweep=True, **stats)
             if rel < 2e-2 and (best is None or ms < best[1]):
                 best = (name, ms)
         except Exception as e:  # a variant that does not compile or fit is reported, not fatal

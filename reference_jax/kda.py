@@ -108,6 +108,10 @@ def _conv_weight(weight: jax.Array, C: int) -> jax.Array:
     raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [C, 1, W] or [C, W] with C={C}")
 
 
+# The jax.jit decorations in this file only cache compilations across calls of the same shapes (eager op-by-op
+# dispatch and an eager lax.scan recompile on every call); they change no numerics, and every public function stays
+# plain jax.numpy and jit-compatible.
+@jax.jit
 def _conv_one(x: jax.Array, w: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One run without boundaries: x ``[B, T, C]``, w ``[C, W]`` (compute dtype), state ``[B, C, W-1]``."""
     T = x.shape[1]
@@ -245,17 +249,21 @@ def _delta_step(S, q_t, k_t, v_t, g_t, b_t):
     return S, o
 
 
-# jax.jit here only caches the compiled scan across calls of the same shapes (an eager lax.scan recompiles every
-# call); it changes no numerics.
-@jax.jit
-def _scan_tokens(S0, q, k, v, g, beta):
-    """Time-major inputs ``[T, B, ...]``; returns (S ``[B,H,K,V]``, o ``[T,B,H,V]``)."""
-    return jax.lax.scan(lambda S, inp: _delta_step(S, *inp), S0, (q, k, v, g, beta))
+@functools.partial(jax.jit, static_argnames="out_dtype")
+def _scan_tokens(S0, q, k, v, g, beta, scale, out_dtype):
+    """All runs start at t = 0 from S0 ``[B,H,K,V]``. Returns o ``[B,T,H,V]`` (out_dtype), S ``[B,H,K,V]``."""
+    xs = [jnp.moveaxis(x.astype(S0.dtype), 1, 0) for x in (q, k, v, g, beta)]  # time-major [T, B, ...]
+    xs[0] = xs[0] * scale.astype(S0.dtype)  # q pre-scaled: o_t = Sᵀ (scale q_t)
+    S, o = jax.lax.scan(lambda S, inp: _delta_step(S, *inp), S0, tuple(xs))
+    return jnp.moveaxis(o, 0, 1).astype(out_dtype), S
 
 
-@jax.jit
-def _scan_tokens_packed(S0, start, doc, q, k, v, g, beta):
-    """B = 1 with documents: reset to ``S0[doc]`` where ``start``; record each document's last state."""
+@functools.partial(jax.jit, static_argnames="out_dtype")
+def _scan_tokens_packed(S0, start, doc, q, k, v, g, beta, scale, out_dtype):
+    """B = 1 with N documents: the state restarts from ``S0[doc]`` where ``start``; S ``[N,H,K,V]`` records each
+    document's last state."""
+    xs = [jnp.moveaxis(x.astype(S0.dtype), 1, 0) for x in (q, k, v, g, beta)]
+    xs[0] = xs[0] * scale.astype(S0.dtype)
 
     def step(carry, inp):
         S, S_fin = carry
@@ -264,8 +272,8 @@ def _scan_tokens_packed(S0, start, doc, q, k, v, g, beta):
         S, o = _delta_step(S, q_t, k_t, v_t, g_t, b_t)
         return (S, S_fin.at[n].set(S[0])), o
 
-    (_, S), o = jax.lax.scan(step, (S0[:1], S0), (start, doc, q, k, v, g, beta))
-    return S, o
+    (_, S), o = jax.lax.scan(step, (S0[:1], S0), (start, doc, *xs))
+    return jnp.moveaxis(o, 0, 1).astype(out_dtype), S
 
 
 def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None):
@@ -294,76 +302,86 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
     S0 = _initial_state(initial_state, N, H, K, V, dt)
-    # Time-major inputs for the scan: [T, B, ...]; q pre-scaled so that o_t = Sᵀ (scale q_t).
-    xs = [jnp.moveaxis(x.astype(dt), 1, 0) for x in (q, k, v, g, beta)]
-    xs[0] = xs[0] * jnp.asarray(scale, dt)
+    scale = jnp.asarray(scale, dt)
     if cu is None:
-        S, o = _scan_tokens(S0, *xs)
-    else:
-        doc = np.searchsorted(cu[1:], np.arange(T), side="right")  # [T] document of each token
-        start = np.zeros(T, bool)
-        start[cu[:-1]] = True  # first token of a document: the state restarts from that document's initial state
-        S, o = _scan_tokens_packed(S0, jnp.asarray(start), jnp.asarray(doc, jnp.int32), *xs)
-    return jnp.moveaxis(o, 0, 1).astype(v.dtype), S
+        return _scan_tokens(S0, q, k, v, g, beta, scale, out_dtype=v.dtype)
+    doc = np.searchsorted(cu[1:], np.arange(T), side="right")  # [T] document of each token
+    start = np.zeros(T, bool)
+    start[cu[:-1]] = True  # first token of a document: the state restarts from that document's initial state
+    return _scan_tokens_packed(S0, jnp.asarray(start), jnp.asarray(doc, jnp.int32), q, k, v, g, beta, scale, out_dtype=v.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ chunked form
 
 
-@functools.partial(jax.jit, static_argnames="C")  # compile cache only, as for _scan_tokens
-def _chunk_run(q, k, v, g, beta, S0, C: int):
-    """Chunked algorithm over one run without boundaries. q (pre-scaled), k, g ``[B,T,H,K]``; v ``[B,T,H,V]``;
-    beta ``[B,T,H]``; S0 ``[B,H,K,V]``; all in the compute dtype. Returns o ``[B,T,H,V]``, S ``[B,H,K,V]``."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    NT = -(-T // C)
-    pad = NT * C - T
-    # Zero padding at the end is inert: k = 0 and beta = 0 write nothing, g = 0 decays nothing, so the final state
-    # is unchanged and the padded outputs are dropped.
-    def chunks(x):  # [B,T,H,...] -> [NT, B, H, C, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(B, NT, C, *x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
+@jax.jit  # one compile per [B, H, C, K, V] and dtype, whatever T is
+def _chunk_step(S, q_c, k_c, v_c, g_c, b_c):
+    """One chunk of spec 2.3. S ``[B,H,K,V]``; q_c (pre-scaled), k_c, g_c ``[B,H,C,K]``; v_c ``[B,H,C,V]``;
+    b_c ``[B,H,C]``. Returns (S after the chunk, o_c ``[B,H,C,V]``)."""
+    C = q_c.shape[-2]
     i = jnp.arange(C)
     causal = i[:, None] >= i[None, :]  # j <= i
     strict = i[:, None] > i[None, :]  # j < i
-    eye = jnp.eye(C, dtype=q.dtype)
-    neg_inf = jnp.asarray(-jnp.inf, q.dtype)
+    G = jnp.cumsum(g_c, axis=-2)  # within-chunk cumulative log-decay, <= 0 and decreasing
+    # Only differences G_i - G_j with j <= i are exponentiated (<= 0, so <= 1): the span of G over a chunk can
+    # reach 64 * 5 = 320 > 88, and exp(-G) alone would overflow fp32 (spec 2.3, case 6). The j > i entries are
+    # masked to -inf *before* exp. exp(G) below is exp(G_i - G_start) with G_start = 0, also a difference.
+    diff = jnp.where(causal[:, :, None], G[..., :, None, :] - G[..., None, :, :], -jnp.inf)  # [B,H,C,C,K]
+    decay = jnp.exp(diff)
+    A_kk = jnp.einsum("bhik,bhjk,bhijk->bhij", k_c, k_c, decay) * b_c[..., :, None]
+    A_kk = jnp.where(strict, A_kk, 0)  # beta_i k_i·(exp(G_i - G_j) k_j) for j < i
+    A_qk = jnp.einsum("bhik,bhjk,bhijk->bhij", q_c, k_c, decay)  # j <= i (decay is 0 above the diagonal)
+    # WY form: (I + A_kk) delta = beta (v - (exp(G) k) S), solved by forward substitution (unit lower triangular):
+    # w = (I + A_kk)^-1 beta exp(G) k, u = (I + A_kk)^-1 beta v, delta = v_new = u - w S.
+    L = jnp.eye(C, dtype=q_c.dtype) + A_kk
+    w = jax.lax.linalg.triangular_solve(L, b_c[..., None] * (jnp.exp(G) * k_c), left_side=True, lower=True, unit_diagonal=True)
+    u = jax.lax.linalg.triangular_solve(L, b_c[..., None] * v_c, left_side=True, lower=True, unit_diagonal=True)
+    v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, S)  # effective values written by the chunk
+    o_c = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G), S) + jnp.einsum("bhij,bhjv->bhiv", A_qk, v_new)
+    G_last = G[..., -1:, :]  # [B,H,1,K]
+    S = S * jnp.exp(G_last)[..., 0, :, None] + jnp.einsum("bhck,bhcv->bhkv", jnp.exp(G_last - G) * k_c, v_new)
+    return S, o_c
 
-    def step(S, inp):
-        q_c, k_c, v_c, g_c, b_c = inp  # [B,H,C,K] x3 (q,k,g), [B,H,C,V], [B,H,C]
-        G = jnp.cumsum(g_c, axis=-2)  # within-chunk cumulative log-decay, <= 0 and decreasing
-        # Only differences G_i - G_j with j <= i are exponentiated (<= 0, so <= 1): the span of G over a chunk can
-        # reach 64 * 5 = 320 > 88, and exp(-G) alone would overflow fp32 (spec 2.3, case 6). The j > i entries are
-        # masked to -inf *before* exp. exp(G) below is exp(G_i - G_start) with G_start = 0, also a difference.
-        diff = jnp.where(causal[:, :, None], G[..., :, None, :] - G[..., None, :, :], neg_inf)  # [B,H,C,C,K]
-        decay = jnp.exp(diff)
-        A_kk = jnp.einsum("bhik,bhjk,bhijk->bhij", k_c, k_c, decay) * b_c[..., :, None]
-        A_kk = jnp.where(strict, A_kk, 0)  # beta_i k_i·(exp(G_i-G_j) k_j), j < i
-        A_qk = jnp.einsum("bhik,bhjk,bhijk->bhij", q_c, k_c, decay)  # j <= i (decay is 0 above the diagonal)
-        # WY form: (I + A_kk) delta = beta (v - (exp(G) k) S). Solve by forward substitution (unit lower triangular).
-        L = eye + A_kk
-        rhs_w = b_c[..., None] * (jnp.exp(G) * k_c)  # [B,H,C,K]
-        rhs_u = b_c[..., None] * v_c  # [B,H,C,V]
-        w = jax.lax.linalg.triangular_solve(L, rhs_w, left_side=True, lower=True, unit_diagonal=True)
-        u = jax.lax.linalg.triangular_solve(L, rhs_u, left_side=True, lower=True, unit_diagonal=True)
-        v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, S)  # effective values written by the chunk
-        o_c = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G), S) + jnp.einsum("bhij,bhjv->bhiv", A_qk, v_new)
-        G_last = G[..., -1:, :]  # [B,H,1,K]
-        S = S * jnp.exp(G_last)[..., 0, :, None] + jnp.einsum("bhck,bhcv->bhkv", jnp.exp(G_last - G) * k_c, v_new)
-        return S, o_c
 
-    S, o = jax.lax.scan(step, S0, tuple(chunks(x) for x in (q, k, v, g, beta)))  # o [NT,B,H,C,V]
-    o = jnp.moveaxis(o, 0, 1)  # [B,NT,H,C,V]
-    o = jnp.swapaxes(o, 2, 3).reshape(B, NT * C, H, V)[:, :T]
-    return o, S
+def _to_chunks(x, bounds, C: int):
+    """``[B, T, H, ...]`` -> chunk-major ``[NT, B, H, C, ...]``. Each run ``(s, e)`` of
+    ``bounds`` (a document, or the whole sequence) is zero-padded to a multiple of C on its own, so no chunk
+    straddles a document boundary.
+
+    The padding is inert: k = 0 and beta = 0 write nothing and g = 0 decays nothing, so the state passes through
+    unchanged; the padded outputs are dropped by :func:`_from_chunks`."""
+    parts = []
+    for s, e in bounds:
+        xs = x[:, s:e]
+        nt = -(-(e - s) // C)
+        xs = jnp.pad(xs, [(0, 0), (0, nt * C - (e - s))] + [(0, 0)] * (x.ndim - 2))
+        parts.append(jnp.moveaxis(xs.reshape(x.shape[0], nt, C, *x.shape[2:]), (1, 3), (0, 2)))
+    return jnp.concatenate(parts, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("bounds", "C", "dtype"))
+def _chunk_inputs(q, k, v, g, beta, scale, bounds, C: int, dtype):
+    """Cast to the compute dtype, pre-scale q, and lay all five inputs out in chunks (:func:`_to_chunks`)."""
+    q = q.astype(dtype) * scale.astype(dtype)
+    return tuple(_to_chunks(x.astype(dtype), bounds, C) for x in (q, k, v, g, beta))
+
+
+@functools.partial(jax.jit, static_argnames=("bounds", "C", "dtype"))
+def _from_chunks(o, bounds, C: int, dtype):
+    """Inverse of :func:`_to_chunks` for the output: ``[NT, B, H, C, V]`` -> ``[B, T, H, V]`` in ``dtype``."""
+    outs, c = [], 0
+    for s, e in bounds:
+        nt = -(-(e - s) // C)
+        blk = jnp.moveaxis(o[c : c + nt], (0, 2), (1, 3))  # [B, nt, C, H, V]
+        outs.append(blk.reshape(blk.shape[0], nt * C, *blk.shape[3:])[:, : e - s])
+        c += nt
+    return jnp.concatenate(outs, axis=1).astype(dtype)
 
 
 def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None, chunk_size: int = 64):
     """Gated delta rule, chunked WY algorithm (spec 2.3; fla ``fla/ops/kda/naive.py`` ``naive_chunk_kda`` and
     ``fla/ops/kda/chunk.py``). Same arguments, shapes, dtypes and errors as :func:`kda_recurrent`, plus ``chunk_size``
-    (any positive integer; it need not divide T; a sequence shorter than it is one chunk).
+    (any positive integer; it need not divide T: the tail is zero-padded, which is inert).
 
     Per chunk of C tokens with ``G = cumsum(g)`` inside the chunk:
     ``A_kk[i,j] = beta_i Σ_d k_id k_jd exp(G_id - G_jd)`` (j < i); ``w, u = (I + A_kk)^-1 beta (exp(G) k, v)``;
@@ -382,19 +400,20 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
     S0 = _initial_state(initial_state, N, H, K, V, dt)
-    q, k, v, g, beta = (x.astype(dt) for x in (q, k, v, g, beta))
-    q = q * jnp.asarray(scale, dt)
-    if cu is None:
-        o, S = _chunk_run(q, k, v, g, beta, S0, min(int(chunk_size), T))
-    else:
-        os_, Ss = [], []
-        for n in range(N):
-            s, e = int(cu[n]), int(cu[n + 1])
-            o_n, S_n = _chunk_run(*(x[:, s:e] for x in (q, k, v, g, beta)), S0[n : n + 1], min(int(chunk_size), e - s))
-            os_.append(o_n)
-            Ss.append(S_n)
-        o, S = jnp.concatenate(os_, axis=1), jnp.concatenate(Ss, axis=0)
-    return o.astype(v.dtype), S
+    C = int(chunk_size)
+    bounds = ((0, T),) if cu is None else tuple((int(a), int(b)) for a, b in zip(cu[:-1], cu[1:]))
+    # [NT, B, H, C, *] each; q pre-scaled
+    qc, kc, vc, gc, bc = _chunk_inputs(q, k, v, g, beta, jnp.asarray(scale, dt), bounds, C, dt)
+    outs, finals, c = [], [], 0
+    for n, (s, e) in enumerate(bounds):
+        S = S0 if cu is None else S0[n][None]  # every document restarts from its own initial state
+        for _ in range(-(-(e - s) // C)):  # the inter-chunk recurrence: the state is handed from chunk to chunk
+            S, o_c = _chunk_step(S, qc[c], kc[c], vc[c], gc[c], bc[c])
+            outs.append(o_c)
+            c += 1
+        finals.append(S)
+    o = _from_chunks(jnp.stack(outs), bounds, C, v.dtype)
+    return o, (finals[0] if cu is None else jnp.concatenate(finals, axis=0))
 
 
 # ------------------------------------------------------------------------------------------------ the layer

@@ -264,7 +264,7 @@ class KimiMoE(nn.Module):
 
         if c.has_latent_moe:  # step 7: norm after the combine, then back up to D
             if c.latent_moe_use_norm:
-                r = r
+                r = self.routed_expert_norm(r)
             r = self.routed_expert_up_proj(r)  # [B, T, D]
         if c.num_shared_experts:  # steps 8-9: shared experts on the un-projected x
             r = r + self.shared_experts(x)

@@ -171,9 +171,8 @@ def run_layer(cfg, layer, p, x, dtype, cu_seqlens=None, **kw):
     return f(to_tree(p, dtype), jnp.asarray(x, dtype))
 
 
-@pytest.mark.parametrize("T", [1, 65, 200], ids=lambda t: f"T{t}")
-@pytest.mark.parametrize("kind", ["dsa", "mla"])
-def test_layer_matches_spec_and_forms_agree(T, kind):
+@pytest.mark.parametrize("kind,T", [("dsa", 65), ("dsa", 200), ("mla", 65)], ids=lambda v: str(v))
+def test_layer_matches_spec_and_forms_agree(kind, T):
     """Module == numpy spec 3.2 (fp64); absorbed == expanded (fp64 and fp32), K != V."""
     cfg = load_config("tiny")
     if kind == "mla":
@@ -200,8 +199,8 @@ def test_layer_matches_spec_and_forms_agree(T, kind):
     assert rel_err(o32, out) <= TOL_FORMS_FP32
 
 
-@pytest.mark.parametrize("T", [1, 63, 64], ids=lambda t: f"T{t}")
-@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+@pytest.mark.parametrize("T,form", [(1, "expanded"), (63, "expanded"), (64, "expanded"), (64, "absorbed")],
+                         ids=lambda v: str(v))
 def test_dsa_short_sequence_equals_dense_exactly(T, form):
     """T <= index_topk: every visible key is selected, so DSA == dense causal MLA bit for bit (spec 4.3, case 9)."""
     cfg = load_config("tiny")
@@ -238,9 +237,9 @@ def test_dsa_long_sequence_is_sparse_and_causal(T):
     assert rel_err(out[k:], dense[k:]) > 1e-3  # the others really are sparse
 
 
-@pytest.mark.parametrize("form", ["expanded", "absorbed"])
-@pytest.mark.parametrize("kind", ["dsa", "mla"])
-def test_packed_documents_equal_separate_runs(form, kind):
+@pytest.mark.parametrize("kind,form", [("dsa", "expanded"), ("dsa", "absorbed"), ("mla", "expanded")],
+                         ids=lambda v: str(v))
+def test_packed_documents_equal_separate_runs(kind, form):
     cfg = load_config("tiny")
     if kind == "mla":
         cfg = cfg.replace(dsa_layers=())
@@ -272,14 +271,14 @@ def test_param_tree_matches_layout():
     cfg = load_config("tiny")
     for c in (cfg, cfg.replace(dsa_layers=()), cfg.replace(q_lora_rank=None, mla_use_output_gate=False, dsa_layers=())):
         x = jnp.ones((1, 3, c.hidden_size))
-        params = GatedMLA(c, DSA).init(jax.random.PRNGKey(0), x)["params"]
+        params = jax.eval_shape(GatedMLA(c, DSA).init, jax.random.PRNGKey(0), x)["params"]  # shapes only
         got = {".".join(str(k.key) for k in path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
         pre = f"model.layers.{DSA}.self_attn."
         want = {s.name[len(pre):]: s.shape for s in param_layout(c, [DSA]) if s.name.startswith(pre)}
         assert got == want
 
 
-@pytest.mark.parametrize("T", [1, 63, 200], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("T", [63, 200], ids=lambda t: f"T{t}")
 def test_kimi_linear_config(T):
     """q_lora_rank None (plain q_proj), no output gate, no indexer."""
     cfg = load_config("tiny").replace(q_lora_rank=None, mla_use_output_gate=False, dsa_layers=())
@@ -302,7 +301,7 @@ def test_output_gate_is_mla_gate_case18():
     assert g[f"model.layers.{KDA}.self_attn.g_proj.weight"] == (cfg.kda_num_heads * cfg.kda_head_dim, cfg.hidden_size)
     x = jnp.ones((1, 3, cfg.hidden_size))
     with pytest.raises(ValueError, match="layer_idx"):
-        GatedMLA(cfg, KDA).init(jax.random.PRNGKey(0), x)
+        jax.eval_shape(GatedMLA(cfg, KDA).init, jax.random.PRNGKey(0), x)
     # the gate matters: zeroing g_proj halves o exactly (sigmoid(0) = 1/2), so the output halves
     rng = np.random.default_rng(4)
     c = cfg.replace(dsa_layers=())
@@ -320,10 +319,10 @@ def test_bad_arguments():
     cfg = load_config("tiny")
     x = jnp.ones((1, 4, cfg.hidden_size))
     m = GatedMLA(cfg, DSA)
-    params = m.init(jax.random.PRNGKey(0), x)
+    params = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)  # shapes only: the errors come before any math
     with pytest.raises(ValueError, match="form"):
-        m.apply(params, x, form="flash")
+        jax.eval_shape(lambda p: m.apply(p, x, form="flash"), params)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        m.apply(params, jnp.ones((2, 4, cfg.hidden_size)), cu_seqlens=np.array([0, 2, 4]))
+        jax.eval_shape(lambda p: m.apply(p, jnp.ones((2, 4, cfg.hidden_size)), cu_seqlens=np.array([0, 2, 4])), params)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        m.apply(params, x, cu_seqlens=np.array([0, 2, 5]))
+        jax.eval_shape(lambda p: m.apply(p, x, cu_seqlens=np.array([0, 2, 5])), params)

@@ -70,12 +70,10 @@ def test_reference_empty_rows_and_topk_length_zero():
     q, kv, idx, _ = _inputs(4, 2, 12, 6, 8, 8, seed=3)
     tlen = torch.tensor([6, 0, 6, 1], dtype=torch.int32)
     idx[2] = 12  # all out of range
-    kv[:, 0, :] = kv[:, 0, :]
     out, mx, lse = sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, topk_length=tlen, d_v=8)
     for t in (0, 1, 2):  # row 0: all -1; row 1: topk_length 0; row 2: all ids >= S
         assert torch.equal(out[t], torch.zeros_like(out[t]))
         assert torch.isposinf(lse[t]).all() and torch.isneginf(mx[t]).all()
-    assert torch.isfinite(lse[3]).all() or (idx[3, 0] < 0 or idx[3, 0] >= 12)
 
 
 def test_reference_ignores_ids_past_topk_length_even_nan_rows():

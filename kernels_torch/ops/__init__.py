@@ -1,0 +1,1 @@
+"""Fused GPU ops (Triton) with readable torch twins: ``sparse_mla`` (DSA sparse MLA forward)."""

@@ -74,8 +74,11 @@ CASES = [  # (S_q, H, K, S_kv, topk_length)
 ]
 
 
+CASE_IDS = [f"Sq{c[0]}-H{c[1]}-K{c[2]}-Skv{c[3]}{'-topklen' if c[4] else ''}" for c in CASES]
+
+
 @pytest.mark.parametrize("layout", ["hk", "kh"])
-@pytest.mark.parametrize("T,H,K,S,topk", CASES, ids=[f"Sq{c[0]}-H{c[1]}-K{c[2]}-Skv{c[3]}{'-topklen' if c[4] else ''}" for c in CASES])
+@pytest.mark.parametrize("T,H,K,S,topk", CASES, ids=CASE_IDS)
 def test_triton_matches_reference(T, H, K, S, topk, layout):
     q, kv, idx, tlen = _inputs(T, H, S, K, seed=T * 7 + K + H, topk_length=topk)
     ref = sm.sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, topk_length=tlen)
