@@ -65,7 +65,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tens
     empty = ~mask4.any(-1, keepdim=True)  # [B, 1, T, 1]
     safe = mask4 | empty
     H = q.shape[1]
-    o = F.scaled_dot_product_attention(q, k.expand(-1, H, -1, -1), v.expand(-1, H, -1, -1), attn_mask=safe)
+    o = F.scaled_dot_product_attention(q, k.expand(-1, H, -1, -1), v.expand(-1, H, -1, -1), attn_mask=safe,
+                                       scale=scale)
     return o.masked_fill(empty, 0.0)
 
 
