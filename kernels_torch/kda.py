@@ -298,8 +298,9 @@ def _chunk_run(q, k, v, g, beta, S0, C: int):
 def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None, chunk_size: int = 64):
     """Gated delta rule, chunked WY algorithm in pure torch (spec 2.3; fla ``fla/ops/kda/naive.py``
     ``naive_chunk_kda``, ``fla/ops/kda/chunk.py``). Twin of ``reference_jax.kda.kda_chunk``: same arguments, shapes,
-    dtypes and errors as :func:`kda_recurrent`, plus ``chunk_size`` (need not divide T). Packed documents run one at a
-    time, so chunks, state and cumulative decay restart at each document start.
+    dtypes and errors as :func:`kda_recurrent`, plus ``chunk_size`` (need not divide T: each run's tail is
+    zero-padded, which is inert). Packed documents run one at a time, so chunks, state and cumulative decay restart
+    at each document start.
 
     Raises:
         ValueError: inconsistent shapes, invalid ``cu_seqlens``, or ``chunk_size < 1``.
@@ -315,10 +316,10 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     q, k, v_c, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     q = q * scale
     if cu is None:
-        o, S = _chunk_run(q, k, v_c, g, beta, S0, min(int(chunk_size), T))
+        o, S = _chunk_run(q, k, v_c, g, beta, S0, int(chunk_size))
     else:
         parts = [
-            _chunk_run(*(x[:, s:e] for x in (q, k, v_c, g, beta)), S0[n : n + 1], min(int(chunk_size), e - s))
+            _chunk_run(*(x[:, s:e] for x in (q, k, v_c, g, beta)), S0[n : n + 1], int(chunk_size))
             for n, (s, e) in enumerate(zip(cu[:-1], cu[1:]))
         ]
         o, S = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)

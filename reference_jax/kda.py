@@ -15,7 +15,8 @@ fla layout: row ``d_k`` is the one the decay ``exp(g[d_k])`` scales). Packed doc
 ``B == 1``; the conv window and the state reset at every document start (spec 2.4).
 
 Numerics: gates, beta, norms and the state are fp32 (fp64 when the inputs are fp64); outputs come back in the input
-dtype. Nothing is jitted here; ``lax.scan`` is the only control flow.
+dtype. Private helpers carry ``jax.jit`` only as a compile cache (see the note above ``_conv_one``); the math is plain
+``jax.numpy`` with ``lax.scan`` over tokens. ``cu_seqlens`` must be concrete (numpy / a list), also under ``jit``.
 """
 
 from __future__ import annotations

@@ -268,6 +268,36 @@ def test_bf16_module_close_to_fp32():
     assert rel(out16, out32) <= TOL_BF16 and rel(c16.S, c32.S) <= TOL_BF16
 
 
+def test_bf16_module_keeps_gates_fp32(monkeypatch):
+    """Case 2: in the bf16 module the recurrence receives g and beta in fp32 (and L2-normalised q, k in fp32)."""
+    cfg = configs()["k3"]
+    flat, _ = random_weights(cfg, 0, seed=28)
+    seen = {}
+
+    def spy(q, k, v, g, beta, **kw):
+        seen.update(q=q.dtype, k=k.dtype, g=g.dtype, beta=beta.dtype)
+        return tk.kda_recurrent(q, k, v, g, beta, **kw)
+
+    monkeypatch.setattr(tk, "kda_chunk", spy)
+    m = torch_module(cfg, flat).to(torch.bfloat16)
+    with torch.no_grad():
+        m(torch.randn(1, 5, cfg.hidden_size, dtype=torch.bfloat16))
+    assert seen == {"q": torch.float32, "k": torch.float32, "g": torch.float32, "beta": torch.float32}
+
+
+def test_long_sequence_slow_decay_fp32_vs_fp64():
+    """Case 2 in torch: T = 4096, g ~ -1e-3; the fp32 chunk form stays within 1e-5 of fp64, bf16-narrowed g does not."""
+    rng = np.random.default_rng(29)
+    q, k, v, _, beta, _ = kda_inputs(29, 1, 4096, 1, 4, 4)
+    g = -1e-3 * rng.uniform(0.5, 1.5, (1, 4096, 1, 4))
+    f32 = [torch.tensor(a, dtype=torch.float32) for a in (q, k, v, g, beta)]
+    o_ref, S_ref = tk.kda_recurrent(*(t.double() for t in f32))
+    o, S = tk.kda_chunk(*f32)
+    assert rel(o, o_ref) <= 1e-5 and rel(S, S_ref) <= 1e-5
+    _, S_bad = tk.kda_chunk(*f32[:3], f32[3].bfloat16().float(), f32[4].bfloat16().float())
+    assert rel(S_bad, S_ref) > 1e-3
+
+
 def test_backends():
     cfg = configs()["k3"]
     flat, _ = random_weights(cfg, 0, seed=26)
