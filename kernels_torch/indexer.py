@@ -130,16 +130,23 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(KI, c.rms_norm_eps)
         self.weights_proj = nn.Linear(D, HI, bias=False)
 
+    def projections(self, x: torch.Tensor, c_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q_I`` ``[B, T, HI, KI]``, ``k_I`` ``[B, T, KI]`` (both in x's dtype) and ``weights`` ``[B, T, HI]`` (fp32,
+        fp64 for fp64 x; unscaled) -- the inputs of :func:`indexer_scores` (also used by the cudnn backend)."""
+        B, T, D = x.shape
+        HI, KI = self.config.index_n_heads, self.config.index_head_dim
+        q_I = self.wq_b(c_q).view(B, T, HI, KI)  # [B, T, HI, KI]
+        k_I = self.k_norm(self.wk(x))  # [B, T, KI]
+        dt = compute_dtype(x)  # weights_proj in fp32 (fp64 for fp64 x)
+        weights = F.linear(x.to(dt), self.weights_proj.weight.to(dt))  # [B, T, HI]
+        return q_I, k_I, weights
+
     def forward(self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         B, T, D = x.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, T, B)
-        HI, KI = c.index_n_heads, c.index_head_dim
-        q_I = self.wq_b(c_q).view(B, T, HI, KI)  # [B, T, HI, KI]
-        k_I = self.k_norm(self.wk(x))  # [B, T, KI]
-        dt = compute_dtype(x)  # weights_proj in fp32 (fp64 for fp64 x)
-        weights = F.linear(x.to(dt), self.weights_proj.weight.to(dt))  # [B, T, HI]
+        q_I, k_I, weights = self.projections(x, c_q)
         scores = indexer_scores(q_I, k_I, weights)  # [B, T, S=T]
         mask = causal_document_mask(T, cu_seqlens, device=x.device)  # [T, S]
         return topk_indices(scores, mask, c.index_topk), scores

@@ -8,8 +8,10 @@ Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state 
 layout). Packed documents: ``cu_seqlens`` ``[N+1]`` with ``B == 1``.
 
 Backends: ``eager`` and ``sdpa`` both run the pure-torch algorithm (the backend only matters for attention layers).
-``cudnn`` -- or any CUDA input when fla is importable -- sends the chunk mode to fla's Triton kernel
-``fla.ops.kda.chunk_kda`` (see :func:`_fla_chunk_kda`, the only code here that cannot be tested on CPU).
+``cudnn`` (CUDA, bf16 activations, the ``gpu`` extra) runs the chunk mode of the layer on fla-core's Triton kernels:
+short conv, ``chunk_kda`` with the gate, q/k L2 norm and beta fused, gated RMSNorm (see :func:`_kda_layer_fla`, the
+only code here that cannot be tested on CPU); ``mode="recurrent"`` (decode) stays on the pure-torch recurrence. The
+eager and sdpa backends never touch fla, also on CUDA.
 
 Numerics: activations may be bf16; gates, beta, norms and the state are fp32 (fp64 for fp64 inputs). g and beta are
 never narrowed to bf16 (case 2).
@@ -326,37 +328,93 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     return o.to(v.dtype), S
 
 
-# ------------------------------------------------------------------------------------------------ fla fast path
+# ------------------------------------------------------------------------------------------------ cudnn backend (GPU)
+# Everything below this line up to "the layer" runs only on CUDA with fla-core installed (the ``gpu`` extra); the
+# pure-torch functions above stay the oracle. fla imports are lazy so CPU machines never need the package.
+
+GPU_EXTRA_HINT = "pip install 'kimi-k3[gpu]' (fla-core>=0.6, nvidia-cudnn-frontend)"
 
 
-def _fla_available() -> bool:
-    return importlib.util.find_spec("fla") is not None
+def _cudnn_missing(x: torch.Tensor) -> list[str]:
+    """What ``backend='cudnn'`` lacks for activations ``x``: the ``gpu`` extra (fla), CUDA tensors, bf16 activations."""
+    missing = []
+    if importlib.util.find_spec("fla") is None:
+        missing.append(f"the gpu extra (fla-core is not importable; {GPU_EXTRA_HINT})")
+    if not x.is_cuda:
+        missing.append(f"CUDA tensors (x is on {x.device})")
+    if x.dtype != torch.bfloat16:
+        missing.append(f"bfloat16 activations (x is {x.dtype})")
+    return missing
 
 
-def _fla_chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, backend: str):
-    """fla's Triton ``chunk_kda`` (GPU only; not testable on CPU). q, k are passed *un-normalised* and fla normalises
-    them in fp32 inside the kernel (``use_qk_l2norm_in_kernel=True``, eps 1e-6, spec 2.2 step 4); g is the finished
-    log-decay, beta already sigmoided, the state ``[N, H, K, V]`` fp32.
+def _fla_conv_state(state: torch.Tensor | None) -> torch.Tensor | None:
+    """Our conv state ``[N, C, W-1]`` (last W-1 pre-conv inputs, oldest first) as fla's ``[N, C, W]``.
 
-    Raises:
-        RuntimeError: naming the backend, when fla is not importable or the tensors are not on CUDA.
+    Footgun: fla's ``causal_conv1d`` keeps a full kernel-width window and reads only its last ``W-1`` columns as the
+    inputs before the sequence start (column 0 is never read), so we pad one zero column in front."""
+    return None if state is None else F.pad(state, (1, 0))
+
+
+def _kda_layer_fla(layer: "KimiDeltaAttention", x: torch.Tensor, cu_seqlens, cache: "KDACache | None"):
+    """``KimiDeltaAttention.forward`` in chunk mode on fla-core's Triton kernels (``backend='cudnn'``, GPU only).
+
+    Same math, arguments and returns as the eager layer (spec 2.2); the pieces:
+
+    * short conv + SiLU: ``fla.modules.causal_conv1d.causal_conv1d`` (Triton; fp32 accumulation, output in x.dtype,
+      resets at every ``cu_seqlens`` start); our weight ``[P, 1, W]`` is passed as ``[P, W]``.
+    * q/k L2 norm (eps 1e-6, fp32), the decay gate and its chunk cumsum, beta and the delta rule:
+      ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (``A_log [H]``,
+      ``dt_bias [H*K]``, gate in fp32). K3 (``gate_lower_bound`` set): ``safe_gate=True, lower_bound=lb``, i.e.
+      ``lb * sigmoid(exp(A_log) * (f + dt_bias))`` (case 1); Kimi-Linear: ``-exp(A_log) * softplus(f + dt_bias)``.
+      beta = sigmoid(b_proj(x)) in fp32, applied once here (case 3). State ``[N, H, K, V]`` fp32.
+    * output norm: ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` with ``activation='sigmoid'``.
+
+    ``cu_seqlens`` (B == 1) may be int32 or int64 on any device; fla gets an int64 copy on x's device.
+
+    Returns:
+        ``(out [B, T, D] bf16, KDACache)`` as the eager layer.
     """
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError as e:
-        raise RuntimeError(
-            f"backend={backend!r}: KDA's fast path needs flash-linear-attention (fla.ops.kda.chunk_kda), which is not "
-            "importable here; use backend='eager' on CPU"
-        ) from e
-    if not q.is_cuda:
-        raise RuntimeError(f"backend={backend!r}: fla.ops.kda.chunk_kda needs CUDA tensors, got device {q.device}")
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.ops.kda import chunk_kda
+
+    c = layer.config
+    B, T, _ = x.shape
+    H, K = c.kda_num_heads, c.kda_head_dim
+    P = H * K
+    cu = cu_cpu = None
     if cu_seqlens is not None:
-        cu_seqlens = torch.as_tensor(cu_seqlens, device=q.device, dtype=torch.long)
-    S0 = None if initial_state is None else initial_state.float().contiguous()
-    return chunk_kda(
-        q, k, v, g.float(), beta.float(), scale=q.shape[-1] ** -0.5, initial_state=S0, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-    )
+        cu_cpu = check_cu_seqlens(torch.as_tensor(cu_seqlens).cpu(), T, B)  # int64 on CPU: validated once, no sync later
+        cu = cu_cpu.to(x.device)
+    N = B if cu is None else cu.numel() - 1
+    cq, ck, cv, S0 = (None,) * 4 if cache is None else cache
+    W = layer.q_conv1d.weight.shape[-1]
+    for name, st in (("conv_q", cq), ("conv_k", ck), ("conv_v", cv)):
+        if st is not None and tuple(st.shape) != (N, P, W - 1):
+            raise ValueError(f"cache.{name}: got shape {tuple(st.shape)}, expected [N, P, W-1]=[{N}, {P}, {W - 1}]")
+
+    def conv(proj: nn.Linear, conv1d: "ShortConvolution", state):  # -> y [B, T, P], new state [N, P, W-1]
+        y, final = causal_conv1d(
+            x=_linear(x, proj), weight=_conv_weight(conv1d.weight, P), initial_state=_fla_conv_state(state),
+            output_final_state=True, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        )
+        return y, final[..., 1:]
+
+    q, cq = conv(layer.q_proj, layer.q_conv1d, cq)
+    k, ck = conv(layer.k_proj, layer.k_conv1d, ck)
+    v, cv = conv(layer.v_proj, layer.v_conv1d, cv)
+    q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V], V = K
+    f = _linear(_linear(x, layer.f_a_proj), layer.f_b_proj).reshape(B, T, H, K)  # raw gate input; fla gates in fp32
+    beta = torch.sigmoid(_linear(x, layer.b_proj).float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
+    lb = c.gate_lower_bound
+    o, S = chunk_kda(
+        q, k, v, f, beta, scale=K**-0.5, initial_state=None if S0 is None else S0.float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=layer.A_log.float(), dt_bias=layer.dt_bias.float(),
+        safe_gate=lb is not None, lower_bound=lb, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+    )  # o [B,T,H,V] bf16, S [N,H,K,V] fp32
+    gate = _linear(x, layer.g_proj) if c.use_full_rank_gate else _linear(_linear(x, layer.g_a_proj), layer.g_b_proj)
+    y = rms_norm_gated(o, gate.reshape(B, T, H, K), layer.o_norm.weight, None, activation="sigmoid", eps=layer.o_norm.eps)
+    return _linear(y.reshape(B, T, P), layer.o_proj), KDACache(cq, ck, cv, S)
 
 
 # ------------------------------------------------------------------------------------------------ the layer
@@ -412,7 +470,8 @@ class KimiDeltaAttention(nn.Module):
 
     Raises:
         ValueError: unknown ``backend`` or ``mode``, ``layer_idx`` not a KDA layer, bad shapes.
-        RuntimeError: ``backend='cudnn'`` without fla or CUDA.
+        RuntimeError: ``backend='cudnn'`` without the ``gpu`` extra (fla-core), CUDA tensors or bf16 activations (the
+            message lists every missing one).
     """
 
     def __init__(self, config: KimiConfig, layer_idx: int, backend: str = "eager"):
@@ -441,12 +500,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, c.rms_norm_eps)
         self.o_proj = lin(P, D)
 
-    def _use_fla(self, x: torch.Tensor) -> bool:
-        return self.backend == "cudnn" or (x.is_cuda and _fla_available())
-
     def forward(self, x, cu_seqlens=None, cache: KDACache | None = None, mode: str = "chunk"):
         if mode not in MODES:
             raise ValueError(f"mode: got {mode!r}, expected one of {list(MODES)}")
+        if self.backend == "cudnn":
+            missing = _cudnn_missing(x)
+            if missing:
+                raise RuntimeError("backend='cudnn' (KDA on fla kernels) needs " + "; ".join(missing) + "; use backend='eager' otherwise")
+            if mode == "chunk":
+                return _kda_layer_fla(self, x, cu_seqlens, cache)
+            # mode="recurrent" (decode) stays on the pure-torch recurrence below, on the GPU.
         c = self.config
         B, T, _ = x.shape
         H, K = c.kda_num_heads, c.kda_head_dim
@@ -458,11 +521,8 @@ class KimiDeltaAttention(nn.Module):
         f = _linear(_linear(x, self.f_a_proj), self.f_b_proj).reshape(B, T, H, K)
         g = kda_gate(f, self.A_log, self.dt_bias, c.gate_lower_bound)  # fp32, never narrowed (case 2)
         beta = torch.sigmoid(_linear(x, self.b_proj).to(_cdt(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
-        if mode == "chunk" and self._use_fla(x):
-            o, S = _fla_chunk_kda(q, k, v, g, beta, S0, cu_seqlens, self.backend)
-        else:
-            recurrence = kda_chunk if mode == "chunk" else kda_recurrent
-            o, S = recurrence(l2norm(q), l2norm(k), v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)
+        recurrence = kda_chunk if mode == "chunk" else kda_recurrent
+        o, S = recurrence(l2norm(q), l2norm(k), v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)
         gate = _linear(x, self.g_proj) if c.use_full_rank_gate else _linear(_linear(x, self.g_a_proj), self.g_b_proj)
         y = self.o_norm(o, gate.reshape(B, T, H, K)).to(x.dtype).reshape(B, T, H * K)
         return _linear(y, self.o_proj), KDACache(cq, ck, cv, S)

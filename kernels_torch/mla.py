@@ -7,8 +7,10 @@ Spec: ``../shared/spec/architecture.md`` 3.1-3.4, 4.3, 9. Backends (one setting,
   explicitly (its default would be ``K^-1/2``: 24^-1/2 here, 576^-1/2 in the absorbed form -- both wrong).
   Fully masked rows are given a dummy all-True mask row and zeroed afterwards, so they give 0 on every SDPA kernel
   (some return NaN for them).
-
-A ``"cudnn"`` backend is planned (another module); it is not accepted here until it exists.
+* ``"cudnn"`` (``GatedMLA`` only; CUDA, bf16, the ``gpu`` extra): DSA layers run the cuDNN indexer + top-k and the
+  sparse absorbed MLA of ``kernels_torch.dsa_cudnn`` (the indexer frozen: ``requires_grad=False``, no
+  ``index_scores`` in the aux); MLA layers without an indexer run SDPA in the expanded form. The free functions
+  below take ``eager``/``sdpa`` only.
 
 Footguns: the softmax scale is ``(qk_nope + qk_rope)^-1/2`` (192^-1/2 for K3) in the expanded **and** the absorbed
 form (case 15); ``k_pe`` is never rotated (NoPE) and shared by all heads; the causal/document mask is re-applied after
@@ -27,13 +29,14 @@ from kernels_torch.indexer import Indexer, sparse_mask
 
 __all__ = ["BACKENDS", "mla_attention", "mla_attention_absorbed", "GatedMLA"]
 
-BACKENDS = ("eager", "sdpa")
+BACKENDS = ("eager", "sdpa", "cudnn")
+_FUNCTION_BACKENDS = ("eager", "sdpa")  # the dense-mask functions below; "cudnn" is a GatedMLA backend only
 _FORMS = ("expanded", "absorbed")
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: got {backend!r}, expected one of {list(BACKENDS)}")
+def _check_backend(backend: str, allowed: tuple[str, ...] = _FUNCTION_BACKENDS) -> None:
+    if backend not in allowed:
+        raise ValueError(f"backend: got {backend!r}, expected one of {list(allowed)}")
 
 
 def _mask4(mask: torch.Tensor, B: int, T: int, S: int) -> torch.Tensor:
@@ -140,17 +143,22 @@ class GatedMLA(nn.Module):
 
     ``forward(x, cu_seqlens=None, form="expanded", return_aux=False)``: x ``[B, T, D]`` (fp32, fp64 or bf16),
     cu_seqlens ``[N+1]`` (B = 1) or None; returns ``[B, T, D]`` in ``x.dtype``, plus with ``return_aux`` a dict with
-    ``topk_indices`` ``[B, T, min(index_topk, T)]`` int32 and ``index_scores`` ``[B, T, T]`` fp32 on DSA layers.
+    ``topk_indices`` ``[B, T, min(index_topk, T)]`` int32 and ``index_scores`` ``[B, T, T]`` fp32 on DSA layers
+    (None under ``"cudnn"``, which never forms the scores; ``form`` is ignored there: see
+    :func:`kernels_torch.dsa_cudnn.gated_mla_forward`).
+
+    Under ``"cudnn"`` the indexer's parameters are frozen (``requires_grad=False``): hard top-k gives them no gradient.
 
     Raises:
         ValueError: unknown ``backend`` (allowed: :data:`BACKENDS`), a KDA ``layer_idx``, an unknown ``form``,
             malformed ``cu_seqlens``.
         NotImplementedError: ``indexer_rope`` other than "none" on a DSA layer.
+        RuntimeError: ``"cudnn"`` at forward time without CUDA, bf16 activations or the ``gpu`` extra.
     """
 
     def __init__(self, config: KimiConfig, layer_idx: int, backend: str = "eager"):
         super().__init__()
-        _check_backend(backend)
+        _check_backend(backend, BACKENDS)
         c = config
         kind = c.layer_type(layer_idx)
         if kind == "kda":
@@ -173,11 +181,17 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * V, D, bias=False)
         if kind == "dsa":
             self.indexer = Indexer(c)
+            if backend == "cudnn":  # hard top-k: no gradient reaches the indexer on the sparse path
+                self.indexer.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, form: str = "expanded", return_aux: bool = False):
         c = self.config
         if form not in _FORMS:
             raise ValueError(f"form: got {form!r}, expected one of {list(_FORMS)}")
+        if self.backend == "cudnn":
+            from kernels_torch.dsa_cudnn import gated_mla_forward  # lazy: CPU machines never import the GPU path
+
+            return gated_mla_forward(self, x, cu_seqlens, return_aux)
         B, T, D = x.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, T, B)

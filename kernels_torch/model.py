@@ -71,7 +71,9 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, h):
         x = self.post_attention_layernorm(h)
-        return self.block_sparse_moe(x) if self.config.is_moe_layer(self.layer_idx) else self.mlp(x)
+        if self.config.is_moe_layer(self.layer_idx):
+            return self.block_sparse_moe(x, return_aux=True)  # (out, {"expert_ids", "expert_scores"})
+        return self.mlp(x), {}
 
     def mix(self, which: str, sources):
         norm = getattr(self, f"{which}_res_norm").weight
@@ -83,18 +85,18 @@ class DecoderLayer(nn.Module):
         if not c.has_attn_res:
             a, aux = self.attention(p, cu_seqlens, mla_form)
             p = p + a
-            m = self.feed_forward(p)
+            m, mlp_aux = self.feed_forward(p)
             p = p + m
-            return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux}
+            return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
         h = self.mix("self_attention", blocks + [p]) if blocks else p
         restart = c.is_block_write_layer(i)
         if restart:
             blocks = blocks + [p]
         a, aux = self.attention(h, cu_seqlens, mla_form)
         p = a if restart else p + a
-        m = self.feed_forward(self.mix("mlp", blocks + [p]))
+        m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]))
         p = p + m
-        return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux}
+        return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
 
 
 class _Backbone(nn.Module):
@@ -114,7 +116,9 @@ class _Backbone(nn.Module):
         blocks: list[torch.Tensor] = []
         auxes = []
         for layer in self.layers:
+            p_in, blocks_in = p, tuple(blocks)
             blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form)
+            aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
             auxes.append(aux)
             if on_layer is not None:
                 on_layer(len(auxes) - 1)

@@ -24,7 +24,7 @@ from torch import nn
 from kimi.config import KimiConfig
 from kernels_torch.common import RMSNorm, compute_dtype
 
-__all__ = ["situ", "glu_act", "topk_ids", "route", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
+__all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
 
 
 def _cd(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
@@ -94,6 +94,24 @@ def _group_mask(biased: torch.Tensor, config: KimiConfig, has_bias: bool) -> tor
     return group_keep.repeat_interleave(E // G, dim=-1)  # [N, E]
 
 
+def _router_scores(x: torch.Tensor, gate_weight: torch.Tensor, config: KimiConfig) -> torch.Tensor:
+    """``act(x_fp32 · W_fp32ᵀ)`` ``[..., E]``, act = sigmoid or softmax (``moe_router_activation_func``)."""
+    cd = compute_dtype(x)
+    logits = x.to(cd) @ gate_weight.to(cd).T
+    if config.moe_router_activation_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if config.moe_router_activation_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'")
+
+
+def selection_scores(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
+                     config: KimiConfig) -> torch.Tensor:
+    """Twin of ``reference_jax.moe.selection_scores``: ``act(x W_gateᵀ) + bias`` ``[..., E]`` fp32."""
+    scores = _router_scores(x, gate_weight, config)
+    return scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(scores.dtype)
+
+
 def route(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
           config: KimiConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router (spec 5.3 steps 1-3); twin of ``reference_jax.moe.route``.
@@ -122,15 +140,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: t
         raise ValueError(f"route: num_experts_per_token={k}, expected an integer in [1, {E}]")
     lead = x.shape[:-1]
     cd = compute_dtype(x)
-    xf = x.reshape(-1, D).to(cd)  # [N, D]
-    logits = xf @ gate_weight.to(cd).T  # [N, E], fp32 router
-    if config.moe_router_activation_func == "sigmoid":
-        scores = torch.sigmoid(logits)
-    elif config.moe_router_activation_func == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-    else:
-        raise ValueError(f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'")
-
+    scores = _router_scores(x.reshape(-1, D), gate_weight, config)  # [N, E], fp32 router
     biased = scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(cd)  # selection only
     if config.use_grouped_topk:
         G = config.num_expert_group
@@ -207,7 +217,8 @@ class KimiMoE(nn.Module):
     ``routed_expert_down_proj`` / ``routed_expert_norm`` (only with ``latent_moe_use_norm``) /
     ``routed_expert_up_proj`` (latent MoE only), ``shared_experts`` (absent when ``num_shared_experts == 0``).
 
-    ``forward(x)``: x ``[B, T, D]`` -> ``[B, T, D]`` in x's dtype.
+    ``forward(x, return_aux=False)``: x ``[B, T, D]`` -> ``[B, T, D]`` in x's dtype (and, with ``return_aux``,
+    ``{"expert_ids", "expert_scores"}`` as the JAX twin).
     """
 
     def __init__(self, config: KimiConfig):
@@ -225,7 +236,7 @@ class KimiMoE(nn.Module):
         if c.num_shared_experts:
             self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, return_aux: bool = False):
         c = self.config
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"KimiMoE: x has shape {tuple(x.shape)}, expected [B, T, {c.hidden_size}]")
@@ -251,4 +262,8 @@ class KimiMoE(nn.Module):
             r = self.routed_expert_up_proj(r)  # [N, D]
         if c.num_shared_experts:  # shared experts on the un-projected x
             r = r + self.shared_experts(xf)
-        return r.reshape(B, T, D)
+        r = r.reshape(B, T, D)
+        if not return_aux:
+            return r
+        sel = selection_scores(x, self.gate.weight, self.gate.e_score_correction_bias, c)
+        return r, {"expert_ids": ids.reshape(B, T, -1), "expert_scores": sel}

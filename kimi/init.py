@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 import numpy as np
@@ -126,13 +127,31 @@ def init_checkpoint(path: str | os.PathLike, config: KimiConfig, seed: int = 0, 
                 return stored_name.removesuffix(suf) + ".weight"
         return stored_name
 
-    def produce(spec: TensorSpec) -> torch.Tensor:
-        cn = canonical_name(spec.name)
-        if cache_src[0] != cn:  # packed and scale of one expert are adjacent in the layout: one-entry cache
-            cache.clear()
-            cache.update(_stored_items(cn, init_tensor(canon[cn], config, seed), out_cfg))
-            cache_src[0] = cn
-        return cache[spec.name]
+    # Canonical tensors are drawn ahead of the writer by a few threads (numpy's generators release the GIL).
+    # Each tensor has its own generator, so the bytes do not depend on the thread count; the look-ahead window
+    # bounds memory to about ``2 * workers`` tensors.
+    specs = stored_layout(out_cfg)
+    order = list(dict.fromkeys(canonical_name(s.name) for s in specs))
+    workers = max(1, min(8, os.cpu_count() or 1))
+    pending: dict[str, Future] = {}
+    nxt = [0]
 
-    _write_stream(path, stored_layout(out_cfg), produce, out_cfg, max_shard_bytes)
+    def refill(pool: ThreadPoolExecutor) -> None:
+        while nxt[0] < len(order) and len(pending) < 2 * workers:
+            cn = order[nxt[0]]
+            pending[cn] = pool.submit(init_tensor, canon[cn], config, seed)
+            nxt[0] += 1
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        def produce(spec: TensorSpec) -> torch.Tensor:
+            cn = canonical_name(spec.name)
+            if cache_src[0] != cn:  # packed and scale of one expert are adjacent in the layout: one-entry cache
+                refill(pool)
+                cache.clear()
+                cache.update(_stored_items(cn, pending.pop(cn).result(), out_cfg))
+                cache_src[0] = cn
+                refill(pool)
+            return cache[spec.name]
+
+        _write_stream(path, specs, produce, out_cfg, max_shard_bytes)
     return out_cfg

@@ -1,7 +1,8 @@
 """Small pure helpers shared by every reference module: dtype policy, linear, RMSNorm, packed-document masks.
 
 Dtype policy (whole reference): parameters and activations arrive in the run dtype (fp32 by default, fp64 under
-``jax.enable_x64``); bf16 inputs are upcast to fp32 for the math (``compute_dtype``). Nothing here is jitted.
+``jax.enable_x64``); bf16 inputs are upcast to fp32 for the math (``compute_dtype``). Nothing here is jitted (the only ``jax.jit`` in the reference is a compile cache on a few KDA
+helpers; see docs/design.md).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ Notable (spec 5.4, 5.5):
 * ``attn_res_block_size=None`` (Kimi-Linear) gives the plain pre-norm residual stream instead.
 * Layer kinds come from the config (:meth:`KimiConfig.layer_type`): KDA, dense MLA, or MLA + DSA indexer.
 * ``return_aux=True`` returns per-layer intermediates for the equivalence harness: ``attn_out``, ``mlp_out``,
-  ``residual`` (the partial sum ``p`` after the layer; the hidden state for plain residuals) and, for DSA layers,
-  ``topk_indices`` and ``index_scores``.
+  ``residual`` (the partial sum ``p`` after the layer; the hidden state for plain residuals), the layer's inputs
+  ``input_p`` and ``input_blocks`` (a tuple of stored AttnRes blocks), and, for DSA layers, ``topk_indices`` and
+  ``index_scores``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, h: jax.Array) -> jax.Array:
         x = self.post_attention_layernorm(h)
-        return self.block_sparse_moe(x) if self.config.is_moe_layer(self.layer_idx) else self.mlp(x)
+        if self.config.is_moe_layer(self.layer_idx):
+            return self.block_sparse_moe(x, return_aux=True)  # (out, {"expert_ids", "expert_scores"})
+        return self.mlp(x), {}
 
     def mix(self, which: str, sources: list[jax.Array]) -> jax.Array:
         """AttnRes depth mix with this layer's ``{which}_res_norm`` / ``{which}_res_proj`` (which: self_attention|mlp)."""
@@ -95,18 +98,18 @@ class DecoderLayer(nn.Module):
         if not c.has_attn_res:
             a, aux = self.attention(p, cu_seqlens, mla_form)
             p = p + a
-            m = self.feed_forward(p)
+            m, mlp_aux = self.feed_forward(p)
             p = p + m
-            return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux}
+            return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
         h = self.mix("self_attention", blocks + [p]) if blocks else p
         restart = c.is_block_write_layer(i)
         if restart:  # store the finished block, then restart the partial sum
             blocks = blocks + [p]
         a, aux = self.attention(h, cu_seqlens, mla_form)
         p = a if restart else p + a
-        m = self.feed_forward(self.mix("mlp", blocks + [p]))
+        m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]))
         p = p + m
-        return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux}
+        return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
 
 
 class _Backbone(nn.Module):
@@ -129,7 +132,9 @@ class _Backbone(nn.Module):
         blocks: list[jax.Array] = []
         auxes = []
         for layer in self.layers:
+            p_in, blocks_in = p, tuple(blocks)
             blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form)
+            aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
             auxes.append(aux)
             if on_layer is not None:
                 on_layer(len(auxes) - 1)

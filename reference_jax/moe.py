@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from kimi.config import KimiConfig
 from reference_jax.common import Linear, RMSNorm, compute_dtype
 
-__all__ = ["situ", "glu_act", "topk_ids", "route", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
+__all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -105,6 +105,26 @@ def _group_mask(biased: jax.Array, config: KimiConfig, has_bias: bool) -> jax.Ar
     return jnp.repeat(group_keep, E // G, axis=-1)  # [N, E]
 
 
+def _router_scores(x: jax.Array, gate_weight: jax.Array, config: KimiConfig) -> jax.Array:
+    """``act(x_fp32 · W_fp32ᵀ)`` ``[..., E]``, act = sigmoid or softmax (``moe_router_activation_func``)."""
+    cd = compute_dtype(x)
+    logits = x.astype(cd) @ gate_weight.astype(cd).T  # fp32 router (fp64 for fp64 x)
+    if config.moe_router_activation_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if config.moe_router_activation_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'")
+
+
+def selection_scores(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Array | None,
+                     config: KimiConfig) -> jax.Array:
+    """The scores the router's top-k ranks: ``act(x W_gateᵀ) + e_score_correction_bias``, ``[..., E]`` fp32 (before
+    any group restriction). The equivalence harness uses them to tell routing flips at near-ties from real
+    disagreements."""
+    scores = _router_scores(x, gate_weight, config)
+    return scores if e_score_correction_bias is None else scores + e_score_correction_bias.astype(scores.dtype)
+
+
 def route(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Array | None,
           config: KimiConfig) -> tuple[jax.Array, jax.Array]:
     """The MoE router (spec 5.3 steps 1-3; ``block_sparse_moe.gate``).
@@ -139,15 +159,7 @@ def route(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Arr
         raise ValueError(f"route: num_experts_per_token={k}, expected an integer in [1, {E}]")
     lead = x.shape[:-1]
     cd = compute_dtype(x)
-    xf = x.reshape(-1, D).astype(cd)  # [N, D]
-    logits = xf @ gate_weight.astype(cd).T  # [N, E], fp32 router (spec 5.3 step 1)
-    if config.moe_router_activation_func == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    elif config.moe_router_activation_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        raise ValueError(f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'")
-
+    scores = _router_scores(x.reshape(-1, D), gate_weight, config)  # [N, E] fp32 (spec 5.3 step 1)
     # Selection on the corrected scores; the bias never reaches the weights.
     biased = scores if e_score_correction_bias is None else scores + e_score_correction_bias.astype(cd)
     if config.use_grouped_topk:
@@ -227,7 +239,9 @@ class KimiMoE(nn.Module):
     MoE), ``shared_experts`` (:class:`DenseMLP` of width ``num_shared_experts * moe_intermediate_size``; absent
     when ``num_shared_experts == 0``).
 
-    ``__call__(x)``: x ``[B, T, D]`` (the post-attention-norm output) -> ``[B, T, D]`` in x's dtype.
+    ``__call__(x, return_aux=False)``: x ``[B, T, D]`` (the post-attention-norm output) -> ``[B, T, D]`` in x's
+    dtype; with ``return_aux`` also ``{"expert_ids": [B, T, k], "expert_scores": [B, T, E]}`` (the selection scores,
+    see :func:`selection_scores`).
     """
 
     config: KimiConfig
@@ -246,7 +260,7 @@ class KimiMoE(nn.Module):
         if c.num_shared_experts:
             self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, return_aux: bool = False):
         c = self.config
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"KimiMoE: x has shape {x.shape}, expected [B, T, {c.hidden_size}]")
@@ -268,4 +282,8 @@ class KimiMoE(nn.Module):
             r = self.routed_expert_up_proj(r)  # [B, T, D]
         if c.num_shared_experts:  # steps 8-9: shared experts on the un-projected x
             r = r + self.shared_experts(x)
-        return r
+        if not return_aux:
+            return r
+        gate = self.gate.variables["params"]
+        return r, {"expert_ids": ids, "expert_scores": selection_scores(x, gate["weight"],
+                                                                        gate["e_score_correction_bias"], c)}

@@ -59,10 +59,21 @@ def test_compare_defaults_pass(tmp_path):
     assert dsa and all(row["selection"]["rows"] == rep["tokens"] for row in dsa)
 
 
+def test_compare_bf16_passes_with_layer_local_rows():
+    r = kimi("compare", "--dtype", "bfloat16", "--backends", "sdpa", "--quiet")
+    assert "PASS" in r.stdout and "FAIL" not in r.stdout
+
+
 def test_compare_on_init_layers_4_checkpoint(tmp_path):
     kimi("init", "--preset", "tiny", "--out", tmp_path / "ck", "--layers", "4")
     r = kimi("compare", "--checkpoint", tmp_path / "ck", "--tokens", "150", "--quiet")
     assert "PASS" in r.stdout
+
+
+def test_compare_kimi_linear_preset():
+    r = kimi("compare", "--preset", "tiny-linear", "--tokens", "120", "--quiet")
+    assert "PASS" in r.stdout and "FAIL" not in r.stdout
+    assert "6 layers" in r.stdout
 
 
 def test_compare_names_first_divergent_layer(tmp_path):

@@ -312,3 +312,21 @@ def test_backends():
             torch_module(cfg, flat, backend="cudnn")(x)
         with pytest.raises(ValueError, match="mode"):
             torch_module(cfg, flat)(x, mode="fused")
+
+
+def test_cudnn_backend_names_what_is_missing():
+    """backend='cudnn' needs the gpu extra (fla), CUDA tensors and bf16 activations; the error lists every missing one
+    and nothing silently falls back to eager."""
+    import importlib.util
+
+    cfg = configs()["k3"]
+    m = torch_module(cfg, random_weights(cfg, 0, seed=30)[0], backend="cudnn")
+    x = torch.randn(1, 3, cfg.hidden_size)
+    with pytest.raises(RuntimeError) as e:
+        m(x)
+    msg = str(e.value)
+    assert "backend='cudnn'" in msg and "CUDA" in msg and "bfloat16" in msg
+    assert ("gpu extra" in msg) == (importlib.util.find_spec("fla") is None)
+    with pytest.raises(RuntimeError, match="CUDA") as e:
+        m(x.bfloat16(), mode="recurrent")
+    assert "bfloat16 activations" not in str(e.value)

@@ -1,0 +1,151 @@
+"""DSA indexer + top-k on one GPU: ``kernels_torch.dsa_cudnn.indexer_topk_cudnn`` (cuDNN FE indexer + top-k in query-row
+chunks) against (a) a straightforward torch fp32 einsum + ``torch.topk`` over row chunks of 1024 and (b) cuDNN's
+indexer over whole rows + cuDNN top-k (a quadratic [S, S] fp32 buffer plus 2 words/element of top-k scratch; skipped
+where it does not fit).
+
+H_I = 32, D_I = 128, k = 2048, one causal sequence of S tokens, bf16 q_I/k_I, fp32 weights. Time: median of
+CUDA-event-timed calls after warm-up. Peak extra memory: ``torch.cuda.max_memory_allocated()`` during the call minus
+the memory allocated before it (inputs excluded). Selected sets of (b) and (a) are compared with ours row by row.
+
+    python benchmarks/indexer_topk.py --out indexer_topk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels_torch import dsa_cudnn as dc  # noqa: E402
+
+HI, KI, K = 32, 128, 2048
+GIB = 1 << 30
+
+
+def time_ms(fn, target_s=1.0, warmup=1, max_reps=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = time.perf_counter() - t0
+    reps = max(1, min(max_reps, int(target_s / max(est, 1e-6))))
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), reps
+
+
+def peak_extra_gib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GIB, res
+
+
+def torch_chunks(q, k, w, rows=1024):
+    """(a): fp32 einsum over row chunks (keys up to the chunk's last row), causal -inf, torch.topk."""
+    S = q.shape[0]
+    out = torch.full((S, K), -1, dtype=torch.int64, device=q.device)
+    kf = k.float()
+    for r0 in range(0, S, rows):
+        r1 = min(S, r0 + rows)
+        logits = torch.einsum("cjd,sd->cjs", q[r0:r1].float(), kf[:r1])  # [C, HI, r1]
+        s = torch.einsum("cj,cjs->cs", w[r0:r1] * (HI * KI) ** -0.5, torch.relu(logits))
+        t = torch.arange(r0, r1, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(r1, device=q.device)[None] > t, float("-inf"))
+        vals, idx = s.topk(min(K, r1), dim=-1)
+        out[r0:r1, :idx.shape[1]] = torch.where(torch.isfinite(vals), idx, -1)
+    return out
+
+
+def cudnn_whole_rows(q, k, w):
+    """(b): one indexer call over all rows ([1, S, S] fp32 scores), one top-k call."""
+    dsa = dc._dsa()
+    S = q.shape[0]
+    scores = dsa.indexer_forward_wrapper(q[None], k[None, :, None], w[None], ratio=1,
+                                         sm_scale=(HI * KI) ** -0.5)["scores"][0]
+    seq_lens = torch.arange(1, S + 1, dtype=torch.int32, device=q.device)
+    return dsa.indexer_top_k_wrapper(scores, seq_lens, K, return_val=False, tie_break=2)["indices"]
+
+
+def same_set_rows(a, b):
+    a = torch.sort(a.long(), -1).values
+    b = torch.sort(b.long(), -1).values
+    return int((a == b).all(-1).sum())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="indexer_topk.json")
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    rows = []
+    for S in (int(s) for s in args.sizes.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(S)
+        q = torch.randn(S, HI, KI, device="cuda", generator=g).bfloat16()
+        k = torch.randn(S, KI, device="cuda", generator=g).bfloat16()
+        w = torch.randn(S, HI, device="cuda", generator=g)
+        ours_fn = lambda: dc.indexer_topk_cudnn(q, k, w, K)  # noqa: E731
+        mem, (ours, _) = peak_extra_gib(ours_fn)  # also the warm-up (compilation)
+        ms, reps = time_ms(ours_fn, warmup=0)
+        row = {"S": S, "impl": "ours: cuDNN indexer + top-k, row chunks", "ms": ms, "reps": reps,
+               "peak_extra_gib": mem, "chunk_rows": dc._default_chunk_rows(S, S, dc.CHUNK_BYTES)}
+        rows.append(row)
+        print(row, flush=True)
+        free = torch.cuda.mem_get_info()[0]
+        if 12 * S * S < 0.8 * free:
+            mem_b, idx_b = peak_extra_gib(lambda: cudnn_whole_rows(q, k, w))
+            ms_b, reps_b = time_ms(lambda: cudnn_whole_rows(q, k, w), warmup=0)
+            rows.append({"S": S, "impl": "(b) cuDNN indexer + top-k, whole rows", "ms": ms_b, "reps": reps_b,
+                         "peak_extra_gib": mem_b, "same_set_rows_vs_ours": same_set_rows(idx_b, ours)})
+            del idx_b
+        else:
+            rows.append({"S": S, "impl": "(b) cuDNN indexer + top-k, whole rows", "ms": None,
+                         "skipped": f"needs {12 * S * S / GIB:.0f} GiB, {free / GIB:.0f} GiB free"})
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+        mem_a, idx_a = peak_extra_gib(lambda: torch_chunks(q, k, w))
+        ms_a, reps_a = time_ms(lambda: torch_chunks(q, k, w), target_s=1.5, warmup=0, max_reps=5)
+        rows.append({"S": S, "impl": "(a) torch fp32 einsum + topk, row chunks of 1024", "ms": ms_a, "reps": reps_a,
+                     "peak_extra_gib": mem_a, "same_set_rows_vs_ours": same_set_rows(idx_a, ours)})
+        print(rows[-1], flush=True)
+        del idx_a, ours, q, k, w
+        torch.cuda.empty_cache()
+    for S in sorted({r["S"] for r in rows}):
+        ours = next(r for r in rows if r["S"] == S and r["impl"].startswith("ours"))
+        for r in rows:
+            if r["S"] == S and r is not ours and r.get("ms"):
+                ours["ratio_vs_" + r["impl"][:3]] = ours["ms"] / r["ms"]  # < 1: ours faster
+    Path(args.out).write_text(json.dumps({"device": dev, "torch": torch.__version__, "H_I": HI, "D_I": KI, "k": K,
+                                          "rows": rows}, indent=1))
+    print(f"\n{dev}; H_I={HI}, D_I={KI}, k={K}")
+    print(f"| S | impl | ms | peak extra GiB | same sets as ours |\n|---|---|---|---|---|")
+    for r in rows:
+        ms = f"{r['ms']:.2f}" if r.get("ms") else "skipped: " + r.get("skipped", "")
+        mem = f"{r['peak_extra_gib']:.2f}" if "peak_extra_gib" in r else ""
+        print(f"| {r['S']} | {r['impl']} | {ms} | {mem} | {r.get('same_set_rows_vs_ours', '')} |")
+    for r in rows:
+        if r["impl"].startswith("ours"):
+            print(f"S={r['S']}: ours/(b) = {r.get('ratio_vs_(b)', float('nan')):.3f}, "
+                  f"(a)/ours = {1 / r['ratio_vs_(a)']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

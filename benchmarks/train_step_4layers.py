@@ -1,0 +1,130 @@
+"""Benchmark 5: a training step (forward + backward) of the first four real-dimension K3.1 layers, `cudnn` vs `sdpa`.
+
+The model is `k3.1-pro` truncated to 4 layers (KDA, KDA, KDA, DSA: the real first four), with the routed experts
+shrunk so the MoE fits (``--experts``, default 16 of which 8 are active per token; every other dimension is real),
+random weights drawn directly on the GPU (the numbers do not depend on the values), bf16 parameters with the
+fp32 ones kept fp32 as in the checkpoint. Loss: cross-entropy of the logits against random targets. One step =
+forward + backward of that loss; timed with CUDA events after warm-up, median of ``--repeats``.
+
+    python benchmarks/train_step_4layers.py --seq-lens 8192 32768 --out results/train_step_4layers.json
+
+Writes a JSON list of rows (``seq_len``, ``backend``, ``ms``, ``tokens_per_s``, ``peak_gib``, ``status``) and prints a
+table with the cudnn/sdpa speed-up. A backend that runs out of memory is reported as ``status: "oom"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kimi.config import load_config  # noqa: E402
+from kimi.layout import param_layout  # noqa: E402
+from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
+
+
+def build(cfg, backend: str) -> KimiK3Model:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = KimiK3Model(cfg, backend=backend)
+    model = model.to_empty(device="cuda")
+    fp32 = {s.name for s in param_layout(cfg) if s.dtype == "float32"}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(0.0, math.log(16.0))
+            elif name.endswith("norm.weight") or name.endswith("k_norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("dt_bias", "e_score_correction_bias", "k_norm.bias")):
+                p.normal_(0.0, 0.01)
+            elif p.ndim >= 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+            else:
+                p.normal_(0.0, 0.02)
+    model = cast_model(model, torch.bfloat16)
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n in fp32)
+    return model
+
+
+def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
+    V = model.config.vocab_size
+    ids = torch.randint(0, V, (1, T), device="cuda")
+    target = torch.randint(0, V, (T,), device="cuda")
+
+    def step():
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[0].float(), target)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up: compilation, autotuning, allocator
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--experts-per-token", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
+    args = ap.parse_args()
+    cfg = load_config("k3.1-pro").truncated(4).replace(num_experts=args.experts,
+                                                        num_experts_per_token=args.experts_per_token)
+    rows = []
+    for T in args.seq_lens:
+        for backend in args.backends:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            row = {"seq_len": T, "backend": backend, "layers": [cfg.layer_type(i) for i in range(4)],
+                   "experts": args.experts, "experts_per_token": args.experts_per_token}
+            t0 = time.perf_counter()
+            try:
+                model = build(cfg, backend)
+                ms = step_time(model, T, args.repeats)
+                row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok")
+            except torch.OutOfMemoryError:
+                row.update(ms=None, tokens_per_s=None, status="oom")
+            except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking
+                row.update(ms=None, tokens_per_s=None, status=f"error: {type(e).__name__}: {e}"[:300])
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["wall_s"] = time.perf_counter() - t0
+            model = None  # noqa: F841
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+    print(f"\n{'seq_len':>8} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} {'peak GiB':>9} status")
+    for r in rows:
+        ms = f"{r['ms']:.1f}" if r["ms"] else "-"
+        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
+        print(f"{r['seq_len']:>8} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} {r['status'][:60]}")
+    for T in args.seq_lens:
+        by = {r["backend"]: r for r in rows if r["seq_len"] == T and r["ms"]}
+        if "cudnn" in by and "sdpa" in by:
+            print(f"T={T}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The equivalence harness's own logic: selection agreement modulo ties, layer-local rows, pass/fail."""
+
+import numpy as np
+
+from kimi.compare import RunResult, TOLERANCES, compare_runs, rel_err, selection_agreement
+
+rng = np.random.default_rng(0)
+
+
+def test_selection_agreement_counts_ties_separately():
+    base = rng.uniform(1.0, 2.0, size=10)
+    scores = np.stack([base, base, base, base]).astype(np.float32)
+    order = np.argsort(-base)
+    scores[1, order[4]] = scores[1, order[3]]  # row 1: the k-th and (k+1)-th keys tie exactly
+    ref = np.stack([order[:4]] * 4)
+    other = ref.copy()
+    other[1, 3] = order[4]  # row 1: the tied twin instead of the k-th key -> a tie flip
+    other[2, 3] = order[9]  # row 2: the worst key instead of the k-th -> a real disagreement
+    counts, same = selection_agreement(ref, scores, other, tie_rel=1e-6)
+    assert counts == {"rows": 4, "identical": 2, "tie_only": 1, "disagree": 1}
+    assert same.tolist() == [True, False, False, True]
+
+
+def test_padding_slots_are_ignored():
+    scores = np.array([[1.0, 2.0, -np.inf, -np.inf]])
+    a = np.array([[1, 0, -1, -1]])
+    b = np.array([[0, 1, -1, -1]])
+    counts, same = selection_agreement(a, scores, b, 1e-6)
+    assert counts["identical"] == 1 and same.all()
+
+
+def _run(T=12, D=8, noise=0.0, layer_noise=None):
+    layers = []
+    for i in range(3):
+        base = {k: rng.standard_normal((T, D)).astype(np.float32) for k in ("attn_out", "mlp_out", "residual")}
+        layers.append(base)
+    return RunResult("x", rng.standard_normal((T, 16)).astype(np.float32), layers)
+
+
+def test_compare_runs_pass_and_first_divergent_layer():
+    ref = _run()
+    same = RunResult("torch-eager", ref.logits.copy(), [{k: v * (1 + 1e-7) for k, v in r.items()} for r in ref.layers])
+    rep = compare_runs(ref, same, ["kda", "kda", "kda"], "float32")
+    assert rep.passed and rep.first_divergent_layer is None
+    bad_layers = [dict(r) for r in same.layers]
+    bad_layers[1]["mlp_out"] = bad_layers[1]["mlp_out"] * 1.01
+    rep = compare_runs(ref, RunResult("torch-eager", ref.logits, bad_layers), ["kda"] * 3, "float32")
+    assert not rep.passed and rep.first_divergent_layer == 1
+    assert any("mlp_rel" in f for f in rep.layers[1].failed)
+
+
+def test_nan_fails():
+    ref = _run()
+    nan_layers = [dict(r) for r in ref.layers]
+    nan_layers[0]["attn_out"] = np.full_like(nan_layers[0]["attn_out"], np.nan)
+    rep = compare_runs(ref, RunResult("t", ref.logits, nan_layers), ["kda"] * 3, "float32")
+    assert not rep.passed and rep.first_divergent_layer == 0
+
+
+def test_tolerances_named_per_dtype():
+    assert set(TOLERANCES) == {"float32", "bfloat16"}
+    assert TOLERANCES["float32"].attn_rel < TOLERANCES["bfloat16"].attn_rel
+    assert rel_err(np.ones(3), np.ones(3)) == 0.0

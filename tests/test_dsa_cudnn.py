@@ -1,0 +1,144 @@
+"""CPU checks of the ``cudnn`` backend's pieces that need no GPU (``kernels_torch.dsa_cudnn``): the errors when CUDA,
+bf16 or the gpu extra are missing, the refusal of masks with holes, the frozen indexer, and the torch twins (chunked
+indexer scores, sparse MLA) against the readable references. The kernels themselves: ``tests/gpu/test_dsa_cudnn.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import kernels_torch.dsa_cudnn as dc
+import kernels_torch.indexer as ti
+import kernels_torch.mla as tm
+from kernels_torch.common import causal_document_mask
+from kernels_torch.model import KimiK3Model
+from kernels_torch.ops.sparse_mla import sparse_mla_fwd_reference
+from kimi.config import load_config
+
+DSA = 3  # a DSA layer of the tiny preset
+TOL_FP64 = 1e-12  # torch twins vs references, fp64
+
+
+def rel_err(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def _has_cuda_and_extra() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("cudnn") is not None
+
+
+@pytest.mark.skipif(_has_cuda_and_extra(), reason="checks the errors of a machine without CUDA / the gpu extra")
+def test_cudnn_backend_names_what_is_missing():
+    cfg = load_config("tiny")
+    layer = tm.GatedMLA(cfg, DSA, backend="cudnn")  # construction works anywhere; the refusal is at forward time
+    x = torch.randn(1, 5, cfg.hidden_size)
+    with pytest.raises(RuntimeError) as e:
+        layer(x)
+    msg = str(e.value)
+    assert "backend='cudnn'" in msg and "sdpa" in msg
+    assert "CUDA" in msg and "bfloat16 activations" in msg
+    assert ("gpu extra" in msg) == (importlib.util.find_spec("cudnn") is None)
+    with pytest.raises(RuntimeError) as e:  # bf16 given: bf16 is no longer named
+        layer.to(torch.bfloat16)(x.bfloat16())
+    assert "CUDA" in str(e.value) and "bfloat16 activations" not in str(e.value)
+
+
+def test_missing_gpu_extra_is_named(monkeypatch):
+    def no_cudnn(name):
+        if name.startswith("cudnn"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return importlib.import_module(name)
+
+    import importlib
+
+    monkeypatch.setattr(dc, "_import", no_cudnn)
+    with pytest.raises(RuntimeError, match=r"gpu extra: cuDNN Frontend.*kimi-k3\[gpu\]"):
+        dc.require_cudnn(torch.zeros(2, dtype=torch.bfloat16))
+
+
+def test_indexer_frozen_under_cudnn():
+    cfg = load_config("tiny")
+    for backend in ("eager", "sdpa", "cudnn"):
+        layer = tm.GatedMLA(cfg, DSA, backend=backend)
+        frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
+        expected = {n for n, _ in layer.named_parameters() if n.startswith("indexer.")} if backend == "cudnn" else set()
+        assert frozen == expected and (backend != "cudnn" or frozen), backend
+    model = KimiK3Model(cfg, backend="cudnn")  # the whole model builds on CPU too
+    names = [n for n, p in model.named_parameters() if not p.requires_grad and ".self_attn." in n]
+    assert names and all(".self_attn.indexer." in n for n in names)  # (the MoE bias buffers are frozen anyway)
+    assert len(names) == 5 * len(cfg.dsa_layers)  # wq_b, wk, k_norm.{weight,bias}, weights_proj
+
+
+@pytest.mark.parametrize("cu", [[0, 1], [0, 7], [0, 1, 2, 3, 50], [0, 15, 100, 130]], ids=str)
+def test_mask_of_contiguous_documents_gives_cu_seqlens(cu):
+    T = cu[-1]
+    cu_t = torch.tensor(cu)
+    assert torch.equal(dc.cu_seqlens_from_mask(causal_document_mask(T, cu_t)), cu_t)
+    assert torch.equal(dc.cu_seqlens_from_mask(causal_document_mask(T, cu_t)[None]), cu_t)
+
+
+def test_mask_with_a_hole_is_refused():
+    T = 40
+    m = causal_document_mask(T, torch.tensor([0, 10, 40]))
+    holed = m.clone()
+    holed[30, 20] = False  # a key inside the row's own document, before the query
+    with pytest.raises(ValueError, match=r"row 30.*hole.*sdpa"):
+        dc.cu_seqlens_from_mask(holed)
+    future = m.clone()
+    future[5, 6] = True  # not causal
+    with pytest.raises(ValueError, match=r"row 5.*sdpa"):
+        dc.cu_seqlens_from_mask(future)
+    empty_row = m.clone()
+    empty_row[12] = False
+    with pytest.raises(ValueError, match="sdpa"):
+        dc.cu_seqlens_from_mask(empty_row)
+    with pytest.raises(ValueError, match=r"\[T, T\].*sdpa"):
+        dc.cu_seqlens_from_mask(torch.ones(2, T, T, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("T,cu,chunk", [(1, None, 7), (63, None, 10), (300, [0, 1, 129, 300], 50)],
+                         ids=["T1", "T63", "T300-packed"])
+def test_chunked_scores_twin_matches_indexer_scores(T, cu, chunk):
+    """The row-chunk driver (torch twin of the cuDNN score kernel: H_I = 4, D_I = 16) gives the masked
+    ``indexer_scores``, in chunks of at most ``chunk`` rows and one document's keys."""
+    g = torch.Generator().manual_seed(T)
+    HI, KI = 4, 16
+    q = torch.randn(T, HI, KI, generator=g, dtype=torch.float64)
+    k = torch.randn(T, KI, generator=g, dtype=torch.float64)
+    w = torch.randn(T, HI, generator=g, dtype=torch.float64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    got = torch.full((T, T), float("-inf"), dtype=torch.float64)
+    shapes = []
+
+    def on_chunk(r0, r1, a, cols, scores):
+        shapes.append(tuple(scores.shape))
+        n = min(cols, T - a)
+        got[r0:r1, a:a + n] = scores[:, :n].double()
+
+    dc._indexer_chunks(q, k, w, 8, cu_t, chunk, dc.CHUNK_BYTES, on_chunk)
+    mask = causal_document_mask(T, cu_t)
+    ref = ti.indexer_scores(q[None], k[None], w[None])[0].masked_fill(~mask, float("-inf"))
+    got = got.masked_fill(~mask, float("-inf"))
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert rel_err(got[fin], ref[fin]) < 1e-6  # the twin scores in fp32
+    assert all(r <= chunk for r, _ in shapes)
+
+
+@pytest.mark.parametrize("T,H,K,S", [(1, 3, 4, 5), (63, 4, 37, 50), (70, 2, 16, 20)], ids=lambda v: str(v))
+def test_sparse_mla_torch_twin_matches_reference(T, H, K, S):
+    """The differentiable torch twin used for shapes the kernels do not take (d_qk 40, d_v 32, K != V)."""
+    g = torch.Generator().manual_seed(T + K)
+    D, V = 40, 32
+    q = torch.randn(T, H, D, generator=g, dtype=torch.float64)
+    kv = torch.randn(S, D, generator=g, dtype=torch.float64)
+    idx = torch.randint(-3, S + 3, (T, K), generator=g).to(torch.int32)
+    idx[0] = -1  # a row with no valid key: 0, never NaN
+    tlen = torch.randint(0, K + 1, (T,), generator=g).to(torch.int32)
+    out = dc._sparse_mla_torch(q, kv, idx, tlen, 0.3, V, rows_per_chunk=16)
+    ref, _, _ = sparse_mla_fwd_reference(q, kv, idx, 0.3, tlen, d_v=V)
+    assert not torch.isnan(out).any() and bool((out[0] == 0).all())
+    assert rel_err(out, ref) < TOL_FP64
