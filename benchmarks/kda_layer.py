@@ -107,9 +107,10 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int) -> dict:
         kern().backward(do)
 
     t0 = time.perf_counter()
-    for fn in (ours, fla, kern_fb):  # warm-up (autotune on the first call of the process)
+    for name, fn in (("ours", ours), ("fla", fla), ("chunk_kda", kern_fb)):  # warm-up (the first call autotunes)
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        print(f"T={T}: warm-up {name} done at {time.perf_counter() - t0:.1f} s", flush=True)
     warm_s = time.perf_counter() - t0
     with torch.no_grad():  # the two layers compute the same function
         a, b = m(x)[0], fla_layer(m, x)
@@ -161,6 +162,7 @@ def main():
         if time.perf_counter() - t_start > args.budget_s:
             result["skipped"].append(T)
             continue
+        print(f"T={T}: start at {time.perf_counter() - t_start:.1f} s", flush=True)
         row = bench_seq(m, cfg, T, args.rounds, args.reps)
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

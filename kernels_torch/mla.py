@@ -50,20 +50,30 @@ def _promote(*xs: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
 
+# Query-row block of the eager path (twin of reference_jax.mla._ROW_BLOCK): bounds the fp32 logits to
+# [B, H, 2048, S] instead of [B, H, T, S] (26 GB per temporary at T = S = 8192, H = 96).
+_ROW_BLOCK = 2048
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tensor, scale: float,
             backend: str) -> torch.Tensor:
     """Masked attention in head-first layout: q ``[B, H, T, K]``, k ``[B, H|1, S, K]``, v ``[B, H|1, S, V]``,
     mask4 ``[B, 1, T, S]`` -> ``[B, H, T, V]``; rows with no visible key are 0."""
     if backend == "eager":
         dt = _promote(q, v)
-        logits = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale  # [B, H, T, S]
-        logits = logits.masked_fill(~mask4, float("-inf"))
-        row_max = logits.amax(-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        p = torch.exp(logits - row_max).masked_fill(~mask4, 0.0)
-        denom = p.sum(-1, keepdim=True)
-        p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-        return torch.matmul(p, v.to(dt))
+        k, v = k.to(dt), v.to(dt)
+        out = []
+        for t0 in range(0, q.shape[2], _ROW_BLOCK):  # blocks of query rows, as the JAX twin: bounded memory
+            rows, m = slice(t0, t0 + _ROW_BLOCK), mask4[:, :, t0:t0 + _ROW_BLOCK]
+            logits = torch.matmul(q[:, :, rows].to(dt), k.transpose(-1, -2)) * scale  # [B, H, t, S]
+            logits = logits.masked_fill(~m, float("-inf"))
+            row_max = logits.amax(-1, keepdim=True)
+            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            p = torch.exp(logits - row_max).masked_fill(~m, 0.0)
+            denom = p.sum(-1, keepdim=True)
+            p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+            out.append(torch.matmul(p, v))
+        return torch.cat(out, dim=2)
     # sdpa: a fully masked row may give NaN on some kernels; let it see everything, then zero it.
     empty = ~mask4.any(-1, keepdim=True)  # [B, 1, T, 1]
     safe = mask4 | empty

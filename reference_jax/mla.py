@@ -43,6 +43,15 @@ def _masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return p / jnp.where(denom > 0, denom, 1.0)
 
 
+# Long sequences are attended in blocks of query rows. The math is unchanged (rows are independent); it only keeps
+# the [B, H, T, S] fp32 logits from existing all at once (at T = S = 8192 and H = 96 that is 26 GB per temporary).
+_ROW_BLOCK = 2048
+
+
+def _row_blocks(T: int) -> list[slice]:
+    return [slice(t0, min(t0 + _ROW_BLOCK, T)) for t0 in range(0, T, _ROW_BLOCK)]
+
+
 def _mask4(mask: jax.Array, B: int, T: int, S: int) -> jax.Array:
     """``[T, S]`` or ``[B, T, S]`` bool -> ``[B, 1, T, S]``; ValueError on any other shape."""
     if mask.shape not in ((T, S), (B, T, S)):
@@ -69,9 +78,14 @@ def mla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sca
     B, T, H, _ = q.shape
     S = k.shape[1]
     dt = jnp.promote_types(compute_dtype(q), compute_dtype(v))
-    logits = jnp.einsum("bthk,bshk->bhts", q.astype(dt), k.astype(dt), precision=_HI) * scale  # [B, H, T, S]
-    p = _masked_softmax(logits, _mask4(mask, B, T, S))  # [B, H, T, S]
-    return jnp.einsum("bhts,bshv->bthv", p, v.astype(dt), precision=_HI).astype(v.dtype)
+    mask4 = _mask4(mask, B, T, S)
+    k, v = k.astype(dt), v.astype(dt)
+    out = []
+    for rows in _row_blocks(T):  # query rows are independent: one block unless T > _ROW_BLOCK
+        logits = jnp.einsum("bthk,bshk->bhts", q[:, rows].astype(dt), k, precision=_HI) * scale  # [B, H, t, S]
+        p = _masked_softmax(logits, mask4[:, :, rows])  # [B, H, t, S]
+        out.append(jnp.einsum("bhts,bshv->bthv", p, v, precision=_HI))
+    return jnp.concatenate(out, axis=1).astype(v.dtype)
 
 
 def mla_attention_absorbed(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array,
@@ -107,9 +121,13 @@ def mla_attention_absorbed(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, 
     q_lat = jnp.einsum("bthk,hkl->bthl", q_nope.astype(dt), w_uk, precision=_HI)  # [B, T, H, L]
     q_abs = jnp.concatenate([q_lat, q_pe.astype(dt)], axis=-1)  # [B, T, H, L+R]
     k_abs = jnp.concatenate([c_kv.astype(dt), k_pe.astype(dt)], axis=-1)  # [B, S, L+R], one KV head
-    logits = jnp.einsum("bthk,bsk->bhts", q_abs, k_abs, precision=_HI) * scale  # [B, H, T, S]
-    p = _masked_softmax(logits, _mask4(mask, B, T, S))
-    o_lat = jnp.einsum("bhts,bsl->bthl", p, c_kv.astype(dt), precision=_HI)  # [B, T, H, L]
+    mask4 = _mask4(mask, B, T, S)
+    o_lat = []
+    for rows in _row_blocks(T):  # query rows are independent: one block unless T > _ROW_BLOCK
+        logits = jnp.einsum("bthk,bsk->bhts", q_abs[:, rows], k_abs, precision=_HI) * scale  # [B, H, t, S]
+        p = _masked_softmax(logits, mask4[:, :, rows])
+        o_lat.append(jnp.einsum("bhts,bsl->bthl", p, c_kv.astype(dt), precision=_HI))  # [B, t, H, L]
+    o_lat = jnp.concatenate(o_lat, axis=1)  # [B, T, H, L]
     return jnp.einsum("bthl,hvl->bthv", o_lat, w_uv, precision=_HI).astype(c_kv.dtype)  # [B, T, H, V]
 
 

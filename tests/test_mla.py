@@ -326,3 +326,24 @@ def test_bad_arguments():
         jax.eval_shape(lambda p: m.apply(p, jnp.ones((2, 4, cfg.hidden_size)), cu_seqlens=np.array([0, 2, 4])), params)
     with pytest.raises(ValueError, match="cu_seqlens"):
         jax.eval_shape(lambda p: m.apply(p, x, cu_seqlens=np.array([0, 2, 5])), params)
+
+
+def test_row_blocked_attention_equals_one_block(monkeypatch):
+    """Long sequences are attended in blocks of query rows; the result must not depend on the block size."""
+    import reference_jax.mla as mla_mod
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        B, T, H, K, V, L, R = 1, 37, 3, 6, 5, 8, 4
+        q = jnp.asarray(rng.standard_normal((B, T, H, K)))
+        k = jnp.asarray(rng.standard_normal((B, T, H, K)))
+        v = jnp.asarray(rng.standard_normal((B, T, H, V)))
+        mask = jnp.tril(jnp.ones((T, T), bool))
+        qn, qp = jnp.asarray(rng.standard_normal((B, T, H, K))), jnp.asarray(rng.standard_normal((B, T, H, R)))
+        c, kp = jnp.asarray(rng.standard_normal((B, T, L))), jnp.asarray(rng.standard_normal((B, T, R)))
+        w = jnp.asarray(rng.standard_normal((H * (K + V), L)))
+        full = mla_mod.mla_attention(q, k, v, mask, 0.3), mla_mod.mla_attention_absorbed(qn, qp, c, kp, w, mask, 0.3)
+        monkeypatch.setattr(mla_mod, "_ROW_BLOCK", 8)
+        blocked = mla_mod.mla_attention(q, k, v, mask, 0.3), mla_mod.mla_attention_absorbed(qn, qp, c, kp, w, mask, 0.3)
+        for a, b in zip(full, blocked):
+            assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) <= 1e-14
