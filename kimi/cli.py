@@ -290,7 +290,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"kimi compare: {source}; {n} layers ({''.join(k[0].upper() for k in kinds)}); {len(ids)} tokens "
               f"({tok_name}); index_topk {cfg.index_topk}; backends {','.join(backends)}; dtype {args.dtype}",
               flush=True)
-        ref = run_reference(ckpt, ids, layers=args.layers, on_layer=_Progress("jax", n, args.quiet))
+        if args.reference == "jax":
+            ref = run_reference(ckpt, ids, layers=args.layers, on_layer=_Progress("jax", n, args.quiet))
+        else:  # the torch eager twin in fp32 (validated against JAX on CPU): a fast oracle for real-size GPU runs
+            ref = run_torch(ckpt, ids, layers=args.layers, backend="eager", dtype="float32", device=args.device,
+                            on_layer=_Progress("eager-fp32", n, args.quiet))
+            ref.name = "torch-eager fp32"
         reports = []
         for b in backends:
             other = run_torch(ckpt, ids, layers=args.layers, backend=b, dtype=args.dtype,
@@ -298,7 +303,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             reports.append(compare_runs(ref, other, kinds, dtype=args.dtype, tol=TOLERANCES[args.dtype]))
     print(format_table(reports))
     if args.json:
-        out = {"source": source, "tokens": int(len(ids)), "tokenizer": tok_name, "num_layers": n,
+        out = {"source": source, "reference": ref.name, "tokens": int(len(ids)), "tokenizer": tok_name, "num_layers": n,
                "index_topk": cfg.index_topk, "dtype": args.dtype, "reports": [r.to_dict() for r in reports]}
         _write_atomic(Path(args.json), json.dumps(out, indent=1).encode())
         print(f"report written to {args.json}")
@@ -450,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random-init seed when no --checkpoint is given")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
+    p.add_argument("--reference", choices=["jax", "eager"], default="jax",
+                   help="the oracle: the JAX reference (default) or the torch eager twin in fp32 (for real-size GPU "
+                        "runs, where the op-by-op JAX reference is slow)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("logits", help="run one path and write input_ids, logits (and hidden states) to safetensors")

@@ -89,7 +89,7 @@ def run_reference(checkpoint: str | Path, ids: np.ndarray, layers: int | None = 
     with jax.default_matmul_precision("highest"):
         logits, auxes = model.apply({"params": tree}, np.asarray(ids)[None], return_aux=True, on_layer=on_layer)
     to_np = lambda a: np.asarray(a, dtype=np.float32) if np.asarray(a).dtype.kind == "f" else np.asarray(a)  # noqa: E731
-    return RunResult("jax", to_np(logits)[0], [_np_aux(a, to_np) for a in auxes], time.perf_counter() - t0)
+    return RunResult("jax reference (fp32)", to_np(logits)[0], [_np_aux(a, to_np) for a in auxes], time.perf_counter() - t0)
 
 
 def run_torch(checkpoint: str | Path, ids: np.ndarray, layers: int | None = None, backend: str = "eager",
@@ -204,6 +204,7 @@ class Report:
     dtype: str
     tolerances: Tolerances
     layers: list[LayerRow]
+    reference: str
     logits_rel: float
     logits_max_abs: float
     logits_cos: float
@@ -269,7 +270,7 @@ def compare_runs(ref: RunResult, other: RunResult, kinds: list[str], dtype: str 
         failed.append(f"logits cosine {cos:.6f} < {tol.logits_cos_min}")
     if not top1 >= tol.top1_min:
         failed.append(f"top-1 agreement {top1:.4f} < {tol.top1_min}")
-    return Report(other.name, dtype, tol, rows, lrel, float(np.abs(a - b).max()), cos, top1, failed)
+    return Report(other.name, dtype, tol, rows, ref.name, lrel, float(np.abs(a - b).max()), cos, top1, failed)
 
 
 def format_table(reports: list[Report]) -> str:
@@ -280,7 +281,7 @@ def format_table(reports: list[Report]) -> str:
     lines = []
     for rep in reports:
         t = rep.tolerances
-        lines.append(f"== {rep.backend} ({rep.dtype}) vs jax reference (fp32) ==")
+        lines.append(f"== {rep.backend} ({rep.dtype}) vs {rep.reference} ==")
         lines.append(f"{'layer':>5} {'kind':>4} | {'attn rel':>9} {'max abs':>9} | {'mlp rel':>9} {'max abs':>9} | "
                      f"{'resid rel':>9} {'max abs':>9} | {'top-k keys':>12} {'experts':>12} | status")
         for r in rep.layers:

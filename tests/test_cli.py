@@ -64,6 +64,13 @@ def test_compare_bf16_passes_with_layer_local_rows():
     assert "PASS" in r.stdout and "FAIL" not in r.stdout
 
 
+def test_compare_against_the_eager_fp32_oracle(tmp_path):
+    r = kimi("compare", "--reference", "eager", "--backends", "sdpa", "--tokens", "80", "--json", tmp_path / "r.json",
+             "--quiet")
+    assert "vs torch-eager fp32" in r.stdout and "PASS" in r.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["reference"] == "torch-eager fp32"
+
+
 def test_compare_on_init_layers_4_checkpoint(tmp_path):
     kimi("init", "--preset", "tiny", "--out", tmp_path / "ck", "--layers", "4")
     r = kimi("compare", "--checkpoint", tmp_path / "ck", "--tokens", "150", "--quiet")

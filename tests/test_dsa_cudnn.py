@@ -1,6 +1,6 @@
 """CPU checks of the ``cudnn`` backend's pieces that need no GPU (``kernels_torch.dsa_cudnn``): the errors when CUDA,
 bf16 or the gpu extra are missing, the refusal of masks with holes, the frozen indexer, and the torch twins (chunked
-indexer scores, sparse MLA) against the readable references. The kernels themselves: ``tests/gpu/test_dsa_cudnn.py``.
+indexer scores, sparse MLA) against the readable references. The kernels themselves: ``tests/gpu/test_gpu_dsa_cudnn.py``.
 """
 
 from __future__ import annotations
