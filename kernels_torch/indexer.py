@@ -41,7 +41,8 @@ def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor) 
     HI, KI = q_I.shape[-2:]
     logits = torch.einsum("btjk,bsk->btjs", q_I.to(dt), k_I.to(dt)) * (KI ** -0.5)  # [B, T, HI, S]
     w = weights.to(dt) * (HI ** -0.5)  # [B, T, HI]
-    return torch.einsum("btj,btjs->bts", w, torch.relu(logits))
+    # "+ 0.0" canonicalises -0.0 to +0.0, as the JAX twin (equal scores must tie, whatever their sign bit).
+    return torch.einsum("btj,btjs->bts", w, torch.relu(logits)) + 0.0
 
 
 def topk_indices(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tensor:

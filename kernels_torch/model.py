@@ -147,8 +147,10 @@ class KimiK3Model(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None):
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids: got shape {tuple(input_ids.shape)}, expected [B, T]")
+        if input_ids.ndim != 2 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids: got shape {tuple(input_ids.shape)}, expected [B, T] with B, T >= 1")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids: got dtype {input_ids.dtype}, expected integer token ids")
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")

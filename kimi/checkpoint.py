@@ -266,10 +266,14 @@ class CheckpointReader:
         """
         self._meta(name)  # validates name, shard and key with clear errors
         file, key = self._where[name]
-        h = self._handles.get(file)
-        if h is None:
-            h = self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        t = h.get_tensor(key)
+        try:
+            h = self._handles.get(file)
+            if h is None:
+                h = self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            t = h.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{self.path / file}: cannot read tensor {name} ({type(e).__name__}: {e}); "
+                                  f"expected a complete safetensors file (truncated or damaged shard?)") from None
         self.read_names.add(name)
         return t
 
@@ -389,10 +393,18 @@ def load_params(source: str | os.PathLike | CheckpointReader, config: KimiConfig
         n = spec.name
         if ".experts." in n and cfg.quant_method == "mxfp4":
             base = n.removesuffix(".weight")
-            out[n] = dequantize_mxfp4(reader.get(base + ".weight_packed"), reader.get(base + ".weight_scale"),
-                                      dtype=dt, group_size=cfg.quant_group_size)
+            try:
+                out[n] = dequantize_mxfp4(reader.get(base + ".weight_packed"), reader.get(base + ".weight_scale"),
+                                          dtype=dt, group_size=cfg.quant_group_size)
+            except ValueError as e:
+                raise CheckpointError(f"{reader.path}: {base}.weight_scale / .weight_packed: {e}") from None
         elif n.endswith(".self_attn.A_log"):
-            out[n] = reader.get(n).reshape(-1)[: cfg.kda_num_heads].clone()  # [128] -> [:96]; [1,1,H,1] -> [H]
+            stored = reader.get(n).reshape(-1)  # [128] (96 used) or Kimi-Linear's [1,1,H,1]
+            pad = stored[cfg.kda_num_heads:]
+            if bool((pad != 0).any()):  # 96 active + 32 zeros (spec 2.1): non-zero padding means a wrong layout
+                raise CheckpointError(f"{reader.path}: {n}: got {int((pad != 0).sum())} non-zero entries past the "
+                                      f"{cfg.kda_num_heads} active heads, expected zero padding (spec 2.1)")
+            out[n] = stored[: cfg.kda_num_heads].clone()
         elif n.endswith("_conv1d.weight"):
             out[n] = reader.get(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
         elif _optional(spec) and n not in reader:

@@ -252,15 +252,17 @@ def _token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
         tok_name = f"ids from {args.ids}"
     else:
         tok = load_tokenizer(checkpoint, cfg.vocab_size)
-        ids = tok.encode(read_text(args.text or DEFAULT_TEXT))
+        path = args.text or DEFAULT_TEXT
+        if not Path(path).is_file():
+            raise CliError(f"--text: no file at {path}")
+        ids = tok.encode(read_text(path))
         tok_name = tok.name
     if args.tokens is not None:
         ids = ids[: args.tokens]
-    ids = np.asarray(ids, dtype=np.int64)
-    bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
-    if bad.size:
-        raise CliError(f"token ids: got {int(bad[0])}, expected ids in [0, {cfg.vocab_size})")
-    return ids, tok_name
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]  # Python ints: no overflow on huge values
+    if bad:
+        raise CliError(f"token ids: got {bad[0]}, expected ids in [0, {cfg.vocab_size})")
+    return np.asarray(ids, dtype=np.int64), tok_name
 
 
 # ---------------------------------------------------------------------------------------------- compare
@@ -329,7 +331,21 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
     for key in ("input_ids", "logits"):
         if key not in theirs:
             raise CliError(f"--against: {args.against} has no '{key}' tensor (expected input_ids and logits)")
+        if theirs[key].size == 0:
+            raise CliError(f"--against: {args.against}: '{key}' is empty")
+    if theirs["input_ids"].dtype.kind not in "iu":
+        raise CliError(f"--against: input_ids has dtype {theirs['input_ids'].dtype}, expected an integer dtype")
     ids = theirs["input_ids"].astype(np.int64).reshape(-1)
+    bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+    if bad.size:
+        raise CliError(f"--against: input_ids holds {int(bad[0])}, expected ids in [0, {cfg.vocab_size})")
+    from safetensors import safe_open
+
+    with safe_open(args.against, framework="np") as f:
+        file_layers = (f.metadata() or {}).get("layers")
+    if file_layers is not None and int(file_layers) != cfg.num_hidden_layers:
+        raise CliError(f"--against: {args.against} was written with {file_layers} layers, this run has "
+                       f"{cfg.num_hidden_layers} (pass --layers {file_layers})")
     backend = args.path
     n = cfg.num_hidden_layers
     if backend == "jax":
@@ -351,7 +367,11 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
     for i, layer in enumerate(mine.layers):
         h = theirs.get(f"hidden.{i}")
         if h is not None:
-            print(f"  layer {i:>3}: residual rel {rel_err(h, layer['residual']):.2e}")
+            if h.shape != layer["residual"].shape:
+                raise CliError(f"--against: hidden.{i} has shape {list(h.shape)}, expected "
+                               f"{list(layer['residual'].shape)}")
+            print(f"  layer {i:>3}: residual rel {rel_err(h, layer['residual']):.2e}  (informational: the verdict "
+                  f"is on the logits)")
     ok = lrel <= tol.logits_rel and cos >= tol.logits_cos_min and top1 >= tol.top1_min
     print(f"logits: rel {lrel:.2e}  cosine {cos:.7f}  top-1 agreement {top1:.4f}  -> {'PASS' if ok else 'FAIL'}  "
           f"(tolerances {args.dtype}: rel <= {tol.logits_rel:.0e}, cosine >= {tol.logits_cos_min}, "

@@ -145,13 +145,16 @@ def _layer_local(model, ref: RunResult, to_np, device) -> list[dict[str, Any]]:
 
 
 def selection_agreement(ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: np.ndarray,
-                        tie_rel: float) -> tuple[dict[str, int], np.ndarray]:
+                        tie_rel: float, causal: bool = False) -> tuple[dict[str, int], np.ndarray]:
     """Compare top-k sets row by row (DSA keys or MoE experts).
 
     ref_idx / other_idx ``[T, k]`` (-1 = empty slot), ref_scores ``[T, S]``: the reference's selection scores.
     A row whose sets differ counts as ``tie_only`` when every key in the symmetric difference has a reference score
     within ``tie_rel * max|score|`` of the row's k-th selected score (a near-tie at the selection boundary, which
     rounding may legitimately flip), else as ``disagree``.
+
+    With ``causal`` (DSA keys of one document: row t may see keys 0..t), a key beyond the row is always a
+    disagreement, whatever its score: a causality bug must never pass as a near-tie.
 
     Returns ``(counts, same)``: counts ``rows``, ``identical``, ``tie_only``, ``disagree``; ``same`` ``[T]`` bool,
     True where the two sets are identical.
@@ -171,7 +174,8 @@ def selection_agreement(ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: 
         finite = row[np.isfinite(row)]
         scale = float(np.abs(finite).max()) if finite.size else 1.0
         kth = min(float(row[i]) for i in a) if a else 0.0
-        ok = all(np.isfinite(row[i]) and abs(float(row[i]) - kth) <= tie_rel * max(scale, 1e-30) for i in diff)
+        ok = all(np.isfinite(row[i]) and abs(float(row[i]) - kth) <= tie_rel * max(scale, 1e-30)
+                 and not (causal and i > t) for i in diff)
         out["tie_only" if ok else "disagree"] += 1
     return out, same
 
@@ -244,7 +248,8 @@ def compare_runs(ref: RunResult, other: RunResult, kinds: list[str], dtype: str 
         attn_keep = np.ones(T, bool)
         mlp_keep = np.ones(T, bool)
         if "topk_indices" in r and "topk_indices" in o:
-            sel, attn_keep = selection_agreement(r["topk_indices"], r["index_scores"], o["topk_indices"], tol.tie_rel)
+            sel, attn_keep = selection_agreement(r["topk_indices"], r["index_scores"], o["topk_indices"], tol.tie_rel,
+                                                 causal=True)
         if "expert_ids" in r and "expert_ids" in o:
             routing, mlp_keep = selection_agreement(r["expert_ids"], r["expert_scores"], o["expert_ids"], tol.tie_rel)
         keep = attn_keep & mlp_keep  # the residual carries both

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -283,8 +284,8 @@ def _one_based(values: Any, key: str, n_layers: int) -> tuple[int, ...]:
 def _from_text_config(t: Mapping[str, Any], *, architecture: str, key_prefix: str, raw: Mapping[str, Any]) -> KimiConfig:
     num = (int, float)
     n_layers = _get(t, "num_hidden_layers", None, int)
-    if n_layers is None:
-        raise ConfigError("num_hidden_layers: missing, expected a positive integer")
+    if n_layers is None or n_layers < 1:
+        raise ConfigError(f"num_hidden_layers: got {n_layers!r}, expected a positive integer")
     lin = t.get("linear_attn_config")
     if lin is None:
         lin = {}
@@ -334,7 +335,7 @@ def _from_text_config(t: Mapping[str, Any], *, architecture: str, key_prefix: st
         group = quant.get("group_size", group)
 
     act = _get(t, "hidden_act", "silu", str)
-    situ_lin = t.get("activation_situ_linear_beta", 25.0 if act == "situ" else None)
+    situ_lin = _get(t, "activation_situ_linear_beta", 25.0 if act == "situ" else None, num)
     kw: dict[str, Any] = dict(
         architecture=architecture,
         key_prefix=key_prefix,
@@ -487,6 +488,18 @@ def _to_text_config(c: KimiConfig) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- validation
 
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "intermediate_size",
+                  "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                  "kda_num_heads", "kda_head_dim", "short_conv_kernel_size", "kda_gate_rank", "index_n_heads",
+                  "index_head_dim", "index_topk", "num_experts_per_token", "moe_layer_freq", "num_expert_group",
+                  "topk_group", "quant_group_size")
+_NONNEGATIVE_INTS = ("qk_rope_head_dim", "num_experts", "num_shared_experts", "moe_intermediate_size",
+                     "first_k_dense_replace")
+_OPTIONAL_POSITIVE_INTS = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
+_POSITIVE_REALS = ("rms_norm_eps", "mla_norm_eps", "activation_situ_beta", "routed_scaling_factor")
+_BOOLS = ("tie_word_embeddings", "mla_use_nope", "mla_use_output_gate", "use_full_rank_gate", "latent_moe_use_norm",
+          "moe_renormalize", "use_grouped_topk")
+
 
 def _check_layer_idx(c: KimiConfig, idx: int) -> None:
     if not 0 <= idx < c.num_hidden_layers:
@@ -498,13 +511,39 @@ def _validate(c: KimiConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}: got {value!r}, expected {expected}")
 
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kda_num_heads",
-                "kda_head_dim", "short_conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                "index_n_heads", "index_head_dim", "kda_gate_rank", "moe_layer_freq"):
+    # Types and ranges of every scalar field first (values can also come from --set or replace(), unparsed).
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_real(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key in _POSITIVE_INTS:
         v = getattr(c, key)
-        need(isinstance(v, int) and v >= 1, key, v, "a positive integer")
-    need(c.qk_rope_head_dim >= 0, "qk_rope_head_dim", c.qk_rope_head_dim, "an integer >= 0")
-    need(c.q_lora_rank is None or c.q_lora_rank >= 1, "q_lora_rank", c.q_lora_rank, "null or a positive integer")
+        need(is_int(v) and v >= 1, key, v, "a positive integer")
+    for key in _NONNEGATIVE_INTS:
+        v = getattr(c, key)
+        need(is_int(v) and v >= 0, key, v, "an integer >= 0")
+    for key in _OPTIONAL_POSITIVE_INTS:
+        v = getattr(c, key)
+        need(v is None or is_int(v) and v >= 1, key, v, "null or a positive integer")
+    for key in _POSITIVE_REALS:
+        v = getattr(c, key)
+        need(is_real(v) and v > 0, key, v, "a finite positive number")
+    for key in _BOOLS:
+        v = getattr(c, key)
+        need(isinstance(v, bool), key, v, "true or false")
+    v = c.activation_situ_linear_beta
+    need(v is None or is_real(v) and v > 0, "activation_situ_linear_beta", v, "null or a finite positive number")
+    v = c.gate_lower_bound
+    need(v is None or is_real(v) and v < 0, "linear_attn_config.gate_lower_bound", v, "null or a finite negative number")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(c, key)
+        need(v is None or is_int(v) and 0 <= v < c.vocab_size, key, v, f"null or a token id in [0, {c.vocab_size})")
+    for key in ("kda_layers", "mla_layers", "dsa_layers"):
+        v = getattr(c, key)
+        need(isinstance(v, tuple) and all(is_int(i) and 0 <= i < c.num_hidden_layers for i in v), key, v,
+             f"a tuple of 0-based layer indices in [0, {c.num_hidden_layers})")
     need(c.hidden_act in _ACTIVATIONS, "hidden_act", c.hidden_act, f"one of {list(_ACTIVATIONS)}")
     need(c.moe_router_activation_func in _ROUTER_ACTIVATIONS, "moe_router_activation_func",
          c.moe_router_activation_func, f"one of {list(_ROUTER_ACTIVATIONS)}")

@@ -56,7 +56,10 @@ def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    ranks = load_tiktoken_bpe(str(model))
+    try:
+        ranks = load_tiktoken_bpe(str(model))
+    except Exception as e:  # noqa: BLE001 - tiktoken raises plain errors for malformed files
+        raise ValueError(f"tiktoken.model: {model} is not a tiktoken BPE file (base64 token + rank per line): {e}") from None
     special: dict[str, int] = {}
     cfg = model.parent / "tokenizer_config.json"
     if cfg.is_file():

@@ -45,7 +45,9 @@ def indexer_scores(q_I: jax.Array, k_I: jax.Array, weights: jax.Array) -> jax.Ar
     # [B, T, HI, S]: per-head dot products, scaled by KI^-1/2 inside the ReLU (a positive factor, so equivalently outside)
     logits = jnp.einsum("btjk,bsk->btjs", q_I.astype(dt), k_I.astype(dt), precision=_HI) * (KI ** -0.5)
     w = weights.astype(dt) * (HI ** -0.5)  # [B, T, HI]
-    return jnp.einsum("btj,btjs->bts", w, jax.nn.relu(logits), precision=_HI)
+    # "+ 0.0" turns -0.0 (negative weights times an all-ReLU-zero key) into +0.0: top-k orders -0.0 below +0.0
+    # while both frameworks' tie rule must see them as the same score (spec 9: ties -> larger key index first).
+    return jnp.einsum("btj,btjs->bts", w, jax.nn.relu(logits), precision=_HI) + 0.0
 
 
 def topk_indices(scores: jax.Array, mask: jax.Array, topk: int) -> jax.Array:

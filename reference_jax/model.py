@@ -178,8 +178,10 @@ class KimiK3Model(nn.Module):
 
     def __call__(self, input_ids, cu_seqlens=None, mla_form: str = "expanded", return_aux: bool = False, on_layer=None):
         ids = jnp.asarray(input_ids)
-        if ids.ndim != 2:
-            raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T]")
+        if ids.ndim != 2 or ids.size == 0:
+            raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T] with B, T >= 1")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"input_ids: got dtype {ids.dtype}, expected integer token ids")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")

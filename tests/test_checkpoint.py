@@ -334,11 +334,29 @@ def test_a_log_padding_sliced_and_repadded(tmp_path, cfg, params):
     stored = to_stored(params, cfg)
     assert stored[name].shape == (P,) and torch.equal(stored[name][:H], params[name])
     assert torch.equal(stored[name][H:], torch.zeros(P - H))
-    stored[name] = stored[name].clone()
-    stored[name][H:] = 7.0  # non-zero padding on disk is just sliced away
-    write_raw(tmp_path, stored, cfg)
-    got = load_params(tmp_path)
+    write_raw(tmp_path / "ok", stored, cfg)
+    got = load_params(tmp_path / "ok")
     assert got[name].shape == (H,) and _same(got[name], params[name])
+    stored[name] = stored[name].clone()
+    stored[name][H + 1] = 7.0  # non-zero padding means a wrong layout: refused, naming the tensor
+    write_raw(tmp_path / "bad", stored, cfg)
+    with pytest.raises(CheckpointError, match=r"A_log.*non-zero entries past the 4 active heads"):
+        load_params(tmp_path / "bad")
+
+
+def test_truncated_shard_and_nan_scale_are_named(tmp_path, cfg, params):
+    stored = to_stored(params, cfg)
+    scale = "model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
+    stored[scale] = stored[scale].clone()
+    stored[scale][0, 0] = 255  # E8M0 NaN
+    write_raw(tmp_path / "nan", stored, cfg)
+    with pytest.raises(CheckpointError, match=r"experts\.3\.w2\.weight_scale.*255"):
+        load_params(tmp_path / "nan")
+    write_checkpoint(tmp_path / "trunc", to_stored(params, cfg), cfg)
+    shard = sorted((tmp_path / "trunc").glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="cannot read tensor"):
+        load_params(tmp_path / "trunc")
 
 
 @pytest.mark.parametrize("shape", ["1,1,H,1", "H"])

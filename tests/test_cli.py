@@ -123,6 +123,8 @@ def test_logits_and_against_roundtrip(tmp_path):
     (["compare", "--text", "LATIN1"], "not UTF-8"),
     (["compare", "--checkpoint", "MISSING_TENSOR"], "model.layers.1.self_attn.q_proj.weight"),
     (["compare", "--checkpoint", "NOWHERE"], "NOWHERE"),
+    (["compare", "--text", "MISSING_FILE"], "--text: no file"),
+    (["compare", "--ids", "HUGE_IDS"], "token ids: got 100000000000000000000000"),
 ])
 def test_bad_input_one_line_error(args, needle, tmp_path, tiny_ckpt):
     (tmp_path / "empty.txt").write_text("  \n")
@@ -130,8 +132,9 @@ def test_bad_input_one_line_error(args, needle, tmp_path, tiny_ckpt):
     broken = tmp_path / "broken"
     if "MISSING_TENSOR" in args:
         _copy_without(tiny_ckpt, broken, "model.layers.1.self_attn.q_proj.weight")
+    (tmp_path / "huge.json").write_text("[1, 100000000000000000000000]")
     subst = {"EMPTY": tmp_path / "empty.txt", "LATIN1": tmp_path / "latin1.txt", "MISSING_TENSOR": broken,
-             "NOWHERE": tmp_path / "NOWHERE"}
+             "NOWHERE": tmp_path / "NOWHERE", "MISSING_FILE": tmp_path / "nope.txt", "HUGE_IDS": tmp_path / "huge.json"}
     r = kimi(*[subst.get(a, a) for a in args], check=False)
     assert_clean_error(r, needle)
 

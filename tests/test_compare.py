@@ -21,6 +21,17 @@ def test_selection_agreement_counts_ties_separately():
     assert same.tolist() == [True, False, False, True]
 
 
+def test_a_future_key_is_never_a_tie():
+    scores = np.array([[3.0, 2.0, 2.0, 2.0]] * 4)  # raw scores: the future keys tie with the k-th visible one
+    ref = np.array([[0, -1], [0, 1], [0, 1], [0, 1]])
+    other = ref.copy()
+    other[1] = [0, 2]  # row 1 selects key 2 > 1: a causality bug, not a tie
+    counts, _ = selection_agreement(ref, scores, other, tie_rel=0.1, causal=True)
+    assert counts["disagree"] == 1
+    counts, _ = selection_agreement(ref, scores, other, tie_rel=0.1, causal=False)
+    assert counts["tie_only"] == 1
+
+
 def test_padding_slots_are_ignored():
     scores = np.array([[1.0, 2.0, -np.inf, -np.inf]])
     a = np.array([[1, 0, -1, -1]])

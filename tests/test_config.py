@@ -139,6 +139,13 @@ def _text(mut):
     (lambda t: t.update(dsa_config={"layers": [1, 4]}), "dsa_config.layers"),
     (lambda t: t["linear_attn_config"].update(gate_lower_bound=5.0), "gate_lower_bound"),
     (lambda t: t.update(quantization_config={"format": "nvfp4"}), "quantization_config"),
+    (lambda t: t.update(intermediate_size=0), "intermediate_size"),
+    (lambda t: t.update(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+    (lambda t: t.update(activation_situ_linear_beta="a"), "activation_situ_linear_beta"),
+    (lambda t: t.update(num_hidden_layers=0), "num_hidden_layers"),
+    (lambda t: t.update(eos_token_id=10**9), "eos_token_id"),
+    (lambda t: t["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size="32"),
+     "quant_group_size"),
 ])
 def test_refusals_name_key_and_value(mutate, needle):
     with pytest.raises(ConfigError, match="got") as e:
@@ -156,6 +163,13 @@ def test_unknown_architecture_and_missing_file(tmp_path):
         KimiConfig.from_json(tmp_path)
     with pytest.raises(ConfigError, match="preset"):
         load_config("k9")
+
+
+def test_replace_is_validated_too():
+    with pytest.raises(ConfigError, match="index_topk: got None"):
+        load_config("tiny").replace(index_topk=None)
+    with pytest.raises(ConfigError, match="num_experts: got 3.5"):
+        load_config("tiny").replace(num_experts=3.5)
 
 
 def test_truncated_keeps_first_layers():

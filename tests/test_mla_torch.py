@@ -310,3 +310,27 @@ def test_bf16_activations(backend):
         o, aux = torch_layer(cfg, p, torch.bfloat16, backend)(x.bfloat16(), return_aux=True)
     assert o.dtype == torch.bfloat16 and aux["index_scores"].dtype == torch.float32
     assert bool(torch.isfinite(o).all()) and rel_err(o, ref) <= TOL_BF16
+
+
+def test_signed_zero_scores_tie_the_same_way_in_both_frameworks():
+    """Negative head weights times all-zero ReLUs give -0.0 in one framework and +0.0 in the other unless the
+    scores are canonicalised; the canonical rule (ties -> larger key index) must not see the sign bit."""
+    import jax.numpy as jnp
+
+    from kernels_torch import indexer as ti
+    from reference_jax import indexer as ji
+
+    rng = np.random.default_rng(5)
+    B, T, HI, KI = 1, 12, 2, 4
+    q = rng.standard_normal((B, T, HI, KI)).astype(np.float32)
+    k = rng.standard_normal((B, T, KI)).astype(np.float32)
+    k[:, ::2] = -np.abs(k[:, ::2]) * 0 - 1.0  # every other key: negative everywhere ...
+    q = np.abs(q) + 0.1  # ... against positive queries: every ReLU is exactly 0 for those keys
+    w = -np.abs(rng.standard_normal((B, T, HI))).astype(np.float32) - 0.1  # negative weights: 0 * w = -0.0
+    js = np.asarray(ji.indexer_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w)))
+    ts = ti.indexer_scores(torch.tensor(q), torch.tensor(k), torch.tensor(w)).numpy()
+    assert not np.signbit(js[js == 0]).any() and not np.signbit(ts[ts == 0]).any()
+    mask = np.tril(np.ones((T, T), bool))
+    jt = np.asarray(ji.topk_indices(jnp.asarray(js), jnp.asarray(mask), 4))
+    tt = ti.topk_indices(torch.tensor(ts), torch.tensor(mask), 4).numpy()
+    assert np.array_equal(jt, tt)

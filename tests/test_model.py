@@ -128,5 +128,11 @@ def test_bad_token_ids_refused(tiny_ckpt):
     tm = load_torch(tiny_ckpt, layers=1)
     with pytest.raises(ValueError, match="input_ids"):
         tm(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="input_ids"):
+        tm(torch.zeros((1, 0), dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids: got dtype"):
+        tm(torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(ValueError, match="input_ids: got dtype"):
+        jm.apply({"params": params}, np.array([[1.5, 2.0]]))
     with pytest.raises(ValueError, match="backend"):
         load_torch(tiny_ckpt, layers=1, backend="triton")
