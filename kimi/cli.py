@@ -97,9 +97,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info))
         return 0
     print(f"{cfg.architecture}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    print(f"  total params   {counts['total_params']:>20,}  ({counts['total_params'] / 1e12:.4f} T)")
-    print(f"  active params  {counts['active_params']:>20,}  ({counts['active_params'] / 1e9:.2f} B, "
-          f"excluding the input embedding; {counts['active_with_embedding'] / 1e9:.2f} B with it)")
+    print(f"  total params   {counts['total_params']:>20,}  ({_human(counts['total_params'])})")
+    print(f"  active params  {counts['active_params']:>20,}  ({_human(counts['active_params'])}, "
+          f"excluding the input embedding; {_human(counts['active_with_embedding'])} with it)")
     print(f"  KDA layers ({len(cfg.kda_layers)}), 0-based: {_ranges(cfg.kda_layers)}")
     print(f"  MLA layers ({len(cfg.mla_layers)}), 0-based: {_ranges(cfg.mla_layers)}")
     print(f"  DSA layers ({len(cfg.dsa_layers)}), 0-based: {_ranges(cfg.dsa_layers)}"
@@ -113,6 +113,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("  layer plan: " + "".join({"kda": "K", "mla": "M", "dsa": "D"}[p.attention] for p in plan)
           + "  (K = KDA, M = MLA, D = MLA + DSA indexer)")
     return 0
+
+
+def _human(n: int) -> str:
+    """2779663002208 -> '2.7797 T', 104368138848 -> '104.37 B', 1115496 -> '1.12 M'."""
+    for scale, unit, digits in ((1e12, "T", 4), (1e9, "B", 2), (1e6, "M", 2), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return str(n)
 
 
 def _ranges(xs: Sequence[int]) -> str:

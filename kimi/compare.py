@@ -135,7 +135,7 @@ def _layer_local(model, ref: RunResult, to_np, device) -> list[dict[str, Any]]:
     import torch
 
     dtype = model.model.layers[0].input_layernorm.weight.dtype
-    put = lambda a: torch.as_tensor(np.asarray(a, np.float32))[None].to(device=device, dtype=dtype)  # noqa: E731
+    put = lambda a: torch.from_numpy(np.array(a, np.float32))[None].to(device=device, dtype=dtype)  # noqa: E731
     rows = []
     with torch.no_grad():
         for layer, r in zip(model.model.layers, ref.layers):

@@ -48,6 +48,7 @@ def test_init_layers_and_set(tmp_path):
     assert_clean_error(r, "--set")
 
 
+@pytest.mark.slow
 def test_compare_defaults_pass(tmp_path):
     r = kimi("compare", "--json", tmp_path / "report.json", "--quiet")
     assert "PASS" in r.stdout and "FAIL" not in r.stdout
@@ -59,11 +60,13 @@ def test_compare_defaults_pass(tmp_path):
     assert dsa and all(row["selection"]["rows"] == rep["tokens"] for row in dsa)
 
 
+@pytest.mark.slow
 def test_compare_bf16_passes_with_layer_local_rows():
     r = kimi("compare", "--dtype", "bfloat16", "--backends", "sdpa", "--quiet")
     assert "PASS" in r.stdout and "FAIL" not in r.stdout
 
 
+@pytest.mark.slow
 def test_compare_against_the_eager_fp32_oracle(tmp_path):
     r = kimi("compare", "--reference", "eager", "--backends", "sdpa", "--tokens", "80", "--json", tmp_path / "r.json",
              "--quiet")
@@ -71,18 +74,21 @@ def test_compare_against_the_eager_fp32_oracle(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["reference"] == "torch-eager fp32"
 
 
+@pytest.mark.slow
 def test_compare_on_init_layers_4_checkpoint(tmp_path):
     kimi("init", "--preset", "tiny", "--out", tmp_path / "ck", "--layers", "4")
     r = kimi("compare", "--checkpoint", tmp_path / "ck", "--tokens", "150", "--quiet")
     assert "PASS" in r.stdout
 
 
+@pytest.mark.slow
 def test_compare_kimi_linear_preset():
     r = kimi("compare", "--preset", "tiny-linear", "--tokens", "120", "--quiet")
     assert "PASS" in r.stdout and "FAIL" not in r.stdout
     assert "6 layers" in r.stdout
 
 
+@pytest.mark.slow
 def test_compare_names_first_divergent_layer(tmp_path):
     """Corrupt one weight of layer 2 in the torch path only: compare must fail and name layer 2."""
     script = f"""
@@ -103,6 +109,7 @@ sys.exit(main(["compare", "--tokens", "100", "--backends", "eager", "--quiet"]))
     assert "first divergent layer 2" in r.stderr
 
 
+@pytest.mark.slow
 def test_logits_and_against_roundtrip(tmp_path):
     kimi("init", "--preset", "tiny", "--out", tmp_path / "ck", "--layers", "4")
     ids = tmp_path / "ids.json"

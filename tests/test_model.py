@@ -38,6 +38,7 @@ def test_reference_runs_from_disk_and_is_healthy(tiny_ckpt, T):
         assert aux[i]["topk_indices"].shape == (1, T, min(cfg.index_topk, T))
 
 
+@pytest.mark.slow
 def test_absorbed_equals_expanded_whole_model_fp64(tiny_ckpt):
     with jax.enable_x64(True):
         model, params, cfg = load_jax(tiny_ckpt, dtype=jnp.float64)
@@ -48,6 +49,7 @@ def test_absorbed_equals_expanded_whole_model_fp64(tiny_ckpt):
         assert rel(b, a) <= 1e-10
 
 
+@pytest.mark.slow
 def test_packed_documents_equal_separate_runs(tiny_ckpt):
     model, params, cfg = load_jax(tiny_ckpt)
     lens = [5, 90, 1, 104]
@@ -59,6 +61,7 @@ def test_packed_documents_equal_separate_runs(tiny_ckpt):
         assert rel(packed[:, s:e], alone) <= 1e-5, (s, e)
 
 
+@pytest.mark.slow
 def test_layers_n_reads_only_first_layers(tiny_ckpt, monkeypatch):
     seen = []
     orig = CheckpointReader.get
@@ -88,6 +91,7 @@ def test_torch_matches_reference_fp32(tiny_ckpt, backend, T):
     assert rel(out, ref) <= TOL_FP32["logits"]
 
 
+@pytest.mark.slow
 def test_torch_bf16_close_to_reference(tiny_ckpt):
     jm, params, cfg = load_jax(tiny_ckpt)
     ids = ids_for(96, cfg.vocab_size, 3)
