@@ -169,6 +169,10 @@ def load_model(checkpoint: str | Path, layers: int | None = None, backend: str =
     """
     from kimi.checkpoint import CheckpointReader, load_params
 
+    check_backend(backend)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: got {str(device)!r}, but CUDA is not available here"
+                         + (" (the cudnn backend needs a CUDA GPU; use eager or sdpa on a CPU)" if backend == "cudnn" else ""))
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
     params = load_params(reader, config, layers=range(config.num_hidden_layers))

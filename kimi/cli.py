@@ -185,9 +185,11 @@ def cmd_forward(args: argparse.Namespace) -> int:
 
             from kernels_torch.model import load_model as load_torch
 
-            model = load_torch(ckpt, layers=args.layers, backend=args.backend)
+            gpu = args.backend == "cudnn"  # the cudnn backend runs on CUDA in bf16 (it says so when it cannot)
+            model = load_torch(ckpt, layers=args.layers, backend=args.backend,
+                               dtype=torch.bfloat16 if gpu else torch.float32, device="cuda" if gpu else "cpu")
             with torch.no_grad():
-                logits = model(torch.as_tensor(ids)).float().numpy()
+                logits = model(torch.as_tensor(ids, device="cuda" if gpu else "cpu")).float().cpu().numpy()
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -288,6 +290,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise CliError(f"--backends: got {b!r}, expected a comma-separated subset of {list(known)}")
     if not backends and not args.against:
         raise CliError("--backends: got an empty list, expected at least one of eager, sdpa, cudnn")
+    if "cudnn" in backends + [args.path] or args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--backends/--device: the cudnn backend and --device cuda need a CUDA GPU, but CUDA is not "
+                           "available here (use eager or sdpa on a CPU)")
     with contextlib.ExitStack() as stack:
         ckpt, source = _materialise_checkpoint(args, stack)
         cfg = KimiConfig.from_json(ckpt / "config.json")
@@ -464,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=_positive_int)
     p.add_argument("--tokens", type=_positive_int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=["jax", "eager", "sdpa"], default="jax")
+    p.add_argument("--backend", choices=["jax", "eager", "sdpa", "cudnn"], default="jax")
     p.set_defaults(func=cmd_forward)
 
     p = sub.add_parser("compare", help="JAX reference vs torch backends, layer by layer, on real text")

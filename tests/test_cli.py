@@ -132,6 +132,10 @@ def test_logits_and_against_roundtrip(tmp_path):
     (["compare", "--checkpoint", "NOWHERE"], "NOWHERE"),
     (["compare", "--text", "MISSING_FILE"], "--text: no file"),
     (["compare", "--ids", "HUGE_IDS"], "token ids: got 100000000000000000000000"),
+    pytest.param(["compare", "--backends", "cudnn", "--tokens", "8"], "CUDA is not available here",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only refusal")),
+    pytest.param(["forward", "--backend", "cudnn", "--tokens", "8"], "CUDA is not available",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only refusal")),
 ])
 def test_bad_input_one_line_error(args, needle, tmp_path, tiny_ckpt):
     (tmp_path / "empty.txt").write_text("  \n")
