@@ -14,37 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kernels_torch.mla import GatedMLA  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
 LAYER = 3  # a DSA layer of K3.1 (an MLA layer of K3)
-
-
-def time_ms(fn, target_s=1.0, max_reps=5):
-    fn()  # warm-up (compilation, autotuning, allocator)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    est = time.perf_counter() - t0
-    reps = max(2, min(max_reps, int(target_s / max(est, 1e-6))))
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), reps
 
 
 def make_layer(cfg, backend):
@@ -91,7 +71,7 @@ def main():
                 continue
             try:
                 torch.cuda.reset_peak_memory_stats()
-                row["ms"], row["reps"] = time_ms(fwd_bwd(layer, x, dy))
+                row["ms"], row["reps"] = time_ms(fwd_bwd(layer, x, dy), min_reps=2, max_reps=5)
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
             except torch.OutOfMemoryError as e:
                 row["ms"], row["error"] = None, f"OOM: {str(e)[:120]}"

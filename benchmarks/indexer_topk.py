@@ -14,38 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kernels_torch import dsa_cudnn as dc  # noqa: E402
 
 HI, KI, K = 32, 128, 2048
 GIB = 1 << 30
-
-
-def time_ms(fn, target_s=1.0, warmup=1, max_reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    est = time.perf_counter() - t0
-    reps = max(1, min(max_reps, int(target_s / max(est, 1e-6))))
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), reps
 
 
 def peak_extra_gib(fn):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kernels_torch.ops import sparse_mla as sm  # noqa: E402
 
 SM_SCALE = 192 ** -0.5
@@ -33,30 +33,10 @@ VARIANTS = {  # name -> kwargs of sm._sparse_mla_fwd_triton
 }
 
 
-def time_ms(fn, target_s=1.0, warmup=2, max_reps=50):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    est = time.perf_counter() - t0
-    reps = max(3, min(max_reps, int(target_s / max(est, 1e-6))))
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def matmul_ceiling():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, warmup=3, max_reps=20)
+    ms, _ = time_ms(lambda: a @ b, warmup=3, min_reps=3, max_reps=20)
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12, ms
 
 
@@ -122,7 +102,7 @@ def main():
                          n_spills=[getattr(k, "n_spills", None) for k in kernels],
                          shared=[k.metadata.shared for k in kernels], rel_err_vs_torch=float(f"{rel:.2e}"),
                          compile_s=round(comp_s, 1))
-            ms = time_ms(lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg))
+            ms, _ = time_ms(lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg), warmup=2, min_reps=3, max_reps=50)
             row(S0, ms, f"triton {name}", sweep=True, **stats)
             if rel < 2e-2 and (best is None or ms < best[1]):
                 best = (name, ms)
@@ -133,14 +113,14 @@ def main():
         if S != S0:
             del q, kv, idx
             q, kv, idx = make_inputs(S, seed=1)
-        ms = time_ms(lambda: torch_baseline(q, kv, idx), target_s=0.5, warmup=1, max_reps=3)
+        ms, _ = time_ms(lambda: torch_baseline(q, kv, idx), target_s=0.5, warmup=1, min_reps=3, max_reps=3)
         row(S, ms, "torch gather+einsum (bf16, chunks of 1024)")
     cfg = VARIANTS[best[0]]
     for S in [int(s) for s in args.seq_lens.split(",") if s]:
         del q, kv, idx
         torch.cuda.empty_cache()
         q, kv, idx = make_inputs(S, seed=2)
-        ms = time_ms(lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg), target_s=1.5)
+        ms, _ = time_ms(lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg), target_s=1.5, warmup=2, min_reps=3, max_reps=50)
         row(S, ms, f"triton {best[0]}")
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| seq_len | impl | ms | TFLOP/s | of matmul ceiling |\n|---|---|---|---|---|")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from kimi.config import load_config  # noqa: E402
 from kimi.layout import param_layout  # noqa: E402
@@ -65,18 +65,8 @@ def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(2):  # warm-up: compilation, autotuning, allocator
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    # two warm-ups (compilation, autotuning, allocator), then exactly `repeats` timed steps
+    return time_ms(step, warmup=2, min_reps=repeats, max_reps=repeats)[0]
 
 
 def main() -> int:

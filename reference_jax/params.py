@@ -59,8 +59,9 @@ def numpy_to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def to_tree(params: Mapping[str, torch.Tensor], dtype: Any = None, prefix: str = "") -> dict:
-    """Flat canonical params -> nested linen tree of jax arrays, cast to ``dtype`` (None keeps each tensor's dtype).
+def to_tree(params: Mapping[str, Any], dtype: Any = None, prefix: str = "") -> dict:
+    """Flat canonical params (torch tensors or numpy/jax arrays) -> nested linen tree of jax arrays, cast to ``dtype``
+    (None keeps each tensor's dtype).
 
     ``prefix`` strips a leading name part (e.g. ``"model.layers.3.self_attn."`` to get one module's tree).
     """
@@ -68,7 +69,7 @@ def to_tree(params: Mapping[str, torch.Tensor], dtype: Any = None, prefix: str =
     for name, t in params.items():
         if not name.startswith(prefix):
             continue
-        arr = jnp.asarray(torch_to_numpy(t))
+        arr = jnp.asarray(torch_to_numpy(t) if isinstance(t, torch.Tensor) else t)
         if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
             arr = arr.astype(dtype)
         node = tree

@@ -14,6 +14,7 @@ from kimi.config import load_config
 from kimi.layout import param_layout
 from reference_jax.common import causal_document_mask
 from reference_jax.indexer import Indexer, indexer_scores, sparse_mask, topk_indices
+from reference_jax.params import to_tree as params_to_tree
 
 TOL_SCORES_FP64 = 1e-12  # scores vs the numpy fp64 formula
 TOL_SCORES_FP32 = 1e-5
@@ -66,14 +67,7 @@ def random_indexer_params(cfg, rng: np.random.Generator) -> dict:
 
 
 def to_tree(flat: dict, dtype) -> dict:
-    tree: dict = {}
-    for name, a in flat.items():
-        node = tree
-        *path, leaf = name.split(".")
-        for seg in path:
-            node = node.setdefault(seg, {})
-        node[leaf] = jnp.asarray(a, dtype)
-    return {"params": tree}
+    return {"params": params_to_tree(flat, dtype)}
 
 
 def indexer_np(p: dict, x, c_q, cfg) -> np.ndarray:

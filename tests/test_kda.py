@@ -27,6 +27,7 @@ from reference_jax.kda import (
     short_conv,
     slice_A_log,
 )
+from reference_jax.params import to_tree as params_to_tree
 
 # Tolerances (relative error), one per tensor kind.
 TOL_FP64 = 1e-10  # o and S, chunk vs recurrent in fp64
@@ -381,14 +382,7 @@ def random_kda_params(cfg, i, seed) -> dict[str, np.ndarray]:
 
 
 def to_tree(flat, dtype=jnp.float32) -> dict:
-    tree: dict = {}
-    for name, a in flat.items():
-        *path, leaf = name.split(".")
-        node = tree
-        for p in path:
-            node = node.setdefault(p, {})
-        node[leaf] = jnp.asarray(a, dtype)
-    return {"params": tree}
+    return {"params": params_to_tree(flat, dtype)}
 
 
 def jit_apply(model, cu=None):

@@ -14,6 +14,7 @@ import pytest
 from kimi.config import load_config
 from kimi.layout import param_layout
 from reference_jax.mla import GatedMLA, mla_attention, mla_attention_absorbed
+from reference_jax.params import to_tree as params_to_tree
 
 TOL_FORMS_FP64 = 1e-10  # absorbed vs expanded
 TOL_FORMS_FP32 = 1e-5
@@ -46,14 +47,7 @@ def random_layer_params(cfg, layer: int, rng: np.random.Generator) -> dict:
 
 
 def to_tree(flat: dict, dtype) -> dict:
-    tree: dict = {}
-    for name, a in flat.items():
-        node = tree
-        *path, leaf = name.split(".")
-        for seg in path:
-            node = node.setdefault(seg, {})
-        node[leaf] = jnp.asarray(a, dtype)
-    return {"params": tree}
+    return {"params": params_to_tree(flat, dtype)}
 
 
 def without_indexer(flat: dict) -> dict:

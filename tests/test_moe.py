@@ -14,7 +14,8 @@ import pytest
 from kimi.config import PRESETS, ConfigError
 from kimi.layout import param_layout
 from reference_jax.moe import DenseMLP, KimiMoE, glu_act, route, situ, topk_ids
-from reference_jax.params import name_to_path, path_to_name
+from reference_jax.params import path_to_name
+from reference_jax.params import to_tree as params_to_tree
 
 TOL_FP64 = 1e-10  # fp64 reference vs fp64 numpy oracle
 TOL_SITU_FP64 = 1e-13  # elementwise formula, fp64
@@ -129,14 +130,7 @@ def random_flat(shapes: dict, rng: np.random.Generator) -> dict:
 
 
 def to_tree(flat: dict, dtype) -> dict:
-    tree: dict = {}
-    for name, v in flat.items():
-        node = tree
-        path = name_to_path(name)
-        for seg in path[:-1]:
-            node = node.setdefault(seg, {})
-        node[path[-1]] = jnp.asarray(v, dtype)
-    return tree
+    return params_to_tree(flat, dtype)
 
 
 def layout_shapes(cfg, layer: int, prefix: str) -> dict:
