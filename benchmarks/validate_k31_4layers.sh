@@ -16,7 +16,7 @@ kimi() { python3 -m kimi.cli "$@"; }
 [ -f "$ck/model.safetensors.index.json" ] || \
   kimi init --preset k3.1-pro --layers 4 --out "$ck" --force --set num_experts=16 --set num_experts_per_token=8
 # Real English text, repeated to reach 8,192 byte-level tokens (the init checkpoint has no tiktoken.model).
-text="$out/alice_x3.txt"
+text="${TMPDIR:-/tmp}/alice_x3.txt"
 for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
 for T in 4096 8192; do
   kimi compare --checkpoint "$ck" --text "$text" --tokens "$T" --reference eager --backends eager,sdpa,cudnn \
