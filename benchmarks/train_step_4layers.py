@@ -3,18 +3,27 @@
 The model is `k3.1-pro` truncated to 4 layers (KDA, KDA, KDA, DSA: the real first four), with the routed experts
 shrunk so the MoE fits (``--experts``, default 16 of which 8 are active per token; every other dimension is real),
 random weights drawn directly on the GPU (the numbers do not depend on the values), bf16 parameters with the
-fp32 ones kept fp32 as in the checkpoint. Loss: cross-entropy of the logits against random targets. One step =
-forward + backward of that loss; timed with CUDA events after warm-up, median of ``--repeats``.
+fp32 ones kept fp32 as in the checkpoint. Loss: cross-entropy of the bf16 logits against random targets (PyTorch's
+log-softmax accumulates in fp32). One step = forward + backward of that loss; timed with CUDA events after two
+warm-up steps, median of ``--repeats``.
 
-    python benchmarks/train_step_4layers.py --seq-lens 8192 32768 --out results/train_step_4layers.json
+Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant): its
+activations are recomputed in the backward, which is what lets 32K tokens fit (the eager MLP/MoE keep fp32 SiTU
+intermediates: about 1.3 MB per token in the dense layer 0 alone). Each row is written to ``--out`` as it finishes.
 
-Writes a JSON list of rows (``seq_len``, ``backend``, ``ms``, ``tokens_per_s``, ``peak_gib``, ``status``) and prints a
-table with the cudnn/sdpa speed-up. A backend that runs out of memory is reported as ``status: "oom"``.
+    python benchmarks/train_step_4layers.py --seq-lens 2048 4096 8192 --recompute-seq-lens 8192 32768 \
+        --out results/train_step_4layers.json
+
+Writes ``{"device", "torch", "date", "rows": [...]}``, rows with ``seq_len``, ``backend``, ``recompute``, ``ms``,
+``tokens_per_s``, ``peak_gib``, ``status``, and prints a table with the cudnn/sdpa speed-up. A backend that runs out
+of memory is reported as ``status: "oom"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import math
 import sys
@@ -24,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch.utils.checkpoint  # noqa: E402
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from kimi.config import load_config  # noqa: E402
@@ -54,6 +64,13 @@ def build(cfg, backend: str) -> KimiK3Model:
     return model
 
 
+def recompute_layers(model: KimiK3Model) -> KimiK3Model:
+    """Activation recomputation per decoder layer: each layer keeps only its inputs for the backward."""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+    return model
+
+
 def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
     V = model.config.vocab_size
     ids = torch.randint(0, V, (1, T), device="cuda")
@@ -61,7 +78,7 @@ def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
 
     def step():
         logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits[0].float(), target)
+        loss = torch.nn.functional.cross_entropy(logits[0], target)
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -71,7 +88,9 @@ def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--recompute-seq-lens", type=int, nargs="*", default=[8192, 32768],
+                    help="lengths run with activation recomputation per decoder layer")
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--experts-per-token", type=int, default=8)
@@ -80,16 +99,22 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config("k3.1-pro").truncated(4).replace(num_experts=args.experts,
                                                         num_experts_per_token=args.experts_per_token)
+    plan = [(T, False) for T in args.seq_lens] + [(T, True) for T in args.recompute_seq_lens]
     rows = []
-    for T in args.seq_lens:
+    for T, recompute in plan:
         for backend in args.backends:
+            gc.collect()  # the previous row's model (recompute wrappers make reference cycles) and OOM tracebacks
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            row = {"seq_len": T, "backend": backend, "layers": [cfg.layer_type(i) for i in range(4)],
+            row = {"seq_len": T, "backend": backend, "recompute": recompute,
+                   "layers": [cfg.layer_type(i) for i in range(4)],
                    "experts": args.experts, "experts_per_token": args.experts_per_token}
             t0 = time.perf_counter()
+            model = None
             try:
                 model = build(cfg, backend)
+                if recompute:
+                    recompute_layers(model)
                 ms = step_time(model, T, args.repeats)
                 row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok")
             except torch.OutOfMemoryError:
@@ -101,18 +126,19 @@ def main() -> int:
             model = None  # noqa: F841
             rows.append(row)
             print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
-    print(f"\n{'seq_len':>8} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} {'peak GiB':>9} status")
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                            "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+    print(f"\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} {'peak GiB':>9} status")
     for r in rows:
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
-        print(f"{r['seq_len']:>8} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} {r['status'][:60]}")
-    for T in args.seq_lens:
-        by = {r["backend"]: r for r in rows if r["seq_len"] == T and r["ms"]}
+        print(f"{r['seq_len']:>8} {str(r['recompute']):>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
+              f"{r['status'][:60]}")
+    for T, recompute in plan:
+        by = {r["backend"]: r for r in rows if (r["seq_len"], r["recompute"]) == (T, recompute) and r["ms"]}
         if "cudnn" in by and "sdpa" in by:
-            print(f"T={T}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s")
+            print(f"T={T} recompute={recompute}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s")
     return 0
 
 

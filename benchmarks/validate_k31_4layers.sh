@@ -6,7 +6,7 @@
 # through `kimi compare`. The JAX reference itself is too slow at this size (2026-11-30 on the H200: 70 s for layer 0
 # alone at 4,096 tokens, op by op); it checks the eager twin on the CPU at small sizes instead (tests/, kimi compare).
 #
-#   bash benchmarks/validate_k31_4layers.sh            # reports under $OUT (or runs/validate)
+#   bash benchmarks/validate_k31_4layers.sh            # reports under $OUT (or runs/validate); LENGTHS="8192" for one
 set -euo pipefail
 out=${OUT:-runs/validate}
 mkdir -p "$out"
@@ -18,7 +18,7 @@ kimi() { python3 -m kimi.cli "$@"; }
 # Real English text, repeated to reach 8,192 byte-level tokens (the init checkpoint has no tiktoken.model).
 text="${TMPDIR:-/tmp}/alice_x3.txt"
 for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
-for T in 4096 8192; do
+for T in ${LENGTHS:-4096 8192}; do
   kimi compare --checkpoint "$ck" --text "$text" --tokens "$T" --reference eager --backends eager,sdpa,cudnn \
     --dtype bfloat16 --device cuda --json "$out/compare_T$T.json" --quiet 2>&1 | tee "$out/compare_T$T.txt" || true
 done

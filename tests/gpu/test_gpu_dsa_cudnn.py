@@ -88,8 +88,9 @@ def test_indexer_scores_and_sets_match_eager(T, cu):
     canon = torch.nn.functional.pad(canon, (0, TOPK - canon.shape[1]), value=-1)
     same = _same_sets(idx, canon)
     rows = torch.nonzero(~same).flatten().tolist()
+    # rows is a subset, so the causal check (key <= row) is _check_structure's job above, not selection_agreement's
     sel = selection_agreement(canon[rows].cpu().numpy(), ref.masked_fill(~mask, float("-inf"))[rows].cpu().numpy(),
-                              idx[rows].cpu().numpy(), TOL_TIE) if rows else {"disagree": 0, "tie_only": 0}
+                              idx[rows].cpu().numpy(), TOL_TIE)[0] if rows else {"disagree": 0, "tie_only": 0}
     print(f"  sets: {T - len(rows)} identical, {sel['tie_only']} differ by ties, {sel['disagree']} disagree")
     assert sel["disagree"] == 0
 
@@ -192,8 +193,8 @@ def test_dsa_layer_cudnn_matches_eager(T, cu):
     assert out.dtype == torch.bfloat16 and aux["index_scores"] is None
     idx, idx_r = aux["topk_indices"][0], aux_r["topk_indices"][0]
     assert idx.shape == idx_r.shape == (T, min(T, cfg.index_topk))
-    sel = selection_agreement(idx_r.cpu().numpy(), aux_r["index_scores"][0].detach().cpu().numpy(),
-                              idx.cpu().numpy(), 2e-2)
+    sel, _ = selection_agreement(idx_r.cpu().numpy(), aux_r["index_scores"][0].detach().cpu().numpy(),
+                                 idx.cpu().numpy(), 2e-2, causal=True)
     errs = {"out": rel(out, out_r), "x.grad": rel(x1.grad, x2.grad)}
     # T = 1: one visible key, so the softmax is constant and the query path has exactly zero gradient; a relative
     # error is undefined there. Check those gradients are tiny next to the value path's instead.

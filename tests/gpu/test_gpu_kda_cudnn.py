@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 TOL_OUT = 2e-2  # layer output, bf16 cudnn vs fp32 eager (||a - b|| / ||b||)
 TOL_STATE = 2e-2  # final recurrent state S [N, H, K, V] (fp32 in both, from bf16 activations)
+TOL_CU_DTYPE = 1e-2  # fla chunk_kda with int32 vs int64 cu_seqlens (bf16 rounding of other tile configs)
 TOL_CONV = 1e-2  # conv states: the last W-1 pre-conv projections (bf16 rounding of a fp32 value only)
 TOL_GRAD = {  # per tensor, bf16 cudnn vs fp32 eager
     "x": 5e-2,
@@ -145,7 +146,10 @@ def test_packed_documents_match_eager(cu_name, gate):
 
 
 def test_fla_chunk_kda_cu_seqlens_int32_and_int64():
-    """fla's chunk_kda itself takes cu_seqlens as int64 (its annotation) and as int32: same output."""
+    """fla's chunk_kda itself takes cu_seqlens as int64 (its annotation) and as int32: the same documents.
+
+    Not bit-identical (H200, 2026-11-30): the index dtype is part of Triton's autotune key, so the two calls may run
+    different tile configs; the results agree to bf16 rounding, while ignoring the boundaries changes them by O(1)."""
     from fla.ops.kda import chunk_kda
 
     gen = torch.Generator(device=DEVICE).manual_seed(5)
@@ -153,14 +157,20 @@ def test_fla_chunk_kda_cu_seqlens_int32_and_int64():
     q, k, v, f = (torch.randn(1, T, H, K, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(4))
     beta = torch.rand(1, T, H, device=DEVICE, generator=gen)
     A_log, dt_bias = torch.zeros(H, device=DEVICE), torch.randn(H * K, device=DEVICE, generator=gen)
-    outs = []
-    for dt in (torch.int64, torch.int32):
-        cu = torch.tensor([0, 1, 64, 300, 700], dtype=dt, device=DEVICE)
+    outs = {}
+    for name, dt in (("int64", torch.int64), ("int32", torch.int32), ("one_doc", None)):
+        cu = None if dt is None else torch.tensor([0, 1, 64, 300, 700], dtype=dt, device=DEVICE)
         o, S = chunk_kda(q, k, v, f, beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=-5.0,
                          cu_seqlens=cu)
-        outs.append((o, S))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        outs[name] = (o, S)
+    e_o = report("fla_cu_dtype", "out int32 vs int64", rel(outs["int32"][0], outs["int64"][0]))
+    e_S = report("fla_cu_dtype", "S int32 vs int64", rel(outs["int32"][1], outs["int64"][1]))
+    starts = [1, 2, 64, 65, 300, 301]  # first tokens of documents 2-4, where a reset state must change the output
+    e_doc = report("fla_cu_dtype", "out at document starts, one document vs int64",
+                   rel(outs["one_doc"][0][:, starts], outs["int64"][0][:, starts]))
+    assert e_o <= TOL_CU_DTYPE and e_S <= TOL_CU_DTYPE
+    assert e_doc > 10 * TOL_CU_DTYPE  # the boundaries matter, so the comparison above can fail
 
 
 @pytest.mark.parametrize("gate", list(configs()))
