@@ -25,6 +25,12 @@ export CKPT=${CKPT:-/tmp/k31-4layers}
 t0=$(date +%s)
 echo "start $(date -u +%FT%TZ) commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader 2>/dev/null)" > "$dir/status.txt"
 
+cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+# Triton's autotune choices (fla caches them there): restore a carried snapshot, save ours after the autotuning.
+# Carry the snapshot to a fresh machine as TRITON_AUTOTUNE_TGZ=path to skip the ~5 minutes of fla autotuning.
+[ -f "${TRITON_AUTOTUNE_TGZ:-}" ] && mkdir -p "$cache" && tar xzf "$TRITON_AUTOTUNE_TGZ" -C "$cache"
+save_autotune() { (cd "$cache" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$dir/triton_autotune.tgz" -T -); }
+
 step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NAME.log, record rc and seconds
   local name=$1 limit=$2; shift 2
   local s=$(date +%s)
@@ -49,7 +55,8 @@ if want init; then
     --set num_experts=16 --set num_experts_per_token=8 &
   pids+=($!)
 fi
-want kda_layer && step kda_layer 900 python3 benchmarks/kda_layer.py --seq-lens 8192 32768 --out "$dir/kda_layer.json"
+want kda_layer && step kda_layer 900 python3 benchmarks/kda_layer.py --seq-lens 8192 32768 --out "$dir/kda_layer.json" \
+  && save_autotune
 # B (GPU_TESTS narrows the tests; validation waits for them: at 8,192 tokens its fp32 oracle needs most of the GPU)
 if want gpu_tests; then
   # shellcheck disable=SC2086
@@ -58,7 +65,7 @@ if want gpu_tests; then
 fi
 for p in "${pids[@]}"; do wait "$p"; done
 want validate && OUT=$dir step validate 1200 bash benchmarks/validate_k31_4layers.sh
-[ -n "${warm_pid:-}" ] && wait "$warm_pid"
+[ -n "${warm_pid:-}" ] && wait "$warm_pid" && save_autotune
 # C
 # shellcheck disable=SC2086
 want train_step_4layers && step train_step_4layers 900 python3 benchmarks/train_step_4layers.py ${TRAIN_ARGS:-} \
@@ -68,7 +75,6 @@ want sparse_mla_fwd && step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd
 want indexer_topk && step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json"
 want dsa_vs_dense_layer && step dsa_vs_dense_layer 400 python3 benchmarks/dsa_vs_dense_layer.py \
   --out "$dir/dsa_vs_dense_layer.json"
-# Triton's autotune choices (fla's kernels cache them), so that a later machine can skip the autotuning
-find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.autotune.json' 2>/dev/null | tar czf "$dir/triton_autotune.tgz" -T - 2>/dev/null
+save_autotune
 echo "done at $(( $(date +%s) - t0 ))s" >> "$dir/status.txt"
 touch "$dir/DONE"

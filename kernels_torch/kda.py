@@ -23,6 +23,7 @@ import importlib.util
 from typing import NamedTuple, Sequence
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -256,9 +257,34 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
 # ------------------------------------------------------------------------------------------------ chunked form
 
 
+def _chunk_step(q_c, k_c, v_c, g_c, b_c, S, causal, strict, eye):
+    """One chunk of the WY algorithm: q_c, k_c, g_c ``[B,H,C,K]``, v_c ``[B,H,C,V]``, b_c ``[B,H,C]``, S ``[B,H,K,V]``
+    the state entering the chunk. Returns (o_c ``[B,H,C,V]``, S leaving the chunk)."""
+    G = g_c.cumsum(-2)  # within-chunk cumulative log-decay, <= 0
+    # Exponentiate only G_i - G_j with j <= i (masked to -inf before exp): exp(-G) alone overflows fp32 once the
+    # span passes 88, and with g >= -5 it reaches 320 over 64 tokens (spec 2.3, case 6). exp(G) = exp(G - 0).
+    diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
+    decay = diff.exp()  # [B,H,C,C,K]
+    A_kk = torch.einsum("bhik,bhjk,bhijk->bhij", k_c, k_c, decay) * b_c[..., :, None]
+    A_kk = A_kk.masked_fill(~strict, 0.0)
+    A_qk = torch.einsum("bhik,bhjk,bhijk->bhij", q_c, k_c, decay)
+    L = eye + A_kk  # (I + A_kk) delta = beta (v - (exp(G) k) S): forward substitution, unit lower triangular
+    w = torch.linalg.solve_triangular(L, b_c[..., None] * (G.exp() * k_c), upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(L, b_c[..., None] * v_c, upper=False, unitriangular=True)
+    v_new = u - torch.einsum("bhck,bhkv->bhcv", w, S)
+    o_c = torch.einsum("bhck,bhkv->bhcv", q_c * G.exp(), S) + torch.einsum("bhij,bhjv->bhiv", A_qk, v_new)
+    G_last = G[..., -1:, :]
+    S = S * G_last.exp()[..., 0, :, None] + torch.einsum("bhck,bhcv->bhkv", (G_last - G).exp() * k_c, v_new)
+    return o_c, S
+
+
 def _chunk_run(q, k, v, g, beta, S0, C: int):
     """Chunked algorithm over one run without boundaries (all in the compute dtype, q pre-scaled).
-    q, k, g ``[B,T,H,K]``; v ``[B,T,H,V]``; beta ``[B,T,H]``; S0 ``[B,H,K,V]``. Returns o ``[B,T,H,V]``, S."""
+    q, k, g ``[B,T,H,K]``; v ``[B,T,H,V]``; beta ``[B,T,H]``; S0 ``[B,H,K,V]``. Returns o ``[B,T,H,V]``, S.
+
+    Under autograd each chunk is recomputed in the backward (``torch.utils.checkpoint``) rather than keeping its
+    ``[B,H,C,C,K]`` decay tensors: those are 200 MB per chunk at H = 96, K = 128 in fp32, i.e. tens of GB per layer
+    at 8K tokens. Same values and gradients, one more forward of the chunk in the backward."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = -(-T // C)
@@ -274,26 +300,17 @@ def _chunk_run(q, k, v, g, beta, S0, C: int):
     causal = i[:, None] >= i[None, :]  # j <= i
     strict = i[:, None] > i[None, :]  # j < i
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, S0))
     S = S0
-    o = torch.empty(B, H, NT, C, V, dtype=q.dtype, device=q.device)
+    outs = []
     for n in range(NT):
-        q_c, k_c, v_c, g_c, b_c = qc[:, :, n], kc[:, :, n], vc[:, :, n], gc[:, :, n], bc[:, :, n]
-        G = g_c.cumsum(-2)  # within-chunk cumulative log-decay, <= 0
-        # Exponentiate only G_i - G_j with j <= i (masked to -inf before exp): exp(-G) alone overflows fp32 once the
-        # span passes 88, and with g >= -5 it reaches 320 over 64 tokens (spec 2.3, case 6). exp(G) = exp(G - 0).
-        diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
-        decay = diff.exp()  # [B,H,C,C,K]
-        A_kk = torch.einsum("bhik,bhjk,bhijk->bhij", k_c, k_c, decay) * b_c[..., :, None]
-        A_kk = A_kk.masked_fill(~strict, 0.0)
-        A_qk = torch.einsum("bhik,bhjk,bhijk->bhij", q_c, k_c, decay)
-        L = eye + A_kk  # (I + A_kk) delta = beta (v - (exp(G) k) S): forward substitution, unit lower triangular
-        w = torch.linalg.solve_triangular(L, b_c[..., None] * (G.exp() * k_c), upper=False, unitriangular=True)
-        u = torch.linalg.solve_triangular(L, b_c[..., None] * v_c, upper=False, unitriangular=True)
-        v_new = u - torch.einsum("bhck,bhkv->bhcv", w, S)
-        o[:, :, n] = torch.einsum("bhck,bhkv->bhcv", q_c * G.exp(), S) + torch.einsum("bhij,bhjv->bhiv", A_qk, v_new)
-        G_last = G[..., -1:, :]
-        S = S * G_last.exp()[..., 0, :, None] + torch.einsum("bhck,bhcv->bhkv", (G_last - G).exp() * k_c, v_new)
-    o = o.reshape(B, H, NT * C, V).transpose(1, 2)[:, :T]
+        step_in = (qc[:, :, n], kc[:, :, n], vc[:, :, n], gc[:, :, n], bc[:, :, n], S, causal, strict, eye)
+        if recompute:
+            o_c, S = torch.utils.checkpoint.checkpoint(_chunk_step, *step_in, use_reentrant=False)
+        else:
+            o_c, S = _chunk_step(*step_in)
+        outs.append(o_c)
+    o = torch.stack(outs, dim=2).reshape(B, H, NT * C, V).transpose(1, 2)[:, :T]
     return o, S
 
 

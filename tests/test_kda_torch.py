@@ -112,6 +112,39 @@ def test_chunk_no_overflow_near_lower_bound():
     assert rel(o_c, o_r) <= TOL_FP32 and rel(S_c, S_r) <= TOL_FP32
 
 
+TOL_GRAD_FP64 = 1e-9  # gradients, chunk (recomputed per chunk) vs autograd through the recurrence, fp64
+
+
+@pytest.mark.parametrize("cu", [None, [0, 1, 37, 70]], ids=["batch", "packed"])
+def test_chunk_gradients_match_recurrence_and_keep_no_decay_tensors(cu):
+    """Autograd through ``kda_chunk`` (each chunk recomputed in the backward) equals autograd through the
+    recurrence for every input, K != V, T not a multiple of the chunk; and the backward keeps no ``[.., C, C, K]``
+    decay tensor alive between forward and backward (what makes training at 8K tokens fit)."""
+    B = 2 if cu is None else 1
+    N = B if cu is None else len(cu) - 1
+    C, K = 16, 6
+    arrays = kda_inputs(31, B, 70, 2, K, 5, N=N)
+    ins_c = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in arrays]
+    ins_r = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in arrays]
+    gen = torch.Generator().manual_seed(32)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o_c, S_c = tk.kda_chunk(*ins_c[:5], initial_state=ins_c[5], cu_seqlens=cu, chunk_size=C)
+    o_r, S_r = tk.kda_recurrent(*ins_r[:5], initial_state=ins_r[5], cu_seqlens=cu)
+    do, dS = torch.randn(o_r.shape, generator=gen, dtype=torch.float64), torch.randn(S_r.shape, generator=gen, dtype=torch.float64)
+    ((o_c * do).sum() + (S_c * dS).sum()).backward()
+    ((o_r * do).sum() + (S_r * dS).sum()).backward()
+    assert rel(o_c, o_r) <= TOL_FP64 and rel(S_c, S_r) <= TOL_FP64
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "S0"), ins_c, ins_r):
+        assert rel(a.grad, b.grad) <= TOL_GRAD_FP64, (name, rel(a.grad, b.grad))
+    assert shapes and not [s for s in shapes if len(s) >= 3 and s[-3:] == (C, C, K)], "decay tensors kept for backward"
+
+
 def test_invalid_inputs_raise():
     q, k, v, g, beta, _ = (torch.tensor(a, dtype=torch.float32) for a in kda_inputs(3, 1, 10, 1, 4, 4))
     for bad in ([0, 5, 5, 10], [1, 10], [0, 9]):
