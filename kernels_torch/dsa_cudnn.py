@@ -415,7 +415,11 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         kv_rows = torch.cat([c_kv, k_pe], dim=-1).reshape(N, L + R).contiguous()  # [N, L+R]: one latent KV head
         o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L)  # [N, H, L]
         o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).view(B, T, H, V)
-        aux = {"topk_indices": idx.view(B, T, topk), "index_scores": None}
+        idx = idx.view(B, T, topk)
+        if B > 1:  # the B sequences ran as packed documents: key ids back to positions within each sequence
+            offset = (torch.arange(B, device=idx.device, dtype=idx.dtype) * T)[:, None, None]
+            idx = torch.where(idx >= 0, idx - offset, idx)
+        aux = {"topk_indices": idx, "index_scores": None}
 
     o = o.reshape(B, T, H * V)
     if c.mla_use_output_gate:  # sigmoid gate on the same x, in fp32

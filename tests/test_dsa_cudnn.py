@@ -142,3 +142,45 @@ def test_sparse_mla_torch_twin_matches_reference(T, H, K, S):
     ref, _, _ = sparse_mla_fwd_reference(q, kv, idx, 0.3, tlen, d_v=V)
     assert not torch.isnan(out).any() and bool((out[0] == 0).all())
     assert rel_err(out, ref) < TOL_FP64
+
+
+def _indexer_topk_torch(q_I, k_I, weights, topk, cu_seqlens=None, chunk_rows=None, **_):
+    """Torch stand-in for :func:`dc.indexer_topk_cudnn` (same arguments and returns): fp64 scores, canonical top-k."""
+    T = q_I.shape[0]
+    cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens)
+    mask = causal_document_mask(T, cu)
+    idx = ti.topk_indices(ti.indexer_scores(q_I[None], k_I[None], weights[None]), mask, topk)[0]
+    idx = torch.nn.functional.pad(idx, (0, topk - idx.shape[1]), value=-1)
+    return idx.int(), mask.sum(-1).clamp(max=topk).int()
+
+
+TOL_WIRING = 1e-10  # fp64, cudnn layer code with torch stand-ins for the two kernels vs the eager layer
+
+
+@pytest.mark.parametrize("B,T,cu", [(1, 1, None), (2, 100, None), (1, 130, [0, 15, 100, 130]), (1, 63, None)],
+                         ids=["T1", "B2-T100", "packed", "T63"])
+def test_cudnn_layer_code_matches_eager_with_torch_kernels(monkeypatch, B, T, cu):
+    """``gated_mla_forward``'s own code (projections, the absorbed query and latent rows, W_UV, the gate, o_proj,
+    B > 1 as packed documents) against the eager layer in fp64 on the CPU. The two GPU kernels are replaced by their
+    torch twins: the indexer by fp64 scores + the canonical top-k, the sparse attention by ``_sparse_mla_torch``
+    (what ``sparse_mla`` picks below the real 576/512 dims). T > index_topk = 64 makes the selection real."""
+    monkeypatch.setattr(dc, "require_cudnn", lambda x, what="x": None)
+    monkeypatch.setattr(dc, "indexer_topk_cudnn", _indexer_topk_torch)
+    cfg = load_config("tiny")
+    torch.manual_seed(T + B)
+    eager = tm.GatedMLA(cfg, DSA, backend="eager").double()
+    fast = tm.GatedMLA(cfg, DSA, backend="cudnn").double()
+    with torch.no_grad():  # fresh random weights (the default init leaves some norms at exactly 1)
+        for p in eager.parameters():
+            p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5 + (1.0 if p.ndim == 1 else 0.0))
+    fast.load_state_dict(eager.state_dict())
+    x = torch.randn(B, T, cfg.hidden_size, dtype=torch.float64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    out, aux = fast(x, cu_seqlens=cu_t, return_aux=True)
+    out_e, aux_e = eager(x, cu_seqlens=cu_t, return_aux=True)
+    k = min(T, cfg.index_topk)
+    assert torch.equal(torch.sort(aux["topk_indices"].long(), -1).values,
+                       torch.sort(aux_e["topk_indices"].long(), -1).values)
+    assert aux["topk_indices"].shape == (B, T, k)
+    err = rel_err(out.detach(), out_e.detach())
+    assert err <= TOL_WIRING, err
