@@ -39,7 +39,6 @@ Imports of ``cudnn`` / ``triton`` happen inside the functions, so CPU machines n
 from __future__ import annotations
 
 import importlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -382,18 +381,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         check_cu_seqlens(cu_seqlens, T, B)
     H, Kn, R, V, L = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
     scale = c.mla_softmax_scale  # (Kn + R)^-1/2 in both forms (case 15)
-
-    if c.q_lora_rank is None:
-        c_q = x
-        q = layer.q_proj(x)
-    else:
-        c_q = layer.q_a_layernorm(layer.q_a_proj(x))  # [B, T, q_lora_rank]
-        q = layer.q_b_proj(c_q)
-    q = q.view(B, T, H, Kn + R)
-    q_nope, q_pe = q[..., :Kn], q[..., Kn:]
-    kv = layer.kv_a_proj_with_mqa(x)  # [B, S, L+R]
-    c_kv = layer.kv_a_layernorm(kv[..., :L])  # [B, S, L]
-    k_pe = kv[..., L:]  # [B, S, R], NoPE: never rotated, never normalised
+    c_q, q, q_nope, q_pe, c_kv, k_pe = layer.project(x)
 
     aux: dict = {}
     if layer.kind != "dsa":
@@ -421,9 +409,5 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
             idx = torch.where(idx >= 0, idx - offset, idx)
         aux = {"topk_indices": idx, "index_scores": None}
 
-    o = o.reshape(B, T, H * V)
-    if c.mla_use_output_gate:  # sigmoid gate on the same x, in fp32
-        dt = compute_dtype(o)
-        o = (o.to(dt) * torch.sigmoid(layer.g_proj(x).to(dt))).to(x.dtype)
-    out = layer.o_proj(o.to(x.dtype))
+    out = layer.gate_and_project_out(o, x)
     return (out, aux) if return_aux else out

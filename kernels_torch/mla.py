@@ -205,20 +205,8 @@ class GatedMLA(nn.Module):
         B, T, D = x.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, T, B)
-        H, Kn, R, V, L = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-
-        if c.q_lora_rank is None:  # 1. queries; c_q also feeds the indexer
-            c_q = x
-            q = self.q_proj(x)
-        else:
-            c_q = self.q_a_layernorm(self.q_a_proj(x))  # [B, T, q_lora_rank]
-            q = self.q_b_proj(c_q)
-        q = q.view(B, T, H, Kn + R)
-        q_nope, q_pe = q[..., :Kn], q[..., Kn:]
-
-        kv = self.kv_a_proj_with_mqa(x)  # 2. [B, S, L+R]
-        c_kv = self.kv_a_layernorm(kv[..., :L])  # [B, S, L]
-        k_pe = kv[..., L:]  # [B, S, R], NoPE: never rotated, never normalised
+        H, Kn, R, V = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        c_q, q, q_nope, q_pe, c_kv, k_pe = self.project(x)  # 1.-2.
 
         mask = causal_document_mask(T, cu_seqlens, device=x.device)  # [T, S]
         aux: dict = {}
@@ -236,9 +224,32 @@ class GatedMLA(nn.Module):
         else:
             o = mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight, mask, scale,
                                        backend=self.backend)
-        o = o.reshape(B, T, H * V)  # 6.
-        if c.mla_use_output_gate:  # 7. sigmoid gate on the same x, in fp32
+        out = self.gate_and_project_out(o, x)  # 6.-8.
+        return (out, aux) if return_aux else out
+
+    def project(self, x: torch.Tensor):
+        """Steps 1-2 of spec 3.2, shared by every backend: x ``[B, T, D]`` -> ``(c_q, q, q_nope, q_pe, c_kv, k_pe)``:
+        c_q ``[B, T, q_lora_rank]`` (x itself without q-LoRA; it also feeds the indexer), q ``[B, T, H, Kn+R]`` and
+        its two parts, c_kv ``[B, T, L]`` (normalised latent), k_pe ``[B, T, R]`` (NoPE: never rotated or normalised)."""
+        c = self.config
+        B, T, _ = x.shape
+        Kn, R, L = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        if c.q_lora_rank is None:
+            c_q = x
+            q = self.q_proj(x)
+        else:
+            c_q = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(c_q)
+        q = q.view(B, T, c.num_attention_heads, Kn + R)
+        kv = self.kv_a_proj_with_mqa(x)  # [B, S, L+R]
+        return c_q, q, q[..., :Kn], q[..., Kn:], self.kv_a_layernorm(kv[..., :L]), kv[..., L:]
+
+    def gate_and_project_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Steps 6-8 of spec 3.2, shared by every backend: heads ``[B, T, H, V]`` -> sigmoid output gate on the same
+        x (fp32; when ``mla_use_output_gate``) -> ``o_proj`` -> ``[B, T, D]`` in ``x.dtype``."""
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, -1)
+        if self.config.mla_use_output_gate:
             dt = compute_dtype(o)
             o = (o.to(dt) * torch.sigmoid(self.g_proj(x).to(dt))).to(x.dtype)
-        out = self.o_proj(o.to(x.dtype))  # 8. [B, T, D]
-        return (out, aux) if return_aux else out
+        return self.o_proj(o.to(x.dtype))
