@@ -241,6 +241,7 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
     N = B if cu is None else len(cu) - 1
     S0 = _initial_state(initial_state, N, H, K, V, dt, q.device)
+    out_dtype = v.dtype
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     q = q * scale
     o = torch.empty(B, T, H, V, dtype=dt, device=q.device)
@@ -251,7 +252,7 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
         for t in range(s, e):
             S, o[:, t] = _delta_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
         finals.append(S)
-    return o.to(v.dtype), torch.cat(finals, dim=0)
+    return o.to(out_dtype), torch.cat(finals, dim=0)
 
 
 # ------------------------------------------------------------------------------------------------ chunked form

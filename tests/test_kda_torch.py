@@ -145,6 +145,18 @@ def test_chunk_gradients_match_recurrence_and_keep_no_decay_tensors(cu):
     assert shapes and not [s for s in shapes if len(s) >= 3 and s[-3:] == (C, C, K)], "decay tensors kept for backward"
 
 
+def test_output_dtype_follows_v_in_both_forms():
+    """o comes back in v's dtype (the state in the compute dtype), in the recurrent and the chunk form alike, as in
+    the JAX twin: bf16 inputs give bf16 o and fp32 S."""
+    q, k, v, g, beta, _ = (torch.tensor(a, dtype=torch.float32) for a in kda_inputs(8, 1, 20, 2, 4, 3))
+    o_j, S_j = jk.kda_recurrent(*(jnp.asarray(t.numpy()).astype(jnp.bfloat16) for t in (q, k, v)), jnp.asarray(g.numpy()),
+                                jnp.asarray(beta.numpy()))
+    for fn in (tk.kda_recurrent, tk.kda_chunk):
+        o, S = fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)
+        assert o.dtype == torch.bfloat16 and S.dtype == torch.float32, fn.__name__
+        assert str(o_j.dtype) == "bfloat16" and str(S_j.dtype) == "float32"
+
+
 def test_invalid_inputs_raise():
     q, k, v, g, beta, _ = (torch.tensor(a, dtype=torch.float32) for a in kda_inputs(3, 1, 10, 1, 4, 4))
     for bad in ([0, 5, 5, 10], [1, 10], [0, 9]):
