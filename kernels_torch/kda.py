@@ -219,6 +219,19 @@ def _initial_state(initial_state, N, H, K, V, dt, device) -> torch.Tensor:
     return initial_state.to(dt)
 
 
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """What both forms check and set up: shapes, the compute dtype, ``cu_seqlens`` (as a list of boundaries or None),
+    the initial state ``[N,H,K,V]``, the inputs cast to the compute dtype with q pre-scaled, and o's dtype (v's)."""
+    B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
+    dt = _cdt(q, k, v, g, beta)
+    scale = K**-0.5 if scale is None else scale
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
+    N = B if cu is None else len(cu) - 1
+    S0 = _initial_state(initial_state, N, H, K, V, dt, q.device)
+    q, k, v_c, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    return (q * scale, k, v_c, g, beta), S0, cu, v.dtype
+
+
 def _delta_step(S, q_t, k_t, v_t, g_t, b_t):
     """One token of spec 2.2 step 7. S ``[B,H,K,V]``; q_t (pre-scaled), k_t, g_t ``[B,H,K]``; v_t ``[B,H,V]``; b_t ``[B,H]``."""
     S = S * torch.exp(g_t)[..., None]  # decay: row d_k scaled by exp(g[d_k])
@@ -235,16 +248,9 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
     Raises:
         ValueError: inconsistent shapes or invalid ``cu_seqlens``.
     """
-    B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
-    dt = _cdt(q, k, v, g, beta)
-    scale = K**-0.5 if scale is None else scale
-    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
-    N = B if cu is None else len(cu) - 1
-    S0 = _initial_state(initial_state, N, H, K, V, dt, q.device)
-    out_dtype = v.dtype
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    q = q * scale
-    o = torch.empty(B, T, H, V, dtype=dt, device=q.device)
+    (q, k, v, g, beta), S0, cu, out_dtype = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    B, T, H, V = v.shape
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
     bounds = [(0, T)] if cu is None else list(zip(cu[:-1], cu[1:]))
     finals = []
     for n, (s, e) in enumerate(bounds):
@@ -325,25 +331,18 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     Raises:
         ValueError: inconsistent shapes, invalid ``cu_seqlens``, or ``chunk_size < 1``.
     """
-    B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size: got {chunk_size}, expected a positive integer")
-    dt = _cdt(q, k, v, g, beta)
-    scale = K**-0.5 if scale is None else scale
-    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
-    N = B if cu is None else len(cu) - 1
-    S0 = _initial_state(initial_state, N, H, K, V, dt, q.device)
-    q, k, v_c, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    q = q * scale
+    (q, k, v, g, beta), S0, cu, out_dtype = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if cu is None:
-        o, S = _chunk_run(q, k, v_c, g, beta, S0, int(chunk_size))
+        o, S = _chunk_run(q, k, v, g, beta, S0, int(chunk_size))
     else:
         parts = [
-            _chunk_run(*(x[:, s:e] for x in (q, k, v_c, g, beta)), S0[n : n + 1], int(chunk_size))
+            _chunk_run(*(x[:, s:e] for x in (q, k, v, g, beta)), S0[n : n + 1], int(chunk_size))
             for n, (s, e) in enumerate(zip(cu[:-1], cu[1:]))
         ]
         o, S = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
-    return o.to(v.dtype), S
+    return o.to(out_dtype), S
 
 
 # ------------------------------------------------------------------------------------------------ cudnn backend (GPU)
