@@ -15,6 +15,7 @@ from kimi.layout import param_layout
 from reference_jax.common import causal_document_mask
 from reference_jax.indexer import Indexer, indexer_scores, sparse_mask, topk_indices
 from reference_jax.params import to_tree as params_to_tree
+from layer_weights import mla_params
 
 TOL_SCORES_FP64 = 1e-12  # scores vs the numpy fp64 formula
 TOL_SCORES_FP32 = 1e-5
@@ -49,21 +50,7 @@ def scores_np(q, k, w) -> np.ndarray:
     return np.einsum("btj,btjs->bts", w / np.sqrt(HI), np.maximum(dots, 0.0))
 
 
-def random_indexer_params(cfg, rng: np.random.Generator) -> dict:
-    """Random canonical indexer weights (names relative to ``self_attn.indexer.``), fp64 numpy."""
-    pre = f"model.layers.{LAYER}.self_attn.indexer."
-    out = {}
-    for spec in param_layout(cfg, [LAYER]):
-        if not spec.name.startswith(pre):
-            continue
-        name = spec.name[len(pre):]
-        if name.endswith("k_norm.weight"):
-            out[name] = 1.0 + 0.1 * rng.standard_normal(spec.shape)
-        elif name.endswith("k_norm.bias"):
-            out[name] = 0.1 * rng.standard_normal(spec.shape)
-        else:
-            out[name] = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[1])
-    return out
+
 
 
 def to_tree(flat: dict, dtype) -> dict:
@@ -267,7 +254,7 @@ def test_indexer_param_names_match_layout():
 def test_indexer_module_matches_formula_fp64(T):
     cfg = load_config("tiny")
     rng = np.random.default_rng(T)
-    p = random_indexer_params(cfg, rng)
+    p = mla_params(cfg, LAYER, rng, prefix="self_attn.indexer.")
     x, c_q = rng.standard_normal((1, T, cfg.hidden_size)), rng.standard_normal((1, T, cfg.q_lora_rank))
     with jax.enable_x64(True):
         idx, scores = Indexer(cfg).apply(to_tree(p, jnp.float64), jnp.asarray(x), jnp.asarray(c_q))
@@ -280,7 +267,7 @@ def test_indexer_module_matches_formula_fp64(T):
 def test_indexer_module_bf16_input_gives_fp32_scores():
     cfg = load_config("tiny")
     rng = np.random.default_rng(2)
-    p = random_indexer_params(cfg, rng)
+    p = mla_params(cfg, LAYER, rng, prefix="self_attn.indexer.")
     x = jnp.asarray(rng.standard_normal((1, 9, cfg.hidden_size)), jnp.bfloat16)
     c_q = jnp.asarray(rng.standard_normal((1, 9, cfg.q_lora_rank)), jnp.bfloat16)
     idx, scores = Indexer(cfg).apply(to_tree(p, jnp.float32), x, c_q)
@@ -292,7 +279,7 @@ def test_indexer_packed_equals_separate():
     """Packed documents: no selected key crosses a boundary, and each document's result equals its own run."""
     cfg = load_config("tiny")
     rng = np.random.default_rng(7)
-    p = random_indexer_params(cfg, rng)
+    p = mla_params(cfg, LAYER, rng, prefix="self_attn.indexer.")
     cu = np.array([0, 70, 71, 200])
     T = int(cu[-1])
     x, c_q = rng.standard_normal((1, T, cfg.hidden_size)), rng.standard_normal((1, T, cfg.q_lora_rank))

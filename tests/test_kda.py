@@ -28,6 +28,7 @@ from reference_jax.kda import (
     slice_A_log,
 )
 from reference_jax.params import to_tree as params_to_tree
+from layer_weights import kda_params
 
 # Tolerances (relative error), one per tensor kind.
 TOL_FP64 = 1e-10  # o and S, chunk vs recurrent in fp64
@@ -360,25 +361,7 @@ def tiny_configs():
 
 def random_kda_params(cfg, i, seed) -> dict[str, np.ndarray]:
     """Random canonical weights for KDA layer i: {name without the self_attn prefix: fp32 array}."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    pre = PREFIX.format(i=i)
-    for s in param_layout(cfg, [i]):
-        if not s.name.startswith(pre):
-            continue
-        name = s.name[len(pre) :]
-        if name == "A_log":
-            a = np.log(rng.uniform(1, 16, s.shape))
-        elif name == "dt_bias":
-            a = rng.standard_normal(s.shape)
-        elif name == "o_norm.weight":
-            a = 1 + 0.1 * rng.standard_normal(s.shape)
-        elif "conv1d" in name:
-            a = 0.5 * rng.standard_normal(s.shape)
-        else:
-            a = rng.standard_normal(s.shape) * s.shape[-1] ** -0.5
-        out[name] = a.astype(np.float32)
-    return out
+    return {k: v.astype(np.float32) for k, v in kda_params(cfg, i, np.random.default_rng(seed)).items()}
 
 
 def to_tree(flat, dtype=jnp.float32) -> dict:

@@ -13,6 +13,7 @@ import kernels_torch.kda as tk
 import reference_jax.kda as jk
 from kimi.config import load_config
 from kimi.layout import param_layout
+from layer_weights import kda_params, layer_dtypes
 
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
@@ -194,25 +195,7 @@ def configs():
 def random_weights(cfg, i, seed) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Random canonical weights of KDA layer i (float64 numpy, names without the self_attn prefix) and their
     checkpoint dtypes."""
-    rng = np.random.default_rng(seed)
-    pre = PREFIX.format(i=i)
-    out, dtypes = {}, {}
-    for s in param_layout(cfg, [i]):
-        if not s.name.startswith(pre):
-            continue
-        name = s.name[len(pre):]
-        if name == "A_log":
-            a = np.log(rng.uniform(1, 16, s.shape))
-        elif name == "dt_bias":
-            a = rng.standard_normal(s.shape)
-        elif name == "o_norm.weight":
-            a = 1 + 0.1 * rng.standard_normal(s.shape)
-        elif "conv1d" in name:
-            a = 0.5 * rng.standard_normal(s.shape)
-        else:
-            a = rng.standard_normal(s.shape) * s.shape[-1] ** -0.5
-        out[name], dtypes[name] = a, s.dtype
-    return out, dtypes
+    return kda_params(cfg, i, np.random.default_rng(seed)), layer_dtypes(cfg, i, "self_attn.")
 
 
 def jax_tree(flat, dtype):

@@ -15,6 +15,7 @@ from kimi.config import load_config
 from kimi.layout import param_layout
 from reference_jax.mla import GatedMLA, mla_attention, mla_attention_absorbed
 from reference_jax.params import to_tree as params_to_tree
+from layer_weights import mla_params
 
 TOL_FORMS_FP64 = 1e-10  # absorbed vs expanded
 TOL_FORMS_FP32 = 1e-5
@@ -29,21 +30,7 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def random_layer_params(cfg, layer: int, rng: np.random.Generator) -> dict:
-    """Random canonical ``self_attn.``-relative weights (numpy fp64) for one MLA/DSA layer."""
-    pre = f"model.layers.{layer}.self_attn."
-    out = {}
-    for spec in param_layout(cfg, [layer]):
-        if not spec.name.startswith(pre):
-            continue
-        name = spec.name[len(pre):]
-        if name.endswith("norm.weight"):
-            out[name] = 1.0 + 0.1 * rng.standard_normal(spec.shape)
-        elif name.endswith("norm.bias"):
-            out[name] = 0.1 * rng.standard_normal(spec.shape)
-        else:
-            out[name] = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[1])
-    return out
+
 
 
 def to_tree(flat: dict, dtype) -> dict:
@@ -172,7 +159,7 @@ def test_layer_matches_spec_and_forms_agree(kind, T):
     if kind == "mla":
         cfg = cfg.replace(dsa_layers=())
     rng = np.random.default_rng(T)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = rng.standard_normal((1, T, cfg.hidden_size))
     with jax.enable_x64(True):
         out, aux = run_layer(cfg, DSA, p, x, jnp.float64, return_aux=True)
@@ -200,7 +187,7 @@ def test_dsa_short_sequence_equals_dense_exactly(T, form):
     cfg = load_config("tiny")
     assert T <= cfg.index_topk
     rng = np.random.default_rng(100 + T)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = rng.standard_normal((2, T, cfg.hidden_size))
     out, aux = run_layer(cfg, DSA, p, x, jnp.float32, form=form, return_aux=True)
     dense = run_layer(cfg.replace(dsa_layers=()), DSA, without_indexer(p), x, jnp.float32, form=form)
@@ -216,7 +203,7 @@ def test_dsa_long_sequence_is_sparse_and_causal(T):
     cfg = load_config("tiny")
     k = cfg.index_topk
     rng = np.random.default_rng(200 + T)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = rng.standard_normal((1, T, cfg.hidden_size))
     out, aux = run_layer(cfg, DSA, p, x, jnp.float32, return_aux=True)
     dense = run_layer(cfg.replace(dsa_layers=()), DSA, without_indexer(p), x, jnp.float32)
@@ -238,7 +225,7 @@ def test_packed_documents_equal_separate_runs(kind, form):
     if kind == "mla":
         cfg = cfg.replace(dsa_layers=())
     rng = np.random.default_rng(9)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     cu = np.array([0, 70, 71, 200])
     x = rng.standard_normal((1, int(cu[-1]), cfg.hidden_size))
     with jax.enable_x64(True):
@@ -277,7 +264,7 @@ def test_kimi_linear_config(T):
     """q_lora_rank None (plain q_proj), no output gate, no indexer."""
     cfg = load_config("tiny").replace(q_lora_rank=None, mla_use_output_gate=False, dsa_layers=())
     rng = np.random.default_rng(300 + T)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     assert "q_proj.weight" in p and "g_proj.weight" not in p
     x = rng.standard_normal((1, T, cfg.hidden_size))
     with jax.enable_x64(True):
@@ -299,7 +286,7 @@ def test_output_gate_is_mla_gate_case18():
     # the gate matters: zeroing g_proj halves o exactly (sigmoid(0) = 1/2), so the output halves
     rng = np.random.default_rng(4)
     c = cfg.replace(dsa_layers=())
-    p = random_layer_params(c, DSA, rng)
+    p = mla_params(c, DSA, rng)
     xx = rng.standard_normal((1, 5, c.hidden_size))
     p0 = dict(p, **{"g_proj.weight": np.zeros_like(p["g_proj.weight"])})
     with jax.enable_x64(True):

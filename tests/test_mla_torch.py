@@ -18,6 +18,7 @@ import reference_jax.indexer as ji
 import reference_jax.mla as jm
 from kimi.config import load_config
 from kimi.layout import param_layout
+from layer_weights import mla_params
 
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
@@ -34,21 +35,7 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def random_layer_params(cfg, layer: int, rng: np.random.Generator) -> dict:
-    """Random canonical ``self_attn.``-relative weights (numpy fp64) for one MLA/DSA layer."""
-    pre = f"model.layers.{layer}.self_attn."
-    out = {}
-    for spec in param_layout(cfg, [layer]):
-        if not spec.name.startswith(pre):
-            continue
-        name = spec.name[len(pre):]
-        if name.endswith("norm.weight"):
-            out[name] = 1.0 + 0.1 * rng.standard_normal(spec.shape)
-        elif name.endswith("norm.bias"):
-            out[name] = 0.1 * rng.standard_normal(spec.shape)
-        else:
-            out[name] = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[1])
-    return out
+
 
 
 def jax_layer(cfg, p: dict, x: np.ndarray, dtype, cu_seqlens=None, **kw):
@@ -199,7 +186,7 @@ def test_unknown_backend_rejected():
 def test_gated_mla_eager_matches_jax_fp32(T):
     cfg = load_config("tiny")
     rng = np.random.default_rng(T)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = rng.standard_normal((1, T, cfg.hidden_size))
     o_j, aux_j = jax_layer(cfg, p, x, jnp.float32, return_aux=True)
     m = torch_layer(cfg, p, torch.float32)
@@ -217,7 +204,7 @@ def test_gated_mla_eager_matches_jax_fp64(form):
     cfg = load_config("tiny")
     T = 200
     rng = np.random.default_rng(11)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = rng.standard_normal((1, T, cfg.hidden_size))
     with jax.enable_x64(True):
         o_j, aux_j = jax_layer(cfg, p, x, jnp.float64, form=form, return_aux=True)
@@ -233,7 +220,7 @@ def test_gated_mla_eager_matches_jax_fp64(form):
 def test_sdpa_matches_eager(form, T):
     cfg = load_config("tiny")
     rng = np.random.default_rng(50 + T)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = torch.from_numpy(rng.standard_normal((1, T, cfg.hidden_size))).float()
     with torch.no_grad():
         o_e = torch_layer(cfg, p, torch.float32, "eager")(x, form=form)
@@ -246,7 +233,7 @@ def test_sdpa_matches_eager(form, T):
 def test_packed_documents_equal_separate_runs(form, backend):
     cfg = load_config("tiny")
     rng = np.random.default_rng(9)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     cu = torch.tensor([0, 70, 71, 200])
     x = torch.from_numpy(rng.standard_normal((1, 200, cfg.hidden_size)))
     m = torch_layer(cfg, p, torch.float64, backend)
@@ -265,7 +252,7 @@ def test_packed_documents_equal_separate_runs(form, backend):
 def test_kimi_linear_config_matches_jax(T):
     cfg = load_config("tiny").replace(q_lora_rank=None, mla_use_output_gate=False, dsa_layers=())
     rng = np.random.default_rng(70 + T)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = rng.standard_normal((1, T, cfg.hidden_size))
     o_j = jax_layer(cfg, p, x, jnp.float32)
     with torch.no_grad():
@@ -303,7 +290,7 @@ def test_kda_layer_and_indexer_rope_rejected():
 def test_bf16_activations(backend):
     cfg = load_config("tiny")
     rng = np.random.default_rng(13)
-    p = random_layer_params(cfg, DSA, rng)
+    p = mla_params(cfg, DSA, rng)
     x = torch.from_numpy(rng.standard_normal((1, 65, cfg.hidden_size))).float()
     with torch.no_grad():
         ref = torch_layer(cfg, p, torch.float32, "eager")(x)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from kimi.config import PRESETS, ConfigError
-from kimi.layout import param_layout
 from reference_jax.moe import DenseMLP, KimiMoE, glu_act, route, situ, topk_ids
 from reference_jax.params import path_to_name
 from reference_jax.params import to_tree as params_to_tree
+from layer_weights import layer_shapes, mlp_params
 
 TOL_FP64 = 1e-10  # fp64 reference vs fp64 numpy oracle
 TOL_SITU_FP64 = 1e-13  # elementwise formula, fp64
@@ -115,27 +115,14 @@ def flat_names(tree) -> dict:
     return {path_to_name(tuple(k.key for k in path)): v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def random_flat(shapes: dict, rng: np.random.Generator) -> dict:
-    """Fresh random values for canonical names: linears ~ N(0, 1/in), norm weights 1 + N(0, 0.2), router bias
-    N(0, 0.1) (large enough to change the selection)."""
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith("e_score_correction_bias"):
-            out[name] = 0.1 * rng.standard_normal(shape)
-        elif len(shape) == 1:
-            out[name] = 1.0 + 0.2 * rng.standard_normal(shape)
-        else:
-            out[name] = rng.standard_normal(shape) / np.sqrt(shape[-1])
-    return out
+
 
 
 def to_tree(flat: dict, dtype) -> dict:
     return params_to_tree(flat, dtype)
 
 
-def layout_shapes(cfg, layer: int, prefix: str) -> dict:
-    pre = f"model.layers.{layer}.{prefix}"
-    return {s.name[len(pre):]: s.shape for s in param_layout(cfg, [layer]) if s.name.startswith(pre)}
+
 
 
 # ---------------------------------------------------------------------------------------------- SiTU
@@ -201,7 +188,7 @@ def test_kimi_linear_style_config_validates():
     cfg = TINY.replace(routed_expert_hidden_size=None, hidden_act="silu", activation_situ_linear_beta=None,
                        routed_scaling_factor=2.446, quant_method=None)
     assert not cfg.has_latent_moe and cfg.hidden_act == "silu"
-    names = layout_shapes(cfg, 1, "block_sparse_moe.")
+    names = layer_shapes(cfg, 1, "block_sparse_moe.")
     assert not any(n.startswith("routed_expert_") for n in names)
     with pytest.raises(ConfigError):
         TINY.replace(hidden_act="gelu")
@@ -311,10 +298,10 @@ def test_param_names_and_shapes_match_layout(name):
     x = jnp.ones((1, 2, cfg.hidden_size))
     init = lambda m: jax.eval_shape(m.init, jax.random.PRNGKey(0), x)["params"]  # noqa: E731  (shapes only)
     moe = flat_names(init(KimiMoE(cfg)))
-    assert {k: tuple(v.shape) for k, v in moe.items()} == layout_shapes(cfg, 1, "block_sparse_moe.")
+    assert {k: tuple(v.shape) for k, v in moe.items()} == layer_shapes(cfg, 1, "block_sparse_moe.")
     assert moe["gate.e_score_correction_bias"].dtype == jnp.float32
     mlp = flat_names(init(DenseMLP(cfg, cfg.intermediate_size)))
-    assert {k: tuple(v.shape) for k, v in mlp.items()} == layout_shapes(cfg, 0, "mlp.")
+    assert {k: tuple(v.shape) for k, v in mlp.items()} == layer_shapes(cfg, 0, "mlp.")
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 7)], ids=["B1T1", "B2T7"])
@@ -322,7 +309,7 @@ def test_param_names_and_shapes_match_layout(name):
 def test_dense_mlp_matches_numpy_fp64(name, B, T):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(5)
-    P = random_flat(layout_shapes(cfg, 0, "mlp."), rng)
+    P = mlp_params(layer_shapes(cfg, 0, "mlp."), rng)
     x = 3 * rng.standard_normal((B, T, cfg.hidden_size))  # x3 so that the SiTU caps matter
     with jax.enable_x64(True):
         y = DenseMLP(cfg, cfg.intermediate_size).apply({"params": to_tree(P, jnp.float64)}, jnp.asarray(x))
@@ -336,7 +323,7 @@ def test_dense_mlp_matches_numpy_fp64(name, B, T):
 def test_moe_matches_per_token_loop_fp64(name, B, T):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(6)
-    P = random_flat(layout_shapes(cfg, 1, "block_sparse_moe."), rng)
+    P = mlp_params(layer_shapes(cfg, 1, "block_sparse_moe."), rng)
     x = 2 * rng.standard_normal((B, T, cfg.hidden_size))
     with jax.enable_x64(True):
         y = KimiMoE(cfg).apply({"params": to_tree(P, jnp.float64)}, jnp.asarray(x))
@@ -347,7 +334,7 @@ def test_moe_matches_per_token_loop_fp64(name, B, T):
 def test_moe_bf16_close_to_fp32():
     cfg = TINY
     rng = np.random.default_rng(7)
-    P = random_flat(layout_shapes(cfg, 1, "block_sparse_moe."), rng)
+    P = mlp_params(layer_shapes(cfg, 1, "block_sparse_moe."), rng)
     P = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32)) for k, v in P.items()}  # bf16-exact weights
     x = jnp.asarray(rng.standard_normal((2, 9, cfg.hidden_size)), jnp.bfloat16)
     moe = KimiMoE(cfg)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from kimi.config import PRESETS
-from kimi.layout import param_layout
 from kernels_torch import attn_res as T_ar
 from kernels_torch import moe as T
 from reference_jax import attn_res as J_ar
 from reference_jax import moe as J
 from reference_jax.params import name_to_path
+from layer_weights import layer_shapes, mlp_params
 
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
@@ -40,23 +40,10 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def layout_shapes(cfg, layer: int, prefix: str) -> dict:
-    pre = f"model.layers.{layer}.{prefix}"
-    return {s.name[len(pre):]: s.shape for s in param_layout(cfg, [layer]) if s.name.startswith(pre)}
 
 
-def random_flat(shapes: dict, seed: int) -> dict:
-    """Fresh random fp64 values per canonical name (linears ~ N(0, 1/in), norms 1 + N(0, .2), bias N(0, .1))."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith("e_score_correction_bias"):
-            out[name] = 0.1 * rng.standard_normal(shape)
-        elif len(shape) == 1:
-            out[name] = 1.0 + 0.2 * rng.standard_normal(shape)
-        else:
-            out[name] = rng.standard_normal(shape) / np.sqrt(shape[-1])
-    return out
+
+
 
 
 def jax_tree(flat: dict, dtype) -> dict:
@@ -165,10 +152,10 @@ def test_route_bias_selects_only_and_renormalises():
 def test_state_dict_keys_match_layout(name):
     cfg = CONFIGS[name]
     sd = T.KimiMoE(cfg).state_dict()
-    assert {k: tuple(v.shape) for k, v in sd.items()} == layout_shapes(cfg, 1, "block_sparse_moe.")
+    assert {k: tuple(v.shape) for k, v in sd.items()} == layer_shapes(cfg, 1, "block_sparse_moe.")
     assert sd["gate.e_score_correction_bias"].dtype == torch.float32
     sd = T.DenseMLP(cfg, cfg.intermediate_size).state_dict()
-    assert {k: tuple(v.shape) for k, v in sd.items()} == layout_shapes(cfg, 0, "mlp.")
+    assert {k: tuple(v.shape) for k, v in sd.items()} == layer_shapes(cfg, 0, "mlp.")
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
@@ -176,7 +163,7 @@ def test_state_dict_keys_match_layout(name):
 def test_dense_mlp_matches_jax(name, dt):
     cfg = CONFIGS[name]
     tdt, jdt, tol = DTYPES[dt]
-    P = random_flat(layout_shapes(cfg, 0, "mlp."), seed=4)
+    P = mlp_params(layer_shapes(cfg, 0, "mlp."), np.random.default_rng(4))
     x = 3 * np.random.default_rng(5).standard_normal((2, 7, cfg.hidden_size))
     with jax.enable_x64(True):
         want = J.DenseMLP(cfg, cfg.intermediate_size).apply({"params": jax_tree(P, jdt)}, jnp.asarray(x, jdt))
@@ -189,7 +176,7 @@ def test_dense_mlp_matches_jax(name, dt):
 def test_moe_matches_jax(name, dt):
     cfg = CONFIGS[name]
     tdt, jdt, tol = DTYPES[dt]
-    P = random_flat(layout_shapes(cfg, 1, "block_sparse_moe."), seed=6)
+    P = mlp_params(layer_shapes(cfg, 1, "block_sparse_moe."), np.random.default_rng(6))
     x = 2 * np.random.default_rng(7).standard_normal((2, 7, cfg.hidden_size))
     with jax.enable_x64(True):
         want = J.KimiMoE(cfg).apply({"params": jax_tree(P, jdt)}, jnp.asarray(x, jdt))
@@ -201,7 +188,7 @@ def test_moe_matches_jax(name, dt):
 def test_moe_bf16_close_to_fp32_and_to_jax_bf16():
     """The tiny preset's MoE layer in bf16 (weights and activations) against the same bf16-exact numbers in fp32."""
     cfg = TINY
-    P = {k: bf16_exact(v) for k, v in random_flat(layout_shapes(cfg, 1, "block_sparse_moe."), seed=8).items()}
+    P = {k: bf16_exact(v) for k, v in mlp_params(layer_shapes(cfg, 1, "block_sparse_moe."), np.random.default_rng(8)).items()}
     x = bf16_exact(np.random.default_rng(9).standard_normal((2, 11, cfg.hidden_size)))
     y32 = torch_module(T.KimiMoE(cfg), P, torch.float32)(torch.from_numpy(x).float())
     y16 = torch_module(T.KimiMoE(cfg), P, torch.bfloat16)(torch.from_numpy(x).bfloat16())
@@ -210,7 +197,7 @@ def test_moe_bf16_close_to_fp32_and_to_jax_bf16():
     j16 = J.KimiMoE(cfg).apply({"params": jax_tree(P, jnp.bfloat16)}, jnp.asarray(x, jnp.bfloat16))
     assert rel_err(y16, np.asarray(j16.astype(jnp.float32))) <= TOL_BF16
     # dense MLP too
-    Pm = {k: bf16_exact(v) for k, v in random_flat(layout_shapes(cfg, 0, "mlp."), seed=10).items()}
+    Pm = {k: bf16_exact(v) for k, v in mlp_params(layer_shapes(cfg, 0, "mlp."), np.random.default_rng(10)).items()}
     m32 = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), Pm, torch.float32)(torch.from_numpy(x).float())
     m16 = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), Pm, torch.bfloat16)(torch.from_numpy(x).bfloat16())
     assert rel_err(m16, m32) <= TOL_BF16
