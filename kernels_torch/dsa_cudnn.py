@@ -252,7 +252,8 @@ def indexer_topk_cudnn(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tens
         seq_lens = pos[r0:r1] - a + 1  # visible keys of each row (its document prefix)
         res = top_k_fn(scores, seq_lens, k_eff, return_val=False, tie_break=2)  # 2: larger column wins ties
         local = res["indices"]  # [C, k_eff] local column ids, -1 past the visible keys
-        idx_out[r0:r1, :k_eff] = torch.where(local >= 0, local + a, local)
+        # document-local column -> global key id (the first document's columns already are global ids)
+        idx_out[r0:r1, :k_eff] = torch.where(local >= 0, local + a, local) if a else local
 
     _indexer_chunks(q_I, k_I, weights, topk, cu_seqlens, chunk_rows, chunk_bytes, on_chunk)
     doc_start = torch.zeros(T, dtype=torch.int32, device=q_I.device)

@@ -154,6 +154,44 @@ def _indexer_topk_torch(q_I, k_I, weights, topk, cu_seqlens=None, chunk_rows=Non
     return idx.int(), mask.sum(-1).clamp(max=topk).int()
 
 
+class _TorchTopK:
+    """Torch stand-in for cuDNN FE's ``indexer_top_k_wrapper`` (``tie_break=2``): per row the ``k`` largest of the
+    first ``seq_lens[r]`` columns, equal scores by the larger column, ``-1`` past the visible columns."""
+
+    @staticmethod
+    def indexer_top_k_wrapper(scores, seq_lens, k, return_val=False, tie_break=2):
+        assert tie_break == 2 and not return_val
+        cols = torch.arange(scores.shape[1])
+        s = scores.masked_fill(cols[None, :] >= seq_lens[:, None].long(), float("-inf")).flip(-1)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]  # stable: larger column first
+        idx = scores.shape[1] - 1 - order
+        return {"indices": torch.where(torch.arange(k)[None, :] < seq_lens[:, None].long(), idx, -1).int()}
+
+
+@pytest.mark.parametrize("cu,chunk_rows", [(None, 128), ([0, 100, 450, 700], 128), ([0, 300, 700], None)],
+                         ids=["one-doc-chunks", "packed-short-doc", "packed-one-chunk-per-doc"])
+def test_indexer_topk_chunk_driver(monkeypatch, cu, chunk_rows):
+    """``indexer_topk_cudnn``'s own row-chunk driver (document offsets, local -> global ids, -1 slots of a document
+    shorter than topk, ``topk_length``) against the canonical top-k of the dense reference scores. The two cuDNN
+    kernels are replaced: the scores by ``_ScoreChunks``' torch twin (H_I = 4 is not a cuDNN shape), the top-k by a
+    torch sort with the same tie rule."""
+    monkeypatch.setattr(dc, "require_cudnn", lambda x, what="x": None)
+    monkeypatch.setattr(dc, "_dsa", lambda: _TorchTopK)
+    T, HI, KI, topk = 700, 4, 32, 200  # the 100-token document has 128 score columns < topk
+    g = torch.Generator().manual_seed(7)
+    q_I = torch.randn(T, HI, KI, generator=g).bfloat16()
+    k_I = torch.randn(T, KI, generator=g).bfloat16()
+    w = torch.randn(T, HI, generator=g)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    idx, length = dc.indexer_topk_cudnn(q_I, k_I, w, topk, cu_t, chunk_rows)
+    ref_idx, ref_len = _indexer_topk_torch(q_I, k_I, w, topk, cu_t)
+    assert idx.shape == (T, topk) and idx.dtype == torch.int32
+    assert torch.equal(length, ref_len)
+    assert torch.equal(torch.sort(idx.long(), -1).values, torch.sort(ref_idx.long(), -1).values)
+    valid = torch.arange(topk)[None, :] < length[:, None]  # the valid ids come first, then -1
+    assert bool((idx[valid] >= 0).all()) and bool((idx[~valid] == -1).all())
+
+
 TOL_WIRING = 1e-10  # fp64, cudnn layer code with torch stand-ins for the two kernels vs the eager layer
 
 
