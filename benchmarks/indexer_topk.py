@@ -9,6 +9,11 @@ CUDA-event-timed calls after warm-up. Peak extra memory: ``torch.cuda.max_memory
 the memory allocated before it (inputs excluded). Selected sets of (b) and (a) are compared with ours row by row.
 
     python benchmarks/indexer_topk.py --out indexer_topk.json
+    python benchmarks/indexer_topk.py --profile 8192 --out indexer_topk_profile.json   # where ours and (b) spend time
+
+``--profile S`` runs instead one warm call and one ``torch.profiler`` call of ours and of (b) at S, and writes the
+GPU kernels (name, calls, microseconds) of each next to the call's CUDA-event time; the difference is the time the
+GPU waited on the host.
 """
 
 from __future__ import annotations
@@ -72,12 +77,40 @@ def same_set_rows(a, b):
     return int((a == b).all(-1).sum())
 
 
+def profile_calls(S: int, out: Path) -> None:
+    """Kernel-level breakdown of ours and (b) at S (``torch.profiler``, CUDA activity), one profiled call each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q = torch.randn(S, HI, KI, device="cuda", generator=g).bfloat16()
+    k = torch.randn(S, KI, device="cuda", generator=g).bfloat16()
+    w = torch.randn(S, HI, device="cuda", generator=g)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "S": S, "calls": {}}
+    for name, fn in [("ours", lambda: dc.indexer_topk_cudnn(q, k, w, K)), ("(b)", lambda: cudnn_whole_rows(q, k, w))]:
+        ms, _ = time_ms(fn, warmup=2, min_reps=5, max_reps=20)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        kernels = [{"kernel": e.key, "calls": e.count,
+                    "us": getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)}
+                   for e in prof.key_averages()]
+        kernels = sorted((r for r in kernels if r["us"] > 0), key=lambda r: -r["us"])
+        result["calls"][name] = {"event_ms": ms, "kernel_us_sum": sum(r["us"] for r in kernels), "kernels": kernels}
+        print(f"\n{name}: {ms * 1e3:.0f} us per call (CUDA events), kernels {sum(r['us'] for r in kernels):.0f} us")
+        for r in kernels:
+            print(f"  {r['us']:9.1f} us  x{r['calls']:<3d} {r['kernel'][:110]}")
+    out.write_text(json.dumps(result, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="indexer_topk.json")
     ap.add_argument("--sizes", default="8192,32768,131072")
     ap.add_argument("--all-keys-max", type=int, default=32768, help="largest S for (a'), which reads every key")
+    ap.add_argument("--profile", type=int, metavar="S", help="only the kernel breakdown of ours and (b) at S")
     args = ap.parse_args()
+    if args.profile:
+        return profile_calls(args.profile, Path(args.out))
     dev = torch.cuda.get_device_name()
     rows = []
     for S in (int(s) for s in args.sizes.split(",")):

@@ -13,6 +13,10 @@
 #      are not run side by side: at 8,192 tokens the fp32 oracle needs most of the GPU's memory.
 #   C  train_step_4layers: benchmark 5
 #   D  sparse_mla_fwd, indexer_topk, dsa_vs_dense_layer: benchmarks 1, 2, 4 again, same commit as the rest
+#   E  profile: Nsight Compute counters of one sparse forward call at S = 8192 (ncu_sparse_mla: the full section
+#      set; ncu_tensor_ops: tensor-pipe bf16 ops of that call; ncu_matmul_ops: of one 4096^3 matmul, to calibrate the counter;
+#      ncu reads counters on Firecracker machines only: ../.library/device/KINDS.md) and the kernel breakdown of the
+#      indexer at 8K, ours against cuDNN whole rows (indexer_profile: torch.profiler)
 set -uo pipefail
 dir=$(realpath -m "${1:-runs/h200}")
 mkdir -p "$dir"
@@ -40,7 +44,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NA
   return $rc
 }
 
-want() { [[ " ${STEPS:-init kda_layer gpu_tests validate train_step_4layers sparse_mla_fwd indexer_topk dsa_vs_dense_layer} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-init kda_layer gpu_tests validate train_step_4layers sparse_mla_fwd indexer_topk dsa_vs_dense_layer profile} " == *" $1 "* ]]; }
 
 # A  (fla_warmup: the first fla call autotunes for about 5 minutes on a fresh machine; run it beside the CPU and
 #     non-fla work so that later steps find its choices in the Triton cache)
@@ -75,6 +79,18 @@ want sparse_mla_fwd && step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd
 want indexer_topk && step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json"
 want dsa_vs_dense_layer && step dsa_vs_dense_layer 400 python3 benchmarks/dsa_vs_dense_layer.py \
   --out "$dir/dsa_vs_dense_layer.json"
+# E
+if want profile; then
+  ncu_one=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)" --clock-control none
+           --launch-count 1 --import-source no)
+  sparse_call=(-k regex:_sparse_mla_fwd_kernel --launch-skip 1 python3 benchmarks/sparse_mla_fwd.py --profile-call 8192)
+  ops=sm__ops_path_tensor_src_bf16_dst_fp32.sum,gpu__time_duration.sum
+  step ncu_sparse_mla 300 "${ncu_one[@]}" --set full "${sparse_call[@]}"
+  step ncu_tensor_ops 300 "${ncu_one[@]}" --metrics "$ops" "${sparse_call[@]}"
+  step ncu_matmul_ops 120 "${ncu_one[@]}" --metrics "$ops" -k 'regex:gemm|nvjet|cutlass|xmma' python3 -c \
+    'import torch; a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); a @ a; torch.cuda.synchronize()'
+  step indexer_profile 300 python3 benchmarks/indexer_topk.py --profile 8192 --out "$dir/indexer_topk_profile.json"
+fi
 save_autotune
 echo "done at $(( $(date +%s) - t0 ))s" >> "$dir/status.txt"
 touch "$dir/DONE"

@@ -6,6 +6,10 @@ H = 96, K = 2048 random valid causal-ish indices (row t draws from [0, max(t+1, 
 FLOPs = 2 * S * H * K * (576 + 512) (kernels.md). Times are medians over CUDA-event-timed calls after warm-up.
 
     python benchmarks/sparse_mla_fwd.py --out sparse_mla_fwd.json
+    ncu --clock-control none -k regex:_sparse_mla_fwd_kernel --launch-skip 1 --launch-count 1 --set full \\
+        python benchmarks/sparse_mla_fwd.py --profile-call 8192     # hardware counters of one call (run_h200.sh)
+
+``--profile-call S`` makes two calls of the default kernel at S and nothing else, for a profiler to capture the second.
 """
 
 from __future__ import annotations
@@ -67,10 +71,19 @@ def flops(S):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file for the result rows")
+    ap.add_argument("--out", help="JSON file for the result rows (required unless --profile-call)")
     ap.add_argument("--seq-lens", default="8192,32768,65536")
     ap.add_argument("--baseline-seq-lens", default="8192,32768")
+    ap.add_argument("--profile-call", type=int, metavar="S", help="only two calls of the default kernel at S")
     args = ap.parse_args()
+    if args.profile_call:
+        q, kv, idx = make_inputs(args.profile_call)
+        for _ in range(2):  # the first compiles; a profiler skips it
+            sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE)
+        torch.cuda.synchronize()
+        return
+    if not args.out:
+        ap.error("--out is required")
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}, torch {torch.__version__}, triton {sm.triton.__version__}", flush=True)
     ceiling, mm_ms = matmul_ceiling()
