@@ -27,22 +27,62 @@ def _promote(*xs: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
 
-def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+SCORE_CHUNK_BYTES = 1 << 29  # largest [B, rows, HI, S] logits tensor of one query-row chunk (512 MiB)
+
+
+class _ChunkedScores(torch.autograd.Function):
+    """``sum_j w[t,j] * ReLU(c * q[t,j] . k[s])`` in query-row chunks; the backward recomputes each chunk's logits,
+    so neither pass keeps a ``[B, T, HI, S]`` tensor (137 GB in fp32 at T = S = 32K, H_I = 32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, w, c, rows):  # q [B,T,HI,KI], k [B,S,KI], w [B,T,HI] (scaled), all one float dtype
+        ctx.save_for_backward(q, k, w)
+        ctx.c, ctx.rows = c, rows
+        out = q.new_empty(q.shape[0], q.shape[1], k.shape[1])
+        for t0 in range(0, q.shape[1], rows):
+            rt = slice(t0, t0 + rows)
+            logits = torch.einsum("btjk,bsk->btjs", q[:, rt], k) * c  # [B, C, HI, S]
+            out[:, rt] = torch.einsum("btj,btjs->bts", w[:, rt], torch.relu(logits))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, w = ctx.saved_tensors
+        c, rows = ctx.c, ctx.rows
+        dq, dk, dw = torch.empty_like(q), torch.zeros_like(k), torch.empty_like(w)
+        for t0 in range(0, q.shape[1], rows):
+            rt = slice(t0, t0 + rows)
+            logits = torch.einsum("btjk,bsk->btjs", q[:, rt], k) * c
+            dw[:, rt] = torch.einsum("bts,btjs->btj", dout[:, rt], torch.relu(logits))
+            # d/dlogits = dout[t,s] * w[t,j] where logits > 0 (ReLU's gradient is 0 at 0, as torch.relu's)
+            dlogits = (dout[:, rt, None, :] * w[:, rt, :, None]).masked_fill_(logits <= 0, 0.0) * c
+            dq[:, rt] = torch.einsum("btjs,bsk->btjk", dlogits, k)
+            dk += torch.einsum("btjs,btjk->bsk", dlogits, q[:, rt])
+        return dq, dk, dw, None, None
+
+
+def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, *,
+                   chunk_bytes: int = SCORE_CHUNK_BYTES) -> torch.Tensor:
     """Lightning-indexer scores (spec 4.2), unmasked.
 
     Args:
         q_I: ``[B, T, HI, KI]``; k_I: ``[B, S, KI]`` (one key per token); weights: ``[B, T, HI]``.
+        chunk_bytes: bound on the per-head logits ``[B, rows, HI, S]`` of one chunk of query rows. Each row's score
+            is the same sum in any chunking; the backward recomputes the logits chunk by chunk, so memory is
+            O(rows x HI x S) beyond the ``[B, T, S]`` result (gradients reach q_I, k_I and weights).
 
     Returns:
         ``[B, T, S]`` ``sum_j weights[t,j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t,j] . k_I[s])``, fp32 (fp64 when any input
         is fp64).
     """
     dt = _promote(q_I, k_I, weights)
-    HI, KI = q_I.shape[-2:]
-    logits = torch.einsum("btjk,bsk->btjs", q_I.to(dt), k_I.to(dt)) * (KI ** -0.5)  # [B, T, HI, S]
+    B, T, HI, KI = q_I.shape
+    S = k_I.shape[1]
+    rows = max(1, chunk_bytes // max(1, B * HI * S * torch.finfo(dt).bits // 8))
     w = weights.to(dt) * (HI ** -0.5)  # [B, T, HI]
+    scores = _ChunkedScores.apply(q_I.to(dt), k_I.to(dt), w, KI ** -0.5, rows)
     # "+ 0.0" canonicalises -0.0 to +0.0, as the JAX twin (equal scores must tie, whatever their sign bit).
-    return torch.einsum("btj,btjs->bts", w, torch.relu(logits)) + 0.0
+    return scores + 0.0
 
 
 def topk_indices(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tensor:

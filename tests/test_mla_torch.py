@@ -89,6 +89,28 @@ def test_indexer_scores_and_topk_match_jax(dtype):
     assert np.array_equal(ti.sparse_mask(i_t, T).numpy(), np.asarray(ji.sparse_mask(jnp.asarray(i_j), T)))
 
 
+TOL_CHUNKED_FP64 = 1e-12  # row-chunked indexer scores (and their recomputing backward) vs plain autograd, fp64
+
+
+@pytest.mark.parametrize("T,S,chunk_bytes", [(1, 1, 1), (63, 63, 1), (63, 40, 3 * 8 * 40 * 2 * 5), (23, 23, 1 << 29)],
+                         ids=["T1-row-chunks", "T63-row-chunks", "T63-S40-5-row-chunks", "T23-one-chunk"])
+def test_indexer_scores_row_chunks_and_gradients(T, S, chunk_bytes):
+    """``indexer_scores`` in query-row chunks, whose backward recomputes each chunk's logits: scores and the gradients
+    of q_I, k_I and weights equal plain autograd through the one-shot formula (fp64, B = 2, S != T)."""
+    g = torch.Generator().manual_seed(T + S)
+    B, HI, KI = 2, 3, 8
+    q, k, w = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+               for shape in ((B, T, HI, KI), (B, S, KI), (B, T, HI)))
+    dy = torch.randn(B, T, S, generator=g, dtype=torch.float64)
+    logits = torch.einsum("btjk,bsk->btjs", q, k) * KI ** -0.5
+    ref = torch.einsum("btj,btjs->bts", w * HI ** -0.5, torch.relu(logits))
+    out = ti.indexer_scores(q, k, w, chunk_bytes=chunk_bytes)
+    assert rel_err(out, ref) <= TOL_CHUNKED_FP64
+    for name, got, want in zip(("dq_I", "dk_I", "dweights"), torch.autograd.grad((out * dy).sum(), (q, k, w)),
+                               torch.autograd.grad((ref * dy).sum(), (q, k, w))):
+        assert rel_err(got, want) <= TOL_CHUNKED_FP64, name
+
+
 @pytest.mark.parametrize("T", [65, 200, 2049], ids=lambda t: f"T{t}")
 def test_tie_heavy_selection_identical(T):
     """Many exact zeros (ReLU): both frameworks pick the same keys in the same (canonical) order."""
