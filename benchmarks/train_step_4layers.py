@@ -88,7 +88,7 @@ def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 4096, 8192])
     ap.add_argument("--recompute-seq-lens", type=int, nargs="*", default=[8192, 32768],
                     help="lengths run with activation recomputation per decoder layer")
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
