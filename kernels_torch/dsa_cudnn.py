@@ -384,7 +384,9 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
 
     Returns:
         ``[B, T, D]`` bf16, plus with ``return_aux`` ``{"topk_indices": [B, T, min(index_topk, T)] int32 (-1 padded),
-        "index_scores": None}`` on DSA layers (the scores are never materialised).
+        "index_scores": None}`` on DSA layers (the scores are never materialised). The selected set per row is the
+        canonical one, as eager's, but the slots are in ascending key order (:func:`sort_topk_slots`), not eager's
+        score order; the forward is bitwise reproducible.
 
     Raises:
         RuntimeError: CUDA, bf16 or the ``gpu`` extra missing. ValueError: malformed ``cu_seqlens``.

@@ -192,6 +192,22 @@ def test_indexer_topk_chunk_driver(monkeypatch, cu, chunk_rows):
     assert bool((idx[valid] >= 0).all()) and bool((idx[~valid] == -1).all())
 
 
+def test_sort_topk_slots_orders_ids_and_keeps_sets():
+    """Each row's ids ascending, its -1 slots last, the set unchanged (what makes the cudnn DSA forward reproducible)."""
+    g = torch.Generator().manual_seed(3)
+    T, k = 50, 16
+    ids = torch.stack([torch.randperm(1000, generator=g)[:k] for _ in range(T)]).int()
+    n_valid = torch.randint(0, k + 1, (T,), generator=g)
+    ids = torch.where(torch.arange(k)[None, :] < n_valid[:, None], ids, -1)
+    ids = ids[:, torch.randperm(k, generator=g)]  # -1 anywhere, as an unsorted kernel result could hold them
+    out = dc.sort_topk_slots(ids)
+    assert out.dtype == torch.int32 and out.shape == ids.shape
+    for r in range(T):
+        valid = out[r, : n_valid[r]]
+        assert bool((valid[1:] > valid[:-1]).all()) and bool((out[r, n_valid[r]:] == -1).all())
+        assert set(valid.tolist()) == set(ids[r][ids[r] >= 0].tolist())
+
+
 TOL_WIRING = 1e-10  # fp64, cudnn layer code with torch stand-ins for the two kernels vs the eager layer
 
 
