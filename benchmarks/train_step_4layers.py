@@ -10,8 +10,9 @@ warm-up steps, median of ``--repeats``.
 Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant): its
 activations are recomputed in the backward, which is what lets 32K tokens fit (the eager MLP/MoE keep fp32 SiTU
 intermediates: about 1.3 MB per token in the dense layer 0 alone). Each row is written to ``--out`` as it finishes.
+The script sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the variable is already set.
 
-    python benchmarks/train_step_4layers.py --seq-lens 2048 4096 8192 --recompute-seq-lens 8192 32768 \
+    python benchmarks/train_step_4layers.py --seq-lens 2048 8192 --recompute-seq-lens 8192 32768 --repeats 3 \
         --out results/train_step_4layers.json
 
 Writes ``{"device", "torch", "date", "rows": [...]}``, rows with ``seq_len``, ``backend``, ``recompute``, ``ms``,
@@ -26,11 +27,15 @@ import functools
 import gc
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Before torch allocates: the sdpa backend at 32K fragments the default caching allocator (35 GiB reserved but
+# unallocated when it ran out of memory on the H200); expandable segments let the same step fit.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.utils.checkpoint  # noqa: E402
@@ -88,13 +93,13 @@ def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 4096, 8192])
+    ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--recompute-seq-lens", type=int, nargs="*", default=[8192, 32768],
                     help="lengths run with activation recomputation per decoder layer")
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--experts-per-token", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
     args = ap.parse_args()
     cfg = load_config("k3.1-pro").truncated(4).replace(num_experts=args.experts,
@@ -108,7 +113,8 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
             row = {"seq_len": T, "backend": backend, "recompute": recompute,
                    "layers": [cfg.layer_type(i) for i in range(4)],
-                   "experts": args.experts, "experts_per_token": args.experts_per_token}
+                   "experts": args.experts, "experts_per_token": args.experts_per_token,
+                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
             t0 = time.perf_counter()
             model = None
             try:
