@@ -46,7 +46,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NA
 
 want() { [[ " ${STEPS:-init kda_layer gpu_tests validate train_step_4layers sparse_mla_fwd indexer_topk dsa_vs_dense_layer profile} " == *" $1 "* ]]; }
 
-# A  (fla_warmup: the first fla call autotunes for about 5 minutes on a fresh machine; run it beside the CPU and
+# A  (fla_warmup: the first fla call autotunes for 5.3 to 6 minutes on a fresh machine; run it beside the CPU and
 #     non-fla work so that later steps find its choices in the Triton cache)
 pids=()
 if want fla_warmup; then
