@@ -49,16 +49,21 @@ class _ChunkedScores(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, w = ctx.saved_tensors
         c, rows = ctx.c, ctx.rows
+        need_q, need_k, need_w = ctx.needs_input_grad[:3]
         dq, dk, dw = torch.empty_like(q), torch.zeros_like(k), torch.empty_like(w)
         for t0 in range(0, q.shape[1], rows):
             rt = slice(t0, t0 + rows)
             logits = torch.einsum("btjk,bsk->btjs", q[:, rt], k) * c
-            dw[:, rt] = torch.einsum("bts,btjs->btj", dout[:, rt], torch.relu(logits))
-            # d/dlogits = dout[t,s] * w[t,j] where logits > 0 (ReLU's gradient is 0 at 0, as torch.relu's)
-            dlogits = (dout[:, rt, None, :] * w[:, rt, :, None]).masked_fill_(logits <= 0, 0.0) * c
-            dq[:, rt] = torch.einsum("btjs,bsk->btjk", dlogits, k)
-            dk += torch.einsum("btjs,btjk->bsk", dlogits, q[:, rt])
-        return dq, dk, dw, None, None
+            if need_w:
+                dw[:, rt] = torch.einsum("bts,btjs->btj", dout[:, rt], torch.relu(logits))
+            if need_q or need_k:
+                # d/dlogits = dout[t,s] * w[t,j] where logits > 0 (ReLU's gradient is 0 at 0, as torch.relu's)
+                dlogits = (dout[:, rt, None, :] * w[:, rt, :, None]).masked_fill_(logits <= 0, 0.0) * c
+                if need_q:
+                    dq[:, rt] = torch.einsum("btjs,bsk->btjk", dlogits, k)
+                if need_k:
+                    dk += torch.einsum("btjs,btjk->bsk", dlogits, q[:, rt])
+        return (dq if need_q else None), (dk if need_k else None), (dw if need_w else None), None, None
 
 
 def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, *,
@@ -68,8 +73,9 @@ def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, 
     Args:
         q_I: ``[B, T, HI, KI]``; k_I: ``[B, S, KI]`` (one key per token); weights: ``[B, T, HI]``.
         chunk_bytes: bound on the per-head logits ``[B, rows, HI, S]`` of one chunk of query rows. Each row's score
-            is the same sum in any chunking; the backward recomputes the logits chunk by chunk, so memory is
-            O(rows x HI x S) beyond the ``[B, T, S]`` result (gradients reach q_I, k_I and weights).
+            is the same sum in any chunking (up to the matmul's rounding order); the backward recomputes the logits
+            chunk by chunk, so memory is O(rows x HI x S) beyond the ``[B, T, S]`` result (gradients reach q_I, k_I
+            and weights).
 
     Returns:
         ``[B, T, S]`` ``sum_j weights[t,j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t,j] . k_I[s])``, fp32 (fp64 when any input

@@ -236,5 +236,8 @@ def test_cudnn_layer_code_matches_eager_with_torch_kernels(monkeypatch, B, T, cu
     assert torch.equal(torch.sort(aux["topk_indices"].long(), -1).values,
                        torch.sort(aux_e["topk_indices"].long(), -1).values)
     assert aux["topk_indices"].shape == (B, T, k)
+    ids = aux["topk_indices"].long()  # slots ascending, -1 last (sort_topk_slots: a reproducible sparse forward)
+    keyed = torch.where(ids < 0, torch.iinfo(torch.int64).max, ids)
+    assert bool((keyed[..., 1:] >= keyed[..., :-1]).all())
     err = rel_err(out.detach(), out_e.detach())
     assert err <= TOL_WIRING, err

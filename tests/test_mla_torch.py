@@ -92,23 +92,57 @@ def test_indexer_scores_and_topk_match_jax(dtype):
 TOL_CHUNKED_FP64 = 1e-12  # row-chunked indexer scores (and their recomputing backward) vs plain autograd, fp64
 
 
+@pytest.mark.parametrize("values", ["normal", "integers"])
 @pytest.mark.parametrize("T,S,chunk_bytes", [(1, 1, 1), (63, 63, 1), (63, 40, 3 * 8 * 40 * 2 * 5), (23, 23, 1 << 29)],
                          ids=["T1-row-chunks", "T63-row-chunks", "T63-S40-5-row-chunks", "T23-one-chunk"])
-def test_indexer_scores_row_chunks_and_gradients(T, S, chunk_bytes):
+def test_indexer_scores_row_chunks_and_gradients(T, S, chunk_bytes, values):
     """``indexer_scores`` in query-row chunks, whose backward recomputes each chunk's logits: scores and the gradients
-    of q_I, k_I and weights equal plain autograd through the one-shot formula (fp64, B = 2, S != T)."""
+    of q_I, k_I and weights equal plain autograd through the one-shot formula (fp64, B = 2, S != T). ``integers``
+    draws q_I and k_I from {-1, 0, 1}, so many logits are exactly 0, where ReLU's gradient must be 0."""
     g = torch.Generator().manual_seed(T + S)
     B, HI, KI = 2, 3, 8
-    q, k, w = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
-               for shape in ((B, T, HI, KI), (B, S, KI), (B, T, HI)))
+    if values == "normal":
+        draw = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    else:
+        draw = lambda *shape: torch.randint(-1, 2, shape, generator=g).double()  # noqa: E731
+    q, k = draw(B, T, HI, KI).requires_grad_(), draw(B, S, KI).requires_grad_()
+    w = torch.randn(B, T, HI, generator=g, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(B, T, S, generator=g, dtype=torch.float64)
     logits = torch.einsum("btjk,bsk->btjs", q, k) * KI ** -0.5
+    if values == "integers" and T > 1:
+        assert (logits == 0).float().mean() > 0.1
     ref = torch.einsum("btj,btjs->bts", w * HI ** -0.5, torch.relu(logits))
     out = ti.indexer_scores(q, k, w, chunk_bytes=chunk_bytes)
     assert rel_err(out, ref) <= TOL_CHUNKED_FP64
     for name, got, want in zip(("dq_I", "dk_I", "dweights"), torch.autograd.grad((out * dy).sum(), (q, k, w)),
                                torch.autograd.grad((ref * dy).sum(), (q, k, w))):
         assert rel_err(got, want) <= TOL_CHUNKED_FP64, name
+
+
+def test_indexer_scores_memory_is_one_chunk():
+    """No tensor made in the forward or the backward of ``indexer_scores`` is larger than one chunk's logits or the
+    ``[B, T, S]`` result (the point of the chunking: the ``[B, T, HI, S]`` logits would be 137 GB at 32K)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    LargestOutput.largest = max(LargestOutput.largest, t.numel() * t.element_size())
+            return out
+
+    B, T, HI, KI = 1, 256, 8, 16
+    q = torch.randn(B, T, HI, KI, requires_grad=True)
+    k = torch.randn(B, T, KI, requires_grad=True)
+    w = torch.randn(B, T, HI, requires_grad=True)
+    chunk_bytes = 16 * HI * T * 4  # 16 query rows of fp32 logits
+    with LargestOutput():
+        ti.indexer_scores(q, k, w, chunk_bytes=chunk_bytes).sum().backward()
+    result_bytes = B * T * T * 4
+    assert LargestOutput.largest <= max(chunk_bytes, result_bytes) < B * T * HI * T * 4
 
 
 @pytest.mark.parametrize("T", [65, 200, 2049], ids=lambda t: f"T{t}")
