@@ -114,3 +114,37 @@ def test_argument_errors_name_the_argument():
         sparse_mla_fwd(q.float(), kv, idx, SM_SCALE)
     with pytest.raises(ValueError, match="CUDA"):
         sparse_mla_fwd(q, kv, idx, SM_SCALE, backend="triton")
+
+
+@pytest.mark.parametrize("with_topk_length", [True, False], ids=["topk_length", "no-topk_length"])
+@pytest.mark.parametrize("H,K", [(96, 100), (64, 128), (20, 2048)], ids=["H96-K100", "H64-K128", "H20-K2048"])
+def test_flash_mla_wrapper_pads_heads_and_topk(monkeypatch, H, K, with_topk_length):
+    """The FlashMLA branch (used when a ``flash_mla`` module imports; none does here): heads are padded to 64 or 128
+    and the top-k axis to a multiple of 128 with skipped ids, in FlashMLA's argument layout, and the padding is sliced
+    away. A torch stand-in for ``flash_mla_sparse_fwd`` checks the layout and computes the readable reference."""
+    import kernels_torch.ops.sparse_mla as sm
+
+    seen = {}
+
+    def fake_flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length=None):
+        assert q.ndim == 3 and q.shape[1] in (64, 128) and q.shape[2] == 576
+        assert kv.ndim == 3 and kv.shape[1] == 1 and indices.ndim == 3 and indices.shape[1] == 1
+        assert indices.shape[2] % 128 == 0 and d_v == 512
+        seen.update(H_pad=q.shape[1], K_pad=indices.shape[2])
+        return sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length, d_v=d_v)
+
+    monkeypatch.setattr(sm, "_flash_mla_sparse_fwd", fake_flash_mla_sparse_fwd)
+    T, S = 9, 300
+    g = torch.Generator().manual_seed(H + K)
+    q = torch.randn(T, H, 576, generator=g, dtype=torch.float64)
+    kv = torch.randn(S, 576, generator=g, dtype=torch.float64)
+    idx = torch.randint(-1, S + 3, (T, K), generator=g, dtype=torch.int32)  # -1 holes and out-of-range ids
+    tlen = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32) if with_topk_length else None
+    got = sm._sparse_mla_fwd_flash_mla(q, kv, idx, SM_SCALE, tlen)
+    want = sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, tlen)
+    assert seen == {"H_pad": 64 if H <= 64 else 128, "K_pad": -(-K // 128) * 128}
+    for name, a, b in zip(("out", "max_logits", "lse"), got, want):
+        assert a.shape == b.shape, name
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name  # empty rows: -inf max, +inf lse
+        fin = torch.isfinite(b)
+        assert torch.allclose(a[fin], b[fin], rtol=1e-12, atol=1e-12), name
