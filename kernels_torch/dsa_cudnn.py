@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
+from kernels_torch.indexer import indexer_scores
 
 __all__ = ["require_cudnn", "cu_seqlens_from_mask", "indexer_topk_cudnn", "indexer_scores_cudnn",
            "SparseMLAFunction", "sparse_mla", "gated_mla_forward", "CUDNN_INDEXER_HEADS", "CUDNN_INDEXER_DIM",
@@ -178,9 +179,8 @@ class _ScoreChunks:
             res = self.fwd(q[None], k[None, :, None, :], w[None], ratio=1, sm_scale=self.sm_scale,
                            q_causal_offsets=offsets)
             return res["scores"][0]  # [C, cols] fp32, -inf above the diagonal
-        # torch twin (shapes the cuDNN kernel does not take): fp32, the same formula as kernels_torch.indexer
-        logits = torch.einsum("cjk,sk->cjs", q.float(), k.float())  # [C, HI, cols]
-        s = torch.einsum("cj,cjs->cs", w.float(), torch.relu(logits)) * self.sm_scale
+        # torch twin (shapes the cuDNN kernel does not take): kernels_torch.indexer's formula, in fp32 as cuDNN
+        s = indexer_scores(q[None].float(), k[None].float(), w[None].float())[0]  # [C, cols]
         t = torch.arange(r0 - doc_start, r1 - doc_start, device=q.device)[:, None]
         return s.masked_fill(torch.arange(cols, device=q.device)[None, :] > t, float("-inf"))
 
@@ -235,7 +235,8 @@ def indexer_topk_cudnn(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tens
     Returns:
         ``topk_indices`` ``[T, topk]`` int32 global key ids (the valid ones first, then ``-1``) and ``topk_length``
         ``[T]`` int32 = min(topk, visible keys). The selected set follows the canonical tie rule (higher score, then
-        the larger key index); the slot order is the kernel's (ascending ids for rows with <= topk visible keys).
+        the larger key index); the slot order is the kernel's (ascending ids for rows with <= topk visible keys) and
+        can change from call to call: :func:`sort_topk_slots` makes it reproducible.
 
     Raises:
         RuntimeError: CUDA, bf16 or the ``gpu`` extra missing (:func:`require_cudnn`).

@@ -42,7 +42,8 @@ class _ChunkedScores(torch.autograd.Function):
         for t0 in range(0, q.shape[1], rows):
             rt = slice(t0, t0 + rows)
             logits = torch.einsum("btjk,bsk->btjs", q[:, rt], k) * c  # [B, C, HI, S]
-            out[:, rt] = torch.einsum("btj,btjs->bts", w[:, rt], torch.relu(logits))
+            # "+ 0.0" canonicalises -0.0 to +0.0, as the JAX twin (equal scores must tie, whatever their sign bit)
+            out[:, rt] = torch.einsum("btj,btjs->bts", w[:, rt], torch.relu(logits)) + 0.0
         return out
 
     @staticmethod
@@ -50,7 +51,9 @@ class _ChunkedScores(torch.autograd.Function):
         q, k, w = ctx.saved_tensors
         c, rows = ctx.c, ctx.rows
         need_q, need_k, need_w = ctx.needs_input_grad[:3]
-        dq, dk, dw = torch.empty_like(q), torch.zeros_like(k), torch.empty_like(w)
+        dq = torch.empty_like(q) if need_q else None
+        dk = torch.zeros_like(k) if need_k else None
+        dw = torch.empty_like(w) if need_w else None
         for t0 in range(0, q.shape[1], rows):
             rt = slice(t0, t0 + rows)
             logits = torch.einsum("btjk,bsk->btjs", q[:, rt], k) * c
@@ -63,7 +66,7 @@ class _ChunkedScores(torch.autograd.Function):
                     dq[:, rt] = torch.einsum("btjs,bsk->btjk", dlogits, k)
                 if need_k:
                     dk += torch.einsum("btjs,btjk->bsk", dlogits, q[:, rt])
-        return (dq if need_q else None), (dk if need_k else None), (dw if need_w else None), None, None
+        return dq, dk, dw, None, None
 
 
 def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, *,
@@ -86,9 +89,7 @@ def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, 
     S = k_I.shape[1]
     rows = max(1, chunk_bytes // max(1, B * HI * S * torch.finfo(dt).bits // 8))
     w = weights.to(dt) * (HI ** -0.5)  # [B, T, HI]
-    scores = _ChunkedScores.apply(q_I.to(dt), k_I.to(dt), w, KI ** -0.5, rows)
-    # "+ 0.0" canonicalises -0.0 to +0.0, as the JAX twin (equal scores must tie, whatever their sign bit).
-    return scores + 0.0
+    return _ChunkedScores.apply(q_I.to(dt), k_I.to(dt), w, KI ** -0.5, rows)
 
 
 def topk_indices(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tensor:
