@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from kernels_torch.mla import GatedMLA  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
@@ -45,6 +46,7 @@ def fwd_bwd(layer, x, dy):
             p.grad = None
         xx = x.detach().requires_grad_()
         layer(xx).backward(dy)
+
     return step
 
 
@@ -55,8 +57,11 @@ def main():
     ap.add_argument("--sdpa-max", type=int, default=32768, help="largest S for the masked sdpa backend (slow)")
     args = ap.parse_args()
     k31, k3 = load_config("k3.1-pro"), load_config("k3")
-    impls = {"dsa (cudnn)": (k31, "cudnn"), "dense (sdpa backend, mask)": (k3, "sdpa"),
-             "dense (cudnn backend: SDPA is_causal)": (k3, "cudnn")}
+    impls = {
+        "dsa (cudnn)": (k31, "cudnn"),
+        "dense (sdpa backend, mask)": (k3, "sdpa"),
+        "dense (cudnn backend: SDPA is_causal)": (k3, "cudnn"),
+    }
     rows = []
     for name, (cfg, backend) in impls.items():
         layer = make_layer(cfg, backend)
@@ -90,18 +95,35 @@ def main():
         dsa = by["dsa (cudnn)"]
         dense = [v for k, v in by.items() if k != "dsa (cudnn)" and v]
         best = min(dense) if dense else None
-        summary.append({"S": S, "dsa_ms": dsa, "best_dense_ms": best,
-                        "speedup_vs_best_dense": (best / dsa) if dsa and best else None,
-                        "speedup_vs_sdpa_backend": (by["dense (sdpa backend, mask)"] / dsa)
-                        if dsa and by["dense (sdpa backend, mask)"] else None})
+        summary.append(
+            {
+                "S": S,
+                "dsa_ms": dsa,
+                "best_dense_ms": best,
+                "speedup_vs_best_dense": (best / dsa) if dsa and best else None,
+                "speedup_vs_sdpa_backend": (by["dense (sdpa backend, mask)"] / dsa)
+                if dsa and by["dense (sdpa backend, mask)"]
+                else None,
+            }
+        )
     faster = [s["S"] for s in summary if s["speedup_vs_best_dense"] and s["speedup_vs_best_dense"] > 1]
     slower = [s["S"] for s in summary if s["speedup_vs_best_dense"] and s["speedup_vs_best_dense"] <= 1]
-    crossing = (f"DSA faster from S={min(faster)} (slower at {slower})" if faster and slower and max(slower) < min(faster)
-                else f"DSA faster at every measured S ({faster})" if faster and not slower
-                else f"DSA never faster in {sizes}" if not faster else f"mixed: faster {faster}, slower {slower}")
+    crossing = (
+        f"DSA faster from S={min(faster)} (slower at {slower})"
+        if faster and slower and max(slower) < min(faster)
+        else f"DSA faster at every measured S ({faster})"
+        if faster and not slower
+        else f"DSA never faster in {sizes}"
+        if not faster
+        else f"mixed: faster {faster}, slower {slower}"
+    )
     dev = torch.cuda.get_device_name()
-    Path(args.out).write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows,
-                                          "summary": summary, "crossing": crossing}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {"device": dev, "torch": torch.__version__, "rows": rows, "summary": summary, "crossing": crossing},
+            indent=1,
+        )
+    )
     print(f"\n{dev}; fwd+bwd of one attention layer, K3.1 dims, bf16")
     print("| S | impl | ms | peak GiB |\n|---|---|---|---|")
     for r in rows:
@@ -110,8 +132,10 @@ def main():
     print("| S | DSA ms | best dense ms | speed-up vs best dense | vs sdpa backend |\n|---|---|---|---|---|")
     f = lambda v, p=".1f": format(v, p) if v else "-"  # noqa: E731
     for s in summary:
-        print(f"| {s['S']} | {f(s['dsa_ms'])} | {f(s['best_dense_ms'])} | {f(s['speedup_vs_best_dense'], '.2f')} | "
-              f"{f(s['speedup_vs_sdpa_backend'], '.2f')} |")
+        print(
+            f"| {s['S']} | {f(s['dsa_ms'])} | {f(s['best_dense_ms'])} | {f(s['speedup_vs_best_dense'], '.2f')} | "
+            f"{f(s['speedup_vs_sdpa_backend'], '.2f')} |"
+        )
     print(crossing)
 
 

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from kernels_torch import dsa_cudnn as dc  # noqa: E402
 
 HI, KI, K = 32, 128, 2048
@@ -57,7 +58,7 @@ def torch_chunks(q, k, w, rows=1024, all_keys=False):
         t = torch.arange(r0, r1, device=q.device)[:, None]
         s = s.masked_fill(torch.arange(n, device=q.device)[None] > t, float("-inf"))
         vals, idx = s.topk(min(K, r1), dim=-1)
-        out[r0:r1, :idx.shape[1]] = torch.where(torch.isfinite(vals), idx, -1)
+        out[r0:r1, : idx.shape[1]] = torch.where(torch.isfinite(vals), idx, -1)
     return out
 
 
@@ -65,8 +66,9 @@ def cudnn_whole_rows(q, k, w):
     """(b): one indexer call over all rows ([1, S, S] fp32 scores), one top-k call."""
     dsa = dc._dsa()
     S = q.shape[0]
-    scores = dsa.indexer_forward_wrapper(q[None], k[None, :, None], w[None], ratio=1,
-                                         sm_scale=(HI * KI) ** -0.5)["scores"][0]
+    scores = dsa.indexer_forward_wrapper(q[None], k[None, :, None], w[None], ratio=1, sm_scale=(HI * KI) ** -0.5)[
+        "scores"
+    ][0]
     seq_lens = torch.arange(1, S + 1, dtype=torch.int32, device=q.device)
     return dsa.indexer_top_k_wrapper(scores, seq_lens, K, return_val=False, tie_break=2)["indices"]
 
@@ -91,9 +93,14 @@ def profile_calls(S: int, out: Path) -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        kernels = [{"kernel": e.key, "calls": e.count,
-                    "us": getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)}
-                   for e in prof.key_averages()]
+        kernels = [
+            {
+                "kernel": e.key,
+                "calls": e.count,
+                "us": getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0),
+            }
+            for e in prof.key_averages()
+        ]
         kernels = sorted((r for r in kernels if r["us"] > 0), key=lambda r: -r["us"])
         result["calls"][name] = {"event_ms": ms, "kernel_us_sum": sum(r["us"] for r in kernels), "kernels": kernels}
         print(f"\n{name}: {ms * 1e3:.0f} us per call (CUDA events), kernels {sum(r['us'] for r in kernels):.0f} us")
@@ -121,34 +128,70 @@ def main():
         ours_fn = lambda: dc.indexer_topk_cudnn(q, k, w, K)  # noqa: E731
         mem, (ours, _) = peak_extra_gib(ours_fn)  # also the warm-up (compilation)
         ms, reps = time_ms(ours_fn, warmup=0)
-        row = {"S": S, "impl": "ours: cuDNN indexer + top-k, row chunks", "ms": ms, "reps": reps,
-               "peak_extra_gib": mem, "chunk_rows": dc._default_chunk_rows(S, S, dc.CHUNK_BYTES)}
+        row = {
+            "S": S,
+            "impl": "ours: cuDNN indexer + top-k, row chunks",
+            "ms": ms,
+            "reps": reps,
+            "peak_extra_gib": mem,
+            "chunk_rows": dc._default_chunk_rows(S, S, dc.CHUNK_BYTES),
+        }
         rows.append(row)
         print(row, flush=True)
         free = torch.cuda.mem_get_info()[0]
         if 12 * S * S < 0.8 * free:
             mem_b, idx_b = peak_extra_gib(lambda: cudnn_whole_rows(q, k, w))
             ms_b, reps_b = time_ms(lambda: cudnn_whole_rows(q, k, w), warmup=0)
-            rows.append({"S": S, "impl": "(b) cuDNN indexer + top-k, whole rows", "ms": ms_b, "reps": reps_b,
-                         "peak_extra_gib": mem_b, "same_set_rows_vs_ours": same_set_rows(idx_b, ours)})
+            rows.append(
+                {
+                    "S": S,
+                    "impl": "(b) cuDNN indexer + top-k, whole rows",
+                    "ms": ms_b,
+                    "reps": reps_b,
+                    "peak_extra_gib": mem_b,
+                    "same_set_rows_vs_ours": same_set_rows(idx_b, ours),
+                }
+            )
             del idx_b
         else:
-            rows.append({"S": S, "impl": "(b) cuDNN indexer + top-k, whole rows", "ms": None,
-                         "skipped": f"needs {12 * S * S / GIB:.0f} GiB, {free / GIB:.0f} GiB free"})
+            rows.append(
+                {
+                    "S": S,
+                    "impl": "(b) cuDNN indexer + top-k, whole rows",
+                    "ms": None,
+                    "skipped": f"needs {12 * S * S / GIB:.0f} GiB, {free / GIB:.0f} GiB free",
+                }
+            )
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
         mem_a, idx_a = peak_extra_gib(lambda: torch_chunks(q, k, w))
         ms_a, reps_a = time_ms(lambda: torch_chunks(q, k, w), target_s=1.5, warmup=0, max_reps=5)
-        rows.append({"S": S, "impl": "(a) torch fp32 einsum + topk, row chunks of 1024", "ms": ms_a, "reps": reps_a,
-                     "peak_extra_gib": mem_a, "same_set_rows_vs_ours": same_set_rows(idx_a, ours)})
+        rows.append(
+            {
+                "S": S,
+                "impl": "(a) torch fp32 einsum + topk, row chunks of 1024",
+                "ms": ms_a,
+                "reps": reps_a,
+                "peak_extra_gib": mem_a,
+                "same_set_rows_vs_ours": same_set_rows(idx_a, ours),
+            }
+        )
         print(rows[-1], flush=True)
         del idx_a
         if S <= args.all_keys_max:
             torch.cuda.empty_cache()
             mem_f, idx_f = peak_extra_gib(lambda: torch_chunks(q, k, w, all_keys=True))
             ms_f, reps_f = time_ms(lambda: torch_chunks(q, k, w, all_keys=True), target_s=1.5, warmup=0, max_reps=5)
-            rows.append({"S": S, "impl": "(a') torch fp32 einsum + topk, row chunks of 1024, every key", "ms": ms_f,
-                         "reps": reps_f, "peak_extra_gib": mem_f, "same_set_rows_vs_ours": same_set_rows(idx_f, ours)})
+            rows.append(
+                {
+                    "S": S,
+                    "impl": "(a') torch fp32 einsum + topk, row chunks of 1024, every key",
+                    "ms": ms_f,
+                    "reps": reps_f,
+                    "peak_extra_gib": mem_f,
+                    "same_set_rows_vs_ours": same_set_rows(idx_f, ours),
+                }
+            )
             print(rows[-1], flush=True)
             del idx_f
         del ours, q, k, w
@@ -158,10 +201,11 @@ def main():
         for r in rows:
             if r["S"] == S and r is not ours and r.get("ms"):
                 ours["ratio_vs_" + r["impl"][:3]] = ours["ms"] / r["ms"]  # < 1: ours faster
-    Path(args.out).write_text(json.dumps({"device": dev, "torch": torch.__version__, "H_I": HI, "D_I": KI, "k": K,
-                                          "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"device": dev, "torch": torch.__version__, "H_I": HI, "D_I": KI, "k": K, "rows": rows}, indent=1)
+    )
     print(f"\n{dev}; H_I={HI}, D_I={KI}, k={K}")
-    print(f"| S | impl | ms | peak extra GiB | same sets as ours |\n|---|---|---|---|---|")
+    print("| S | impl | ms | peak extra GiB | same sets as ours |\n|---|---|---|---|---|")
     for r in rows:
         ms = f"{r['ms']:.2f}" if r.get("ms") else "skipped: " + r.get("skipped", "")
         mem = f"{r['peak_extra_gib']:.2f}" if "peak_extra_gib" in r else ""
@@ -170,8 +214,10 @@ def main():
         if r["impl"].startswith("ours"):
             ratio_full = r.get("ratio_vs_(a'")  # ours / (a'), when (a') ran
             full = f", (a')/ours = {1 / ratio_full:.1f}x" if ratio_full else ""
-            print(f"S={r['S']}: ours/(b) = {r.get('ratio_vs_(b)', float('nan')):.3f}, "
-                  f"(a)/ours = {1 / r['ratio_vs_(a)']:.1f}x{full}")
+            print(
+                f"S={r['S']}: ours/(b) = {r.get('ratio_vs_(b)', float('nan')):.3f}, "
+                f"(a)/ours = {1 / r['ratio_vs_(a)']:.1f}x{full}"
+            )
 
 
 if __name__ == "__main__":

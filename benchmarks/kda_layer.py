@@ -48,10 +48,22 @@ def fla_layer(m: tk.KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
     q, k, v = qkv(m.q_proj, m.q_conv1d), qkv(m.k_proj, m.k_conv1d), qkv(m.v_proj, m.v_conv1d)
     f = F.linear(F.linear(x, m.f_a_proj.weight), m.f_b_proj.weight).view(B, T, H, K)
     beta = F.linear(x, m.b_proj.weight).float().sigmoid()
-    o, _ = chunk_kda(q, k, v, f, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=m.A_log,
-                     dt_bias=m.dt_bias, safe_gate=True, lower_bound=c.gate_lower_bound)
-    y = rms_norm_gated(o, F.linear(x, m.g_proj.weight).view(B, T, H, K), m.o_norm.weight, None, activation="sigmoid",
-                       eps=m.o_norm.eps)
+    o, _ = chunk_kda(
+        q,
+        k,
+        v,
+        f,
+        beta,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        A_log=m.A_log,
+        dt_bias=m.dt_bias,
+        safe_gate=True,
+        lower_bound=c.gate_lower_bound,
+    )
+    y = rms_norm_gated(
+        o, F.linear(x, m.g_proj.weight).view(B, T, H, K), m.o_norm.weight, None, activation="sigmoid", eps=m.o_norm.eps
+    )
     return F.linear(y.reshape(B, T, H * K), m.o_proj.weight)
 
 
@@ -85,6 +97,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int) -> dict:
             for p in params:
                 p.grad = None
             forward().backward(dout)
+
         return run
 
     ours = step(lambda: m(x)[0])
@@ -92,14 +105,26 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int) -> dict:
     # kernel only: chunk_kda on tensors of the layer's shapes (gate and L2 norm fused, as in the layer)
     from fla.ops.kda import chunk_kda
 
-    q, k, v, f = (torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
-                  for _ in range(4))
+    q, k, v, f = (
+        torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True) for _ in range(4)
+    )
     beta = torch.rand(1, T, H, device="cuda", generator=gen).requires_grad_(True)
     do = torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16)
 
     def kern():
-        return chunk_kda(q, k, v, f, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=m.A_log,
-                         dt_bias=m.dt_bias, safe_gate=True, lower_bound=cfg.gate_lower_bound)[0]
+        return chunk_kda(
+            q,
+            k,
+            v,
+            f,
+            beta,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=m.A_log,
+            dt_bias=m.dt_bias,
+            safe_gate=True,
+            lower_bound=cfg.gate_lower_bound,
+        )[0]
 
     def kern_fb():
         for p in (q, k, v, f, beta, m.A_log, m.dt_bias):
@@ -120,12 +145,21 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int) -> dict:
     with torch.no_grad():
         ms_fwd = interleaved({"ours": lambda: m(x), "fla": lambda: fla_layer(m, x), "kernel": kern}, rounds, reps)
     return {
-        "seq_len": T, "heads": H, "head_dim": K, "hidden": D, "batch": 1,
-        "ms_ours": round(ms["ours"], 3), "ms_fla": round(ms["fla"], 3), "ratio": round(ms["fla"] / ms["ours"], 4),
+        "seq_len": T,
+        "heads": H,
+        "head_dim": K,
+        "hidden": D,
+        "batch": 1,
+        "ms_ours": round(ms["ours"], 3),
+        "ms_fla": round(ms["fla"], 3),
+        "ratio": round(ms["fla"] / ms["ours"], 4),
         "ms_chunk_kda_fwd_bwd": round(ms["kernel"], 3),
-        "ms_ours_fwd": round(ms_fwd["ours"], 3), "ms_fla_fwd": round(ms_fwd["fla"], 3),
+        "ms_ours_fwd": round(ms_fwd["ours"], 3),
+        "ms_fla_fwd": round(ms_fwd["fla"], 3),
         "ms_chunk_kda_fwd": round(ms_fwd["kernel"], 3),
-        "rel_diff_ours_vs_fla_out": diff, "warmup_s": round(warm_s, 1), "timed_iters": rounds * reps,
+        "rel_diff_ours_vs_fla_out": diff,
+        "warmup_s": round(warm_s, 1),
+        "timed_iters": rounds * reps,
     }
 
 
@@ -151,11 +185,20 @@ def main():
             mod.weight.data = mod.weight.data.to(torch.bfloat16)
     result = {
         "what": "KDA layer fwd+bwd, ours (backend='cudnn') vs the same layer written against fla; ratio = ms_fla / ms_ours",
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "fla": getattr(fla, "__version__", "?"),
-        "config": {"hidden": cfg.hidden_size, "heads": cfg.kda_num_heads, "head_dim": cfg.kda_head_dim,
-                   "gate_lower_bound": cfg.gate_lower_bound, "use_full_rank_gate": cfg.use_full_rank_gate},
-        "rows": [], "skipped": [],
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "fla": getattr(fla, "__version__", "?"),
+        "config": {
+            "hidden": cfg.hidden_size,
+            "heads": cfg.kda_num_heads,
+            "head_dim": cfg.kda_head_dim,
+            "gate_lower_bound": cfg.gate_lower_bound,
+            "use_full_rank_gate": cfg.use_full_rank_gate,
+        },
+        "rows": [],
+        "skipped": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for T in args.seq_lens:
@@ -168,10 +211,14 @@ def main():
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'seq_len':>8} {'ms_ours':>9} {'ms_fla':>9} {'ratio':>6} {'kda_fb':>8} {'ours_f':>8} {'fla_f':>8} {'kda_f':>8} {'diff':>8}")
+    print(
+        f"{'seq_len':>8} {'ms_ours':>9} {'ms_fla':>9} {'ratio':>6} {'kda_fb':>8} {'ours_f':>8} {'fla_f':>8} {'kda_f':>8} {'diff':>8}"
+    )
     for r in result["rows"]:
-        print(f"{r['seq_len']:>8} {r['ms_ours']:>9.2f} {r['ms_fla']:>9.2f} {r['ratio']:>6.3f} {r['ms_chunk_kda_fwd_bwd']:>8.2f} "
-              f"{r['ms_ours_fwd']:>8.2f} {r['ms_fla_fwd']:>8.2f} {r['ms_chunk_kda_fwd']:>8.2f} {r['rel_diff_ours_vs_fla_out']:>8.1e}")
+        print(
+            f"{r['seq_len']:>8} {r['ms_ours']:>9.2f} {r['ms_fla']:>9.2f} {r['ratio']:>6.3f} {r['ms_chunk_kda_fwd_bwd']:>8.2f} "
+            f"{r['ms_ours_fwd']:>8.2f} {r['ms_fla_fwd']:>8.2f} {r['ms_chunk_kda_fwd']:>8.2f} {r['rel_diff_ours_vs_fla_out']:>8.1e}"
+        )
     if result["skipped"]:
         print("skipped (time budget):", result["skipped"])
 

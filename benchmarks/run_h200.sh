@@ -55,7 +55,7 @@ if want fla_warmup; then
   warm_pid=$!
 fi
 if want init; then
-  step init 600 python3 -m kimi.cli init --preset k3.1-pro --layers 4 --out "$CKPT" --force \
+  step init 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT" --force \
     --set num_experts=16 --set num_experts_per_token=8 &
   pids+=($!)
 fi

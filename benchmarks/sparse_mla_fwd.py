@@ -24,15 +24,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from kernels_torch.ops import sparse_mla as sm  # noqa: E402
 
-SM_SCALE = 192 ** -0.5
+SM_SCALE = 192**-0.5
 H, K = 96, 2048
 VARIANTS = {  # name -> kwargs of sm._sparse_mla_fwd_triton
     "hk-h64-k64-s2": dict(layout="hk", block_h=64, block_k=64, num_warps=8, num_stages=2),
     "hk-h64-k32-s3": dict(layout="hk", block_h=64, block_k=32, num_warps=8, num_stages=3),
     "kh-h64-k128-s1": dict(layout="kh", block_h=64, block_k=128, num_warps=8, num_stages=1),
-    "kh-h64+32-k128-s1": dict(layout="kh", block_k=128, num_warps=8, num_stages=1, head_splits=[(0, 64, 64), (64, 32, 32)]),
+    "kh-h64+32-k128-s1": dict(
+        layout="kh", block_k=128, num_warps=8, num_stages=1, head_splits=[(0, 64, 64), (64, 32, 32)]
+    ),
     "kh-h32-k128-s1": dict(layout="kh", block_h=32, block_k=128, num_warps=8, num_stages=1),
 }
 
@@ -41,7 +44,7 @@ def matmul_ceiling():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms, _ = time_ms(lambda: a @ b, warmup=3, min_reps=3, max_reps=20)
-    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12, ms
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12, ms
 
 
 def make_inputs(S, seed=0):
@@ -58,10 +61,10 @@ def torch_baseline(q, kv, idx, rows=1024):
     kv2, idx2 = kv[:, 0], idx[:, 0].long()
     out = torch.empty(q.shape[0], H, sm.D_V, device="cuda", dtype=torch.bfloat16)
     for t0 in range(0, q.shape[0], rows):
-        g = kv2[idx2[t0:t0 + rows]]  # [C, K, 576]
-        s = torch.einsum("thd,tkd->thk", q[t0:t0 + rows], g).float() * SM_SCALE
+        g = kv2[idx2[t0 : t0 + rows]]  # [C, K, 576]
+        s = torch.einsum("thd,tkd->thk", q[t0 : t0 + rows], g).float() * SM_SCALE
         p = torch.softmax(s, dim=-1).to(torch.bfloat16)
-        out[t0:t0 + rows] = torch.einsum("thk,tkv->thv", p, g[..., : sm.D_V])
+        out[t0 : t0 + rows] = torch.einsum("thk,tkv->thv", p, g[..., : sm.D_V])
     return out
 
 
@@ -88,15 +91,36 @@ def main():
     print(f"device: {dev}, torch {torch.__version__}, triton {sm.triton.__version__}", flush=True)
     ceiling, mm_ms = matmul_ceiling()
     print(f"bf16 matmul 8192^3: {mm_ms:.3f} ms, {ceiling:.1f} TFLOP/s (ceiling)", flush=True)
-    rows = [dict(seq_len=8192, heads=None, topk=None, ms=round(mm_ms, 4), tflops=round(ceiling, 1),
-                 ratio_to_matmul_ceiling=1.0, impl="torch.matmul bf16 8192^3 (ceiling)", device=dev)]
+    rows = [
+        dict(
+            seq_len=8192,
+            heads=None,
+            topk=None,
+            ms=round(mm_ms, 4),
+            tflops=round(ceiling, 1),
+            ratio_to_matmul_ceiling=1.0,
+            impl="torch.matmul bf16 8192^3 (ceiling)",
+            device=dev,
+        )
+    ]
 
     def row(S, ms, impl, **extra):
         tf = flops(S) / (ms * 1e-3) / 1e12
-        r = dict(seq_len=S, heads=H, topk=K, ms=round(ms, 4), tflops=round(tf, 1),
-                 ratio_to_matmul_ceiling=round(tf / ceiling, 3), impl=impl, device=dev, **extra)
+        r = dict(
+            seq_len=S,
+            heads=H,
+            topk=K,
+            ms=round(ms, 4),
+            tflops=round(tf, 1),
+            ratio_to_matmul_ceiling=round(tf / ceiling, 3),
+            impl=impl,
+            device=dev,
+            **extra,
+        )
         rows.append(r)
-        print(f"  S={S:6d} {impl:38s} {ms:9.3f} ms {tf:7.1f} TFLOP/s ({tf / ceiling:.2f} of ceiling) {extra}", flush=True)
+        print(
+            f"  S={S:6d} {impl:38s} {ms:9.3f} ms {tf:7.1f} TFLOP/s ({tf / ceiling:.2f} of ceiling) {extra}", flush=True
+        )
         return r
 
     # variant sweep at S = 8192, each checked against the torch baseline on its first rows
@@ -107,15 +131,25 @@ def main():
     for name, cfg in VARIANTS.items():
         try:
             t0 = time.perf_counter()
-            out, mx, lse, kernels = sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, return_kernels=True, **cfg)
+            out, mx, lse, kernels = sm._sparse_mla_fwd_triton(
+                q, kv[:, 0], idx[:, 0], SM_SCALE, return_kernels=True, **cfg
+            )
             torch.cuda.synchronize()
             comp_s = time.perf_counter() - t0
             rel = ((out[:1024].float() - ref).norm() / ref.norm()).item()
-            stats = dict(n_regs=[getattr(k, "n_regs", None) for k in kernels],
-                         n_spills=[getattr(k, "n_spills", None) for k in kernels],
-                         shared=[k.metadata.shared for k in kernels], rel_err_vs_torch=float(f"{rel:.2e}"),
-                         compile_s=round(comp_s, 1))
-            ms, _ = time_ms(lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg), warmup=2, min_reps=3, max_reps=50)
+            stats = dict(
+                n_regs=[getattr(k, "n_regs", None) for k in kernels],
+                n_spills=[getattr(k, "n_spills", None) for k in kernels],
+                shared=[k.metadata.shared for k in kernels],
+                rel_err_vs_torch=float(f"{rel:.2e}"),
+                compile_s=round(comp_s, 1),
+            )
+            ms, _ = time_ms(
+                lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg),
+                warmup=2,
+                min_reps=3,
+                max_reps=50,
+            )
             row(S0, ms, f"triton {name}", sweep=True, **stats)
             if rel < 2e-2 and (best is None or ms < best[1]):
                 best = (name, ms)
@@ -133,13 +167,21 @@ def main():
         del q, kv, idx
         torch.cuda.empty_cache()
         q, kv, idx = make_inputs(S, seed=2)
-        ms, _ = time_ms(lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg), target_s=1.5, warmup=2, min_reps=3, max_reps=50)
+        ms, _ = time_ms(
+            lambda: sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, **cfg),
+            target_s=1.5,
+            warmup=2,
+            min_reps=3,
+            max_reps=50,
+        )
         row(S, ms, f"triton {best[0]}")
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| seq_len | impl | ms | TFLOP/s | of matmul ceiling |\n|---|---|---|---|---|")
     for r in rows:
         if not r.get("sweep"):
-            print(f"| {r['seq_len']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['ratio_to_matmul_ceiling']:.2f} |")
+            print(
+                f"| {r['seq_len']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['ratio_to_matmul_ceiling']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.utils.checkpoint  # noqa: E402
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
+from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi.layout import param_layout  # noqa: E402
-from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 
 
 def build(cfg, backend: str) -> KimiK3Model:
@@ -94,16 +94,24 @@ def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 8192])
-    ap.add_argument("--recompute-seq-lens", type=int, nargs="*", default=[8192, 32768],
-                    help="lengths run with activation recomputation per decoder layer")
+    ap.add_argument(
+        "--recompute-seq-lens",
+        type=int,
+        nargs="*",
+        default=[8192, 32768],
+        help="lengths run with activation recomputation per decoder layer",
+    )
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--experts-per-token", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
     args = ap.parse_args()
-    cfg = load_config("k3.1-pro").truncated(4).replace(num_experts=args.experts,
-                                                        num_experts_per_token=args.experts_per_token)
+    cfg = (
+        load_config("k3.1-pro")
+        .truncated(4)
+        .replace(num_experts=args.experts, num_experts_per_token=args.experts_per_token)
+    )
     plan = [(T, False) for T in args.seq_lens] + [(T, True) for T in args.recompute_seq_lens]
     rows = []
     for T, recompute in plan:
@@ -111,10 +119,15 @@ def main() -> int:
             gc.collect()  # the previous row's model (recompute wrappers make reference cycles) and OOM tracebacks
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            row = {"seq_len": T, "backend": backend, "recompute": recompute,
-                   "layers": [cfg.layer_type(i) for i in range(4)],
-                   "experts": args.experts, "experts_per_token": args.experts_per_token,
-                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+            row = {
+                "seq_len": T,
+                "backend": backend,
+                "recompute": recompute,
+                "layers": [cfg.layer_type(i) for i in range(4)],
+                "experts": args.experts,
+                "experts_per_token": args.experts_per_token,
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            }
             t0 = time.perf_counter()
             model = None
             try:
@@ -133,18 +146,31 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                            "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+            args.out.write_text(
+                json.dumps(
+                    {
+                        "device": torch.cuda.get_device_name(),
+                        "torch": torch.__version__,
+                        "date": time.strftime("%Y-%m-%d"),
+                        "rows": rows,
+                    },
+                    indent=1,
+                )
+            )
     print(f"\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} {'peak GiB':>9} status")
     for r in rows:
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
-        print(f"{r['seq_len']:>8} {str(r['recompute']):>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
-              f"{r['status'][:60]}")
+        print(
+            f"{r['seq_len']:>8} {str(r['recompute']):>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
+            f"{r['status'][:60]}"
+        )
     for T, recompute in plan:
         by = {r["backend"]: r for r in rows if (r["seq_len"], r["recompute"]) == (T, recompute) and r["ms"]}
         if "cudnn" in by and "sdpa" in by:
-            print(f"T={T} recompute={recompute}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s")
+            print(
+                f"T={T} recompute={recompute}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s"
+            )
     return 0
 
 

@@ -12,7 +12,7 @@ out=${OUT:-runs/validate}
 mkdir -p "$out"
 ck=${CKPT:-/tmp/k31-4layers}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform  # share the GPU with torch
-kimi() { python3 -m kimi.cli "$@"; }
+kimi() { python3 -m kimi_tools.cli "$@"; }
 [ -f "$ck/model.safetensors.index.json" ] || \
   kimi init --preset k3.1-pro --layers 4 --out "$ck" --force --set num_experts=16 --set num_experts_per_token=8
 # Real English text, repeated to reach 8,192 byte-level tokens (the init checkpoint has no tiktoken.model).

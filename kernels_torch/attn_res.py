@@ -23,22 +23,30 @@ def _stack(sources: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         shapes = {tuple(s.shape) for s in sources}
         dtypes = {s.dtype for s in sources}
         if len(shapes) != 1 or len(dtypes) != 1:
-            raise ValueError(f"attn_res_mix: sources have shapes {sorted(shapes)} and dtypes {sorted(map(str, dtypes))}, "
-                             "expected one shape and one dtype")
+            raise ValueError(
+                f"attn_res_mix: sources have shapes {sorted(shapes)} and dtypes {sorted(map(str, dtypes))}, "
+                "expected one shape and one dtype"
+            )
         return torch.stack(list(sources))  # [M, B, T, D]
     if sources.ndim < 2 or sources.shape[0] < 1:
         raise ValueError(f"attn_res_mix: stacked sources have shape {tuple(sources.shape)}, expected [M >= 1, ..., D]")
     return sources
 
 
-def attn_res_weights(sources: Sequence[torch.Tensor] | torch.Tensor, norm_weight: torch.Tensor,
-                     proj_weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def attn_res_weights(
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float = 1e-5,
+) -> torch.Tensor:
     """The depth-softmax ``π`` of :func:`attn_res_mix`: ``[M, B, T]`` fp32 (fp64 for fp64 sources), sums to 1 over M."""
     V = _stack(sources)  # [M, B, T, D]
     D = V.shape[-1]
     if tuple(norm_weight.shape) != (D,) or tuple(proj_weight.shape) not in ((1, D), (D,)):
-        raise ValueError(f"attn_res_mix: norm_weight {tuple(norm_weight.shape)} and proj_weight "
-                         f"{tuple(proj_weight.shape)}, expected ({D},) and (1, {D})")
+        raise ValueError(
+            f"attn_res_mix: norm_weight {tuple(norm_weight.shape)} and proj_weight "
+            f"{tuple(proj_weight.shape)}, expected ({D},) and (1, {D})"
+        )
     cd = compute_dtype(V)
     Vf = V.to(cd)
     key = Vf * torch.rsqrt(Vf.pow(2).mean(-1, keepdim=True) + eps)  # [M, B, T, D], no weight
@@ -47,8 +55,12 @@ def attn_res_weights(sources: Sequence[torch.Tensor] | torch.Tensor, norm_weight
     return torch.softmax(score, dim=0)  # over depth
 
 
-def attn_res_mix(sources: Sequence[torch.Tensor] | torch.Tensor, norm_weight: torch.Tensor,
-                 proj_weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def attn_res_mix(
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float = 1e-5,
+) -> torch.Tensor:
     """AttnRes ``Mix(V; n, p)`` (spec 5.4): ``out = Σ_i softmax_i(⟨rmsnorm(v_i), n ⊙ p⟩) · v_i``, fp32 math.
 
     Args:

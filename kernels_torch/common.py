@@ -39,7 +39,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int, B: int = 1) -> torch.Tens
     """
     cu = torch.as_tensor(cu_seqlens)
     if cu.ndim != 1 or cu.numel() < 2 or cu.is_floating_point() or cu.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens: got {cu.tolist()!r} ({cu.dtype}), expected a 1-D integer tensor [0, ..., T] of length >= 2")
+        raise ValueError(
+            f"cu_seqlens: got {cu.tolist()!r} ({cu.dtype}), expected a 1-D integer tensor [0, ..., T] of length >= 2"
+        )
     if B != 1:
         raise ValueError(f"cu_seqlens: given with batch size {B}, expected batch size 1 (documents packed in one row)")
     if int(cu[0]) != 0 or int(cu[-1]) != T:
@@ -57,7 +59,9 @@ def segment_ids(cu_seqlens: torch.Tensor | None, T: int, device=None) -> torch.T
     return torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)
 
 
-def causal_document_mask(T: int, cu_seqlens: torch.Tensor | None = None, S: int | None = None, device=None) -> torch.Tensor:
+def causal_document_mask(
+    T: int, cu_seqlens: torch.Tensor | None = None, S: int | None = None, device=None
+) -> torch.Tensor:
     """``[T, S]`` bool: query t may see key s iff ``s <= t`` and both lie in the same document."""
     S = T if S is None else S
     t = torch.arange(T, device=device)[:, None]

@@ -46,9 +46,21 @@ import torch.nn.functional as F
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
 from kernels_torch.indexer import indexer_scores
 
-__all__ = ["require_cudnn", "cu_seqlens_from_mask", "indexer_topk_cudnn", "indexer_scores_cudnn",
-           "SparseMLAFunction", "sparse_mla", "gated_mla_forward", "CUDNN_INDEXER_HEADS", "CUDNN_INDEXER_DIM",
-           "SPARSE_D_QK", "SPARSE_D_V", "MAX_TOPK", "sort_topk_slots"]
+__all__ = [
+    "require_cudnn",
+    "cu_seqlens_from_mask",
+    "indexer_topk_cudnn",
+    "indexer_scores_cudnn",
+    "SparseMLAFunction",
+    "sparse_mla",
+    "gated_mla_forward",
+    "CUDNN_INDEXER_HEADS",
+    "CUDNN_INDEXER_DIM",
+    "SPARSE_D_QK",
+    "SPARSE_D_V",
+    "MAX_TOPK",
+    "sort_topk_slots",
+]
 
 CUDNN_INDEXER_HEADS = (16, 32, 64)  # SM90 indexer_forward: qhead_per_kv_head in {16, 32, 64}
 CUDNN_INDEXER_DIM = 128  # ... and head_dim 128
@@ -82,18 +94,26 @@ def require_cudnn(x: torch.Tensor, what: str = "x") -> None:
     elif x.device.type != "cuda":
         missing.append(f"CUDA tensors ({what} is on {x.device}; move the model and inputs to 'cuda')")
     if x.dtype != torch.bfloat16:
-        missing.append(f"bfloat16 activations ({what} is {x.dtype}; load the model with dtype=torch.bfloat16, "
-                       "e.g. `kimi compare --dtype bfloat16`)")
-    for mod, why in (("cudnn.deepseek_sparse_attention", "cuDNN Frontend >= 1.30 (nvidia-cudnn-frontend)"),
-                     ("triton", "Triton")):
+        missing.append(
+            f"bfloat16 activations ({what} is {x.dtype}; load the model with dtype=torch.bfloat16, "
+            "e.g. `kimi compare --dtype bfloat16`)"
+        )
+    for mod, why in (
+        ("cudnn.deepseek_sparse_attention", "cuDNN Frontend >= 1.30 (nvidia-cudnn-frontend)"),
+        ("triton", "Triton"),
+    ):
         try:
             _import(mod)
         except Exception as e:  # ImportError, or a broken install raising at import
-            missing.append(f"the gpu extra: {why} does not import ({type(e).__name__}: {e}); "
-                           "pip install 'kimi-k3[gpu]'")
+            missing.append(
+                f"the gpu extra: {why} does not import ({type(e).__name__}: {e}); pip install 'kimi-k3[gpu]'"
+            )
     if missing:
-        raise RuntimeError("backend='cudnn' needs " + "; ".join(missing)
-                           + ". Use backend='eager' or 'sdpa' where these are not available.")
+        raise RuntimeError(
+            "backend='cudnn' needs "
+            + "; ".join(missing)
+            + ". Use backend='eager' or 'sdpa' where these are not available."
+        )
 
 
 def cu_seqlens_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -108,8 +128,10 @@ def cu_seqlens_from_mask(mask: torch.Tensor) -> torch.Tensor:
     if m.ndim == 3 and m.shape[0] == 1:
         m = m[0]
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
-        raise ValueError(f"mask: got shape {tuple(mask.shape)}, expected [T, T] (the cudnn backend takes one packed "
-                         "row of contiguous documents); use backend='sdpa' for general masks")
+        raise ValueError(
+            f"mask: got shape {tuple(mask.shape)}, expected [T, T] (the cudnn backend takes one packed "
+            "row of contiguous documents); use backend='sdpa' for general masks"
+        )
     T = m.shape[0]
     if T == 0:
         return torch.zeros(1, dtype=torch.int64)
@@ -123,9 +145,11 @@ def cu_seqlens_from_mask(mask: torch.Tensor) -> torch.Tensor:
     bad = (expected != m).any(-1)
     if bool(bad.any()):
         t = int(torch.nonzero(bad)[0])
-        raise ValueError(f"mask: row {t} is not a contiguous causal document (a hole inside a document, or keys "
-                         "outside it); the cudnn backend supports packed contiguous documents only (cu_seqlens). "
-                         "Use backend='sdpa' for this mask.")
+        raise ValueError(
+            f"mask: row {t} is not a contiguous causal document (a hole inside a document, or keys "
+            "outside it); the cudnn backend supports packed contiguous documents only (cu_seqlens). "
+            "Use backend='sdpa' for this mask."
+        )
     return cu.cpu()
 
 
@@ -173,11 +197,12 @@ class _ScoreChunks:
         """Scores of rows ``[r0, r1)`` against keys ``[doc_start, doc_start + cols)``; ``offsets`` = ``[r0 - doc_start]``
         int32 on the device."""
         q = self.q_I[r0:r1]  # [C, HI, KI]
-        k = self.k_pad[doc_start:doc_start + cols]  # [cols, KI]
+        k = self.k_pad[doc_start : doc_start + cols]  # [cols, KI]
         w = self.weights[r0:r1]  # [C, HI] fp32
         if self.use_cudnn:
-            res = self.fwd(q[None], k[None, :, None, :], w[None], ratio=1, sm_scale=self.sm_scale,
-                           q_causal_offsets=offsets)
+            res = self.fwd(
+                q[None], k[None, :, None, :], w[None], ratio=1, sm_scale=self.sm_scale, q_causal_offsets=offsets
+            )
             return res["scores"][0]  # [C, cols] fp32, -inf above the diagonal
         # torch twin (shapes the cuDNN kernel does not take): kernels_torch.indexer's formula, in fp32 as cuDNN
         s = indexer_scores(q[None].float(), k[None].float(), w[None].float())[0]  # [C, cols]
@@ -187,12 +212,16 @@ class _ScoreChunks:
 
 def _check_indexer_args(q_I, k_I, weights, topk):
     if q_I.ndim != 3 or k_I.ndim != 2 or weights.ndim != 2:
-        raise ValueError(f"q_I/k_I/weights: got shapes {tuple(q_I.shape)}, {tuple(k_I.shape)}, {tuple(weights.shape)}; "
-                         "expected [T, H_I, D_I], [T, D_I], [T, H_I]")
+        raise ValueError(
+            f"q_I/k_I/weights: got shapes {tuple(q_I.shape)}, {tuple(k_I.shape)}, {tuple(weights.shape)}; "
+            "expected [T, H_I, D_I], [T, D_I], [T, H_I]"
+        )
     T, HI, KI = q_I.shape
     if tuple(k_I.shape) != (T, KI) or tuple(weights.shape) != (T, HI):
-        raise ValueError(f"k_I/weights: got shapes {tuple(k_I.shape)}, {tuple(weights.shape)}, expected "
-                         f"{(T, KI)} and {(T, HI)} to match q_I {tuple(q_I.shape)}")
+        raise ValueError(
+            f"k_I/weights: got shapes {tuple(k_I.shape)}, {tuple(weights.shape)}, expected "
+            f"{(T, KI)} and {(T, HI)} to match q_I {tuple(q_I.shape)}"
+        )
     if not 0 < topk <= MAX_TOPK:
         raise ValueError(f"topk: got {topk}, expected 1 <= topk <= {MAX_TOPK} (cuDNN indexer_top_k_wrapper)")
     require_cudnn(q_I, "q_I")
@@ -214,13 +243,20 @@ def _indexer_chunks(q_I, k_I, weights, topk, cu_seqlens, chunk_rows, chunk_bytes
         rows = chunk_rows or _default_chunk_rows(b - a, cols, chunk_bytes)
         for r0 in range(a, b, rows):
             r1 = min(b, r0 + rows)
-            scores = scores_of(a, r0, r1, cols, offsets_all[r0 - a:r0 - a + 1])
+            scores = scores_of(a, r0, r1, cols, offsets_all[r0 - a : r0 - a + 1])
             on_chunk(r0, r1, a, cols, scores)
 
 
-def indexer_topk_cudnn(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, topk: int,
-                       cu_seqlens: torch.Tensor | None = None, chunk_rows: int | None = None, *,
-                       chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def indexer_topk_cudnn(
+    q_I: torch.Tensor,
+    k_I: torch.Tensor,
+    weights: torch.Tensor,
+    topk: int,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lightning-indexer top-k (spec 4.2-4.3) with cuDNN FE kernels, in query-row chunks.
 
     Args:
@@ -278,8 +314,13 @@ def sort_topk_slots(topk_indices: torch.Tensor) -> torch.Tensor:
     return torch.where(ids == big, -1, ids)
 
 
-def indexer_scores_cudnn(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor,
-                         cu_seqlens: torch.Tensor | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+def indexer_scores_cudnn(
+    q_I: torch.Tensor,
+    k_I: torch.Tensor,
+    weights: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
     """The scores that :func:`indexer_topk_cudnn` ranks, as a dense ``[T, T]`` fp32 tensor (``-inf`` where masked).
 
     For validation only (quadratic memory); same arguments and errors as :func:`indexer_topk_cudnn`.
@@ -290,7 +331,7 @@ def indexer_scores_cudnn(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Te
 
     def on_chunk(r0, r1, a, cols, scores):
         n = min(cols, T - a)
-        out[r0:r1, a:a + n] = scores[:, :n]  # other documents are masked below
+        out[r0:r1, a : a + n] = scores[:, :n]  # other documents are masked below
 
     _indexer_chunks(q_I, k_I, weights, 1, cu_seqlens, chunk_rows, CHUNK_BYTES, on_chunk)
     return out.masked_fill(~causal_document_mask(T, cu_seqlens, device=q_I.device), float("-inf"))
@@ -324,8 +365,16 @@ class SparseMLAFunction(torch.autograd.Function):
         q, kv, indices, topk_length, out, lse = ctx.saved_tensors
         sink = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
         res = _dsa().sparse_attention_backward_wrapper(
-            q, kv, out, dout.to(q.dtype).contiguous(), lse, sink, indices,
-            softmax_scale=ctx.sm_scale, topk_length=topk_length)
+            q,
+            kv,
+            out,
+            dout.to(q.dtype).contiguous(),
+            lse,
+            sink,
+            indices,
+            softmax_scale=ctx.sm_scale,
+            topk_length=topk_length,
+        )
         return res["dq"], res["dkv"], None, None, None
 
 
@@ -412,13 +461,15 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         topk = min(c.index_topk, T)
         with torch.no_grad():  # frozen indexer: hard top-k passes no gradient
             q_I, k_I, weights = layer.indexer.projections(x.detach(), c_q.detach())
-            idx, tlen = indexer_topk_cudnn(q_I.reshape(N, *q_I.shape[2:]), k_I.reshape(N, -1),
-                                           weights.reshape(N, -1), topk, cu)
+            idx, tlen = indexer_topk_cudnn(
+                q_I.reshape(N, *q_I.shape[2:]), k_I.reshape(N, -1), weights.reshape(N, -1), topk, cu
+            )
             idx = sort_topk_slots(idx)  # a reproducible forward: see sort_topk_slots
         w = layer.kv_b_proj.weight.view(H, Kn + V, L)
         w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
-        q_abs = torch.cat([torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk),
-                           q_pe.reshape(N, H, R)], dim=-1).contiguous()  # [N, H, L+R]
+        q_abs = torch.cat(
+            [torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk), q_pe.reshape(N, H, R)], dim=-1
+        ).contiguous()  # [N, H, L+R]
         kv_rows = torch.cat([c_kv, k_pe], dim=-1).reshape(N, L + R).contiguous()  # [N, L+R]: one latent KV head
         o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L)  # [N, H, L]
         o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).view(B, T, H, V)

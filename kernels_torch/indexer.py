@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import KimiConfig
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
+from kimi.config import KimiConfig
 
 __all__ = ["indexer_scores", "topk_indices", "sparse_mask", "LayerNorm", "Indexer"]
 
@@ -69,8 +69,9 @@ class _ChunkedScores(torch.autograd.Function):
         return dq, dk, dw, None, None
 
 
-def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, *,
-                   chunk_bytes: int = SCORE_CHUNK_BYTES) -> torch.Tensor:
+def indexer_scores(
+    q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, *, chunk_bytes: int = SCORE_CHUNK_BYTES
+) -> torch.Tensor:
     """Lightning-indexer scores (spec 4.2), unmasked.
 
     Args:
@@ -88,8 +89,8 @@ def indexer_scores(q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, 
     B, T, HI, KI = q_I.shape
     S = k_I.shape[1]
     rows = max(1, chunk_bytes // max(1, B * HI * S * torch.finfo(dt).bits // 8))
-    w = weights.to(dt) * (HI ** -0.5)  # [B, T, HI]
-    return _ChunkedScores.apply(q_I.to(dt), k_I.to(dt), w, KI ** -0.5, rows)
+    w = weights.to(dt) * (HI**-0.5)  # [B, T, HI]
+    return _ChunkedScores.apply(q_I.to(dt), k_I.to(dt), w, KI**-0.5, rows)
 
 
 def topk_indices(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tensor:
@@ -109,8 +110,9 @@ def topk_indices(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.T
         raise ValueError(f"topk: got {topk}, expected an integer >= 1")
     B, T, S = scores.shape
     if tuple(mask.shape) not in ((T, S), (B, T, S)):
-        raise ValueError(f"mask: got shape {tuple(mask.shape)}, expected {(T, S)} or {(B, T, S)} "
-                         f"(scores {tuple(scores.shape)})")
+        raise ValueError(
+            f"mask: got shape {tuple(mask.shape)}, expected {(T, S)} or {(B, T, S)} (scores {tuple(scores.shape)})"
+        )
     mask = mask.to(torch.bool).expand(B, T, S)
     k = min(topk, S)
     masked = scores.masked_fill(~mask, float("-inf"))  # -inf before selection (case 8)

@@ -23,8 +23,8 @@ import importlib.util
 from typing import NamedTuple, Sequence
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from kernels_torch.common import check_cu_seqlens, rms_norm
@@ -59,7 +59,9 @@ def _cdt(*xs: torch.Tensor) -> torch.dtype:
 # ------------------------------------------------------------------------------------------------ small helpers
 
 
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None) -> torch.Tensor:
+def kda_gate(
+    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None
+) -> torch.Tensor:
     """KDA log-space decay gate ``g`` (spec 2.2 step 5; fla ``fla/ops/kda/gate.py``).
 
     Args:
@@ -118,7 +120,10 @@ def _conv_one(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> tuple[to
 
 
 def short_conv(
-    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv_state: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv1d (no bias) then SiLU, in fp32; spec 2.2 step 2 (fla ``ShortConvolution``).
 
@@ -174,7 +179,9 @@ def slice_A_log(A_log, num_heads: int) -> torch.Tensor:
                 f"A_log: padding entries [{num_heads}:{a.shape[0]}] are not zero, expected {num_heads} used entries then zeros"
             )
         return a[:num_heads]
-    raise ValueError(f"A_log: got shape {tuple(a.shape)}, expected [H]={num_heads}, [S>=H] zero-padded, or [1, 1, H, 1]")
+    raise ValueError(
+        f"A_log: got shape {tuple(a.shape)}, expected [H]={num_heads}, [S>=H] zero-padded, or [1, 1, H, 1]"
+    )
 
 
 def pad_A_log(A_log, shape: Sequence[int]) -> torch.Tensor:
@@ -215,7 +222,9 @@ def _initial_state(initial_state, N, H, K, V, dt, device) -> torch.Tensor:
     if initial_state is None:
         return torch.zeros(N, H, K, V, dtype=dt, device=device)
     if tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state: got shape {tuple(initial_state.shape)}, expected [N, H, K, V]=[{N}, {H}, {K}, {V}]")
+        raise ValueError(
+            f"initial_state: got shape {tuple(initial_state.shape)}, expected [N, H, K, V]=[{N}, {H}, {K}, {V}]"
+        )
     return initial_state.to(dt)
 
 
@@ -372,7 +381,7 @@ def _fla_conv_state(state: torch.Tensor | None) -> torch.Tensor | None:
     return None if state is None else F.pad(state, (1, 0))
 
 
-def _kda_layer_fla(layer: "KimiDeltaAttention", x: torch.Tensor, cu_seqlens, cache: "KDACache | None"):
+def _kda_layer_fla(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cache: KDACache | None):
     """``KimiDeltaAttention.forward`` in chunk mode on fla-core's Triton kernels (``backend='cudnn'``, GPU only).
 
     Same math, arguments and returns as the eager layer (spec 2.2); the pieces:
@@ -401,7 +410,9 @@ def _kda_layer_fla(layer: "KimiDeltaAttention", x: torch.Tensor, cu_seqlens, cac
     P = H * K
     cu = cu_cpu = None
     if cu_seqlens is not None:
-        cu_cpu = check_cu_seqlens(torch.as_tensor(cu_seqlens).cpu(), T, B)  # int64 on CPU: validated once, no sync later
+        cu_cpu = check_cu_seqlens(
+            torch.as_tensor(cu_seqlens).cpu(), T, B
+        )  # int64 on CPU: validated once, no sync later
         cu = cu_cpu.to(x.device)
     N = B if cu is None else cu.numel() - 1
     cq, ck, cv, S0 = (None,) * 4 if cache is None else cache
@@ -410,10 +421,15 @@ def _kda_layer_fla(layer: "KimiDeltaAttention", x: torch.Tensor, cu_seqlens, cac
         if st is not None and tuple(st.shape) != (N, P, W - 1):
             raise ValueError(f"cache.{name}: got shape {tuple(st.shape)}, expected [N, P, W-1]=[{N}, {P}, {W - 1}]")
 
-    def conv(proj: nn.Linear, conv1d: "ShortConvolution", state):  # -> y [B, T, P], new state [N, P, W-1]
+    def conv(proj: nn.Linear, conv1d: ShortConvolution, state):  # -> y [B, T, P], new state [N, P, W-1]
         y, final = causal_conv1d(
-            x=_linear(x, proj), weight=_conv_weight(conv1d.weight, P), initial_state=_fla_conv_state(state),
-            output_final_state=True, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+            x=_linear(x, proj),
+            weight=_conv_weight(conv1d.weight, P),
+            initial_state=_fla_conv_state(state),
+            output_final_state=True,
+            activation="silu",
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
         )
         return y, final[..., 1:]
 
@@ -425,12 +441,27 @@ def _kda_layer_fla(layer: "KimiDeltaAttention", x: torch.Tensor, cu_seqlens, cac
     beta = torch.sigmoid(_linear(x, layer.b_proj).float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
     lb = c.gate_lower_bound
     o, S = chunk_kda(
-        q, k, v, f, beta, scale=K**-0.5, initial_state=None if S0 is None else S0.float(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=layer.A_log.float(), dt_bias=layer.dt_bias.float(),
-        safe_gate=lb is not None, lower_bound=lb, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        q,
+        k,
+        v,
+        f,
+        beta,
+        scale=K**-0.5,
+        initial_state=None if S0 is None else S0.float(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        A_log=layer.A_log.float(),
+        dt_bias=layer.dt_bias.float(),
+        safe_gate=lb is not None,
+        lower_bound=lb,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
     )  # o [B,T,H,V] bf16, S [N,H,K,V] fp32
     gate = _linear(x, layer.g_proj) if c.use_full_rank_gate else _linear(_linear(x, layer.g_a_proj), layer.g_b_proj)
-    y = rms_norm_gated(o, gate.reshape(B, T, H, K), layer.o_norm.weight, None, activation="sigmoid", eps=layer.o_norm.eps)
+    y = rms_norm_gated(
+        o, gate.reshape(B, T, H, K), layer.o_norm.weight, None, activation="sigmoid", eps=layer.o_norm.eps
+    )
     return _linear(y.reshape(B, T, P), layer.o_proj), KDACache(cq, ck, cv, S)
 
 
@@ -523,7 +554,11 @@ class KimiDeltaAttention(nn.Module):
         if self.backend == "cudnn":
             missing = _cudnn_missing(x)
             if missing:
-                raise RuntimeError("backend='cudnn' (KDA on fla kernels) needs " + "; ".join(missing) + "; use backend='eager' otherwise")
+                raise RuntimeError(
+                    "backend='cudnn' (KDA on fla kernels) needs "
+                    + "; ".join(missing)
+                    + "; use backend='eager' otherwise"
+                )
             if mode == "chunk":
                 return _kda_layer_fla(self, x, cu_seqlens, cache)
             # mode="recurrent" (decode) stays on the pure-torch recurrence below, on the GPU.

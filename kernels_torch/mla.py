@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import KimiConfig
 from kernels_torch.common import RMSNorm, causal_document_mask, check_cu_seqlens, compute_dtype
 from kernels_torch.indexer import Indexer, sparse_mask
+from kimi.config import KimiConfig
 
 __all__ = ["BACKENDS", "mla_attention", "mla_attention_absorbed", "GatedMLA"]
 
@@ -55,8 +55,9 @@ def _promote(*xs: torch.Tensor) -> torch.dtype:
 _ROW_BLOCK = 2048
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tensor, scale: float,
-            backend: str) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tensor, scale: float, backend: str
+) -> torch.Tensor:
     """Masked attention in head-first layout: q ``[B, H, T, K]``, k ``[B, H|1, S, K]``, v ``[B, H|1, S, V]``,
     mask4 ``[B, 1, T, S]`` -> ``[B, H, T, V]``; rows with no visible key are 0."""
     if backend == "eager":
@@ -64,7 +65,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tens
         k, v = k.to(dt), v.to(dt)
         out = []
         for t0 in range(0, q.shape[2], _ROW_BLOCK):  # blocks of query rows, as the JAX twin: bounded memory
-            rows, m = slice(t0, t0 + _ROW_BLOCK), mask4[:, :, t0:t0 + _ROW_BLOCK]
+            rows, m = slice(t0, t0 + _ROW_BLOCK), mask4[:, :, t0 : t0 + _ROW_BLOCK]
             logits = torch.matmul(q[:, :, rows].to(dt), k.transpose(-1, -2)) * scale  # [B, H, t, S]
             logits = logits.masked_fill(~m, float("-inf"))
             row_max = logits.amax(-1, keepdim=True)
@@ -78,13 +79,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tens
     empty = ~mask4.any(-1, keepdim=True)  # [B, 1, T, 1]
     safe = mask4 | empty
     H = q.shape[1]
-    o = F.scaled_dot_product_attention(q, k.expand(-1, H, -1, -1), v.expand(-1, H, -1, -1), attn_mask=safe,
-                                       scale=scale)
+    o = F.scaled_dot_product_attention(q, k.expand(-1, H, -1, -1), v.expand(-1, H, -1, -1), attn_mask=safe, scale=scale)
     return o.masked_fill(empty, 0.0)
 
 
-def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, *,
-                  backend: str = "eager") -> torch.Tensor:
+def mla_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, *, backend: str = "eager"
+) -> torch.Tensor:
     """Expanded-form MLA attention (spec 3.2 step 5); twin of ``reference_jax.mla.mla_attention``.
 
     Args:
@@ -107,9 +108,17 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return o.transpose(1, 2).to(v.dtype)
 
 
-def mla_attention_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                           kv_b_weight: torch.Tensor, mask: torch.Tensor, scale: float, *,
-                           backend: str = "eager") -> torch.Tensor:
+def mla_attention_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    backend: str = "eager",
+) -> torch.Tensor:
     """Absorbed (MQA-over-latent) MLA attention (spec 3.3); twin of ``reference_jax.mla.mla_attention_absorbed``.
 
     Args:
@@ -129,8 +138,10 @@ def mla_attention_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     S, L = c_kv.shape[1:]
     rows = kv_b_weight.shape[0]
     if rows % H or rows // H <= Kn or kv_b_weight.shape[1] != L:
-        raise ValueError(f"kv_b_weight: got shape {tuple(kv_b_weight.shape)}, expected [H*(K_nope+V), L] with "
-                         f"H={H}, K_nope={Kn}, L={L}")
+        raise ValueError(
+            f"kv_b_weight: got shape {tuple(kv_b_weight.shape)}, expected [H*(K_nope+V), L] with "
+            f"H={H}, K_nope={Kn}, L={L}"
+        )
     m = _mask4(mask, B, T, S)
     dt = _promote(q_nope, c_kv) if backend == "eager" else q_nope.dtype
     w = kv_b_weight.to(dt).view(H, rows // H, L)
@@ -172,8 +183,10 @@ class GatedMLA(nn.Module):
         c = config
         kind = c.layer_type(layer_idx)
         if kind == "kda":
-            raise ValueError(f"layer_idx: got {layer_idx}, a KDA layer; GatedMLA needs an 'mla' or 'dsa' layer "
-                             "(g_proj means the KDA output gate there, case 18)")
+            raise ValueError(
+                f"layer_idx: got {layer_idx}, a KDA layer; GatedMLA needs an 'mla' or 'dsa' layer "
+                "(g_proj means the KDA output gate there, case 18)"
+            )
         self.config, self.layer_idx, self.backend, self.kind = c, layer_idx, backend, kind
         D, H = c.hidden_size, c.num_attention_heads
         Kn, R, V, L = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
@@ -222,8 +235,9 @@ class GatedMLA(nn.Module):
             k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, H, R)], dim=-1)  # 4. [B, S, H, Kn+R]
             o = mla_attention(q, k, v, mask, scale, backend=self.backend)  # 5. [B, T, H, V]
         else:
-            o = mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight, mask, scale,
-                                       backend=self.backend)
+            o = mla_attention_absorbed(
+                q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight, mask, scale, backend=self.backend
+            )
         out = self.gate_and_project_out(o, x)  # 6.-8.
         return (out, aux) if return_aux else out
 

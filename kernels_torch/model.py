@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kimi.config import KimiConfig
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.common import RMSNorm
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.mla import GatedMLA
 from kernels_torch.moe import DenseMLP, KimiMoE
+from kimi.config import KimiConfig
 
 __all__ = ["BACKENDS", "DecoderLayer", "KimiK3Model", "load_model", "save_model", "cast_model"]
 
@@ -123,8 +123,12 @@ class _Backbone(nn.Module):
             if on_layer is not None:
                 on_layer(len(auxes) - 1)
         if self.config.has_attn_res:
-            p = attn_res_mix(blocks + [p], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                             eps=self.config.rms_norm_eps)
+            p = attn_res_mix(
+                blocks + [p],
+                self.output_attn_res_norm.weight,
+                self.output_attn_res_proj.weight,
+                eps=self.config.rms_norm_eps,
+            )
         return self.norm(p), auxes
 
 
@@ -160,8 +164,13 @@ class KimiK3Model(nn.Module):
         return (logits, auxes) if return_aux else logits
 
 
-def load_model(checkpoint: str | Path, layers: int | None = None, backend: str = "eager",
-               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> KimiK3Model:
+def load_model(
+    checkpoint: str | Path,
+    layers: int | None = None,
+    backend: str = "eager",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> KimiK3Model:
     """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`.
 
     Raises:
@@ -171,8 +180,10 @@ def load_model(checkpoint: str | Path, layers: int | None = None, backend: str =
 
     check_backend(backend)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: got {str(device)!r}, but CUDA is not available here"
-                         + (" (the cudnn backend needs a CUDA GPU; use eager or sdpa on a CPU)" if backend == "cudnn" else ""))
+        raise ValueError(
+            f"device: got {str(device)!r}, but CUDA is not available here"
+            + (" (the cudnn backend needs a CUDA GPU; use eager or sdpa on a CPU)" if backend == "cudnn" else "")
+        )
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
     params = load_params(reader, config, layers=range(config.num_hidden_layers))

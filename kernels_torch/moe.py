@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import KimiConfig
 from kernels_torch.common import RMSNorm, compute_dtype
+from kimi.config import KimiConfig
 
 __all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
 
@@ -102,18 +102,22 @@ def _router_scores(x: torch.Tensor, gate_weight: torch.Tensor, config: KimiConfi
         return torch.sigmoid(logits)
     if config.moe_router_activation_func == "softmax":
         return torch.softmax(logits, dim=-1)
-    raise ValueError(f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'")
+    raise ValueError(
+        f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'"
+    )
 
 
-def selection_scores(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
-                     config: KimiConfig) -> torch.Tensor:
+def selection_scores(
+    x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor | None, config: KimiConfig
+) -> torch.Tensor:
     """Twin of ``reference_jax.moe.selection_scores``: ``act(x W_gateᵀ) + bias`` ``[..., E]`` fp32."""
     scores = _router_scores(x, gate_weight, config)
     return scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(scores.dtype)
 
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor | None,
-          config: KimiConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor | None, config: KimiConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router (spec 5.3 steps 1-3); twin of ``reference_jax.moe.route``.
 
     ``logits = x_fp32 · W_fp32ᵀ``; ``s = sigmoid(logits)`` (or softmax); ``topk_ids = top-k(s + bias)`` within the
@@ -133,9 +137,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: t
     E, D = gate_weight.shape
     k = config.num_experts_per_token
     if x.shape[-1] != D:
-        raise ValueError(f"route: x has width {x.shape[-1]}, gate.weight is {tuple(gate_weight.shape)}; expected [E, {x.shape[-1]}]")
+        raise ValueError(
+            f"route: x has width {x.shape[-1]}, gate.weight is {tuple(gate_weight.shape)}; expected [E, {x.shape[-1]}]"
+        )
     if e_score_correction_bias is not None and tuple(e_score_correction_bias.shape) != (E,):
-        raise ValueError(f"route: e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, expected ({E},)")
+        raise ValueError(
+            f"route: e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, expected ({E},)"
+        )
     if not 1 <= k <= E:
         raise ValueError(f"route: num_experts_per_token={k}, expected an integer in [1, {E}]")
     lead = x.shape[:-1]
@@ -145,8 +153,10 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: t
     if config.use_grouped_topk:
         G = config.num_expert_group
         if E % G or not 1 <= config.topk_group <= G or config.topk_group * (E // G) < k:
-            raise ValueError(f"route: grouping num_experts={E}, num_expert_group={G}, topk_group={config.topk_group} "
-                             f"expected G | E, 1 <= topk_group <= G and topk_group*E/G >= k={k}")
+            raise ValueError(
+                f"route: grouping num_experts={E}, num_expert_group={G}, topk_group={config.topk_group} "
+                f"expected G | E, 1 <= topk_group <= G and topk_group*E/G >= k={k}"
+            )
         mask = _group_mask(biased, config, e_score_correction_bias is not None)
         biased = biased.masked_fill(~mask, float("-inf"))
     ids = topk_ids(biased, k)  # [N, k]
@@ -203,7 +213,7 @@ class MoEGate(nn.Module):
         super().__init__()
         self.config = config
         E, D = config.num_experts, config.hidden_size
-        self.weight = nn.Parameter(torch.empty(E, D).normal_(0.0, D ** -0.5))
+        self.weight = nn.Parameter(torch.empty(E, D).normal_(0.0, D**-0.5))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,8 +37,17 @@ from kimi.config import KimiConfig
 from kimi.layout import TensorSpec, layer_of, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
-__all__ = ["CheckpointError", "CheckpointReader", "load_params", "to_stored", "write_checkpoint", "save_params",
-           "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME", "SINGLE_NAME"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointReader",
+    "load_params",
+    "to_stored",
+    "write_checkpoint",
+    "save_params",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -49,9 +58,21 @@ _MAX_LISTED = 200  # problems spelled out in one error message; all of them stay
 
 # safetensors dtype codes <-> torch dtype names (the names TensorSpec uses).
 _ST_TO_TORCH = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
-    "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 _TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
 
@@ -190,7 +211,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{index}: expected an object with a 'weight_map' of key -> shard file name")
             weight_map = dict(wm)
         elif (self.path / SINGLE_NAME).is_file():
-            weight_map = {k: SINGLE_NAME for k in _read_header(self.path / SINGLE_NAME)}
+            weight_map = dict.fromkeys(_read_header(self.path / SINGLE_NAME), SINGLE_NAME)
         else:
             raise CheckpointError(f"{self.path}: not a checkpoint directory (neither {INDEX_NAME} nor {SINGLE_NAME})")
         prefix = self.config.key_prefix
@@ -202,7 +223,7 @@ class CheckpointReader:
             if not key.startswith(prefix):
                 self.unprefixed.append(key)
                 continue
-            self._where[key[len(prefix):]] = (file, key)
+            self._where[key[len(prefix) :]] = (file, key)
         self.read_names: set[str] = set()
         self._headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
         self._handles: dict[str, object] = {}
@@ -230,8 +251,9 @@ class CheckpointReader:
         try:
             return self._where[name][0]
         except KeyError:
-            raise CheckpointError(f"{self.path}: no tensor named {name!r} (prefix {self.config.key_prefix!r} "
-                                  "is added on disk)") from None
+            raise CheckpointError(
+                f"{self.path}: no tensor named {name!r} (prefix {self.config.key_prefix!r} is added on disk)"
+            ) from None
 
     def _header(self, file: str) -> dict[str, tuple[tuple[int, ...], str]]:
         if file not in self._headers:
@@ -272,8 +294,10 @@ class CheckpointReader:
                 h = self._handles[file] = safe_open(str(self.path / file), framework="pt")
             t = h.get_tensor(key)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise CheckpointError(f"{self.path / file}: cannot read tensor {name} ({type(e).__name__}: {e}); "
-                                  f"expected a complete safetensors file (truncated or damaged shard?)") from None
+            raise CheckpointError(
+                f"{self.path / file}: cannot read tensor {name} ({type(e).__name__}: {e}); "
+                f"expected a complete safetensors file (truncated or damaged shard?)"
+            ) from None
         self.read_names.add(name)
         return t
 
@@ -281,7 +305,7 @@ class CheckpointReader:
         """Drop the cached shard handles."""
         self._handles.clear()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -310,8 +334,12 @@ def _optional(spec: TensorSpec) -> bool:
     return spec.name.endswith(".indexer.k_norm.bias")
 
 
-def _check_stored_meta(expected: list[TensorSpec], found: Mapping[str, tuple[tuple[int, ...], str]],
-                       cfg: KimiConfig | None, extra: Iterable[str] = ()) -> list[str]:
+def _check_stored_meta(
+    expected: list[TensorSpec],
+    found: Mapping[str, tuple[tuple[int, ...], str]],
+    cfg: KimiConfig | None,
+    extra: Iterable[str] = (),
+) -> list[str]:
     """Compare found ``{name: (shape, dtype)}`` with ``expected``; every problem as one line.
 
     ``cfg`` given: reading (variants and optional tensors accepted); ``None``: writing (exact layout only).
@@ -328,8 +356,9 @@ def _check_stored_meta(expected: list[TensorSpec], found: Mapping[str, tuple[tup
         shape_ok = shape == s.shape or (cfg is not None and _accepted_variant(s, shape, cfg))
         dtype_ok = dtype == s.dtype
         if not shape_ok and not dtype_ok:
-            problems.append(f"wrong shape and dtype: {s.name} (expected {_fmt(s.shape, s.dtype)}, "
-                            f"found {_fmt(shape, dtype)})")
+            problems.append(
+                f"wrong shape and dtype: {s.name} (expected {_fmt(s.shape, s.dtype)}, found {_fmt(shape, dtype)})"
+            )
         elif not shape_ok:
             problems.append(f"wrong shape: {s.name} (expected {_fmt(s.shape, s.dtype)}, found {_fmt(shape, dtype)})")
         elif not dtype_ok:
@@ -345,8 +374,11 @@ def _check_stored_meta(expected: list[TensorSpec], found: Mapping[str, tuple[tup
 # ---------------------------------------------------------------------------------------------- load
 
 
-def load_params(source: str | os.PathLike | CheckpointReader, config: KimiConfig | None = None,
-                layers: int | Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+def load_params(
+    source: str | os.PathLike | CheckpointReader,
+    config: KimiConfig | None = None,
+    layers: int | Iterable[int] | None = None,
+) -> dict[str, torch.Tensor]:
     """Canonical parameters of the requested layers plus all global tensors, validated first.
 
     Args:
@@ -381,8 +413,10 @@ def load_params(source: str | os.PathLike | CheckpointReader, config: KimiConfig
             names.append(name)
     need_files = sorted({f for f in (reader.file_of(n) for n in names) if not (reader.path / f).is_file()})
     if need_files:
-        raise CheckpointError(f"{reader.path}: shard file(s) named in {INDEX_NAME} are missing: {need_files}",
-                              [f"missing shard: {f}" for f in need_files])
+        raise CheckpointError(
+            f"{reader.path}: shard file(s) named in {INDEX_NAME} are missing: {need_files}",
+            [f"missing shard: {f}" for f in need_files],
+        )
     found = {n: (reader.shape(n), reader.dtype(n)) for n in names}
     where = f"{reader.path} (layers {idx if len(idx) < 20 else f'{idx[0]}..{idx[-1]}'} + globals)"
     _raise_problems(where, _check_stored_meta(expected, found, cfg, extra))
@@ -394,16 +428,22 @@ def load_params(source: str | os.PathLike | CheckpointReader, config: KimiConfig
         if ".experts." in n and cfg.quant_method == "mxfp4":
             base = n.removesuffix(".weight")
             try:
-                out[n] = dequantize_mxfp4(reader.get(base + ".weight_packed"), reader.get(base + ".weight_scale"),
-                                          dtype=dt, group_size=cfg.quant_group_size)
+                out[n] = dequantize_mxfp4(
+                    reader.get(base + ".weight_packed"),
+                    reader.get(base + ".weight_scale"),
+                    dtype=dt,
+                    group_size=cfg.quant_group_size,
+                )
             except ValueError as e:
                 raise CheckpointError(f"{reader.path}: {base}.weight_scale / .weight_packed: {e}") from None
         elif n.endswith(".self_attn.A_log"):
             stored = reader.get(n).reshape(-1)  # [128] (96 used) or Kimi-Linear's [1,1,H,1]
-            pad = stored[cfg.kda_num_heads:]
+            pad = stored[cfg.kda_num_heads :]
             if bool((pad != 0).any()):  # 96 active + 32 zeros (spec 2.1): non-zero padding means a wrong layout
-                raise CheckpointError(f"{reader.path}: {n}: got {int((pad != 0).sum())} non-zero entries past the "
-                                      f"{cfg.kda_num_heads} active heads, expected zero padding (spec 2.1)")
+                raise CheckpointError(
+                    f"{reader.path}: {n}: got {int((pad != 0).sum())} non-zero entries past the "
+                    f"{cfg.kda_num_heads} active heads, expected zero padding (spec 2.1)"
+                )
             out[n] = stored[: cfg.kda_num_heads].clone()
         elif n.endswith("_conv1d.weight"):
             out[n] = reader.get(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
@@ -446,8 +486,9 @@ def _stored_items(name: str, t: torch.Tensor, cfg: KimiConfig) -> Iterator[tuple
         yield name, t
 
 
-def to_stored(params: Mapping[str, torch.Tensor], config: KimiConfig,
-              layers: int | Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+def to_stored(
+    params: Mapping[str, torch.Tensor], config: KimiConfig, layers: int | Iterable[int] | None = None
+) -> dict[str, torch.Tensor]:
     """Canonical params -> the tensors as stored on disk (names without prefix), the inverse of :func:`load_params`.
 
     Experts quantised to MXFP4 when ``config.quant_method == "mxfp4"`` (exact for weights that are a round trip
@@ -542,8 +583,13 @@ def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
     return tmp
 
 
-def _write_stream(path: str | os.PathLike, specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor],
-                  config: KimiConfig, max_shard_bytes: int) -> None:
+def _write_stream(
+    path: str | os.PathLike,
+    specs: list[TensorSpec],
+    produce: Callable[[TensorSpec], torch.Tensor],
+    config: KimiConfig,
+    max_shard_bytes: int,
+) -> None:
     """Write the tensors of ``specs`` (in order), each made by ``produce(spec)`` just before it is written.
 
     Every file goes to a temporary name in the target directory and is fsynced; only when all are complete are
@@ -570,15 +616,20 @@ def _write_stream(path: str | os.PathLike, specs: list[TensorSpec], produce: Cal
                     t = produce(s)
                     got = (tuple(t.shape), _dtype_name(t.dtype))
                     if got != (s.shape, s.dtype):
-                        raise CheckpointError(f"write: {s.name} expected {_fmt(s.shape, s.dtype)}, "
-                                              f"found {_fmt(*got)}")
+                        raise CheckpointError(f"write: {s.name} expected {_fmt(s.shape, s.dtype)}, found {_fmt(*got)}")
                     _write_tensor_data(f, t)
                 f.flush()
                 os.fsync(f.fileno())
-        tmps.append((_write_bytes_tmp(path, CONFIG_NAME,
-                                      (json.dumps(_config_json(config), indent=2) + "\n").encode()), CONFIG_NAME))
-        index = {"metadata": {"total_size": sum(_nbytes(s) for s in specs)},
-                 "weight_map": {prefix + s.name: fname for fname, g in zip(names, shards) for s in g}}
+        tmps.append(
+            (
+                _write_bytes_tmp(path, CONFIG_NAME, (json.dumps(_config_json(config), indent=2) + "\n").encode()),
+                CONFIG_NAME,
+            )
+        )
+        index = {
+            "metadata": {"total_size": sum(_nbytes(s) for s in specs)},
+            "weight_map": {prefix + s.name: fname for fname, g in zip(names, shards) for s in g},
+        }
         index_tmp = _write_bytes_tmp(path, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
         tmps.append((index_tmp, INDEX_NAME))
     except BaseException:
@@ -605,8 +656,12 @@ def _write_stream(path: str | os.PathLike, specs: list[TensorSpec], produce: Cal
             (path / stale).unlink(missing_ok=True)
 
 
-def write_checkpoint(path: str | os.PathLike, stored: Mapping[str, torch.Tensor], config: KimiConfig,
-                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+def write_checkpoint(
+    path: str | os.PathLike,
+    stored: Mapping[str, torch.Tensor],
+    config: KimiConfig,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
     """Write a checkpoint directory atomically: ``config.json``, shards, ``model.safetensors.index.json``.
 
     Args:

@@ -140,7 +140,7 @@ class KimiConfig:
     @property
     def mla_softmax_scale(self) -> float:
         """(qk_nope + qk_rope)^-1/2, used in the expanded *and* the absorbed form (spec 3.3)."""
-        return self.qk_head_dim ** -0.5
+        return self.qk_head_dim**-0.5
 
     @property
     def a_log_storage(self) -> int:
@@ -177,13 +177,13 @@ class KimiConfig:
         _check_layer_idx(self, idx)
         return self.has_attn_res and idx % self.attn_res_block_size == 0
 
-    def replace(self, **changes: Any) -> "KimiConfig":
+    def replace(self, **changes: Any) -> KimiConfig:
         """A copy with ``changes`` applied (validated again). The copy forgets ``raw`` (the JSON it was read from no
         longer describes it), so it is written back from its fields."""
         changes.setdefault("raw", None)
         return dataclasses.replace(self, **changes)
 
-    def truncated(self, num_layers: int) -> "KimiConfig":
+    def truncated(self, num_layers: int) -> KimiConfig:
         """The config of the first ``num_layers`` layers (for ``--layers N``): layer lists are cut to match."""
         if not 1 <= num_layers <= self.num_hidden_layers:
             raise ConfigError(
@@ -199,7 +199,7 @@ class KimiConfig:
 
     # ------------------------------------------------------------- (de)serialise
     @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> "KimiConfig":
+    def from_dict(cls, cfg: Mapping[str, Any]) -> KimiConfig:
         """Build from a parsed ``config.json`` (top-level multimodal, bare text, or Kimi-Linear form).
 
         Raises:
@@ -224,7 +224,7 @@ class KimiConfig:
         raise ConfigError(f"architectures: got {archs!r}, expected one of {list(known)}")
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "KimiConfig":
+    def from_json(cls, path: str | Path) -> KimiConfig:
         """Read ``config.json`` (a file, or a checkpoint directory holding one)."""
         path = Path(path)
         if path.is_dir():
@@ -243,7 +243,9 @@ class KimiConfig:
         if self.is_kimi_linear:
             return {"architectures": ["KimiLinearForCausalLM"], **text}
         top = {
-            "architectures": ["KimiK31ForConditionalGeneration" if self.dsa_layers else "KimiK3ForConditionalGeneration"],
+            "architectures": [
+                "KimiK31ForConditionalGeneration" if self.dsa_layers else "KimiK3ForConditionalGeneration"
+            ],
             "model_type": "kimi_k3",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
@@ -281,7 +283,9 @@ def _one_based(values: Any, key: str, n_layers: int) -> tuple[int, ...]:
     return tuple(sorted(v - 1 for v in values))
 
 
-def _from_text_config(t: Mapping[str, Any], *, architecture: str, key_prefix: str, raw: Mapping[str, Any]) -> KimiConfig:
+def _from_text_config(
+    t: Mapping[str, Any], *, architecture: str, key_prefix: str, raw: Mapping[str, Any]
+) -> KimiConfig:
     num = (int, float)
     n_layers = _get(t, "num_hidden_layers", None, int)
     if n_layers is None or n_layers < 1:
@@ -301,10 +305,12 @@ def _from_text_config(t: Mapping[str, Any], *, architecture: str, key_prefix: st
     dsa = t.get("dsa_config") or {}
     if not isinstance(dsa, Mapping):
         raise ConfigError(f"dsa_config: got {dsa!r}, expected an object")
+
     def dsa_get(key: str, default: Any, kind: Any) -> Any:  # noqa: E306
         if key in dsa:
             return _get(dsa, key, default, kind, "dsa_config.")
         return _get(t, key, default, kind)
+
     dsa_list = None
     for key in ("layers", "dsa_layers", "indexer_layers", "index_layers"):
         if key in dsa:
@@ -367,7 +373,9 @@ def _from_text_config(t: Mapping[str, Any], *, architecture: str, key_prefix: st
         kda_head_dim=_get(lin, "head_dim", 128, int, w),
         short_conv_kernel_size=_get(lin, "short_conv_kernel_size", 4, int, w),
         use_full_rank_gate=bool(_get(lin, "use_full_rank_gate", False, bool, w)),
-        gate_lower_bound=None if lin.get("gate_lower_bound") is None else float(_get(lin, "gate_lower_bound", None, num, w)),
+        gate_lower_bound=None
+        if lin.get("gate_lower_bound") is None
+        else float(_get(lin, "gate_lower_bound", None, num, w)),
         # f_a/f_b (and Kimi-Linear's g_a/g_b) have rank = the KDA head_dim (128 in K3 and Kimi-Linear).
         kda_gate_rank=_get(lin, "gate_rank", _get(lin, "head_dim", 128, int, w), int, w),
         kda_layers=kda_layers,
@@ -488,17 +496,48 @@ def _to_text_config(c: KimiConfig) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- validation
 
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "intermediate_size",
-                  "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                  "kda_num_heads", "kda_head_dim", "short_conv_kernel_size", "kda_gate_rank", "index_n_heads",
-                  "index_head_dim", "index_topk", "num_experts_per_token", "moe_layer_freq", "num_expert_group",
-                  "topk_group", "quant_group_size")
-_NONNEGATIVE_INTS = ("qk_rope_head_dim", "num_experts", "num_shared_experts", "moe_intermediate_size",
-                     "first_k_dense_replace")
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "max_position_embeddings",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "kda_num_heads",
+    "kda_head_dim",
+    "short_conv_kernel_size",
+    "kda_gate_rank",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "num_experts_per_token",
+    "moe_layer_freq",
+    "num_expert_group",
+    "topk_group",
+    "quant_group_size",
+)
+_NONNEGATIVE_INTS = (
+    "qk_rope_head_dim",
+    "num_experts",
+    "num_shared_experts",
+    "moe_intermediate_size",
+    "first_k_dense_replace",
+)
 _OPTIONAL_POSITIVE_INTS = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
 _POSITIVE_REALS = ("rms_norm_eps", "mla_norm_eps", "activation_situ_beta", "routed_scaling_factor")
-_BOOLS = ("tie_word_embeddings", "mla_use_nope", "mla_use_output_gate", "use_full_rank_gate", "latent_moe_use_norm",
-          "moe_renormalize", "use_grouped_topk")
+_BOOLS = (
+    "tie_word_embeddings",
+    "mla_use_nope",
+    "mla_use_output_gate",
+    "use_full_rank_gate",
+    "latent_moe_use_norm",
+    "moe_renormalize",
+    "use_grouped_topk",
+)
 
 
 def _check_layer_idx(c: KimiConfig, idx: int) -> None:
@@ -536,41 +575,70 @@ def _validate(c: KimiConfig) -> None:
     v = c.activation_situ_linear_beta
     need(v is None or is_real(v) and v > 0, "activation_situ_linear_beta", v, "null or a finite positive number")
     v = c.gate_lower_bound
-    need(v is None or is_real(v) and v < 0, "linear_attn_config.gate_lower_bound", v, "null or a finite negative number")
+    need(
+        v is None or is_real(v) and v < 0, "linear_attn_config.gate_lower_bound", v, "null or a finite negative number"
+    )
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = getattr(c, key)
         need(v is None or is_int(v) and 0 <= v < c.vocab_size, key, v, f"null or a token id in [0, {c.vocab_size})")
     for key in ("kda_layers", "mla_layers", "dsa_layers"):
         v = getattr(c, key)
-        need(isinstance(v, tuple) and all(is_int(i) and 0 <= i < c.num_hidden_layers for i in v), key, v,
-             f"a tuple of 0-based layer indices in [0, {c.num_hidden_layers})")
+        need(
+            isinstance(v, tuple) and all(is_int(i) and 0 <= i < c.num_hidden_layers for i in v),
+            key,
+            v,
+            f"a tuple of 0-based layer indices in [0, {c.num_hidden_layers})",
+        )
     need(c.hidden_act in _ACTIVATIONS, "hidden_act", c.hidden_act, f"one of {list(_ACTIVATIONS)}")
-    need(c.moe_router_activation_func in _ROUTER_ACTIVATIONS, "moe_router_activation_func",
-         c.moe_router_activation_func, f"one of {list(_ROUTER_ACTIVATIONS)}")
+    need(
+        c.moe_router_activation_func in _ROUTER_ACTIVATIONS,
+        "moe_router_activation_func",
+        c.moe_router_activation_func,
+        f"one of {list(_ROUTER_ACTIVATIONS)}",
+    )
     need(c.indexer_rope in _INDEXER_ROPE, "indexer_rope", c.indexer_rope, f"one of {list(_INDEXER_ROPE)}")
     need(c.rms_norm_eps > 0, "rms_norm_eps", c.rms_norm_eps, "a positive number")
     need(c.mla_norm_eps > 0, "mla_norm_eps", c.mla_norm_eps, "a positive number")
     need(c.dtype in ("bfloat16", "float32", "float16"), "dtype", c.dtype, "'bfloat16', 'float16' or 'float32'")
-    need(c.num_key_value_heads == c.num_attention_heads, "num_key_value_heads", c.num_key_value_heads,
-         f"{c.num_attention_heads} (= num_attention_heads; MLA has no GQA)")
+    need(
+        c.num_key_value_heads == c.num_attention_heads,
+        "num_key_value_heads",
+        c.num_key_value_heads,
+        f"{c.num_attention_heads} (= num_attention_heads; MLA has no GQA)",
+    )
     need(c.index_topk >= 1, "index_topk", c.index_topk, "an integer >= 1")
     if c.gate_lower_bound is not None:
-        need(c.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", c.gate_lower_bound, "a negative number or null")
+        need(
+            c.gate_lower_bound < 0,
+            "linear_attn_config.gate_lower_bound",
+            c.gate_lower_bound,
+            "a negative number or null",
+        )
 
     # Layer lists: every layer in exactly one of kda_layers / full_attn_layers (1-based in the JSON).
     n = c.num_hidden_layers
     kda, mla = set(c.kda_layers), set(c.mla_layers)
     both = sorted(kda & mla)
-    need(not both, "linear_attn_config", [i + 1 for i in both],
-         "no layer in both kda_layers and full_attn_layers (1-based numbers shown)")
+    need(
+        not both,
+        "linear_attn_config",
+        [i + 1 for i in both],
+        "no layer in both kda_layers and full_attn_layers (1-based numbers shown)",
+    )
     neither = sorted(set(range(n)) - kda - mla)
-    need(not neither, "linear_attn_config", [i + 1 for i in neither],
-         "every layer in kda_layers or full_attn_layers (1-based numbers of the missing layers shown)")
+    need(
+        not neither,
+        "linear_attn_config",
+        [i + 1 for i in neither],
+        "every layer in kda_layers or full_attn_layers (1-based numbers of the missing layers shown)",
+    )
     stray = sorted(set(c.dsa_layers) - mla)
     need(not stray, "dsa_config.layers", [i + 1 for i in stray], "only full-attention (MLA) layers (1-based shown)")
 
     if kda:  # KDA widths
-        need(c.kda_num_heads * c.kda_head_dim > 0, "linear_attn_config.num_heads", c.kda_num_heads, "a positive integer")
+        need(
+            c.kda_num_heads * c.kda_head_dim > 0, "linear_attn_config.num_heads", c.kda_num_heads, "a positive integer"
+        )
     if c.hidden_act == "situ":
         need(c.activation_situ_beta > 0, "activation_situ_beta", c.activation_situ_beta, "a positive number")
 
@@ -579,23 +647,45 @@ def _validate(c: KimiConfig) -> None:
     need(c.first_k_dense_replace >= 0, "first_k_dense_replace", c.first_k_dense_replace, "an integer >= 0")
     if n_moe:
         need(c.num_experts >= 1, "num_experts", c.num_experts, "a positive integer (MoE layers are present)")
-        need(1 <= c.num_experts_per_token <= c.num_experts, "num_experts_per_token", c.num_experts_per_token,
-             f"an integer in [1, num_experts={c.num_experts}]")
+        need(
+            1 <= c.num_experts_per_token <= c.num_experts,
+            "num_experts_per_token",
+            c.num_experts_per_token,
+            f"an integer in [1, num_experts={c.num_experts}]",
+        )
         need(c.moe_intermediate_size >= 1, "moe_intermediate_size", c.moe_intermediate_size, "a positive integer")
         need(c.num_shared_experts >= 0, "num_shared_experts", c.num_shared_experts, "an integer >= 0")
-        need(c.num_expert_group >= 1 and c.num_experts % c.num_expert_group == 0, "num_expert_group",
-             c.num_expert_group, f"a positive divisor of num_experts={c.num_experts}")
-        need(1 <= c.topk_group <= c.num_expert_group, "topk_group", c.topk_group,
-             f"an integer in [1, num_expert_group={c.num_expert_group}]")
+        need(
+            c.num_expert_group >= 1 and c.num_experts % c.num_expert_group == 0,
+            "num_expert_group",
+            c.num_expert_group,
+            f"a positive divisor of num_experts={c.num_experts}",
+        )
+        need(
+            1 <= c.topk_group <= c.num_expert_group,
+            "topk_group",
+            c.topk_group,
+            f"an integer in [1, num_expert_group={c.num_expert_group}]",
+        )
         if c.routed_expert_hidden_size is not None:
-            need(c.routed_expert_hidden_size >= 1, "routed_expert_hidden_size", c.routed_expert_hidden_size,
-                 "null or a positive integer")
+            need(
+                c.routed_expert_hidden_size >= 1,
+                "routed_expert_hidden_size",
+                c.routed_expert_hidden_size,
+                "null or a positive integer",
+            )
         if c.quant_method == "mxfp4":
             d_in = c.routed_expert_hidden_size or c.hidden_size
-            for key, width in (("routed_expert_hidden_size (expert w1/w3 input)", d_in),
-                               ("moe_intermediate_size (expert w2 input)", c.moe_intermediate_size)):
-                need(width % c.quant_group_size == 0 and width % 2 == 0, key, width,
-                     f"a multiple of the MXFP4 group size {c.quant_group_size}")
+            for key, width in (
+                ("routed_expert_hidden_size (expert w1/w3 input)", d_in),
+                ("moe_intermediate_size (expert w2 input)", c.moe_intermediate_size),
+            ):
+                need(
+                    width % c.quant_group_size == 0 and width % 2 == 0,
+                    key,
+                    width,
+                    f"a multiple of the MXFP4 group size {c.quant_group_size}",
+                )
     if c.quant_method is not None:
         need(c.quant_method == "mxfp4", "quantization_config.format", c.quant_method, "'mxfp4-pack-quantized'")
         need(c.quant_group_size == 32, "quantization_config.group_size", c.quant_group_size, "32 (MXFP4)")
@@ -629,15 +719,36 @@ def _tiny() -> KimiConfig:
     n = 9
     mla = (3, 7, 8)
     return KimiConfig(
-        vocab_size=512, hidden_size=96, num_hidden_layers=n, bos_token_id=256, eos_token_id=257, pad_token_id=258,
-        max_position_embeddings=8192, intermediate_size=192,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        kda_num_heads=4, kda_head_dim=16, kda_gate_rank=16,
-        kda_layers=tuple(i for i in range(n) if i not in mla), mla_layers=mla, dsa_layers=mla,
-        index_n_heads=4, index_head_dim=16, index_topk=64,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=32,
-        routed_expert_hidden_size=64, attn_res_block_size=4,
+        vocab_size=512,
+        hidden_size=96,
+        num_hidden_layers=n,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        max_position_embeddings=8192,
+        intermediate_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kda_num_heads=4,
+        kda_head_dim=16,
+        kda_gate_rank=16,
+        kda_layers=tuple(i for i in range(n) if i not in mla),
+        mla_layers=mla,
+        dsa_layers=mla,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=64,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=2,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=64,
+        attn_res_block_size=4,
     )
 
 
@@ -648,21 +759,36 @@ def _tiny_linear() -> KimiConfig:
     n = 6
     mla = (3, 5)
     return _tiny().replace(
-        architecture="KimiLinearForCausalLM", key_prefix="", num_hidden_layers=n,
-        kda_layers=tuple(i for i in range(n) if i not in mla), mla_layers=mla, dsa_layers=(),
-        gate_lower_bound=None, use_full_rank_gate=False,
-        index_n_heads=32, index_head_dim=128, index_topk=2048,
-        hidden_act="silu", activation_situ_linear_beta=None, q_lora_rank=None, mla_use_output_gate=False,
-        routed_expert_hidden_size=None, latent_moe_use_norm=False, num_shared_experts=1,
-        routed_scaling_factor=2.446, attn_res_block_size=None, quant_method=None,
+        architecture="KimiLinearForCausalLM",
+        key_prefix="",
+        num_hidden_layers=n,
+        kda_layers=tuple(i for i in range(n) if i not in mla),
+        mla_layers=mla,
+        dsa_layers=(),
+        gate_lower_bound=None,
+        use_full_rank_gate=False,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        hidden_act="silu",
+        activation_situ_linear_beta=None,
+        q_lora_rank=None,
+        mla_use_output_gate=False,
+        routed_expert_hidden_size=None,
+        latent_moe_use_norm=False,
+        num_shared_experts=1,
+        routed_scaling_factor=2.446,
+        attn_res_block_size=None,
+        quant_method=None,
     )
 
 
 PRESETS = {"k3.1-pro": _k31_pro, "k3": _k3, "tiny": _tiny, "tiny-linear": _tiny_linear}
 
 
-def load_config(preset: str | None = None, config: str | Path | None = None,
-                checkpoint: str | Path | None = None) -> KimiConfig:
+def load_config(
+    preset: str | None = None, config: str | Path | None = None, checkpoint: str | Path | None = None
+) -> KimiConfig:
     """Exactly one source: a preset name, a config.json path, or a checkpoint directory.
 
     Raises:

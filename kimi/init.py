@@ -29,15 +29,19 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from kimi.checkpoint import _normalise_layers, _stored_items, _write_stream, DEFAULT_MAX_SHARD_BYTES
+from kimi.checkpoint import DEFAULT_MAX_SHARD_BYTES, _normalise_layers, _stored_items, _write_stream
 from kimi.config import KimiConfig
 from kimi.layout import TensorSpec, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 __all__ = ["init_params", "init_tensor", "init_checkpoint"]
 
-_RESIDUAL_OUT = (".o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
-                 "routed_expert_up_proj.weight")
+_RESIDUAL_OUT = (
+    ".o_proj.weight",
+    "mlp.down_proj.weight",
+    "shared_experts.down_proj.weight",
+    "routed_expert_up_proj.weight",
+)
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -50,7 +54,7 @@ def _draw(spec: TensorSpec, config: KimiConfig, seed: int) -> np.ndarray:
     """float32 values of one canonical tensor (before the cast to its dtype and the MXFP4 round trip)."""
     g = _rng(seed, spec.name)
     n, shape = spec.name, spec.shape
-    normal = lambda std: (g.standard_normal(shape, dtype=np.float32) * np.float32(std))  # noqa: E731
+    normal = lambda std: g.standard_normal(shape, dtype=np.float32) * np.float32(std)  # noqa: E731
     if n.endswith(".A_log"):
         return np.log(g.uniform(1.0, 16.0, size=shape)).astype(np.float32)
     if n.endswith(".dt_bias"):
@@ -86,8 +90,9 @@ def init_tensor(spec: TensorSpec, config: KimiConfig, seed: int = 0) -> torch.Te
     return t
 
 
-def init_params(config: KimiConfig, seed: int = 0,
-                layers: int | Iterable[int] | None = None) -> dict[str, torch.Tensor]:
+def init_params(
+    config: KimiConfig, seed: int = 0, layers: int | Iterable[int] | None = None
+) -> dict[str, torch.Tensor]:
     """Random canonical parameters: names, shapes and dtypes of ``param_layout(config, layers)``.
 
     Args:
@@ -102,8 +107,13 @@ def init_params(config: KimiConfig, seed: int = 0,
     return {s.name: init_tensor(s, config, seed) for s in param_layout(config, idx)}
 
 
-def init_checkpoint(path: str | os.PathLike, config: KimiConfig, seed: int = 0, layers: int | None = None,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> KimiConfig:
+def init_checkpoint(
+    path: str | os.PathLike,
+    config: KimiConfig,
+    seed: int = 0,
+    layers: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> KimiConfig:
     """Write a random checkpoint in the real layout (atomic, as :func:`kimi.checkpoint.write_checkpoint`).
 
     Tensors are generated and written one at a time (at most one canonical tensor and its stored form in memory),
@@ -143,6 +153,7 @@ def init_checkpoint(path: str | os.PathLike, config: KimiConfig, seed: int = 0, 
             nxt[0] += 1
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
+
         def produce(spec: TensorSpec) -> torch.Tensor:
             cn = canonical_name(spec.name)
             if cache_src[0] != cn:  # packed and scale of one expert are adjacent in the layout: one-entry cache

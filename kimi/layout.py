@@ -185,8 +185,13 @@ def param_counts(c: KimiConfig) -> dict[str, int]:
             embed = s.numel
     active_routed = routed * c.num_experts_per_token // max(c.num_experts, 1) if routed else 0
     active = total - routed + active_routed - embed
-    return {"total_params": total, "active_params": active, "active_with_embedding": active + embed,
-            "routed_expert_params": routed, "embedding_params": embed}
+    return {
+        "total_params": total,
+        "active_params": active,
+        "active_with_embedding": active + embed,
+        "routed_expert_params": routed,
+        "embedding_params": embed,
+    }
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,16 @@ def _e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
     """uint8 E8M0 bytes (0..254) -> exact float32 powers of two, built from the bit pattern (no pow rounding)."""
     b = scale.to(torch.int32)
     normal = (b << 23).view(torch.float32)  # exponent field = b: 2^(b-127) for b >= 1
-    sub = torch.full_like(normal, 2.0 ** -127)  # b == 0: 2^-127 is an fp32 subnormal (exact)
+    sub = torch.full_like(normal, 2.0**-127)  # b == 0: 2^-127 is an fp32 subnormal (exact)
     return torch.where(b == 0, sub, normal)
 
 
-def dequantize_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16, group_size: int = GROUP_SIZE) -> torch.Tensor:
+def dequantize_mxfp4(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    group_size: int = GROUP_SIZE,
+) -> torch.Tensor:
     """Decode MXFP4 to a dense ``[R, C]`` tensor of ``dtype``.
 
     Args:
@@ -79,16 +83,21 @@ def dequantize_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     R, half = weight_packed.shape
     C = 2 * half
     if C % group_size:
-        raise ValueError(f"weight_packed: got {half} bytes per row = {C} columns, expected a multiple of "
-                         f"group_size={group_size}")
+        raise ValueError(
+            f"weight_packed: got {half} bytes per row = {C} columns, expected a multiple of group_size={group_size}"
+        )
     want = (R, C // group_size)
     if tuple(weight_scale.shape) != want:
-        raise ValueError(f"weight_scale: got shape {list(weight_scale.shape)}, expected {list(want)} for "
-                         f"weight_packed {list(weight_packed.shape)} (one byte per {group_size} columns)")
+        raise ValueError(
+            f"weight_scale: got shape {list(weight_scale.shape)}, expected {list(want)} for "
+            f"weight_packed {list(weight_packed.shape)} (one byte per {group_size} columns)"
+        )
     if bool((weight_scale == _E8M0_NAN).any()):
         rows, groups = torch.nonzero(weight_scale == _E8M0_NAN, as_tuple=True)
-        raise ValueError(f"weight_scale: byte 255 (E8M0 NaN) at (row, group) ({int(rows[0])}, {int(groups[0])})"
-                         f" and {len(rows) - 1} more; expected 0..254")
+        raise ValueError(
+            f"weight_scale: byte 255 (E8M0 NaN) at (row, group) ({int(rows[0])}, {int(groups[0])})"
+            f" and {len(rows) - 1} more; expected 0..254"
+        )
     p = weight_packed.to(torch.int64)
     codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(R, C)  # [R, C/2, 2] -> [R, C]: low nibble first
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
@@ -96,8 +105,10 @@ def dequantize_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     out = (vals * _e8m0_to_float32(weight_scale)[..., None]).reshape(R, C)  # exact in fp32 (or inf)
     out = out.to(dtype)
     if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"weight_scale: a scale byte up to {int(weight_scale.max())} overflows {dtype} "
-                         "(the decoded value is not finite)")
+        raise ValueError(
+            f"weight_scale: a scale byte up to {int(weight_scale.max())} overflows {dtype} "
+            "(the decoded value is not finite)"
+        )
     return out
 
 

@@ -18,16 +18,18 @@ __all__ = ["Tokenizer", "load_tokenizer", "read_text", "KIMI_PAT_STR"]
 
 # Kimi's pre-tokenisation regex (tokenization_kimi.py): Han runs first, then cased letter runs with English
 # contractions, numbers in groups of up to three, punctuation runs, newlines, spaces.
-KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
     try:
         ranks = load_tiktoken_bpe(str(model))
     except Exception as e:  # noqa: BLE001 - tiktoken raises plain errors for malformed files
-        raise ValueError(f"tiktoken.model: {model} is not a tiktoken BPE file (base64 token + rank per line): {e}") from None
+        raise ValueError(
+            f"tiktoken.model: {model} is not a tiktoken BPE file (base64 token + rank per line): {e}"
+        ) from None
     special: dict[str, int] = {}
     cfg = model.parent / "tokenizer_config.json"
     if cfg.is_file():

@@ -46,23 +46,28 @@ def _stack(sources: Sequence[jax.Array] | jax.Array) -> jax.Array:
         shapes = {tuple(s.shape) for s in sources}
         dtypes = {jnp.dtype(s.dtype) for s in sources}
         if len(shapes) != 1 or len(dtypes) != 1:
-            raise ValueError(f"attn_res_mix: sources have shapes {sorted(shapes)} and dtypes {sorted(map(str, dtypes))}, "
-                             "expected one shape and one dtype")
+            raise ValueError(
+                f"attn_res_mix: sources have shapes {sorted(shapes)} and dtypes {sorted(map(str, dtypes))}, "
+                "expected one shape and one dtype"
+            )
         return jnp.stack(sources)  # [M, B, T, D]
     if sources.ndim < 2 or sources.shape[0] < 1:
         raise ValueError(f"attn_res_mix: stacked sources have shape {sources.shape}, expected [M >= 1, ..., D]")
     return sources
 
 
-def attn_res_weights(sources: Sequence[jax.Array] | jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
-                     eps: float = 1e-5) -> jax.Array:
+def attn_res_weights(
+    sources: Sequence[jax.Array] | jax.Array, norm_weight: jax.Array, proj_weight: jax.Array, eps: float = 1e-5
+) -> jax.Array:
     """The depth-softmax ``π`` of :func:`attn_res_mix`: ``[M, B, T]`` in fp32 (fp64 for fp64 sources), summing to 1
     over M. Arguments and errors as :func:`attn_res_mix`."""
     V = _stack(sources)  # [M, B, T, D]
     D = V.shape[-1]
     if tuple(norm_weight.shape) != (D,) or tuple(proj_weight.shape) not in ((1, D), (D,)):
-        raise ValueError(f"attn_res_mix: norm_weight {tuple(norm_weight.shape)} and proj_weight "
-                         f"{tuple(proj_weight.shape)}, expected ({D},) and (1, {D})")
+        raise ValueError(
+            f"attn_res_mix: norm_weight {tuple(norm_weight.shape)} and proj_weight "
+            f"{tuple(proj_weight.shape)}, expected ({D},) and (1, {D})"
+        )
     cd = compute_dtype(V)
     Vf = V.astype(cd)
     key = Vf * jax.lax.rsqrt(jnp.mean(Vf * Vf, axis=-1, keepdims=True) + eps)  # [M, B, T, D], RMS-normalised, no weight
@@ -71,8 +76,9 @@ def attn_res_weights(sources: Sequence[jax.Array] | jax.Array, norm_weight: jax.
     return jax.nn.softmax(score, axis=0)  # over depth
 
 
-def attn_res_mix(sources: Sequence[jax.Array] | jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
-                 eps: float = 1e-5) -> jax.Array:
+def attn_res_mix(
+    sources: Sequence[jax.Array] | jax.Array, norm_weight: jax.Array, proj_weight: jax.Array, eps: float = 1e-5
+) -> jax.Array:
     """AttnRes ``Mix(V; n, p)`` (spec 5.4): a learned softmax over depth of the candidate sources.
 
     ``key_i = v_i · rsqrt(mean(v_i²) + eps)``; ``score_i = ⟨key_i, n ⊙ p⟩``; ``π = softmax_i(score_i)``;

@@ -12,7 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["compute_dtype", "linear", "rms_norm", "check_cu_seqlens", "segment_ids", "causal_document_mask", "Linear", "RMSNorm"]
+__all__ = [
+    "compute_dtype",
+    "linear",
+    "rms_norm",
+    "check_cu_seqlens",
+    "segment_ids",
+    "causal_document_mask",
+    "Linear",
+    "RMSNorm",
+]
 
 
 def compute_dtype(x: jax.Array) -> jnp.dtype:
@@ -43,7 +52,9 @@ def check_cu_seqlens(cu_seqlens, T: int, B: int = 1) -> np.ndarray:
     """
     cu = np.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
-        raise ValueError(f"cu_seqlens: got {cu.tolist()!r} ({cu.dtype}), expected a 1-D integer array [0, ..., T] of length >= 2")
+        raise ValueError(
+            f"cu_seqlens: got {cu.tolist()!r} ({cu.dtype}), expected a 1-D integer array [0, ..., T] of length >= 2"
+        )
     if B != 1:
         raise ValueError(f"cu_seqlens: given with batch size {B}, expected batch size 1 (documents packed in one row)")
     if cu[0] != 0 or cu[-1] != T:
@@ -78,7 +89,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.param("weight", nn.initializers.normal(self.in_features ** -0.5), (self.features, self.in_features))
+        w = self.param("weight", nn.initializers.normal(self.in_features**-0.5), (self.features, self.in_features))
         return linear(x, w)
 
 

@@ -43,8 +43,8 @@ def indexer_scores(q_I: jax.Array, k_I: jax.Array, weights: jax.Array) -> jax.Ar
     dt = jnp.promote_types(jnp.promote_types(compute_dtype(q_I), compute_dtype(k_I)), compute_dtype(weights))
     HI, KI = q_I.shape[-2:]
     # [B, T, HI, S]: per-head dot products, scaled by KI^-1/2 inside the ReLU (a positive factor, so equivalently outside)
-    logits = jnp.einsum("btjk,bsk->btjs", q_I.astype(dt), k_I.astype(dt), precision=_HI) * (KI ** -0.5)
-    w = weights.astype(dt) * (HI ** -0.5)  # [B, T, HI]
+    logits = jnp.einsum("btjk,bsk->btjs", q_I.astype(dt), k_I.astype(dt), precision=_HI) * (KI**-0.5)
+    w = weights.astype(dt) * (HI**-0.5)  # [B, T, HI]
     # "+ 0.0" turns -0.0 (negative weights times an all-ReLU-zero key) into +0.0: top-k orders -0.0 below +0.0
     # while both frameworks' tie rule must see them as the same score (spec 9: ties -> larger key index first).
     return jnp.einsum("btj,btjs->bts", w, jax.nn.relu(logits), precision=_HI) + 0.0
@@ -69,7 +69,9 @@ def topk_indices(scores: jax.Array, mask: jax.Array, topk: int) -> jax.Array:
         raise ValueError(f"topk: got {topk}, expected an integer >= 1")
     B, T, S = scores.shape
     if mask.shape not in ((T, S), (B, T, S)):
-        raise ValueError(f"mask: got shape {tuple(mask.shape)}, expected {(T, S)} or {(B, T, S)} (scores {scores.shape})")
+        raise ValueError(
+            f"mask: got shape {tuple(mask.shape)}, expected {(T, S)} or {(B, T, S)} (scores {scores.shape})"
+        )
     mask = jnp.broadcast_to(mask, (B, T, S))
     k = min(topk, S)
     # Masked keys get -inf *before* selection (case 8).

@@ -237,7 +237,9 @@ def _initial_state(initial_state, N, H, K, V, dt) -> jax.Array:
     if initial_state is None:
         return jnp.zeros((N, H, K, V), dt)
     if tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state: got shape {tuple(initial_state.shape)}, expected [N, H, K, V]=[{N}, {H}, {K}, {V}]")
+        raise ValueError(
+            f"initial_state: got shape {tuple(initial_state.shape)}, expected [N, H, K, V]=[{N}, {H}, {K}, {V}]"
+        )
     return initial_state.astype(dt)
 
 
@@ -309,7 +311,9 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
     doc = np.searchsorted(cu[1:], np.arange(T), side="right")  # [T] document of each token
     start = np.zeros(T, bool)
     start[cu[:-1]] = True  # first token of a document: the state restarts from that document's initial state
-    return _scan_tokens_packed(S0, jnp.asarray(start), jnp.asarray(doc, jnp.int32), q, k, v, g, beta, scale, out_dtype=v.dtype)
+    return _scan_tokens_packed(
+        S0, jnp.asarray(start), jnp.asarray(doc, jnp.int32), q, k, v, g, beta, scale, out_dtype=v.dtype
+    )
 
 
 # ------------------------------------------------------------------------------------------------ chunked form
@@ -335,7 +339,9 @@ def _chunk_step(S, q_c, k_c, v_c, g_c, b_c):
     # WY form: (I + A_kk) delta = beta (v - (exp(G) k) S), solved by forward substitution (unit lower triangular):
     # w = (I + A_kk)^-1 beta exp(G) k, u = (I + A_kk)^-1 beta v, delta = v_new = u - w S.
     L = jnp.eye(C, dtype=q_c.dtype) + A_kk
-    w = jax.lax.linalg.triangular_solve(L, b_c[..., None] * (jnp.exp(G) * k_c), left_side=True, lower=True, unit_diagonal=True)
+    w = jax.lax.linalg.triangular_solve(
+        L, b_c[..., None] * (jnp.exp(G) * k_c), left_side=True, lower=True, unit_diagonal=True
+    )
     u = jax.lax.linalg.triangular_solve(L, b_c[..., None] * v_c, left_side=True, lower=True, unit_diagonal=True)
     v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, S)  # effective values written by the chunk
     o_c = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G), S) + jnp.einsum("bhij,bhjv->bhiv", A_qk, v_new)
@@ -478,7 +484,9 @@ class KimiDeltaAttention(nn.Module):
     def setup(self):
         c = self.config
         if c.layer_type(self.layer_idx) != "kda":
-            raise ValueError(f"layer_idx: got {self.layer_idx} ({c.layer_type(self.layer_idx)}), expected a KDA layer {list(c.kda_layers)}")
+            raise ValueError(
+                f"layer_idx: got {self.layer_idx} ({c.layer_type(self.layer_idx)}), expected a KDA layer {list(c.kda_layers)}"
+            )
         H, K, D, W, R = c.kda_num_heads, c.kda_head_dim, c.hidden_size, c.short_conv_kernel_size, c.kda_gate_rank
         P = H * K
         self.q_proj, self.k_proj, self.v_proj = Linear(P, D), Linear(P, D), Linear(P, D)

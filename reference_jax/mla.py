@@ -88,8 +88,15 @@ def mla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sca
     return jnp.concatenate(out, axis=1).astype(v.dtype)
 
 
-def mla_attention_absorbed(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array,
-                           kv_b_weight: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+def mla_attention_absorbed(
+    q_nope: jax.Array,
+    q_pe: jax.Array,
+    c_kv: jax.Array,
+    k_pe: jax.Array,
+    kv_b_weight: jax.Array,
+    mask: jax.Array,
+    scale: float,
+) -> jax.Array:
     """Absorbed (MQA-over-latent) MLA attention (spec 3.3), equal to :func:`mla_attention` in exact arithmetic.
 
     Per head h, with ``W_UK_h``/``W_UV_h`` the first ``K_nope``/last ``V`` rows of ``kv_b_weight`` viewed as
@@ -113,8 +120,10 @@ def mla_attention_absorbed(q_nope: jax.Array, q_pe: jax.Array, c_kv: jax.Array, 
     S, L = c_kv.shape[1:]
     rows = kv_b_weight.shape[0]
     if rows % H or rows // H <= Kn or kv_b_weight.shape[1] != L:
-        raise ValueError(f"kv_b_weight: got shape {tuple(kv_b_weight.shape)}, expected [H*(K_nope+V), L] with "
-                         f"H={H}, K_nope={Kn}, L={L}")
+        raise ValueError(
+            f"kv_b_weight: got shape {tuple(kv_b_weight.shape)}, expected [H*(K_nope+V), L] with "
+            f"H={H}, K_nope={Kn}, L={L}"
+        )
     dt = jnp.promote_types(compute_dtype(q_nope), compute_dtype(c_kv))
     w = kv_b_weight.astype(dt).reshape(H, rows // H, L)
     w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, K_nope, L], [H, V, L]
@@ -168,8 +177,10 @@ class GatedMLA(nn.Module):
         c = self.config
         kind = c.layer_type(self.layer_idx)
         if kind == "kda":
-            raise ValueError(f"layer_idx: got {self.layer_idx}, a KDA layer; GatedMLA needs an 'mla' or 'dsa' layer "
-                             "(g_proj means the KDA output gate there, case 18)")
+            raise ValueError(
+                f"layer_idx: got {self.layer_idx}, a KDA layer; GatedMLA needs an 'mla' or 'dsa' layer "
+                "(g_proj means the KDA output gate there, case 18)"
+            )
         if form not in _FORMS:
             raise ValueError(f"form: got {form!r}, expected one of {list(_FORMS)}")
         B, T, D = x.shape
@@ -183,7 +194,8 @@ class GatedMLA(nn.Module):
             q = Linear(H * (Kn + R), D, name="q_proj")(x)
         else:
             c_q = RMSNorm(c.q_lora_rank, c.mla_norm_eps, name="q_a_layernorm")(
-                Linear(c.q_lora_rank, D, name="q_a_proj")(x))  # [B, T, q_lora_rank]
+                Linear(c.q_lora_rank, D, name="q_a_proj")(x)
+            )  # [B, T, q_lora_rank]
             q = Linear(H * (Kn + R), c.q_lora_rank, name="q_b_proj")(c_q)
         q = q.reshape(B, T, H, Kn + R)  # [B, T, H, Kn+R]
         q_nope, q_pe = q[..., :Kn], q[..., Kn:]

@@ -113,11 +113,14 @@ def _router_scores(x: jax.Array, gate_weight: jax.Array, config: KimiConfig) -> 
         return jax.nn.sigmoid(logits)
     if config.moe_router_activation_func == "softmax":
         return jax.nn.softmax(logits, axis=-1)
-    raise ValueError(f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'")
+    raise ValueError(
+        f"moe_router_activation_func: got {config.moe_router_activation_func!r}, expected 'sigmoid' or 'softmax'"
+    )
 
 
-def selection_scores(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Array | None,
-                     config: KimiConfig) -> jax.Array:
+def selection_scores(
+    x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Array | None, config: KimiConfig
+) -> jax.Array:
     """The scores the router's top-k ranks: ``act(x W_gateᵀ) + e_score_correction_bias``, ``[..., E]`` fp32 (before
     any group restriction). The equivalence harness uses them to tell routing flips at near-ties from real
     disagreements."""
@@ -125,8 +128,9 @@ def selection_scores(x: jax.Array, gate_weight: jax.Array, e_score_correction_bi
     return scores if e_score_correction_bias is None else scores + e_score_correction_bias.astype(scores.dtype)
 
 
-def route(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Array | None,
-          config: KimiConfig) -> tuple[jax.Array, jax.Array]:
+def route(
+    x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Array | None, config: KimiConfig
+) -> tuple[jax.Array, jax.Array]:
     """The MoE router (spec 5.3 steps 1-3; ``block_sparse_moe.gate``).
 
     1. ``logits = x_fp32 · W_fp32ᵀ``; ``s = sigmoid(logits)`` (or softmax over E, ``moe_router_activation_func``).
@@ -152,9 +156,13 @@ def route(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Arr
     E, D = gate_weight.shape
     k = config.num_experts_per_token
     if x.shape[-1] != D:
-        raise ValueError(f"route: x has width {x.shape[-1]}, gate.weight is {tuple(gate_weight.shape)}; expected [E, {x.shape[-1]}]")
+        raise ValueError(
+            f"route: x has width {x.shape[-1]}, gate.weight is {tuple(gate_weight.shape)}; expected [E, {x.shape[-1]}]"
+        )
     if e_score_correction_bias is not None and e_score_correction_bias.shape != (E,):
-        raise ValueError(f"route: e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, expected ({E},)")
+        raise ValueError(
+            f"route: e_score_correction_bias has shape {tuple(e_score_correction_bias.shape)}, expected ({E},)"
+        )
     if not 1 <= k <= E:
         raise ValueError(f"route: num_experts_per_token={k}, expected an integer in [1, {E}]")
     lead = x.shape[:-1]
@@ -165,8 +173,10 @@ def route(x: jax.Array, gate_weight: jax.Array, e_score_correction_bias: jax.Arr
     if config.use_grouped_topk:
         G = config.num_expert_group
         if E % G or not 1 <= config.topk_group <= G or config.topk_group * (E // G) < k:
-            raise ValueError(f"route: grouping num_experts={E}, num_expert_group={G}, topk_group={config.topk_group} "
-                             f"expected G | E, 1 <= topk_group <= G and topk_group*E/G >= k={k}")
+            raise ValueError(
+                f"route: grouping num_experts={E}, num_expert_group={G}, topk_group={config.topk_group} "
+                f"expected G | E, 1 <= topk_group <= G and topk_group*E/G >= k={k}"
+            )
         biased = jnp.where(_group_mask(biased, config, e_score_correction_bias is not None), biased, -jnp.inf)
     ids = topk_ids(biased, k)  # [N, k]
 
@@ -225,7 +235,7 @@ class MoEGate(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         E, D = self.config.num_experts, self.config.hidden_size
-        weight = self.param("weight", nn.initializers.normal(D ** -0.5), (E, D))
+        weight = self.param("weight", nn.initializers.normal(D**-0.5), (E, D))
         bias = self.param("e_score_correction_bias", nn.initializers.zeros, (E,), jnp.float32)
         return route(x, weight, bias, self.config)
 
@@ -285,5 +295,7 @@ class KimiMoE(nn.Module):
         if not return_aux:
             return r
         gate = self.gate.variables["params"]
-        return r, {"expert_ids": ids, "expert_scores": selection_scores(x, gate["weight"],
-                                                                        gate["e_score_correction_bias"], c)}
+        return r, {
+            "expert_ids": ids,
+            "expert_scores": selection_scores(x, gate["weight"], gate["e_score_correction_bias"], c),
+        }

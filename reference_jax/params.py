@@ -18,11 +18,26 @@ import ml_dtypes
 import numpy as np
 import torch
 
-__all__ = ["name_to_path", "path_to_name", "to_tree", "from_tree", "torch_to_numpy", "numpy_to_torch",
-           "save_orbax", "restore_orbax"]
+__all__ = [
+    "name_to_path",
+    "path_to_name",
+    "to_tree",
+    "from_tree",
+    "torch_to_numpy",
+    "numpy_to_torch",
+    "save_orbax",
+    "restore_orbax",
+]
 
-_TORCH_TO_NP = {torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32, torch.float64: np.float64,
-                torch.float16: np.float16, torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
+_TORCH_TO_NP = {
+    torch.bfloat16: ml_dtypes.bfloat16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.uint8: np.uint8,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
 _NP_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_NP.items()}
 
 
@@ -73,7 +88,7 @@ def to_tree(params: Mapping[str, Any], dtype: Any = None, prefix: str = "") -> d
         if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
             arr = arr.astype(dtype)
         node = tree
-        path = name_to_path(name[len(prefix):])
+        path = name_to_path(name[len(prefix) :])
         for seg in path[:-1]:
             node = node.setdefault(seg, {})
         node[path[-1]] = arr

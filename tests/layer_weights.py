@@ -15,13 +15,13 @@ from kimi.layout import param_layout
 def layer_shapes(cfg, layer: int, prefix: str) -> dict[str, tuple]:
     """``{name: shape}`` of layer ``layer``'s tensors under ``prefix`` (e.g. ``"self_attn."``, ``"mlp."``)."""
     pre = f"model.layers.{layer}.{prefix}"
-    return {s.name[len(pre):]: s.shape for s in param_layout(cfg, [layer]) if s.name.startswith(pre)}
+    return {s.name[len(pre) :]: s.shape for s in param_layout(cfg, [layer]) if s.name.startswith(pre)}
 
 
 def layer_dtypes(cfg, layer: int, prefix: str) -> dict[str, str]:
     """``{name: checkpoint dtype}`` for the same tensors."""
     pre = f"model.layers.{layer}.{prefix}"
-    return {s.name[len(pre):]: s.dtype for s in param_layout(cfg, [layer]) if s.name.startswith(pre)}
+    return {s.name[len(pre) :]: s.dtype for s in param_layout(cfg, [layer]) if s.name.startswith(pre)}
 
 
 def mla_params(cfg, layer: int, rng: np.random.Generator, prefix: str = "self_attn.") -> dict[str, np.ndarray]:

@@ -61,7 +61,9 @@ def test_matches_hand_computation_fp64(M):
 
 def test_weights_are_a_softmax_over_depth():
     V, n, p = inputs(4, seed=1)
-    pi = np.asarray(attn_res_weights(jnp.asarray(V, jnp.float32), jnp.asarray(n, jnp.float32), jnp.asarray(p, jnp.float32)))
+    pi = np.asarray(
+        attn_res_weights(jnp.asarray(V, jnp.float32), jnp.asarray(n, jnp.float32), jnp.asarray(p, jnp.float32))
+    )
     assert pi.shape == V.shape[:3] and pi.dtype == np.float32
     assert np.all(pi >= 0) and np.abs(pi.sum(0) - 1).max() <= TOL_SUM
     # equal sources: a convex combination returns the source

@@ -14,8 +14,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import kimi.checkpoint as ckpt
-from kimi.checkpoint import (CheckpointError, CheckpointReader, INDEX_NAME, SINGLE_NAME, load_params, save_params,
-                             to_stored, write_checkpoint)
+from kimi.checkpoint import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    CheckpointError,
+    CheckpointReader,
+    load_params,
+    save_params,
+    to_stored,
+    write_checkpoint,
+)
 from kimi.config import KimiConfig, load_config
 from kimi.layout import layer_of, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -46,9 +54,16 @@ def random_params(cfg: KimiConfig, seed: int) -> dict[str, torch.Tensor]:
 
 def kimi_linear_cfg() -> KimiConfig:
     return load_config("tiny").replace(
-        architecture="KimiLinearForCausalLM", key_prefix="", dsa_layers=(), attn_res_block_size=None,
-        quant_method=None, routed_expert_hidden_size=None, q_lora_rank=None, gate_lower_bound=None,
-        use_full_rank_gate=False)
+        architecture="KimiLinearForCausalLM",
+        key_prefix="",
+        dsa_layers=(),
+        attn_res_block_size=None,
+        quant_method=None,
+        routed_expert_hidden_size=None,
+        q_lora_rank=None,
+        gate_lower_bound=None,
+        use_full_rank_gate=False,
+    )
 
 
 def write_raw(path, stored: dict[str, torch.Tensor], cfg: KimiConfig) -> None:
@@ -192,6 +207,7 @@ def test_unexpected_tensor_in_layer_and_global(tmp_path, cfg, params):
     def mutate(s):
         s["model.layers.2.self_attn.bogus.weight"] = torch.ones(3)
         s["model.extra_head.weight"] = torch.ones(2, 2, dtype=torch.bfloat16)
+
     d = _broken(tmp_path, cfg, params, mutate)
     with pytest.raises(CheckpointError) as e:
         load_params(d, layers=[2])
@@ -203,8 +219,11 @@ def test_unexpected_tensor_in_layer_and_global(tmp_path, cfg, params):
 
 def test_misshaped_tensor(tmp_path, cfg, params):
     d = _broken(tmp_path, cfg, params, lambda s: s.__setitem__(L2, torch.ones(64, 95, dtype=torch.bfloat16)))
-    with pytest.raises(CheckpointError, match=r"wrong shape: .*q_proj.weight \(expected \[64, 96\] bfloat16, "
-                                              r"found \[64, 95\] bfloat16\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"wrong shape: .*q_proj.weight \(expected \[64, 96\] bfloat16, "
+        r"found \[64, 95\] bfloat16\)",
+    ):
         load_params(d)
 
 
@@ -224,6 +243,7 @@ def test_several_problems_in_one_error(tmp_path, cfg, params):
         s[L2_DT] = s[L2_DT].double()
         s[expert] = torch.ones(64, 2, dtype=torch.uint8)
         s["model.norm.weight"] = torch.ones(95)
+
     d = _broken(tmp_path, cfg, params, mutate)
     with pytest.raises(CheckpointError) as e:
         load_params(d)
@@ -363,8 +383,12 @@ def test_truncated_shard_and_nan_scale_are_named(tmp_path, cfg, params):
 def test_a_log_alternative_shapes_in_k3(tmp_path, cfg, params, shape):
     name = "model.layers.4.self_attn.A_log"
     H = cfg.kda_num_heads
-    d = _broken(tmp_path, cfg, params, lambda s: s.__setitem__(
-        name, params[name].reshape((1, 1, H, 1) if shape == "1,1,H,1" else (H,)).clone()))
+    d = _broken(
+        tmp_path,
+        cfg,
+        params,
+        lambda s: s.__setitem__(name, params[name].reshape((1, 1, H, 1) if shape == "1,1,H,1" else (H,)).clone()),
+    )
     assert _same(load_params(d)[name], params[name])
 
 
@@ -416,6 +440,7 @@ def test_crash_mid_write_leaves_no_partial_file(tmp_path, cfg, params, monkeypat
             f.write(b"\x00" * 3)  # half a tensor, then the crash
             raise OSError("disk full (injected)")
         real(f, t)
+
     monkeypatch.setattr(ckpt, "_write_tensor_data", flaky)
     with pytest.raises(OSError, match="injected"):
         save_params(tmp_path, params, cfg, max_shard_bytes=150_000)
@@ -443,6 +468,7 @@ def test_crash_during_commit_leaves_no_index(tmp_path, cfg, params, monkeypatch)
         if calls[0] == 3:
             raise OSError("power cut (injected)")
         real(a, b)
+
     monkeypatch.setattr(ckpt.os, "replace", flaky)
     with pytest.raises(OSError, match="injected"):
         save_params(tmp_path, params, cfg, max_shard_bytes=150_000)

@@ -9,8 +9,13 @@ from safetensors.numpy import load_file
 
 
 def kimi(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "kimi.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=600, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [sys.executable, "-m", "kimi_tools.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
     if check and r.returncode != 0:
         raise AssertionError(f"kimi {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
@@ -68,8 +73,18 @@ def test_compare_bf16_passes_with_layer_local_rows():
 
 @pytest.mark.slow
 def test_compare_against_the_eager_fp32_oracle(tmp_path):
-    r = kimi("compare", "--reference", "eager", "--backends", "sdpa", "--tokens", "80", "--json", tmp_path / "r.json",
-             "--quiet")
+    r = kimi(
+        "compare",
+        "--reference",
+        "eager",
+        "--backends",
+        "sdpa",
+        "--tokens",
+        "80",
+        "--json",
+        tmp_path / "r.json",
+        "--quiet",
+    )
     assert "vs torch-eager fp32" in r.stdout and "PASS" in r.stdout
     assert json.loads((tmp_path / "r.json").read_text())["reference"] == "torch-eager fp32"
 
@@ -91,9 +106,9 @@ def test_compare_kimi_linear_preset():
 @pytest.mark.slow
 def test_compare_names_first_divergent_layer(tmp_path):
     """Corrupt one weight of layer 2 in the torch path only: compare must fail and name layer 2."""
-    script = f"""
+    script = """
 import sys, torch
-from kimi.cli import main
+from kimi_tools.cli import main
 import kernels_torch.model as km
 orig = km.load_model
 def corrupted(*a, **k):
@@ -115,7 +130,19 @@ def test_logits_and_against_roundtrip(tmp_path):
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(list(range(10, 90))))
     out = tmp_path / "l.safetensors"
-    kimi("logits", "--checkpoint", tmp_path / "ck", "--ids", ids, "--backend", "sdpa", "--out", out, "--hidden", "--quiet")
+    kimi(
+        "logits",
+        "--checkpoint",
+        tmp_path / "ck",
+        "--ids",
+        ids,
+        "--backend",
+        "sdpa",
+        "--out",
+        out,
+        "--hidden",
+        "--quiet",
+    )
     f = load_file(out)
     assert f["logits"].shape == (80, 512) and f["input_ids"].tolist() == list(range(10, 90))
     assert {f"hidden.{i}" for i in range(4)} <= f.keys()
@@ -123,20 +150,29 @@ def test_logits_and_against_roundtrip(tmp_path):
     assert "PASS" in r.stdout
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["compare", "--tokens", "0"], "--tokens"),
-    (["compare", "--backends", "eager,triton"], "--backends"),
-    (["compare", "--text", "EMPTY"], "empty"),
-    (["compare", "--text", "LATIN1"], "not UTF-8"),
-    (["compare", "--checkpoint", "MISSING_TENSOR"], "model.layers.1.self_attn.q_proj.weight"),
-    (["compare", "--checkpoint", "NOWHERE"], "NOWHERE"),
-    (["compare", "--text", "MISSING_FILE"], "--text: no file"),
-    (["compare", "--ids", "HUGE_IDS"], "token ids: got 100000000000000000000000"),
-    pytest.param(["compare", "--backends", "cudnn", "--tokens", "8"], "CUDA is not available here",
-                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only refusal")),
-    pytest.param(["forward", "--backend", "cudnn", "--tokens", "8"], "CUDA is not available",
-                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only refusal")),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["compare", "--tokens", "0"], "--tokens"),
+        (["compare", "--backends", "eager,triton"], "--backends"),
+        (["compare", "--text", "EMPTY"], "empty"),
+        (["compare", "--text", "LATIN1"], "not UTF-8"),
+        (["compare", "--checkpoint", "MISSING_TENSOR"], "model.layers.1.self_attn.q_proj.weight"),
+        (["compare", "--checkpoint", "NOWHERE"], "NOWHERE"),
+        (["compare", "--text", "MISSING_FILE"], "--text: no file"),
+        (["compare", "--ids", "HUGE_IDS"], "token ids: got 100000000000000000000000"),
+        pytest.param(
+            ["compare", "--backends", "cudnn", "--tokens", "8"],
+            "CUDA is not available here",
+            marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only refusal"),
+        ),
+        pytest.param(
+            ["forward", "--backend", "cudnn", "--tokens", "8"],
+            "CUDA is not available",
+            marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only refusal"),
+        ),
+    ],
+)
 def test_bad_input_one_line_error(args, needle, tmp_path, tiny_ckpt):
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
@@ -144,8 +180,14 @@ def test_bad_input_one_line_error(args, needle, tmp_path, tiny_ckpt):
     if "MISSING_TENSOR" in args:
         _copy_without(tiny_ckpt, broken, "model.layers.1.self_attn.q_proj.weight")
     (tmp_path / "huge.json").write_text("[1, 100000000000000000000000]")
-    subst = {"EMPTY": tmp_path / "empty.txt", "LATIN1": tmp_path / "latin1.txt", "MISSING_TENSOR": broken,
-             "NOWHERE": tmp_path / "NOWHERE", "MISSING_FILE": tmp_path / "nope.txt", "HUGE_IDS": tmp_path / "huge.json"}
+    subst = {
+        "EMPTY": tmp_path / "empty.txt",
+        "LATIN1": tmp_path / "latin1.txt",
+        "MISSING_TENSOR": broken,
+        "NOWHERE": tmp_path / "NOWHERE",
+        "MISSING_FILE": tmp_path / "nope.txt",
+        "HUGE_IDS": tmp_path / "huge.json",
+    }
     r = kimi(*[subst.get(a, a) for a in args], check=False)
     assert_clean_error(r, needle)
 
@@ -159,5 +201,7 @@ def _copy_without(src, dst, name):
     reader = CheckpointReader(src)
     prefix = reader.config.key_prefix
     dst.mkdir()
-    save_file({prefix + k: reader.get(k).contiguous() for k in reader.keys() if k != name}, str(dst / "model.safetensors"))
+    save_file(
+        {prefix + k: reader.get(k).contiguous() for k in reader.keys() if k != name}, str(dst / "model.safetensors")
+    )
     (dst / "config.json").write_text((src / "config.json").read_text())

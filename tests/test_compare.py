@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kimi.compare import RunResult, TOLERANCES, compare_runs, rel_err, selection_agreement
+from kimi_tools.compare import TOLERANCES, RunResult, compare_runs, rel_err, selection_agreement
 
 rng = np.random.default_rng(0)
 
@@ -42,7 +42,7 @@ def test_padding_slots_are_ignored():
 
 def _run(T=12, D=8, noise=0.0, layer_noise=None):
     layers = []
-    for i in range(3):
+    for _ in range(3):
         base = {k: rng.standard_normal((T, D)).astype(np.float32) for k in ("attn_out", "mlp_out", "residual")}
         layers.append(base)
     return RunResult("x", rng.standard_normal((T, 16)).astype(np.float32), layers)

@@ -22,24 +22,61 @@ PUBLISHED_K3 = {
     "vision_config": {"patch_size": 14, "vt_hidden_size": 1152},
     "text_config": {
         "model_type": "kimi_linear",
-        "vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 93, "num_attention_heads": 96,
-        "num_key_value_heads": 96, "intermediate_size": 33792, "hidden_act": "situ",
-        "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 1048576, "tie_word_embeddings": False, "q_lora_rank": 1536,
-        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "mla_use_nope": True, "mla_use_output_gate": True, "num_experts": 896, "num_experts_per_token": 16,
-        "num_shared_experts": 2, "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584,
-        "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
-        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
-        "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "num_nextn_predict_layers": 0, "attn_res_block_size": 12, "dtype": "bfloat16", "eos_token_id": 163586,
-        "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
-                               "use_full_rank_gate": True, "gate_lower_bound": -5.0,
-                               "kda_layers": K3_KDA_1B, "full_attn_layers": K3_FULL_1B},
-        "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                                "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32},
-                                                              "format": "mxfp4-pack-quantized"}},
-                                "ignore": ["re:.*shared_experts.*"]},
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "num_hidden_layers": 93,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 96,
+        "intermediate_size": 33792,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1048576,
+        "tie_word_embeddings": False,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "num_experts": 896,
+        "num_experts_per_token": 16,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 3072,
+        "routed_expert_hidden_size": 3584,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0,
+        "attn_res_block_size": 12,
+        "dtype": "bfloat16",
+        "eos_token_id": 163586,
+        "linear_attn_config": {
+            "num_heads": 96,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+            "kda_layers": K3_KDA_1B,
+            "full_attn_layers": K3_FULL_1B,
+        },
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "config_groups": {
+                "group_0": {"weights": {"num_bits": 4, "group_size": 32}, "format": "mxfp4-pack-quantized"}
+            },
+            "ignore": ["re:.*shared_experts.*"],
+        },
     },
 }
 
@@ -47,8 +84,12 @@ PUBLISHED_K3 = {
 def k31_json():
     d = copy.deepcopy(PUBLISHED_K3)
     d["architectures"] = ["KimiK31ForConditionalGeneration"]
-    d["text_config"]["dsa_config"] = {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
-                                      "layers": K3_FULL_1B}
+    d["text_config"]["dsa_config"] = {
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+        "index_topk": 2048,
+        "layers": K3_FULL_1B,
+    }
     return d
 
 
@@ -60,7 +101,7 @@ def test_published_k3_parses_and_equals_preset():
     assert cfg.mla_layers[:3] == (3, 7, 11) and cfg.mla_layers[-2:] == (91, 92)  # last two both MLA (case 16)
     assert cfg.gate_lower_bound == -5.0 and cfg.use_full_rank_gate and cfg.quant_method == "mxfp4"
     assert cfg.mla_norm_eps == 1e-6 and cfg.rms_norm_eps == 1e-5
-    assert cfg.mla_softmax_scale == pytest.approx(192 ** -0.5)
+    assert cfg.mla_softmax_scale == pytest.approx(192**-0.5)
     assert cfg.dsa_layers == ()
 
 
@@ -126,27 +167,35 @@ def _text(mut):
     return d
 
 
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda t: t["linear_attn_config"].update(kda_layers=K3_KDA_1B + [4]), "no layer in both"),
-    (lambda t: t["linear_attn_config"].update(kda_layers=K3_KDA_1B[1:]), "every layer in kda_layers or full_attn_layers"),
-    (lambda t: t["linear_attn_config"].update(kda_layers=[n - 1 for n in K3_KDA_1B]), "1-based"),
-    (lambda t: t["linear_attn_config"].update(full_attn_layers=K3_FULL_1B[:-1] + [94]), "out of range"),
-    (lambda t: t.update(num_key_value_heads=8), "num_key_value_heads"),
-    (lambda t: t.update(hidden_act="gelu"), "hidden_act"),
-    (lambda t: t.update(dsa_config={"index_topk": 0}), "index_topk"),
-    (lambda t: t.update(num_experts_per_token=1000), "num_experts_per_token"),
-    (lambda t: t.update(hidden_size="7168"), "hidden_size"),
-    (lambda t: t.update(dsa_config={"layers": [1, 4]}), "dsa_config.layers"),
-    (lambda t: t["linear_attn_config"].update(gate_lower_bound=5.0), "gate_lower_bound"),
-    (lambda t: t.update(quantization_config={"format": "nvfp4"}), "quantization_config"),
-    (lambda t: t.update(intermediate_size=0), "intermediate_size"),
-    (lambda t: t.update(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
-    (lambda t: t.update(activation_situ_linear_beta="a"), "activation_situ_linear_beta"),
-    (lambda t: t.update(num_hidden_layers=0), "num_hidden_layers"),
-    (lambda t: t.update(eos_token_id=10**9), "eos_token_id"),
-    (lambda t: t["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size="32"),
-     "quant_group_size"),
-])
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda t: t["linear_attn_config"].update(kda_layers=K3_KDA_1B + [4]), "no layer in both"),
+        (
+            lambda t: t["linear_attn_config"].update(kda_layers=K3_KDA_1B[1:]),
+            "every layer in kda_layers or full_attn_layers",
+        ),
+        (lambda t: t["linear_attn_config"].update(kda_layers=[n - 1 for n in K3_KDA_1B]), "1-based"),
+        (lambda t: t["linear_attn_config"].update(full_attn_layers=K3_FULL_1B[:-1] + [94]), "out of range"),
+        (lambda t: t.update(num_key_value_heads=8), "num_key_value_heads"),
+        (lambda t: t.update(hidden_act="gelu"), "hidden_act"),
+        (lambda t: t.update(dsa_config={"index_topk": 0}), "index_topk"),
+        (lambda t: t.update(num_experts_per_token=1000), "num_experts_per_token"),
+        (lambda t: t.update(hidden_size="7168"), "hidden_size"),
+        (lambda t: t.update(dsa_config={"layers": [1, 4]}), "dsa_config.layers"),
+        (lambda t: t["linear_attn_config"].update(gate_lower_bound=5.0), "gate_lower_bound"),
+        (lambda t: t.update(quantization_config={"format": "nvfp4"}), "quantization_config"),
+        (lambda t: t.update(intermediate_size=0), "intermediate_size"),
+        (lambda t: t.update(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+        (lambda t: t.update(activation_situ_linear_beta="a"), "activation_situ_linear_beta"),
+        (lambda t: t.update(num_hidden_layers=0), "num_hidden_layers"),
+        (lambda t: t.update(eos_token_id=10**9), "eos_token_id"),
+        (
+            lambda t: t["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size="32"),
+            "quant_group_size",
+        ),
+    ],
+)
 def test_refusals_name_key_and_value(mutate, needle):
     with pytest.raises(ConfigError, match="got") as e:
         KimiConfig.from_dict(_text(mutate))

@@ -99,8 +99,9 @@ def test_mask_with_a_hole_is_refused():
         dc.cu_seqlens_from_mask(torch.ones(2, T, T, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("T,cu,chunk", [(1, None, 7), (63, None, 10), (300, [0, 1, 129, 300], 50)],
-                         ids=["T1", "T63", "T300-packed"])
+@pytest.mark.parametrize(
+    "T,cu,chunk", [(1, None, 7), (63, None, 10), (300, [0, 1, 129, 300], 50)], ids=["T1", "T63", "T300-packed"]
+)
 def test_chunked_scores_twin_matches_indexer_scores(T, cu, chunk):
     """The row-chunk driver (torch twin of the cuDNN score kernel: H_I = 4, D_I = 16) gives the masked
     ``indexer_scores``, in chunks of at most ``chunk`` rows and one document's keys."""
@@ -116,7 +117,7 @@ def test_chunked_scores_twin_matches_indexer_scores(T, cu, chunk):
     def on_chunk(r0, r1, a, cols, scores):
         shapes.append(tuple(scores.shape))
         n = min(cols, T - a)
-        got[r0:r1, a:a + n] = scores[:, :n].double()
+        got[r0:r1, a : a + n] = scores[:, :n].double()
 
     dc._indexer_chunks(q, k, w, 8, cu_t, chunk, dc.CHUNK_BYTES, on_chunk)
     mask = causal_document_mask(T, cu_t)
@@ -168,8 +169,11 @@ class _TorchTopK:
         return {"indices": torch.where(torch.arange(k)[None, :] < seq_lens[:, None].long(), idx, -1).int()}
 
 
-@pytest.mark.parametrize("cu,chunk_rows", [(None, 128), ([0, 100, 450, 700], 128), ([0, 300, 700], None)],
-                         ids=["one-doc-chunks", "packed-short-doc", "packed-one-chunk-per-doc"])
+@pytest.mark.parametrize(
+    "cu,chunk_rows",
+    [(None, 128), ([0, 100, 450, 700], 128), ([0, 300, 700], None)],
+    ids=["one-doc-chunks", "packed-short-doc", "packed-one-chunk-per-doc"],
+)
 def test_indexer_topk_chunk_driver(monkeypatch, cu, chunk_rows):
     """``indexer_topk_cudnn``'s own row-chunk driver (document offsets, local -> global ids, -1 slots of a document
     shorter than topk, ``topk_length``) against the canonical top-k of the dense reference scores. The two cuDNN
@@ -204,15 +208,18 @@ def test_sort_topk_slots_orders_ids_and_keeps_sets():
     assert out.dtype == torch.int32 and out.shape == ids.shape
     for r in range(T):
         valid = out[r, : n_valid[r]]
-        assert bool((valid[1:] > valid[:-1]).all()) and bool((out[r, n_valid[r]:] == -1).all())
+        assert bool((valid[1:] > valid[:-1]).all()) and bool((out[r, n_valid[r] :] == -1).all())
         assert set(valid.tolist()) == set(ids[r][ids[r] >= 0].tolist())
 
 
 TOL_WIRING = 1e-10  # fp64, cudnn layer code with torch stand-ins for the two kernels vs the eager layer
 
 
-@pytest.mark.parametrize("B,T,cu", [(1, 1, None), (2, 100, None), (1, 130, [0, 15, 100, 130]), (1, 63, None)],
-                         ids=["T1", "B2-T100", "packed", "T63"])
+@pytest.mark.parametrize(
+    "B,T,cu",
+    [(1, 1, None), (2, 100, None), (1, 130, [0, 15, 100, 130]), (1, 63, None)],
+    ids=["T1", "B2-T100", "packed", "T63"],
+)
 def test_cudnn_layer_code_matches_eager_with_torch_kernels(monkeypatch, B, T, cu):
     """``gated_mla_forward``'s own code (projections, the absorbed query and latent rows, W_UV, the gate, o_proj,
     B > 1 as packed documents) against the eager layer in fp64 on the CPU. The two GPU kernels are replaced by their
@@ -233,8 +240,9 @@ def test_cudnn_layer_code_matches_eager_with_torch_kernels(monkeypatch, B, T, cu
     out, aux = fast(x, cu_seqlens=cu_t, return_aux=True)
     out_e, aux_e = eager(x, cu_seqlens=cu_t, return_aux=True)
     k = min(T, cfg.index_topk)
-    assert torch.equal(torch.sort(aux["topk_indices"].long(), -1).values,
-                       torch.sort(aux_e["topk_indices"].long(), -1).values)
+    assert torch.equal(
+        torch.sort(aux["topk_indices"].long(), -1).values, torch.sort(aux_e["topk_indices"].long(), -1).values
+    )
     assert aux["topk_indices"].shape == (B, T, k)
     ids = aux["topk_indices"].long()  # slots ascending, -1 last (sort_topk_slots: a reproducible sparse forward)
     keyed = torch.where(ids < 0, torch.iinfo(torch.int64).max, ids)

@@ -4,8 +4,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from kernels_torch.model import load_model as load_torch
+from kernels_torch.model import save_model as save_torch
 from kimi.checkpoint import load_params
-from kernels_torch.model import load_model as load_torch, save_model as save_torch
 from reference_jax.model import load_params_tree, save_params_tree
 from reference_jax.params import restore_orbax, save_orbax
 
@@ -40,7 +41,9 @@ def test_orbax_roundtrip(tiny_ckpt, tmp_path):
     flat_b = {k: np.asarray(v) for k, v in _flatten(back).items()}
     assert flat_a.keys() == flat_b.keys()
     for k in flat_a:
-        assert flat_a[k].dtype == flat_b[k].dtype and np.array_equal(flat_a[k].view(np.uint8), flat_b[k].view(np.uint8)), k
+        assert flat_a[k].dtype == flat_b[k].dtype and np.array_equal(
+            flat_a[k].view(np.uint8), flat_b[k].view(np.uint8)
+        ), k
 
 
 def test_canonical_params_equal_in_both_paths(tiny_ckpt):

@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layer_weights import mla_params
 
 from kimi.config import load_config
 from kimi.layout import param_layout
 from reference_jax.common import causal_document_mask
 from reference_jax.indexer import Indexer, indexer_scores, sparse_mask, topk_indices
 from reference_jax.params import to_tree as params_to_tree
-from layer_weights import mla_params
 
 TOL_SCORES_FP64 = 1e-12  # scores vs the numpy fp64 formula
 TOL_SCORES_FP32 = 1e-5
@@ -48,9 +48,6 @@ def scores_np(q, k, w) -> np.ndarray:
     HI, KI = q.shape[-2:]
     dots = np.einsum("btjk,bsk->btjs", q, k) / np.sqrt(KI)
     return np.einsum("btj,btjs->bts", w / np.sqrt(HI), np.maximum(dots, 0.0))
-
-
-
 
 
 def to_tree(flat: dict, dtype) -> dict:
@@ -109,7 +106,9 @@ def test_scale_constants_case10():
     k[0, 0, 0] = 2.0
     w = np.ones((1, 1, HI))
     # sum_j 4^-1/2 * ReLU(16^-1/2 * 2 * q_j) = 0.5 * 0.25 * 2 * (1 + 2 + 3) = 1.5
-    got = float(indexer_scores(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(w, jnp.float32))[0, 0, 0])
+    got = float(
+        indexer_scores(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(w, jnp.float32))[0, 0, 0]
+    )
     assert got == 1.5
     # The 128^-1/2 and 32^-1/2 of K3.1 follow from the config, not from literals.
     cfg = load_config("k3.1-pro")
@@ -178,7 +177,7 @@ def test_fewer_visible_than_k_case9(T):
             sel = row[row >= 0]
             if t + 1 <= k:  # every visible key selected, then -1
                 assert sorted(sel.tolist()) == list(range(t + 1))
-                assert np.all(row[t + 1:] == -1)
+                assert np.all(row[t + 1 :] == -1)
             else:
                 assert len(set(sel.tolist())) == k and sel.max() <= t
         assert np.array_equal(idx[b], canonical_topk_np(scores[b], np.asarray(mask), k))
@@ -216,8 +215,11 @@ def test_tie_heavy_canonical_order():
     row = idx[-1]
     n_pos = int((s[-1] > 0).sum())
     zeros_part = row[n_pos:]
-    assert np.all(s[-1, zeros_part] == 0) and np.all(np.diff(zeros_part) < 0) and zeros_part[0] == T - 1 - np.argmax(
-        (s[-1, ::-1] == 0))
+    assert (
+        np.all(s[-1, zeros_part] == 0)
+        and np.all(np.diff(zeros_part) < 0)
+        and zeros_part[0] == T - 1 - np.argmax(s[-1, ::-1] == 0)
+    )
 
 
 def test_sparse_mask():
@@ -246,7 +248,7 @@ def test_indexer_param_names_match_layout():
     params = jax.eval_shape(Indexer(cfg).init, jax.random.PRNGKey(0), x, c_q)["params"]  # shapes only
     got = {"/".join(str(k.key) for k in path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
     pre = f"model.layers.{LAYER}.self_attn.indexer."
-    want = {s.name[len(pre):].replace(".", "/"): s.shape for s in param_layout(cfg, [LAYER]) if s.name.startswith(pre)}
+    want = {s.name[len(pre) :].replace(".", "/"): s.shape for s in param_layout(cfg, [LAYER]) if s.name.startswith(pre)}
     assert got == want
 
 
@@ -261,7 +263,9 @@ def test_indexer_module_matches_formula_fp64(T):
         assert scores.dtype == jnp.float64
     want = indexer_np(p, x, c_q, cfg)
     assert rel_err(scores, want) <= TOL_SCORES_FP64
-    assert np.array_equal(np.asarray(idx)[0], canonical_topk_np(want[0], np.tril(np.ones((T, T), bool)), cfg.index_topk))
+    assert np.array_equal(
+        np.asarray(idx)[0], canonical_topk_np(want[0], np.tril(np.ones((T, T), bool)), cfg.index_topk)
+    )
 
 
 def test_indexer_module_bf16_input_gives_fp32_scores():

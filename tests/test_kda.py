@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layer_weights import kda_params
 
 from kimi.config import load_config
 from kimi.layout import param_layout, stored_layout
@@ -28,7 +29,6 @@ from reference_jax.kda import (
     slice_A_log,
 )
 from reference_jax.params import to_tree as params_to_tree
-from layer_weights import kda_params
 
 # Tolerances (relative error), one per tensor kind.
 TOL_FP64 = 1e-10  # o and S, chunk vs recurrent in fp64
@@ -323,7 +323,9 @@ def test_gated_rms_norm_formula():
     with jax.enable_x64(True):
         got = gated_rms_norm(jnp.asarray(o), jnp.asarray(gate), jnp.asarray(w), eps)
         assert got.dtype == jnp.float64 and rel(got, want) <= 1e-14
-    got32 = gated_rms_norm(jnp.asarray(o, jnp.bfloat16), jnp.asarray(gate, jnp.float32), jnp.asarray(w, jnp.float32), eps)
+    got32 = gated_rms_norm(
+        jnp.asarray(o, jnp.bfloat16), jnp.asarray(gate, jnp.float32), jnp.asarray(w, jnp.float32), eps
+    )
     assert got32.dtype == jnp.float32
 
 
@@ -370,8 +372,10 @@ def to_tree(flat, dtype=jnp.float32) -> dict:
 
 def jit_apply(model, cu=None):
     """Jitted ``model.apply`` (cu_seqlens is static: it must be concrete)."""
-    return jax.jit(lambda p, x, cache=None, mode="chunk": model.apply(p, x, cu_seqlens=cu, cache=cache, mode=mode),
-                   static_argnames="mode")
+    return jax.jit(
+        lambda p, x, cache=None, mode="chunk": model.apply(p, x, cu_seqlens=cu, cache=cache, mode=mode),
+        static_argnames="mode",
+    )
 
 
 @pytest.mark.parametrize("name", ["k3", "kimi_linear_gates"])
@@ -380,14 +384,26 @@ def test_module_param_tree_is_canonical(name):
     i = cfg.kda_layers[1]
     model = KimiDeltaAttention(cfg, i)
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 3, cfg.hidden_size)))
-    flat = {"/".join(str(k.key) for k in path): tuple(v.shape)
-            for path, v in jax.tree_util.tree_leaves_with_path(shapes["params"])}
-    want = {n.replace(".", "/"): tuple(s.shape) for n, s in ((k, v) for k, v in
-            ((s.name[len(PREFIX.format(i=i)):], s) for s in param_layout(cfg, [i])
-             if s.name.startswith(PREFIX.format(i=i))))}
+    flat = {
+        "/".join(str(k.key) for k in path): tuple(v.shape)
+        for path, v in jax.tree_util.tree_leaves_with_path(shapes["params"])
+    }
+    want = {
+        n.replace(".", "/"): tuple(s.shape)
+        for n, s in (
+            (k, v)
+            for k, v in (
+                (s.name[len(PREFIX.format(i=i)) :], s)
+                for s in param_layout(cfg, [i])
+                if s.name.startswith(PREFIX.format(i=i))
+            )
+        )
+    }
     assert flat == want
     with pytest.raises(ValueError, match="layer_idx"):
-        jax.eval_shape(KimiDeltaAttention(cfg, cfg.mla_layers[0]).init, jax.random.PRNGKey(0), jnp.ones((1, 3, cfg.hidden_size)))
+        jax.eval_shape(
+            KimiDeltaAttention(cfg, cfg.mla_layers[0]).init, jax.random.PRNGKey(0), jnp.ones((1, 3, cfg.hidden_size))
+        )
 
 
 @pytest.mark.parametrize("name,mode", [("k3", "chunk"), ("kimi_linear_gates", "recurrent")])
@@ -402,7 +418,12 @@ def test_module_decode_matches_prefill(name, mode):
     out, cache = apply(params, x, mode=mode)
     assert out.shape == x.shape and isinstance(cache, KDACache)
     P, W = cfg.kda_num_heads * cfg.kda_head_dim, cfg.short_conv_kernel_size
-    assert cache.conv_q.shape == (2, P, W - 1) and cache.S.shape == (2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)
+    assert cache.conv_q.shape == (2, P, W - 1) and cache.S.shape == (
+        2,
+        cfg.kda_num_heads,
+        cfg.kda_head_dim,
+        cfg.kda_head_dim,
+    )
     out_p, c = apply(params, x[:, : T - 8], mode=mode)
     steps = []
     for t in range(T - 8, T):

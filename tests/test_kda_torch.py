@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from layer_weights import kda_params, layer_dtypes
 
 import kernels_torch.kda as tk
 import reference_jax.kda as jk
 from kimi.config import load_config
 from kimi.layout import param_layout
-from layer_weights import kda_params, layer_dtypes
 
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
@@ -66,7 +66,10 @@ def test_gate_l2norm_gated_norm_match_jax(lower_bound, dt):
         assert rel(tk.l2norm(ft), jk.l2norm(fj)) <= tol
         (ot, oj), (gat, gaj), (wt, wj) = pair(o, dt), pair(gate, dt), pair(w, dt)
         assert rel(tk.gated_rms_norm(ot, gat, wt, 1e-5), jk.gated_rms_norm(oj, gaj, wj, 1e-5)) <= tol
-    assert tk.kda_gate(torch.tensor(f, dtype=torch.bfloat16), torch.tensor(A_log), torch.tensor(dt_bias), LB).dtype == torch.float32
+    assert (
+        tk.kda_gate(torch.tensor(f, dtype=torch.bfloat16), torch.tensor(A_log), torch.tensor(dt_bias), LB).dtype
+        == torch.float32
+    )
 
 
 @pytest.mark.parametrize("cu", [None, [0, 1, 9, 30]], ids=["batch", "packed"])
@@ -85,8 +88,9 @@ def test_short_conv_matches_jax(cu):
 
 
 @pytest.mark.parametrize("dt", ["fp32", "fp64"])
-@pytest.mark.parametrize("T,cu", [(1, None), (65, None), (200, None), (200, [0, 1, 70, 200])],
-                         ids=["T1", "T65", "T200", "packed"])
+@pytest.mark.parametrize(
+    "T,cu", [(1, None), (65, None), (200, None), (200, [0, 1, 70, 200])], ids=["T1", "T65", "T200", "packed"]
+)
 def test_recurrence_matches_jax(T, cu, dt):
     B, N = (2, 2) if cu is None else (1, len(cu) - 1)
     arrays = kda_inputs(T, B, T, 2, 8, 12, N=N)  # K = 8 != V = 12
@@ -137,7 +141,10 @@ def test_chunk_gradients_match_recurrence_and_keep_no_decay_tensors(cu):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         o_c, S_c = tk.kda_chunk(*ins_c[:5], initial_state=ins_c[5], cu_seqlens=cu, chunk_size=C)
     o_r, S_r = tk.kda_recurrent(*ins_r[:5], initial_state=ins_r[5], cu_seqlens=cu)
-    do, dS = torch.randn(o_r.shape, generator=gen, dtype=torch.float64), torch.randn(S_r.shape, generator=gen, dtype=torch.float64)
+    do, dS = (
+        torch.randn(o_r.shape, generator=gen, dtype=torch.float64),
+        torch.randn(S_r.shape, generator=gen, dtype=torch.float64),
+    )
     ((o_c * do).sum() + (S_c * dS).sum()).backward()
     ((o_r * do).sum() + (S_r * dS).sum()).backward()
     assert rel(o_c, o_r) <= TOL_FP64 and rel(S_c, S_r) <= TOL_FP64
@@ -150,8 +157,11 @@ def test_output_dtype_follows_v_in_both_forms():
     """o comes back in v's dtype (the state in the compute dtype), in the recurrent and the chunk form alike, as in
     the JAX twin: bf16 inputs give bf16 o and fp32 S."""
     q, k, v, g, beta, _ = (torch.tensor(a, dtype=torch.float32) for a in kda_inputs(8, 1, 20, 2, 4, 3))
-    o_j, S_j = jk.kda_recurrent(*(jnp.asarray(t.numpy()).astype(jnp.bfloat16) for t in (q, k, v)), jnp.asarray(g.numpy()),
-                                jnp.asarray(beta.numpy()))
+    o_j, S_j = jk.kda_recurrent(
+        *(jnp.asarray(t.numpy()).astype(jnp.bfloat16) for t in (q, k, v)),
+        jnp.asarray(g.numpy()),
+        jnp.asarray(beta.numpy()),
+    )
     for fn in (tk.kda_recurrent, tk.kda_chunk):
         o, S = fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta)
         assert o.dtype == torch.bfloat16 and S.dtype == torch.float32, fn.__name__
@@ -216,8 +226,10 @@ def torch_module(cfg, flat, dtype=torch.float32, backend="eager"):
 
 
 def jit_apply(model, cu=None):
-    return jax.jit(lambda p, x, cache=None, mode="chunk": model.apply(p, x, cu_seqlens=cu, cache=cache, mode=mode),
-                   static_argnames="mode")
+    return jax.jit(
+        lambda p, x, cache=None, mode="chunk": model.apply(p, x, cu_seqlens=cu, cache=cache, mode=mode),
+        static_argnames="mode",
+    )
 
 
 @pytest.mark.parametrize("name", ["k3", "kimi_linear_gates"])
@@ -226,7 +238,7 @@ def test_state_dict_keys_are_canonical(name):
     i = cfg.kda_layers[-1]
     m = tk.KimiDeltaAttention(cfg, i)
     pre = PREFIX.format(i=i)
-    want = {s.name[len(pre):]: s.shape for s in param_layout(cfg, [i]) if s.name.startswith(pre)}
+    want = {s.name[len(pre) :]: s.shape for s in param_layout(cfg, [i]) if s.name.startswith(pre)}
     assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == want
     with pytest.raises(ValueError, match="layer_idx"):
         tk.KimiDeltaAttention(cfg, cfg.mla_layers[0])
@@ -285,8 +297,13 @@ def test_bf16_module_close_to_fp32():
     for n, p in m16.named_parameters():
         if dtypes[n] == "bfloat16":
             p.data = p.data.to(torch.bfloat16)
-    m32 = torch_module(cfg, {n: torch.tensor(a).to(torch.bfloat16 if dtypes[n] == "bfloat16" else torch.float32).float().numpy()
-                             for n, a in flat.items()})
+    m32 = torch_module(
+        cfg,
+        {
+            n: torch.tensor(a).to(torch.bfloat16 if dtypes[n] == "bfloat16" else torch.float32).float().numpy()
+            for n, a in flat.items()
+        },
+    )
     x = torch.randn(2, 40, cfg.hidden_size, generator=torch.Generator().manual_seed(25))
     with torch.no_grad():
         out16, c16 = m16(x.to(torch.bfloat16))
@@ -336,7 +353,9 @@ def test_backends():
         assert torch.equal(out_e, out_s)
         with pytest.raises(ValueError, match="backend"):
             tk.KimiDeltaAttention(cfg, 0, backend="flash")
-        with pytest.raises(RuntimeError, match="cudnn"):  # no fla or no CUDA here: a clear error, never a silent fallback
+        with pytest.raises(
+            RuntimeError, match="cudnn"
+        ):  # no fla or no CUDA here: a clear error, never a silent fallback
             torch_module(cfg, flat, backend="cudnn")(x)
         with pytest.raises(ValueError, match="mode"):
             torch_module(cfg, flat)(x, mode="fused")

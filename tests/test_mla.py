@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layer_weights import mla_params
 
 from kimi.config import load_config
 from kimi.layout import param_layout
 from reference_jax.mla import GatedMLA, mla_attention, mla_attention_absorbed
 from reference_jax.params import to_tree as params_to_tree
-from layer_weights import mla_params
 
 TOL_FORMS_FP64 = 1e-10  # absorbed vs expanded
 TOL_FORMS_FP32 = 1e-5
@@ -28,9 +28,6 @@ DSA, KDA = 3, 0  # layers of the tiny preset
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-
 
 
 def to_tree(flat: dict, dtype) -> dict:
@@ -50,7 +47,13 @@ def gated_mla_np(p: dict, x: np.ndarray, cfg, mask: np.ndarray) -> np.ndarray:
 
     mask: [B, T, S] bool, the final attention mask (causal & document & selected)."""
     B, T, _ = x.shape
-    H, Kn, R, V, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    H, Kn, R, V, L = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
     if cfg.q_lora_rank is None:
         q = x @ p["q_proj.weight"].T
     else:
@@ -108,13 +111,15 @@ def test_absorbed_equals_expanded_functions(dtype):
         dt = jnp.float64 if dtype == "fp64" else jnp.float32
         j = {n: jnp.asarray(v, dt) if n not in ("mask", "scale") else v for n, v in a.items()}
         o_exp = mla_attention(j["q"], j["k"], j["v"], jnp.asarray(a["mask"]), a["scale"])
-        o_abs = mla_attention_absorbed(j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], jnp.asarray(a["mask"]),
-                                       a["scale"])
+        o_abs = mla_attention_absorbed(
+            j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], jnp.asarray(a["mask"]), a["scale"]
+        )
         assert o_exp.dtype == dt and o_exp.shape == (2, 9, 3, 12)
         assert rel_err(o_abs, o_exp) <= tol
         # the scale is a real argument: (L + R)^-1/2 (the latent width) would be a different function (case 15)
-        o_wrong = mla_attention_absorbed(j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], jnp.asarray(a["mask"]),
-                                         (20 + 8) ** -0.5)
+        o_wrong = mla_attention_absorbed(
+            j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], jnp.asarray(a["mask"]), (20 + 8) ** -0.5
+        )
         assert rel_err(o_wrong, o_exp) > 1e-2
 
 
@@ -122,8 +127,11 @@ def test_attention_matches_numpy_and_empty_rows_give_zero():
     a = random_attention_inputs(np.random.default_rng(1))
     with jax.enable_x64(True):
         o = np.asarray(mla_attention(*(jnp.asarray(a[n]) for n in ("q", "k", "v", "mask")), a["scale"]))
-        o_abs = np.asarray(mla_attention_absorbed(*(jnp.asarray(a[n]) for n in ("q_nope", "q_pe", "c_kv", "k_pe", "w",
-                                                                                  "mask")), a["scale"]))
+        o_abs = np.asarray(
+            mla_attention_absorbed(
+                *(jnp.asarray(a[n]) for n in ("q_nope", "q_pe", "c_kv", "k_pe", "w", "mask")), a["scale"]
+            )
+        )
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(o_abs))
     assert np.all(o[0, 2] == 0) and np.all(o_abs[0, 2] == 0)
     logits = np.einsum("bthk,bshk->bhts", a["q"], a["k"]) * a["scale"]
@@ -180,8 +188,9 @@ def test_layer_matches_spec_and_forms_agree(kind, T):
     assert rel_err(o32, out) <= TOL_FORMS_FP32
 
 
-@pytest.mark.parametrize("T,form", [(1, "expanded"), (63, "expanded"), (64, "expanded"), (64, "absorbed")],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "T,form", [(1, "expanded"), (63, "expanded"), (64, "expanded"), (64, "absorbed")], ids=lambda v: str(v)
+)
 def test_dsa_short_sequence_equals_dense_exactly(T, form):
     """T <= index_topk: every visible key is selected, so DSA == dense causal MLA bit for bit (spec 4.3, case 9)."""
     cfg = load_config("tiny")
@@ -218,8 +227,9 @@ def test_dsa_long_sequence_is_sparse_and_causal(T):
     assert rel_err(out[k:], dense[k:]) > 1e-3  # the others really are sparse
 
 
-@pytest.mark.parametrize("kind,form", [("dsa", "expanded"), ("dsa", "absorbed"), ("mla", "expanded")],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "kind,form", [("dsa", "expanded"), ("dsa", "absorbed"), ("mla", "expanded")], ids=lambda v: str(v)
+)
 def test_packed_documents_equal_separate_runs(kind, form):
     cfg = load_config("tiny")
     if kind == "mla":
@@ -243,9 +253,9 @@ def test_packed_documents_equal_separate_runs(kind, form):
 
 
 def test_scale_constants_case15():
-    assert load_config("k3.1-pro").mla_softmax_scale == 192 ** -0.5
+    assert load_config("k3.1-pro").mla_softmax_scale == 192**-0.5
     cfg = load_config("tiny")
-    assert cfg.mla_softmax_scale == 24 ** -0.5  # qk_nope 16 + qk_rope 8, not kv_lora_rank + rope = 40
+    assert cfg.mla_softmax_scale == 24**-0.5  # qk_nope 16 + qk_rope 8, not kv_lora_rank + rope = 40
 
 
 def test_param_tree_matches_layout():
@@ -253,9 +263,11 @@ def test_param_tree_matches_layout():
     for c in (cfg, cfg.replace(dsa_layers=()), cfg.replace(q_lora_rank=None, mla_use_output_gate=False, dsa_layers=())):
         x = jnp.ones((1, 3, c.hidden_size))
         params = jax.eval_shape(GatedMLA(c, DSA).init, jax.random.PRNGKey(0), x)["params"]  # shapes only
-        got = {".".join(str(k.key) for k in path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+        got = {
+            ".".join(str(k.key) for k in path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        }
         pre = f"model.layers.{DSA}.self_attn."
-        want = {s.name[len(pre):]: s.shape for s in param_layout(c, [DSA]) if s.name.startswith(pre)}
+        want = {s.name[len(pre) :]: s.shape for s in param_layout(c, [DSA]) if s.name.startswith(pre)}
         assert got == want
 
 
@@ -278,7 +290,10 @@ def test_output_gate_is_mla_gate_case18():
     """g_proj in an MLA layer is [H*V, D] and gates o before o_proj; a KDA layer index is refused."""
     cfg = load_config("tiny")
     g = {s.name: s.shape for s in param_layout(cfg, [DSA, KDA])}
-    assert g[f"model.layers.{DSA}.self_attn.g_proj.weight"] == (cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size)
+    assert g[f"model.layers.{DSA}.self_attn.g_proj.weight"] == (
+        cfg.num_attention_heads * cfg.v_head_dim,
+        cfg.hidden_size,
+    )
     assert g[f"model.layers.{KDA}.self_attn.g_proj.weight"] == (cfg.kda_num_heads * cfg.kda_head_dim, cfg.hidden_size)
     x = jnp.ones((1, 3, cfg.hidden_size))
     with pytest.raises(ValueError, match="layer_idx"):
@@ -291,8 +306,13 @@ def test_output_gate_is_mla_gate_case18():
     p0 = dict(p, **{"g_proj.weight": np.zeros_like(p["g_proj.weight"])})
     with jax.enable_x64(True):
         gated0 = run_layer(c, DSA, p0, xx, jnp.float64)
-        ungated = run_layer(c.replace(mla_use_output_gate=False), DSA,
-                            {k: v for k, v in p.items() if k != "g_proj.weight"}, xx, jnp.float64)
+        ungated = run_layer(
+            c.replace(mla_use_output_gate=False),
+            DSA,
+            {k: v for k, v in p.items() if k != "g_proj.weight"},
+            xx,
+            jnp.float64,
+        )
     assert rel_err(gated0, 0.5 * np.asarray(ungated)) <= TOL_SPEC_FP64
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from layer_weights import mla_params
 
 import kernels_torch.indexer as ti
 import kernels_torch.mla as tm
@@ -18,7 +19,6 @@ import reference_jax.indexer as ji
 import reference_jax.mla as jm
 from kimi.config import load_config
 from kimi.layout import param_layout
-from layer_weights import mla_params
 
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
@@ -33,9 +33,6 @@ BACKENDS = ["eager", "sdpa"]
 def rel_err(a, b) -> float:
     a, b = (np.asarray(t.detach().double() if isinstance(t, torch.Tensor) else t, np.float64) for t in (a, b))
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-
 
 
 def jax_layer(cfg, p: dict, x: np.ndarray, dtype, cu_seqlens=None, **kw):
@@ -76,7 +73,9 @@ def test_indexer_scores_and_topk_match_jax(dtype):
     rng = np.random.default_rng(0)
     B, T, HI, KI, k = 2, 200, 3, 8, 64
     q, kk, w = rng.standard_normal((B, T, HI, KI)), rng.standard_normal((B, T, KI)), rng.standard_normal((B, T, HI))
-    tdt, jdt, tol = (torch.float64, jnp.float64, TOL_FP64) if dtype == "fp64" else (torch.float32, jnp.float32, TOL_FP32)
+    tdt, jdt, tol = (
+        (torch.float64, jnp.float64, TOL_FP64) if dtype == "fp64" else (torch.float32, jnp.float32, TOL_FP32)
+    )
     s_t = ti.indexer_scores(*(torch.from_numpy(a).to(tdt) for a in (q, kk, w)))
     with jax.enable_x64(dtype == "fp64"):
         s_j = np.asarray(ji.indexer_scores(*(jnp.asarray(a, jdt) for a in (q, kk, w))))
@@ -93,8 +92,11 @@ TOL_CHUNKED_FP64 = 1e-12  # row-chunked indexer scores (and their recomputing ba
 
 
 @pytest.mark.parametrize("values", ["normal", "integers"])
-@pytest.mark.parametrize("T,S,chunk_bytes", [(1, 1, 1), (63, 63, 1), (63, 40, 3 * 8 * 40 * 2 * 5), (23, 23, 1 << 29)],
-                         ids=["T1-row-chunks", "T63-row-chunks", "T63-S40-5-row-chunks", "T23-one-chunk"])
+@pytest.mark.parametrize(
+    "T,S,chunk_bytes",
+    [(1, 1, 1), (63, 63, 1), (63, 40, 3 * 8 * 40 * 2 * 5), (23, 23, 1 << 29)],
+    ids=["T1-row-chunks", "T63-row-chunks", "T63-S40-5-row-chunks", "T23-one-chunk"],
+)
 def test_indexer_scores_row_chunks_and_gradients(T, S, chunk_bytes, values):
     """``indexer_scores`` in query-row chunks, whose backward recomputes each chunk's logits: scores and the gradients
     of q_I, k_I and weights equal plain autograd through the one-shot formula (fp64, B = 2, S != T). ``integers``
@@ -108,14 +110,17 @@ def test_indexer_scores_row_chunks_and_gradients(T, S, chunk_bytes, values):
     q, k = draw(B, T, HI, KI).requires_grad_(), draw(B, S, KI).requires_grad_()
     w = torch.randn(B, T, HI, generator=g, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(B, T, S, generator=g, dtype=torch.float64)
-    logits = torch.einsum("btjk,bsk->btjs", q, k) * KI ** -0.5
+    logits = torch.einsum("btjk,bsk->btjs", q, k) * KI**-0.5
     if values == "integers" and T > 1:
         assert (logits == 0).float().mean() > 0.1
-    ref = torch.einsum("btj,btjs->bts", w * HI ** -0.5, torch.relu(logits))
+    ref = torch.einsum("btj,btjs->bts", w * HI**-0.5, torch.relu(logits))
     out = ti.indexer_scores(q, k, w, chunk_bytes=chunk_bytes)
     assert rel_err(out, ref) <= TOL_CHUNKED_FP64
-    for name, got, want in zip(("dq_I", "dk_I", "dweights"), torch.autograd.grad((out * dy).sum(), (q, k, w)),
-                               torch.autograd.grad((ref * dy).sum(), (q, k, w))):
+    for name, got, want in zip(
+        ("dq_I", "dk_I", "dweights"),
+        torch.autograd.grad((out * dy).sum(), (q, k, w)),
+        torch.autograd.grad((ref * dy).sum(), (q, k, w)),
+    ):
         assert rel_err(got, want) <= TOL_CHUNKED_FP64, name
 
 
@@ -159,7 +164,7 @@ def test_tie_heavy_selection_identical(T):
     assert np.array_equal(i_t, i_j)
     # canonical tie rule on the last row: zero-score keys come last, larger index first
     s = s_t[0, -1].numpy()
-    zeros_part = i_t[0, -1][int((s > 0).sum()):]
+    zeros_part = i_t[0, -1][int((s > 0).sum()) :]
     assert np.all(s[zeros_part[zeros_part >= 0]] == 0) and np.all(np.diff(zeros_part[zeros_part >= 0]) < 0)
 
 
@@ -202,15 +207,24 @@ def attention_inputs(rng, B=2, T=9, S=11, H=3, Kn=16, R=8, V=12, L=20):
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
 def test_attention_functions_match_jax(dtype, backend):
     a = attention_inputs(np.random.default_rng(1))
-    scale = 24 ** -0.5
-    tdt, jdt, tol = (torch.float64, jnp.float64, TOL_FP64) if dtype == "fp64" else (torch.float32, jnp.float32, TOL_FP32)
-    t = {n: torch.from_numpy(np.ascontiguousarray(v)).to(tdt) if n != "mask" else torch.from_numpy(v) for n, v in a.items()}
+    scale = 24**-0.5
+    tdt, jdt, tol = (
+        (torch.float64, jnp.float64, TOL_FP64) if dtype == "fp64" else (torch.float32, jnp.float32, TOL_FP32)
+    )
+    t = {
+        n: torch.from_numpy(np.ascontiguousarray(v)).to(tdt) if n != "mask" else torch.from_numpy(v)
+        for n, v in a.items()
+    }
     with jax.enable_x64(dtype == "fp64"):
         j = {n: jnp.asarray(v, jdt) if n != "mask" else jnp.asarray(v) for n, v in a.items()}
         o_j = np.asarray(jm.mla_attention(j["q"], j["k"], j["v"], j["mask"], scale))
-        oa_j = np.asarray(jm.mla_attention_absorbed(j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], j["mask"], scale))
+        oa_j = np.asarray(
+            jm.mla_attention_absorbed(j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], j["mask"], scale)
+        )
     o_t = tm.mla_attention(t["q"], t["k"], t["v"], t["mask"], scale, backend=backend)
-    oa_t = tm.mla_attention_absorbed(t["q_nope"], t["q_pe"], t["c_kv"], t["k_pe"], t["w"], t["mask"], scale, backend=backend)
+    oa_t = tm.mla_attention_absorbed(
+        t["q_nope"], t["q_pe"], t["c_kv"], t["k_pe"], t["w"], t["mask"], scale, backend=backend
+    )
     assert o_t.dtype == tdt and o_t.shape == (2, 9, 3, 12)
     assert rel_err(o_t, o_j) <= tol and rel_err(oa_t, oa_j) <= tol
     for o in (o_t, oa_t):  # the fully masked row: 0, not NaN
@@ -231,8 +245,14 @@ def test_unknown_backend_rejected():
         tm.GatedMLA(cfg, DSA, backend="flash")
     for bad in ("cudnn", "flash"):  # "cudnn" is a GatedMLA backend (kernels_torch.dsa_cudnn), not a dense-mask one
         with pytest.raises(ValueError, match="backend"):
-            tm.mla_attention(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2),
-                             torch.ones(1, 1, dtype=torch.bool), 1.0, backend=bad)
+            tm.mla_attention(
+                torch.ones(1, 1, 1, 2),
+                torch.ones(1, 1, 1, 2),
+                torch.ones(1, 1, 1, 2),
+                torch.ones(1, 1, dtype=torch.bool),
+                1.0,
+                backend=bad,
+            )
 
 
 # ------------------------------------------------------------------------------------------------ GatedMLA
@@ -324,7 +344,7 @@ def test_state_dict_keys_match_layout():
     cfg = load_config("tiny")
     for c in (cfg, cfg.replace(dsa_layers=()), cfg.replace(q_lora_rank=None, mla_use_output_gate=False, dsa_layers=())):
         pre = f"model.layers.{DSA}.self_attn."
-        want = {s.name[len(pre):]: s.shape for s in param_layout(c, [DSA]) if s.name.startswith(pre)}
+        want = {s.name[len(pre) :]: s.shape for s in param_layout(c, [DSA]) if s.name.startswith(pre)}
         got = {k: tuple(v.shape) for k, v in tm.GatedMLA(c, DSA).state_dict().items()}
         assert got == want
 

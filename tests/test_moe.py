@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layer_weights import layer_shapes, mlp_params
 
 from kimi.config import PRESETS, ConfigError
 from reference_jax.moe import DenseMLP, KimiMoE, glu_act, route, situ, topk_ids
 from reference_jax.params import path_to_name
 from reference_jax.params import to_tree as params_to_tree
-from layer_weights import layer_shapes, mlp_params
 
 TOL_FP64 = 1e-10  # fp64 reference vs fp64 numpy oracle
 TOL_SITU_FP64 = 1e-13  # elementwise formula, fp64
@@ -23,16 +23,22 @@ TOL_SUM = 1e-6  # renormalised router weights, fp32
 
 TINY = PRESETS["tiny"]()
 # Kimi-Linear style: standard (non-latent) MoE, SiLU-GLU, scaling 2.446, bf16 experts.
-KIMI_LINEAR = TINY.replace(routed_expert_hidden_size=None, hidden_act="silu", activation_situ_linear_beta=None,
-                           routed_scaling_factor=2.446, quant_method=None)
+KIMI_LINEAR = TINY.replace(
+    routed_expert_hidden_size=None,
+    hidden_act="silu",
+    activation_situ_linear_beta=None,
+    routed_scaling_factor=2.446,
+    quant_method=None,
+)
 GROUPED = TINY.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)
 CONFIGS = {
     "tiny-latent-situ": TINY,
     "kimi-linear-standard-silu": KIMI_LINEAR,
     "latent-no-norm": TINY.replace(latent_moe_use_norm=False),
     "no-shared": TINY.replace(num_shared_experts=0),
-    "softmax-no-renorm": TINY.replace(moe_router_activation_func="softmax", moe_renormalize=False,
-                                      routed_scaling_factor=1.7),
+    "softmax-no-renorm": TINY.replace(
+        moe_router_activation_func="softmax", moe_renormalize=False, routed_scaling_factor=1.7
+    ),
     "grouped-4x2": GROUPED,
 }
 
@@ -73,7 +79,7 @@ def np_route_token(x, W, bias, cfg):
     allowed = list(range(E))
     if cfg.use_grouped_topk:
         per = E // cfg.num_expert_group
-        gscore = [sum(sorted(choice[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(cfg.num_expert_group)]
+        gscore = [sum(sorted(choice[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(cfg.num_expert_group)]
         groups = sorted(range(cfg.num_expert_group), key=lambda g: (-gscore[g], g))[: cfg.topk_group]
         allowed = [e for e in range(E) if e // per in groups]
     ids = sorted(allowed, key=lambda e: (-choice[e], e))[:k]
@@ -115,14 +121,8 @@ def flat_names(tree) -> dict:
     return {path_to_name(tuple(k.key for k in path)): v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-
-
-
 def to_tree(flat: dict, dtype) -> dict:
     return params_to_tree(flat, dtype)
-
-
-
 
 
 # ---------------------------------------------------------------------------------------------- SiTU
@@ -185,8 +185,13 @@ def test_glu_act_picks_situ_or_silu():
 
 
 def test_kimi_linear_style_config_validates():
-    cfg = TINY.replace(routed_expert_hidden_size=None, hidden_act="silu", activation_situ_linear_beta=None,
-                       routed_scaling_factor=2.446, quant_method=None)
+    cfg = TINY.replace(
+        routed_expert_hidden_size=None,
+        hidden_act="silu",
+        activation_situ_linear_beta=None,
+        routed_scaling_factor=2.446,
+        quant_method=None,
+    )
     assert not cfg.has_latent_moe and cfg.hidden_act == "silu"
     names = layer_shapes(cfg, 1, "block_sparse_moe.")
     assert not any(n.startswith("routed_expert_") for n in names)
@@ -251,8 +256,12 @@ def test_grouped_topk_restricts_to_best_groups():
     x, W, bias = _router_inputs(cfg, N=64, seed=4)
     bias = 0.3 * bias
     ids, _ = route(jnp.asarray(x, jnp.float32), jnp.asarray(W, jnp.float32), jnp.asarray(bias, jnp.float32), cfg)
-    ids_flat, _ = route(jnp.asarray(x, jnp.float32), jnp.asarray(W, jnp.float32), jnp.asarray(bias, jnp.float32),
-                        cfg.replace(use_grouped_topk=False))
+    ids_flat, _ = route(
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(W, jnp.float32),
+        jnp.asarray(bias, jnp.float32),
+        cfg.replace(use_grouped_topk=False),
+    )
     ids, ids_flat = np.asarray(ids), np.asarray(ids_flat)
     choice = np_sigmoid(x @ W.T) + bias
     gscore = np.sort(choice.reshape(-1, 4, 4), axis=-1)[..., -2:].sum(-1)  # [N, G]: sum of the two best
@@ -318,8 +327,11 @@ def test_dense_mlp_matches_numpy_fp64(name, B, T):
     assert rel_err(y, want) <= TOL_FP64
 
 
-@pytest.mark.parametrize("name,B,T", [(n, 2, 5) for n in CONFIGS] + [("tiny-latent-situ", 1, 1)],
-                         ids=[f"{n}-B2T5" for n in CONFIGS] + ["tiny-latent-situ-B1T1"])
+@pytest.mark.parametrize(
+    "name,B,T",
+    [(n, 2, 5) for n in CONFIGS] + [("tiny-latent-situ", 1, 1)],
+    ids=[f"{n}-B2T5" for n in CONFIGS] + ["tiny-latent-situ-B1T1"],
+)
 def test_moe_matches_per_token_loop_fp64(name, B, T):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(6)

@@ -8,14 +8,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from layer_weights import layer_shapes, mlp_params
 
-from kimi.config import PRESETS
 from kernels_torch import attn_res as T_ar
 from kernels_torch import moe as T
+from kimi.config import PRESETS
 from reference_jax import attn_res as J_ar
 from reference_jax import moe as J
 from reference_jax.params import name_to_path
-from layer_weights import layer_shapes, mlp_params
 
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
@@ -24,9 +24,13 @@ TOL_BF16 = 3e-2  # bf16 run vs fp32 run (same bf16-exact weights and inputs)
 TINY = PRESETS["tiny"]()
 CONFIGS = {
     "tiny-latent-situ": TINY,
-    "kimi-linear-standard-silu": TINY.replace(routed_expert_hidden_size=None, hidden_act="silu",
-                                              activation_situ_linear_beta=None, routed_scaling_factor=2.446,
-                                              quant_method=None),
+    "kimi-linear-standard-silu": TINY.replace(
+        routed_expert_hidden_size=None,
+        hidden_act="silu",
+        activation_situ_linear_beta=None,
+        routed_scaling_factor=2.446,
+        quant_method=None,
+    ),
     "latent-no-norm-no-shared": TINY.replace(latent_moe_use_norm=False, num_shared_experts=0),
     "softmax-no-renorm": TINY.replace(moe_router_activation_func="softmax", moe_renormalize=False),
     "grouped-4x2": TINY.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2),
@@ -38,12 +42,6 @@ def rel_err(a, b) -> float:
     a = a.detach().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, np.float64)
     b = b.detach().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-
-
-
-
 
 
 def jax_tree(flat: dict, dtype) -> dict:
@@ -135,7 +133,7 @@ def test_route_bias_selects_only_and_renormalises():
     cfg = TINY.replace(routed_scaling_factor=2.446)
     rng = np.random.default_rng(3)
     x = torch.from_numpy(rng.standard_normal((29, cfg.hidden_size))).float()
-    W = torch.from_numpy(rng.standard_normal((cfg.num_experts, cfg.hidden_size))).float() / cfg.hidden_size ** 0.5
+    W = torch.from_numpy(rng.standard_normal((cfg.num_experts, cfg.hidden_size))).float() / cfg.hidden_size**0.5
     bias = torch.zeros(cfg.num_experts)
     bias[6] = 10.0
     ids, w = T.route(x, W, bias, cfg)
@@ -188,7 +186,10 @@ def test_moe_matches_jax(name, dt):
 def test_moe_bf16_close_to_fp32_and_to_jax_bf16():
     """The tiny preset's MoE layer in bf16 (weights and activations) against the same bf16-exact numbers in fp32."""
     cfg = TINY
-    P = {k: bf16_exact(v) for k, v in mlp_params(layer_shapes(cfg, 1, "block_sparse_moe."), np.random.default_rng(8)).items()}
+    P = {
+        k: bf16_exact(v)
+        for k, v in mlp_params(layer_shapes(cfg, 1, "block_sparse_moe."), np.random.default_rng(8)).items()
+    }
     x = bf16_exact(np.random.default_rng(9).standard_normal((2, 11, cfg.hidden_size)))
     y32 = torch_module(T.KimiMoE(cfg), P, torch.float32)(torch.from_numpy(x).float())
     y16 = torch_module(T.KimiMoE(cfg), P, torch.bfloat16)(torch.from_numpy(x).bfloat16())

@@ -29,7 +29,7 @@ def test_decode_hand_computed_bytes():
     expect[0, 0], expect[0, 1], expect[0, 2], expect[0, 3] = 0.5 * 2, 1.0 * 2, -0.5 * 2, -6.0 * 2
     expect[0, 32], expect[0, 33] = -1.5 / 4, 6.0 / 4
     expect[1, 10], expect[1, 11] = -2.0, 3.0
-    expect[1, 62], expect[1, 63] = 4.0 * 2.0 ** -127, -4.0 * 2.0 ** -127
+    expect[1, 62], expect[1, 63] = 4.0 * 2.0**-127, -4.0 * 2.0**-127
     for dt in (torch.bfloat16, torch.float32, torch.float64):
         out = dequantize_mxfp4(packed, scale, dtype=dt)
         assert out.dtype == dt and out.shape == (2, 64)
@@ -40,7 +40,7 @@ def test_decode_every_code_and_scale_exact():
     codes = list(range(16)) * 2  # 32 columns = one group, every code twice
     packed = _pack([codes] * 255)
     scale = torch.arange(255, dtype=torch.uint8).reshape(255, 1)
-    table = [0, .5, 1, 1.5, 2, 3, 4, 6]
+    table = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     vals = [(-1 if c & 8 else 1) * table[c & 7] for c in codes]
     out = dequantize_mxfp4(packed[:250], scale[:250], dtype=torch.bfloat16)  # 250..254 * 6 overflow bf16
     for b in (0, 1, 100, 127, 200, 249):
@@ -60,14 +60,18 @@ def test_overflow_refused():
         dequantize_mxfp4(packed, torch.tensor([[254]], dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("packed, scale, match", [
-    (torch.zeros(2, 16, dtype=torch.int8), torch.zeros(2, 1, dtype=torch.uint8), "uint8"),
-    (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.float32), "uint8"),
-    (torch.zeros(16, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), "2-D"),
-    (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8), r"expected \[2, 1\]"),
-    (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8), r"expected \[2, 1\]"),
-    (torch.zeros(2, 10, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8), "multiple of group_size"),
-], ids=["packed-int8", "scale-float", "1d", "scale-cols", "scale-rows", "ragged-group"])
+@pytest.mark.parametrize(
+    "packed, scale, match",
+    [
+        (torch.zeros(2, 16, dtype=torch.int8), torch.zeros(2, 1, dtype=torch.uint8), "uint8"),
+        (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.float32), "uint8"),
+        (torch.zeros(16, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), "2-D"),
+        (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8), r"expected \[2, 1\]"),
+        (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(3, 1, dtype=torch.uint8), r"expected \[2, 1\]"),
+        (torch.zeros(2, 10, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8), "multiple of group_size"),
+    ],
+    ids=["packed-int8", "scale-float", "1d", "scale-cols", "scale-rows", "ragged-group"],
+)
 def test_decode_shape_dtype_errors(packed, scale, match):
     with pytest.raises(ValueError, match=match):
         dequantize_mxfp4(packed, scale)
@@ -87,7 +91,7 @@ def test_quantize_rule_ties_and_saturation():
 def test_quantize_shared_exponent():
     g = torch.Generator().manual_seed(1)
     for k in (-130, -100, -3, 0, 5, 100):
-        w = (torch.rand(1, 32, generator=g, dtype=torch.float64) + 0.1) * 2.0 ** k
+        w = (torch.rand(1, 32, generator=g, dtype=torch.float64) + 0.1) * 2.0**k
         amax = w.abs().max().item()
         e = math.floor(math.log2(amax)) - 2
         _, s = quantize_mxfp4(w)
@@ -138,13 +142,17 @@ def test_noncanonical_reencodes_to_same_values():
     assert s2[0, 0].item() == ZERO_GROUP_SCALE_BYTE and not torch.equal(p2, p)  # bytes may differ, values do not
 
 
-@pytest.mark.parametrize("w, match", [
-    (torch.zeros(4, 33), "multiple of group_size"),
-    (torch.zeros(32), "2-D"),
-    (torch.zeros(2, 32, dtype=torch.int32), "floating"),
-    (torch.tensor([[float("nan")] + [0.0] * 31]), "non-finite"),
-    (torch.tensor([[float("inf")] + [0.0] * 31]), "non-finite"),
-], ids=["cols", "1d", "int", "nan", "inf"])
+@pytest.mark.parametrize(
+    "w, match",
+    [
+        (torch.zeros(4, 33), "multiple of group_size"),
+        (torch.zeros(32), "2-D"),
+        (torch.zeros(2, 32, dtype=torch.int32), "floating"),
+        (torch.tensor([[float("nan")] + [0.0] * 31]), "non-finite"),
+        (torch.tensor([[float("inf")] + [0.0] * 31]), "non-finite"),
+    ],
+    ids=["cols", "1d", "int", "nan", "inf"],
+)
 def test_quantize_errors(w, match):
     with pytest.raises(ValueError, match=match):
         quantize_mxfp4(w)

@@ -9,7 +9,7 @@ import torch
 
 from kernels_torch.ops.sparse_mla import sparse_mla_fwd, sparse_mla_fwd_reference
 
-SM_SCALE = 192 ** -0.5  # spec 3.3: 192^-1/2 in both forms, not d_qk^-1/2
+SM_SCALE = 192**-0.5  # spec 3.3: 192^-1/2 in both forms, not d_qk^-1/2
 TOL_OUT = 1e-6  # relative, reference (fp32) vs dense fp64
 TOL_LSE = 1e-6
 
@@ -38,7 +38,9 @@ def _inputs(T, H, S, K, D, d_v, seed, dtype=torch.float32, topk=False, kv3=True)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, H, D, generator=g, dtype=dtype)
     kv = torch.randn(S, 1, D, generator=g, dtype=dtype) if kv3 else torch.randn(S, D, generator=g, dtype=dtype)
-    idx = torch.stack([torch.randperm(S + 8, generator=g)[:K] for _ in range(T)]).to(torch.int32) - 4  # ids in [-4, S+4)
+    idx = (
+        torch.stack([torch.randperm(S + 8, generator=g)[:K] for _ in range(T)]).to(torch.int32) - 4
+    )  # ids in [-4, S+4)
     idx[torch.rand(T, K, generator=g) < 0.2] = -1  # -1 holes
     idx[0] = -1  # an empty row
     if T > 2:
@@ -50,8 +52,11 @@ def _inputs(T, H, S, K, D, d_v, seed, dtype=torch.float32, topk=False, kv3=True)
     return q, kv, idx, tlen
 
 
-@pytest.mark.parametrize("T,H,S,K,D,d_v,topk", [(5, 3, 40, 16, 24, 16, False), (7, 4, 33, 20, 20, 12, True),
-                                                 (4, 2, 10, 10, 8, 8, False)], ids=["plain", "topk_length", "K_eq_S"])
+@pytest.mark.parametrize(
+    "T,H,S,K,D,d_v,topk",
+    [(5, 3, 40, 16, 24, 16, False), (7, 4, 33, 20, 20, 12, True), (4, 2, 10, 10, 8, 8, False)],
+    ids=["plain", "topk_length", "K_eq_S"],
+)
 def test_reference_matches_dense_mask(T, H, S, K, D, d_v, topk):
     q, kv, idx, tlen = _inputs(T, H, S, K, D, d_v, seed=T * 100 + K, topk=topk, kv3=(D != 20))
     out, mx, lse = sparse_mla_fwd_reference(q, kv, idx[:, None, :], SM_SCALE, topk_length=tlen, d_v=d_v)

@@ -74,7 +74,9 @@ def _check_inputs(q, kv, indices, topk_length, d_v, *, fast: bool):
     T, H, D = q.shape
     if kv.ndim == 3:
         if kv.shape[1] != 1:
-            raise ValueError(f"kv: got shape {tuple(kv.shape)}, expected [S_kv, 1, d_qk] (one latent KV head) or [S_kv, d_qk]")
+            raise ValueError(
+                f"kv: got shape {tuple(kv.shape)}, expected [S_kv, 1, d_qk] (one latent KV head) or [S_kv, d_qk]"
+            )
         kv = kv[:, 0]
     elif kv.ndim != 2:
         raise ValueError(f"kv: got shape {tuple(kv.shape)}, expected [S_kv, 1, d_qk] or [S_kv, d_qk]")
@@ -106,14 +108,18 @@ def _check_inputs(q, kv, indices, topk_length, d_v, *, fast: bool):
             raise TypeError(f"indices: got dtype {indices.dtype}, expected torch.int32 (or int64)")
     if topk_length is not None:
         if not isinstance(topk_length, torch.Tensor):
-            raise TypeError(f"topk_length: got {type(topk_length).__name__}, expected a torch.Tensor [S_q] int32 or None")
+            raise TypeError(
+                f"topk_length: got {type(topk_length).__name__}, expected a torch.Tensor [S_q] int32 or None"
+            )
         if topk_length.shape != (T,):
             raise ValueError(f"topk_length: got shape {tuple(topk_length.shape)}, expected [S_q]=[{T}]")
         if topk_length.dtype not in ((torch.int32,) if fast else (torch.int32, torch.int64)):
             raise TypeError(f"topk_length: got dtype {topk_length.dtype}, expected torch.int32")
     devs = {x.device for x in (q, kv, indices) + (() if topk_length is None else (topk_length,))}
     if len(devs) != 1:
-        raise ValueError(f"q/kv/indices/topk_length: got tensors on devices {sorted(map(str, devs))}, expected one device")
+        raise ValueError(
+            f"q/kv/indices/topk_length: got tensors on devices {sorted(map(str, devs))}, expected one device"
+        )
     if fast and q.device.type != "cuda":
         raise ValueError(f"q: on device {q.device}, expected a CUDA tensor (use sparse_mla_fwd_reference on CPU)")
     return q, kv, indices, topk_length
@@ -185,9 +191,24 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["H", "S_kv", "K", "head_start"])
     def _sparse_mla_fwd_kernel(
-        Q, KV, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE,
-        H, S_kv, K, head_start,  # H: heads >= H are masked (the end of this launch's head range)
-        stride_qt, stride_qh, stride_kvs, stride_it, stride_ot, stride_oh, stride_lt,
+        Q,
+        KV,
+        IDX,
+        TOPK_LEN,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        H,
+        S_kv,
+        K,
+        head_start,  # H: heads >= H are masked (the end of this launch's head range)
+        stride_qt,
+        stride_qh,
+        stride_kvs,
+        stride_it,
+        stride_ot,
+        stride_oh,
+        stride_lt,
         qk_scale_log2,  # sm_scale * log2(e): logits live in base 2 inside the kernel
         N_HEAD_BLOCKS: tl.constexpr,
         HAS_TOPK_LEN: tl.constexpr,
@@ -252,12 +273,26 @@ if triton is not None:
         tl.store(LSE + t * stride_lt + offs_h, lse, mask=mask_h)
         tl.store(MAX_LOGITS + t * stride_lt + offs_h, m_i * LN2, mask=mask_h)  # -inf stays -inf
 
-
     @triton.jit(do_not_specialize=["H", "S_kv", "K", "head_start"])
     def _sparse_mla_fwd_kernel_t(
-        Q, KV, IDX, TOPK_LEN, OUT, MAX_LOGITS, LSE,
-        H, S_kv, K, head_start,
-        stride_qt, stride_qh, stride_kvs, stride_it, stride_ot, stride_oh, stride_lt,
+        Q,
+        KV,
+        IDX,
+        TOPK_LEN,
+        OUT,
+        MAX_LOGITS,
+        LSE,
+        H,
+        S_kv,
+        K,
+        head_start,
+        stride_qt,
+        stride_qh,
+        stride_kvs,
+        stride_it,
+        stride_ot,
+        stride_oh,
+        stride_lt,
         qk_scale_log2,
         N_HEAD_BLOCKS: tl.constexpr,
         HAS_TOPK_LEN: tl.constexpr,
@@ -315,9 +350,22 @@ if triton is not None:
         tl.store(MAX_LOGITS + t * stride_lt + offs_h, m_i * LN2, mask=mask_h)
 
 
-def _sparse_mla_fwd_triton(q, kv, indices, sm_scale, topk_length=None, *, layout=None, block_h=None, block_k=None,
-                           num_warps=None, num_stages=None, head_splits=None, return_kernels=False,
-                           _out=None):
+def _sparse_mla_fwd_triton(
+    q,
+    kv,
+    indices,
+    sm_scale,
+    topk_length=None,
+    *,
+    layout=None,
+    block_h=None,
+    block_k=None,
+    num_warps=None,
+    num_stages=None,
+    head_splits=None,
+    return_kernels=False,
+    _out=None,
+):
     """Launch the Triton kernel on checked inputs ``q [T,H,576]``, ``kv [S,576]``, ``indices [T,K]`` (int32).
 
     ``head_splits``: optional list of ``(head_start, n_heads, block_h)`` launches covering ``[0, H)`` (e.g.
@@ -326,8 +374,13 @@ def _sparse_mla_fwd_triton(q, kv, indices, sm_scale, topk_length=None, *, layout
     if triton is None:
         raise RuntimeError("sparse_mla_fwd: Triton is not installed; use sparse_mla_fwd_reference or install triton")
     cfg = dict(TRITON_CONFIG)
-    for key, val in (("layout", layout), ("block_h", block_h), ("block_k", block_k), ("num_warps", num_warps),
-                     ("num_stages", num_stages)):
+    for key, val in (
+        ("layout", layout),
+        ("block_h", block_h),
+        ("block_k", block_k),
+        ("num_warps", num_warps),
+        ("num_stages", num_stages),
+    ):
         if val is not None:
             cfg[key] = val
     T, H, D = q.shape
@@ -354,14 +407,37 @@ def _sparse_mla_fwd_triton(q, kv, indices, sm_scale, topk_length=None, *, layout
     for head_start, n_heads, bh in splits:
         n_blocks = triton.cdiv(n_heads, bh)
         kernel = _sparse_mla_fwd_kernel_t if cfg["layout"] == "kh" else _sparse_mla_fwd_kernel
-        kernels.append(kernel[(T * n_blocks,)](
-            q, kv, indices, tl_len, out, max_logits, lse,
-            min(H, head_start + n_heads), S, K, head_start,
-            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-            float(sm_scale) * _LOG2E,
-            N_HEAD_BLOCKS=n_blocks, HAS_TOPK_LEN=topk_length is not None, BLOCK_H=bh, BLOCK_K=cfg["block_k"],
-            D_NOPE=D_V, D_PE=D_ROPE, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        ))
+        kernels.append(
+            kernel[(T * n_blocks,)](
+                q,
+                kv,
+                indices,
+                tl_len,
+                out,
+                max_logits,
+                lse,
+                min(H, head_start + n_heads),
+                S,
+                K,
+                head_start,
+                q.stride(0),
+                q.stride(1),
+                kv.stride(0),
+                indices.stride(0),
+                out.stride(0),
+                out.stride(1),
+                lse.stride(0),
+                float(sm_scale) * _LOG2E,
+                N_HEAD_BLOCKS=n_blocks,
+                HAS_TOPK_LEN=topk_length is not None,
+                BLOCK_H=bh,
+                BLOCK_K=cfg["block_k"],
+                D_NOPE=D_V,
+                D_PE=D_ROPE,
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+            )
+        )
     return (out, max_logits, lse, kernels) if return_kernels else (out, max_logits, lse)
 
 
@@ -379,8 +455,13 @@ def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length):
         indices = torch.nn.functional.pad(indices, (0, K_pad - K), value=-1)
     # Current FlashMLA returns natural-log lse (tests/ref.py there); some 2025 builds documented base 2.
     out, max_logits, lse = _flash_mla_sparse_fwd(
-        q.contiguous(), kv[:, None, :].contiguous(), indices[:, None, :].contiguous(), float(sm_scale),
-        D_V, topk_length=topk_length)
+        q.contiguous(),
+        kv[:, None, :].contiguous(),
+        indices[:, None, :].contiguous(),
+        float(sm_scale),
+        D_V,
+        topk_length=topk_length,
+    )
     return out[:, :H], max_logits[:, :H], lse[:, :H]
 
 

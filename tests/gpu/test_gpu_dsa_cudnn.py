@@ -13,12 +13,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 import kernels_torch.indexer as ti  # noqa: E402
 import kernels_torch.mla as tm  # noqa: E402
 from kernels_torch.common import causal_document_mask  # noqa: E402
-from kimi.compare import selection_agreement  # noqa: E402
 from kimi.config import load_config  # noqa: E402
+from kimi_tools.compare import selection_agreement  # noqa: E402
 
 HI, KI, TOPK = 32, 128, 2048  # K3.1 indexer
 H = 96
-SM_SCALE = 192 ** -0.5  # spec 3.3: NOT 576^-1/2
+SM_SCALE = 192**-0.5  # spec 3.3: NOT 576^-1/2
 TOL_SCORES = 1e-5  # cuDNN fp32 scores vs torch fp32 einsum, ||diff|| / ||ref|| over visible keys
 TOL_TIE = 1e-5  # selection ties: relative to the row's max |score|
 TOL_SPARSE_OUT = 1e-2  # bf16 Function vs fp32 autograd of the torch twin
@@ -89,8 +89,16 @@ def test_indexer_scores_and_sets_match_eager(T, cu):
     same = _same_sets(idx, canon)
     rows = torch.nonzero(~same).flatten().tolist()
     # rows is a subset, so the causal check (key <= row) is _check_structure's job above, not selection_agreement's
-    sel = selection_agreement(canon[rows].cpu().numpy(), ref.masked_fill(~mask, float("-inf"))[rows].cpu().numpy(),
-                              idx[rows].cpu().numpy(), TOL_TIE)[0] if rows else {"disagree": 0, "tie_only": 0}
+    sel = (
+        selection_agreement(
+            canon[rows].cpu().numpy(),
+            ref.masked_fill(~mask, float("-inf"))[rows].cpu().numpy(),
+            idx[rows].cpu().numpy(),
+            TOL_TIE,
+        )[0]
+        if rows
+        else {"disagree": 0, "tie_only": 0}
+    )
     print(f"  sets: {T - len(rows)} identical, {sel['tie_only']} differ by ties, {sel['disagree']} disagree")
     assert sel["disagree"] == 0
 
@@ -110,7 +118,9 @@ def test_indexer_ties_follow_canonical_rule():
     canon = ti.topk_indices(ti.indexer_scores(q[None], k[None], w[None]), mask, TOPK)[0]
     canon = torch.nn.functional.pad(canon, (0, TOPK - canon.shape[1]), value=-1)
     same = _same_sets(idx, canon)
-    assert bool(same.all()), f"{int((~same).sum())} rows differ from the canonical tie rule, first {int((~same).nonzero()[0])}"
+    assert bool(same.all()), (
+        f"{int((~same).sum())} rows differ from the canonical tie rule, first {int((~same).nonzero()[0])}"
+    )
 
 
 def _random_selection(T, S, K, seed):
@@ -127,8 +137,9 @@ def _random_selection(T, S, K, seed):
 
 
 # (S_q, S_kv): a single query row needs several keys, or its softmax is constant and dq is exactly 0 (no relative error)
-@pytest.mark.parametrize("T,S", [(1, 3000), (2, 2), (17, 17), (63, 63), (2049, 2049), (4096, 4096)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "T,S", [(1, 3000), (2, 2), (17, 17), (63, 63), (2049, 2049), (4096, 4096)], ids=lambda v: str(v)
+)
 def test_sparse_mla_function_matches_fp32_autograd(T, S):
     m = dc()
     g = torch.Generator(device="cuda").manual_seed(100 + T)
@@ -193,8 +204,9 @@ def test_dsa_layer_cudnn_matches_eager(T, cu):
     assert out.dtype == torch.bfloat16 and aux["index_scores"] is None
     idx, idx_r = aux["topk_indices"][0], aux_r["topk_indices"][0]
     assert idx.shape == idx_r.shape == (T, min(T, cfg.index_topk))
-    sel, _ = selection_agreement(idx_r.cpu().numpy(), aux_r["index_scores"][0].detach().cpu().numpy(),
-                                 idx.cpu().numpy(), 2e-2, causal=True)
+    sel, _ = selection_agreement(
+        idx_r.cpu().numpy(), aux_r["index_scores"][0].detach().cpu().numpy(), idx.cpu().numpy(), 2e-2, causal=True
+    )
     errs = {"out": rel(out, out_r), "x.grad": rel(x1.grad, x2.grad)}
     # T = 1: one visible key, so the softmax is constant and the query path has exactly zero gradient; a relative
     # error is undefined there. Check those gradients are tiny next to the value path's instead.

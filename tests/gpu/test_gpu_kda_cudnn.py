@@ -63,7 +63,7 @@ def layer_pair(cfg, seed: int):
     for s in param_layout(cfg, [i]):
         if not s.name.startswith(pre):
             continue
-        name, shape = s.name[len(pre):], tuple(s.shape)
+        name, shape = s.name[len(pre) :], tuple(s.shape)
         r = torch.randn(shape, device=DEVICE, generator=gen)
         if name == "A_log":
             r = torch.rand(shape, device=DEVICE, generator=gen).mul(15).add(1).log()
@@ -160,15 +160,31 @@ def test_fla_chunk_kda_cu_seqlens_int32_and_int64():
     outs = {}
     for name, dt in (("int64", torch.int64), ("int32", torch.int32), ("one_doc", None)):
         cu = None if dt is None else torch.tensor([0, 1, 64, 300, 700], dtype=dt, device=DEVICE)
-        o, S = chunk_kda(q, k, v, f, beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=-5.0,
-                         cu_seqlens=cu)
+        o, S = chunk_kda(
+            q,
+            k,
+            v,
+            f,
+            beta,
+            initial_state=None,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            safe_gate=True,
+            lower_bound=-5.0,
+            cu_seqlens=cu,
+        )
         outs[name] = (o, S)
     e_o = report("fla_cu_dtype", "out int32 vs int64", rel(outs["int32"][0], outs["int64"][0]))
     e_S = report("fla_cu_dtype", "S int32 vs int64", rel(outs["int32"][1], outs["int64"][1]))
     starts = [1, 2, 64, 65, 300, 301]  # first tokens of documents 2-4, where a reset state must change the output
-    e_doc = report("fla_cu_dtype", "out at document starts, one document vs int64",
-                   rel(outs["one_doc"][0][:, starts], outs["int64"][0][:, starts]))
+    e_doc = report(
+        "fla_cu_dtype",
+        "out at document starts, one document vs int64",
+        rel(outs["one_doc"][0][:, starts], outs["int64"][0][:, starts]),
+    )
     assert e_o <= TOL_CU_DTYPE and e_S <= TOL_CU_DTYPE
     assert e_doc > 10 * TOL_CU_DTYPE  # the boundaries matter, so the comparison above can fail
 
@@ -190,7 +206,10 @@ def test_prefill_then_decode_matches_full_prefill(gate):
                 o_t, c = fast(x16[:, t : t + 1], cache=c, mode=mode)
                 steps.append(o_t)
             out = torch.cat(steps, dim=1)
-            e_out, e_S = report(f"decode[{gate}-{mode}]", "out", rel(out, full_r)), report(f"decode[{gate}-{mode}]", "S", rel(c.S, c_full_r.S))
+            e_out, e_S = (
+                report(f"decode[{gate}-{mode}]", "out", rel(out, full_r)),
+                report(f"decode[{gate}-{mode}]", "S", rel(c.S, c_full_r.S)),
+            )
             assert e_out <= TOL_OUT and e_S <= TOL_STATE
             assert rel(c.conv_v, c_full_r.conv_v) <= TOL_CONV
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from kernels_torch.ops import sparse_mla as sm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SM_SCALE = 192 ** -0.5  # spec 3.3: NOT 576^-1/2
+SM_SCALE = 192**-0.5  # spec 3.3: NOT 576^-1/2
 TOL_OUT = 1e-2  # ||out - ref|| / ||ref||, bf16 output and bf16 P in the PV product
 TOL_LSE = 1e-4  # |lse - ref| / max(1, |ref|), fp32 statistics
 TOL_MAX = 1e-4  # same for max_logits
@@ -43,8 +41,11 @@ def _inputs(T, H, S, K, seed, topk_length):
 
 def _poisoned(T, H):
     nan = float("nan")
-    return (torch.full((T, H, sm.D_V), nan, device="cuda", dtype=torch.bfloat16),
-            torch.full((T, H), nan, device="cuda"), torch.full((T, H), nan, device="cuda"))
+    return (
+        torch.full((T, H, sm.D_V), nan, device="cuda", dtype=torch.bfloat16),
+        torch.full((T, H), nan, device="cuda"),
+        torch.full((T, H), nan, device="cuda"),
+    )
 
 
 def _check(got, ref, what):
@@ -95,8 +96,18 @@ def test_public_api_shapes_and_head_splits():
     _check(out, ref, "3-D shapes")
     out2 = sm.sparse_mla_fwd(q, kv[:, 0], idx[:, 0], SM_SCALE, topk_length=tlen, backend="triton")  # 2-D forms
     assert all(torch.equal(a, b) for a, b in zip(out, out2))
-    split = sm._sparse_mla_fwd_triton(q, kv[:, 0], idx[:, 0], SM_SCALE, tlen, head_splits=[(0, 64, 64), (64, 32, 32)],
-                                      layout="kh", block_k=128, num_stages=1, _out=_poisoned(T, H))
+    split = sm._sparse_mla_fwd_triton(
+        q,
+        kv[:, 0],
+        idx[:, 0],
+        SM_SCALE,
+        tlen,
+        head_splits=[(0, 64, 64), (64, 32, 32)],
+        layout="kh",
+        block_k=128,
+        num_stages=1,
+        _out=_poisoned(T, H),
+    )
     _check(split, ref, "head splits 64+32")
 
 

@@ -20,8 +20,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Tolerances", "TOLERANCES", "RunResult", "run_reference", "run_torch", "compare_runs", "Report",
-           "selection_agreement", "rel_err"]
+__all__ = [
+    "Tolerances",
+    "TOLERANCES",
+    "RunResult",
+    "run_reference",
+    "run_torch",
+    "compare_runs",
+    "Report",
+    "selection_agreement",
+    "rel_err",
+]
 
 
 @dataclass(frozen=True)
@@ -42,10 +51,26 @@ class Tolerances:
 # discrete flips (expert routing and top-k keys at near-ties, then everything downstream of them), so in bf16 they
 # get looser bounds (measured on the random-init tiny preset, 256 tokens: rel 0.17, cosine 0.986, top-1 0.93).
 TOLERANCES = {
-    "float32": Tolerances(attn_rel=1e-4, mlp_rel=1e-4, residual_rel=1e-4, logits_rel=1e-4, logits_cos_min=0.99999,
-                          top1_min=0.999, tie_rel=1e-4, selection_disagree_max=0.0),
-    "bfloat16": Tolerances(attn_rel=4e-2, mlp_rel=4e-2, residual_rel=4e-2, logits_rel=0.3, logits_cos_min=0.95,
-                           top1_min=0.85, tie_rel=5e-2, selection_disagree_max=0.01),
+    "float32": Tolerances(
+        attn_rel=1e-4,
+        mlp_rel=1e-4,
+        residual_rel=1e-4,
+        logits_rel=1e-4,
+        logits_cos_min=0.99999,
+        top1_min=0.999,
+        tie_rel=1e-4,
+        selection_disagree_max=0.0,
+    ),
+    "bfloat16": Tolerances(
+        attn_rel=4e-2,
+        mlp_rel=4e-2,
+        residual_rel=4e-2,
+        logits_rel=0.3,
+        logits_cos_min=0.95,
+        top1_min=0.85,
+        tie_rel=5e-2,
+        selection_disagree_max=0.01,
+    ),
 }
 
 
@@ -77,8 +102,9 @@ def _np_aux(aux: dict[str, Any], to_np: Callable[[Any], np.ndarray]) -> dict[str
     return out
 
 
-def run_reference(checkpoint: str | Path, ids: np.ndarray, layers: int | None = None,
-                  on_layer: Callable[[int], None] | None = None) -> RunResult:
+def run_reference(
+    checkpoint: str | Path, ids: np.ndarray, layers: int | None = None, on_layer: Callable[[int], None] | None = None
+) -> RunResult:
     """The JAX reference in fp32 on ``ids`` [T], with full-precision matmuls (no TF32 on GPUs)."""
     import jax
 
@@ -89,12 +115,21 @@ def run_reference(checkpoint: str | Path, ids: np.ndarray, layers: int | None = 
     with jax.default_matmul_precision("highest"):
         logits, auxes = model.apply({"params": tree}, np.asarray(ids)[None], return_aux=True, on_layer=on_layer)
     to_np = lambda a: np.asarray(a, dtype=np.float32) if np.asarray(a).dtype.kind == "f" else np.asarray(a)  # noqa: E731
-    return RunResult("jax reference (fp32)", to_np(logits)[0], [_np_aux(a, to_np) for a in auxes], time.perf_counter() - t0)
+    return RunResult(
+        "jax reference (fp32)", to_np(logits)[0], [_np_aux(a, to_np) for a in auxes], time.perf_counter() - t0
+    )
 
 
-def run_torch(checkpoint: str | Path, ids: np.ndarray, layers: int | None = None, backend: str = "eager",
-              dtype: str = "float32", on_layer: Callable[[int], None] | None = None,
-              device: str | None = None, ref: RunResult | None = None) -> RunResult:
+def run_torch(
+    checkpoint: str | Path,
+    ids: np.ndarray,
+    layers: int | None = None,
+    backend: str = "eager",
+    dtype: str = "float32",
+    on_layer: Callable[[int], None] | None = None,
+    device: str | None = None,
+    ref: RunResult | None = None,
+) -> RunResult:
     """One torch backend in ``dtype`` on ``ids`` [T]; ``device`` defaults to CUDA when available (always for
     ``cudnn``), else the CPU.
 
@@ -113,8 +148,7 @@ def run_torch(checkpoint: str | Path, ids: np.ndarray, layers: int | None = None
         device = "cuda" if backend == "cudnn" or torch.cuda.is_available() else "cpu"
     model = load_model(checkpoint, layers=layers, backend=backend, dtype=getattr(torch, dtype), device=device)
     with torch.no_grad():
-        logits, auxes = model(torch.as_tensor(np.asarray(ids), device=device)[None], return_aux=True,
-                              on_layer=on_layer)
+        logits, auxes = model(torch.as_tensor(np.asarray(ids), device=device)[None], return_aux=True, on_layer=on_layer)
 
     def to_np(t):
         t = t.detach().cpu()
@@ -144,8 +178,9 @@ def _layer_local(model, ref: RunResult, to_np, device) -> list[dict[str, Any]]:
     return rows
 
 
-def selection_agreement(ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: np.ndarray,
-                        tie_rel: float, causal: bool = False) -> tuple[dict[str, int], np.ndarray]:
+def selection_agreement(
+    ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: np.ndarray, tie_rel: float, causal: bool = False
+) -> tuple[dict[str, int], np.ndarray]:
     """Compare top-k sets row by row (DSA keys or MoE experts).
 
     ref_idx / other_idx ``[T, k]`` (-1 = empty slot), ref_scores ``[T, S]``: the reference's selection scores.
@@ -163,8 +198,8 @@ def selection_agreement(ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: 
     out = {"rows": int(T), "identical": 0, "tie_only": 0, "disagree": 0}
     same = np.zeros(T, bool)
     for t in range(T):
-        a = set(int(i) for i in ref_idx[t] if i >= 0)
-        b = set(int(i) for i in other_idx[t] if i >= 0)
+        a = {int(i) for i in ref_idx[t] if i >= 0}
+        b = {int(i) for i in other_idx[t] if i >= 0}
         diff = a ^ b
         if not diff:
             out["identical"] += 1
@@ -174,8 +209,10 @@ def selection_agreement(ref_idx: np.ndarray, ref_scores: np.ndarray, other_idx: 
         finite = row[np.isfinite(row)]
         scale = float(np.abs(finite).max()) if finite.size else 1.0
         kth = min(float(row[i]) for i in a) if a else 0.0
-        ok = all(np.isfinite(row[i]) and abs(float(row[i]) - kth) <= tie_rel * max(scale, 1e-30)
-                 and not (causal and i > t) for i in diff)
+        ok = all(
+            np.isfinite(row[i]) and abs(float(row[i]) - kth) <= tie_rel * max(scale, 1e-30) and not (causal and i > t)
+            for i in diff
+        )
         out["tie_only" if ok else "disagree"] += 1
     return out, same
 
@@ -237,8 +274,9 @@ def _errors(o: np.ndarray, r: np.ndarray, keep: np.ndarray) -> tuple[float, floa
     return rel_err(o, r), float(np.abs(o.astype(np.float64) - r).max())
 
 
-def compare_runs(ref: RunResult, other: RunResult, kinds: list[str], dtype: str = "float32",
-                 tol: Tolerances | None = None) -> Report:
+def compare_runs(
+    ref: RunResult, other: RunResult, kinds: list[str], dtype: str = "float32", tol: Tolerances | None = None
+) -> Report:
     """Compare ``other`` against ``ref`` layer by layer; ``kinds[i]`` is 'kda' | 'mla' | 'dsa'."""
     tol = tol or TOLERANCES[dtype]
     rows = []
@@ -248,14 +286,22 @@ def compare_runs(ref: RunResult, other: RunResult, kinds: list[str], dtype: str 
         attn_keep = np.ones(T, bool)
         mlp_keep = np.ones(T, bool)
         if "topk_indices" in r and "topk_indices" in o:
-            sel, attn_keep = selection_agreement(r["topk_indices"], r["index_scores"], o["topk_indices"], tol.tie_rel,
-                                                 causal=True)
+            sel, attn_keep = selection_agreement(
+                r["topk_indices"], r["index_scores"], o["topk_indices"], tol.tie_rel, causal=True
+            )
         if "expert_ids" in r and "expert_ids" in o:
             routing, mlp_keep = selection_agreement(r["expert_ids"], r["expert_scores"], o["expert_ids"], tol.tie_rel)
         keep = attn_keep & mlp_keep  # the residual carries both
-        row = LayerRow(i, kinds[i], *_errors(o["attn_out"], r["attn_out"], attn_keep),
-                       *_errors(o["mlp_out"], r["mlp_out"], keep), *_errors(o["residual"], r["residual"], keep),
-                       selection=sel, routing=routing, excluded=int(T - keep.sum()))
+        row = LayerRow(
+            i,
+            kinds[i],
+            *_errors(o["attn_out"], r["attn_out"], attn_keep),
+            *_errors(o["mlp_out"], r["mlp_out"], keep),
+            *_errors(o["residual"], r["residual"], keep),
+            selection=sel,
+            routing=routing,
+            excluded=int(T - keep.sum()),
+        )
         for key, bound in (("attn_rel", tol.attn_rel), ("mlp_rel", tol.mlp_rel), ("residual_rel", tol.residual_rel)):
             v = getattr(row, key)
             if not v <= bound:  # NaN fails too
@@ -280,6 +326,7 @@ def compare_runs(ref: RunResult, other: RunResult, kinds: list[str], dtype: str 
 
 def format_table(reports: list[Report]) -> str:
     """A plain-text table: one block per backend, one line per layer, then the logits line and the tolerances."""
+
     def choice(c):
         return "" if c is None else f"{c['identical']}/{c['tie_only']}/{c['disagree']}"
 
@@ -287,22 +334,32 @@ def format_table(reports: list[Report]) -> str:
     for rep in reports:
         t = rep.tolerances
         lines.append(f"== {rep.backend} ({rep.dtype}) vs {rep.reference} ==")
-        lines.append(f"{'layer':>5} {'kind':>4} | {'attn rel':>9} {'max abs':>9} | {'mlp rel':>9} {'max abs':>9} | "
-                     f"{'resid rel':>9} {'max abs':>9} | {'top-k keys':>12} {'experts':>12} | status")
+        lines.append(
+            f"{'layer':>5} {'kind':>4} | {'attn rel':>9} {'max abs':>9} | {'mlp rel':>9} {'max abs':>9} | "
+            f"{'resid rel':>9} {'max abs':>9} | {'top-k keys':>12} {'experts':>12} | status"
+        )
         for r in rep.layers:
-            lines.append(f"{r.layer:>5} {r.kind:>4} | {r.attn_rel:9.2e} {r.attn_max_abs:9.2e} | {r.mlp_rel:9.2e} "
-                         f"{r.mlp_max_abs:9.2e} | {r.residual_rel:9.2e} {r.residual_max_abs:9.2e} | "
-                         f"{choice(r.selection):>12} {choice(r.routing):>12} | "
-                         + ("ok" if not r.failed else "FAIL: " + "; ".join(r.failed)))
-        lines.append(f"logits: rel {rep.logits_rel:.2e}  max abs {rep.logits_max_abs:.2e}  cosine {rep.logits_cos:.7f}  "
-                     f"top-1 agreement {rep.top1:.4f}  -> " + ("PASS" if rep.passed else "FAIL"))
-        lines.append("rows: each torch layer is fed the reference's inputs of that layer (layer-local errors); "
-                     "top-k keys / experts = rows same/differing only at near-ties/differing; errors exclude the "
-                     "rows whose keys or experts differ")
-        lines.append(f"tolerances ({rep.dtype}): attn/mlp/resid rel <= {t.attn_rel:.0e}/{t.mlp_rel:.0e}/"
-                     f"{t.residual_rel:.0e}, logits rel <= {t.logits_rel:.0e}, cosine >= {t.logits_cos_min}, "
-                     f"top-1 >= {t.top1_min}, near-tie = within {t.tie_rel:.0e} x max|score| of the k-th, rows "
-                     f"differing beyond ties <= {t.selection_disagree_max:.0%}")
+            lines.append(
+                f"{r.layer:>5} {r.kind:>4} | {r.attn_rel:9.2e} {r.attn_max_abs:9.2e} | {r.mlp_rel:9.2e} "
+                f"{r.mlp_max_abs:9.2e} | {r.residual_rel:9.2e} {r.residual_max_abs:9.2e} | "
+                f"{choice(r.selection):>12} {choice(r.routing):>12} | "
+                + ("ok" if not r.failed else "FAIL: " + "; ".join(r.failed))
+            )
+        lines.append(
+            f"logits: rel {rep.logits_rel:.2e}  max abs {rep.logits_max_abs:.2e}  cosine {rep.logits_cos:.7f}  "
+            f"top-1 agreement {rep.top1:.4f}  -> " + ("PASS" if rep.passed else "FAIL")
+        )
+        lines.append(
+            "rows: each torch layer is fed the reference's inputs of that layer (layer-local errors); "
+            "top-k keys / experts = rows same/differing only at near-ties/differing; errors exclude the "
+            "rows whose keys or experts differ"
+        )
+        lines.append(
+            f"tolerances ({rep.dtype}): attn/mlp/resid rel <= {t.attn_rel:.0e}/{t.mlp_rel:.0e}/"
+            f"{t.residual_rel:.0e}, logits rel <= {t.logits_rel:.0e}, cosine >= {t.logits_cos_min}, "
+            f"top-1 >= {t.top1_min}, near-tie = within {t.tie_rel:.0e} x max|score| of the k-th, rows "
+            f"differing beyond ties <= {t.selection_disagree_max:.0%}"
+        )
         if not rep.passed:
             first = rep.first_divergent_layer
             lines.append(f"first divergent layer: {first}" if first is not None else "layers agree; logits differ")

@@ -19,60 +19,23 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from kimi.config import ConfigError, KimiConfig, PRESETS, load_config
+from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
+from kimi_tools.common import (
+    CliError,
+    Parser,
+    Progress,
+    add_source,
+    apply_overrides,
+    materialise_checkpoint,
+    positive_int,
+    token_ids,
+    write_atomic,
+)
 
 __all__ = ["main"]
-
-
-class CliError(Exception):
-    """A user error with a one-line message."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``kimi <cmd>: error: ...``, exit 2); ``--help`` still shows the usage."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {s!r}, expected a positive integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"got {v}, expected a positive integer (>= 1)")
-    return v
-
-
-def _add_source(p: argparse.ArgumentParser, config_file: bool = True) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default: tiny)")
-    if config_file:
-        g.add_argument("--config", metavar="FILE", help="a config.json")
-    g.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory (config.json + safetensors)")
-
-
-def _apply_overrides(cfg: KimiConfig, sets: Sequence[str]) -> KimiConfig:
-    """``--set key=value``: override KimiConfig fields (value parsed as JSON, else a string)."""
-    fields = {f.name for f in cfg.__dataclass_fields__.values()} - {"raw"}
-    changes: dict[str, Any] = {}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise CliError(f"--set: got {item!r}, expected key=value with key one of the config fields "
-                           f"(e.g. num_experts=16)")
-        try:
-            v = json.loads(value)
-        except json.JSONDecodeError:
-            v = value
-        if key.endswith("_layers") and isinstance(v, list):
-            v = tuple(v)
-        changes[key] = v
-    return cfg.replace(**changes) if changes else cfg
 
 
 # ---------------------------------------------------------------------------------------------- info
@@ -98,20 +61,36 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print(f"{cfg.architecture}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     print(f"  total params   {counts['total_params']:>20,}  ({_human(counts['total_params'])})")
-    print(f"  active params  {counts['active_params']:>20,}  ({_human(counts['active_params'])}, "
-          f"excluding the input embedding; {_human(counts['active_with_embedding'])} with it)")
+    print(
+        f"  active params  {counts['active_params']:>20,}  ({_human(counts['active_params'])}, "
+        f"excluding the input embedding; {_human(counts['active_with_embedding'])} with it)"
+    )
     print(f"  KDA layers ({len(cfg.kda_layers)}), 0-based: {_ranges(cfg.kda_layers)}")
     print(f"  MLA layers ({len(cfg.mla_layers)}), 0-based: {_ranges(cfg.mla_layers)}")
-    print(f"  DSA layers ({len(cfg.dsa_layers)}), 0-based: {_ranges(cfg.dsa_layers)}"
-          + (f"  [indexer {cfg.index_n_heads}x{cfg.index_head_dim}, top-k {cfg.index_topk}]" if cfg.dsa_layers else ""))
-    print(f"  dense MLP layers: {_ranges(info['dense_mlp_layers'])}; MoE layers: {_ranges(info['moe_layers'])}"
-          + (f"  [{cfg.num_experts_per_token} of {cfg.num_experts} experts"
-             + (f", latent {cfg.routed_expert_hidden_size}" if cfg.has_latent_moe else "") + "]" if info["moe_layers"] else ""))
+    print(
+        f"  DSA layers ({len(cfg.dsa_layers)}), 0-based: {_ranges(cfg.dsa_layers)}"
+        + (f"  [indexer {cfg.index_n_heads}x{cfg.index_head_dim}, top-k {cfg.index_topk}]" if cfg.dsa_layers else "")
+    )
+    print(
+        f"  dense MLP layers: {_ranges(info['dense_mlp_layers'])}; MoE layers: {_ranges(info['moe_layers'])}"
+        + (
+            f"  [{cfg.num_experts_per_token} of {cfg.num_experts} experts"
+            + (f", latent {cfg.routed_expert_hidden_size}" if cfg.has_latent_moe else "")
+            + "]"
+            if info["moe_layers"]
+            else ""
+        )
+    )
     if cfg.has_attn_res:
-        print(f"  AttnRes block size {cfg.attn_res_block_size}: blocks written before layers "
-              f"{info['attn_res_block_writes']}")
-    print("  layer plan: " + "".join({"kda": "K", "mla": "M", "dsa": "D"}[p.attention] for p in plan)
-          + "  (K = KDA, M = MLA, D = MLA + DSA indexer)")
+        print(
+            f"  AttnRes block size {cfg.attn_res_block_size}: blocks written before layers "
+            f"{info['attn_res_block_writes']}"
+        )
+    print(
+        "  layer plan: "
+        + "".join({"kda": "K", "mla": "M", "dsa": "D"}[p.attention] for p in plan)
+        + "  (K = KDA, M = MLA, D = MLA + DSA indexer)"
+    )
     return 0
 
 
@@ -144,7 +123,7 @@ def _ranges(xs: Sequence[int]) -> str:
 def cmd_init(args: argparse.Namespace) -> int:
     from kimi.init import init_checkpoint
 
-    cfg = _apply_overrides(load_config(args.preset), args.set or [])
+    cfg = apply_overrides(load_config(args.preset), args.set or [])
     if args.layers is not None and args.layers > cfg.num_hidden_layers:
         raise CliError(f"--layers: got {args.layers}, expected at most num_hidden_layers={cfg.num_hidden_layers}")
     out = Path(args.out)
@@ -186,93 +165,24 @@ def cmd_forward(args: argparse.Namespace) -> int:
             from kernels_torch.model import load_model as load_torch
 
             gpu = args.backend == "cudnn"  # the cudnn backend runs on CUDA in bf16 (it says so when it cannot)
-            model = load_torch(ckpt, layers=args.layers, backend=args.backend,
-                               dtype=torch.bfloat16 if gpu else torch.float32, device="cuda" if gpu else "cpu")
+            model = load_torch(
+                ckpt,
+                layers=args.layers,
+                backend=args.backend,
+                dtype=torch.bfloat16 if gpu else torch.float32,
+                device="cuda" if gpu else "cpu",
+            )
             with torch.no_grad():
                 logits = model(torch.as_tensor(ids, device="cuda" if gpu else "cpu")).float().cpu().numpy()
     finally:
         if tmp is not None:
             tmp.cleanup()
     finite = bool(np.isfinite(logits).all())
-    print(f"logits: shape {list(logits.shape)} dtype {logits.dtype} finite {finite} "
-          f"mean {logits.mean():+.4f} std {logits.std():.4f} min {logits.min():+.4f} max {logits.max():+.4f}")
+    print(
+        f"logits: shape {list(logits.shape)} dtype {logits.dtype} finite {finite} "
+        f"mean {logits.mean():+.4f} std {logits.std():.4f} min {logits.min():+.4f} max {logits.max():+.4f}"
+    )
     return 0 if finite else 1
-
-
-
-# ---------------------------------------------------------------------------------------------- shared helpers
-
-
-DEFAULT_TEXT = Path(__file__).parent / "data" / "alice_ch1.txt"
-
-
-class _Progress:
-    """A one-line progress indicator on stderr: ``[stage] layer i/N  (elapsed)``; redraws in place on a terminal."""
-
-    def __init__(self, stage: str, total: int, quiet: bool = False):
-        import time
-
-        self.stage, self.total, self.quiet, self.t0 = stage, total, quiet, time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self._draw(0)
-
-    def _draw(self, done: int) -> None:
-        import time
-
-        if self.quiet:
-            return
-        bar = "#" * int(20 * done / max(self.total, 1))
-        msg = f"[{self.stage:>12}] |{bar:<20}| layer {done}/{self.total}  {time.perf_counter() - self.t0:6.1f}s"
-        if self.tty:
-            print("\r" + msg, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
-        elif done == self.total:
-            print(msg, file=sys.stderr, flush=True)
-
-    def __call__(self, layer: int) -> None:
-        self._draw(layer + 1)
-
-
-def _materialise_checkpoint(args: argparse.Namespace, stack) -> tuple[Path, str]:
-    """The checkpoint to run: ``--checkpoint DIR``, or a deterministic random init of ``--preset`` (default tiny)
-    written once to a temporary directory. Returns (path, description)."""
-    from kimi.init import init_checkpoint
-
-    if args.checkpoint is not None:
-        return Path(args.checkpoint), f"checkpoint {args.checkpoint}"
-    name = args.preset or "tiny"
-    cfg = load_config(name)
-    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kimi-"))
-    init_checkpoint(tmp, cfg, seed=args.seed, layers=args.layers)
-    return Path(tmp), f"preset {name}, random init seed {args.seed}"
-
-
-def _token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
-    """Token ids [T] from --ids (JSON list) or --text (default: the bundled text), cut to --tokens."""
-    import numpy as np
-
-    from kimi.tokenizer import load_tokenizer, read_text
-
-    if getattr(args, "ids", None):
-        try:
-            ids = json.loads(Path(args.ids).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CliError(f"--ids: {args.ids} is not a JSON list of token ids ({e})") from None
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise CliError(f"--ids: {args.ids} must hold a non-empty JSON list of integers")
-        tok_name = f"ids from {args.ids}"
-    else:
-        tok = load_tokenizer(checkpoint, cfg.vocab_size)
-        path = args.text or DEFAULT_TEXT
-        if not Path(path).is_file():
-            raise CliError(f"--text: no file at {path}")
-        ids = tok.encode(read_text(path))
-        tok_name = tok.name
-    if args.tokens is not None:
-        ids = ids[: args.tokens]
-    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]  # Python ints: no overflow on huge values
-    if bad:
-        raise CliError(f"token ids: got {bad[0]}, expected ids in [0, {cfg.vocab_size})")
-    return np.asarray(ids, dtype=np.int64), tok_name
 
 
 # ---------------------------------------------------------------------------------------------- compare
@@ -281,7 +191,7 @@ def _token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
 def cmd_compare(args: argparse.Namespace) -> int:
     import contextlib
 
-    from kimi.compare import TOLERANCES, compare_runs, format_table, run_reference, run_torch
+    from kimi_tools.compare import TOLERANCES, compare_runs, format_table, run_reference, run_torch
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     known = ("eager", "sdpa", "cudnn")
@@ -294,36 +204,63 @@ def cmd_compare(args: argparse.Namespace) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise CliError("--backends/--device: the cudnn backend and --device cuda need a CUDA GPU, but CUDA is not "
-                           "available here (use eager or sdpa on a CPU)")
+            raise CliError(
+                "--backends/--device: the cudnn backend and --device cuda need a CUDA GPU, but CUDA is not "
+                "available here (use eager or sdpa on a CPU)"
+            )
     with contextlib.ExitStack() as stack:
-        ckpt, source = _materialise_checkpoint(args, stack)
+        ckpt, source = materialise_checkpoint(args, stack)
         cfg = KimiConfig.from_json(ckpt / "config.json")
         cfg = cfg if args.layers is None else cfg.truncated(min(args.layers, cfg.num_hidden_layers))
         if args.against:
             return _compare_against(args, ckpt, cfg)
-        ids, tok_name = _token_ids(args, ckpt, cfg)
+        ids, tok_name = token_ids(args, ckpt, cfg)
         n = cfg.num_hidden_layers
         kinds = [cfg.layer_type(i) for i in range(n)]
-        print(f"kimi compare: {source}; {n} layers ({''.join(k[0].upper() for k in kinds)}); {len(ids)} tokens "
-              f"({tok_name}); index_topk {cfg.index_topk}; backends {','.join(backends)}; dtype {args.dtype}",
-              flush=True)
+        print(
+            f"kimi compare: {source}; {n} layers ({''.join(k[0].upper() for k in kinds)}); {len(ids)} tokens "
+            f"({tok_name}); index_topk {cfg.index_topk}; backends {','.join(backends)}; dtype {args.dtype}",
+            flush=True,
+        )
         if args.reference == "jax":
-            ref = run_reference(ckpt, ids, layers=args.layers, on_layer=_Progress("jax", n, args.quiet))
+            ref = run_reference(ckpt, ids, layers=args.layers, on_layer=Progress("jax", n, args.quiet))
         else:  # the torch eager twin in fp32 (validated against JAX on CPU): a fast oracle for real-size GPU runs
-            ref = run_torch(ckpt, ids, layers=args.layers, backend="eager", dtype="float32", device=args.device,
-                            on_layer=_Progress("eager-fp32", n, args.quiet))
+            ref = run_torch(
+                ckpt,
+                ids,
+                layers=args.layers,
+                backend="eager",
+                dtype="float32",
+                device=args.device,
+                on_layer=Progress("eager-fp32", n, args.quiet),
+            )
             ref.name = "torch-eager fp32"
         reports = []
         for b in backends:
-            other = run_torch(ckpt, ids, layers=args.layers, backend=b, dtype=args.dtype,
-                              on_layer=_Progress(f"torch-{b}", n, args.quiet), device=args.device, ref=ref)
+            other = run_torch(
+                ckpt,
+                ids,
+                layers=args.layers,
+                backend=b,
+                dtype=args.dtype,
+                on_layer=Progress(f"torch-{b}", n, args.quiet),
+                device=args.device,
+                ref=ref,
+            )
             reports.append(compare_runs(ref, other, kinds, dtype=args.dtype, tol=TOLERANCES[args.dtype]))
     print(format_table(reports))
     if args.json:
-        out = {"source": source, "reference": ref.name, "tokens": int(len(ids)), "tokenizer": tok_name, "num_layers": n,
-               "index_topk": cfg.index_topk, "dtype": args.dtype, "reports": [r.to_dict() for r in reports]}
-        _write_atomic(Path(args.json), json.dumps(out, indent=1).encode())
+        out = {
+            "source": source,
+            "reference": ref.name,
+            "tokens": int(len(ids)),
+            "tokenizer": tok_name,
+            "num_layers": n,
+            "index_topk": cfg.index_topk,
+            "dtype": args.dtype,
+            "reports": [r.to_dict() for r in reports],
+        }
+        write_atomic(Path(args.json), json.dumps(out, indent=1).encode())
         print(f"report written to {args.json}")
     failed = [r for r in reports if not r.passed]
     for r in failed:
@@ -338,7 +275,7 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
     import numpy as np
     from safetensors.numpy import load_file
 
-    from kimi.compare import TOLERANCES, RunResult, rel_err, run_reference, run_torch
+    from kimi_tools.compare import TOLERANCES, rel_err, run_reference, run_torch
 
     try:
         theirs = load_file(args.against)
@@ -360,20 +297,34 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
     with safe_open(args.against, framework="np") as f:
         file_layers = (f.metadata() or {}).get("layers")
     if file_layers is not None and int(file_layers) != cfg.num_hidden_layers:
-        raise CliError(f"--against: {args.against} was written with {file_layers} layers, this run has "
-                       f"{cfg.num_hidden_layers} (pass --layers {file_layers})")
+        raise CliError(
+            f"--against: {args.against} was written with {file_layers} layers, this run has "
+            f"{cfg.num_hidden_layers} (pass --layers {file_layers})"
+        )
     backend = args.path
     n = cfg.num_hidden_layers
     if backend == "jax":
-        mine = run_reference(ckpt, ids, layers=args.layers, on_layer=_Progress("jax", n, args.quiet))
+        mine = run_reference(ckpt, ids, layers=args.layers, on_layer=Progress("jax", n, args.quiet))
     else:
-        mine = run_torch(ckpt, ids, layers=args.layers, backend=backend, dtype=args.dtype,
-                         on_layer=_Progress(f"torch-{backend}", n, args.quiet), device=args.device)
-    other = theirs["logits"].astype(np.float32).reshape(mine.logits.shape) if theirs["logits"].size == mine.logits.size \
+        mine = run_torch(
+            ckpt,
+            ids,
+            layers=args.layers,
+            backend=backend,
+            dtype=args.dtype,
+            on_layer=Progress(f"torch-{backend}", n, args.quiet),
+            device=args.device,
+        )
+    other = (
+        theirs["logits"].astype(np.float32).reshape(mine.logits.shape)
+        if theirs["logits"].size == mine.logits.size
         else None
+    )
     if other is None:
-        raise CliError(f"--against: logits shape {list(theirs['logits'].shape)} does not match "
-                       f"{list(mine.logits.shape)} from this checkpoint")
+        raise CliError(
+            f"--against: logits shape {list(theirs['logits'].shape)} does not match "
+            f"{list(mine.logits.shape)} from this checkpoint"
+        )
     tol = TOLERANCES[args.dtype]
     a, b = other.astype(np.float64), mine.logits.astype(np.float64)
     cos = float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)))
@@ -384,14 +335,19 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
         h = theirs.get(f"hidden.{i}")
         if h is not None:
             if h.shape != layer["residual"].shape:
-                raise CliError(f"--against: hidden.{i} has shape {list(h.shape)}, expected "
-                               f"{list(layer['residual'].shape)}")
-            print(f"  layer {i:>3}: residual rel {rel_err(h, layer['residual']):.2e}  (informational: the verdict "
-                  f"is on the logits)")
+                raise CliError(
+                    f"--against: hidden.{i} has shape {list(h.shape)}, expected {list(layer['residual'].shape)}"
+                )
+            print(
+                f"  layer {i:>3}: residual rel {rel_err(h, layer['residual']):.2e}  (informational: the verdict "
+                f"is on the logits)"
+            )
     ok = lrel <= tol.logits_rel and cos >= tol.logits_cos_min and top1 >= tol.top1_min
-    print(f"logits: rel {lrel:.2e}  cosine {cos:.7f}  top-1 agreement {top1:.4f}  -> {'PASS' if ok else 'FAIL'}  "
-          f"(tolerances {args.dtype}: rel <= {tol.logits_rel:.0e}, cosine >= {tol.logits_cos_min}, "
-          f"top-1 >= {tol.top1_min})")
+    print(
+        f"logits: rel {lrel:.2e}  cosine {cos:.7f}  top-1 agreement {top1:.4f}  -> {'PASS' if ok else 'FAIL'}  "
+        f"(tolerances {args.dtype}: rel <= {tol.logits_rel:.0e}, cosine >= {tol.logits_cos_min}, "
+        f"top-1 >= {tol.top1_min})"
+    )
     return 0 if ok else 1
 
 
@@ -404,57 +360,51 @@ def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
     from safetensors.numpy import save
 
-    from kimi.compare import run_reference, run_torch
+    from kimi_tools.compare import run_reference, run_torch
 
     if not args.text and not args.ids:
         raise CliError("input: expected one of --text FILE or --ids FILE")
     with contextlib.ExitStack() as stack:
-        ckpt, source = _materialise_checkpoint(args, stack)
+        ckpt, source = materialise_checkpoint(args, stack)
         cfg = KimiConfig.from_json(ckpt / "config.json")
         cfg = cfg if args.layers is None else cfg.truncated(min(args.layers, cfg.num_hidden_layers))
-        ids, tok_name = _token_ids(args, ckpt, cfg)
+        ids, tok_name = token_ids(args, ckpt, cfg)
         n = cfg.num_hidden_layers
         if args.backend == "jax":
-            res = run_reference(ckpt, ids, layers=args.layers, on_layer=_Progress("jax", n, args.quiet))
+            res = run_reference(ckpt, ids, layers=args.layers, on_layer=Progress("jax", n, args.quiet))
         else:
-            res = run_torch(ckpt, ids, layers=args.layers, backend=args.backend, dtype=args.dtype,
-                            on_layer=_Progress(f"torch-{args.backend}", n, args.quiet), device=args.device)
+            res = run_torch(
+                ckpt,
+                ids,
+                layers=args.layers,
+                backend=args.backend,
+                dtype=args.dtype,
+                on_layer=Progress(f"torch-{args.backend}", n, args.quiet),
+                device=args.device,
+            )
     tensors = {"input_ids": ids.astype(np.int64), "logits": res.logits.astype(np.float32)}
     if args.hidden:
         for i, layer in enumerate(res.layers):
             tensors[f"hidden.{i}"] = layer["residual"].astype(np.float32)
     meta = {"source": source, "backend": args.backend, "tokenizer": tok_name, "layers": str(n)}
-    _write_atomic(Path(args.out), save(tensors, metadata=meta))
-    print(f"wrote {args.out}: input_ids [{len(ids)}], logits {list(res.logits.shape)}"
-          + (f", hidden.0..{n - 1}" if args.hidden else "") + f" ({res.name}, {tok_name})")
+    write_atomic(Path(args.out), save(tensors, metadata=meta))
+    print(
+        f"wrote {args.out}: input_ids [{len(ids)}], logits {list(res.logits.shape)}"
+        + (f", hidden.0..{n - 1}" if args.hidden else "")
+        + f" ({res.name}, {tok_name})"
+    )
     return 0
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync, then rename over it."""
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 # ---------------------------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="kimi", description="Kimi K3.1 Pro research tools (JAX reference + torch path).")
+    ap = Parser(prog="kimi", description="Kimi K3.1 Pro research tools (JAX reference + torch path).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("info", help="layer plan and parameter counts")
-    _add_source(p)
+    add_source(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_info)
 
@@ -462,49 +412,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=_positive_int, help="keep the first N layers")
+    p.add_argument("--layers", type=positive_int, help="keep the first N layers")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("forward", help="one forward pass on random ids; prints logits statistics")
-    _add_source(p, config_file=False)
-    p.add_argument("--layers", type=_positive_int)
-    p.add_argument("--tokens", type=_positive_int, default=128)
+    add_source(p, config_file=False)
+    p.add_argument("--layers", type=positive_int)
+    p.add_argument("--tokens", type=positive_int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["jax", "eager", "sdpa", "cudnn"], default="jax")
     p.set_defaults(func=cmd_forward)
 
     p = sub.add_parser("compare", help="JAX reference vs torch backends, layer by layer, on real text")
-    _add_source(p, config_file=False)
-    p.add_argument("--layers", type=_positive_int, help="run the first N layers, then output mix, norm, lm_head")
+    add_source(p, config_file=False)
+    p.add_argument("--layers", type=positive_int, help="run the first N layers, then output mix, norm, lm_head")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", metavar="FILE", help="UTF-8 text (default: the bundled Alice chapter)")
     src.add_argument("--ids", metavar="FILE", help="a JSON list of token ids instead of text")
-    p.add_argument("--tokens", type=_positive_int, default=256, help="use the first N tokens (default 256)")
+    p.add_argument("--tokens", type=positive_int, default=256, help="use the first N tokens (default 256)")
     p.add_argument("--backends", default="eager,sdpa", help="comma-separated torch backends (default eager,sdpa)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="torch dtype")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--against", metavar="FILE", help="compare with logits written elsewhere (kimi logits format)")
-    p.add_argument("--path", choices=["jax", "eager", "sdpa", "cudnn"], default="jax",
-                   help="with --against: which path of this project to run (default jax)")
+    p.add_argument(
+        "--path",
+        choices=["jax", "eager", "sdpa", "cudnn"],
+        default="jax",
+        help="with --against: which path of this project to run (default jax)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random-init seed when no --checkpoint is given")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
-    p.add_argument("--reference", choices=["jax", "eager"], default="jax",
-                   help="the oracle: the JAX reference (default) or the torch eager twin in fp32 (for real-size GPU "
-                        "runs, where the op-by-op JAX reference is slow)")
+    p.add_argument(
+        "--reference",
+        choices=["jax", "eager"],
+        default="jax",
+        help="the oracle: the JAX reference (default) or the torch eager twin in fp32 (for real-size GPU "
+        "runs, where the op-by-op JAX reference is slow)",
+    )
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("logits", help="run one path and write input_ids, logits (and hidden states) to safetensors")
-    _add_source(p, config_file=False)
-    p.add_argument("--layers", type=_positive_int)
+    add_source(p, config_file=False)
+    p.add_argument("--layers", type=positive_int)
     p.add_argument("--backend", choices=["jax", "eager", "sdpa", "cudnn"], default="jax")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="torch dtype")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", metavar="FILE")
     src.add_argument("--ids", metavar="FILE", help="a JSON list of token ids")
-    p.add_argument("--tokens", type=_positive_int)
+    p.add_argument("--tokens", type=positive_int)
     p.add_argument("--out", required=True, metavar="FILE.safetensors")
     p.add_argument("--hidden", action="store_true", help="also write the residual stream after every layer")
     p.add_argument("--seed", type=int, default=0)

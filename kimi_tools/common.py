@@ -1,0 +1,167 @@
+"""What the ``kimi`` subcommands share: one-line user errors, argument types, the checkpoint and token source.
+
+Every subcommand module (``cli``, and the tools that add commands: train, generate, ablate, lora) takes its
+``--preset`` / ``--checkpoint`` / ``--text`` handling from here, so that the options mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from kimi.config import PRESETS, KimiConfig, load_config
+
+__all__ = [
+    "CliError",
+    "Parser",
+    "positive_int",
+    "add_source",
+    "apply_overrides",
+    "DEFAULT_TEXT",
+    "Progress",
+    "materialise_checkpoint",
+    "token_ids",
+    "write_atomic",
+]
+
+
+class CliError(Exception):
+    """A user error with a one-line message."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``kimi <cmd>: error: ...``, exit 2); ``--help`` still shows the usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {s!r}, expected a positive integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"got {v}, expected a positive integer (>= 1)")
+    return v
+
+
+def add_source(p: argparse.ArgumentParser, config_file: bool = True) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default: tiny)")
+    if config_file:
+        g.add_argument("--config", metavar="FILE", help="a config.json")
+    g.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory (config.json + safetensors)")
+
+
+def apply_overrides(cfg: KimiConfig, sets: Sequence[str]) -> KimiConfig:
+    """``--set key=value``: override KimiConfig fields (value parsed as JSON, else a string)."""
+    fields = {f.name for f in cfg.__dataclass_fields__.values()} - {"raw"}
+    changes: dict[str, Any] = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise CliError(
+                f"--set: got {item!r}, expected key=value with key one of the config fields (e.g. num_experts=16)"
+            )
+        try:
+            v = json.loads(value)
+        except json.JSONDecodeError:
+            v = value
+        if key.endswith("_layers") and isinstance(v, list):
+            v = tuple(v)
+        changes[key] = v
+    return cfg.replace(**changes) if changes else cfg
+
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "kimi" / "data" / "alice_ch1.txt"
+
+
+class Progress:
+    """A one-line progress indicator on stderr: ``[stage] layer i/N  (elapsed)``; redraws in place on a terminal."""
+
+    def __init__(self, stage: str, total: int, quiet: bool = False):
+        import time
+
+        self.stage, self.total, self.quiet, self.t0 = stage, total, quiet, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._draw(0)
+
+    def _draw(self, done: int) -> None:
+        import time
+
+        if self.quiet:
+            return
+        bar = "#" * int(20 * done / max(self.total, 1))
+        msg = f"[{self.stage:>12}] |{bar:<20}| layer {done}/{self.total}  {time.perf_counter() - self.t0:6.1f}s"
+        if self.tty:
+            print("\r" + msg, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
+        elif done == self.total:
+            print(msg, file=sys.stderr, flush=True)
+
+    def __call__(self, layer: int) -> None:
+        self._draw(layer + 1)
+
+
+def materialise_checkpoint(args: argparse.Namespace, stack) -> tuple[Path, str]:
+    """The checkpoint to run: ``--checkpoint DIR``, or a deterministic random init of ``--preset`` (default tiny)
+    written once to a temporary directory. Returns (path, description)."""
+    from kimi.init import init_checkpoint
+
+    if args.checkpoint is not None:
+        return Path(args.checkpoint), f"checkpoint {args.checkpoint}"
+    name = args.preset or "tiny"
+    cfg = load_config(name)
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kimi-"))
+    init_checkpoint(tmp, cfg, seed=args.seed, layers=args.layers)
+    return Path(tmp), f"preset {name}, random init seed {args.seed}"
+
+
+def token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
+    """Token ids [T] from --ids (JSON list) or --text (default: the bundled text), cut to --tokens."""
+    import numpy as np
+
+    from kimi.tokenizer import load_tokenizer, read_text
+
+    if getattr(args, "ids", None):
+        try:
+            ids = json.loads(Path(args.ids).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CliError(f"--ids: {args.ids} is not a JSON list of token ids ({e})") from None
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise CliError(f"--ids: {args.ids} must hold a non-empty JSON list of integers")
+        tok_name = f"ids from {args.ids}"
+    else:
+        tok = load_tokenizer(checkpoint, cfg.vocab_size)
+        path = args.text or DEFAULT_TEXT
+        if not Path(path).is_file():
+            raise CliError(f"--text: no file at {path}")
+        ids = tok.encode(read_text(path))
+        tok_name = tok.name
+    if args.tokens is not None:
+        ids = ids[: args.tokens]
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]  # Python ints: no overflow on huge values
+    if bad:
+        raise CliError(f"token ids: got {bad[0]}, expected ids in [0, {cfg.vocab_size})")
+    return np.asarray(ids, dtype=np.int64), tok_name
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync, then rename over it."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
