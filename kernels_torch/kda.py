@@ -31,6 +31,8 @@ from kernels_torch.common import check_cu_seqlens, rms_norm
 from kimi.config import KimiConfig
 
 __all__ = [
+    "A_LOG_MAX",
+    "G_MIN",
     "BACKENDS",
     "MODES",
     "kda_gate",
@@ -49,6 +51,15 @@ __all__ = [
 
 BACKENDS = ("eager", "sdpa", "cudnn")
 MODES = ("chunk", "recurrent")
+
+# Gate saturation constants (the same in reference_jax/kda.py and kernels_torch/kda.py; a test checks they agree).
+# A_LOG_MAX caps the per-head rate exp(A_log) at exp(64) = 6.2e27: finite in fp32 (which overflows past 88.7) with
+# room for the gradient |lower_bound| / 4 * rate. Past it the lower-bound gate is a step function of f + dt_bias in
+# any float format. Trained checkpoints have A_log near log(1..16).
+A_LOG_MAX = 64.0
+# G_MIN floors the softplus form: exp(-1000) is exactly 0 in fp32 and fp64 (fp64 underflows below -745), so no decay
+# changes, and g stays finite, which the chunk form's cumulative sums need (a -inf or 1e30 there gives NaN).
+G_MIN = -1000.0
 
 
 def _cdt(*xs: torch.Tensor) -> torch.dtype:
@@ -73,7 +84,9 @@ def kda_gate(
     Returns:
         g ``[B, T, H, K]`` fp32 (fp64 for fp64 ``f``): ``lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` when
         ``lower_bound`` is set (a different function from a clamped softplus, case 1), else
-        ``-exp(A_log[h]) * softplus(f + dt_bias)`` (exact softplus, no linear threshold).
+        ``-exp(A_log[h]) * softplus(f + dt_bias)`` (exact softplus, no linear threshold). ``A_log`` is capped at
+        :data:`A_LOG_MAX` and the softplus form floored at :data:`G_MIN` (as the reference: finite values and
+        gradients for every finite input, 0 gradients where saturated; unchanged below the caps).
 
     Raises:
         ValueError: ``f`` not 4-D, ``A_log`` not ``[H]`` or ``dt_bias`` not ``[H*K]``.
@@ -89,9 +102,12 @@ def kda_gate(
         raise ValueError(f"dt_bias: got shape {tuple(dt_bias.shape)}, expected [H*K]=[{H * K}]")
     dt = _cdt(f)
     x = f.to(dt) + dt_bias.to(dt).reshape(H, K)  # [B,T,H,K]
-    a = torch.exp(A_log.to(dt))[:, None]  # [H,1]: one rate per head
+    # Saturation (see A_LOG_MAX, G_MIN): exp(A_log) overflows fp32 past A_log = 88.7, and inf * 0 is NaN in the
+    # value (x = 0) and in the gradients (sigmoid' = 0 at saturation). Capping the rate keeps both finite.
+    a = torch.exp(A_log.to(dt).clamp(max=A_LOG_MAX))[:, None]  # [H,1]: one rate per head
     if lower_bound is None:
-        return -a * torch.logaddexp(x, torch.zeros((), dtype=dt, device=x.device))  # softplus without F's threshold
+        sp = torch.logaddexp(x, torch.zeros((), dtype=dt, device=x.device))  # softplus without F's threshold
+        return (-a * sp).clamp(min=G_MIN)
     return lower_bound * torch.sigmoid(a * x)
 
 
@@ -451,7 +467,7 @@ def _kda_layer_fla(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cache
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True,
-        A_log=layer.A_log.float(),
+        A_log=layer.A_log.float().clamp(max=A_LOG_MAX),  # the eager gate's cap: finite rate, finite gradients
         dt_bias=layer.dt_bias.float(),
         safe_gate=lb is not None,
         lower_bound=lb,

@@ -33,6 +33,8 @@ from kimi.config import KimiConfig
 from reference_jax.common import Linear, check_cu_seqlens, rms_norm
 
 __all__ = [
+    "A_LOG_MAX",
+    "G_MIN",
     "kda_gate",
     "l2norm",
     "short_conv",
@@ -48,6 +50,15 @@ __all__ = [
 ]
 
 MODES = ("chunk", "recurrent")
+
+# Gate saturation constants (the same in reference_jax/kda.py and kernels_torch/kda.py; a test checks they agree).
+# A_LOG_MAX caps the per-head rate exp(A_log) at exp(64) = 6.2e27: finite in fp32 (which overflows past 88.7) with
+# room for the gradient |lower_bound| / 4 * rate. Past it the lower-bound gate is a step function of f + dt_bias in
+# any float format. Trained checkpoints have A_log near log(1..16).
+A_LOG_MAX = 64.0
+# G_MIN floors the softplus form: exp(-1000) is exactly 0 in fp32 and fp64 (fp64 underflows below -745), so no decay
+# changes, and g stays finite, which the chunk form's cumulative sums need (a -inf or 1e30 there gives NaN).
+G_MIN = -1000.0
 
 
 def _cdt(*xs: jax.Array) -> jnp.dtype:
@@ -73,6 +84,11 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
         ``-exp(A_log[h]) * softplus(f + dt_bias)``. The lower-bound form replaces the activation; it is not a clamp of
         the softplus form (case 1).
 
+        Saturation: ``A_log`` is capped at :data:`A_LOG_MAX` (rate ``exp(64) = 6.2e27``) and the softplus form is
+        floored at :data:`G_MIN` (-1000, where ``exp(g)`` is exactly 0 in fp32 and fp64), so every finite input gives
+        a finite ``g`` and finite gradients (0 where the gate is saturated). Both caps leave every input with
+        ``A_log <= 64`` and ``g >= -1000`` bit for bit unchanged.
+
     Raises:
         ValueError: ``f`` not 4-D, ``A_log`` not ``[H]`` or ``dt_bias`` not ``[H*K]``.
     """
@@ -87,9 +103,11 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
         raise ValueError(f"dt_bias: got shape {tuple(dt_bias.shape)}, expected [H*K]=[{H * K}]")
     dt = _cdt(f)
     x = f.astype(dt) + dt_bias.astype(dt).reshape(H, K)  # [B,T,H,K]
-    a = jnp.exp(A_log.astype(dt))[:, None]  # [H,1]: one rate per head, broadcast over K
+    # Saturation (see A_LOG_MAX, G_MIN): exp(A_log) overflows fp32 past A_log = 88.7, and inf * 0 is NaN in the
+    # value (x = 0) and in the gradients (sigmoid' = 0 at saturation). Capping the rate keeps both finite.
+    a = jnp.exp(jnp.minimum(A_log.astype(dt), A_LOG_MAX))[:, None]  # [H,1]: one rate per head, broadcast over K
     if lower_bound is None:
-        return -a * jax.nn.softplus(x)
+        return jnp.maximum(-a * jax.nn.softplus(x), G_MIN)
     return jnp.asarray(lower_bound, dt) * jax.nn.sigmoid(a * x)
 
 
