@@ -203,7 +203,9 @@ class _ScoreChunks:
             res = self.fwd(
                 q[None], k[None, :, None, :], w[None], ratio=1, sm_scale=self.sm_scale, q_causal_offsets=offsets
             )
-            return res["scores"][0]  # [C, cols] fp32, -inf above the diagonal
+            # [C, cols] fp32, -inf above the diagonal; add_(0.0) makes -0.0 (a negative weight times an all-ReLU-zero
+            # key) +0.0 in place, so the top-k sees equal scores as ties whatever their sign bit (spec 9)
+            return res["scores"][0].add_(0.0)
         # torch twin (shapes the cuDNN kernel does not take): kernels_torch.indexer's formula, in fp32 as cuDNN
         s = indexer_scores(q[None].float(), k[None].float(), w[None].float())[0]  # [C, cols]
         t = torch.arange(r0 - doc_start, r1 - doc_start, device=q.device)[:, None]

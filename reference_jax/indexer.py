@@ -59,8 +59,8 @@ def topk_indices(scores: jax.Array, mask: jax.Array, topk: int) -> jax.Array:
         topk: the indexer's k (``config.index_topk``), >= 1.
 
     Returns:
-        ``[B, T, min(topk, S)]`` int32: visible keys by score descending, equal scores by key index descending;
-        slots beyond the row's number of visible keys hold -1.
+        ``[B, T, min(topk, S)]`` int32: visible keys by score descending, equal scores by key index descending
+        (``-0.0`` and ``+0.0`` are equal scores); slots beyond the row's number of visible keys hold -1.
 
     Raises:
         ValueError: ``topk`` < 1, or a mask whose shape does not broadcast to ``scores``.
@@ -74,8 +74,9 @@ def topk_indices(scores: jax.Array, mask: jax.Array, topk: int) -> jax.Array:
         )
     mask = jnp.broadcast_to(mask, (B, T, S))
     k = min(topk, S)
-    # Masked keys get -inf *before* selection (case 8).
-    masked = jnp.where(mask, scores, -jnp.inf)
+    # Masked keys get -inf *before* selection (case 8). "+ 0.0" makes -0.0 equal +0.0 here, whatever the caller
+    # passes: lax.top_k orders -0.0 below +0.0, while the tie rule (spec 9) sees one score.
+    masked = jnp.where(mask, scores + 0.0, -jnp.inf)
     # lax.top_k puts the lower index first among ties; run it on the reversed key axis so that the larger original
     # key index wins ties (canonical order, spec 9), then map positions back.
     _, rev_idx = jax.lax.top_k(masked[..., ::-1], k)
