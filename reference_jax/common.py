@@ -47,9 +47,20 @@ def check_cu_seqlens(cu_seqlens, T: int, B: int = 1) -> np.ndarray:
 
     ``cu_seqlens``: [N+1] int, starts at 0, strictly increasing (no empty document), ends at ``T``; needs ``B == 1``.
 
+    ``cu_seqlens`` must be concrete (a list, numpy array or concrete jax array), also under ``jax.jit``: the
+    boundaries decide array shapes (the per-document loops), so a traced value cannot be honoured. Close over it,
+    or mark it static (``jax.jit(f, static_argnames=...)`` with a tuple).
+
     Raises:
-        ValueError: naming ``cu_seqlens``, the value and the expectation.
+        ValueError: naming ``cu_seqlens``, the value and the expectation; a traced ``cu_seqlens`` (under ``jax.jit``,
+            ``vmap`` or ``grad``) says it must be concrete.
     """
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        raise ValueError(
+            f"cu_seqlens: got a traced array ({cu_seqlens.aval}, e.g. an argument of jax.jit), expected a concrete "
+            "one (a Python list or numpy array): the document boundaries set array shapes. Close over it or pass it "
+            "as a static argument (a tuple)"
+        )
     cu = np.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
         raise ValueError(
