@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "rms_norm", "check_cu_seqlens", "segment_ids", "causal_document_mask", "RMSNorm"]
+__all__ = [
+    "compute_dtype",
+    "rms_norm",
+    "check_cu_seqlens",
+    "segment_ids",
+    "causal_document_mask",
+    "RMSNorm",
+    "ACTIVATION_DTYPES",
+    "TOKEN_ID_DTYPES",
+    "check_activation_dtype",
+    "check_token_ids",
+]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -68,3 +79,40 @@ def causal_document_mask(
     s = torch.arange(S, device=device)[None, :]
     seg = segment_ids(cu_seqlens, T, device=device)
     return (s <= t) & (seg[:, None] == seg[None, :S])
+
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # what every layer accepts as x
+TOKEN_ID_DTYPES = (torch.int32, torch.int64)  # what the model accepts as input_ids
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_activation_dtype(x: torch.Tensor, where: str, name: str = "x") -> None:
+    """Refuse a non-float activation on entry to a layer (an int ``x`` would give silent garbage or a raw torch error).
+
+    Raises:
+        ValueError: ``{where}: {name} has dtype ..., expected one of bfloat16, float16, float32, float64``.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in ACTIVATION_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{where}: {name} has dtype {got}, expected one of {_names(ACTIVATION_DTYPES)}")
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids ``[B, T]`` int32/int64 in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: a wrong shape, a dtype other than int32/int64 (uint8, bool, float ... are refused), or ids out of
+            range; the message names ``input_ids``, the value and what was expected.
+    """
+    if input_ids.ndim != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids: got shape {tuple(input_ids.shape)}, expected [B, T] with B, T >= 1")
+    if input_ids.dtype not in TOKEN_ID_DTYPES:
+        raise ValueError(
+            f"input_ids: got dtype {input_ids.dtype}, expected integer token ids ({_names(TOKEN_ID_DTYPES)})"
+        )
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {vocab_size})")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
+from kernels_torch.common import causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
 from kimi.config import KimiConfig
 
 __all__ = ["indexer_scores", "topk_indices", "sparse_mask", "LayerNorm", "Indexer"]
@@ -193,6 +193,8 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
+        check_activation_dtype(x, "Indexer")
+        check_activation_dtype(c_q, "Indexer", "c_q")
         B, T, D = x.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, T, B)

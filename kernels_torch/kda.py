@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from kernels_torch.common import check_cu_seqlens, rms_norm
+from kernels_torch.common import check_activation_dtype, check_cu_seqlens, rms_norm
 from kimi.config import KimiConfig
 
 __all__ = [
@@ -533,7 +533,8 @@ class KimiDeltaAttention(nn.Module):
     fp64), out ``[B, T, D]`` in ``x.dtype``, new_cache a :class:`KDACache` with N rows.
 
     Raises:
-        ValueError: unknown ``backend`` or ``mode``, ``layer_idx`` not a KDA layer, bad shapes.
+        ValueError: unknown ``backend`` or ``mode``, ``layer_idx`` not a KDA layer, bad shapes, ``x`` not a float
+            tensor (bf16, fp16, fp32, fp64).
         RuntimeError: ``backend='cudnn'`` without the ``gpu`` extra (fla-core), CUDA tensors or bf16 activations (the
             message lists every missing one).
     """
@@ -565,6 +566,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = lin(P, D)
 
     def forward(self, x, cu_seqlens=None, cache: KDACache | None = None, mode: str = "chunk"):
+        check_activation_dtype(x, "KimiDeltaAttention")
         if mode not in MODES:
             raise ValueError(f"mode: got {mode!r}, expected one of {list(MODES)}")
         if self.backend == "cudnn":

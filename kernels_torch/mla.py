@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels_torch.common import RMSNorm, causal_document_mask, check_cu_seqlens, compute_dtype
+from kernels_torch.common import RMSNorm, causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
 from kernels_torch.indexer import Indexer, sparse_mask
 from kimi.config import KimiConfig
 
@@ -172,7 +172,7 @@ class GatedMLA(nn.Module):
 
     Raises:
         ValueError: unknown ``backend`` (allowed: :data:`BACKENDS`), a KDA ``layer_idx``, an unknown ``form``,
-            malformed ``cu_seqlens``.
+            malformed ``cu_seqlens``, ``x`` not a float tensor (bf16, fp16, fp32, fp64).
         NotImplementedError: ``indexer_rope`` other than "none" on a DSA layer.
         RuntimeError: ``"cudnn"`` at forward time without CUDA, bf16 activations or the ``gpu`` extra.
     """
@@ -209,6 +209,7 @@ class GatedMLA(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, form: str = "expanded", return_aux: bool = False):
         c = self.config
+        check_activation_dtype(x, "GatedMLA")
         if form not in _FORMS:
             raise ValueError(f"form: got {form!r}, expected one of {list(_FORMS)}")
         if self.backend == "cudnn":

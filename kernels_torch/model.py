@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels_torch.attn_res import attn_res_mix
-from kernels_torch.common import RMSNorm
+from kernels_torch.common import RMSNorm, check_token_ids
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.mla import GatedMLA
 from kernels_torch.moe import DenseMLP, KimiMoE
@@ -139,7 +139,8 @@ class KimiK3Model(nn.Module):
     [B, T, vocab] in the parameters' dtype (and per-layer aux dicts with ``return_aux``).
 
     Raises:
-        ValueError: an unknown ``backend``; token ids outside [0, vocab_size); invalid ``cu_seqlens``.
+        ValueError: an unknown ``backend``; ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are
+            refused) or outside [0, vocab_size); invalid ``cu_seqlens``.
     """
 
     def __init__(self, config: KimiConfig, backend: str = "eager"):
@@ -151,13 +152,7 @@ class KimiK3Model(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None):
-        if input_ids.ndim != 2 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids: got shape {tuple(input_ids.shape)}, expected [B, T] with B, T >= 1")
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids: got dtype {input_ids.dtype}, expected integer token ids")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")
+        check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
         h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer)
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = h @ w.t()

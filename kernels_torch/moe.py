@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels_torch.common import RMSNorm, compute_dtype
+from kernels_torch.common import RMSNorm, check_activation_dtype, compute_dtype
 from kimi.config import KimiConfig
 
 __all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
@@ -187,6 +187,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(I, D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_activation_dtype(x, "DenseMLP")
         return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.config))
 
 
@@ -248,6 +249,7 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, return_aux: bool = False):
         c = self.config
+        check_activation_dtype(x, "KimiMoE")
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"KimiMoE: x has shape {tuple(x.shape)}, expected [B, T, {c.hidden_size}]")
         B, T, D = x.shape

@@ -21,6 +21,10 @@ __all__ = [
     "causal_document_mask",
     "Linear",
     "RMSNorm",
+    "ACTIVATION_DTYPES",
+    "TOKEN_ID_DTYPES",
+    "check_activation_dtype",
+    "check_token_ids",
 ]
 
 
@@ -113,3 +117,37 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.param("weight", nn.initializers.ones, (self.dim,)), self.eps)
+
+
+ACTIVATION_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what every layer accepts as x
+TOKEN_ID_DTYPES = ("int32", "int64")  # what the model accepts as input_ids
+
+
+def check_activation_dtype(x: jax.Array, where: str, name: str = "x") -> None:
+    """Refuse a non-float activation on entry to a layer (twin of ``kernels_torch.common.check_activation_dtype``).
+
+    Raises:
+        ValueError: ``{where}: {name} has dtype ..., expected one of bfloat16, float16, float32, float64``.
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or jnp.dtype(dtype).name not in ACTIVATION_DTYPES:
+        got = dtype if dtype is not None else type(x).__name__
+        raise ValueError(f"{where}: {name} has dtype {got}, expected one of {', '.join(ACTIVATION_DTYPES)}")
+
+
+def check_token_ids(input_ids, vocab_size: int) -> jax.Array:
+    """Token ids ``[B, T]`` int32/int64 in ``[0, vocab_size)``; returns them as a jax array.
+
+    Raises:
+        ValueError: a wrong shape, a dtype other than int32/int64 (uint8, bool, float ... are refused), or ids out of
+            range.
+    """
+    ids = jnp.asarray(input_ids)
+    if ids.ndim != 2 or ids.size == 0:
+        raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T] with B, T >= 1")
+    if ids.dtype.name not in TOKEN_ID_DTYPES:
+        raise ValueError(f"input_ids: got dtype {ids.dtype}, expected integer token ids ({', '.join(TOKEN_ID_DTYPES)})")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {vocab_size})")
+    return ids

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
-from reference_jax.common import Linear, causal_document_mask, check_cu_seqlens, compute_dtype
+from reference_jax.common import Linear, causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
 
 __all__ = ["indexer_scores", "topk_indices", "sparse_mask", "layer_norm", "LayerNorm", "Indexer"]
 
@@ -142,6 +142,8 @@ class Indexer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, c_q: jax.Array, cu_seqlens=None) -> tuple[jax.Array, jax.Array]:
         c = self.config
+        check_activation_dtype(x, "Indexer")
+        check_activation_dtype(c_q, "Indexer", "c_q")
         if c.indexer_rope != "none":
             raise NotImplementedError(
                 f"indexer_rope: got {c.indexer_rope!r}; only 'none' (Kimi K3.1) is implemented in the reference indexer"

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi.config import KimiConfig
-from reference_jax.common import Linear, check_cu_seqlens, rms_norm
+from reference_jax.common import Linear, check_activation_dtype, check_cu_seqlens, rms_norm
 
 __all__ = [
     "A_LOG_MAX",
@@ -493,7 +493,8 @@ class KimiDeltaAttention(nn.Module):
     of documents with ``cu_seqlens``). Prefill then T = 1 decode calls with the returned cache equal one prefill.
 
     Raises:
-        ValueError: ``layer_idx`` not a KDA layer, unknown ``mode``, bad ``cu_seqlens`` or cache shapes.
+        ValueError: ``layer_idx`` not a KDA layer, unknown ``mode``, bad ``cu_seqlens`` or cache shapes, ``x`` not a
+            float array (bf16, fp16, fp32, fp64).
     """
 
     config: KimiConfig
@@ -521,6 +522,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = Linear(D, P)
 
     def __call__(self, x, cu_seqlens=None, cache: KDACache | None = None, mode: str = "chunk"):
+        check_activation_dtype(x, "KimiDeltaAttention")
         if mode not in MODES:
             raise ValueError(f"mode: got {mode!r}, expected one of {list(MODES)}")
         c = self.config

@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
-from reference_jax.common import Linear, RMSNorm, causal_document_mask, check_cu_seqlens, compute_dtype, linear
+from reference_jax.common import (
+    Linear,
+    RMSNorm,
+    causal_document_mask,
+    check_activation_dtype,
+    check_cu_seqlens,
+    compute_dtype,
+    linear,
+)
 from reference_jax.indexer import Indexer, sparse_mask
 
 __all__ = ["mla_attention", "mla_attention_absorbed", "GatedMLA"]
@@ -165,7 +173,8 @@ class GatedMLA(nn.Module):
         ``[B, T, min(index_topk, T)]`` int32 and ``index_scores`` ``[B, T, T]`` fp32 for DSA layers (empty otherwise).
 
     Raises:
-        ValueError: ``layer_idx`` is a KDA layer, an unknown ``form``, malformed ``cu_seqlens``.
+        ValueError: ``layer_idx`` is a KDA layer, an unknown ``form``, malformed ``cu_seqlens``, ``x`` not a float
+            array (bf16, fp16, fp32, fp64).
         NotImplementedError: an ``indexer_rope`` other than "none" on a DSA layer.
     """
 
@@ -181,6 +190,7 @@ class GatedMLA(nn.Module):
                 f"layer_idx: got {self.layer_idx}, a KDA layer; GatedMLA needs an 'mla' or 'dsa' layer "
                 "(g_proj means the KDA output gate there, case 18)"
             )
+        check_activation_dtype(x, "GatedMLA")
         if form not in _FORMS:
             raise ValueError(f"form: got {form!r}, expected one of {list(_FORMS)}")
         B, T, D = x.shape

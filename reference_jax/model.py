@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from kimi.config import KimiConfig
 from reference_jax.attn_res import attn_res_mix
-from reference_jax.common import Linear, RMSNorm
+from reference_jax.common import Linear, RMSNorm, check_token_ids
 from reference_jax.kda import KimiDeltaAttention
 from reference_jax.mla import GatedMLA
 from reference_jax.moe import DenseMLP, KimiMoE
@@ -166,7 +166,8 @@ class KimiK3Model(nn.Module):
     ``return_aux`` also a list (one dict per layer, see module docstring).
 
     Raises:
-        ValueError: token ids outside [0, vocab_size), or invalid ``cu_seqlens`` (from the layers).
+        ValueError: ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are refused), ids outside
+            [0, vocab_size), or invalid ``cu_seqlens`` (from the layers).
     """
 
     config: KimiConfig
@@ -177,14 +178,7 @@ class KimiK3Model(nn.Module):
             self.lm_head = Linear(self.config.vocab_size, self.config.hidden_size)
 
     def __call__(self, input_ids, cu_seqlens=None, mla_form: str = "expanded", return_aux: bool = False, on_layer=None):
-        ids = jnp.asarray(input_ids)
-        if ids.ndim != 2 or ids.size == 0:
-            raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T] with B, T >= 1")
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"input_ids: got dtype {ids.dtype}, expected integer token ids")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")
+        ids = check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
         h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer)
         if self.config.tie_word_embeddings:
             logits = h @ self.model.embed_tokens.variables["params"]["weight"].T

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
-from reference_jax.common import Linear, RMSNorm, compute_dtype
+from reference_jax.common import Linear, RMSNorm, check_activation_dtype, compute_dtype
 
 __all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
 
@@ -204,6 +204,7 @@ class DenseMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_activation_dtype(x, "DenseMLP")
         D, I = self.config.hidden_size, self.intermediate_size
         a = Linear(I, D, name="gate_proj")(x)  # [B, T, I]
         b = Linear(I, D, name="up_proj")(x)  # [B, T, I]
@@ -273,6 +274,7 @@ class KimiMoE(nn.Module):
 
     def __call__(self, x: jax.Array, return_aux: bool = False):
         c = self.config
+        check_activation_dtype(x, "KimiMoE")
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"KimiMoE: x has shape {x.shape}, expected [B, T, {c.hidden_size}]")
         cd = compute_dtype(x)
