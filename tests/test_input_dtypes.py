@@ -28,6 +28,7 @@ from kimi.config import load_config
 
 KDA, DSA, MOE_LAYER = 0, 3, 1  # layers of the tiny preset
 FLOAT_MSG = r"has dtype .*, expected one of bfloat16, float16, float32, float64"
+NAMES = {"kda": "KimiDeltaAttention", "mla": "GatedMLA", "moe": "KimiMoE", "mlp": "DenseMLP"}
 IDS_MSG = r"input_ids: got dtype .*, expected integer token ids \(int32, int64\)"
 
 
@@ -55,7 +56,7 @@ def test_torch_layers_refuse_non_float_x(kind, dtype):
     cfg = load_config("tiny")
     layer = _torch_layers(cfg)[kind]
     x = torch.randint(0, 3, (1, 5, cfg.hidden_size)).to(dtype)
-    with pytest.raises(ValueError, match=FLOAT_MSG):
+    with pytest.raises(ValueError, match=f"{NAMES[kind]}: x {FLOAT_MSG}"):
         layer(x)
 
 
@@ -64,7 +65,7 @@ def test_jax_layers_refuse_int_x(kind):
     cfg = load_config("tiny")
     layer = _jax_layers(cfg)[kind]
     x = jnp.asarray(np.random.default_rng(0).integers(0, 3, (1, 5, cfg.hidden_size)), jnp.int32)
-    with pytest.raises(ValueError, match=FLOAT_MSG):
+    with pytest.raises(ValueError, match=f"{NAMES[kind]}: x {FLOAT_MSG}"):
         layer.init(jax.random.PRNGKey(0), x)
 
 
