@@ -462,7 +462,8 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         cu = cu_seqlens if cu_seqlens is not None or B == 1 else torch.arange(B + 1) * T
         topk = min(c.index_topk, T)
         with torch.no_grad():  # frozen indexer: hard top-k passes no gradient
-            q_I, k_I, weights = layer.indexer.projections(x.detach(), c_q.detach())
+            # RoPE (config.indexer_rope) is applied here, before the cuDNN call; positions restart per document
+            q_I, k_I, weights = layer.indexer.projections(x.detach(), c_q.detach(), cu_seqlens)
             idx, tlen = indexer_topk_cudnn(
                 q_I.reshape(N, *q_I.shape[2:]), k_I.reshape(N, -1), weights.reshape(N, -1), topk, cu
             )

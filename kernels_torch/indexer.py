@@ -8,11 +8,14 @@ Spec: ``../shared/spec/architecture.md`` 4.1-4.3 and section 9. Notable:
   unspecified, so :func:`topk_indices` sorts explicitly (stable sort on the reversed key axis): higher score first,
   among equal scores the larger key index first (spec 9). Identical to the JAX reference, index for index.
 * Masked keys get ``-inf`` before selection (case 8); slots past the visible count are ``-1`` (case 9).
-* No RoPE (``indexer_rope == "none"``, K3.1); other values raise NotImplementedError (case 11).
+* No RoPE in K3.1 (``indexer_rope == "none"``, case 11); ``"half"`` / ``"interleaved"`` rotate the leading
+  ``qk_rope_head_dim`` channels of q_I and k_I by position within the document (:func:`apply_rope`, in
+  :meth:`Indexer.projections`, so the cudnn backend gets rotated inputs too).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,7 +23,17 @@ from torch import nn
 from kernels_torch.common import causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
 from kimi.config import KimiConfig
 
-__all__ = ["indexer_scores", "topk_indices", "sparse_mask", "LayerNorm", "Indexer"]
+__all__ = [
+    "indexer_scores",
+    "topk_indices",
+    "sparse_mask",
+    "LayerNorm",
+    "Indexer",
+    "INDEXER_ROPE_THETA",
+    "rope_positions",
+    "rope_tables",
+    "apply_rope",
+]
 
 
 def _promote(*xs: torch.Tensor) -> torch.dtype:
@@ -133,6 +146,61 @@ def sparse_mask(topk_indices: torch.Tensor, S: int) -> torch.Tensor:
     return out[..., :S]
 
 
+# ------------------------------------------------------------------------------------------------ optional RoPE
+
+INDEXER_ROPE_THETA = 10000.0  # DeepSeek-V3.2's rope_theta (no YaRN scaling); the same in the JAX twin
+ROPE_STYLES = ("none", "half", "interleaved")
+
+
+def rope_positions(T: int, cu_seqlens=None) -> np.ndarray:
+    """Position of every token inside its document, ``[T]`` int64 (``t - cu[n]`` in document n; ``t`` without
+    ``cu_seqlens``). Twin of ``reference_jax.indexer.rope_positions``."""
+    if cu_seqlens is None:
+        return np.arange(T, dtype=np.int64)
+    cu = check_cu_seqlens(torch.as_tensor(cu_seqlens).cpu(), T).numpy()
+    doc = np.searchsorted(cu[1:], np.arange(T), side="right")
+    return np.arange(T, dtype=np.int64) - cu[doc]
+
+
+def rope_tables(positions, rope_dim: int, theta: float = INDEXER_ROPE_THETA) -> tuple[np.ndarray, np.ndarray]:
+    """``cos, sin`` ``[T, rope_dim/2]`` float64 of ``positions[t] * theta^(-2i/rope_dim)`` (as the JAX twin: the same
+    float64 numpy tables, so both rotate by the same rounded angles)."""
+    inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # [R/2]
+    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
+    return np.cos(ang), np.sin(ang)
+
+
+def apply_rope(
+    x: torch.Tensor, positions, rope_dim: int, style: str, theta: float = INDEXER_ROPE_THETA
+) -> torch.Tensor:
+    """Rotate the first ``rope_dim`` channels of ``x`` ``[B, T, KI]`` or ``[B, T, HI, KI]`` by position (DeepSeek-V3.2
+    indexer RoPE). Twin of ``reference_jax.indexer.apply_rope``: ``"half"`` pairs ``i`` with ``i + rope_dim/2``,
+    ``"interleaved"`` pairs ``2i`` with ``2i+1``, ``"none"`` returns ``x``; pair ``(a, b)`` becomes
+    ``(a cos - b sin, a sin + b cos)``. Rotation in fp32 (fp64 for fp64 ``x``), result in ``x.dtype``.
+
+    Raises:
+        ValueError: an unknown ``style``, an odd ``rope_dim`` or one larger than ``KI``, ``positions`` not ``[T]``.
+    """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"indexer_rope: got {style!r}, expected one of {list(ROPE_STYLES)}")
+    if style == "none":
+        return x
+    T, KI = x.shape[1], x.shape[-1]
+    if rope_dim % 2 or not 0 < rope_dim <= KI:
+        raise ValueError(f"rope_dim: got {rope_dim}, expected an even number in [2, {KI}] (the indexer head dim)")
+    if np.shape(positions) != (T,):
+        raise ValueError(f"positions: got shape {np.shape(positions)}, expected [T]=[{T}]")
+    dt = compute_dtype(x)
+    shape = (1, T) + (1,) * (x.ndim - 3) + (-1,)
+    cos, sin = (torch.from_numpy(a).to(x.device, dt).reshape(shape) for a in rope_tables(positions, rope_dim, theta))
+    xr = x[..., :rope_dim].to(dt)
+    half = rope_dim // 2
+    a, b = (xr[..., 0::2], xr[..., 1::2]) if style == "interleaved" else (xr[..., :half], xr[..., half:])
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    rot = torch.stack([ra, rb], dim=-1).flatten(-2) if style == "interleaved" else torch.cat([ra, rb], dim=-1)
+    return torch.cat([rot.to(x.dtype), x[..., rope_dim:]], dim=-1)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with ``weight`` and ``bias`` ``[dim]`` (checkpoint ``k_norm``), computed in fp32 (fp64 for fp64
     input) and cast back to the input dtype (DeepSeek's indexer ``k_norm``)."""
@@ -161,16 +229,20 @@ class Indexer(nn.Module):
     & same document.
 
     Raises:
-        NotImplementedError: at construction, ``config.indexer_rope`` other than "none" (case 11).
-        ValueError: malformed ``cu_seqlens``.
+        ValueError: at construction, an ``indexer_rope`` other than none/half/interleaved, or with RoPE a
+            ``qk_rope_head_dim`` that is odd or larger than ``index_head_dim``; at forward, malformed ``cu_seqlens``
+            or non-float ``x`` / ``c_q``.
     """
 
     def __init__(self, config: KimiConfig):
         super().__init__()
         c = config
-        if c.indexer_rope != "none":
-            raise NotImplementedError(
-                f"indexer_rope: got {c.indexer_rope!r}; only 'none' (Kimi K3.1) is implemented in the torch indexer"
+        if c.indexer_rope not in ROPE_STYLES:
+            raise ValueError(f"indexer_rope: got {c.indexer_rope!r}, expected one of {list(ROPE_STYLES)}")
+        if c.indexer_rope != "none" and (c.qk_rope_head_dim % 2 or not 0 < c.qk_rope_head_dim <= c.index_head_dim):
+            raise ValueError(
+                f"qk_rope_head_dim: got {c.qk_rope_head_dim} with indexer_rope={c.indexer_rope!r}, expected an even "
+                f"number in [2, index_head_dim={c.index_head_dim}] (the rotated leading channels of the indexer)"
             )
         self.config = c
         D, HI, KI = c.hidden_size, c.index_n_heads, c.index_head_dim
@@ -180,13 +252,20 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(KI, c.rms_norm_eps)
         self.weights_proj = nn.Linear(D, HI, bias=False)
 
-    def projections(self, x: torch.Tensor, c_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q_I`` ``[B, T, HI, KI]``, ``k_I`` ``[B, T, KI]`` (both in x's dtype) and ``weights`` ``[B, T, HI]`` (fp32,
-        fp64 for fp64 x; unscaled) -- the inputs of :func:`indexer_scores` (also used by the cudnn backend)."""
+    def projections(
+        self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q_I`` ``[B, T, HI, KI]``, ``k_I`` ``[B, T, KI]`` (both in x's dtype; RoPE applied when
+        ``config.indexer_rope`` is set, by position within each ``cu_seqlens`` document) and ``weights`` ``[B, T, HI]``
+        (fp32, fp64 for fp64 x; unscaled) -- the inputs of :func:`indexer_scores` (also used by the cudnn backend)."""
         B, T, D = x.shape
         HI, KI = self.config.index_n_heads, self.config.index_head_dim
         q_I = self.wq_b(c_q).view(B, T, HI, KI)  # [B, T, HI, KI]
         k_I = self.k_norm(self.wk(x))  # [B, T, KI]
+        if self.config.indexer_rope != "none":  # DeepSeek-V3.2 style: the leading qk_rope_head_dim dims, after k_norm
+            pos = rope_positions(T, cu_seqlens)  # [T], restarting at every document
+            q_I = apply_rope(q_I, pos, self.config.qk_rope_head_dim, self.config.indexer_rope)
+            k_I = apply_rope(k_I, pos, self.config.qk_rope_head_dim, self.config.indexer_rope)
         dt = compute_dtype(x)  # weights_proj in fp32 (fp64 for fp64 x)
         weights = F.linear(x.to(dt), self.weights_proj.weight.to(dt))  # [B, T, HI]
         return q_I, k_I, weights
@@ -198,7 +277,7 @@ class Indexer(nn.Module):
         B, T, D = x.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, T, B)
-        q_I, k_I, weights = self.projections(x, c_q)
+        q_I, k_I, weights = self.projections(x, c_q, cu_seqlens)
         scores = indexer_scores(q_I, k_I, weights)  # [B, T, S=T]
         mask = causal_document_mask(T, cu_seqlens, device=x.device)  # [T, S]
         return topk_indices(scores, mask, c.index_topk), scores

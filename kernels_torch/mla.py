@@ -173,7 +173,6 @@ class GatedMLA(nn.Module):
     Raises:
         ValueError: unknown ``backend`` (allowed: :data:`BACKENDS`), a KDA ``layer_idx``, an unknown ``form``,
             malformed ``cu_seqlens``, ``x`` not a float tensor (bf16, fp16, fp32, fp64).
-        NotImplementedError: ``indexer_rope`` other than "none" on a DSA layer.
         RuntimeError: ``"cudnn"`` at forward time without CUDA, bf16 activations or the ``gpu`` extra.
     """
 

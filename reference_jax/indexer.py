@@ -10,8 +10,10 @@ Spec: ``../shared/spec/architecture.md`` section 4 (4.1 weights, 4.2 scoring, 4.
   canonical (spec 9): higher score first, among equal scores the larger key index first.
 * Masked keys (future, other document) are set to ``-inf`` **before** selection (case 8); slots past the number of
   visible keys are ``-1`` (case 9). Callers must still re-apply the causal mask to the attention (see ``mla.py``).
-* No RoPE in K3.1 (``indexer_rope == "none"``); the other config values raise NotImplementedError (case 11). No
-  Hadamard rotation: it is orthonormal and an fp32 oracle must not add tie noise (spec 4.2).
+* No RoPE in K3.1 (``indexer_rope == "none"``, case 11). ``"half"`` / ``"interleaved"`` rotate the leading
+  ``qk_rope_head_dim`` channels of q_I and k_I (after ``k_norm``) by the token's position inside its document, as
+  DeepSeek-V3.2's indexer (:func:`apply_rope`). No Hadamard rotation: it is orthonormal and an fp32 oracle must not
+  add tie noise (spec 4.2).
 """
 
 from __future__ import annotations
@@ -19,11 +21,23 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kimi.config import KimiConfig
 from reference_jax.common import Linear, causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
 
-__all__ = ["indexer_scores", "topk_indices", "sparse_mask", "layer_norm", "LayerNorm", "Indexer"]
+__all__ = [
+    "indexer_scores",
+    "topk_indices",
+    "sparse_mask",
+    "layer_norm",
+    "LayerNorm",
+    "Indexer",
+    "INDEXER_ROPE_THETA",
+    "rope_positions",
+    "rope_tables",
+    "apply_rope",
+]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -106,6 +120,71 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return y.astype(x.dtype)
 
 
+# ------------------------------------------------------------------------------------------------ optional RoPE
+
+INDEXER_ROPE_THETA = 10000.0  # DeepSeek-V3.2's rope_theta (no YaRN scaling here); the same in the torch twin
+ROPE_STYLES = ("none", "half", "interleaved")
+
+
+def rope_positions(T: int, cu_seqlens=None) -> np.ndarray:
+    """Position of every token inside its document, ``[T]`` int64: ``t`` without ``cu_seqlens``, ``t - cu[n]`` in
+    document n (RoPE restarts at every packed document, as a separate run would)."""
+    if cu_seqlens is None:
+        return np.arange(T, dtype=np.int64)
+    cu = check_cu_seqlens(cu_seqlens, T)
+    doc = np.searchsorted(cu[1:], np.arange(T), side="right")
+    return np.arange(T, dtype=np.int64) - cu[doc]
+
+
+def rope_tables(positions, rope_dim: int, theta: float = INDEXER_ROPE_THETA) -> tuple[np.ndarray, np.ndarray]:
+    """``cos, sin`` ``[T, rope_dim/2]`` float64 of the angles ``positions[t] * theta^(-2i/rope_dim)`` (RoFormer eq. 15;
+    computed in float64 numpy so both twins rotate by the same rounded angles)."""
+    inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # [R/2]
+    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
+    return np.cos(ang), np.sin(ang)
+
+
+def apply_rope(x: jax.Array, positions, rope_dim: int, style: str, theta: float = INDEXER_ROPE_THETA) -> jax.Array:
+    """Rotate the first ``rope_dim`` channels of ``x`` by their token's position (DeepSeek-V3.2 indexer RoPE, which
+    rotates the leading 64 of the 128 indexer dims; spec 9 ``indexer_rope``).
+
+    Args:
+        x: ``[B, T, KI]`` (keys) or ``[B, T, HI, KI]`` (queries), any float dtype.
+        positions: ``[T]`` int, see :func:`rope_positions`.
+        rope_dim: rotated channels (``config.qk_rope_head_dim``), even and ``<= KI``.
+        style: ``"half"`` pairs channel ``i`` with ``i + rope_dim/2`` (GPT-NeoX / rotate-half; DeepSeek-V3.2's indexer,
+            ``interleaved=False``); ``"interleaved"`` pairs ``2i`` with ``2i+1`` (GPT-J / complex multiplication);
+            ``"none"`` returns ``x`` unchanged. Pair ``(a, b)`` at frequency ``i`` becomes
+            ``(a cos - b sin, a sin + b cos)`` with angle ``positions[t] * theta^(-2i/rope_dim)``.
+
+    Returns:
+        ``x``'s shape and dtype; the rotation runs in fp32 (fp64 for fp64 ``x``), the other channels pass unchanged.
+
+    Raises:
+        ValueError: an unknown ``style``, an odd ``rope_dim`` or one larger than ``KI``, ``positions`` not ``[T]``.
+    """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"indexer_rope: got {style!r}, expected one of {list(ROPE_STYLES)}")
+    if style == "none":
+        return x
+    T, KI = x.shape[1], x.shape[-1]
+    if rope_dim % 2 or not 0 < rope_dim <= KI:
+        raise ValueError(f"rope_dim: got {rope_dim}, expected an even number in [2, {KI}] (the indexer head dim)")
+    if np.shape(positions) != (T,):
+        raise ValueError(f"positions: got shape {np.shape(positions)}, expected [T]=[{T}]")
+    dt = compute_dtype(x)
+    cos, sin = (
+        jnp.asarray(a, dt).reshape((1, T) + (1,) * (x.ndim - 3) + (-1,))
+        for a in rope_tables(positions, rope_dim, theta)
+    )
+    xr = x[..., :rope_dim].astype(dt)
+    half = rope_dim // 2
+    a, b = (xr[..., 0::2], xr[..., 1::2]) if style == "interleaved" else (xr[..., :half], xr[..., half:])
+    ra, rb = a * cos - b * sin, a * sin + b * cos
+    rot = jnp.stack([ra, rb], axis=-1).reshape(xr.shape) if style == "interleaved" else jnp.concatenate([ra, rb], -1)
+    return jnp.concatenate([rot.astype(x.dtype), x[..., rope_dim:]], axis=-1)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with params ``weight`` and ``bias`` ``[dim]`` (checkpoint names ``k_norm.weight/bias``)."""
 
@@ -132,9 +211,12 @@ class Indexer(nn.Module):
         topk_indices ``[B, T, min(index_topk, T)]`` int32 (canonical order, -1 padded), scores ``[B, T, T]`` fp32
         (unmasked). Selection mask = causal & same document.
 
+    ``config.indexer_rope`` "half" / "interleaved" rotates the leading ``qk_rope_head_dim`` channels of q_I and k_I
+    by position within the document (:func:`apply_rope`); "none" (K3.1) leaves them unrotated.
+
     Raises:
-        NotImplementedError: ``config.indexer_rope`` other than "none" (K3.1 has no indexer RoPE; case 11).
-        ValueError: malformed ``cu_seqlens``.
+        ValueError: malformed ``cu_seqlens``, non-float ``x`` / ``c_q``, a ``qk_rope_head_dim`` that is odd or larger
+            than ``index_head_dim`` when RoPE is on.
     """
 
     config: KimiConfig
@@ -144,16 +226,16 @@ class Indexer(nn.Module):
         c = self.config
         check_activation_dtype(x, "Indexer")
         check_activation_dtype(c_q, "Indexer", "c_q")
-        if c.indexer_rope != "none":
-            raise NotImplementedError(
-                f"indexer_rope: got {c.indexer_rope!r}; only 'none' (Kimi K3.1) is implemented in the reference indexer"
-            )
         B, T, D = x.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, T, B)
         HI, KI = c.index_n_heads, c.index_head_dim
         q_I = Linear(HI * KI, c_q.shape[-1], name="wq_b")(c_q).reshape(B, T, HI, KI)  # [B, T, HI, KI]
         k_I = LayerNorm(KI, c.rms_norm_eps, name="k_norm")(Linear(KI, D, name="wk")(x))  # [B, T, KI]
+        if c.indexer_rope != "none":  # DeepSeek-V3.2 style: rotate the leading qk_rope_head_dim dims (after k_norm)
+            pos = rope_positions(T, cu_seqlens)  # [T], restarting at every document
+            q_I = apply_rope(q_I, pos, c.qk_rope_head_dim, c.indexer_rope)
+            k_I = apply_rope(k_I, pos, c.qk_rope_head_dim, c.indexer_rope)
         # weights_proj runs in fp32 (fp64 for fp64 x), as DeepSeek's `weights_proj(x.float())`.
         weights = Linear(HI, D, name="weights_proj")(x.astype(compute_dtype(x)))  # [B, T, HI]
         scores = indexer_scores(q_I, k_I, weights)  # [B, T, S=T]

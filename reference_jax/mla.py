@@ -175,7 +175,6 @@ class GatedMLA(nn.Module):
     Raises:
         ValueError: ``layer_idx`` is a KDA layer, an unknown ``form``, malformed ``cu_seqlens``, ``x`` not a float
             array (bf16, fp16, fp32, fp64).
-        NotImplementedError: an ``indexer_rope`` other than "none" on a DSA layer.
     """
 
     config: KimiConfig

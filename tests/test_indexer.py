@@ -308,11 +308,18 @@ def test_indexer_packed_equals_separate():
 
 @pytest.mark.parametrize("rope", ["half", "interleaved"])
 def test_indexer_rope_is_a_config_choice_case11(rope):
-    cfg = load_config("tiny").replace(indexer_rope=rope)
-    x = jnp.ones((1, 3, cfg.hidden_size))
-    c_q = jnp.ones((1, 3, cfg.q_lora_rank))
-    with pytest.raises(NotImplementedError, match="indexer_rope"):
-        jax.eval_shape(Indexer(cfg).init, jax.random.PRNGKey(0), x, c_q)
+    """The config's indexer_rope switches the rotation (tests/test_indexer_rope.py checks its values); an odd
+    qk_rope_head_dim cannot be rotated and is refused."""
+    cfg = load_config("tiny")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 5, cfg.hidden_size)), jnp.float32)
+    c_q = jnp.asarray(rng.standard_normal((1, 5, cfg.q_lora_rank)), jnp.float32)
+    tree = jax.jit(Indexer(cfg).init)(jax.random.PRNGKey(0), x, c_q)
+    s_none = np.asarray(jax.jit(Indexer(cfg).apply)(tree, x, c_q)[1])
+    s_rope = np.asarray(jax.jit(Indexer(cfg.replace(indexer_rope=rope)).apply)(tree, x, c_q)[1])
+    assert rel_err(s_rope, s_none) > 1e-3  # rotated q_I, k_I: other scores
+    with pytest.raises(ValueError, match="rope_dim"):
+        jax.eval_shape(Indexer(cfg.replace(indexer_rope=rope, qk_rope_head_dim=7)).apply, tree, x, c_q)
 
 
 def test_topk_rejects_bad_arguments():

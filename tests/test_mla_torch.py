@@ -353,8 +353,8 @@ def test_kda_layer_and_indexer_rope_rejected():
     cfg = load_config("tiny")
     with pytest.raises(ValueError, match="layer_idx"):
         tm.GatedMLA(cfg, 0)  # a KDA layer: its g_proj is KDA's output gate (case 18)
-    with pytest.raises(NotImplementedError, match="indexer_rope"):
-        tm.GatedMLA(cfg.replace(indexer_rope="half"), DSA)
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):  # RoPE on: the rotated dims must be even
+        tm.GatedMLA(cfg.replace(indexer_rope="half", qk_rope_head_dim=7), DSA)
     m = tm.GatedMLA(cfg, DSA)
     with pytest.raises(ValueError, match="form"):
         m(torch.ones(1, 2, cfg.hidden_size), form="flash")
