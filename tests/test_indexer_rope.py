@@ -6,7 +6,7 @@ Indexer and a DSA layer, and packed documents equal separate runs (positions res
 ``Indexer.projections`` before the cuDNN call (tests/gpu/test_gpu_hardening.py).
 
 Mutations tried (each fails a test here): swapping the two styles' pairings; the sign of ``sin`` flipped; positions
-not restarting per document; theta 1e4 -> 1e5 in one twin; rotating the trailing instead of the leading channels.
+not restarting per document; theta 1e4 -> 1e5 in one twin.
 """
 
 from __future__ import annotations

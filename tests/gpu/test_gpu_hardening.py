@@ -65,3 +65,39 @@ def test_cudnn_indexer_signed_zero_ties():
     canon = torch.nn.functional.pad(canon[0], (0, TOPK - canon.shape[-1]), value=-1)
     same = (torch.sort(idx, -1).values == torch.sort(canon, -1).values).all(-1)
     assert bool(same.all()), f"{int((~same).sum())} rows differ from the canonical tie rule"
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("cu", [None, [0, 700, 3000]], ids=["one", "packed"])
+def test_cudnn_dsa_layer_with_indexer_rope_matches_eager(style, cu):
+    """Fault 7 on the cudnn path: Indexer.projections rotates q_I and k_I (positions restarting per document) before
+    the cuDNN indexer, so its selected sets match the eager twin's beyond near-ties, and the outputs agree. Mutation:
+    call projections without cu_seqlens in gated_mla_forward (positions do not restart: the packed case fails)."""
+    from test_gpu_dsa_cudnn import SELECTION_DISAGREE_MAX, TOL_LAYER_OUT, _init_layer, _layer_config
+
+    import kernels_torch.mla as tm
+    from kimi_tools.compare import selection_agreement
+
+    cfg = _layer_config().replace(indexer_rope=style)
+    T = 3000
+    ref_layer = tm.GatedMLA(cfg, 3, backend="eager")
+    _init_layer(ref_layer, seed=5)
+    layer = tm.GatedMLA(cfg, 3, backend="cudnn")
+    layer.load_state_dict(ref_layer.state_dict())
+    layer = layer.to(DEVICE, torch.bfloat16)
+    ref_layer = ref_layer.to(DEVICE, torch.bfloat16).float()
+    cu_t = None if cu is None else torch.tensor(cu)
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    x = torch.randn(1, T, cfg.hidden_size, device=DEVICE, generator=g).bfloat16()
+    with torch.no_grad():
+        out, aux = layer(x, cu_seqlens=cu_t, return_aux=True)
+        out_r, aux_r = ref_layer(x.float(), cu_seqlens=cu_t, return_aux=True)
+    sel, _ = selection_agreement(
+        aux_r["topk_indices"][0].cpu().numpy(),
+        aux_r["index_scores"][0].cpu().numpy(),
+        aux["topk_indices"][0].cpu().numpy(),
+        2e-2,
+        causal=True,
+    )
+    assert sel["disagree"] / sel["rows"] <= SELECTION_DISAGREE_MAX, sel
+    assert rel(out, out_r) <= TOL_LAYER_OUT
