@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "load_params",
+    "nonfinite_tensors",
     "to_stored",
     "write_checkpoint",
     "save_params",
@@ -378,6 +379,8 @@ def load_params(
     source: str | os.PathLike | CheckpointReader,
     config: KimiConfig | None = None,
     layers: int | Iterable[int] | None = None,
+    *,
+    check_finite: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Canonical parameters of the requested layers plus all global tensors, validated first.
 
@@ -386,6 +389,8 @@ def load_params(
         config: the layout to expect; default the checkpoint's own ``config.json``. A truncated config
             (``config.truncated(N)``) reads the first N layers of a bigger checkpoint.
         layers: ``None`` (all), an int N (first N) or 0-based indices. Only these layers' tensors are read.
+        check_finite: refuse tensors holding NaN or +-inf (:func:`nonfinite_tensors`, after dequantisation). One
+            extra pass over the weights; ``False`` skips it for speed on trusted checkpoints.
 
     Returns:
         ``{name: tensor}`` with exactly the names, shapes and dtypes of ``param_layout(config, layers)``: MXFP4
@@ -394,7 +399,8 @@ def load_params(
 
     Raises:
         CheckpointError: every missing, unexpected, misshaped or wrongly typed tensor of the requested layers and the
-            globals, all in one error (nothing is read before this check), or a missing shard file.
+            globals, all in one error (nothing is read before this check), or a missing shard file; with
+            ``check_finite``, every tensor holding NaN or inf, by name with counts (all in one error).
     """
     reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
     own = config is None
@@ -452,7 +458,23 @@ def load_params(
         else:
             out[n] = reader.get(n)
     _check_params(out, cfg, idx, what="load_params result")  # internal consistency (cheap: metadata only)
+    if check_finite:
+        where = f"{reader.path}: non-finite weights (load_params(..., check_finite=False) skips this check)"
+        _raise_problems(where, nonfinite_tensors(out))
     return out
+
+
+def nonfinite_tensors(params: Mapping[str, torch.Tensor]) -> list[str]:
+    """One line per floating tensor of ``params`` that holds NaN or +-inf: ``"non-finite: {name}: {n_nan} NaN,
+    {n_inf} inf of {numel} values"`` (in ``params``' order; empty when every value is finite). Integer tensors are
+    skipped. One pass over each tensor (two more over the few that fail)."""
+    problems = []
+    for name, t in params.items():
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or bool(torch.isfinite(t).all()):
+            continue
+        n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        problems.append(f"non-finite: {name}: {n_nan} NaN, {n_inf} inf of {t.numel()} values")
+    return problems
 
 
 def _check_params(params: Mapping[str, torch.Tensor], cfg: KimiConfig, idx: list[int], what: str) -> None:
