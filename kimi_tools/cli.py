@@ -191,7 +191,7 @@ def cmd_forward(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     import contextlib
 
-    from kimi_tools.compare import TOLERANCES, compare_runs, format_table, run_reference, run_torch
+    from kimi_tools.compare import TOLERANCES, compare_runs, first_nonfinite, format_table, run_reference, run_torch
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     known = ("eager", "sdpa", "cudnn")
@@ -235,7 +235,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 on_layer=Progress("eager-fp32", n, args.quiet),
             )
             ref.name = "torch-eager fp32"
-        reports = []
+        reports, runs = [], [ref]
         for b in backends:
             other = run_torch(
                 ckpt,
@@ -248,7 +248,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 ref=ref,
             )
             reports.append(compare_runs(ref, other, kinds, dtype=args.dtype, tol=TOLERANCES[args.dtype]))
+            runs.append(other)
     print(format_table(reports))
+    nonfinite = {run.name: first_nonfinite(run, kinds) for run in runs}
+    for name, where in nonfinite.items():
+        if where is not None:
+            print(f"kimi compare: {name}: non-finite values, first at {where}", file=sys.stderr)
     if args.json:
         out = {
             "source": source,
@@ -259,6 +264,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "index_topk": cfg.index_topk,
             "dtype": args.dtype,
             "reports": [r.to_dict() for r in reports],
+            "first_nonfinite": nonfinite,
         }
         write_atomic(Path(args.json), json.dumps(out, indent=1).encode())
         print(f"report written to {args.json}")
@@ -360,7 +366,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
     from safetensors.numpy import save
 
-    from kimi_tools.compare import run_reference, run_torch
+    from kimi_tools.compare import first_nonfinite, run_reference, run_torch
 
     if not args.text and not args.ids:
         raise CliError("input: expected one of --text FILE or --ids FILE")
@@ -393,6 +399,10 @@ def cmd_logits(args: argparse.Namespace) -> int:
         + (f", hidden.0..{n - 1}" if args.hidden else "")
         + f" ({res.name}, {tok_name})"
     )
+    where = first_nonfinite(res, [cfg.layer_type(i) for i in range(n)])
+    if where is not None:  # written anyway, for inspection; the exit status says it is not usable as is
+        print(f"kimi logits: warning: non-finite values, first at {where}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -84,6 +84,21 @@ class RunResult:
     seconds: float = 0.0
 
 
+def first_nonfinite(run: RunResult, kinds: list[str] | None = None) -> str | None:
+    """Where ``run`` first holds NaN or inf, in forward order: ``"layer 3 (dsa) attn_out"`` (per layer ``attn_out``,
+    then ``mlp_out``, then ``residual``), else ``"logits"``; ``None`` when everything is finite. For a layer-local
+    run (:func:`run_torch` with ``ref``) this is the first layer whose own computation went non-finite."""
+    for i, layer in enumerate(run.layers):
+        for key in ("attn_out", "mlp_out", "residual"):
+            if key in layer and not np.isfinite(layer[key]).all():
+                kind = f" ({kinds[i]})" if kinds is not None and i < len(kinds) else ""
+                bad = int((~np.isfinite(layer[key])).sum())
+                return f"layer {i}{kind} {key} ({bad} of {layer[key].size} values)"
+    if not np.isfinite(run.logits).all():
+        return "logits"
+    return None
+
+
 def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
     x64, r64 = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     den = np.linalg.norm(r64)
