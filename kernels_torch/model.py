@@ -7,6 +7,7 @@ The attention backend (``eager``, ``sdpa``, ``cudnn``) is one setting for the wh
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -135,12 +136,26 @@ class _Backbone(nn.Module):
 class KimiK3Model(nn.Module):
     """``KimiK3ForCausalLM`` on the torch path.
 
-    ``forward(input_ids [B, T] long, cu_seqlens=None, mla_form="expanded", return_aux=False)`` -> logits
-    [B, T, vocab] in the parameters' dtype (and per-layer aux dicts with ``return_aux``).
+    ``forward(input_ids [B, T] int32/int64, cu_seqlens=None, mla_form="expanded", return_aux=False,
+    attention_mask=None)`` -> logits [B, T, vocab] in the parameters' dtype (and per-layer aux dicts with
+    ``return_aux``).
+
+    Padding: every row is one sequence starting at its first token. **Right** padding is safe (attention is causal and
+    KDA runs forward, so pads after a row's tokens never reach them). **Left** padding is not: the pads enter the KDA
+    state, the conv window and the attention of the real tokens and change their logits (rel ~0.35 on the tiny
+    preset). For padded batches pass ``attention_mask`` [B, T] (bool or 0/1, 1 = real token): the masked tokens are
+    dropped and the rows run as packed documents (``cu_seqlens``), so each row's logits at its real positions equal
+    that row run alone, whatever the padding side; logits at padded positions are 0. Not combinable with
+    ``cu_seqlens`` or ``return_aux`` (refused). The same holds in ``reference_jax.model.KimiK3Model``.
+
+    Length: a sequence (a row, a packed document, or a masked row's real tokens) longer than
+    ``config.max_position_embeddings`` is computed (the model is NoPE, nothing breaks) but gives a UserWarning: it
+    is outside the length the checkpoint declares.
 
     Raises:
         ValueError: an unknown ``backend``; ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are
-            refused) or outside [0, vocab_size); invalid ``cu_seqlens``.
+            refused) or outside [0, vocab_size); invalid ``cu_seqlens``; an ``attention_mask`` that is not [B, T] of
+            0/1 (or bool), has no real token at all, or comes with ``cu_seqlens`` or ``return_aux``.
     """
 
     def __init__(self, config: KimiConfig, backend: str = "eager"):
@@ -151,12 +166,60 @@ class KimiK3Model(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None):
+    def forward(
+        self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None, attention_mask=None
+    ):
         check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
+        if attention_mask is not None:
+            return self._forward_padded(input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer)
+        _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
         h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer)
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = h @ w.t()
         return (logits, auxes) if return_aux else logits
+
+    def _forward_padded(self, input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer):
+        """Drop the masked tokens, run the rows as packed documents, scatter the logits back (0 at pads)."""
+        mask = _check_attention_mask(attention_mask, input_ids.shape, cu_seqlens, return_aux)
+        lengths = mask.sum(1).tolist()  # real tokens per row
+        cu = torch.tensor([0] + [n for n in lengths if n]).cumsum(0)  # empty rows are no document
+        packed = input_ids[mask.to(input_ids.device)][None]  # [1, N]: row 0's real tokens, then row 1's, ...
+        logits = self(packed, cu_seqlens=cu, mla_form=mla_form, on_layer=on_layer)  # [1, N, vocab]
+        out = logits.new_zeros(*input_ids.shape, logits.shape[-1])
+        out[mask.to(out.device)] = logits[0]
+        return out
+
+
+def _check_attention_mask(attention_mask, shape, cu_seqlens, return_aux) -> torch.Tensor:
+    """``attention_mask`` as a CPU bool ``[B, T]``; ValueError for what the padded forward cannot honour."""
+    m = torch.as_tensor(attention_mask)
+    if tuple(m.shape) != tuple(shape):
+        raise ValueError(f"attention_mask: got shape {tuple(m.shape)}, expected [B, T]={list(shape)} like input_ids")
+    if m.is_floating_point() or m.is_complex() or bool(((m != 0) & (m != 1)).any()):
+        raise ValueError(f"attention_mask: got dtype {m.dtype} with values outside {{0, 1}}; expected bool or 0/1 ints")
+    if cu_seqlens is not None:
+        raise ValueError("attention_mask: given with cu_seqlens, expected one of them (a padded batch or packed rows)")
+    if return_aux:
+        raise ValueError(
+            "attention_mask: given with return_aux=True, expected return_aux=False (the per-layer "
+            "intermediates would be in the packed layout; pack the rows with cu_seqlens yourself)"
+        )
+    m = m.to("cpu", torch.bool)
+    if not bool(m.any()):
+        raise ValueError("attention_mask: got no real token (all zeros), expected at least one 1")
+    return m
+
+
+def _warn_past_max_positions(T: int, cu_seqlens, max_positions: int) -> None:
+    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``."""
+    longest = T if cu_seqlens is None else int(torch.as_tensor(cu_seqlens).diff().max())
+    if longest > max_positions:
+        warnings.warn(
+            f"sequence length {longest} exceeds config.max_position_embeddings={max_positions}: computed anyway "
+            "(NoPE), but the checkpoint does not declare lengths this long",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def load_model(
@@ -165,8 +228,11 @@ def load_model(
     backend: str = "eager",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    *,
+    check_finite: bool = True,
 ) -> KimiK3Model:
     """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`.
+    ``check_finite=False`` skips the NaN/inf scan of the weights (``kimi.checkpoint.load_params``) for speed.
 
     Raises:
         kimi.checkpoint.CheckpointError, kimi.config.ConfigError, ValueError (backend).
@@ -181,7 +247,7 @@ def load_model(
         )
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
-    params = load_params(reader, config, layers=range(config.num_hidden_layers))
+    params = load_params(reader, config, layers=range(config.num_hidden_layers), check_finite=check_finite)
     with torch.device("meta"):
         model = KimiK3Model(config, backend=backend)
     model.load_state_dict(params, strict=True, assign=True)

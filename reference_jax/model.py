@@ -16,12 +16,14 @@ Notable (spec 5.4, 5.5):
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kimi.config import KimiConfig
 from reference_jax.attn_res import attn_res_mix
@@ -161,13 +163,21 @@ class _Embedding(nn.Module):
 class KimiK3Model(nn.Module):
     """``KimiK3ForCausalLM``: ``logits = model(input_ids)``; params ``model.*`` and ``lm_head.weight``.
 
-    Call: ``model.apply({"params": tree}, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False)``
-    with ``input_ids`` [B, T] int. Returns logits [B, T, vocab] in the parameters' dtype (fp32 by default), and with
-    ``return_aux`` also a list (one dict per layer, see module docstring).
+    Call: ``model.apply({"params": tree}, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False,
+    attention_mask=None)`` with ``input_ids`` [B, T] int32/int64. Returns logits [B, T, vocab] in the parameters'
+    dtype (fp32 by default), and with ``return_aux`` also a list (one dict per layer, see module docstring).
+
+    Padding: each row is one sequence from its first token. Right padding is safe (causal attention, forward KDA);
+    left padding changes the real tokens' logits (the pads enter the KDA state, the conv window and the attention).
+    For padded batches pass ``attention_mask`` [B, T] (bool or 0/1, concrete): masked tokens are dropped and the rows
+    run as packed documents, so each row's real logits equal that row run alone; logits at pads are 0. Refused with
+    ``cu_seqlens`` or ``return_aux``. A sequence longer than ``config.max_position_embeddings`` runs with a
+    UserWarning. Same contract as ``kernels_torch.model.KimiK3Model``.
 
     Raises:
         ValueError: ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are refused), ids outside
-            [0, vocab_size), or invalid ``cu_seqlens`` (from the layers).
+            [0, vocab_size), invalid ``cu_seqlens`` (from the layers), or an ``attention_mask`` that is not [B, T]
+            of 0/1, has no real token, or comes with ``cu_seqlens`` / ``return_aux``.
     """
 
     config: KimiConfig
@@ -177,8 +187,23 @@ class KimiK3Model(nn.Module):
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.vocab_size, self.config.hidden_size)
 
-    def __call__(self, input_ids, cu_seqlens=None, mla_form: str = "expanded", return_aux: bool = False, on_layer=None):
+    def __call__(
+        self,
+        input_ids,
+        cu_seqlens=None,
+        mla_form: str = "expanded",
+        return_aux: bool = False,
+        on_layer=None,
+        attention_mask=None,
+    ):
         ids = check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
+        if attention_mask is not None:  # padded batch: drop the pads, run the rows as packed documents
+            mask = _check_attention_mask(attention_mask, ids.shape, cu_seqlens, return_aux)
+            lengths = mask.sum(1)
+            cu = np.concatenate([[0], np.cumsum(lengths[lengths > 0])])  # empty rows are no document
+            logits = self(ids[mask][None], cu_seqlens=cu, mla_form=mla_form, on_layer=on_layer)  # [1, N, vocab]
+            return jnp.zeros((*ids.shape, logits.shape[-1]), logits.dtype).at[mask].set(logits[0])
+        _warn_past_max_positions(ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
         h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer)
         if self.config.tie_word_embeddings:
             logits = h @ self.model.embed_tokens.variables["params"]["weight"].T
@@ -187,11 +212,49 @@ class KimiK3Model(nn.Module):
         return (logits, auxes) if return_aux else logits
 
 
-def load_model(checkpoint: str | Path, layers: int | None = None, dtype: Any = jnp.float32):
+def _check_attention_mask(attention_mask, shape, cu_seqlens, return_aux) -> np.ndarray:
+    """``attention_mask`` as a numpy bool ``[B, T]``; ValueError for what the padded forward cannot honour (twin of
+    ``kernels_torch.model._check_attention_mask``)."""
+    if isinstance(attention_mask, jax.core.Tracer):
+        raise ValueError("attention_mask: got a traced array (under jax.jit), expected a concrete one (numpy / list)")
+    m = np.asarray(attention_mask)
+    if m.shape != tuple(shape):
+        raise ValueError(f"attention_mask: got shape {m.shape}, expected [B, T]={list(shape)} like input_ids")
+    if m.dtype.kind not in "biu" or np.any((m != 0) & (m != 1)):
+        raise ValueError(f"attention_mask: got dtype {m.dtype} with values outside {{0, 1}}; expected bool or 0/1 ints")
+    if cu_seqlens is not None:
+        raise ValueError("attention_mask: given with cu_seqlens, expected one of them (a padded batch or packed rows)")
+    if return_aux:
+        raise ValueError(
+            "attention_mask: given with return_aux=True, expected return_aux=False (the per-layer "
+            "intermediates would be in the packed layout; pack the rows with cu_seqlens yourself)"
+        )
+    m = m.astype(bool)
+    if not m.any():
+        raise ValueError("attention_mask: got no real token (all zeros), expected at least one 1")
+    return m
+
+
+def _warn_past_max_positions(T: int, cu_seqlens, max_positions: int) -> None:
+    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``."""
+    longest = T if cu_seqlens is None or isinstance(cu_seqlens, jax.core.Tracer) else int(np.diff(cu_seqlens).max())
+    if longest > max_positions:
+        warnings.warn(
+            f"sequence length {longest} exceeds config.max_position_embeddings={max_positions}: computed anyway "
+            "(NoPE), but the checkpoint does not declare lengths this long",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def load_model(
+    checkpoint: str | Path, layers: int | None = None, dtype: Any = jnp.float32, *, check_finite: bool = True
+):
     """Read a checkpoint directory lazily and build the reference: returns ``(model, params_tree, config)``.
 
     ``layers=N`` keeps the first N decoder layers (then the output mix, final norm and lm_head) and reads only
     their tensors. Parameters are cast to ``dtype`` (fp32 default; fp64 needs ``jax.enable_x64``).
+    ``check_finite=False`` skips the NaN/inf scan of the weights (``kimi.checkpoint.load_params``) for speed.
 
     Raises:
         kimi.checkpoint.CheckpointError: missing, unexpected, misshaped or wrongly typed tensors.
@@ -202,7 +265,7 @@ def load_model(checkpoint: str | Path, layers: int | None = None, dtype: Any = j
 
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
-    params = load_params(reader, config, layers=range(config.num_hidden_layers))
+    params = load_params(reader, config, layers=range(config.num_hidden_layers), check_finite=check_finite)
     return KimiK3Model(config), to_tree(params, dtype), config
 
 
