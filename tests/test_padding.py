@@ -1,0 +1,122 @@
+"""Issue 13, fault 6: padded batches and ``max_position_embeddings``, both models.
+
+Left padding changes the real tokens' logits; right padding is safe; ``attention_mask`` makes any padding safe (the
+rows run as packed documents). A sequence past ``max_position_embeddings`` runs with a UserWarning (decided: warn,
+not refuse; the model is NoPE and computes any length, but the checkpoint does not declare it).
+
+Mutations tried (each fails a test here): ignoring ``attention_mask`` in either model (the left-padded row's logits
+move); packing with ``cu`` built from all rows including empty ones (cu_seqlens refuses an empty document); scattering
+the packed logits back in column-major order; dropping the warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from kernels_torch.model import load_model as load_torch
+from kimi.config import load_config
+from kimi.init import init_checkpoint
+from reference_jax.model import load_model as load_jax
+
+LAYERS = 4  # tiny: K K K D (KDA, KDA, KDA, DSA), dense MLP then latent MoE, AttnRes
+TOL_FP32 = 1e-5  # a row's logits from the padded batch vs the row alone
+LEFT_PAD_MIN = 1e-2  # left padding without a mask moves the real tokens' logits by at least this (rel)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny4")
+    init_checkpoint(path, load_config("tiny").truncated(LAYERS), seed=3)
+    return path
+
+
+def _batch(vocab):
+    """Rows of 5 (left-padded by 4), 9 (full), 3 (right-padded by 6) and 6 (padded 2 left, 1 right) tokens."""
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, vocab, n) for n in (5, 9, 3, 6)]
+    T = 9
+    ids = np.full((4, T), 7, np.int64)  # pad id 7: any id, it is dropped
+    mask = np.zeros((4, T), bool)
+    for r, (row, start) in enumerate(zip(rows, (4, 0, 0, 2))):
+        ids[r, start : start + len(row)] = row
+        mask[r, start : start + len(row)] = True
+    return rows, ids, mask
+
+
+def test_torch_padded_batch_equals_rows_alone(ckpt):
+    model = load_torch(ckpt)
+    rows, ids, mask = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        out = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).numpy()
+        no_mask = model(torch.from_numpy(ids)).numpy()
+        for r, row in enumerate(rows):
+            alone = model(torch.from_numpy(row)[None])[0].numpy()
+            assert rel(out[r][mask[r]], alone) <= TOL_FP32, r
+        assert not out[~mask].any()  # logits at pads are 0
+    # without the mask: left padding moves row 0, right padding leaves row 2 as it is
+    assert rel(no_mask[0][mask[0]], out[0][mask[0]]) > LEFT_PAD_MIN
+    assert rel(no_mask[2][mask[2]], out[2][mask[2]]) <= TOL_FP32
+
+
+def test_jax_padded_batch_equals_rows_alone_and_torch(ckpt):
+    """The JAX model on the first layer only (the padding logic is the model's, above the layers; op-by-op JAX on
+    all four layers costs minutes): a left-padded row equals the row alone, and the batch equals torch's."""
+    model, tree, cfg = load_jax(ckpt, layers=1)
+    rows, ids, mask = _batch(cfg.vocab_size)
+    out = np.asarray(model.apply({"params": tree}, jnp.asarray(ids), attention_mask=mask))
+    alone = np.asarray(model.apply({"params": tree}, jnp.asarray(rows[0])[None]))[0]
+    assert rel(out[0][mask[0]], alone) <= TOL_FP32
+    assert not out[~mask].any()
+    with torch.no_grad():
+        t = load_torch(ckpt, layers=1)(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).numpy()
+    assert rel(out[mask], t[mask]) <= TOL_FP32
+
+
+def test_attention_mask_refusals(ckpt):
+    model = load_torch(ckpt)
+    ids = torch.ones(2, 4, dtype=torch.int64)
+    ok = torch.ones(2, 4, dtype=torch.bool)
+    cases = [
+        (dict(attention_mask=ok[:, :3]), "attention_mask: got shape"),
+        (dict(attention_mask=ok.long() * 2), "values outside"),
+        (dict(attention_mask=ok.float()), "values outside"),
+        (dict(attention_mask=torch.zeros(2, 4, dtype=torch.bool)), "no real token"),
+        (dict(attention_mask=ok, cu_seqlens=torch.tensor([0, 4])), "given with cu_seqlens"),
+        (dict(attention_mask=ok, return_aux=True), "given with return_aux"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            model(ids, **kw)
+    jmodel, tree, _ = load_jax(ckpt, layers=1)  # every refusal comes before the layers run
+    for kw, msg in cases:
+        kw = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        with pytest.raises(ValueError, match=msg):
+            jmodel.apply({"params": tree}, ids.numpy(), **kw)
+
+
+def test_max_position_embeddings_warns(ckpt):
+    """Decision: warn (UserWarning), not refuse; per row, per packed document, per masked row."""
+    model = load_torch(ckpt, layers=1)
+    model.config = model.config.replace(max_position_embeddings=6)
+    ids = torch.ones(1, 8, dtype=torch.int64)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="sequence length 8 exceeds config.max_position_embeddings=6"):
+            model(ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(ids, cu_seqlens=torch.tensor([0, 4, 8]))  # documents of 4: fine
+            model(ids, attention_mask=torch.arange(8)[None] >= 2)  # 6 real tokens: fine
+    jmodel, tree, cfg = load_jax(ckpt, layers=1)
+    jmodel = type(jmodel)(cfg.replace(max_position_embeddings=6))
+    with pytest.warns(UserWarning, match="sequence length 7 exceeds"):
+        jmodel.apply({"params": tree}, np.ones((1, 8), np.int64), cu_seqlens=np.array([0, 7, 8]))
