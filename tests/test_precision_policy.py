@@ -10,9 +10,11 @@ scores, the MoE expert sum, the MLA output gate, the indexer's ``weights_proj`` 
 Mutations tried, each caught by the test named (both twins unless said):
 - ``g`` rounded to bf16 after ``kda_gate`` in the layer -> ``test_kda_gate_beta_and_slow_decay``;
 - ``beta`` computed as ``sigmoid`` of the bf16 projection in bf16 -> same test;
-- the recurrence's decay ``exp(g)`` in bf16 (``_delta_step`` / ``_chunk_step``) -> same test (S drifts);
-- the router weights returned in bf16 (torch) -> ``test_router_weights_and_scores_fp32``;
-- the expert sum accumulated in bf16 (``r`` in x's dtype) -> ``test_moe_expert_sum_fp32``;
+- the chunk step's state decay ``exp(G_last)`` rounded to bf16 (torch) -> same test (S drifts);
+- ``beta`` as the bf16 sigmoid (JAX) -> same test;
+- the router weights rounded to bf16 (torch ``route``) -> ``test_router_weights_and_scores_fp32``;
+- the expert sum accumulated in bf16 (torch: ``r`` allocated in x's dtype; JAX: ``r`` cast to x's dtype after
+  every add) -> ``test_moe_expert_sum_fp32``;
 - the MLA output gate ``sigmoid(g_proj(x))`` in bf16 -> ``test_mla_output_gate_fp32``;
 - ``weights_proj`` applied in bf16 -> ``test_indexer_weights_and_scores_fp32``.
 """
