@@ -70,12 +70,10 @@ def test_torch_padded_batch_equals_rows_alone(ckpt):
 
 def test_jax_padded_batch_equals_rows_alone_and_torch(ckpt):
     """The JAX model on the first layer only (the padding logic is the model's, above the layers; op-by-op JAX on
-    all four layers costs minutes): a left-padded row equals the row alone, and the batch equals torch's."""
+    all four layers costs minutes): the padded batch equals torch's, whose rows equal each row alone (above)."""
     model, tree, cfg = load_jax(ckpt, layers=1)
     rows, ids, mask = _batch(cfg.vocab_size)
     out = np.asarray(model.apply({"params": tree}, jnp.asarray(ids), attention_mask=mask))
-    alone = np.asarray(model.apply({"params": tree}, jnp.asarray(rows[0])[None]))[0]
-    assert rel(out[0][mask[0]], alone) <= TOL_FP32
     assert not out[~mask].any()
     with torch.no_grad():
         t = load_torch(ckpt, layers=1)(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).numpy()
@@ -116,7 +114,10 @@ def test_max_position_embeddings_warns(ckpt):
             warnings.simplefilter("error")
             model(ids, cu_seqlens=torch.tensor([0, 4, 8]))  # documents of 4: fine
             model(ids, attention_mask=torch.arange(8)[None] >= 2)  # 6 real tokens: fine
-    jmodel, tree, cfg = load_jax(ckpt, layers=1)
-    jmodel = type(jmodel)(cfg.replace(max_position_embeddings=6))
-    with pytest.warns(UserWarning, match="sequence length 7 exceeds"):
-        jmodel.apply({"params": tree}, np.ones((1, 8), np.int64), cu_seqlens=np.array([0, 7, 8]))
+    from reference_jax.model import _warn_past_max_positions  # the JAX model's check (running it costs ~10 s)
+
+    with pytest.warns(UserWarning, match="sequence length 7 exceeds config.max_position_embeddings=6"):
+        _warn_past_max_positions(8, np.array([0, 7, 8]), 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_past_max_positions(8, np.array([0, 4, 8]), 6)

@@ -201,7 +201,7 @@ def test_moe_expert_sum_fp32():
     )
     jm_ = jmoe.KimiMoE(cfg)
     xj = jnp_bf16(x.float())
-    _, inter = jm_.apply(tree, xj, capture_intermediates=True, mutable=["intermediates"])
+    _, inter = jax.jit(lambda t, xx: jm_.apply(t, xx, capture_intermediates=True, mutable=["intermediates"]))(tree, xj)
     it = inter["intermediates"]
     zj = it["routed_expert_down_proj"]["__call__"][0]
     idsj, wj = it["gate"]["__call__"][0]
@@ -244,9 +244,13 @@ def test_mla_output_gate_fp32(monkeypatch):
     monkeypatch.setattr(jm, "mla_attention", lambda *a, **kw: seenj.setdefault("o", jattend(*a, **kw)))
     tree = {"params": to_tree({k: np.asarray(torch.tensor(v, dtype=bf16).float()) for k, v in p.items()}, jnp.bfloat16)}
     xj = jnp_bf16(x.float())
-    _, inter = jm.GatedMLA(cfg, DSA).apply(tree, xj, capture_intermediates=True, mutable=["intermediates"])
-    it = inter["intermediates"]
-    oj = seenj["o"].reshape(1, 20, -1)
+
+    def run(t, xx):  # jit: one compile instead of op-by-op dispatch; the spied o leaves the trace as an output
+        _, inter = jm.GatedMLA(cfg, DSA).apply(t, xx, capture_intermediates=True, mutable=["intermediates"])
+        return inter["intermediates"], seenj["o"]
+
+    it, oj = jax.jit(run)(tree, xj)
+    oj = oj.reshape(1, 20, -1)
     gj = it["g_proj"]["__call__"][0]
     gated = (oj.astype(jnp.float32) * jax.nn.sigmoid(gj.astype(jnp.float32))).astype(jnp.bfloat16)
     want_j = jnp.einsum("bti,oi->bto", gated, tree["params"]["o_proj"]["weight"])
