@@ -23,6 +23,7 @@ from kimi_tools.lora import (
     ADAPTER_WEIGHTS,
     DEFAULT_TARGETS,
     LoraSettings,
+    adapters_without_gradient,
     apply_lora,
     check_lora_supported,
     load_adapter,
@@ -116,6 +117,7 @@ def test_merged_equals_unmerged_and_no_adapter_is_skipped(cfg, backend, form):
     assert _rel(out.detach(), base) > 1e-2  # the adapters change the output
 
     layers = lora_modules(model)
+    assert adapters_without_gradient(model) == []
     for name, layer in layers.items():
         for w in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
             assert w.grad is not None and w.grad.abs().max() > 0, f"{name}: the adapter gets no gradient (skipped)"
