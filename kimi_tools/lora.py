@@ -449,6 +449,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
         require_peft()
     except ImportError as e:
         raise CliError(str(e)) from None
+    read_adapter_config(args.adapter)  # a bad adapter folder fails before the base model is read
     model = load_model(args.checkpoint, backend="eager", dtype=torch.float32)
     names = load_adapter(model, args.adapter)
     merge_lora(model)

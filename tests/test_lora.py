@@ -239,7 +239,7 @@ def test_refusals(cfg, tmp_path):
         load_adapter(_model(cfg), tmp_path / "missing")
 
 
-def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path):
+def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path, capsys):
     """``kimi lora merge`` -> a plain checkpoint; the JAX reference on it gives the unmerged torch model's logits."""
     import jax
 
@@ -260,6 +260,9 @@ def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path):
     args = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]
     assert main(args + ["--out", str(tmp_path / "merged")]) == 0
     assert main(args + ["--out", str(tmp_path / "merged")]) == 2  # not empty: refused, nothing touched
+    bad = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "nowhere")]
+    assert main(bad + ["--out", str(tmp_path / "m2")]) == 2 and not (tmp_path / "m2").exists()
+    assert "kimi: error: adapter: no adapter_config.json" in capsys.readouterr().err
     jm, tree, _ = load_jax(tmp_path / "merged")
     with jax.default_matmul_precision("highest"):
         ref = torch.from_numpy(np.asarray(jm.apply({"params": tree}, ids.numpy()), np.float64))
