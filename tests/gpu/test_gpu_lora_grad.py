@@ -118,3 +118,31 @@ def test_cudnn_model_gradients_match_jax_grad(tmp_path):
     table = format_grad_table(ref, run, rows)
     print(table)
     assert all(r.status != "FAIL" for r in rows), table
+
+
+def test_cudnn_model_lora_every_adapter_used_and_merged_equal():
+    """The whole model on cudnn (KDA on fla, the DSA layer's absorbed sparse MLA) with LoRA on the default targets:
+    no adapter is skipped (each gets a gradient) and the merged model gives the same logits."""
+    from kernels_torch.loss import lm_loss
+    from kernels_torch.model import KimiK3Model
+    from kimi_tools.lora import adapters_without_gradient
+
+    cfg = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(0,), mla_layers=(1,), dsa_layers=(1,))
+    torch.manual_seed(0)
+    model = KimiK3Model(cfg, backend="cudnn")
+    apply_lora(model, LoraSettings(rank=4, alpha=8.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    model = model.to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 150), generator=g).cuda()
+    cu = torch.tensor([0, 70, 150])
+    logits = model(ids, cu_seqlens=cu)
+    lm_loss(logits, ids, cu).backward()
+    assert adapters_without_gradient(model) == []
+    merged = copy.deepcopy(model)
+    merge_lora(merged)
+    with torch.no_grad():
+        assert rel(merged(ids, cu_seqlens=cu), logits) <= TOL_LORA_OUT
