@@ -158,6 +158,10 @@ def check_lora_supported(settings: LoraSettings, backend: str) -> None:
     for t in settings.targets:
         if not isinstance(t, str) or not t:
             raise ValueError(f"lora targets: got {t!r}, expected a module name, suffix or regular expression")
+        try:
+            re.compile(t)
+        except re.error as e:
+            raise ValueError(f"lora targets: got {t!r}, not a valid regular expression ({e})") from None
     if settings.use_dora:
         raise ValueError(
             "lora use_dora: DoRA is not supported (its magnitude vector needs the layer input, which MLA's "

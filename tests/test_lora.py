@@ -205,6 +205,7 @@ def test_refusals(cfg, tmp_path):
         (LoraSettings(2, 0.0), "alpha"),
         (LoraSettings(2, 2.0, dropout=1.0), "dropout"),
         (LoraSettings(2, 2.0, targets=()), "targets"),
+        (LoraSettings(2, 2.0, targets=("o_proj[",)), "regular expression"),
     ):
         with pytest.raises(ValueError, match=match):
             check_lora_supported(bad, "eager")
