@@ -7,8 +7,8 @@ differentiates it with ``jax.grad``, the torch twin with autograd. Per parameter
 
 Frozen parameters (the DSA indexer, the MoE ``e_score_correction_bias``) receive no LM-loss gradient: they only feed
 discrete choices (hard top-k keys, expert selection), so ``jax.grad`` gives exactly zero there and torch autograd
-gives none (``.grad is None``; the twin freezes them). :data:`FROZEN` names them; the check for them is "reference
-exactly 0 and torch none or exactly 0", reported as ``frozen``.
+gives none (``.grad is None``: they are not in the loss's graph, even with ``requires_grad``). :data:`FROZEN` names
+them; the check for them is "reference exactly 0 and torch none or exactly 0", reported as ``frozen``.
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def torch_grads(
     layers: int | None = None,
 ) -> GradRun:
     """Autograd of the torch twin's LM loss (same arguments as :func:`reference_grads`; ``backend`` eager, sdpa or
-    cudnn, ``dtype`` float64, float32 or bfloat16). Every parameter not in :data:`FROZEN` requires a gradient;
-    those in it are frozen. Parameters that get no gradient map to None."""
+    cudnn, ``dtype`` float64, float32 or bfloat16). Every parameter requires a gradient here, the frozen ones too
+    (except where the backend itself freezes them: the cudnn indexer), so that "no LM-loss gradient" is observed,
+    not imposed. Parameters that get no gradient map to None."""
     import torch
 
     from kernels_torch.loss import lm_loss
@@ -111,7 +112,7 @@ def torch_grads(
         device = "cuda" if backend == "cudnn" else "cpu"
     model = load_model(checkpoint, layers=layers, backend=backend, dtype=getattr(torch, dtype), device=device)
     for n, p in model.named_parameters():
-        p.requires_grad_(not is_frozen(n))
+        p.requires_grad_(not (backend == "cudnn" and ".indexer." in n))
     x = torch.as_tensor(np.asarray(ids), device=device)[None]
     cu = None if cu_seqlens is None else torch.as_tensor(np.asarray(cu_seqlens), dtype=torch.int64, device=device)
     loss = lm_loss(model(x, cu_seqlens=cu), x, cu)
