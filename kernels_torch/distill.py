@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_torch.common import compute_dtype, segment_ids
+from kernels_torch.common import segment_ids
 
 __all__ = [
     "attention_target",
