@@ -235,7 +235,11 @@ class LMStage:
         return total / max(batch.num_targets, 1), {}
 
 
-STAGES: dict[str, Callable[[KimiConfig, TrainArgs], Stage] | str] = {"lm": LMStage}
+STAGES: dict[str, Callable[[KimiConfig, TrainArgs], Stage] | str] = {
+    "lm": LMStage,
+    "indexer-warmup": "kimi_tools.distill:WarmupStage",  # DeepSeek-V3.2 dense warm-up of the DSA indexers
+    "sparse": "kimi_tools.distill:SparseStage",  # DeepSeek-V3.2 sparse stage: LM loss + indexer KL over S_t
+}
 
 
 def _stage(name: str, config: KimiConfig, args: TrainArgs) -> Stage:
