@@ -39,6 +39,7 @@ from kernels_torch.indexer import indexer_scores, sparse_mask, topk_indices
 from kimi.config import KimiConfig
 
 __all__ = [
+    "dsa_layers",
     "capture_dsa_inputs",
     "dense_selection",
     "layer_terms",
@@ -53,7 +54,8 @@ IGNORE_INDEX = -100  # labels without a target (kimi_tools.data's convention)
 DENSE_TOPK = 2**31 - 1  # an index_topk that selects every visible key: the DSA layer equals dense MLA (spec 9)
 
 
-def _dsa_layers(model: nn.Module) -> dict[int, nn.Module]:
+def dsa_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """``{layer_idx: GatedMLA}`` of a torch ``KimiK3Model``'s DSA layers."""
     layers = model.model.layers
     return {i: layer.self_attn for i, layer in enumerate(layers) if getattr(layer.self_attn, "kind", None) == "dsa"}
 
@@ -65,7 +67,7 @@ def capture_dsa_inputs(model: nn.Module) -> Iterator[dict[int, dict[str, Any]]]:
     (the last forward wins). Forward hooks only; removed on exit."""
     seen: dict[int, dict[str, Any]] = {}
     handles = []
-    for i, attn in _dsa_layers(model).items():
+    for i, attn in dsa_layers(model).items():
 
         def hook(module, args, kwargs, output, i=i):
             x = args[0] if args else kwargs["x"]
@@ -85,7 +87,7 @@ def dense_selection(model: nn.Module) -> Iterator[None]:
     """Within the block, every DSA indexer of ``model`` selects every visible key (``index_topk`` = :data:`DENSE_TOPK`),
     so the DSA layers compute dense causal MLA (spec 9). The eager/sdpa backends only."""
     saved = []
-    for attn in _dsa_layers(model).values():
+    for attn in dsa_layers(model).values():
         if attn.backend == "cudnn":
             raise ValueError("backend: got 'cudnn'; the dense warm-up needs dense attention: use 'eager' or 'sdpa'")
         saved.append((attn.indexer, attn.indexer.config))
@@ -150,7 +152,7 @@ def model_recall(model: nn.Module, input_ids: torch.Tensor, cu_seqlens=None, den
             stack.enter_context(dense_selection(model))
         model(input_ids, cu_seqlens=cu_seqlens)
     out = {}
-    for i, attn in _dsa_layers(model).items():
+    for i, attn in dsa_layers(model).items():
         rec = seen[i]
         topk = None if dense else rec["topk_indices"]
         out[i] = float(layer_terms(attn, rec["x"], rec["cu_seqlens"], "warmup", topk)["recall"].mean())
@@ -177,7 +179,7 @@ class WarmupStage:
         with capture_dsa_inputs(model) as seen, dense_selection(model), torch.no_grad():
             logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
             lm = _lm_loss(logits, batch.labels, batch.num_targets)
-        terms = [layer_terms(a, seen[i]["x"], seen[i]["cu_seqlens"], "warmup") for i, a in _dsa_layers(model).items()]
+        terms = [layer_terms(a, seen[i]["x"], seen[i]["cu_seqlens"], "warmup") for i, a in dsa_layers(model).items()]
         kl_sum = sum(t["kl_sum"] for t in terms)
         metrics = {
             "kl": float(torch.stack([t["kl"].mean() for t in terms]).mean()),
@@ -199,7 +201,7 @@ class SparseStage:
         return not name.endswith("e_score_correction_bias")
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
-        if any(a.backend == "cudnn" for a in _dsa_layers(model).values()):
+        if any(a.backend == "cudnn" for a in dsa_layers(model).values()):
             raise ValueError(
                 "backend: got 'cudnn', whose DSA layers freeze the indexer; the sparse stage needs 'eager' or 'sdpa'"
             )
@@ -208,7 +210,7 @@ class SparseStage:
         lm = _lm_loss(logits, batch.labels, batch.num_targets)
         terms = [
             layer_terms(a, seen[i]["x"], seen[i]["cu_seqlens"], "sparse", seen[i]["topk_indices"])
-            for i, a in _dsa_layers(model).items()
+            for i, a in dsa_layers(model).items()
         ]
         kl_sum = sum(t["kl_sum"] for t in terms)
         metrics = {
