@@ -23,7 +23,7 @@ from typing import Sequence
 
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
-from kimi_tools import train
+from kimi_tools import ablate, train
 from kimi_tools.common import (
     CliError,
     Parser,
@@ -472,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_logits)
 
     train.add_parser(sub)
+    ablate.add_parser(sub)
     return ap
 
 
