@@ -243,8 +243,7 @@ class _WarmupKL(torch.autograd.Function):
             p = _chunk_target(logits, lse_all[:, :, rt], vis)
             del logits
             soft = torch.exp(_chunk_log_softmax(index_scores[:, rt].to(dt), vis)).masked_fill(~vis, 0.0)
-            has = (p.sum(-1, keepdim=True) > 0).to(dt)  # an empty row: zero loss, zero gradient
-            dI[:, rt] = dkl[:, rt, None].to(dt) * (soft - p) * has
+            dI[:, rt] = dkl[:, rt, None].to(dt) * (soft - p)  # an empty row: soft = p = 0, zero gradient
         return None, None, dI.to(index_scores.dtype), None, None, None, None, None
 
 
