@@ -189,7 +189,7 @@ def test_torch_twin_matches_reference_through_the_layer_fp64(T):
 
 @pytest.mark.parametrize(
     "T,dtype,chunk_bytes,packed",
-    [(1, torch.float64, 64, False), (63, torch.float64, 2000, True), (257, torch.float32, 40_000, False)],
+    [(1, torch.float64, 64, False), (63, torch.float64, 2000, True), (257, torch.float32, 200_000, False)],
     ids=["T1-fp64", "T63-fp64-packed", "T257-fp32"],
 )
 def test_warmup_chunked_matches_dense(T, dtype, chunk_bytes, packed):

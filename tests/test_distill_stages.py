@@ -124,3 +124,23 @@ def test_stage_errors(setup):
         WarmupStage(cfg.replace(dsa_layers=()))
     with pytest.raises(ValueError, match="stage"):
         layer_terms(fresh(cfg, params).model.layers[3].self_attn, torch.randn(1, 4, cfg.hidden_size), None, "x")
+
+
+@pytest.mark.parametrize("stage", ["indexer-warmup", "sparse"])
+def test_kimi_train_stage_writes_kl_and_recall(tmp_path, stage):
+    """``kimi train --stage indexer-warmup | sparse``: the registry resolves the stage, metrics.jsonl gains the keys."""
+    import json
+
+    from kimi_tools.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--layers", "4", "--data", str(text), "--out", str(out), "--steps", "2"]
+    argv += ["--seq-len", "80", "--eval-tokens", "80", "--warmup-steps", "0", "--stage", stage, "--quiet"]
+    assert main(argv) == 0
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for r in recs[1:]:
+        assert r["kl"] >= 0 and 0 < r["indexer_recall"] <= 1 and r["lm_loss"] > 0
+    assert "eval_kl" in recs[0] and "eval_indexer_recall" in recs[0]
