@@ -99,12 +99,17 @@ def test_kl_is_zero_when_student_equals_teacher_and_recall_is_one_when_all_selec
     q, k, _ = rand_inputs(B, T, H, K, seed=1)
     mask = jnp.tril(jnp.ones((T, T), bool))
     with jax.enable_x64(True):
-        p = jd.attention_target(jnp.asarray(q), jnp.asarray(k), mask, 0.5)
-        np.testing.assert_allclose(np.asarray(p.sum(-1)), 1.0, rtol=1e-12)
-        kl = jd.indexer_kl(p, jnp.log(jnp.where(p > 0, p, 1.0)) + 3.0, mask)  # shift-invariant
-        assert float(jnp.max(jnp.abs(kl))) < 1e-12
-        rec = jd.indexer_recall(p, jnp.broadcast_to(mask, (B, T, T)))
-        np.testing.assert_allclose(np.asarray(rec), 1.0, rtol=1e-12)
+
+        @jax.jit
+        def run(q, k):
+            p = jd.attention_target(q, k, mask, 0.5)
+            kl = jd.indexer_kl(p, jnp.log(jnp.where(p > 0, p, 1.0)) + 3.0, mask)  # shift-invariant
+            return p, kl, jd.indexer_recall(p, jnp.broadcast_to(mask, (B, T, T)))
+
+        p, kl, rec = run(jnp.asarray(q), jnp.asarray(k))
+    np.testing.assert_allclose(np.asarray(p).sum(-1), 1.0, rtol=1e-12)
+    assert np.abs(np.asarray(kl)).max() < 1e-12
+    np.testing.assert_allclose(np.asarray(rec), 1.0, rtol=1e-12)
 
 
 def test_sparse_target_is_per_head_softmax_over_selected_set():
@@ -113,8 +118,13 @@ def test_sparse_target_is_per_head_softmax_over_selected_set():
     q, k, scores = rand_inputs(B, T, H, K, seed=2)
     with jax.enable_x64(True):
         mask = causal_document_mask(T)
-        sel = sparse_mask(topk_indices(jnp.asarray(scores), mask, topk), T)
-        _, kl = jd.sparse_loss(jnp.asarray(q), jnp.asarray(k), jnp.asarray(scores), mask, sel, 0.5)
+
+        @jax.jit
+        def run(q, k, s):
+            sel = sparse_mask(topk_indices(s, mask, topk), T)
+            return sel, jd.sparse_loss(q, k, s, mask, sel, 0.5)[1]
+
+        sel, kl = run(jnp.asarray(q), jnp.asarray(k), jnp.asarray(scores))
     _, kl_np = oracle(q, k, scores, np.asarray(sel) & np.asarray(mask)[None], 0.5)
     assert rel_err(kl, kl_np) < TOL_ORACLE_FP64
 
