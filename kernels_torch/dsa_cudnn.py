@@ -370,9 +370,9 @@ class SparseMLAFunction(torch.autograd.Function):
         res = _dsa().sparse_attention_backward_wrapper(
             q,
             kv,
-            out,
+            out.contiguous(),  # FlashMLA's out / lse are [:, :H] views of its 128-head outputs
             dout.to(q.dtype).contiguous(),
-            lse,
+            lse.contiguous(),
             sink,
             indices,
             softmax_scale=ctx.sm_scale,
