@@ -392,6 +392,13 @@ CUDNN_KDA_PLAN_SM90 = "kda_hopper_cuda"  # the only SM90 KDA engine with a backw
 _CUDNN_KDA_OP = "cudnn.linear_attention.ops.kda"  # importing it registers torch.ops.cudnn.kimi_delta_attention_fwd
 
 
+def _cudnn_kda_op():
+    """``torch.ops.cudnn.kimi_delta_attention_fwd`` (importing cuDNN FE's KDA module registers it); a seam for the
+    CPU tests, which replace it by a torch stand-in."""
+    importlib.import_module(_CUDNN_KDA_OP)
+    return torch.ops.cudnn.kimi_delta_attention_fwd
+
+
 def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int) -> str | None:
     """Why the cuDNN KDA op cannot run the recurrence for activations ``x`` with head dims K, V (a reason string),
     or None when it can."""
@@ -442,7 +449,7 @@ def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, 
     Raises:
         ValueError: shapes; RuntimeError / ``cudnn.cudnnGraphNotSupportedError`` from cuDNN when no engine takes it.
     """
-    importlib.import_module(_CUDNN_KDA_OP)
+    op = _cudnn_kda_op()
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is None:
@@ -459,7 +466,7 @@ def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, 
         S0 = initial_state.float().transpose(-1, -2).contiguous()  # K-first -> the op's V-first [N, H, V, K]
     if plan_name == "default":
         plan_name = _cudnn_plan_name(q.device)
-    o, S, _ = torch.ops.cudnn.kimi_delta_attention_fwd(
+    o, S, _ = op(
         q.reshape(B * T, H, K),
         k.reshape(B * T, H, K),
         v.reshape(B * T, H, V),

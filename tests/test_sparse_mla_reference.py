@@ -155,7 +155,8 @@ def test_flash_mla_wrapper_pads_heads_and_topk(monkeypatch, H, K, with_topk_leng
     assert seen == {"H_pad": 64 if H <= 64 else 128, "K_pad": -(-K // 128) * 128}
     for name, a, b in zip(("out", "max_logits", "lse"), got, want):
         assert a.shape == b.shape, name
-        assert torch.equal(torch.isinf(a), torch.isinf(b)), name  # empty rows: -inf max, +inf lse
+        assert torch.equal(torch.isposinf(a), torch.isposinf(b)), name  # empty rows: -inf max, +inf lse
+        assert torch.equal(torch.isneginf(a), torch.isneginf(b)), name
         fin = torch.isfinite(b)
         assert torch.allclose(a[fin], b[fin], rtol=1e-12, atol=1e-12), name
 
