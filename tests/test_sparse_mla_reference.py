@@ -149,6 +149,7 @@ def test_flash_mla_wrapper_pads_heads_and_topk(monkeypatch, H, K, with_topk_leng
     q = torch.randn(T, H, 576, generator=g, dtype=torch.float64)
     kv = torch.randn(S, 576, generator=g, dtype=torch.float64)
     idx = torch.randint(-1, S + 3, (T, K), generator=g, dtype=torch.int32)  # -1 holes and out-of-range ids
+    idx[0] = -1  # a row without a valid key: out 0, max_logits -inf, lse +inf
     tlen = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32) if with_topk_length else None
     got = sm._sparse_mla_fwd_flash_mla(q, kv, idx, SM_SCALE, tlen)
     want = sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, tlen)
