@@ -105,19 +105,11 @@ def matmul_ceiling() -> float:
 
 
 def model_tflop(cfg, T: int):
-    """Model FLOPs of one forward + backward step of T tokens, in TFLOP (kimi.flops.estimate_flops), or None."""
-    try:
-        from kimi.flops import estimate_flops
-    except ImportError:
-        return None, None
+    """Model FLOPs of one forward + backward step of T tokens in TFLOP (``kimi.flops.estimate_flops``), and its parts."""
+    from kimi.flops import estimate_flops
+
     d = estimate_flops(cfg, T, backward=True)
-    for key in ("total", "per_step", "step", "flops"):
-        if isinstance(d.get(key), (int, float)):
-            return d[key] / 1e12, d
-    for key in ("per_token", "total_per_token", "flops_per_token"):
-        if isinstance(d.get(key), (int, float)):
-            return d[key] * T / 1e12, d
-    return None, d
+    return d["flops_per_token"] * T / 1e12, d
 
 
 def main() -> int:
