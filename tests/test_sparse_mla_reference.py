@@ -151,7 +151,7 @@ def test_flash_mla_wrapper_pads_heads_and_topk(monkeypatch, H, K, with_topk_leng
     idx = torch.randint(-1, S + 3, (T, K), generator=g, dtype=torch.int32)  # -1 holes and out-of-range ids
     idx[0] = -1  # a row without a valid key: out 0, max_logits -inf, lse +inf
     tlen = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32) if with_topk_length else None
-    got = sm._sparse_mla_fwd_flash_mla(q, kv, idx, SM_SCALE, tlen)
+    got = sm._sparse_mla_fwd_flash_mla(q, kv, idx, SM_SCALE, tlen, rows=4)  # 3 calls of <= 4 rows
     want = sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, tlen)
     assert seen == {"H_pad": 64 if H <= 64 else 128, "K_pad": -(-K // 128) * 128}
     for name, a, b in zip(("out", "max_logits", "lse"), got, want):

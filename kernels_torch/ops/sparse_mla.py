@@ -476,10 +476,16 @@ def flash_mla_takes(q: torch.Tensor) -> str | None:
     return None
 
 
-def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length):
+FLASH_MLA_ROWS = 8192  # query rows per FlashMLA call: bounds the padded copies (q, out: ~1 GiB each at 128 heads)
+_FLASH_MLA_TOPK_LENGTH = [True]  # False once the installed build refused the topk_length argument
+
+
+def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length, rows=FLASH_MLA_ROWS):
     """FlashMLA path on checked inputs ``q [T,H,576]``, ``kv [S,576]``, ``indices [T,K]`` int32.
 
-    * heads padded to 64 or 128 with zero queries (inert: they only produce rows that are sliced away);
+    * heads padded to 64 or 128 with zero queries (inert: they only produce rows that are sliced away), in calls of
+      ``rows`` query rows, so the padded copies stay O(rows), not O(T); outputs are written into contiguous
+      ``[T, H, *]`` tensors;
     * the top-k axis padded to a multiple of 128 with ``-1`` (skipped) ids (the SM90 kernels read 128-key blocks);
     * with ``topk_length``, the slots at positions ``>= topk_length[t]`` are set to ``-1`` as well: FlashMLA documents
       that a valid id past ``topk_length`` pointing to a NaN key row can still make its output NaN;
@@ -488,29 +494,53 @@ def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length):
       the cuDNN backward needs), whatever FlashMLA writes there.
     """
     T, H, D = q.shape
-    H_pad = 64 if H <= 64 else 128
-    if H_pad != H:
-        q_pad = q.new_zeros(T, H_pad, D)
-        q_pad[:, :H] = q
-        q = q_pad
     K = indices.shape[1]
+    if T == 0 or K == 0 or kv.shape[0] == 0:  # nothing to launch: every row is empty
+        return (
+            q.new_zeros(T, H, D_V),
+            torch.full((T, H), -math.inf, device=q.device),
+            torch.full((T, H), math.inf, device=q.device),
+        )
+    H_pad = 64 if H <= 64 else 128
     K_pad = -(-K // 128) * 128  # SM90 FlashMLA wants topk a multiple of 128: pad with skipped ids
-    if K_pad != K:
-        indices = torch.nn.functional.pad(indices, (0, K_pad - K), value=-1)
-    if topk_length is not None:
-        pos = torch.arange(K_pad, device=indices.device, dtype=torch.int32)
-        indices = torch.where(pos[None, :] < topk_length[:, None], indices, -1)
-    kwargs = {"topk_length": topk_length}
-    if _flash_mla_arch(q.device) == "legacy":
-        kwargs["use_legacy"] = True
-    out, max_logits, lse = _flash_mla_sparse_fwd(
-        q.contiguous(), kv[:, None, :].contiguous(), indices[:, None, :].contiguous(), float(sm_scale), D_V, **kwargs
-    )
-    out, max_logits, lse = out[:, :H], max_logits[:, :H], lse[:, :H]
+    kwargs = {"use_legacy": True} if _flash_mla_arch(q.device) == "legacy" else {}
+    kv3 = kv[:, None, :].contiguous()
+    out = max_logits = lse = None
+    pos = torch.arange(K_pad, device=indices.device, dtype=torch.int32)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        qc = q[t0:t1]
+        if H_pad != H:
+            q_pad = q.new_zeros(t1 - t0, H_pad, D)
+            q_pad[:, :H] = qc
+            qc = q_pad
+        idx = indices[t0:t1]
+        if K_pad != K:
+            idx = torch.nn.functional.pad(idx, (0, K_pad - K), value=-1)
+        tl_c = None
+        if topk_length is not None:
+            tl_c = topk_length[t0:t1]
+            idx = torch.where(pos[None, :] < tl_c[:, None], idx, -1)
+        args = (qc.contiguous(), kv3, idx[:, None, :].contiguous(), float(sm_scale), D_V)
+        if tl_c is not None and _FLASH_MLA_TOPK_LENGTH[0]:
+            try:
+                o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, topk_length=tl_c, **kwargs)
+            except (RuntimeError, TypeError):  # a build without topk_length: the -1 slots above say the same
+                _FLASH_MLA_TOPK_LENGTH[0] = False
+                o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, **kwargs)
+        else:
+            o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, **kwargs)
+        if out is None:  # dtypes as FlashMLA returns them (bf16 out, fp32 statistics)
+            out = torch.empty(T, H, D_V, dtype=o_c.dtype, device=q.device)
+            max_logits = torch.empty(T, H, dtype=m_c.dtype, device=q.device)
+            lse = torch.empty(T, H, dtype=l_c.dtype, device=q.device)
+        out[t0:t1] = o_c[:, :H]
+        max_logits[t0:t1] = m_c[:, :H]
+        lse[t0:t1] = l_c[:, :H]
     # empty rows: FlashMLA's reference gives lse = +inf there too; normalise whatever the build wrote
     empty = torch.isneginf(max_logits) | torch.isneginf(lse) | torch.isposinf(lse)
-    lse = lse.masked_fill(empty, math.inf)
-    max_logits = max_logits.masked_fill(empty, -math.inf)
+    lse.masked_fill_(empty, math.inf)
+    max_logits.masked_fill_(empty, -math.inf)
     return out, max_logits, lse
 
 
