@@ -399,9 +399,11 @@ def _cudnn_kda_op():
     return torch.ops.cudnn.kimi_delta_attention_fwd
 
 
-def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int) -> str | None:
-    """Why the cuDNN KDA op cannot run the recurrence for activations ``x`` with head dims K, V (a reason string),
-    or None when it can."""
+def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int, lower_bound: float | None = -5.0) -> str | None:
+    """Why the cuDNN KDA op cannot run the recurrence for activations ``x`` with head dims K, V and the gate's
+    ``lower_bound`` (``gate_lower_bound``; None = the unbounded softplus gate), as a reason string, or None when it
+    can. The SM90 engine is validated at the bounded gate only: with the softplus gate (log-decay far below -5) its
+    output is NaN (measured on the H200, 2026-11-30), so that gate runs on fla."""
     if importlib.util.find_spec("cudnn") is None:
         return "nvidia-cudnn-frontend is not importable"
     try:
@@ -415,6 +417,11 @@ def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int) -> str | None:
         return f"device capability {major}.x has no cuDNN KDA engine with a backward (SM90 or SM100)"
     if (K, V) != (CUDNN_KDA_HEAD_DIM, CUDNN_KDA_HEAD_DIM):
         return f"head dims K={K}, V={V}; the SM90 engine takes K = V = {CUDNN_KDA_HEAD_DIM}"
+    if lower_bound is None or not -5.0 <= lower_bound < 0:
+        return (
+            f"gate_lower_bound={lower_bound}: the cuDNN engine needs a bounded gate (lower bound in [-5, 0)); "
+            "with the unbounded softplus gate it returns NaN"
+        )
     return None
 
 
@@ -534,7 +541,7 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
             raise ValueError(f"cache.{name}: got shape {tuple(st.shape)}, expected [N, P, W-1]=[{N}, {P}, {W - 1}]")
 
     choice = kernel_choice.resolve("kda", layer.kda_kernel)
-    why = cudnn_kda_unavailable(x, K, K) if choice != "fla" else None
+    why = cudnn_kda_unavailable(x, K, K, c.gate_lower_bound) if choice != "fla" else None
     if choice == "cudnn" and why is not None:
         raise RuntimeError(f"kda_kernel: got 'cudnn', but the cuDNN KDA op cannot run here: {why}")
 

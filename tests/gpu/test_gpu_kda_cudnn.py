@@ -100,6 +100,8 @@ def layer_pair(cfg, seed: int, kernel: str | None = None):
             r = r * shape[-1] ** -0.5
         dt = torch.bfloat16 if s.dtype == "bfloat16" else torch.float32
         vals[name], dtypes[name] = r.to(dt), dt
+    if kernel == "cudnn" and cfg.gate_lower_bound is None:
+        pytest.skip("cuDNN's KDA engine declines the unbounded softplus gate: test_unbounded_gate_runs_on_fla")
     fast = tk.KimiDeltaAttention(cfg, i, backend="cudnn").to(DEVICE)
     fast.kda_kernel = kernel
     ref = tk.KimiDeltaAttention(cfg, i, backend="eager").to(DEVICE)
@@ -388,3 +390,19 @@ def test_recurrence_matches_eager(case, kernel):
         report(test, n, e)
     bad = {n: e for n, e in errs.items() if not e <= TOL_REC[n]}
     assert not bad, f"{test}: relative errors over tolerance {bad}"
+
+
+def test_unbounded_gate_runs_on_fla():
+    """The softplus gate (gate_lower_bound None): auto runs fla (cuDNN's engine gave NaN there on the H200), and a
+    forced cuDNN kernel says why it cannot run."""
+    cfg = configs()["kimi_linear_softplus"]
+    if tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE), 128, 128) is not None:
+        pytest.skip("no cuDNN KDA op here")
+    fast, ref = layer_pair(cfg, seed=60, kernel="auto")
+    x16, x32 = inputs(cfg, 1, 300, seed=61)
+    kernel_choice.reset_used()
+    check_forward("unbounded_gate[auto]", fast, ref, x16, x32)
+    ran_on("fla")
+    fast.kda_kernel = "cudnn"
+    with pytest.raises(RuntimeError, match="gate_lower_bound=None"):
+        fast(x16)
