@@ -54,12 +54,13 @@ def fwd_bwd(layer, x, dy):
     return step
 
 
-CATEGORIES = (  # first match wins, on the lower-cased kernel name
+CATEGORIES = (  # first match wins, on the lower-cased kernel name (names as seen on the H200, 2026-11-30)
+    ("top-k", ("indexer_top_k", "top_k", "topk", "radixsort")),  # cuDNN top-k; radixSort = sort_topk_slots
     ("indexer", ("indexer",)),
-    ("top-k", ("top_k", "topk", "radix")),
-    ("sparse forward", ("sparse_mla_fwd", "sparse_prefill", "flash_fwd", "flashmla", "flash_mla", "sm90_fwd")),
-    ("sparse backward", ("sparse_attention_b", "sparse_bwd", "dsa_bwd", "bwd")),
-    ("matmuls (projections)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_xmma", "wgmma")),
+    ("sparse forward", ("sparse_attn_fwd", "sparse_fwd", "_sparse_mla_fwd_kernel")),  # FlashMLA legacy / Triton
+    ("sparse backward", ("sparse_attention_backward", "dsa_bwd")),
+    ("matmuls (projections)", ("gemm", "nvjet", "cutlass", "xmma", "wgmma")),
+    ("copies and fills", ("copy", "fill", "memcpy", "memset")),
 )
 
 
@@ -77,19 +78,44 @@ def breakdown(step) -> dict:
             t = getattr(e, "self_cuda_time_total", 0)
         if t and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
             per[e.key] = per.get(e.key, 0.0) + t / 1e3
-    cats = {name: 0.0 for name, _ in CATEGORIES} | {"rest": 0.0}
-    for k, ms in per.items():
-        low = k.lower()
-        cat = next((name for name, keys in CATEGORIES if any(w in low for w in keys)), "rest")
-        cats[cat] += ms
-    total = sum(cats.values())
     top = sorted(per.items(), key=lambda kv: -kv[1])[:30]
+    return categorise(sum(per.values()), [[k[:120], round(v, 3)] for k, v in top], per)
+
+
+def categorise(total: float, top_kernels, per: dict | None = None) -> dict:
+    """Split ``total`` GPU ms by CATEGORIES over ``per`` (every kernel: ms) or, without it, over the stored 30 largest
+    kernels ``top_kernels`` ([[name, ms], ...]), the remainder counted as "rest"."""
+    cats = {name: 0.0 for name, _ in CATEGORIES} | {"rest": 0.0}
+    for k, ms in (per or dict(top_kernels)).items():
+        low = k.lower()
+        cats[next((name for name, keys in CATEGORIES if any(w in low for w in keys)), "rest")] += ms
+    cats["rest"] += total - sum(cats.values())
     return {
         "total_gpu_ms": round(total, 2),
         "ms": {k: round(v, 2) for k, v in cats.items()},
         "share": {k: round(v / total, 3) for k, v in cats.items()} if total else {},
-        "top_kernels_ms": [[k[:120], round(v, 3)] for k, v in top],
+        "top_kernels_ms": top_kernels,
     }
+
+
+def print_breakdowns(rows) -> None:
+    print("| S | total GPU ms | " + " | ".join(n for n, _ in CATEGORIES) + " | rest |")
+    print("|---" * (len(CATEGORIES) + 3) + "|")
+    for r in rows:
+        if "breakdown" in r:
+            b = r["breakdown"]
+            cells = " | ".join(f"{v:.1f} ({b['share'].get(k, 0):.0%})" for k, v in b["ms"].items())
+            print(f"| {r['S']} | {b['total_gpu_ms']:.1f} | {cells} |")
+
+
+def recategorise(path: str) -> None:
+    """Re-split the breakdowns stored in a result file with the current CATEGORIES (from its 30 largest kernels)."""
+    d = json.loads(Path(path).read_text())
+    for r in d["rows"]:
+        if "breakdown" in r:
+            r["breakdown"] = categorise(r["breakdown"]["total_gpu_ms"], r["breakdown"]["top_kernels_ms"])
+    Path(path).write_text(json.dumps(d, indent=1))
+    print_breakdowns(d["rows"])
 
 
 def main():
@@ -98,7 +124,11 @@ def main():
     ap.add_argument("--sizes", default="4096,8192,32768,65536")
     ap.add_argument("--sdpa-max", type=int, default=32768, help="largest S for the masked sdpa backend (slow)")
     ap.add_argument("--breakdown", action="store_true", help="profile one more DSA fwd+bwd per S, split per call")
+    ap.add_argument("--recategorise", metavar="FILE", help="only re-split the breakdowns stored in FILE (no GPU)")
     args = ap.parse_args()
+    if args.recategorise:
+        recategorise(args.recategorise)
+        return
     k31, k3 = load_config("k3.1-pro"), load_config("k3")
     impls = {
         "dsa (cudnn)": (k31, "cudnn"),
@@ -184,11 +214,7 @@ def main():
             f"{f(s['speedup_vs_sdpa_backend'], '.2f')} |"
         )
     print(crossing)
-    for r in rows:
-        if "breakdown" in r:
-            b = r["breakdown"]
-            cells = " | ".join(f"{k} {v:.1f} ({b['share'].get(k, 0):.0%})" for k, v in b["ms"].items())
-            print(f"breakdown S={r['S']}: total {b['total_gpu_ms']:.1f} ms | {cells}")
+    print_breakdowns(rows)
 
 
 if __name__ == "__main__":
