@@ -25,7 +25,7 @@ from typing import Sequence
 
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
-from kimi_tools import lora
+from kimi_tools import ablate, lora, train
 from kimi_tools.common import (
     CliError,
     Parser,
@@ -484,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
     p.set_defaults(func=cmd_logits)
     lora.add_parser(sub)
+    train.add_parser(sub)
+    ablate.add_parser(sub)
     return ap
 
 
