@@ -59,7 +59,7 @@ def test_lm_loss_twins(T, cu):
     gj = jax.grad(lambda z: jax_lm_loss(z, ids.numpy(), None if cu is None else np.asarray(cu)))(
         jnp.asarray(logits.numpy())
     )
-    gj = torch.from_numpy(np.asarray(gj))
+    gj = torch.from_numpy(np.array(gj))
     assert float((x.grad - gj).norm() / gj.norm()) <= LOSS_GRAD_REL_FP32
     _, valid = next_token_targets(ids, cu_t)
     for end in (cu or [0, T])[1:]:
