@@ -30,7 +30,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from kernels_torch.kda import KDACache
-from kimi.cache_layout import check_capacity, config_id, layer_cache_shapes
+from kimi.cache_layout import check_capacity, chunk_bounds, config_id, layer_cache_shapes
 from kimi.config import KimiConfig
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "key_count",
     "cached_causal_mask",
     "kda_step",
+    "prefill",
 ]
 
 
@@ -210,3 +211,26 @@ def kda_step(layer, x: torch.Tensor, cache: KDACache, step: CacheStep) -> tuple[
     full = x.new_zeros(x.shape)
     full[valid] = out[0]
     return full, new
+
+
+def prefill(model, input_ids: torch.Tensor, cache: ModelCache, chunk_size: int | None = None, snapshot_at=()):
+    """Feed a prompt ``input_ids`` ``[N, T]`` into ``cache`` in chunks of ``chunk_size`` tokens (one call when None).
+
+    Any chunking gives the one-call result (the test of ``tests/test_cache.py``). ``snapshot_at``: offsets ``t`` in
+    ``[1, T]`` at which a copy of the cache is kept (prefix caching: the copy holds ``pos + t`` tokens per row and
+    resumes exactly like a cold prefill of those tokens).
+
+    Returns:
+        ``(logits [N, T, vocab], cache, snapshots)``: ``cache`` updated in place, ``snapshots`` ``{t: ModelCache}``.
+
+    Raises:
+        ValueError: see ``kimi.cache_layout.chunk_bounds`` and :func:`check_cache`.
+    """
+    logits, snapshots = [], {}
+    wanted = {int(t) for t in snapshot_at}
+    for a, b in chunk_bounds(input_ids.shape[1], chunk_size, snapshot_at):
+        out, cache = model(input_ids[:, a:b], cache=cache)
+        logits.append(out)
+        if b in wanted:
+            snapshots[b] = cache.copy()
+    return torch.cat(logits, dim=1), cache, snapshots

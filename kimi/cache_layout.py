@@ -20,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from typing import Sequence
 
 from kimi.config import KimiConfig
 
-__all__ = ["config_id", "layer_cache_shapes", "check_capacity"]
+__all__ = ["config_id", "layer_cache_shapes", "check_capacity", "chunk_bounds"]
 
 
 def config_id(config: KimiConfig) -> str:
@@ -71,3 +72,21 @@ def check_capacity(pos: list[int], lengths: list[int], max_len: int) -> None:
                 f"cache: row {b} holds {p} tokens and would get {n} more, past its end (capacity max_len={max_len}); "
                 "build the cache with a larger max_len"
             )
+
+
+def chunk_bounds(T: int, chunk_size: int | None, snapshot_at: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Column ranges ``[(a, b), ...]`` covering ``[0, T)``: chunks of ``chunk_size`` (one chunk when None), also cut
+    at every ``snapshot_at`` offset so that the cache can be copied there (a mid-chunk position splits its chunk).
+
+    Raises:
+        ValueError: ``chunk_size`` < 1, or a snapshot offset outside ``[1, T]`` (past the prompt's end).
+    """
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size: got {chunk_size}, expected a positive integer or None (one chunk)")
+    cuts = set(range(0, T, int(chunk_size))) if chunk_size else {0}
+    for t in snapshot_at:
+        if not 1 <= int(t) <= T:
+            raise ValueError(f"snapshot_at: got {t}, expected an offset in [1, {T}] (past the prompt's end otherwise)")
+        cuts.add(int(t))
+    cuts = sorted(cuts - {T}) + [T]
+    return list(zip(cuts[:-1], cuts[1:]))

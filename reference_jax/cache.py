@@ -15,8 +15,9 @@ Notable (spec 2.4 for KDA, 3.2 and 4.2 for MLA/DSA; shapes in ``kimi.cache_layou
 * JAX arrays are immutable, so a cache is a value: keep one to resume from it later (prefix caching). The KDA state
   cannot be rolled back, so a prefix cache at position p is a copy taken when the cache held exactly p tokens
   (``generate.prefill(..., snapshot_at=p)`` splits a chunk there).
-* Positions must be concrete (numpy-able). Attention and the indexer span the whole capacity ``max_len`` under the
-  causal mask, so every decode step has the same shapes (the torch twin spans only ``max(pos + lengths)``).
+* Attention and the indexer span the whole capacity ``max_len`` under the causal mask, so every decode step has the
+  same shapes and a step can be wrapped in ``jax.jit`` (``lengths`` stays concrete; the capacity check is skipped
+  under tracing). The torch twin spans only ``max(pos + lengths)`` keys.
 
 Errors name the field: a cache built for another config (``config_id`` differs), of another batch size, with a
 layer of the wrong kind or shape, or a write past ``max_len``.
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kimi.cache_layout import check_capacity, config_id, layer_cache_shapes
+from kimi.cache_layout import check_capacity, chunk_bounds, config_id, layer_cache_shapes
 from kimi.config import KimiConfig
 from reference_jax.kda import KDACache
 
@@ -40,9 +41,11 @@ __all__ = [
     "ModelCache",
     "CacheStep",
     "init_cache",
+    "check_cache",
     "write_rows",
     "cached_causal_mask",
     "kda_step",
+    "prefill",
 ]
 
 
@@ -116,22 +119,23 @@ def write_rows(buf: jax.Array, new: jax.Array, pos, lengths) -> jax.Array:
     buf ``[N, S_max, F]``, new ``[N, T, F]``, pos and lengths ``[N]`` ints (capacity checked by the caller).
     Returns the updated buffer (same shape and dtype)."""
     N, T = new.shape[:2]
-    t = np.arange(T)[None, :]
-    idx = np.where(t < np.asarray(lengths)[:, None], np.asarray(pos)[:, None] + t, buf.shape[1])  # padding -> dropped
-    return buf.at[np.arange(N)[:, None], idx].set(new.astype(buf.dtype), mode="drop")
+    t = jnp.arange(T)[None, :]
+    idx = jnp.where(t < jnp.asarray(lengths)[:, None], jnp.asarray(pos)[:, None] + t, buf.shape[1])  # pad -> dropped
+    return buf.at[jnp.arange(N)[:, None], idx].set(new.astype(buf.dtype), mode="drop")
 
 
 def cached_causal_mask(pos, T: int, S: int) -> jax.Array:
     """``[N, T, S]`` bool: query ``t`` of row ``n`` (position ``pos[n] + t``) sees key ``s`` iff ``s <= pos[n] + t``."""
-    q_pos = np.asarray(pos)[:, None, None] + np.arange(T)[None, :, None]  # [N, T, 1]
-    return jnp.asarray(np.arange(S)[None, None, :] <= q_pos)
+    q_pos = jnp.asarray(pos)[:, None, None] + jnp.arange(T)[None, :, None]  # [N, T, 1]
+    return jnp.arange(S)[None, None, :] <= q_pos
 
 
 class CacheStep(NamedTuple):
-    """What one cached call hands each layer: the layer caches, ``pos`` and ``lengths`` (numpy ``[N]`` ints)."""
+    """What one cached call hands each layer: the layer caches, ``pos`` ``[N]`` int32 (may be traced under
+    ``jax.jit``) and ``lengths`` (numpy ``[N]`` ints, concrete)."""
 
     layers: tuple
-    pos: np.ndarray
+    pos: jax.Array
     lengths: np.ndarray
 
 
@@ -167,9 +171,9 @@ def check_cache(cache: ModelCache, config: KimiConfig, B: int, T: int, lengths=N
         or (lengths > T).any()
     ):
         raise ValueError(f"lengths: got {lengths.tolist()}, expected [B]={B} integers in [1, T={T}]")
-    pos = np.asarray(cache.pos)
-    check_capacity(pos.tolist(), lengths.tolist(), cache.max_len)
-    return CacheStep(cache.layers, pos, lengths)
+    if not isinstance(cache.pos, jax.core.Tracer):  # under jax.jit positions are unknown: writes past the end drop
+        check_capacity(np.asarray(cache.pos).tolist(), lengths.tolist(), cache.max_len)
+    return CacheStep(cache.layers, cache.pos, lengths)
 
 
 def kda_step(layer, x: jax.Array, cache: KDACache, step: CacheStep) -> tuple[jax.Array, KDACache]:
@@ -187,3 +191,31 @@ def kda_step(layer, x: jax.Array, cache: KDACache, step: CacheStep) -> tuple[jax
     out, new = layer(packed, cu_seqlens=cu, cache=cache, mode=mode)
     rows = [jnp.pad(out[0, cu[b] : cu[b + 1]], ((0, T - n[b]), (0, 0))) for b in range(N)]
     return jnp.stack(rows), new
+
+
+def prefill(model, params, input_ids, cache: ModelCache, chunk_size: int | None = None, snapshot_at=(), apply=None):
+    """Feed a prompt ``input_ids`` ``[N, T]`` into ``cache`` in chunks of ``chunk_size`` tokens (one call when None);
+    twin of ``kernels_torch.cache.prefill`` (plus ``params``; ``apply(params, ids, cache) -> (logits, cache)``
+    replaces ``model.apply``, e.g. a ``jax.jit`` of it).
+
+    Returns:
+        ``(logits [N, T, vocab], cache, snapshots)``; ``snapshots`` ``{t: ModelCache}`` holds the cache after ``t``
+        prompt tokens for every ``t`` in ``snapshot_at`` (prefix caching).
+
+    Raises:
+        ValueError: see ``kimi.cache_layout.chunk_bounds`` and :func:`check_cache`.
+    """
+    if apply is None:
+
+        def apply(p, ids, c):
+            return model.apply({"params": p}, ids, cache=c)
+
+    ids = np.asarray(input_ids)
+    logits, snapshots = [], {}
+    wanted = {int(t) for t in snapshot_at}
+    for a, b in chunk_bounds(ids.shape[1], chunk_size, snapshot_at):
+        out, cache = apply(params, ids[:, a:b], cache)
+        logits.append(out)
+        if b in wanted:
+            snapshots[b] = cache.copy()
+    return jnp.concatenate(logits, axis=1), cache, snapshots

@@ -205,7 +205,7 @@ class KimiK3Model(nn.Module):
             raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T] with B, T >= 1")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"input_ids: got dtype {ids.dtype}, expected integer token ids")
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = (0, 0) if isinstance(ids, jax.core.Tracer) else (int(ids.min()), int(ids.max()))  # unknown under jit
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")
         step = None if cache is None else check_cache(cache, self.config, *ids.shape, lengths, cu_seqlens)
