@@ -110,12 +110,22 @@ def test_torch_decode_teacher_forcing(tiny_ckpt, backend, form):
     assert cache.pos.tolist() == [200, 200]
 
 
+@pytest.fixture(scope="module")
+def jax_model(tiny_ckpt):
+    """The reference and one jitted cached call (``lengths`` static), shared so that the tests share compilations."""
+    model, params, cfg = load_jax(tiny_ckpt, layers=LAYERS)
+
+    def call(p, i, c, lengths=None):
+        return model.apply({"params": p}, i, cache=c, lengths=None if lengths is None else np.array(lengths))
+
+    return model, params, cfg, jax.jit(call, static_argnames="lengths")
+
+
 @pytest.mark.slow
-def test_jax_prefill_decode_prefix_and_torch_agree(tiny_ckpt, tmodel):
+def test_jax_prefill_decode_prefix_and_torch_agree(jax_model, tmodel):
     """The reference under jax.jit: chunked prefill = one prefill (logits, every cache tensor), 70 decode steps =
     cache-free forward, a snapshot at 128 resumes like the cold cache; and the torch twin's logits and caches agree."""
-    model, params, cfg = load_jax(tiny_ckpt, layers=LAYERS)
-    apply = jax.jit(lambda p, i, c: model.apply({"params": p}, i, cache=c))
+    model, params, cfg, apply = jax_model
     ids = ids_for(2, 200, 4)
     free = jax.jit(lambda p, i: model.apply({"params": p}, i))(params, ids)
     one, one_cache, _ = jcache.prefill(model, params, ids[:, :130], jcache.init_cache(cfg, 2, 200), apply=apply)
@@ -216,16 +226,17 @@ def test_torch_rows_replicate_a_prefill(tmodel):
     assert cache.pos.tolist() == [80]
 
 
-def test_jax_batch_rows_agree_with_torch(tiny_ckpt, tmodel):
-    """The reference's per-row lengths on a short batch (eager): equal to the torch twin's per-sequence forwards."""
-    model, params, cfg = load_jax(tiny_ckpt, layers=LAYERS)
-    lens = [3, 20, 9]
+def test_jax_batch_rows_agree_with_torch(jax_model, tmodel):
+    """The reference's per-row lengths (right padding) and positions: equal to the torch twin's per-sequence
+    cache-free forwards (tests/test_model.py ties those to the reference's)."""
+    model, params, cfg, apply = jax_model
+    lens = (5, 12)
     seqs = [ids_for(1, n + 1, 30 + i)[0] for i, n in enumerate(lens)]
-    batch = np.zeros((3, 20), np.int64)
+    batch = np.zeros((2, 12), np.int64)
     for b, (s, n) in enumerate(zip(seqs, lens)):
         batch[b, :n] = s[:n]
-    out, cache = model.apply({"params": params}, batch, cache=jcache.init_cache(cfg, 3, 24), lengths=np.array(lens))
-    step, cache = model.apply({"params": params}, np.array([[s[n]] for s, n in zip(seqs, lens)]), cache=cache)
+    out, cache = apply(params, batch, jcache.init_cache(cfg, 2, 200), lengths=lens)
+    step, cache = apply(params, np.array([[s[n]] for s, n in zip(seqs, lens)]), cache)
     assert np.asarray(cache.pos).tolist() == [n + 1 for n in lens]
     with torch.no_grad():
         for b, (s, n) in enumerate(zip(seqs, lens)):
