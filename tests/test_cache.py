@@ -29,7 +29,7 @@ LAYERS = 4  # KKKD
 # T = 1, attention over more masked keys), so everything agrees to ~1e-6; 1e-5 leaves room, a wrong cache is O(1).
 TOL = {"logits": 1e-5, "conv_q": 1e-5, "conv_k": 1e-5, "conv_v": 1e-5, "S": 1e-5, "c_kv": 1e-5, "k_pe": 1e-5}
 TOL["index_k"] = 1e-5
-TOL_JAX_TORCH = {name: 2e-5 for name in TOL}  # the two twins in fp32 (tests/test_model.py: logits 1e-5)
+TOL_JAX_TORCH = dict.fromkeys(TOL, 2e-05)  # the two twins in fp32 (tests/test_model.py: logits 1e-5)
 
 
 def rel(a, b) -> float:
