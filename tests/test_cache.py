@@ -295,3 +295,51 @@ def test_jax_bad_use_is_refused(tiny_ckpt):
         jcache.prefill(model, params, ids, jcache.init_cache(cfg, 2, 16), snapshot_at=[0])
     empty = jcache.init_cache(cfg, 2, 16)
     assert empty.layers[0].S.dtype == jnp.float32 and int(empty.pos.sum()) == 0
+
+
+# ---------------------------------------------------------------------------------------------- cudnn pieces on CPU
+
+
+def test_cudnn_cached_pieces_on_cpu(tmodel, monkeypatch):
+    """The code of ``kernels_torch.decode_cudnn`` that does not need a GPU, against the eager layers: the DSA layer's
+    gathered (decode) and per-row (prefill) sparse paths, and the KDA decode wrapper with a torch stand-in for fla's
+    ``fused_recurrent_kda`` (the real kernel is checked in tests/gpu/test_gpu_generate.py)."""
+    import sys
+    import types
+
+    from kernels_torch import decode_cudnn
+    from kernels_torch.kda import kda_recurrent, l2norm
+
+    def fake_fused_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        assert output_final_state and use_qk_l2norm_in_kernel and initial_state.dtype == torch.float32
+        return kda_recurrent(l2norm(q), l2norm(k), v, g, beta, scale=scale, initial_state=initial_state)
+
+    fla = types.ModuleType("fla.ops.kda")
+    fla.fused_recurrent_kda = fake_fused_recurrent_kda
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fla)
+
+    cfg, D = tmodel.config, tmodel.config.hidden_size
+    x = torch.randn(2, 100, D)
+    dsa, kda = tmodel.model.layers[3].self_attn, tmodel.model.layers[0].self_attn
+    with torch.no_grad():
+        for T, lengths in ((90, [90, 75]), (1, [1, 1]), (10, [10, 3])):  # per-row prefill, gathered decode, gathered
+            caches = [tcache.init_cache(cfg, 2, 100).layers[3] for _ in range(2)]
+            pos = torch.tensor([0, 0])
+            for a in (0, 90):
+                n = torch.tensor(lengths) if a == 0 else torch.tensor([T if T < 10 else 1] * 2)
+                xs = x[:, a : a + (T if a == 0 else int(n.max()))]
+                want, _, _ = dsa(xs, return_aux=True, cache=caches[0], cache_pos=pos, lengths=n)
+                got, _, _ = decode_cudnn.gated_mla_cached(dsa, xs, caches[1], pos, n, return_aux=True)
+                for b in range(2):
+                    assert rel(got[b, : n[b]], want[b, : n[b]]) <= 1e-5, (T, a, b)
+                pos = pos + n
+        cache = tcache.init_cache(cfg, 2, 8).layers[0]
+        for t in range(3):
+            want, wcache = kda(x[:, t : t + 1], cache=cache, mode="recurrent")
+            got, gcache = decode_cudnn.kda_decode_fla(kda, x[:, t : t + 1], cache)
+            assert (
+                rel(got, want) <= 1e-5 and rel(gcache.S, wcache.S) <= 1e-5 and torch.equal(gcache.conv_v, wcache.conv_v)
+            )
+            cache = gcache
