@@ -118,7 +118,7 @@ def gated_mla_cached(layer, x: torch.Tensor, cache, cache_pos: torch.Tensor, len
             ids = torch.arange(N * T * k, device=x.device, dtype=torch.int32).view(N, T, k)
         else:  # long prefill chunks: each sequence's rows once, [N*S, L+R], ids offset by row
             rows = torch.cat([cache.c_kv[:, :S], cache.k_pe[:, :S]], dim=-1).reshape(N * S, -1)
-            ids = idx
+            ids = idx + (torch.arange(N, device=x.device, dtype=torch.int32) * S)[:, None, None]
         ids = torch.where(idx >= 0, ids, -1).to(torch.int32).reshape(N * T, k)
         tlen = (idx >= 0).sum(-1).to(torch.int32).reshape(N * T)
         o_lat = sparse_mla(q_abs.reshape(N * T, H, -1).contiguous(), rows.contiguous(), ids, tlen, scale, d_v=L)
