@@ -28,19 +28,19 @@ def test_greedy_tokens_equal_on_jax_eager_sdpa(tiny_ckpt):
     """The whole tiny preset (9 layers, three DSA layers), 8 greedy tokens: one sequence of ids on all backends."""
     eager = load_torch(tiny_ckpt, backend="eager")
     want = greedy_oracle(eager, PROMPT, 8)
-    got = {"eager": generate(eager, PROMPT, 8).tokens[0]}
-    got["sdpa"] = generate(load_torch(tiny_ckpt, backend="sdpa"), PROMPT, 8).tokens[0]
+    got = {"eager": generate(eager, PROMPT, 8, stop_token=None).tokens[0]}
+    got["sdpa"] = generate(load_torch(tiny_ckpt, backend="sdpa"), PROMPT, 8, stop_token=None).tokens[0]
     jmodel, params, _ = load_jax(tiny_ckpt)
-    got["jax"] = generate(jmodel, PROMPT, 8, params=params).tokens[0]
+    got["jax"] = generate(jmodel, PROMPT, 8, params=params, stop_token=None).tokens[0]
     assert all(v == want for v in got.values()), (want, got)
 
 
 def test_batch_of_different_lengths_and_chunked_prefill(tiny_ckpt):
     model = load_torch(tiny_ckpt, layers=4)
     prompts = [PROMPT[:5], PROMPT, PROMPT[:13]]
-    res = generate(model, prompts, 5)
+    res = generate(model, prompts, 5, stop_token=None)  # the oracle does not stop at eos
     assert res.tokens == [greedy_oracle(model, p, 5) for p in prompts]
-    assert generate(model, PROMPT, 5, chunk_size=7).tokens == [res.tokens[1]]
+    assert generate(model, PROMPT, 5, chunk_size=7, stop_token=None).tokens == [res.tokens[1]]
     assert res.stats["prefill_tokens"] == 42 and res.stats["decode_tokens"] == 15 and res.stats["decode_tok_s"] > 0
 
 
