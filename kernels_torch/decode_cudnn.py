@@ -121,7 +121,8 @@ def gated_mla_cached(layer, x: torch.Tensor, cache, cache_pos: torch.Tensor, len
             ids = idx + (torch.arange(N, device=x.device, dtype=torch.int32) * S)[:, None, None]
         ids = torch.where(idx >= 0, ids, -1).to(torch.int32).reshape(N * T, k)
         tlen = (idx >= 0).sum(-1).to(torch.int32).reshape(N * T)
-        o_lat = sparse_mla(q_abs.reshape(N * T, H, -1).contiguous(), rows.contiguous(), ids, tlen, scale, d_v=L)
+        kernel = getattr(layer, "sparse_kernel", None)  # kernels_torch.kernel_choice
+        o_lat = sparse_mla(q_abs.reshape(N * T, H, -1).contiguous(), rows.contiguous(), ids, tlen, scale, L, kernel)
         o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv.to(o_lat.dtype)).view(N, T, H, V)
         aux = {"topk_indices": idx, "index_scores": None}
     out = layer.gate_and_project_out(o, x)
