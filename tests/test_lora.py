@@ -273,3 +273,26 @@ def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path, ca
     assert _rel(ref, unmerged) <= MERGED_CKPT_REL
     base_logits = load_model(tmp_path / "base", dtype=torch.float32)(ids).detach().double()
     assert _rel(base_logits, unmerged) > 10 * MERGED_CKPT_REL  # the adapter's effect is far above the bf16 rounding
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_lora_on_the_generation_cache_path(cfg, form):
+    """Cached prefill + decode with adapters (the absorbed decode reads kv_b_proj through effective_weight) gives
+    the cache-free LoRA logits; the adapters change them."""
+    from kernels_torch import cache as tcache
+
+    model = _model(cfg)
+    ids = _ids(cfg, seed=12, n=24)
+    with torch.no_grad():
+        base = model(ids, mla_form=form)
+    apply_lora(model, LoraSettings(rank=2, alpha=4.0))
+    _randomise_adapters(model, seed=13)
+    with torch.no_grad():
+        free = model(ids, mla_form=form)
+        logits, cache, _ = tcache.prefill(model, ids[:, :17], tcache.init_cache(model.config, 1, 24, torch.float64))
+        steps = [logits]
+        for t in range(17, 24):
+            step, cache = model(ids[:, t : t + 1], cache=cache, mla_form=form)
+            steps.append(step)
+    assert _rel(torch.cat(steps, dim=1), free) <= MERGE_OUT_REL * 100
+    assert _rel(free, base) > 1e-2
