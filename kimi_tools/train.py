@@ -476,11 +476,11 @@ def _check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
             raise ValueError(f"--resume: {out} holds no run (no run.json); start it without --resume")
         saved = json.loads(run_json.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != fingerprint:
-            diffs = _diff(saved.get("fingerprint_of", {}), body)
-            raise ValueError(
-                f"--resume: {out} is a run with other settings or another model config: "
-                + ("; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "") if diffs else "fingerprint differs")
-            )
+            was = saved.get("fingerprint_of", {})
+            cfg_diffs = _diff(was.get("config", {}), body["config"])
+            diffs = cfg_diffs or _diff(was.get("args", {}), body["args"]) or ["fingerprint"]
+            what = "the model config differs from the run's" if cfg_diffs else "a run with other settings"
+            raise ValueError(f"--resume: {out} is {what}: " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else ""))
         if not Checkpointer(out, a.keep).steps():
             raise ValueError(f"--resume: {out} has no complete step-N checkpoint to resume from")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
