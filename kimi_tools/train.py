@@ -337,7 +337,6 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def _resolve(args: TrainArgs) -> TrainArgs:
     """Fill the ``None`` defaults and check every plain argument (no file is read)."""
-    import torch
 
     from kernels_torch.model import BACKENDS
 
@@ -356,8 +355,6 @@ def _resolve(args: TrainArgs) -> TrainArgs:
     a.device = a.device or ("cuda" if a.backend == "cudnn" else "cpu")
     if a.device not in ("cpu", "cuda"):
         raise ValueError(f"--device: got {a.device!r}, expected cpu or cuda")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here")
     if a.backend == "cudnn" and (a.device != "cuda" or a.dtype != "bfloat16"):
         raise ValueError(f"--backend cudnn: runs on cuda in bfloat16, got --device {a.device} --dtype {a.dtype}")
     for name in ("steps", "seq_len", "eval_tokens", "keep"):
@@ -586,6 +583,8 @@ def train(args: TrainArgs) -> TrainResult:
     # ---- 1. check everything before writing anything
     a = _resolve(args)
     lora_settings = _lora_settings(a) if a.lora_rank is not None else None
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here")
     cfg = _load_config(a)
     fingerprint, body = _fingerprint(a, cfg)
     _check_out(a, fingerprint, body)

@@ -359,8 +359,14 @@ def _small_argv(out):
         (lambda argv, tmp: argv + ["--freeze", "nothing.*"], "--freeze: 'nothing.*' matches no parameter"),
         (lambda argv, tmp: argv + ["--lora-alpha", "4"], "given without --lora-rank"),
         (lambda argv, tmp: argv + ["--resume"], "holds no run"),
+        # options the backend cannot honour are refused by kimi_tools.lora.check_lora_supported, before any device
+        (
+            lambda argv, tmp: argv + ["--backend", "cudnn", "--lora-rank", "4", "--lora-dropout", "0.1"],
+            "lora dropout: got 0.1 with kv_b_proj among the targets on the cudnn backend",
+        ),
+        (lambda argv, tmp: argv + ["--lora-rank", "4", "--lora-targets", "lm_head"], "reads directly"),
     ],
-    ids=["seq-len", "empty-data", "micro-batch", "freeze", "lora-alpha", "resume-nothing"],
+    ids=["seq-len", "empty-data", "micro-batch", "freeze", "lora-alpha", "resume-nothing", "lora-cudnn", "lora-head"],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
     (tmp_path / "empty.txt").write_text("\n\n")
@@ -381,3 +387,42 @@ def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
     rc, err = _cli(argv, capsys)  # a full folder without --resume
     assert rc == 2 and "exists and is not empty" in err[0], err
     assert sorted((root / "a").rglob("*")) == before
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def test_lora_run_resumes_exactly_and_writes_the_adapter(tmp_path):
+    """LoRA (dropout on, so the RNG state matters): 4 steps equal 2 + resume 2; the output holds peft's two files
+    (no full model), the DCP state only the adapters, and the adapter loads back onto the base."""
+    from safetensors.torch import load_file
+
+    from kimi.config import load_config
+    from kimi.init import init_checkpoint
+    from kimi_tools import lora
+
+    base = tmp_path / "base"
+    init_checkpoint(base, load_config("tiny"), seed=0, layers=2)
+    kw = {**SMALL, "layers": None, "steps": 4, "eval_every": 2, "lr": 1e-2, "checkpoint": str(base)}
+    kw.update(lora_rank=4, lora_dropout=0.1, plot=False)
+    a = train(TrainArgs(out=str(tmp_path / "a"), **kw))
+    b1 = train(TrainArgs(out=str(tmp_path / "b"), stop_after=2, **kw))
+    b2 = train(TrainArgs(out=str(tmp_path / "b"), resume=True, **kw))
+    assert _numbers(a.records) == _numbers(b1.records + b2.records)
+    assert a.eval_losses[4] < a.eval_losses[0]
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "run.json", "step-4"]
+    wa = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    wb = load_file(tmp_path / "b" / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(k.startswith("base_model.model.model.layers.") and ".lora_" in k for k in wa)
+    assert any(".lora_B." in k and wa[k].abs().sum() > 0 for k in wa)  # B moved off its zero init
+    weights = [k for k in _dcp_keys(tmp_path / "a" / "step-4") if k.startswith("weights.")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights)
+    assert a.trainable_params == sum(v.numel() for v in wa.values())
+    from kernels_torch.model import load_model
+
+    model = load_model(base, backend="sdpa")
+    lora.load_adapter(model, tmp_path / "a")
+    sd = lora.adapter_state_dict(model)
+    assert all(torch.equal(sd[k], wa[k]) for k in wa)
