@@ -746,7 +746,7 @@ def train(args: TrainArgs) -> TrainResult:
     n_total = sum(p.numel() for p in model.parameters())
     if not a.quiet:
         print(
-            f"kimi train: {a.checkpoint or f'preset {a.preset} (random init, seed {a.seed})'}, "
+            f"kimi train: {f'checkpoint {a.checkpoint}' if a.checkpoint else f'preset {a.preset} (random init, seed {a.seed})'}, "
             f"{cfg.num_hidden_layers} layers, {n_train:,} of {n_total:,} parameters trained"
             + (f" (LoRA rank {a.lora_rank})" if lora_settings is not None else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
