@@ -304,9 +304,14 @@ def test_bf16_masters_frozen_parts_and_optimizer(tmp_path):
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     kw = {**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "plot": False}
-    one = train(TrainArgs(out=str(tmp_path / "one"), **{**kw, "micro_batch_tokens": 64}))
+    one = train(TrainArgs(out=str(tmp_path / "one"), **{**kw, "micro_batch_tokens": 64}, peak_tflops=0.5))
     acc = train(TrainArgs(out=str(tmp_path / "acc"), **{**kw, "micro_batch_tokens": 16}))  # 4 micro-batches
     a, b = one.records[1], acc.records[1]
+    from kimi.config import load_config
+    from kimi.flops import estimate_flops
+
+    flops = estimate_flops(load_config("tiny").truncated(2), 16, backward=True)["flops_per_token"]
+    assert math.isclose(a["mfu"], flops * a["tokens_per_s"] / 0.5e12) and b["mfu"] is None
     assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6) and math.isclose(
         a["grad_norm"], b["grad_norm"], rel_tol=1e-5
     )
@@ -374,6 +379,21 @@ def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
     rc, err = _cli(change(_small_argv(out), tmp_path), capsys)
     assert rc == 2 and len(err) == 1 and err[0].startswith("kimi: error: ") and message in err[0], err
     assert not out.exists()
+
+
+def test_checkpoint_that_does_not_match_its_config(tmp_path, capsys):
+    from kimi.config import load_config
+    from kimi.init import init_checkpoint
+
+    init_checkpoint(tmp_path / "ck", load_config("tiny"), seed=0, layers=2)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    cfg["text_config"]["hidden_size"] = 128
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    argv = ["--checkpoint", str(tmp_path / "ck"), "--data", str(DEFAULT_TEXT), "--out", str(tmp_path / "out")]
+    rc, err = _cli(argv + ["--seq-len", "16", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kimi: error: "), err
+    assert "model.embed_tokens.weight" in err[0] and "[512, 128]" in err[0], err  # names the tensor and the shape
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
