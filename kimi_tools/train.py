@@ -47,7 +47,9 @@ MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"]
   ``loss(model, batch) -> (loss, metrics)``: ``loss`` a scalar tensor, the mean over the micro-batch's targets;
   ``metrics`` a dict of floats, averaged over the step like the loss and appended to the step's record (and
   shown as ``eval_<key>`` for evaluations). Register a factory ``(config, args) -> stage`` in :data:`STAGES`
-  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it.
+  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it. ``trainable`` can only narrow
+  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen. The eval loss is the stage's
+  loss too, so a stage's runs are resumable and plotted like the LM stage's.
 * *LoRA* (``kimi_tools.lora``): ``--lora-rank R`` switches it on; ``check_lora_supported`` vets the options against
   the backend, ``apply_lora`` wraps the target modules and freezes the base, ``save_adapter`` writes the output.
 """
@@ -687,6 +689,8 @@ def train(args: TrainArgs) -> TrainResult:
                 del opt.state[m]
         if train_state["step"] != start:
             raise ValueError(f"--resume: {out}/step-{start} holds step {train_state['step']}, expected {start}")
+        if a.stop_after is not None and a.stop_after < start:
+            raise ValueError(f"--stop-after: got {a.stop_after}, but the run in {out} is at step {start} already")
         if metrics_path.is_file():
             lines = metrics_path.read_text(encoding="utf-8").splitlines()
             history = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= start]
