@@ -692,8 +692,13 @@ def train(args: TrainArgs) -> TrainResult:
         if a.stop_after is not None and a.stop_after < start:
             raise ValueError(f"--stop-after: got {a.stop_after}, but the run in {out} is at step {start} already")
         if metrics_path.is_file():
-            lines = metrics_path.read_text(encoding="utf-8").splitlines()
-            history = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= start]
+            for line in metrics_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a crash: the checkpoint says where to restart
+                    continue
+                if rec["step"] <= start:
+                    history.append(rec)
         write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history).encode())
     else:
         out.mkdir(parents=True, exist_ok=True)
