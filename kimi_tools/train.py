@@ -786,6 +786,15 @@ def train(args: TrainArgs) -> TrainResult:
                 step_loss += float(loss.detach()) * w
                 for key, v in m.items():
                     step_extra[key] = step_extra.get(key, 0.0) + float(v) * w
+            if lora_settings is not None and step == start + 1:  # LoRA must never be silently skipped (vLLM's bug)
+                from kimi_tools import lora
+
+                skipped = lora.adapters_without_gradient(model)
+                if skipped:
+                    raise ValueError(
+                        f"LoRA: the adapters of {', '.join(skipped[:4])} got no gradient on backend {a.backend} "
+                        "(a code path reads the base weight around them); refusing to train"
+                    )
             for p, mp in pairs:  # gradients up to the fp32 masters
                 if p is not mp:
                     mp.grad = None if p.grad is None else p.grad.float()

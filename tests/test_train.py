@@ -446,3 +446,17 @@ def test_lora_run_resumes_exactly_and_writes_the_adapter(tmp_path):
     lora.load_adapter(model, tmp_path / "a")
     sd = lora.adapter_state_dict(model)
     assert all(torch.equal(sd[k], wa[k]) for k in wa)
+
+
+def test_lora_adapters_that_get_no_gradient_stop_the_run(tmp_path, monkeypatch):
+    """A path that bypasses the adapters (here a stage that never runs the layers) is caught at the first step."""
+
+    class Bypass(LMStage):  # calls one adapted projection and skips every other
+        def loss(self, model, batch):
+            h = model.model.embed_tokens(batch.input_ids)
+            return model.model.layers[0].self_attn.q_proj(h).float().pow(2).mean(), {}
+
+    monkeypatch.setitem(STAGES, "bypass", Bypass)
+    kw = {**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "plot": False}
+    with pytest.raises(ValueError, match=r"LoRA: the adapters of model\.layers\.0\.self_attn\..* got no gradient"):
+        train(TrainArgs(out=str(tmp_path / "r"), **kw, stage="bypass", lora_rank=2))
