@@ -47,7 +47,9 @@ MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"]
   ``loss(model, batch) -> (loss, metrics)``: ``loss`` a scalar tensor, the mean over the micro-batch's targets;
   ``metrics`` a dict of floats, averaged over the step like the loss and appended to the step's record (and
   shown as ``eval_<key>`` for evaluations). Register a factory ``(config, args) -> stage`` in :data:`STAGES`
-  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it.
+  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it. ``trainable`` can only narrow
+  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen. The eval loss is the stage's
+  loss too, so a stage's runs are resumable and plotted like the LM stage's.
 * *LoRA* (``kimi_tools.lora``): ``--lora-rank R`` switches it on; ``check_lora_supported`` vets the options against
   the backend, ``apply_lora`` wraps the target modules and freezes the base, ``save_adapter`` writes the output.
 """
@@ -341,7 +343,6 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def _resolve(args: TrainArgs) -> TrainArgs:
     """Fill the ``None`` defaults and check every plain argument (no file is read)."""
-    import torch
 
     from kernels_torch.model import BACKENDS
 
@@ -360,8 +361,6 @@ def _resolve(args: TrainArgs) -> TrainArgs:
     a.device = a.device or ("cuda" if a.backend == "cudnn" else "cpu")
     if a.device not in ("cpu", "cuda"):
         raise ValueError(f"--device: got {a.device!r}, expected cpu or cuda")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here")
     if a.backend == "cudnn" and (a.device != "cuda" or a.dtype != "bfloat16"):
         raise ValueError(f"--backend cudnn: runs on cuda in bfloat16, got --device {a.device} --dtype {a.dtype}")
     for name in ("steps", "seq_len", "eval_tokens", "keep"):
@@ -480,11 +479,11 @@ def _check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
             raise ValueError(f"--resume: {out} holds no run (no run.json); start it without --resume")
         saved = json.loads(run_json.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != fingerprint:
-            diffs = _diff(saved.get("fingerprint_of", {}), body)
-            raise ValueError(
-                f"--resume: {out} is a run with other settings or another model config: "
-                + ("; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "") if diffs else "fingerprint differs")
-            )
+            was = saved.get("fingerprint_of", {})
+            cfg_diffs = _diff(was.get("config", {}), body["config"])
+            diffs = cfg_diffs or _diff(was.get("args", {}), body["args"]) or ["fingerprint"]
+            what = "the model config differs from the run's" if cfg_diffs else "a run with other settings"
+            raise ValueError(f"--resume: {out} is {what}: " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else ""))
         if not Checkpointer(out, a.keep).steps():
             raise ValueError(f"--resume: {out} has no complete step-N checkpoint to resume from")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -590,6 +589,8 @@ def train(args: TrainArgs) -> TrainResult:
     # ---- 1. check everything before writing anything
     a = _resolve(args)
     lora_settings = _lora_settings(a) if a.lora_rank is not None else None
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here")
     cfg = _load_config(a)
     fingerprint, body = _fingerprint(a, cfg)
     _check_out(a, fingerprint, body)
@@ -692,9 +693,16 @@ def train(args: TrainArgs) -> TrainResult:
                 del opt.state[m]
         if train_state["step"] != start:
             raise ValueError(f"--resume: {out}/step-{start} holds step {train_state['step']}, expected {start}")
+        if a.stop_after is not None and a.stop_after < start:
+            raise ValueError(f"--stop-after: got {a.stop_after}, but the run in {out} is at step {start} already")
         if metrics_path.is_file():
-            lines = metrics_path.read_text(encoding="utf-8").splitlines()
-            history = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= start]
+            for line in metrics_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a crash: the checkpoint says where to restart
+                    continue
+                if rec["step"] <= start:
+                    history.append(rec)
         write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history).encode())
     else:
         out.mkdir(parents=True, exist_ok=True)
@@ -751,7 +759,7 @@ def train(args: TrainArgs) -> TrainResult:
     n_total = sum(p.numel() for p in model.parameters())
     if not a.quiet:
         print(
-            f"kimi train: {a.checkpoint or f'preset {a.preset} (random init, seed {a.seed})'}, "
+            f"kimi train: {f'checkpoint {a.checkpoint}' if a.checkpoint else f'preset {a.preset} (random init, seed {a.seed})'}, "
             f"{cfg.num_hidden_layers} layers, {n_train:,} of {n_total:,} parameters trained"
             + (f" (LoRA rank {a.lora_rank})" if lora_settings is not None else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
@@ -782,6 +790,15 @@ def train(args: TrainArgs) -> TrainResult:
                 step_loss += float(loss.detach()) * w
                 for key, v in m.items():
                     step_extra[key] = step_extra.get(key, 0.0) + float(v) * w
+            if lora_settings is not None and step == start + 1:  # LoRA must never be silently skipped (vLLM's bug)
+                from kimi_tools import lora
+
+                skipped = lora.adapters_without_gradient(model)
+                if skipped:
+                    raise ValueError(
+                        f"LoRA: the adapters of {', '.join(skipped[:4])} got no gradient on backend {a.backend} "
+                        "(a code path reads the base weight around them); refusing to train"
+                    )
             for p, mp in pairs:  # gradients up to the fp32 masters
                 if p is not mp:
                     mp.grad = None if p.grad is None else p.grad.float()
