@@ -146,8 +146,9 @@ def _worker(rank: int, world: int, port: int) -> None:
         kda = KimiDeltaAttention(cfg, 0).double()
         x = torch.randn(1, T, cfg.hidden_size, generator=g, dtype=torch.float64)
         _layer_case(kda, x, CU, errors, "kda packed")
-        x2 = torch.randn(2, T, cfg.hidden_size, generator=g, dtype=torch.float64)
-        _layer_case(kda, x2, None, errors, "kda B=2")
+        if world == 2:  # batch rows without cu_seqlens (every row one sequence): once is enough
+            x2 = torch.randn(2, T, cfg.hidden_size, generator=g, dtype=torch.float64)
+            _layer_case(kda, x2, None, errors, "kda B=2")
 
         torch.manual_seed(1)
         dsa = GatedMLA(cfg, 3).double()
