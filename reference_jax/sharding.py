@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["LOGICAL_AXES", "RULES", "make_mesh", "param_specs", "shard_params", "sharded_logits"]
+__all__ = ["LOGICAL_AXES", "RULES", "make_mesh", "param_specs", "shard_params", "sharded_logits", "logits_fn"]
 
 LOGICAL_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r"(model\.embed_tokens|lm_head)\.weight", ("vocab", "embed")),  # [vocab, D]
@@ -108,9 +108,7 @@ def sharded_logits(model, tree: Any, input_ids, mesh: Mesh, cu_seqlens=None, mla
     :func:`shard_params`, ``input_ids`` ``[B, T]`` on ``P(None, "seq")`` and the logits ``[B, T, vocab]`` on
     ``P(None, "seq", "model")``.
 
-    ``input_ids`` are checked on the host first (the model's own check needs concrete ids, so the jitted function
-    calls the backbone and head of the bound model); ``cu_seqlens`` stays a concrete constant (the KDA and mask code
-    read it on the host).
+    ``input_ids`` are checked on the host first, then the jitted :func:`logits_fn` runs.
 
     Raises:
         ValueError: token ids outside ``[0, vocab)``, a bad shape, or ``T`` not divisible by the ``seq`` axis.
@@ -124,17 +122,25 @@ def sharded_logits(model, tree: Any, input_ids, mesh: Mesh, cu_seqlens=None, mla
     if ids.shape[1] % mesh.shape["seq"]:
         raise ValueError(f"input_ids: got T={ids.shape[1]}, expected a multiple of the seq axis {mesh.shape['seq']}")
     params, p_shard = shard_params(tree, mesh)
+    fn = jax.jit(
+        logits_fn(model, cu_seqlens, mla_form),
+        in_shardings=(p_shard, NamedSharding(mesh, P(None, "seq"))),
+        out_shardings=NamedSharding(mesh, P(None, "seq", "model")),
+    )
+    return fn(params, jnp.asarray(ids))
+
+
+def logits_fn(model, cu_seqlens=None, mla_form: str = "expanded"):
+    """``f(params, input_ids) -> logits``: ``KimiK3Model.__call__`` after its host-side id check (which needs
+    concrete ids), i.e. the bound model's backbone and head; jittable with traced ids. ``cu_seqlens`` is captured as
+    a concrete constant (the KDA and mask code read it on the host)."""
+    c = model.config
     cu = None if cu_seqlens is None else np.asarray(cu_seqlens)
 
-    def forward(module, ids):  # KimiK3Model.__call__ after its host-side id check
+    def forward(module, ids):
         h, _ = module.model(ids, cu, mla_form)
         if c.tie_word_embeddings:
             return h @ module.model.embed_tokens.variables["params"]["weight"].T
         return module.lm_head(h)
 
-    fn = jax.jit(
-        lambda p, x: model.apply({"params": p}, x, method=forward),
-        in_shardings=(p_shard, NamedSharding(mesh, P(None, "seq"))),
-        out_shardings=NamedSharding(mesh, P(None, "seq", "model")),
-    )
-    return fn(params, jnp.asarray(ids))
+    return lambda params, ids: model.apply({"params": params}, ids, method=forward)

@@ -1,7 +1,7 @@
 """The JAX reference under a ``jax.sharding.Mesh`` (reference_jax/sharding.py) equals one device.
 
 Run in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (this test run's own JAX keeps its
-single CPU device): a ``(seq=2, model=4)`` mesh, the tiny preset cut to 5 layers (KDA, DSA, MoE, AttnRes), fp64,
+single CPU device): a ``(seq=2, model=4)`` mesh, the tiny preset cut to 4 layers (KDA x 3, DSA; dense and MoE; AttnRes), fp64,
 packed documents; logits sharded ``P(None, "seq", "model")`` against the unsharded forward.
 """
 
@@ -25,15 +25,15 @@ from kimi.config import load_config
 from kimi.init import init_params
 from reference_jax.model import KimiK3Model
 from reference_jax.params import to_tree
-from reference_jax.sharding import make_mesh, param_specs, sharded_logits, shard_params
+from reference_jax.sharding import logits_fn, make_mesh, param_specs, sharded_logits, shard_params
 
 assert len(jax.devices()) == 8, jax.devices()
-cfg = load_config("tiny").replace(index_topk=8).truncated(5)
-tree = to_tree(init_params(load_config("tiny"), seed=0, layers=5), jnp.float64)
+cfg = load_config("tiny").replace(index_topk=8).truncated(4)
+tree = to_tree(init_params(load_config("tiny"), seed=0, layers=4), jnp.float64)
 model = KimiK3Model(cfg)
-ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 48))
-cu = [0, 3, 12, 40, 48]
-want = model.apply({"params": tree}, ids, cu_seqlens=cu)
+ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 32))
+cu = [0, 3, 20, 32]
+want = jax.jit(logits_fn(model, cu))(tree, jnp.asarray(ids))  # one device, no sharding (jit: one compile)
 mesh = make_mesh(seq=2, model=4)
 got = sharded_logits(model, tree, ids, mesh, cu_seqlens=cu)
 assert got.sharding.spec == jax.sharding.PartitionSpec(None, "seq", "model"), got.sharding
