@@ -502,7 +502,10 @@ class GatedRMSNorm(nn.Module):
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``x Wᵀ`` in the activation dtype (as ``reference_jax.common.linear``): the weight follows ``x.dtype``."""
+    """``x Wᵀ`` in the activation dtype (as ``reference_jax.common.linear``): the weight follows ``x.dtype``.
+    A LoRA-wrapped layer (peft ``LoraLayer``, whose ``.weight`` is the base weight alone) runs its own forward."""
+    if hasattr(layer, "base_layer"):
+        return layer(x)
     return F.linear(x, layer.weight.to(x.dtype))
 
 

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
+from kimi_tools import lora, train
 from kimi_tools.common import (
     CliError,
     Parser,
@@ -469,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
     p.set_defaults(func=cmd_logits)
+    lora.add_parser(sub)
+    train.add_parser(sub)
     return ap
 
 
