@@ -68,6 +68,7 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    gradient_divide_factor: float | None = None,
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), then FSDP2 over the flattened
     ``(dp, cp)`` ranks: one ``fully_shard`` per ``model.model.layers[i]`` and one for the root.
@@ -77,6 +78,9 @@ def parallelize(
         mesh: from :func:`init_mesh`. param_dtype / reduce_dtype: FSDP2 ``MixedPrecisionPolicy`` (None keeps the
             parameters' dtype; fp32 gradient reduction by default, fp64 parameters reduce in fp64).
         reshard_after_forward: free the gathered parameters after each layer's forward (ZeRO-3).
+        gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
+            rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
+            global batch (``kimi_tools.parallel``).
 
     Returns:
         The :class:`ContextParallel` to call ``shard`` on before each forward, or None when ``cp == 1``.
@@ -98,8 +102,11 @@ def parallelize(
         fully_shard(layer, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # cp ranks hold parts of one gradient (sum), dp ranks replicas (mean): divide by dp, not by dp x cp
+    factor = float(dp) if gradient_divide_factor is None else float(gradient_divide_factor)
     for m in [*model.model.layers, model]:
-        m.set_gradient_divide_factor(float(dp))
+        m.set_gradient_divide_factor(factor)
+        if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions: sum, then divide
+            m.set_force_sum_reduction_for_comms(True)
     return ctx
 
 
