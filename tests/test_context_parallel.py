@@ -4,7 +4,8 @@ Processes are spawned by the test (torch.multiprocessing, gloo on CPU, a free TC
 single-rank reference itself from the same seed. fp64 throughout, so the tolerances below measure the algorithm
 (summary-and-merge, the all-gathers), not rounding. The packed row: T = 45 tokens (not a multiple of world x chunk
 size 64), documents [0, 3) (shorter than a shard), [3, 12), [12, 40) (crosses the shard boundaries; at world 4 rank
-2 is carried through, and rank 1 starts exactly at a document start), [40, 45).
+2 is carried through, and rank 1 starts exactly at a document start), [40, 45). Also: shards of 1-2 tokens (shorter
+than the conv window), batch rows without cu_seqlens, the absorbed MLA form.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _grads_summed(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return out
 
 
-def _layer_case(layer, x, cu, errors, tag, aux_weight=None):
+def _layer_case(layer, x, cu, errors, tag, aux_weight=None, form="expanded"):
     """One layer: reference on the whole row vs CP on this rank's shard; loss sum(out * R) (+ scores term)."""
     from kernels_torch.parallel.context import ContextParallel
 
@@ -92,7 +93,7 @@ def _layer_case(layer, x, cu, errors, tag, aux_weight=None):
 
     def run(xx, cu_):
         if is_mla:
-            out, aux = layer(xx, cu_, return_aux=True)
+            out, aux = layer(xx, cu_, form=form, return_aux=True)
             return out, aux.get("index_scores"), aux.get("topk_indices")
         return layer(xx, cu_)[0], None, None
 
@@ -149,11 +150,15 @@ def _worker(rank: int, world: int, port: int) -> None:
         if world == 2:  # batch rows without cu_seqlens (every row one sequence): once is enough
             x2 = torch.randn(2, T, cfg.hidden_size, generator=g, dtype=torch.float64)
             _layer_case(kda, x2, None, errors, "kda B=2")
+        # shards of 2 and 1 tokens, shorter than the conv window (W - 1 = 3): the window spans several earlier ranks
+        xs = torch.randn(1, 2 * world - 1, cfg.hidden_size, generator=g, dtype=torch.float64)
+        _layer_case(kda, xs, [0, 1, 2 * world - 1], errors, "kda short shards")
 
         torch.manual_seed(1)
         dsa = GatedMLA(cfg, 3).double()
         w_sc = torch.randn(1, T, T, generator=g, dtype=torch.float64)  # a loss on index_scores: indexer grads
         _layer_case(dsa, x, CU, errors, "dsa packed", aux_weight=w_sc)
+        _layer_case(dsa, x, CU, errors, "dsa packed absorbed", form="absorbed")
 
         # the whole model: 5 layers of the tiny preset (KDA 0-2, DSA 3, KDA 4; dense then MoE; AttnRes writes 0, 4)
         torch.manual_seed(2)
