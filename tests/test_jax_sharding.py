@@ -48,6 +48,7 @@ print(f"RESULT err={err:.3e} per_device_fraction={per_dev / total:.3f} replicate
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~28 s of CPU: two whole-model compilations, one of them for 8 devices
 def test_reference_sharded_equals_one_device():
     env = {
         **os.environ,
