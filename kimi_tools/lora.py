@@ -45,6 +45,7 @@ __all__ = [
     "resolve_targets",
     "apply_lora",
     "lora_modules",
+    "adapters_without_gradient",
     "save_adapter",
     "load_adapter",
     "merge_lora",
@@ -113,6 +114,14 @@ class LoraSettings:
         )
 
 
+def require_peft() -> None:
+    """Raises ImportError with the install line when peft (the ``lora`` extra) is missing."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ImportError("LoRA needs the peft package: pip install 'kimi-k3[lora]' (or pip install peft)") from None
+
+
 def _matches(name: str, pattern: str) -> bool:
     if name == pattern or name.endswith("." + pattern):
         return True
@@ -149,6 +158,10 @@ def check_lora_supported(settings: LoraSettings, backend: str) -> None:
     for t in settings.targets:
         if not isinstance(t, str) or not t:
             raise ValueError(f"lora targets: got {t!r}, expected a module name, suffix or regular expression")
+        try:
+            re.compile(t)
+        except re.error as e:
+            raise ValueError(f"lora targets: got {t!r}, not a valid regular expression ({e})") from None
     if settings.use_dora:
         raise ValueError(
             "lora use_dora: DoRA is not supported (its magnitude vector needs the layer input, which MLA's "
@@ -229,7 +242,9 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
 
     Raises:
         ValueError: see :func:`check_lora_supported` and :func:`resolve_targets`; a model that has adapters already.
+        ImportError: peft (the ``lora`` extra) is not installed.
     """
+    require_peft()
     from peft import inject_adapter_in_model
 
     check_lora_supported(settings, getattr(model, "backend", "eager"))
@@ -241,6 +256,17 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     return names
+
+
+def adapters_without_gradient(model: nn.Module) -> list[str]:
+    """After a backward pass: the wrapped layers whose ``lora_A`` or ``lora_B`` got no gradient (``.grad is None``),
+    i.e. adapters some code path skipped. A training loop can check this once after its first backward and refuse
+    to go on (an empty list is the healthy answer)."""
+    out = []
+    for name, layer in lora_modules(model).items():
+        if any(m[_ADAPTER].weight.grad is None for m in (layer.lora_A, layer.lora_B)):
+            out.append(name)
+    return out
 
 
 def _settings_of(model: nn.Module) -> dict:
@@ -314,6 +340,7 @@ def read_adapter_config(adapter_dir: str | Path):
     Raises:
         ValueError: no folder / files, not LoRA, DoRA, or settings we refuse (see :func:`check_lora_supported`).
     """
+    require_peft()
     from peft import LoraConfig
 
     d = Path(adapter_dir)
@@ -422,6 +449,11 @@ def cmd_lora(args: argparse.Namespace) -> int:
         raise CliError(f"--out: {out} is not empty (use --force to write into it)")
     if not Path(args.checkpoint).is_dir():
         raise CliError(f"--checkpoint: no checkpoint directory at {args.checkpoint}")
+    try:
+        require_peft()
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    read_adapter_config(args.adapter)  # a bad adapter folder fails before the base model is read
     model = load_model(args.checkpoint, backend="eager", dtype=torch.float32)
     names = load_adapter(model, args.adapter)
     merge_lora(model)

@@ -47,7 +47,9 @@ MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"]
   ``loss(model, batch) -> (loss, metrics)``: ``loss`` a scalar tensor, the mean over the micro-batch's targets;
   ``metrics`` a dict of floats, averaged over the step like the loss and appended to the step's record (and
   shown as ``eval_<key>`` for evaluations). Register a factory ``(config, args) -> stage`` in :data:`STAGES`
-  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it.
+  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it. ``trainable`` can only narrow
+  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen. The eval loss is the stage's
+  loss too, so a stage's runs are resumable and plotted like the LM stage's.
 * *LoRA* (``kimi_tools.lora``): ``--lora-rank R`` switches it on; ``check_lora_supported`` vets the options against
   the backend, ``apply_lora`` wraps the target modules and freezes the base, ``save_adapter`` writes the output.
 """
@@ -704,9 +706,16 @@ def train(args: TrainArgs) -> TrainResult:
                 del opt.state[m]
         if train_state["step"] != start:
             raise ValueError(f"--resume: {out}/step-{start} holds step {train_state['step']}, expected {start}")
+        if a.stop_after is not None and a.stop_after < start:
+            raise ValueError(f"--stop-after: got {a.stop_after}, but the run in {out} is at step {start} already")
         if metrics_path.is_file():
-            lines = metrics_path.read_text(encoding="utf-8").splitlines()
-            history = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= start]
+            for line in metrics_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a crash: the checkpoint says where to restart
+                    continue
+                if rec["step"] <= start:
+                    history.append(rec)
         if par.is_writer:
             write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history).encode())
     elif par.is_writer:
@@ -765,7 +774,7 @@ def train(args: TrainArgs) -> TrainResult:
     n_total = sum(p.numel() for p in model.parameters())
     if not a.quiet and par.is_writer:
         print(
-            f"kimi train: {a.checkpoint or f'preset {a.preset} (random init, seed {a.seed})'}, "
+            f"kimi train: {f'checkpoint {a.checkpoint}' if a.checkpoint else f'preset {a.preset} (random init, seed {a.seed})'}, "
             f"{cfg.num_hidden_layers} layers, {n_train:,} of {n_total:,} parameters trained"
             + (f" (LoRA rank {a.lora_rank})" if lora_settings is not None else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
@@ -799,6 +808,15 @@ def train(args: TrainArgs) -> TrainResult:
                 for key, v in m.items():
                     step_extra[key] = step_extra.get(key, 0.0) + float(v) * w
             step_loss = par.sum_all(step_loss)
+            if lora_settings is not None and step == start + 1:  # LoRA must never be silently skipped (vLLM's bug)
+                from kimi_tools import lora
+
+                skipped = lora.adapters_without_gradient(model)
+                if skipped:
+                    raise ValueError(
+                        f"LoRA: the adapters of {', '.join(skipped[:4])} got no gradient on backend {a.backend} "
+                        "(a code path reads the base weight around them); refusing to train"
+                    )
             for p, mp in pairs:  # gradients up to the fp32 masters
                 if p is not mp:
                     mp.grad = None if p.grad is None else p.grad.float()

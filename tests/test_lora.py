@@ -23,6 +23,7 @@ from kimi_tools.lora import (
     ADAPTER_WEIGHTS,
     DEFAULT_TARGETS,
     LoraSettings,
+    adapters_without_gradient,
     apply_lora,
     check_lora_supported,
     load_adapter,
@@ -116,6 +117,7 @@ def test_merged_equals_unmerged_and_no_adapter_is_skipped(cfg, backend, form):
     assert _rel(out.detach(), base) > 1e-2  # the adapters change the output
 
     layers = lora_modules(model)
+    assert adapters_without_gradient(model) == []
     for name, layer in layers.items():
         for w in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
             assert w.grad is not None and w.grad.abs().max() > 0, f"{name}: the adapter gets no gradient (skipped)"
@@ -203,6 +205,7 @@ def test_refusals(cfg, tmp_path):
         (LoraSettings(2, 0.0), "alpha"),
         (LoraSettings(2, 2.0, dropout=1.0), "dropout"),
         (LoraSettings(2, 2.0, targets=()), "targets"),
+        (LoraSettings(2, 2.0, targets=("o_proj[",)), "regular expression"),
     ):
         with pytest.raises(ValueError, match=match):
             check_lora_supported(bad, "eager")
@@ -237,7 +240,7 @@ def test_refusals(cfg, tmp_path):
         load_adapter(_model(cfg), tmp_path / "missing")
 
 
-def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path):
+def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path, capsys):
     """``kimi lora merge`` -> a plain checkpoint; the JAX reference on it gives the unmerged torch model's logits."""
     import jax
 
@@ -258,6 +261,9 @@ def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path):
     args = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]
     assert main(args + ["--out", str(tmp_path / "merged")]) == 0
     assert main(args + ["--out", str(tmp_path / "merged")]) == 2  # not empty: refused, nothing touched
+    bad = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "nowhere")]
+    assert main(bad + ["--out", str(tmp_path / "m2")]) == 2 and not (tmp_path / "m2").exists()
+    assert "kimi: error: adapter: no adapter_config.json" in capsys.readouterr().err
     jm, tree, _ = load_jax(tmp_path / "merged")
     with jax.default_matmul_precision("highest"):
         ref = torch.from_numpy(np.asarray(jm.apply({"params": tree}, ids.numpy()), np.float64))
