@@ -52,12 +52,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 
-from kernels_torch.common import check_cu_seqlens, segment_ids
+from kernels_torch.common import check_cu_seqlens, effective_weight, segment_ids
 from kernels_torch.indexer import indexer_scores, sparse_mask, topk_indices
 from kernels_torch.kda import KDACache, KimiDeltaAttention, kda_chunk
+from kernels_torch.kda import _linear as kda_linear  # the layer's own projection rule (dtype, LoRA-wrapped layers)
 from kernels_torch.mla import GatedMLA, mla_attention, mla_attention_absorbed
 
 __all__ = ["shard_bounds", "Shard", "make_shard", "all_gather", "gather_sequence", "ContextParallel"]
@@ -202,7 +202,7 @@ def _kda_windows(layer: KimiDeltaAttention, x: torch.Tensor, shard: Shard, group
         valid.append(pos >= shard.doc_start and pos >= 0)
     prev = tails.reshape(B, -1, D)[:, flat_idx]  # [B, w1, D]
     prev = prev * torch.tensor(valid, dtype=x.dtype, device=x.device)[:, None]
-    return [F.linear(prev, p.weight.to(x.dtype)).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj)]
+    return [kda_linear(prev, p).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj)]
 
 
 def _kda_summary(layer: KimiDeltaAttention, x: torch.Tensor, shard: Shard, windows) -> tuple[torch.Tensor, ...]:
@@ -295,7 +295,8 @@ def _mla_forward(layer: GatedMLA, cp: ContextParallel, x, cu_seqlens=None, form=
         k = torch.cat([kvb[..., :Kn], k_pe[:, :, None, :].expand(B, T, H, R)], dim=-1)
         o = mla_attention(q, k, kvb[..., Kn:], mask, scale, backend=layer.backend)
     else:
-        o = mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, layer.kv_b_proj.weight, mask, scale, backend=layer.backend)
+        w = effective_weight(layer.kv_b_proj)  # W (+ LoRA's B A), as GatedMLA.forward
+        o = mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w, mask, scale, backend=layer.backend)
     out = layer.gate_and_project_out(o, x)
     return (out, aux) if return_aux else out
 
