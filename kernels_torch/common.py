@@ -15,6 +15,7 @@ __all__ = [
     "TOKEN_ID_DTYPES",
     "check_activation_dtype",
     "check_token_ids",
+    "effective_weight",
 ]
 
 
@@ -116,3 +117,39 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {vocab_size})")
+
+
+def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` weight a linear layer applies, for code that uses the weight in another form than ``x Wᵀ``
+    (MLA's absorbed ``kv_b_proj``, spec 3.3): ``layer.weight`` for a plain ``nn.Linear``; for a LoRA-wrapped layer
+    (a peft ``LoraLayer``: ``base_layer``, ``lora_A``/``lora_B``, see ``kimi_tools.lora``) ``W + scale * B A`` summed
+    over its active, unmerged adapters (peft's ``get_delta_weight``; scale = alpha/r, alpha/sqrt(r) with rsLoRA).
+    Differentiable in W, A and B. A wrapped layer's ``.weight`` is the base weight alone: reading it directly would
+    silently drop the adapter (vLLM shipped that bug), so every such use goes through here.
+
+    Raises:
+        RuntimeError: an active adapter with dropout > 0 in training mode (LoRA dropout acts on the layer's input,
+            which the absorbed form never forms), or a DoRA adapter (its magnitude vector needs the input too).
+    """
+    base = getattr(layer, "base_layer", None)
+    if base is None:
+        return layer.weight
+    if getattr(layer, "disable_adapters", False) and getattr(layer, "merged", False):
+        layer.unmerge()  # as peft's own forward does for a disabled, merged layer
+    w = base.weight
+    if getattr(layer, "disable_adapters", False):
+        return w
+    merged = set(getattr(layer, "merged_adapters", ()))
+    for name in layer.active_adapters:
+        if name in merged or name not in layer.lora_A:
+            continue
+        if getattr(layer, "use_dora", {}).get(name, False):
+            raise RuntimeError(f"adapter {name!r}: DoRA on a weight used in absorbed form is not supported")
+        drop = layer.lora_dropout[name]
+        if layer.training and isinstance(drop, torch.nn.Dropout) and drop.p > 0:
+            raise RuntimeError(
+                f"adapter {name!r}: lora_dropout {drop.p} on a weight used in absorbed form (kv_b_proj): dropout acts "
+                "on the layer input, which the absorbed form never forms; use lora dropout 0 for this layer"
+            )
+        w = w + layer.get_delta_weight(name).to(w.dtype)
+    return w

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from kernels_torch.attn_res import attn_res_mix
+from kernels_torch.cache import check_cache, kda_step
 from kernels_torch.common import RMSNorm, check_token_ids
 from kernels_torch.kda import KimiDeltaAttention
+from kernels_torch.kernel_choice import set_model_kernels
 from kernels_torch.mla import GatedMLA
 from kernels_torch.moe import DenseMLP, KimiMoE
 from kimi.config import KimiConfig
@@ -63,8 +65,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(c, c.intermediate_size)
 
-    def attention(self, h, cu_seqlens=None, mla_form="expanded"):
+    def attention(self, h, cu_seqlens=None, mla_form="expanded", step=None):
         x = self.input_layernorm(h)
+        if step is not None:  # a cached call (kernels_torch.cache): the layer's new cache goes into aux["cache"]
+            layer_cache = step.layers[self.layer_idx]
+            if self.config.layer_type(self.layer_idx) == "kda":
+                out, new = kda_step(self.self_attn, x, layer_cache, step)
+                return out, {"cache": new}
+            out, aux, new = self.self_attn(
+                x, form=mla_form, return_aux=True, cache=layer_cache, cache_pos=step.pos, lengths=step.lengths
+            )
+            return out, {**aux, "cache": new}
         if self.config.layer_type(self.layer_idx) == "kda":
             out, _ = self.self_attn(x, cu_seqlens=cu_seqlens)
             return out, {}
@@ -81,10 +92,10 @@ class DecoderLayer(nn.Module):
         proj = getattr(self, f"{which}_res_proj").weight
         return attn_res_mix(sources, norm, proj, eps=self.config.rms_norm_eps)
 
-    def forward(self, blocks, p, cu_seqlens=None, mla_form="expanded"):
+    def forward(self, blocks, p, cu_seqlens=None, mla_form="expanded", step=None):
         c, i = self.config, self.layer_idx
         if not c.has_attn_res:
-            a, aux = self.attention(p, cu_seqlens, mla_form)
+            a, aux = self.attention(p, cu_seqlens, mla_form, step)
             p = p + a
             m, mlp_aux = self.feed_forward(p)
             p = p + m
@@ -93,7 +104,7 @@ class DecoderLayer(nn.Module):
         restart = c.is_block_write_layer(i)
         if restart:
             blocks = blocks + [p]
-        a, aux = self.attention(h, cu_seqlens, mla_form)
+        a, aux = self.attention(h, cu_seqlens, mla_form, step)
         p = a if restart else p + a
         m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]))
         p = p + m
@@ -112,13 +123,13 @@ class _Backbone(nn.Module):
             self.output_attn_res_norm = _Weight(c.hidden_size)
             self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
 
-    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", on_layer=None):
+    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", on_layer=None, step=None):
         p = self.embed_tokens(input_ids)
         blocks: list[torch.Tensor] = []
         auxes = []
         for layer in self.layers:
             p_in, blocks_in = p, tuple(blocks)
-            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form)
+            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form, step)
             aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
             auxes.append(aux)
             if on_layer is not None:
@@ -152,6 +163,10 @@ class KimiK3Model(nn.Module):
     ``config.max_position_embeddings`` is computed (the model is NoPE, nothing breaks) but gives a UserWarning: it
     is outside the length the checkpoint declares.
 
+    Generation: ``cache=`` a ``kernels_torch.cache.ModelCache`` (``init_cache``) with ``lengths=`` ``[B]`` new tokens
+    per row (default all T; the rest of a row is right padding) returns ``(logits, cache)`` (``(logits, auxes,
+    cache)`` with ``return_aux``); the cache is updated **in place**. See ``kernels_torch.cache``.
+
     Raises:
         ValueError: an unknown ``backend``; ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are
             refused) or outside [0, vocab_size); invalid ``cu_seqlens``; an ``attention_mask`` that is not [B, T] of
@@ -167,15 +182,34 @@ class KimiK3Model(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
-        self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None, attention_mask=None
+        self,
+        input_ids,
+        cu_seqlens=None,
+        mla_form="expanded",
+        return_aux=False,
+        on_layer=None,
+        cache=None,
+        lengths=None,
+        attention_mask=None,
     ):
         check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
         if attention_mask is not None:
+            if cache is not None or lengths is not None:
+                raise ValueError(
+                    "attention_mask: given with cache/lengths, expected one of them (a padded batch without a cache, "
+                    "or the cache's own per-row lengths)"
+                )
             return self._forward_padded(input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer)
-        _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
-        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer)
+        if cache is None:
+            _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
+        step = None if cache is None else check_cache(cache, self.config, *input_ids.shape, lengths, cu_seqlens)
+        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer, step)
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = h @ w.t()
+        if cache is not None:  # in place: the new layer caches and positions
+            cache.layers = [aux.pop("cache") for aux in auxes]
+            cache.pos = cache.pos + step.lengths
+            return (logits, auxes, cache) if return_aux else (logits, cache)
         return (logits, auxes) if return_aux else logits
 
     def _forward_padded(self, input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer):
@@ -228,18 +262,25 @@ def load_model(
     backend: str = "eager",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    sparse_kernel: str | None = None,
+    kda_kernel: str | None = None,
     *,
     check_finite: bool = True,
 ) -> KimiK3Model:
     """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`.
     ``check_finite=False`` skips the NaN/inf scan of the weights (``kimi.checkpoint.load_params``) for speed.
 
+    ``sparse_kernel`` (``auto`` | ``flash_mla`` | ``triton``) and ``kda_kernel`` (``auto`` | ``cudnn`` | ``fla``) pick
+    the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer (None: ``$KIMI_SPARSE_KERNEL`` /
+    ``$KIMI_KDA_KERNEL``, else auto; ``kernels_torch.kernel_choice``); other backends ignore them.
+
     Raises:
-        kimi.checkpoint.CheckpointError, kimi.config.ConfigError, ValueError (backend).
+        kimi.checkpoint.CheckpointError, kimi.config.ConfigError, ValueError (backend, kernel choice).
     """
     from kimi.checkpoint import CheckpointReader, load_params
 
     check_backend(backend)
+    set_model_kernels(nn.Module(), sparse_kernel=sparse_kernel, kda_kernel=kda_kernel)  # validate before reading
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device: got {str(device)!r}, but CUDA is not available here"
@@ -251,6 +292,7 @@ def load_model(
     with torch.device("meta"):
         model = KimiK3Model(config, backend=backend)
     model.load_state_dict(params, strict=True, assign=True)
+    set_model_kernels(model, sparse_kernel=sparse_kernel, kda_kernel=kda_kernel)
     return cast_model(model.to(device), dtype)
 
 

@@ -140,14 +140,14 @@ def check_token_ids(input_ids, vocab_size: int) -> jax.Array:
 
     Raises:
         ValueError: a wrong shape, a dtype other than int32/int64 (uint8, bool, float ... are refused), or ids out of
-            range.
+            range (checked for concrete ids; under ``jax.jit`` the ids are traced and the range is not known).
     """
     ids = jnp.asarray(input_ids)
     if ids.ndim != 2 or ids.size == 0:
         raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T] with B, T >= 1")
     if ids.dtype.name not in TOKEN_ID_DTYPES:
         raise ValueError(f"input_ids: got dtype {ids.dtype}, expected integer token ids ({', '.join(TOKEN_ID_DTYPES)})")
-    lo, hi = int(ids.min()), int(ids.max())
+    lo, hi = (0, 0) if isinstance(ids, jax.core.Tracer) else (int(ids.min()), int(ids.max()))  # unknown under jit
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {vocab_size})")
     return ids

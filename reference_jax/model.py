@@ -27,6 +27,7 @@ import numpy as np
 
 from kimi.config import KimiConfig
 from reference_jax.attn_res import attn_res_mix
+from reference_jax.cache import check_cache, kda_step
 from reference_jax.common import Linear, RMSNorm, check_token_ids
 from reference_jax.kda import KimiDeltaAttention
 from reference_jax.mla import GatedMLA
@@ -71,8 +72,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(c, c.intermediate_size)
 
-    def attention(self, h: jax.Array, cu_seqlens=None, mla_form: str = "expanded") -> tuple[jax.Array, dict]:
+    def attention(self, h: jax.Array, cu_seqlens=None, mla_form: str = "expanded", step=None) -> tuple[jax.Array, dict]:
         x = self.input_layernorm(h)
+        if step is not None:  # a cached call (reference_jax.cache): the layer's new cache goes into aux["cache"]
+            layer_cache = step.layers[self.layer_idx]
+            if self.config.layer_type(self.layer_idx) == "kda":
+                out, new = kda_step(self.self_attn, x, layer_cache, step)
+                return out, {"cache": new}
+            out, aux, new = self.self_attn(
+                x, form=mla_form, return_aux=True, cache=layer_cache, cache_pos=step.pos, lengths=step.lengths
+            )
+            return out, {**aux, "cache": new}
         if self.config.layer_type(self.layer_idx) == "kda":
             out, _ = self.self_attn(x, cu_seqlens=cu_seqlens)
             return out, {}
@@ -90,15 +100,15 @@ class DecoderLayer(nn.Module):
         proj = getattr(self, f"{which}_res_proj").variables["params"]["weight"]
         return attn_res_mix(sources, norm, proj, eps=self.config.rms_norm_eps)
 
-    def __call__(self, blocks: list[jax.Array], p: jax.Array, cu_seqlens=None, mla_form: str = "expanded"):
+    def __call__(self, blocks: list[jax.Array], p: jax.Array, cu_seqlens=None, mla_form: str = "expanded", step=None):
         """One step of the layer recurrence (spec 5.4). Returns ``(blocks, p, aux)``.
 
         AttnRes: ``blocks`` (list of [B,T,D]) and ``p`` (partial sum [B,T,D]). Plain residuals: ``blocks`` is
-        unused and ``p`` is the hidden state.
+        unused and ``p`` is the hidden state. ``step`` (a ``reference_jax.cache.CacheStep``) makes it a cached call.
         """
         c, i = self.config, self.layer_idx
         if not c.has_attn_res:
-            a, aux = self.attention(p, cu_seqlens, mla_form)
+            a, aux = self.attention(p, cu_seqlens, mla_form, step)
             p = p + a
             m, mlp_aux = self.feed_forward(p)
             p = p + m
@@ -107,7 +117,7 @@ class DecoderLayer(nn.Module):
         restart = c.is_block_write_layer(i)
         if restart:  # store the finished block, then restart the partial sum
             blocks = blocks + [p]
-        a, aux = self.attention(h, cu_seqlens, mla_form)
+        a, aux = self.attention(h, cu_seqlens, mla_form, step)
         p = a if restart else p + a
         m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]))
         p = p + m
@@ -128,14 +138,14 @@ class _Backbone(nn.Module):
             self.output_attn_res_norm = _Weight((c.hidden_size,))
             self.output_attn_res_proj = Linear(1, c.hidden_size)
 
-    def __call__(self, input_ids: jax.Array, cu_seqlens=None, mla_form: str = "expanded", on_layer=None):
+    def __call__(self, input_ids: jax.Array, cu_seqlens=None, mla_form: str = "expanded", on_layer=None, step=None):
         c = self.config
         p = self.embed_tokens(input_ids)
         blocks: list[jax.Array] = []
         auxes = []
         for layer in self.layers:
             p_in, blocks_in = p, tuple(blocks)
-            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form)
+            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form, step)
             aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
             auxes.append(aux)
             if on_layer is not None:
@@ -174,6 +184,10 @@ class KimiK3Model(nn.Module):
     ``cu_seqlens`` or ``return_aux``. A sequence longer than ``config.max_position_embeddings`` runs with a
     UserWarning. Same contract as ``kernels_torch.model.KimiK3Model``.
 
+    Generation: ``cache=`` a ``reference_jax.cache.ModelCache`` (``init_cache``) with ``lengths=`` ``[B]`` new tokens
+    per row (default all T; the rest of a row is right padding) returns ``(logits, new_cache)`` (``(logits, auxes,
+    new_cache)`` with ``return_aux``); see ``reference_jax.cache`` for the semantics.
+
     Raises:
         ValueError: ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are refused), ids outside
             [0, vocab_size), invalid ``cu_seqlens`` (from the layers), or an ``attention_mask`` that is not [B, T]
@@ -194,21 +208,34 @@ class KimiK3Model(nn.Module):
         mla_form: str = "expanded",
         return_aux: bool = False,
         on_layer=None,
+        cache=None,
+        lengths=None,
         attention_mask=None,
     ):
         ids = check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
         if attention_mask is not None:  # padded batch: drop the pads, run the rows as packed documents
+            if cache is not None or lengths is not None:
+                raise ValueError(
+                    "attention_mask: given with cache/lengths, expected one of them (a padded batch without a cache, "
+                    "or the cache's own per-row lengths)"
+                )
             mask = _check_attention_mask(attention_mask, ids.shape, cu_seqlens, return_aux)
-            lengths = mask.sum(1)
-            cu = np.concatenate([[0], np.cumsum(lengths[lengths > 0])])  # empty rows are no document
+            n_real = mask.sum(1)
+            cu = np.concatenate([[0], np.cumsum(n_real[n_real > 0])])  # empty rows are no document
             logits = self(ids[mask][None], cu_seqlens=cu, mla_form=mla_form, on_layer=on_layer)  # [1, N, vocab]
             return jnp.zeros((*ids.shape, logits.shape[-1]), logits.dtype).at[mask].set(logits[0])
-        _warn_past_max_positions(ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
-        h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer)
+        if cache is None:
+            _warn_past_max_positions(ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
+        step = None if cache is None else check_cache(cache, self.config, *ids.shape, lengths, cu_seqlens)
+        h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer, step)
         if self.config.tie_word_embeddings:
             logits = h @ self.model.embed_tokens.variables["params"]["weight"].T
         else:
             logits = self.lm_head(h)
+        if cache is not None:
+            new_layers = tuple(aux.pop("cache") for aux in auxes)
+            cache = cache.replace(layers=new_layers, pos=cache.pos + jnp.asarray(step.lengths, jnp.int32))
+            return (logits, auxes, cache) if return_aux else (logits, cache)
         return (logits, auxes) if return_aux else logits
 
 
