@@ -203,34 +203,32 @@ def load_model(checkpoint: str | Path, layers: int | None = None, dtype: Any = j
         kimi.checkpoint.CheckpointError: missing, unexpected, misshaped or wrongly typed tensors.
         kimi.config.ConfigError: an invalid config.json.
     """
-    from kimi.checkpoint import CheckpointReader, load_params
+    from kimi.checkpoint import CheckpointReader, load_arrays
     from reference_jax.params import to_tree
 
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
-    params = load_params(reader, config, layers=range(config.num_hidden_layers))
+    params = load_arrays(reader, config, layers=range(config.num_hidden_layers))  # numpy: no torch on this side
     return KimiK3Model(config), to_tree(params, dtype), config
 
 
 def load_params_tree(checkpoint: str | Path, layers: int | None = None, dtype: Any = None):
     """The canonical parameters of a checkpoint as a linen tree (``dtype=None`` keeps the stored dtypes: bf16 as
     ``ml_dtypes.bfloat16``, fp32 as fp32). Returns ``(tree, config)``."""
-    from kimi.checkpoint import CheckpointReader, load_params
+    from kimi.checkpoint import CheckpointReader, load_arrays
     from reference_jax.params import to_tree
 
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
-    return to_tree(load_params(reader, config, layers=range(config.num_hidden_layers)), dtype), config
+    return to_tree(load_arrays(reader, config, layers=range(config.num_hidden_layers)), dtype), config
 
 
 def save_params_tree(path: str | Path, tree: dict, config: KimiConfig) -> None:
     """Write a linen parameter tree as a checkpoint in the real layout (each tensor cast to its stored dtype;
-    experts re-quantised to MXFP4 when the config says so). Atomic per file, index last."""
-    import torch
-
+    experts re-quantised to MXFP4 when the config says so). Atomic per file, index last. No torch involved."""
     from kimi.checkpoint import save_params
     from kimi.layout import param_layout
     from reference_jax.params import from_tree
 
-    dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(config)}
+    dtypes = {s.name: s.dtype for s in param_layout(config)}
     save_params(path, from_tree(tree, dtypes), config)
