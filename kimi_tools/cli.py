@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -140,18 +139,15 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_forward(args: argparse.Namespace) -> int:
     """A reference (or torch) forward pass on random token ids; prints the logits' shape and statistics."""
+    import contextlib
+
     import numpy as np
 
-    ckpt = args.checkpoint
-    tmp = None
-    if ckpt is None:
-        from kimi.init import init_checkpoint
-
-        tmp = tempfile.TemporaryDirectory(prefix="kimi-")
-        ckpt = tmp.name
-        init_checkpoint(ckpt, load_config(args.preset), seed=args.seed, layers=args.layers)
-    try:
+    with contextlib.ExitStack() as stack:
+        ckpt, source = materialise_checkpoint(args, stack)
         cfg = KimiConfig.from_json(Path(ckpt) / "config.json")
+        n = cfg.num_hidden_layers if args.layers is None else min(args.layers, cfg.num_hidden_layers)
+        print(f"kimi forward: {source}; {n} layers; {args.tokens} random token ids; backend {args.backend}", flush=True)
         rng = np.random.default_rng(args.seed)
         ids = rng.integers(0, cfg.vocab_size, size=(1, args.tokens))
         if args.backend == "jax":
@@ -174,9 +170,6 @@ def cmd_forward(args: argparse.Namespace) -> int:
             )
             with torch.no_grad():
                 logits = model(torch.as_tensor(ids, device="cuda" if gpu else "cpu")).float().cpu().numpy()
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     finite = bool(np.isfinite(logits).all())
     print(
         f"logits: shape {list(logits.shape)} dtype {logits.dtype} finite {finite} "
@@ -217,9 +210,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ids, tok_name = token_ids(args, ckpt, cfg)
         n = cfg.num_hidden_layers
         kinds = [cfg.layer_type(i) for i in range(n)]
+        # index_topk only means something when a DSA layer runs (a config without one does not even store it).
+        topk = f"index_topk {cfg.index_topk}" if "dsa" in kinds else "no DSA layer"
         print(
             f"kimi compare: {source}; {n} layers ({''.join(k[0].upper() for k in kinds)}); {len(ids)} tokens "
-            f"({tok_name}); index_topk {cfg.index_topk}; backends {','.join(backends)}; dtype {args.dtype}",
+            f"({tok_name}); {topk}; backends {','.join(backends)}; dtype {args.dtype}",
             flush=True,
         )
         if args.reference == "jax":
@@ -256,7 +251,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "tokens": int(len(ids)),
             "tokenizer": tok_name,
             "num_layers": n,
-            "index_topk": cfg.index_topk,
+            "index_topk": cfg.index_topk if "dsa" in kinds else None,
             "dtype": args.dtype,
             "reports": [r.to_dict() for r in reports],
         }

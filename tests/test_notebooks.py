@@ -5,7 +5,19 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+def notebooks(folder: Path) -> list[Path]:
+    """The project's notebooks, without the ``*.nbconvert.ipynb`` copies ``jupyter nbconvert --execute`` leaves."""
+    return sorted(p for p in folder.glob("*.ipynb") if not p.name.endswith(".nbconvert.ipynb"))
+
+
+NOTEBOOKS = notebooks(Path(__file__).parent.parent / "notebooks")
+
+
+def test_nbconvert_outputs_are_not_collected(tmp_path):
+    (tmp_path / "explore.ipynb").write_text("{}")
+    (tmp_path / "explore.nbconvert.ipynb").write_text("{}")
+    assert [p.name for p in notebooks(tmp_path)] == ["explore.ipynb"]
 
 
 @pytest.mark.slow
