@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from kernels_torch.common import check_cu_seqlens, rms_norm
+from kernels_torch.common import check_cu_seqlens, compute_dtype, rms_norm
 from kimi.config import KimiConfig
 
 __all__ = [
@@ -49,11 +49,6 @@ __all__ = [
 
 BACKENDS = ("eager", "sdpa", "cudnn")
 MODES = ("chunk", "recurrent")
-
-
-def _cdt(*xs: torch.Tensor) -> torch.dtype:
-    """Compute dtype of a group of inputs: fp64 if any is fp64, else fp32 (bf16/fp16 are upcast)."""
-    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -87,7 +82,7 @@ def kda_gate(
         )
     if tuple(dt_bias.shape) != (H * K,):
         raise ValueError(f"dt_bias: got shape {tuple(dt_bias.shape)}, expected [H*K]=[{H * K}]")
-    dt = _cdt(f)
+    dt = compute_dtype(f)
     x = f.to(dt) + dt_bias.to(dt).reshape(H, K)  # [B,T,H,K]
     a = torch.exp(A_log.to(dt))[:, None]  # [H,1]: one rate per head
     if lower_bound is None:
@@ -97,7 +92,7 @@ def kda_gate(
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x²) + eps)`` over the last axis in fp32 (fp64 for fp64 input); spec 2.2 step 4."""
-    xf = x.to(_cdt(x))
+    xf = x.to(compute_dtype(x))
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -140,7 +135,7 @@ def short_conv(
     if x.ndim != 3:
         raise ValueError(f"x: got shape {tuple(x.shape)}, expected [B, T, C]")
     B, T, C = x.shape
-    w = _conv_weight(weight, C).to(_cdt(x, weight))
+    w = _conv_weight(weight, C).to(compute_dtype(x, weight))
     W = w.shape[1]
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
     N = B if cu is None else len(cu) - 1
@@ -159,7 +154,7 @@ def short_conv(
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """FusedRMSNormGated, sigmoid (spec 2.2 step 8): ``rmsnorm(o) * weight * sigmoid(gate)`` per head over V.
     o, gate ``[B, T, H, V]``, weight ``[V]``. Returns fp32 (fp64 for fp64 input)."""
-    dt = _cdt(o, gate)
+    dt = compute_dtype(o, gate)
     return rms_norm(o.to(dt), None, eps) * weight.to(dt) * torch.sigmoid(gate.to(dt))
 
 
@@ -232,7 +227,7 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     """What both forms check and set up: shapes, the compute dtype, ``cu_seqlens`` (as a list of boundaries or None),
     the initial state ``[N,H,K,V]``, the inputs cast to the compute dtype with q pre-scaled, and o's dtype (v's)."""
     B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
-    dt = _cdt(q, k, v, g, beta)
+    dt = compute_dtype(q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
     N = B if cu is None else len(cu) - 1
@@ -572,7 +567,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V] with V = K = head_dim
         f = _linear(_linear(x, self.f_a_proj), self.f_b_proj).reshape(B, T, H, K)
         g = kda_gate(f, self.A_log, self.dt_bias, c.gate_lower_bound)  # fp32, never narrowed (case 2)
-        beta = torch.sigmoid(_linear(x, self.b_proj).to(_cdt(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
+        beta = torch.sigmoid(_linear(x, self.b_proj).to(compute_dtype(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
         recurrence = kda_chunk if mode == "chunk" else kda_recurrent
         o, S = recurrence(l2norm(q), l2norm(k), v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)
         gate = _linear(x, self.g_proj) if c.use_full_rank_gate else _linear(_linear(x, self.g_a_proj), self.g_b_proj)

@@ -24,9 +24,13 @@ __all__ = [
 ]
 
 
-def compute_dtype(x: jax.Array) -> jnp.dtype:
-    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 inputs."""
-    return jnp.promote_types(x.dtype, jnp.float32)
+def compute_dtype(*xs: jax.Array) -> jnp.dtype:
+    """The dtype the math of a group of inputs runs in: fp64 if any input is fp64, else fp32 (bf16/fp16 upcast).
+
+    The one dtype-promotion rule of the reference (the twin of ``kernels_torch.common.compute_dtype``).
+    """
+    dtypes = [x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype for x in xs]
+    return jnp.dtype(jnp.float64 if any(d == jnp.float64 for d in dtypes) else jnp.float32)
 
 
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:

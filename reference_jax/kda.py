@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi.config import KimiConfig
-from reference_jax.common import Linear, check_cu_seqlens, rms_norm
+from reference_jax.common import Linear, check_cu_seqlens, compute_dtype, rms_norm
 
 __all__ = [
     "kda_gate",
@@ -48,11 +48,6 @@ __all__ = [
 ]
 
 MODES = ("chunk", "recurrent")
-
-
-def _cdt(*xs: jax.Array) -> jnp.dtype:
-    """Compute dtype of a group of inputs: fp64 if any is fp64, else fp32 (bf16/fp16 are upcast)."""
-    return jnp.float64 if any(jnp.asarray(x).dtype == jnp.float64 for x in xs) else jnp.float32
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -85,7 +80,7 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
         )
     if tuple(dt_bias.shape) != (H * K,):
         raise ValueError(f"dt_bias: got shape {tuple(dt_bias.shape)}, expected [H*K]=[{H * K}]")
-    dt = _cdt(f)
+    dt = compute_dtype(f)
     x = f.astype(dt) + dt_bias.astype(dt).reshape(H, K)  # [B,T,H,K]
     a = jnp.exp(A_log.astype(dt))[:, None]  # [H,1]: one rate per head, broadcast over K
     if lower_bound is None:
@@ -96,7 +91,7 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """``x / sqrt(sum(x²) + eps)`` over the last axis, in fp32 (fp64 for fp64 input); spec 2.2 step 4 (fla's
     in-kernel l2norm, eps under the square root). Returns the compute dtype, not ``x.dtype``."""
-    xf = x.astype(_cdt(x))
+    xf = x.astype(compute_dtype(x))
     return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
@@ -149,7 +144,7 @@ def short_conv(
     if x.ndim != 3:
         raise ValueError(f"x: got shape {tuple(x.shape)}, expected [B, T, C]")
     B, T, C = x.shape
-    w = _conv_weight(weight, C).astype(_cdt(x, weight))  # fp32 weights stay fp32 (spec 2.1: stored F32)
+    w = _conv_weight(weight, C).astype(compute_dtype(x, weight))  # fp32 weights stay fp32 (spec 2.1: stored F32)
     W = w.shape[1]
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
@@ -175,7 +170,7 @@ def gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     o, gate ``[B, T, H, V]``; weight ``[V]`` shared by all heads. Norm first, then the gate; no mean subtraction.
     Returns fp32 (fp64 for fp64 input); the caller casts for ``o_proj``.
     """
-    dt = _cdt(o, gate)
+    dt = compute_dtype(o, gate)
     return rms_norm(o.astype(dt), None, eps) * weight.astype(dt) * jax.nn.sigmoid(gate.astype(dt))
 
 
@@ -300,7 +295,7 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
         ValueError: inconsistent shapes or invalid ``cu_seqlens``.
     """
     B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
-    dt = _cdt(q, k, v, g, beta)
+    dt = compute_dtype(q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
@@ -402,7 +397,7 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size: got {chunk_size}, expected a positive integer")
-    dt = _cdt(q, k, v, g, beta)
+    dt = compute_dtype(q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
@@ -516,7 +511,9 @@ class KimiDeltaAttention(nn.Module):
         k = l2norm(k.reshape(B, T, H, K))
         v = v.reshape(B, T, H, K)  # [B,T,H,V] (V = K = head_dim for this layer)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K), self.A_log, self.dt_bias, c.gate_lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(_cdt(x)))  # [B,T,H]: the one and only sigmoid on beta (case 3)
+        beta = jax.nn.sigmoid(
+            self.b_proj(x).astype(compute_dtype(x))
+        )  # [B,T,H]: the one and only sigmoid on beta (case 3)
         recurrence = kda_chunk if mode == "chunk" else kda_recurrent
         o, S = recurrence(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)  # o [B,T,H,V]
         gate = self.g_proj(x) if c.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))

@@ -77,7 +77,7 @@ def mla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sca
     """
     B, T, H, _ = q.shape
     S = k.shape[1]
-    dt = jnp.promote_types(compute_dtype(q), compute_dtype(v))
+    dt = compute_dtype(q, v)
     mask4 = _mask4(mask, B, T, S)
     k, v = k.astype(dt), v.astype(dt)
     out = []
@@ -124,7 +124,7 @@ def mla_attention_absorbed(
             f"kv_b_weight: got shape {tuple(kv_b_weight.shape)}, expected [H*(K_nope+V), L] with "
             f"H={H}, K_nope={Kn}, L={L}"
         )
-    dt = jnp.promote_types(compute_dtype(q_nope), compute_dtype(c_kv))
+    dt = compute_dtype(q_nope, c_kv)
     w = kv_b_weight.astype(dt).reshape(H, rows // H, L)
     w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, K_nope, L], [H, V, L]
     q_lat = jnp.einsum("bthk,hkl->bthl", q_nope.astype(dt), w_uk, precision=_HI)  # [B, T, H, L]

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from kernels_torch.common import compute_dtype
+
 try:  # Triton is optional: the CPU CI machine has none; the reference works without it.
     import triton
     import triton.language as tl
@@ -153,7 +155,7 @@ def sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length=None, d_v=D_V
     q, kv, indices, topk_length = _check_inputs(q, kv, indices, topk_length, d_v, fast=False)
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
-    dt = torch.float64 if torch.float64 in (q.dtype, kv.dtype) else torch.float32
+    dt = compute_dtype(q, kv)
     out = torch.zeros(T, H, d_v, dtype=dt, device=q.device)
     max_logits = torch.full((T, H), -math.inf, dtype=dt, device=q.device)
     lse = torch.full((T, H), math.inf, dtype=dt, device=q.device)
