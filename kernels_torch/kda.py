@@ -2,7 +2,8 @@
 
 Same functions, argument names, shapes and dtypes as the reference: ``kda_gate``, ``l2norm``, ``short_conv``,
 ``kda_recurrent`` (the equation, one token at a time), ``kda_chunk`` (the chunked WY algorithm, pure torch),
-``gated_rms_norm``, ``slice_A_log`` / ``pad_A_log``, ``KDACache`` and the module ``KimiDeltaAttention``.
+``gated_rms_norm``, ``KDACache`` and the module ``KimiDeltaAttention`` (the checkpoint's padded ``A_log`` is sliced by
+the loader, ``kimi.checkpoint.slice_A_log``).
 
 Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state ``S`` ``[N, H, K, V]`` (K-first, fla
 layout). Packed documents: ``cu_seqlens`` ``[N+1]`` with ``B == 1``.
@@ -20,7 +21,7 @@ never narrowed to bf16 (case 2).
 from __future__ import annotations
 
 import importlib.util
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,6 @@ __all__ = [
     "kda_recurrent",
     "kda_chunk",
     "gated_rms_norm",
-    "slice_A_log",
-    "pad_A_log",
     "KDACache",
     "ShortConvolution",
     "GatedRMSNorm",
@@ -61,7 +60,7 @@ def kda_gate(
 
     Args:
         f: ``[B, T, H, K]`` raw ``f_b(f_a(x))`` reshaped per head.
-        A_log: ``[H]`` canonical (already sliced, see :func:`slice_A_log`).
+        A_log: ``[H]`` canonical (already sliced, see :func:`kimi.checkpoint.slice_A_log`).
         dt_bias: ``[H*K]``.
         lower_bound: ``gate_lower_bound`` (K3: -5.0) or None (Kimi-Linear).
 
@@ -156,46 +155,6 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     o, gate ``[B, T, H, V]``, weight ``[V]``. Returns fp32 (fp64 for fp64 input)."""
     dt = compute_dtype(o, gate)
     return rms_norm(o.to(dt), None, eps) * weight.to(dt) * torch.sigmoid(gate.to(dt))
-
-
-def slice_A_log(A_log, num_heads: int) -> torch.Tensor:
-    """Canonical ``[H]`` ``A_log`` from ``[H]``, zero-padded ``[S>=H]`` (K3 stores 128, uses 96) or Kimi-Linear's
-    ``[1, 1, H, 1]`` (spec 2.1; cases 7, 17).
-
-    Raises:
-        ValueError: any other shape, or non-zero padding entries.
-    """
-    a = torch.as_tensor(A_log)
-    if tuple(a.shape) == (1, 1, num_heads, 1):
-        return a.reshape(num_heads)
-    if a.ndim == 1 and a.shape[0] >= num_heads:
-        if bool((a[num_heads:] != 0).any()):
-            raise ValueError(
-                f"A_log: padding entries [{num_heads}:{a.shape[0]}] are not zero, expected {num_heads} used entries then zeros"
-            )
-        return a[:num_heads]
-    raise ValueError(
-        f"A_log: got shape {tuple(a.shape)}, expected [H]={num_heads}, [S>=H] zero-padded, or [1, 1, H, 1]"
-    )
-
-
-def pad_A_log(A_log, shape: Sequence[int]) -> torch.Tensor:
-    """Stored ``A_log`` of ``shape`` (from ``kimi.layout.stored_layout``) from the canonical ``[H]``: zero-pad to
-    ``[S]`` or reshape to ``[1, 1, H, 1]``.
-
-    Raises:
-        ValueError: ``A_log`` not 1-D, or a ``shape`` that cannot hold it.
-    """
-    a = torch.as_tensor(A_log)
-    shape = tuple(int(s) for s in shape)
-    if a.ndim != 1:
-        raise ValueError(f"A_log: got shape {tuple(a.shape)}, expected canonical [H]")
-    H = a.shape[0]
-    if shape == (1, 1, H, 1):
-        return a.reshape(shape)
-    if len(shape) == 1 and shape[0] >= H:
-        return torch.cat([a, a.new_zeros(shape[0] - H)])
-    raise ValueError(f"shape: got {shape}, expected [S>=H={H}] or [1, 1, {H}, 1]")
 
 
 # ------------------------------------------------------------------------------------------------ the recurrence

@@ -49,6 +49,8 @@ __all__ = [
     "CheckpointReader",
     "load_params",
     "load_arrays",
+    "slice_A_log",
+    "pad_A_log",
     "to_stored",
     "write_checkpoint",
     "save_params",
@@ -456,14 +458,10 @@ def load_arrays(
             except ValueError as e:
                 raise CheckpointError(f"{reader.path}: {base}.weight_scale / .weight_packed: {e}") from None
         elif n.endswith(".self_attn.A_log"):
-            stored = reader.get_array(n).reshape(-1)  # [128] (96 used) or Kimi-Linear's [1,1,H,1]
-            pad = stored[cfg.kda_num_heads :]
-            if (pad != 0).any():  # 96 active + 32 zeros (spec 2.1): non-zero padding means a wrong layout
-                raise CheckpointError(
-                    f"{reader.path}: {n}: got {int((pad != 0).sum())} non-zero entries past the "
-                    f"{cfg.kda_num_heads} active heads, expected zero padding (spec 2.1)"
-                )
-            out[n] = stored[: cfg.kda_num_heads].copy()
+            try:
+                out[n] = slice_A_log(reader.get_array(n), cfg.kda_num_heads).copy()
+            except ValueError as e:
+                raise CheckpointError(f"{reader.path}: {n}: {e}") from None
         elif n.endswith("_conv1d.weight"):
             out[n] = reader.get_array(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
         elif _optional(spec) and n not in reader:
@@ -495,6 +493,50 @@ def _check_params(params: Mapping[str, Any], cfg: KimiConfig, idx: list[int], wh
 # ---------------------------------------------------------------------------------------------- to stored form
 
 
+def slice_A_log(A_log: np.ndarray, num_heads: int) -> np.ndarray:
+    """Canonical ``A_log`` ``[H]`` (fp32) from the stored one (spec 2.1; cases 7 and 17): K3's zero-padded
+    ``[a_log_storage]`` (128 stored, 96 used), Kimi-Linear's ``[1, 1, H, 1]`` or a plain ``[H]``. A view, no copy.
+
+    Raises:
+        ValueError: any other shape, or non-zero entries past the ``num_heads`` active ones (96 active + 32 zeros is
+            the layout; anything else there means the tensor is not what the config says).
+    """
+    a = np.asarray(A_log)
+    if a.shape != (1, 1, num_heads, 1) and not (a.ndim == 1 and a.shape[0] >= num_heads):
+        raise ValueError(
+            f"A_log: got shape {list(a.shape)}, expected [{num_heads}], [S >= {num_heads}] zero-padded or "
+            f"[1, 1, {num_heads}, 1]"
+        )
+    a = a.reshape(-1)
+    pad = a[num_heads:]
+    if (pad != 0).any():
+        raise ValueError(
+            f"A_log: got {int((pad != 0).sum())} non-zero entries past the {num_heads} active heads, expected zero "
+            "padding (spec 2.1)"
+        )
+    return a[:num_heads]
+
+
+def pad_A_log(A_log: np.ndarray, shape: Iterable[int]) -> np.ndarray:
+    """Stored ``A_log`` of ``shape`` (from :func:`kimi.layout.stored_layout`) from the canonical ``[H]``: zero-padded
+    to ``[S]`` (K3: 128 for 96 heads) or reshaped to Kimi-Linear's ``[1, 1, H, 1]``; the inverse of
+    :func:`slice_A_log`.
+
+    Raises:
+        ValueError: ``A_log`` not 1-D, or a ``shape`` that cannot hold it.
+    """
+    a = np.asarray(A_log)
+    shape = tuple(int(s) for s in shape)
+    if a.ndim != 1:
+        raise ValueError(f"A_log: got shape {list(a.shape)}, expected the canonical [H]")
+    H = a.shape[0]
+    if shape == (1, 1, H, 1):
+        return np.ascontiguousarray(a.reshape(shape))
+    if len(shape) == 1 and shape[0] >= H:
+        return np.concatenate([a, np.zeros(shape[0] - H, a.dtype)])
+    raise ValueError(f"shape: got {list(shape)}, expected [S >= {H}] or [1, 1, {H}, 1] for A_log [{H}]")
+
+
 def _stored_items(name: str, t: np.ndarray, cfg: KimiConfig) -> Iterator[tuple[str, np.ndarray]]:
     """One canonical parameter (numpy) -> its stored array(s)."""
     if ".experts." in name and cfg.quant_method == "mxfp4":
@@ -502,12 +544,9 @@ def _stored_items(name: str, t: np.ndarray, cfg: KimiConfig) -> Iterator[tuple[s
         packed, scale = quantize_mxfp4(t, group_size=cfg.quant_group_size)
         yield base + ".weight_packed", packed
         yield base + ".weight_scale", scale
-    elif name.endswith(".self_attn.A_log"):
+    elif name.endswith(".self_attn.A_log"):  # re-pad with zeros to a_log_storage (spec 2.1, case 7)
         H = cfg.kda_num_heads
-        if cfg.is_kimi_linear:
-            yield name, np.ascontiguousarray(t.reshape(1, 1, H, 1))
-        else:  # re-pad with zeros to a_log_storage (spec 2.1, case 7)
-            yield name, np.concatenate([t.reshape(H), np.zeros(cfg.a_log_storage - H, dtype=t.dtype)])
+        yield name, pad_A_log(t, (1, 1, H, 1) if cfg.is_kimi_linear else (cfg.a_log_storage,))
     else:
         yield name, t
 

@@ -7,7 +7,6 @@ What is here, top to bottom:
 * two forms of the gated delta rule with the same signature, as in fla ``fla/ops/kda/naive.py``:
   ``kda_recurrent`` (the equation of spec 2.2 step 7, one token at a time under ``lax.scan``) and ``kda_chunk``
   (the chunked WY algorithm of spec 2.3). Two independent forms place a bug in "equation" or "algorithm";
-* ``slice_A_log`` / ``pad_A_log``: the checkpoint's zero-padded ``A_log`` <-> the canonical ``[H]`` (case 7);
 * the linen module ``KimiDeltaAttention`` and its decode cache ``KDACache``.
 
 Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state ``S`` ``[N, H, K, V]`` (K-first, the
@@ -22,7 +21,7 @@ dtype. Private helpers carry ``jax.jit`` only as a compile cache (see the note a
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -39,8 +38,6 @@ __all__ = [
     "kda_recurrent",
     "kda_chunk",
     "gated_rms_norm",
-    "slice_A_log",
-    "pad_A_log",
     "KDACache",
     "ShortConvolution",
     "GatedRMSNorm",
@@ -58,7 +55,7 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
 
     Args:
         f: ``[B, T, H, K]`` raw ``f_b(f_a(x))`` reshaped per head.
-        A_log: ``[H]`` canonical (already sliced, see :func:`slice_A_log`).
+        A_log: ``[H]`` canonical (already sliced, see :func:`kimi.checkpoint.slice_A_log`).
         dt_bias: ``[H*K]`` per-channel bias.
         lower_bound: ``gate_lower_bound`` (K3: -5.0) or None (Kimi-Linear).
 
@@ -172,45 +169,6 @@ def gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     """
     dt = compute_dtype(o, gate)
     return rms_norm(o.astype(dt), None, eps) * weight.astype(dt) * jax.nn.sigmoid(gate.astype(dt))
-
-
-def slice_A_log(A_log, num_heads: int) -> np.ndarray:
-    """Canonical ``[H]`` ``A_log`` from a stored one (spec 2.1, cases 7 and 17).
-
-    Accepts ``[H]``, K3's zero-padded ``[S]`` with ``S >= H`` (128 stored, 96 used) and Kimi-Linear's ``[1, 1, H, 1]``.
-
-    Raises:
-        ValueError: any other shape, or non-zero padding entries (a sign the tensor is not the padded layout).
-    """
-    a = np.asarray(A_log)
-    if a.shape == (1, 1, num_heads, 1):
-        return a.reshape(num_heads)
-    if a.ndim == 1 and a.shape[0] >= num_heads:
-        if np.any(a[num_heads:] != 0):
-            raise ValueError(
-                f"A_log: padding entries [{num_heads}:{a.shape[0]}] are not zero, expected {num_heads} used entries then zeros"
-            )
-        return a[:num_heads]
-    raise ValueError(f"A_log: got shape {a.shape}, expected [H]={num_heads}, [S>=H] zero-padded, or [1, 1, H, 1]")
-
-
-def pad_A_log(A_log, shape: Sequence[int]) -> np.ndarray:
-    """Stored ``A_log`` of ``shape`` (from ``kimi.layout.stored_layout``) from the canonical ``[H]``: zero-pad to
-    ``[S]`` (K3: 128 = ceil(96/128)*128) or reshape to Kimi-Linear's ``[1, 1, H, 1]``.
-
-    Raises:
-        ValueError: ``A_log`` not 1-D, or a ``shape`` that cannot hold it.
-    """
-    a = np.asarray(A_log)
-    shape = tuple(int(s) for s in shape)
-    if a.ndim != 1:
-        raise ValueError(f"A_log: got shape {a.shape}, expected canonical [H]")
-    H = a.shape[0]
-    if shape == (1, 1, H, 1):
-        return a.reshape(shape)
-    if len(shape) == 1 and shape[0] >= H:
-        return np.concatenate([a, np.zeros(shape[0] - H, a.dtype)])
-    raise ValueError(f"shape: got {shape}, expected [S>=H={H}] or [1, 1, {H}, 1]")
 
 
 # ------------------------------------------------------------------------------------------------ the recurrence
@@ -463,7 +421,7 @@ class KimiDeltaAttention(nn.Module):
     (``kimi.layout.param_layout``): ``q_proj``/``k_proj``/``v_proj``/``f_a_proj``/``f_b_proj``/``b_proj``/``o_proj``
     (and ``g_proj``, or ``g_a_proj`` + ``g_b_proj`` when ``use_full_rank_gate`` is False) as ``{name: {weight}}``;
     ``q_conv1d``/``k_conv1d``/``v_conv1d`` ``{weight [P,1,W]}``; ``dt_bias`` ``[P]``; ``A_log`` ``[H]`` (canonical,
-    sliced: see :func:`slice_A_log`); ``o_norm`` ``{weight [K]}``.
+    sliced: see :func:`kimi.checkpoint.slice_A_log`); ``o_norm`` ``{weight [K]}``.
 
     ``__call__(x, cu_seqlens=None, cache=None, mode="chunk") -> (out, new_cache)``: x ``[B, T, D]`` the layer's
     normalised input; out ``[B, T, D]`` in ``x.dtype``; new_cache a :class:`KDACache` with N rows (N = B, or the number
