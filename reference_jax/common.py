@@ -7,6 +7,8 @@ helpers; see docs/design.md).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ __all__ = [
     "causal_document_mask",
     "Linear",
     "RMSNorm",
+    "Weight",
 ]
 
 
@@ -95,6 +98,19 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", nn.initializers.normal(self.in_features**-0.5), (self.features, self.in_features))
         return linear(x, w)
+
+
+class Weight(nn.Module):
+    """A bare parameter named ``weight`` of ``shape`` (checkpoint name), returned by calling the module: AttnRes
+    ``*_res_norm`` vectors ``[D]`` (init ones) and MLA's ``kv_b_proj`` ``[out, in]`` where the absorbed form needs it
+    as a matrix (init as :class:`Linear`)."""
+
+    shape: tuple[int, ...]
+    initializer: Callable = nn.initializers.ones
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("weight", self.initializer, self.shape)
 
 
 class RMSNorm(nn.Module):

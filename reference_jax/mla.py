@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
-from reference_jax.common import Linear, RMSNorm, causal_document_mask, check_cu_seqlens, compute_dtype, linear
+from reference_jax.common import Linear, RMSNorm, Weight, causal_document_mask, check_cu_seqlens, compute_dtype, linear
 from reference_jax.indexer import Indexer, sparse_mask
 
 __all__ = ["mla_attention", "mla_attention_absorbed", "GatedMLA"]
@@ -140,16 +140,6 @@ def mla_attention_absorbed(
     return jnp.einsum("bthl,hvl->bthv", o_lat, w_uv, precision=_HI).astype(c_kv.dtype)  # [B, T, H, V]
 
 
-class _Weight(nn.Module):
-    """A bare ``weight`` ``[out, in]`` (Linear's init) for a projection the absorbed form needs as a matrix."""
-
-    shape: tuple[int, int]
-
-    @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("weight", nn.initializers.normal(self.shape[1] ** -0.5), self.shape)
-
-
 class GatedMLA(nn.Module):
     """Gated NoPE MLA layer (spec 3.2), with the DSA indexer (spec 4) when ``config.layer_type(layer_idx) == "dsa"``.
 
@@ -204,7 +194,7 @@ class GatedMLA(nn.Module):
         kv = Linear(L + R, D, name="kv_a_proj_with_mqa")(x)  # [B, S, L+R]
         c_kv = RMSNorm(L, c.mla_norm_eps, name="kv_a_layernorm")(kv[..., :L])  # [B, S, L]
         k_pe = kv[..., L:]  # [B, S, R]
-        w_kv_b = _Weight((H * (Kn + V), L), name="kv_b_proj")()  # [H*(Kn+V), L]
+        w_kv_b = Weight((H * (Kn + V), L), nn.initializers.normal(L**-0.5), name="kv_b_proj")()  # [H*(Kn+V), L]
 
         # mask: causal & same document, & selected for DSA layers
         mask = causal_document_mask(T, cu_seqlens)  # [T, S]

@@ -25,22 +25,12 @@ import jax.numpy as jnp
 
 from kimi.config import KimiConfig
 from reference_jax.attn_res import attn_res_mix
-from reference_jax.common import Linear, RMSNorm
+from reference_jax.common import Linear, RMSNorm, Weight
 from reference_jax.kda import KimiDeltaAttention
 from reference_jax.mla import GatedMLA
 from reference_jax.moe import DenseMLP, KimiMoE
 
 __all__ = ["DecoderLayer", "KimiK3Model", "load_model", "load_params_tree", "save_params_tree"]
-
-
-class _Weight(nn.Module):
-    """A bare parameter named ``weight`` (for AttnRes ``*_res_norm`` vectors)."""
-
-    shape: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("weight", nn.initializers.ones, self.shape)
 
 
 class DecoderLayer(nn.Module):
@@ -59,9 +49,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(D, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(D, c.rms_norm_eps)
         if c.has_attn_res:
-            self.self_attention_res_norm = _Weight((D,))
+            self.self_attention_res_norm = Weight((D,))
             self.self_attention_res_proj = Linear(1, D)
-            self.mlp_res_norm = _Weight((D,))
+            self.mlp_res_norm = Weight((D,))
             self.mlp_res_proj = Linear(1, D)
         self.self_attn = KimiDeltaAttention(c, i) if c.layer_type(i) == "kda" else GatedMLA(c, i)
         if c.is_moe_layer(i):
@@ -123,7 +113,7 @@ class _Backbone(nn.Module):
         self.layers = [DecoderLayer(c, i) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.has_attn_res:
-            self.output_attn_res_norm = _Weight((c.hidden_size,))
+            self.output_attn_res_norm = Weight((c.hidden_size,))
             self.output_attn_res_proj = Linear(1, c.hidden_size)
 
     def __call__(self, input_ids: jax.Array, cu_seqlens=None, mla_form: str = "expanded", on_layer=None):
