@@ -41,6 +41,8 @@ __all__ = ["main"]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``kimi info``: the layer plan and parameter counts of a preset, config or checkpoint (``--json``: one
+    object). Returns 0; a bad source raises ConfigError / CheckpointError (one ``kimi: error:`` line)."""
     cfg = load_config(args.preset, getattr(args, "config", None), args.checkpoint)
     counts = param_counts(cfg)
     plan = layer_plan(cfg)
@@ -120,6 +122,12 @@ def _ranges(xs: Sequence[int]) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    """``kimi init``: write a random-initialised checkpoint of ``--preset`` (``--layers N`` keeps the first N,
+    ``--set`` overrides config fields) to ``--out``, atomically. Returns 0.
+
+    Raises:
+        CliError: ``--layers`` beyond the preset, a non-empty ``--out`` without ``--force``, or a bad ``--set``.
+    """
     from kimi.init import init_checkpoint
 
     cfg = apply_overrides(load_config(args.preset), args.set or [])
@@ -182,6 +190,13 @@ def cmd_forward(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``kimi compare``: the oracle (JAX, or the torch eager twin in fp32) against each ``--backends`` entry, layer
+    by layer on real text, or (``--against FILE``) one path against logits written elsewhere. Prints the tables
+    (and ``--json``). Returns 0 when every report passes its tolerances, 1 otherwise.
+
+    Raises:
+        CliError: an unknown backend, CUDA asked for where there is none, bad ``--text`` / ``--ids`` / ``--against``.
+    """
     import contextlib
 
     from kimi_tools.compare import TOLERANCES, compare_runs, format_table, run_reference, run_torch
@@ -350,6 +365,12 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
+    """``kimi logits``: run one path on ``--text`` / ``--ids`` and write ``input_ids``, fp32 ``logits`` ``[T, vocab]``
+    (and ``hidden.{i}`` ``[T, D]`` with ``--hidden``) to ``--out`` as safetensors, atomically. Returns 0.
+
+    Raises:
+        CliError: bad ``--text`` / ``--ids``, or CUDA asked for where there is none.
+    """
     import contextlib
 
     import numpy as np
@@ -395,6 +416,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kimi`` argument parser: one subcommand per tool, each with ``func`` set to its ``cmd_*`` function."""
     ap = Parser(prog="kimi", description="Kimi K3.1 Pro research tools (JAX reference + torch path).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -468,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kimi`` command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status. Every expected
+    failure (CliError, ValueError, OSError) prints one ``kimi: error: ...`` line on stderr and returns 2."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -37,6 +37,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (``kimi <cmd>: error: ...``, exit 2); ``--help`` still shows the usage."""
 
     def error(self, message: str):  # type: ignore[override]
+        """Print ``<prog>: error: <message> (see --help)`` on stderr and exit with status 2."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

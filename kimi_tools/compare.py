@@ -85,6 +85,7 @@ class RunResult:
 
 
 def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
+    """``||x - ref|| / ||ref||`` (Frobenius, in float64); the absolute ``||x - ref||`` when ``ref`` is all zeros."""
     x64, r64 = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     den = np.linalg.norm(r64)
     num = np.linalg.norm(x64 - r64)
@@ -254,13 +255,16 @@ class Report:
 
     @property
     def passed(self) -> bool:
+        """True when the logits and every layer row are within their tolerances."""
         return not self.failed and not any(r.failed for r in self.layers)
 
     @property
     def first_divergent_layer(self) -> int | None:
+        """The 0-based index of the first layer row past tolerance, or None."""
         return next((r.layer for r in self.layers if r.failed), None)
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the report, with ``passed`` and ``first_divergent_layer`` added."""
         d = asdict(self)
         d["passed"] = self.passed
         d["first_divergent_layer"] = self.first_divergent_layer

@@ -60,6 +60,8 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c, c.intermediate_size)
 
     def attention(self, h: jax.Array, cu_seqlens=None, mla_form: str = "expanded") -> tuple[jax.Array, dict]:
+        """``input_layernorm`` then the layer's attention: ``h`` [B, T, D] -> (out [B, T, D], aux); aux holds
+        ``topk_indices`` / ``index_scores`` for DSA layers, nothing for KDA."""
         x = self.input_layernorm(h)
         if self.config.layer_type(self.layer_idx) == "kda":
             out, _ = self.self_attn(x, cu_seqlens=cu_seqlens)
@@ -67,6 +69,8 @@ class DecoderLayer(nn.Module):
         return self.self_attn(x, cu_seqlens=cu_seqlens, form=mla_form, return_aux=True)
 
     def feed_forward(self, h: jax.Array) -> jax.Array:
+        """``post_attention_layernorm`` then the dense MLP or the MoE: ``h`` [B, T, D] -> (out [B, T, D], aux); aux
+        holds ``expert_ids`` / ``expert_scores`` for MoE layers."""
         x = self.post_attention_layernorm(h)
         if self.config.is_moe_layer(self.layer_idx):
             return self.block_sparse_moe(x, return_aux=True)  # (out, {"expert_ids", "expert_scores"})
