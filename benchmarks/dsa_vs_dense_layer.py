@@ -1,11 +1,14 @@
-"""One DSA layer (``cudnn`` backend: cuDNN indexer + top-k, Triton sparse forward, cuDNN sparse backward) against one
+"""One DSA layer (``cudnn`` backend: cuDNN indexer + top-k, FlashMLA or Triton sparse forward, cuDNN sparse backward) against one
 dense MLA layer, forward + backward, K3.1 real dims (hidden 7168, H 96, q_lora 1536, kv_lora 512, rope 64, nope 128,
 v 128, indexer 32 x 128, k 2048), bf16, one causal sequence of S tokens.
 
 Dense baselines: the ``sdpa`` backend as it is (a dense [T, S] bool mask, so SDPA cannot use its causal flash
 kernels), and the dense path of the ``cudnn`` backend on a K3 (no indexer) layer (SDPA ``is_causal=True``, expanded
 form). Time: median of CUDA-event-timed fwd+bwd calls (``out.backward(dy)``, parameter and input gradients) after a
-warm-up; OOM is recorded, not fatal. The speed-up and the crossing are printed last.
+warm-up; OOM is recorded, not fatal. The speed-up and the crossing are printed last. Each DSA row records the sparse
+forward kernel that ran (``kernels``); with ``--breakdown`` one more fwd+bwd call of the DSA layer runs under
+``torch.profiler`` and its GPU time is split per call (indexer, top-k, sparse forward, sparse backward, matmuls = the
+projections, the rest), with the 30 largest kernels by name.
 
     python benchmarks/dsa_vs_dense_layer.py --out dsa_vs_dense_layer.json
 """
@@ -22,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
+from kernels_torch import kernel_choice  # noqa: E402
 from kernels_torch.mla import GatedMLA  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
@@ -50,12 +54,81 @@ def fwd_bwd(layer, x, dy):
     return step
 
 
+CATEGORIES = (  # first match wins, on the lower-cased kernel name (names as seen on the H200, 2026-11-30)
+    ("top-k", ("indexer_top_k", "top_k", "topk", "radixsort")),  # cuDNN top-k; radixSort = sort_topk_slots
+    ("indexer", ("indexer",)),
+    ("sparse forward", ("sparse_attn_fwd", "sparse_fwd", "_sparse_mla_fwd_kernel")),  # FlashMLA legacy / Triton
+    ("sparse backward", ("sparse_attention_backward", "dsa_bwd")),
+    ("matmuls (projections)", ("gemm", "nvjet", "cutlass", "xmma", "wgmma")),
+    ("copies and fills", ("copy", "fill", "memcpy", "memset")),
+)
+
+
+def breakdown(step) -> dict:
+    """GPU time of one ``step()`` per category of kernel (CATEGORIES), in ms, plus the 30 largest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            per[e.key] = per.get(e.key, 0.0) + t / 1e3
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:30]
+    return categorise(sum(per.values()), [[k[:120], round(v, 3)] for k, v in top], per)
+
+
+def categorise(total: float, top_kernels, per: dict | None = None) -> dict:
+    """Split ``total`` GPU ms by CATEGORIES over ``per`` (every kernel: ms) or, without it, over the stored 30 largest
+    kernels ``top_kernels`` ([[name, ms], ...]), the remainder counted as "rest"."""
+    cats = {name: 0.0 for name, _ in CATEGORIES} | {"rest": 0.0}
+    for k, ms in (per or dict(top_kernels)).items():
+        low = k.lower()
+        cats[next((name for name, keys in CATEGORIES if any(w in low for w in keys)), "rest")] += ms
+    cats["rest"] += total - sum(cats.values())
+    return {
+        "total_gpu_ms": round(total, 2),
+        "ms": {k: round(v, 2) for k, v in cats.items()},
+        "share": {k: round(v / total, 3) for k, v in cats.items()} if total else {},
+        "top_kernels_ms": top_kernels,
+    }
+
+
+def print_breakdowns(rows) -> None:
+    print("| S | total GPU ms | " + " | ".join(n for n, _ in CATEGORIES) + " | rest |")
+    print("|---" * (len(CATEGORIES) + 3) + "|")
+    for r in rows:
+        if "breakdown" in r:
+            b = r["breakdown"]
+            cells = " | ".join(f"{v:.1f} ({b['share'].get(k, 0):.0%})" for k, v in b["ms"].items())
+            print(f"| {r['S']} | {b['total_gpu_ms']:.1f} | {cells} |")
+
+
+def recategorise(path: str) -> None:
+    """Re-split the breakdowns stored in a result file with the current CATEGORIES (from its 30 largest kernels)."""
+    d = json.loads(Path(path).read_text())
+    for r in d["rows"]:
+        if "breakdown" in r:
+            r["breakdown"] = categorise(r["breakdown"]["total_gpu_ms"], r["breakdown"]["top_kernels_ms"])
+    Path(path).write_text(json.dumps(d, indent=1))
+    print_breakdowns(d["rows"])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="dsa_vs_dense_layer.json")
     ap.add_argument("--sizes", default="4096,8192,32768,65536")
     ap.add_argument("--sdpa-max", type=int, default=32768, help="largest S for the masked sdpa backend (slow)")
+    ap.add_argument("--breakdown", action="store_true", help="profile one more DSA fwd+bwd per S, split per call")
+    ap.add_argument("--recategorise", metavar="FILE", help="only re-split the breakdowns stored in FILE (no GPU)")
     args = ap.parse_args()
+    if args.recategorise:
+        recategorise(args.recategorise)
+        return
     k31, k3 = load_config("k3.1-pro"), load_config("k3")
     impls = {
         "dsa (cudnn)": (k31, "cudnn"),
@@ -76,8 +149,12 @@ def main():
                 continue
             try:
                 torch.cuda.reset_peak_memory_stats()
+                kernel_choice.reset_used()
                 row["ms"], row["reps"] = time_ms(fwd_bwd(layer, x, dy), min_reps=2, max_reps=5)
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
+                row["kernels"] = kernel_choice.used()
+                if args.breakdown and name.startswith("dsa"):
+                    row["breakdown"] = breakdown(fwd_bwd(layer, x, dy))
             except torch.OutOfMemoryError as e:
                 row["ms"], row["error"] = None, f"OOM: {str(e)[:120]}"
             except Exception as e:  # a kernel that refuses the shape: recorded, the other rows still run
@@ -137,6 +214,7 @@ def main():
             f"{f(s['speedup_vs_sdpa_backend'], '.2f')} |"
         )
     print(crossing)
+    print_breakdowns(rows)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@ directly against fla's API, plus the kernel-only ``fla.ops.kda.chunk_kda`` time.
 
 K3 layer shape: hidden D = 7168, H = 96 heads, head dim 128, gate_lower_bound = -5 (safe gate), full-rank output
 gate, bf16 activations and projections, fp32 conv / A_log / dt_bias / o_norm. B = 1, T in ``--seq-lens``.
-"ours" = ``KimiDeltaAttention(cfg, i, backend="cudnn")`` (``kernels_torch.kda._kda_layer_fla``), which also returns the
-decode cache (conv states and the final recurrent state). "fla" = :func:`fla_layer` on the same weight tensors:
-the projections, ``causal_conv1d`` + SiLU, ``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated``
-(sigmoid), ``o_proj``; no cache output (a training layer). ratio = ms_fla / ms_ours (target >= 0.95).
+"layer_cudnn" / "layer_fla" = ``KimiDeltaAttention(cfg, i, backend="cudnn")`` (``kernels_torch.kda._kda_layer_fast``)
+with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both also return the decode cache.
+"layer_fla_direct" = :func:`fla_layer` on the same weight tensors: the projections, ``causal_conv1d`` + SiLU,
+``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated`` (sigmoid), ``o_proj``; no cache output.
+"rec_chunk_kda" / "rec_cudnn" = the recurrence alone as the layer runs it (chunk_kda with gate and norm fused; or fla's
+L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-layout conversions).
+Also: the bf16 matmul ceiling of this run and the layer's projection FLOPs (6 T x weights: fwd + bwd), hence its
+matmul floor in ms.
 Times: median of CUDA-event-timed iterations (forward, then backward of <out, dout>), rounds of ours and fla
 interleaved, after one warm-up per shape (the first chunk_kda call autotunes; shapes stay fixed per process).
 
@@ -85,7 +89,19 @@ def interleaved(fns: dict, rounds: int, reps: int) -> dict:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def bench_seq(m, cfg, T: int, rounds: int, reps: int) -> dict:
+def matmul_ceiling() -> float:
+    """bf16 8192^3 matmul TFLOP/s, measured in this run (the ceiling that the layer's matmul share is counted against)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ms = statistics.median(event_ms(lambda: a @ b) for _ in range(10))
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
+    from kernels_torch import kernel_choice
+
     H, K, D = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(1, T, D, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
@@ -100,18 +116,31 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int) -> dict:
 
         return run
 
-    ours = step(lambda: m(x)[0])
-    fla = step(lambda: fla_layer(m, x))
-    # kernel only: chunk_kda on tensors of the layer's shapes (gate and L2 norm fused, as in the layer)
+    def ours_with(kernel):
+        def fwd():
+            m.kda_kernel = kernel
+            return m(x)[0]
+
+        return fwd
+
+    has_cudnn = tk.cudnn_kda_unavailable(x, K, K) is None
+    layers = {"layer_fla": ours_with("fla"), "layer_fla_direct": lambda: fla_layer(m, x)}
+    if has_cudnn:
+        layers["layer_cudnn"] = ours_with("cudnn")
+    # the recurrence alone, on tensors of the layer's shapes, each with what it needs around it inside the layer
+    from fla.modules.norm.l2norm import l2norm as fla_l2norm
     from fla.ops.kda import chunk_kda
+    from fla.ops.kda.gate import fused_kda_gate
 
     q, k, v, f = (
         torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True) for _ in range(4)
     )
     beta = torch.rand(1, T, H, device="cuda", generator=gen).requires_grad_(True)
     do = torch.randn(1, T, H, K, device="cuda", generator=gen).to(torch.bfloat16)
+    A_log, dt_bias = m.A_log.detach().float().requires_grad_(True), m.dt_bias.detach().float().requires_grad_(True)
+    rec_in = (q, k, v, f, beta, A_log, dt_bias)
 
-    def kern():
+    def rec_fla():  # chunk_kda with the gate and the q/k L2 norm fused, as in the layer
         return chunk_kda(
             q,
             k,
@@ -120,47 +149,74 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int) -> dict:
             beta,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
-            A_log=m.A_log,
-            dt_bias=m.dt_bias,
+            A_log=A_log,
+            dt_bias=dt_bias,
             safe_gate=True,
             lower_bound=cfg.gate_lower_bound,
         )[0]
 
-    def kern_fb():
-        for p in (q, k, v, f, beta, m.A_log, m.dt_bias):
-            p.grad = None
-        kern().backward(do)
+    def rec_cudnn():  # what _kda_layer_fast runs: fla l2norm x2, fused_kda_gate (fp32), the cuDNN op (THD, states)
+        g = fused_kda_gate(f, A_log, dt_bias, lower_bound=cfg.gate_lower_bound, output_dtype=torch.float32)
+        return tk.kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta)[0]
+
+    def fb(fn):
+        def run():
+            for p in rec_in:
+                p.grad = None
+            fn().backward(do)
+
+        return run
+
+    recs = {"rec_chunk_kda": rec_fla}
+    if has_cudnn:
+        recs["rec_cudnn"] = rec_cudnn
+    fb_fns = {**{n: step(fn) for n, fn in layers.items()}, **{n: fb(fn) for n, fn in recs.items()}}
+    fwd_fns = {**layers, **recs}
 
     t0 = time.perf_counter()
-    for name, fn in (("ours", ours), ("fla", fla), ("chunk_kda", kern_fb)):  # warm-up (the first call autotunes)
+    for name, fn in fb_fns.items():  # warm-up (the first chunk_kda call autotunes, cuDNN compiles with NVRTC)
         fn()
         torch.cuda.synchronize()
         print(f"T={T}: warm-up {name} done at {time.perf_counter() - t0:.1f} s", flush=True)
     warm_s = time.perf_counter() - t0
-    with torch.no_grad():  # the two layers compute the same function
-        a, b = m(x)[0], fla_layer(m, x)
-        diff = float((a.double() - b.double()).norm() / b.double().norm())
-        kern()
-    ms = interleaved({"ours": ours, "fla": fla, "kernel": kern_fb}, rounds, reps)
+    diffs = {}
+    with torch.no_grad():  # the layers compute the same function
+        ref = fla_layer(m, x).double()
+        for name in layers:
+            diffs[name] = float((layers[name]().double() - ref).norm() / ref.norm())
+        if has_cudnn:
+            a, b = rec_cudnn().double(), rec_fla().double()
+            diffs["rec_cudnn_vs_chunk_kda"] = float((a - b).norm() / b.norm())
+    kernel_choice.reset_used()
+    ms = interleaved(fb_fns, rounds, reps)
     with torch.no_grad():
-        ms_fwd = interleaved({"ours": lambda: m(x), "fla": lambda: fla_layer(m, x), "kernel": kern}, rounds, reps)
-    return {
+        ms_fwd = interleaved(fwd_fns, rounds, reps)
+    used = kernel_choice.used()
+    m.kda_kernel = None
+    mm_params = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    proj_tflop = 6 * T * mm_params / 1e12  # fwd (2 flops per MAC) + bwd (4): the projections of the layer
+    row = {
         "seq_len": T,
         "heads": H,
         "head_dim": K,
         "hidden": D,
         "batch": 1,
-        "ms_ours": round(ms["ours"], 3),
-        "ms_fla": round(ms["fla"], 3),
-        "ratio": round(ms["fla"] / ms["ours"], 4),
-        "ms_chunk_kda_fwd_bwd": round(ms["kernel"], 3),
-        "ms_ours_fwd": round(ms_fwd["ours"], 3),
-        "ms_fla_fwd": round(ms_fwd["fla"], 3),
-        "ms_chunk_kda_fwd": round(ms_fwd["kernel"], 3),
-        "rel_diff_ours_vs_fla_out": diff,
+        **{f"ms_{n}_fwd_bwd": round(v, 3) for n, v in ms.items()},
+        **{f"ms_{n}_fwd": round(v, 3) for n, v in ms_fwd.items()},
+        **{f"rel_diff_{n}_vs_fla_direct": v for n, v in diffs.items()},
+        "projection_tflop_fwd_bwd": round(proj_tflop, 2),
+        "matmul_ceiling_tflops": round(ceiling, 1),
+        "projection_floor_ms": round(proj_tflop / ceiling * 1e3, 2),
+        "kernels_used": used,
         "warmup_s": round(warm_s, 1),
         "timed_iters": rounds * reps,
     }
+    if has_cudnn:
+        row["rec_speedup_fwd_bwd"] = round(ms["rec_chunk_kda"] / ms["rec_cudnn"], 3)
+        row["rec_speedup_fwd"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn"], 3)
+        row["layer_speedup_cudnn_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn"], 3)
+        row["layer_matmul_share_of_ceiling"] = round(row["projection_floor_ms"] / ms["layer_cudnn"], 3)
+    return row
 
 
 def main():
@@ -172,6 +228,8 @@ def main():
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kda_layer.json")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    ceiling = matmul_ceiling()
+    print(f"bf16 matmul ceiling: {ceiling:.1f} TFLOP/s", flush=True)
 
     import fla
     import triton
@@ -184,7 +242,8 @@ def main():
         if isinstance(mod, torch.nn.Linear):
             mod.weight.data = mod.weight.data.to(torch.bfloat16)
     result = {
-        "what": "KDA layer fwd+bwd, ours (backend='cudnn') vs the same layer written against fla; ratio = ms_fla / ms_ours",
+        "what": "KDA layer fwd+bwd (backend='cudnn') with the cuDNN KDA op and with fla chunk_kda, the layer written "
+        "directly against fla, and the recurrence alone (rec_*: with its L2 norms, gate and layout conversions)",
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -206,19 +265,13 @@ def main():
             result["skipped"].append(T)
             continue
         print(f"T={T}: start at {time.perf_counter() - t_start:.1f} s", flush=True)
-        row = bench_seq(m, cfg, T, args.rounds, args.reps)
+        row = bench_seq(m, cfg, T, args.rounds, args.reps, ceiling)
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         torch.cuda.empty_cache()
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(
-        f"{'seq_len':>8} {'ms_ours':>9} {'ms_fla':>9} {'ratio':>6} {'kda_fb':>8} {'ours_f':>8} {'fla_f':>8} {'kda_f':>8} {'diff':>8}"
-    )
     for r in result["rows"]:
-        print(
-            f"{r['seq_len']:>8} {r['ms_ours']:>9.2f} {r['ms_fla']:>9.2f} {r['ratio']:>6.3f} {r['ms_chunk_kda_fwd_bwd']:>8.2f} "
-            f"{r['ms_ours_fwd']:>8.2f} {r['ms_fla_fwd']:>8.2f} {r['ms_chunk_kda_fwd']:>8.2f} {r['rel_diff_ours_vs_fla_out']:>8.1e}"
-        )
+        print(json.dumps(r))
     if result["skipped"]:
         print("skipped (time budget):", result["skipped"])
 

@@ -6,17 +6,26 @@
 #
 #   setsid nohup bash benchmarks/run_h200.sh /root/h200 > /root/h200.log 2>&1 &     # detached: survives the call
 #
-# Steps (STEPS="..." picks a subset; GPU-timed steps never share the GPU with another step):
-#   A  fla_warmup (fla autotuning, background; not in the default STEPS) | init: kimi init of the 4-layer
-#      real-dimension checkpoint (CPU, background) | kda_layer: benchmark 3
-#   B  gpu_tests: tests/gpu (or $GPU_TESTS), then validate: validate_k31_4layers.sh (LENGTHS="4096 8192"). The two
-#      are not run side by side: at 8,192 tokens the fp32 oracle needs most of the GPU's memory.
-#   C  train_step_4layers: benchmark 5
-#   D  sparse_mla_fwd, indexer_topk, dsa_vs_dense_layer: benchmarks 1, 2, 4 again, same commit as the rest
-#   E  profile: Nsight Compute counters of one sparse forward call at S = 8192 (ncu_sparse_mla: the full section
-#      set; ncu_tensor_ops: tensor-pipe bf16 ops of that call; ncu_matmul_ops: of one 4096^3 matmul, to calibrate the counter;
-#      ncu reads counters on Firecracker machines only: ../.library/device/KINDS.md) and the kernel breakdown of the
-#      indexer at 8K, ours against cuDNN whole rows (indexer_profile: torch.profiler)
+# Triton's autotune choices for fla's kernels are restored from benchmarks/results/triton_autotune_h200.tgz by default
+# (fla's first call then takes about 30 s instead of about 5.5 minutes; TRITON_AUTOTUNE_TGZ=other.tgz, or "" for none),
+# and CUDA_HOME defaults to /usr/local/cuda (cuDNN's SM90 KDA engine compiles with NVRTC and needs the CUDA headers).
+#
+# Steps (STEPS="..." picks a subset and its order is the one below; GPU-timed steps never share the GPU):
+#   init         kimi init of the 4-layer real-dimension checkpoint (16 experts, random; CPU, in the background)
+#   probe        benchmarks/probe_h200.py: versions, FlashMLA and cuDNN KDA on small cases
+#   tests_main   tests/gpu/test_gpu_sparse_mla.py (both sparse kernels) and test_gpu_kda_cudnn.py (KDA kernels in
+#                $KDA_TEST_KERNELS, default "cudnn"; fla's own check runs in tests_fla)
+#   sparse_mla_fwd   benchmark 1, FlashMLA and Triton (--no-sweep unless SWEEP=1)
+#   kda_layer    benchmark 3: layer and recurrence, cuDNN KDA and fla, 8K and 32K
+#   validate     validate_k31_4layers.sh (LENGTHS="4096 8192"), default kernels (FlashMLA, cuDNN KDA)
+#   tests_dsa    tests/gpu/test_gpu_dsa_cudnn.py with KIMI_SPARSE_KERNEL=flash_mla
+#   train_step_4layers  benchmark 5 (MFU, tokens/s, peak memory)
+#   dsa_vs_dense_layer  benchmark 4 with the per-call breakdown, 16K-128K
+#   jax_oracle   kimi compare --reference jax (fp32 JAX on the GPU) of the 4-layer checkpoint at 2,049 tokens: KDA
+#                layers 0-2 and DSA layer 3, cudnn and eager (bf16)
+#   tests_fla    all of tests/gpu on the other kernels: KDA on fla (KIMI_TEST_KDA_KERNELS=fla), DSA on Triton
+#   indexer_topk, profile (not in the default STEPS): benchmark 2; Nsight Compute counters of the Triton sparse
+#                forward and the indexer's kernel breakdown (ncu reads counters on Firecracker machines only)
 set -uo pipefail
 dir=$(realpath -m "${1:-runs/h200}")
 mkdir -p "$dir"
@@ -24,15 +33,17 @@ mkdir -p "$dir"
 src=$(pwd)
 work=$(mktemp -d)/repo
 cp -r "$src" "$work" && cd "$work" || exit 1
+export PYTHONPATH="$work${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
 export CKPT=${CKPT:-/tmp/k31-4layers}
+[ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda/include ] && export CUDA_HOME=/usr/local/cuda
 t0=$(date +%s)
 echo "start $(date -u +%FT%TZ) commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader 2>/dev/null)" > "$dir/status.txt"
 
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-# Triton's autotune choices (fla caches them there): restore a carried snapshot, save ours after the autotuning.
-# Carry the snapshot to a fresh machine as TRITON_AUTOTUNE_TGZ=path to skip the ~5 minutes of fla autotuning.
-[ -f "${TRITON_AUTOTUNE_TGZ:-}" ] && mkdir -p "$cache" && tar xzf "$TRITON_AUTOTUNE_TGZ" -C "$cache"
+# Triton's autotune choices (fla caches them there): restore the carried snapshot, save ours after the autotuning.
+tgz=${TRITON_AUTOTUNE_TGZ-benchmarks/results/triton_autotune_h200.tgz}
+[ -n "$tgz" ] && [ -f "$tgz" ] && mkdir -p "$cache" && tar xzf "$tgz" -C "$cache" && echo "restored $tgz" >> "$dir/status.txt"
 save_autotune() { (cd "$cache" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$dir/triton_autotune.tgz" -T -); }
 
 step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NAME.log, record rc and seconds
@@ -44,42 +55,44 @@ step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NA
   return $rc
 }
 
-want() { [[ " ${STEPS:-init kda_layer gpu_tests validate train_step_4layers sparse_mla_fwd indexer_topk dsa_vs_dense_layer profile} " == *" $1 "* ]]; }
+default_steps="init probe tests_main sparse_mla_fwd kda_layer validate tests_dsa train_step_4layers dsa_vs_dense_layer \
+jax_oracle tests_fla"
+want() { [[ " ${STEPS:-$default_steps} " == *" $1 "* ]]; }
+pytest_gpu=(python3 -m pytest -m gpu -q -rfE -s -p no:cacheprovider --durations=15)
 
-# A  (fla_warmup: the first fla call autotunes for 5.3 to 6 minutes on a fresh machine; run it beside the CPU and
-#     non-fla work so that later steps find its choices in the Triton cache)
-pids=()
-if want fla_warmup; then
-  step fla_warmup 600 python3 benchmarks/kda_layer.py --seq-lens 8192 --rounds 1 --reps 1 \
-    --out "$dir/fla_warmup.json" &
-  warm_pid=$!
-fi
 if want init; then
   step init 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT" --force \
     --set num_experts=16 --set num_experts_per_token=8 &
-  pids+=($!)
+  init_pid=$!
 fi
+want probe && step probe 300 python3 benchmarks/probe_h200.py
+want tests_main && KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 \
+  "${pytest_gpu[@]}" tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64"
+# shellcheck disable=SC2046
+want sparse_mla_fwd && step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd.py $([ "${SWEEP:-0}" = 1 ] || echo --no-sweep) \
+  --out "$dir/sparse_mla_fwd.json"
 want kda_layer && step kda_layer 900 python3 benchmarks/kda_layer.py --seq-lens 8192 32768 --out "$dir/kda_layer.json" \
   && save_autotune
-# B (GPU_TESTS narrows the tests; validation waits for them: at 8,192 tokens its fp32 oracle needs most of the GPU)
-if want gpu_tests; then
-  # shellcheck disable=SC2086
-  step gpu_tests 1200 python3 -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE -s -p no:cacheprovider --durations=15 &
-  pids+=($!)
-fi
-for p in "${pids[@]}"; do wait "$p"; done
+[ -n "${init_pid:-}" ] && wait "$init_pid"
 want validate && OUT=$dir step validate 1200 bash benchmarks/validate_k31_4layers.sh
-[ -n "${warm_pid:-}" ] && wait "$warm_pid" && save_autotune
-# C
+want tests_dsa && KIMI_SPARSE_KERNEL=flash_mla step tests_dsa 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_dsa_cudnn.py
 # shellcheck disable=SC2086
-want train_step_4layers && step train_step_4layers 900 python3 benchmarks/train_step_4layers.py ${TRAIN_ARGS:-} \
-  --out "$dir/train_step_4layers.json"
-# D
-want sparse_mla_fwd && step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd.py --out "$dir/sparse_mla_fwd.json"
+want train_step_4layers && step train_step_4layers 900 python3 benchmarks/train_step_4layers.py \
+  ${TRAIN_ARGS:---seq-lens 8192 --recompute-seq-lens 32768} --out "$dir/train_step_4layers.json"
+want dsa_vs_dense_layer && step dsa_vs_dense_layer 600 python3 benchmarks/dsa_vs_dense_layer.py --breakdown \
+  --sizes "${DSA_SIZES:-16384,32768,65536,131072}" --sdpa-max 0 --out "$dir/dsa_vs_dense_layer.json"
+if want jax_oracle; then
+  text="${TMPDIR:-/tmp}/alice_x3.txt"
+  for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
+  step jax_oracle 900 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens 2049 \
+    --reference jax --backends cudnn,eager --dtype bfloat16 --device cuda --json "$dir/jax_oracle_T2049.json" --quiet
+fi
+if want tests_fla; then  # everything again on the other kernels: fla's KDA, the Triton sparse forward in the DSA layer
+  KIMI_TEST_KDA_KERNELS=fla KIMI_SPARSE_KERNEL=triton step tests_fla 1200 "${pytest_gpu[@]}" tests/gpu
+  save_autotune
+fi
+# optional
 want indexer_topk && step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json"
-want dsa_vs_dense_layer && step dsa_vs_dense_layer 400 python3 benchmarks/dsa_vs_dense_layer.py \
-  --out "$dir/dsa_vs_dense_layer.json"
-# E
 if want profile; then
   ncu_one=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)" --clock-control none
            --launch-count 1 --import-source no)
@@ -91,6 +104,5 @@ if want profile; then
     'import torch; a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); a @ a; torch.cuda.synchronize()'
   step indexer_profile 300 python3 benchmarks/indexer_topk.py --profile 8192 --out "$dir/indexer_topk_profile.json"
 fi
-save_autotune
 echo "done at $(( $(date +%s) - t0 ))s" >> "$dir/status.txt"
 touch "$dir/DONE"

@@ -1,7 +1,10 @@
-"""Sparse MLA forward (DSA prefill) on one GPU: Triton kernel vs the torch gather + einsum baseline.
+"""Sparse MLA forward (DSA prefill) on one GPU: FlashMLA and our Triton kernel vs the torch gather + einsum baseline.
 
 Measures, in one process: the bf16 matmul ceiling (8192^3, random data), a sweep of Triton launch variants at
-S = 8192, the best variant at S in {8192, 32768, 65536}, and the torch baseline at S = 8192 and 32768.
+S = 8192 (``--no-sweep``: the default variant only), the best variant at S in {8192, 32768, 65536}, FlashMLA
+(``sparse_mla_fwd(backend="flash_mla")``: SM90 legacy kernels, 96 heads padded to 128, padding included in the time;
+the TFLOP/s count the 96 useful heads) at the same S when the ``flash_mla`` module imports, and the torch baseline at
+S = 8192 and 32768. Every row names the kernel (``kernel``: flash_mla / triton / torch / matmul).
 H = 96, K = 2048 random valid causal-ish indices (row t draws from [0, max(t+1, K))), d_qk = 576, d_v = 512.
 FLOPs = 2 * S * H * K * (576 + 512) (kernels.md). Times are medians over CUDA-event-timed calls after warm-up.
 
@@ -78,6 +81,7 @@ def main():
     ap.add_argument("--seq-lens", default="8192,32768,65536")
     ap.add_argument("--baseline-seq-lens", default="8192,32768")
     ap.add_argument("--profile-call", type=int, metavar="S", help="only two calls of the default kernel at S")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the Triton variant sweep (default variant only)")
     args = ap.parse_args()
     if args.profile_call:
         q, kv, idx = make_inputs(args.profile_call)
@@ -100,6 +104,7 @@ def main():
             tflops=round(ceiling, 1),
             ratio_to_matmul_ceiling=1.0,
             impl="torch.matmul bf16 8192^3 (ceiling)",
+            kernel="matmul",
             device=dev,
         )
     ]
@@ -114,6 +119,7 @@ def main():
             tflops=round(tf, 1),
             ratio_to_matmul_ceiling=round(tf / ceiling, 3),
             impl=impl,
+            kernel=impl.split()[0],
             device=dev,
             **extra,
         )
@@ -128,7 +134,8 @@ def main():
     q, kv, idx = make_inputs(S0)
     ref = torch_baseline(q[:1024], kv, idx[:1024]).float()
     best = None
-    for name, cfg in VARIANTS.items():
+    variants = {"hk-h64-k64-s2": VARIANTS["hk-h64-k64-s2"]} if args.no_sweep else VARIANTS
+    for name, cfg in variants.items():
         try:
             t0 = time.perf_counter()
             out, mx, lse, kernels = sm._sparse_mla_fwd_triton(
@@ -175,6 +182,26 @@ def main():
             max_reps=50,
         )
         row(S, ms, f"triton {best[0]}")
+        why = sm.flash_mla_takes(q)
+        if why is not None:
+            print(f"  S={S}: FlashMLA not run: {why}", flush=True)
+            continue
+        out_f, mx_f, lse_f = sm.sparse_mla_fwd(q[:1024], kv, idx[:1024], SM_SCALE, backend="flash_mla")
+        out_t, mx_t, lse_t = sm._sparse_mla_fwd_triton(q[:1024], kv[:, 0], idx[:1024, 0], SM_SCALE)
+        ref = torch_baseline(q[:1024], kv, idx[:1024]).float()
+        stats = dict(
+            rel_err_vs_torch=float(f"{((out_f.float() - ref).norm() / ref.norm()).item():.2e}"),
+            rel_err_vs_triton=float(f"{((out_f.float() - out_t.float()).norm() / out_t.float().norm()).item():.2e}"),
+            lse_max_abs_diff_vs_triton=float(f"{(lse_f - lse_t).abs().max().item():.2e}"),
+        )
+        ms, _ = time_ms(
+            lambda: sm.sparse_mla_fwd(q, kv, idx, SM_SCALE, backend="flash_mla"),
+            target_s=1.5,
+            warmup=2,
+            min_reps=3,
+            max_reps=50,
+        )
+        row(S, ms, "flash_mla sparse_fwd (legacy SM90, H 96->128)", **stats)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| seq_len | impl | ms | TFLOP/s | of matmul ceiling |\n|---|---|---|---|---|")
     for r in rows:

@@ -15,8 +15,12 @@ The script sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the 
     python benchmarks/train_step_4layers.py --seq-lens 2048 8192 --recompute-seq-lens 8192 32768 --repeats 3 \
         --out results/train_step_4layers.json
 
-Writes ``{"device", "torch", "date", "rows": [...]}``, rows with ``seq_len``, ``backend``, ``recompute``, ``ms``,
-``tokens_per_s``, ``peak_gib``, ``status``, and prints a table with the cudnn/sdpa speed-up. A backend that runs out
+Model FLOPs utilisation: ``kimi.flops.estimate_flops(cfg, T)`` (model FLOPs of the forward + backward, counted from the
+config, no recomputation) over the step time and the bf16 matmul ceiling measured at the start of the same run
+(8192^3). Every row records the GPU kernels that ran (``kernels``: sparse forward and KDA recurrence).
+
+Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "rows": [...]}``, rows with ``seq_len``, ``backend``,
+``recompute``, ``ms``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``kernels``, ``status``, and prints a table with the cudnn/sdpa speed-up. A backend that runs out
 of memory is reported as ``status: "oom"``.
 """
 
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.utils.checkpoint  # noqa: E402
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
+from kernels_torch import kernel_choice  # noqa: E402
 from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi.layout import param_layout  # noqa: E402
@@ -91,6 +96,22 @@ def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
     return time_ms(step, warmup=2, min_reps=repeats, max_reps=repeats)[0]
 
 
+def matmul_ceiling() -> float:
+    """bf16 8192^3 matmul TFLOP/s on this GPU, now."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms, _ = time_ms(lambda: a @ b, warmup=3, min_reps=10, max_reps=20)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def model_tflop(cfg, T: int):
+    """Model FLOPs of one forward + backward step of T tokens in TFLOP (``kimi.flops.estimate_flops``), and its parts."""
+    from kimi.flops import estimate_flops
+
+    d = estimate_flops(cfg, T, backward=True)
+    return d["flops_per_token"] * T / 1e12, d
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 8192])
@@ -113,6 +134,8 @@ def main() -> int:
         .replace(num_experts=args.experts, num_experts_per_token=args.experts_per_token)
     )
     plan = [(T, False) for T in args.seq_lens] + [(T, True) for T in args.recompute_seq_lens]
+    ceiling = matmul_ceiling()
+    print(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s", flush=True)
     rows = []
     for T, recompute in plan:
         for backend in args.backends:
@@ -134,8 +157,12 @@ def main() -> int:
                 model = build(cfg, backend)
                 if recompute:
                     recompute_layers(model)
+                kernel_choice.reset_used()
                 ms = step_time(model, T, args.repeats)
-                row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok")
+                row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
+                tf, detail = model_tflop(cfg, T)
+                row.update(model_tflop=tf, flops_detail=detail)
+                row["mfu"] = tf / (ms * 1e-3) / ceiling if tf else None
             except torch.OutOfMemoryError:
                 row.update(ms=None, tokens_per_s=None, status="oom")
             except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking
@@ -152,18 +179,23 @@ def main() -> int:
                         "device": torch.cuda.get_device_name(),
                         "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d"),
+                        "matmul_ceiling_tflops": ceiling,
                         "rows": rows,
                     },
                     indent=1,
                 )
             )
-    print(f"\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} {'peak GiB':>9} status")
+    print(
+        f"\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} {'peak GiB':>9} "
+        f"{'MFU':>6} status"
+    )
     for r in rows:
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         print(
             f"{r['seq_len']:>8} {str(r['recompute']):>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
-            f"{r['status'][:60]}"
+            f"{mfu:>6} {r['status'][:60]}"
         )
     for T, recompute in plan:
         by = {r["backend"]: r for r in rows if (r["seq_len"], r["recompute"]) == (T, recompute) and r["ms"]}

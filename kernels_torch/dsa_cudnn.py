@@ -7,8 +7,9 @@ Spec: ``../shared/spec/architecture.md`` 3.3 (absorbed MLA), 4.2-4.3 (indexer, s
   weights, fp32 accumulation, ratio 1), then ``indexer_top_k_wrapper``, in **query-row chunks** of one document:
   the score buffer is ``[chunk_rows, doc_len]`` fp32 (plus the top-k radix scratch, 2 more words per element), never
   ``[T, T]``. Global key ids, ``-1`` padding, a valid length per row.
-* :class:`SparseMLAFunction`: absorbed sparse MLA (d_qk = 576, d_v = 512, one latent KV head); forward is our
-  Triton kernel ``kernels_torch.ops.sparse_mla.sparse_mla_fwd`` (FlashMLA contract), backward is cuDNN FE
+* :class:`SparseMLAFunction`: absorbed sparse MLA (d_qk = 576, d_v = 512, one latent KV head); forward is
+  ``kernels_torch.ops.sparse_mla.sparse_mla_fwd`` (FlashMLA's SM90 kernels where the ``flash_mla`` module imports,
+  else our Triton kernel; the layer's ``sparse_kernel`` or ``$KIMI_SPARSE_KERNEL`` forces one), backward is cuDNN FE
   ``sparse_attention_backward_wrapper`` on the native 96 heads, fed the forward's natural-log, KV-only lse.
 * :func:`gated_mla_forward`: what ``GatedMLA.forward`` runs under ``backend="cudnn"``.
 
@@ -43,6 +44,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from kernels_torch import kernel_choice
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
 from kernels_torch.indexer import indexer_scores
 
@@ -346,16 +348,17 @@ class SparseMLAFunction(torch.autograd.Function):
     """Absorbed sparse MLA with autograd: ``out = softmax(scale * q . kv[idx]) kv[idx, :512]`` per head.
 
     ``apply(q [T, H, 576] bf16, kv [S, 576] bf16, indices [T, K] int32 global (-1 skipped), topk_length [T] int32,
-    sm_scale)`` -> ``out [T, H, 512]`` bf16. Forward: Triton ``sparse_mla_fwd`` (saves out and the natural-log lse);
+    sm_scale, kernel=None)`` -> ``out [T, H, 512]`` bf16. Forward: ``sparse_mla_fwd(backend=kernel)`` (FlashMLA or
+    Triton; saves out and the natural-log lse);
     backward: cuDNN FE ``sparse_attention_backward_wrapper`` (no attention sink: ``attn_sink = -inf``; atomics, so
     not bitwise deterministic). Gradients for q and kv only.
     """
 
     @staticmethod
-    def forward(ctx, q, kv, indices, topk_length, sm_scale):
+    def forward(ctx, q, kv, indices, topk_length, sm_scale, kernel=None):
         from kernels_torch.ops.sparse_mla import sparse_mla_fwd
 
-        out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, topk_length)
+        out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, topk_length, backend=kernel)
         ctx.save_for_backward(q, kv, indices, topk_length, out, lse)
         ctx.sm_scale = float(sm_scale)
         return out
@@ -367,15 +370,15 @@ class SparseMLAFunction(torch.autograd.Function):
         res = _dsa().sparse_attention_backward_wrapper(
             q,
             kv,
-            out,
+            out.contiguous(),  # FlashMLA's out / lse are [:, :H] views of its 128-head outputs
             dout.to(q.dtype).contiguous(),
-            lse,
+            lse.contiguous(),
             sink,
             indices,
             softmax_scale=ctx.sm_scale,
             topk_length=topk_length,
         )
-        return res["dq"], res["dkv"], None, None, None
+        return res["dq"], res["dkv"], None, None, None, None
 
 
 def _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v, rows_per_chunk=256):
@@ -399,11 +402,13 @@ def _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v, rows_per_chunk
     return torch.cat(outs) if outs else q.new_zeros(0, H, d_v)
 
 
-def sparse_mla(q, kv, indices, topk_length, sm_scale, d_v=SPARSE_D_V):
+def sparse_mla(q, kv, indices, topk_length, sm_scale, d_v=SPARSE_D_V, kernel=None):
     """Sparse absorbed MLA with autograd: :class:`SparseMLAFunction` for d_qk = 576, d_v = 512 (the real dims),
-    else the torch twin. Shapes as in :class:`SparseMLAFunction`."""
+    else the torch twin. Shapes as in :class:`SparseMLAFunction`; ``kernel`` picks the forward (``"flash_mla"``,
+    ``"triton"``, ``"auto"`` or None: ``$KIMI_SPARSE_KERNEL``, then auto)."""
     if q.shape[-1] == SPARSE_D_QK and d_v == SPARSE_D_V and q.dtype == torch.bfloat16:
-        return SparseMLAFunction.apply(q, kv, indices, topk_length, sm_scale)
+        return SparseMLAFunction.apply(q, kv, indices, topk_length, sm_scale, kernel)
+    kernel_choice.record("sparse_mla_fwd", "torch")
     return _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v)
 
 
@@ -471,7 +476,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
             [torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk), q_pe.reshape(N, H, R)], dim=-1
         ).contiguous()  # [N, H, L+R]
         kv_rows = torch.cat([c_kv, k_pe], dim=-1).reshape(N, L + R).contiguous()  # [N, L+R]: one latent KV head
-        o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L)  # [N, H, L]
+        o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L, kernel=getattr(layer, "sparse_kernel", None))
         o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).view(B, T, H, V)
         idx = idx.view(B, T, topk)
         if B > 1:  # the B sequences ran as packed documents: key ids back to positions within each sequence

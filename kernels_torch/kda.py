@@ -9,10 +9,13 @@ Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state 
 layout). Packed documents: ``cu_seqlens`` ``[N+1]`` with ``B == 1``.
 
 Backends: ``eager`` and ``sdpa`` both run the pure-torch algorithm (the backend only matters for attention layers).
-``cudnn`` (CUDA, bf16 activations, the ``gpu`` extra) runs the chunk mode of the layer on fla-core's Triton kernels:
-short conv, ``chunk_kda`` with the gate, q/k L2 norm and beta fused, gated RMSNorm (see :func:`_kda_layer_fla`, the
-only code here that cannot be tested on CPU); ``mode="recurrent"`` (decode) stays on the pure-torch recurrence. The
-eager and sdpa backends never touch fla, also on CUDA.
+``cudnn`` (CUDA, bf16 activations, the ``gpu`` extra) runs the chunk mode of the layer on GPU kernels (see
+:func:`_kda_layer_fast`, the only code here that cannot be tested on CPU): fla-core's short conv and gated RMSNorm
+around the recurrence, and the recurrence itself on cuDNN Frontend's KDA op (``torch.ops.cudnn.kimi_delta_attention_fwd``,
+SM90 engine ``kda_hopper_cuda``, :func:`kda_recurrence_cudnn`) or on fla-core's ``chunk_kda``. The layer's
+``kda_kernel`` attribute or ``$KIMI_KDA_KERNEL`` (``auto`` | ``cudnn`` | ``fla``; ``kernels_torch.kernel_choice``) picks
+one; ``auto`` takes cuDNN where it imports and takes the shape (K = V = 128), else fla. ``mode="recurrent"`` (decode)
+stays on the pure-torch recurrence. The eager and sdpa backends never touch fla or cuDNN, also on CUDA.
 
 Numerics: activations may be bf16; gates, beta, norms and the state are fp32 (fp64 for fp64 inputs). g and beta are
 never narrowed to bf16 (case 2).
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from kernels_torch import kernel_choice
 from kernels_torch.common import check_cu_seqlens, compute_dtype, rms_norm
 from kimi.config import KimiConfig
 
@@ -44,6 +48,8 @@ __all__ = [
     "ShortConvolution",
     "GatedRMSNorm",
     "KimiDeltaAttention",
+    "kda_recurrence_cudnn",
+    "cudnn_kda_unavailable",
 ]
 
 BACKENDS = ("eager", "sdpa", "cudnn")
@@ -335,28 +341,141 @@ def _fla_conv_state(state: torch.Tensor | None) -> torch.Tensor | None:
     return None if state is None else F.pad(state, (1, 0))
 
 
-def _kda_layer_fla(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cache: KDACache | None):
-    """``KimiDeltaAttention.forward`` in chunk mode on fla-core's Triton kernels (``backend='cudnn'``, GPU only).
+CUDNN_KDA_HEAD_DIM = 128  # kda_hopper_cuda: K = V = 128, default scale K^-1/2
+CUDNN_KDA_PLAN_SM90 = "kda_hopper_cuda"  # the only SM90 KDA engine with a backward (NVRTC: needs CUDA headers)
+_CUDNN_KDA_OP = "cudnn.linear_attention.ops.kda"  # importing it registers torch.ops.cudnn.kimi_delta_attention_fwd
+
+
+def _cudnn_kda_op():
+    """``torch.ops.cudnn.kimi_delta_attention_fwd`` (importing cuDNN FE's KDA module registers it); a seam for the
+    CPU tests, which replace it by a torch stand-in."""
+    importlib.import_module(_CUDNN_KDA_OP)
+    return torch.ops.cudnn.kimi_delta_attention_fwd
+
+
+def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int, lower_bound: float | None = -5.0) -> str | None:
+    """Why the cuDNN KDA op cannot run the recurrence for activations ``x`` with head dims K, V and the gate's
+    ``lower_bound`` (``gate_lower_bound``; None = the unbounded softplus gate), as a reason string, or None when it
+    can. The SM90 engine is validated at the bounded gate only: with the softplus gate (log-decay far below -5) its
+    output is NaN (measured on the H200, 2026-11-30), so that gate runs on fla."""
+    if importlib.util.find_spec("cudnn") is None:
+        return "nvidia-cudnn-frontend is not importable"
+    try:
+        importlib.import_module(_CUDNN_KDA_OP)
+    except Exception as e:  # ImportError, or a broken install raising at import
+        return f"{_CUDNN_KDA_OP} does not import ({type(e).__name__}: {e})"
+    if not x.is_cuda:
+        return f"x is on {x.device}"
+    major = torch.cuda.get_device_capability(x.device)[0]
+    if major not in (9, 10):
+        return f"device capability {major}.x has no cuDNN KDA engine with a backward (SM90 or SM100)"
+    if (K, V) != (CUDNN_KDA_HEAD_DIM, CUDNN_KDA_HEAD_DIM):
+        return f"head dims K={K}, V={V}; the SM90 engine takes K = V = {CUDNN_KDA_HEAD_DIM}"
+    if lower_bound is None or not -5.0 <= lower_bound < 0:
+        return (
+            f"gate_lower_bound={lower_bound}: the cuDNN engine needs a bounded gate (lower bound in [-5, 0)); "
+            "with the unbounded softplus gate it returns NaN"
+        )
+    return None
+
+
+def _cudnn_plan_name(device: torch.device) -> str | None:
+    """The engine pinned on this device: ``kda_hopper_cuda`` on SM90 (so that a decline fails loudly instead of
+    falling to the slow ``kda_cutile`` engine), cuDNN's own choice elsewhere. ``$KIMI_KDA_CUDNN_PLAN`` overrides
+    (empty: cuDNN's choice)."""
+    import os
+
+    env = os.environ.get("KIMI_KDA_CUDNN_PLAN")
+    if env is not None:
+        return env or None
+    return CUDNN_KDA_PLAN_SM90 if torch.cuda.get_device_capability(device)[0] == 9 else None
+
+
+def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, plan_name: str | None = "default"):
+    """The KDA recurrence (spec 2.2 step 7) on cuDNN Frontend's KDA op, with autograd.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16, already L2-normalised (the SM90 backward takes no in-kernel norm).
+        v: ``[B, T, H, V]`` bf16. g: ``[B, T, H, K]`` fp32 log-space decay (<= 0). beta: ``[B, T, H]`` fp32, post-sigmoid
+            (the SM90 backward engine needs fp32 beta: bf16 gets "no engine proposed a plan").
+        initial_state: ``[N, H, K, V]`` fp32 (our K-first layout) or None (zeros).
+        cu_seqlens: ``[N+1]`` int (B == 1, packed documents, the state resets at each start) or None (B sequences).
+        plan_name: cuDNN plan to pin; ``"default"``: ``kda_hopper_cuda`` on SM90 (:func:`_cudnn_plan_name`).
+
+    Returns:
+        ``o [B, T, H, V]`` bf16 and the final state ``[N, H, K, V]`` fp32 (K-first). Scale ``K^-1/2`` (the only one the
+        SM90 backward takes). The op's layout is THD (``[B*T, H, *]``) with V-first states ``[N, H, V, K]``: both are
+        converted here, inside autograd.
+
+    Raises:
+        ValueError: shapes; RuntimeError / ``cudnn.cudnnGraphNotSupportedError`` from cuDNN when no engine takes it.
+    """
+    op = _cudnn_kda_op()
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
+    else:
+        cu = torch.as_tensor(cu_seqlens).to(device=q.device, dtype=torch.int32)
+    N = cu.numel() - 1
+    S0 = None
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (N, H, K, V):
+            raise ValueError(
+                f"initial_state: got shape {tuple(initial_state.shape)}, expected [N, H, K, V]=[{N}, {H}, {K}, {V}]"
+            )
+        S0 = initial_state.float().transpose(-1, -2).contiguous()  # K-first -> the op's V-first [N, H, V, K]
+    if plan_name == "default":
+        plan_name = _cudnn_plan_name(q.device)
+    o, S, _ = op(
+        q.reshape(B * T, H, K),
+        k.reshape(B * T, H, K),
+        v.reshape(B * T, H, V),
+        g.reshape(B * T, H, K),
+        beta.reshape(B * T, H).contiguous(),
+        cu,
+        K**-0.5,
+        initial_state=S0,
+        output_final_state=True,
+        plan_name=plan_name,
+    )
+    return o.view(B, T, H, V), S.transpose(-1, -2).contiguous()
+
+
+_FALLBACK_WARNED: set[str] = set()
+
+
+def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cache: KDACache | None):
+    """``KimiDeltaAttention.forward`` in chunk mode on GPU kernels (``backend='cudnn'``, GPU only).
 
     Same math, arguments and returns as the eager layer (spec 2.2); the pieces:
 
     * short conv + SiLU: ``fla.modules.causal_conv1d.causal_conv1d`` (Triton; fp32 accumulation, output in x.dtype,
       resets at every ``cu_seqlens`` start); our weight ``[P, 1, W]`` is passed as ``[P, W]``.
-    * q/k L2 norm (eps 1e-6, fp32), the decay gate and its chunk cumsum, beta and the delta rule:
-      ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (``A_log [H]``,
-      ``dt_bias [H*K]``, gate in fp32). K3 (``gate_lower_bound`` set): ``safe_gate=True, lower_bound=lb``, i.e.
-      ``lb * sigmoid(exp(A_log) * (f + dt_bias))`` (case 1); Kimi-Linear: ``-exp(A_log) * softplus(f + dt_bias)``.
-      beta = sigmoid(b_proj(x)) in fp32, applied once here (case 3). State ``[N, H, K, V]`` fp32.
+    * the recurrence, by ``kernel_choice.resolve("kda", layer.kda_kernel)``:
+
+      - ``cudnn`` (:func:`kda_recurrence_cudnn`): q/k L2 norm with ``fla.modules.norm.l2norm`` (eps 1e-6, fp32 math,
+        bf16 out), the gate in fp32 with ``fla.ops.kda.gate.fused_kda_gate`` (either form: ``lb * sigmoid(exp(A_log) *
+        (f + dt_bias))`` or ``-exp(A_log) * softplus(f + dt_bias)``), beta = sigmoid in fp32, then the cuDNN op (the SM90
+        backward fuses none of these; they are computed outside, with their own backward kernels).
+      - ``fla``: ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (K3:
+        ``safe_gate=True, lower_bound=lb``; Kimi-Linear: softplus), beta fp32.
+
+      State ``[N, H, K, V]`` fp32 in both; ``auto`` falls back to fla (with one warning naming the reason) where cuDNN
+      declines; a forced ``cudnn`` that cannot run raises.
     * output norm: ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` with ``activation='sigmoid'``.
 
-    ``cu_seqlens`` (B == 1) may be int32 or int64 on any device; fla gets an int64 copy on x's device.
+    ``cu_seqlens`` (B == 1) may be int32 or int64 on any device. The kernel that ran is recorded in
+    ``kernel_choice.used()["kda"]``.
 
     Returns:
         ``(out [B, T, D] bf16, KDACache)`` as the eager layer.
+
+    Raises:
+        RuntimeError: ``kda_kernel='cudnn'`` where the cuDNN op cannot run (with the reason).
     """
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    from fla.ops.kda import chunk_kda
 
     c = layer.config
     B, T, _ = x.shape
@@ -375,6 +494,11 @@ def _kda_layer_fla(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cache
         if st is not None and tuple(st.shape) != (N, P, W - 1):
             raise ValueError(f"cache.{name}: got shape {tuple(st.shape)}, expected [N, P, W-1]=[{N}, {P}, {W - 1}]")
 
+    choice = kernel_choice.resolve("kda", layer.kda_kernel)
+    why = cudnn_kda_unavailable(x, K, K, c.gate_lower_bound) if choice != "fla" else None
+    if choice == "cudnn" and why is not None:
+        raise RuntimeError(f"kda_kernel: got 'cudnn', but the cuDNN KDA op cannot run here: {why}")
+
     def conv(proj: nn.Linear, conv1d: ShortConvolution, state):  # -> y [B, T, P], new state [N, P, W-1]
         y, final = causal_conv1d(
             x=_linear(x, proj),
@@ -391,27 +515,50 @@ def _kda_layer_fla(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cache
     k, ck = conv(layer.k_proj, layer.k_conv1d, ck)
     v, cv = conv(layer.v_proj, layer.v_conv1d, cv)
     q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V], V = K
-    f = _linear(_linear(x, layer.f_a_proj), layer.f_b_proj).reshape(B, T, H, K)  # raw gate input; fla gates in fp32
+    f = _linear(_linear(x, layer.f_a_proj), layer.f_b_proj).reshape(B, T, H, K)  # raw gate input; gated in fp32
     beta = torch.sigmoid(_linear(x, layer.b_proj).float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
     lb = c.gate_lower_bound
-    o, S = chunk_kda(
-        q,
-        k,
-        v,
-        f,
-        beta,
-        scale=K**-0.5,
-        initial_state=None if S0 is None else S0.float(),
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        A_log=layer.A_log.float(),
-        dt_bias=layer.dt_bias.float(),
-        safe_gate=lb is not None,
-        lower_bound=lb,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu_cpu,
-    )  # o [B,T,H,V] bf16, S [N,H,K,V] fp32
+    S0f = None if S0 is None else S0.float()
+    o = S = None
+    if choice != "fla" and why is None:
+        from fla.modules.norm.l2norm import l2norm as fla_l2norm
+        from fla.ops.kda.gate import fused_kda_gate
+
+        g = fused_kda_gate(f, layer.A_log.float(), layer.dt_bias.float(), lower_bound=lb, output_dtype=torch.float32)
+        try:
+            o, S = kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, S0f, cu)
+            kernel_choice.record("kda", "cudnn")
+        except Exception as e:  # a cuDNN decline (no engine / plan for this graph)
+            if choice == "cudnn":
+                raise
+            reason = f"{type(e).__name__}: {e}"
+            if reason not in _FALLBACK_WARNED:
+                _FALLBACK_WARNED.add(reason)
+                import warnings
+
+                warnings.warn(f"KDA: the cuDNN op declined ({reason}); running fla's chunk_kda", stacklevel=2)
+    if o is None:
+        from fla.ops.kda import chunk_kda
+
+        o, S = chunk_kda(
+            q,
+            k,
+            v,
+            f,
+            beta,
+            scale=K**-0.5,
+            initial_state=S0f,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=layer.A_log.float(),
+            dt_bias=layer.dt_bias.float(),
+            safe_gate=lb is not None,
+            lower_bound=lb,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+        )  # o [B,T,H,V] bf16, S [N,H,K,V] fp32
+        kernel_choice.record("kda", "fla")
     gate = _linear(x, layer.g_proj) if c.use_full_rank_gate else _linear(_linear(x, layer.g_a_proj), layer.g_b_proj)
     y = rms_norm_gated(
         o, gate.reshape(B, T, H, K), layer.o_norm.weight, None, activation="sigmoid", eps=layer.o_norm.eps
@@ -485,6 +632,7 @@ class KimiDeltaAttention(nn.Module):
                 f"layer_idx: got {layer_idx} ({config.layer_type(layer_idx)}), expected a KDA layer {list(config.kda_layers)}"
             )
         self.config, self.layer_idx, self.backend = config, layer_idx, backend
+        self.kda_kernel: str | None = None  # cudnn backend: recurrence kernel (kernels_torch.kernel_choice)
         c = config
         H, K, D, W, R = c.kda_num_heads, c.kda_head_dim, c.hidden_size, c.short_conv_kernel_size, c.kda_gate_rank
         P = H * K
@@ -509,12 +657,12 @@ class KimiDeltaAttention(nn.Module):
             missing = _cudnn_missing(x)
             if missing:
                 raise RuntimeError(
-                    "backend='cudnn' (KDA on fla kernels) needs "
+                    "backend='cudnn' (KDA on cuDNN / fla kernels) needs "
                     + "; ".join(missing)
                     + "; use backend='eager' otherwise"
                 )
             if mode == "chunk":
-                return _kda_layer_fla(self, x, cu_seqlens, cache)
+                return _kda_layer_fast(self, x, cu_seqlens, cache)
             # mode="recurrent" (decode) stays on the pure-torch recurrence below, on the GPU.
         c = self.config
         B, T, _ = x.shape

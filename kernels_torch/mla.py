@@ -184,6 +184,7 @@ class GatedMLA(nn.Module):
                 "(g_proj means the KDA output gate there, case 18)"
             )
         self.config, self.layer_idx, self.backend, self.kind = c, layer_idx, backend, kind
+        self.sparse_kernel: str | None = None  # cudnn DSA: sparse forward kernel (kernels_torch.kernel_choice)
         D, H = c.hidden_size, c.num_attention_heads
         Kn, R, V, L = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         if c.q_lora_rank is None:

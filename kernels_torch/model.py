@@ -15,6 +15,7 @@ from torch import nn
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.common import RMSNorm
 from kernels_torch.kda import KimiDeltaAttention
+from kernels_torch.kernel_choice import set_model_kernels
 from kernels_torch.mla import GatedMLA
 from kernels_torch.moe import DenseMLP, KimiMoE
 from kimi.config import KimiConfig
@@ -175,15 +176,22 @@ def load_model(
     backend: str = "eager",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    sparse_kernel: str | None = None,
+    kda_kernel: str | None = None,
 ) -> KimiK3Model:
     """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`.
 
+    ``sparse_kernel`` (``auto`` | ``flash_mla`` | ``triton``) and ``kda_kernel`` (``auto`` | ``cudnn`` | ``fla``) pick
+    the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer (None: ``$KIMI_SPARSE_KERNEL`` /
+    ``$KIMI_KDA_KERNEL``, else auto; ``kernels_torch.kernel_choice``); other backends ignore them.
+
     Raises:
-        kimi.checkpoint.CheckpointError, kimi.config.ConfigError, ValueError (backend).
+        kimi.checkpoint.CheckpointError, kimi.config.ConfigError, ValueError (backend, kernel choice).
     """
     from kimi.checkpoint import CheckpointReader, load_params
 
     check_backend(backend)
+    set_model_kernels(nn.Module(), sparse_kernel=sparse_kernel, kda_kernel=kda_kernel)  # validate before reading
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device: got {str(device)!r}, but CUDA is not available here"
@@ -195,6 +203,7 @@ def load_model(
     with torch.device("meta"):
         model = KimiK3Model(config, backend=backend)
     model.load_state_dict(params, strict=True, assign=True)
+    set_model_kernels(model, sparse_kernel=sparse_kernel, kda_kernel=kda_kernel)
     return cast_model(model.to(device), dtype)
 
 

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
+from kimi_tools import ablate, train
 from kimi_tools.common import (
     CliError,
     Parser,
@@ -486,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
     p.set_defaults(func=cmd_logits)
+
+    train.add_parser(sub)
+    ablate.add_parser(sub)
     return ap
 
 

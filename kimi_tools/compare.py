@@ -82,6 +82,7 @@ class RunResult:
     logits: np.ndarray
     layers: list[dict[str, np.ndarray]]
     seconds: float = 0.0
+    kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # torch cudnn: {op: {kernel: calls}} that ran
 
 
 def rel_err(x: np.ndarray, ref: np.ndarray) -> float:
@@ -142,9 +143,11 @@ def run_torch(
     """
     import torch
 
+    from kernels_torch import kernel_choice
     from kernels_torch.model import load_model
 
     t0 = time.perf_counter()
+    kernel_choice.reset_used()
     if device is None:
         device = "cuda" if backend == "cudnn" or torch.cuda.is_available() else "cpu"
     model = load_model(checkpoint, layers=layers, backend=backend, dtype=getattr(torch, dtype), device=device)
@@ -158,7 +161,9 @@ def run_torch(
     layer_rows = [_np_aux(a, to_np) for a in auxes]
     if ref is not None:
         layer_rows = _layer_local(model, ref, to_np, device)
-    result = RunResult(f"torch-{backend}", to_np(logits)[0], layer_rows, time.perf_counter() - t0)
+    result = RunResult(
+        f"torch-{backend}", to_np(logits)[0], layer_rows, time.perf_counter() - t0, kernels=kernel_choice.used()
+    )
     del model, logits, auxes
     if device == "cuda":
         torch.cuda.empty_cache()  # the next backend's model gets the memory back
@@ -252,6 +257,7 @@ class Report:
     logits_cos: float
     top1: float
     failed: list[str]
+    kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # the GPU kernels that ran (cudnn backend)
 
     @property
     def passed(self) -> bool:
@@ -325,7 +331,9 @@ def compare_runs(
         failed.append(f"logits cosine {cos:.6f} < {tol.logits_cos_min}")
     if not top1 >= tol.top1_min:
         failed.append(f"top-1 agreement {top1:.4f} < {tol.top1_min}")
-    return Report(other.name, dtype, tol, rows, ref.name, lrel, float(np.abs(a - b).max()), cos, top1, failed)
+    return Report(
+        other.name, dtype, tol, rows, ref.name, lrel, float(np.abs(a - b).max()), cos, top1, failed, other.kernels
+    )
 
 
 def format_table(reports: list[Report]) -> str:
@@ -353,6 +361,11 @@ def format_table(reports: list[Report]) -> str:
             f"logits: rel {rep.logits_rel:.2e}  max abs {rep.logits_max_abs:.2e}  cosine {rep.logits_cos:.7f}  "
             f"top-1 agreement {rep.top1:.4f}  -> " + ("PASS" if rep.passed else "FAIL")
         )
+        if rep.kernels:
+            lines.append(
+                "kernels: "
+                + "; ".join(f"{op} {', '.join(f'{k} x{n}' for k, n in c.items())}" for op, c in rep.kernels.items())
+            )
         lines.append(
             "rows: each torch layer is fed the reference's inputs of that layer (layer-local errors); "
             "top-k keys / experts = rows same/differing only at near-ties/differing; errors exclude the "

@@ -55,5 +55,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu marker)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not `"gpu" in item.keywords`: that also matches a path part
             item.add_marker(skip)

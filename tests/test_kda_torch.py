@@ -363,3 +363,52 @@ def test_cudnn_backend_names_what_is_missing():
     with pytest.raises(RuntimeError, match="CUDA") as e:
         m(x.bfloat16(), mode="recurrent")
     assert "bfloat16 activations" not in str(e.value)
+
+
+def test_kda_recurrence_cudnn_layout_conversions(monkeypatch):
+    """kda_recurrence_cudnn's boundary, with a torch stand-in for cuDNN's op (THD tensors, cu_seqlens int32, V-first
+    states [N, H, V, K], default scale): B sequences become packed documents, states are transposed in and out, and the
+    result equals kda_chunk on our layout, including the gradient of the initial state (to fp32 rounding: the op takes
+    fp32 states). K != V catches a missing transpose."""
+    seen = {}
+
+    def fake_op(q, k, v, g, beta, cu_seqlens, scale, initial_state=None, output_final_state=False, plan_name=None):
+        T, H, K = q.shape
+        V = v.shape[-1]
+        N = cu_seqlens.numel() - 1
+        assert (
+            k.shape == (T, H, K) and g.shape == (T, H, K) and beta.shape == (T, H) and cu_seqlens.dtype == torch.int32
+        )
+        assert initial_state is None or initial_state.shape == (N, H, V, K)
+        assert scale == K**-0.5 and output_final_state
+        seen.update(N=N, plan=plan_name)
+        S0 = None if initial_state is None else initial_state.transpose(-1, -2)
+        o, S = tk.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale, S0, cu_seqlens.tolist())
+        return o[0], S.transpose(-1, -2), torch.empty(0)
+
+    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op)
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 2, 9, 2, 4, 6
+    q, k = (tk.l2norm(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64, requires_grad=True)
+    o, S = tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, plan_name=None)
+    o_r, S_r = tk.kda_chunk(q, k, v, g, beta, initial_state=S0)
+    assert seen == {"N": B, "plan": None} and o.shape == (B, T, H, V) and S.shape == (B, H, K, V)
+    torch.testing.assert_close(o, o_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(S, S_r, rtol=1e-5, atol=1e-6)
+    (dS0,) = torch.autograd.grad(S.sum() + o.sum(), S0)
+    (dS0_r,) = torch.autograd.grad(S_r.sum() + o_r.sum(), S0)
+    torch.testing.assert_close(dS0, dS0_r, rtol=1e-5, atol=1e-6)
+    # packed documents (B = 1) with a length-1 document
+    cu = [0, 1, 5, 9]
+    o, S = tk.kda_recurrence_cudnn(q[:1], k[:1], v[:1], g[:1], beta[:1], S0.detach()[:1].repeat(3, 1, 1, 1), cu, None)
+    o_r, S_r = tk.kda_chunk(
+        q[:1], k[:1], v[:1], g[:1], beta[:1], initial_state=S0.detach()[:1].repeat(3, 1, 1, 1), cu_seqlens=cu
+    )
+    torch.testing.assert_close(o, o_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(S, S_r, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="initial_state"):
+        tk.kda_recurrence_cudnn(q, k, v, g, beta, S0[:1], plan_name=None)

@@ -131,25 +131,54 @@ def test_flash_mla_wrapper_pads_heads_and_topk(monkeypatch, H, K, with_topk_leng
 
     seen = {}
 
-    def fake_flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length=None):
+    def fake_flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length=None, use_legacy=False):
         assert q.ndim == 3 and q.shape[1] in (64, 128) and q.shape[2] == 576
         assert kv.ndim == 3 and kv.shape[1] == 1 and indices.ndim == 3 and indices.shape[1] == 1
-        assert indices.shape[2] % 128 == 0 and d_v == 512
+        assert indices.shape[2] % 128 == 0 and d_v == 512 and use_legacy  # SM90: the legacy kernels
+        if topk_length is not None:  # slots past topk_length are skipped ids (FlashMLA's NaN footnote)
+            past = torch.arange(indices.shape[2])[None, :] >= topk_length[:, None]
+            assert (indices[:, 0][past] == -1).all()
         seen.update(H_pad=q.shape[1], K_pad=indices.shape[2])
-        return sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length, d_v=d_v)
+        out, mx, lse = sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length, d_v=d_v)
+        return out, mx, lse.masked_fill(torch.isposinf(lse), -math.inf)  # empty rows as some builds write them
 
     monkeypatch.setattr(sm, "_flash_mla_sparse_fwd", fake_flash_mla_sparse_fwd)
+    monkeypatch.setattr(sm, "_flash_mla_arch", lambda device: "legacy")
     T, S = 9, 300
     g = torch.Generator().manual_seed(H + K)
     q = torch.randn(T, H, 576, generator=g, dtype=torch.float64)
     kv = torch.randn(S, 576, generator=g, dtype=torch.float64)
     idx = torch.randint(-1, S + 3, (T, K), generator=g, dtype=torch.int32)  # -1 holes and out-of-range ids
+    idx[0] = -1  # a row without a valid key: out 0, max_logits -inf, lse +inf
     tlen = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32) if with_topk_length else None
-    got = sm._sparse_mla_fwd_flash_mla(q, kv, idx, SM_SCALE, tlen)
+    got = sm._sparse_mla_fwd_flash_mla(q, kv, idx, SM_SCALE, tlen, rows=4)  # 3 calls of <= 4 rows
     want = sparse_mla_fwd_reference(q, kv, idx, SM_SCALE, tlen)
     assert seen == {"H_pad": 64 if H <= 64 else 128, "K_pad": -(-K // 128) * 128}
     for name, a, b in zip(("out", "max_logits", "lse"), got, want):
         assert a.shape == b.shape, name
-        assert torch.equal(torch.isinf(a), torch.isinf(b)), name  # empty rows: -inf max, +inf lse
+        assert torch.equal(torch.isposinf(a), torch.isposinf(b)), name  # empty rows: -inf max, +inf lse
+        assert torch.equal(torch.isneginf(a), torch.isneginf(b)), name
         fin = torch.isfinite(b)
         assert torch.allclose(a[fin], b[fin], rtol=1e-12, atol=1e-12), name
+
+
+def test_kernel_choice(monkeypatch):
+    """sparse_mla_fwd_kernel: auto takes FlashMLA where it runs, else Triton; the argument beats $KIMI_SPARSE_KERNEL;
+    a forced FlashMLA that cannot run and an unknown value raise, naming the cause."""
+    import kernels_torch.ops.sparse_mla as sm
+
+    q = torch.zeros(4, 96, 576)
+    monkeypatch.delenv("KIMI_SPARSE_KERNEL", raising=False)
+    monkeypatch.setattr(sm, "flash_mla_takes", lambda q: None)
+    assert sm.sparse_mla_fwd_kernel(q) == "flash_mla" and sm.sparse_mla_fwd_kernel(q, "triton") == "triton"
+    monkeypatch.setenv("KIMI_SPARSE_KERNEL", "triton")
+    assert sm.sparse_mla_fwd_kernel(q) == "triton" and sm.sparse_mla_fwd_kernel(q, None) == "triton"
+    assert sm.sparse_mla_fwd_kernel(q, "flash_mla") == "flash_mla"
+    monkeypatch.setattr(sm, "flash_mla_takes", lambda q: "no module")
+    monkeypatch.setenv("KIMI_SPARSE_KERNEL", "auto")
+    assert sm.sparse_mla_fwd_kernel(q) == "triton"
+    with pytest.raises(RuntimeError, match="no module"):
+        sm.sparse_mla_fwd_kernel(q, "flash_mla")
+    monkeypatch.setenv("KIMI_SPARSE_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="KIMI_SPARSE_KERNEL.*cutlass"):
+        sm.sparse_mla_fwd_kernel(q)

@@ -12,8 +12,11 @@ Notable:
 * Index ids that are ``< 0`` (``-1`` padding) or ``>= S_kv`` are skipped; with ``topk_length`` the entries at
   positions ``>= topk_length[t]`` are skipped even when they look valid. A row with no valid key gets
   ``out = 0``, ``lse = +inf``, ``max_logits = -inf``, never NaN.
-* Backends, in order: FlashMLA (if a ``flash_mla`` module with ``flash_mla_sparse_fwd`` imports; heads padded to
-  64/128 with zero queries, which are inert), else the Triton kernel below (CUDA tensors only).
+* Kernels (``backend=``, or ``$KIMI_SPARSE_KERNEL``; ``kernels_torch.kernel_choice``): ``auto`` runs FlashMLA
+  when a ``flash_mla`` module with ``flash_mla_sparse_fwd`` imports, the device is SM90 (its legacy kernels,
+  ``use_legacy=True``) or SM100, ``d_qk = 576`` and ``H <= 128`` (heads padded to 64/128 with zero queries, which are
+  inert; top-k padded to a multiple of 128 with skipped ids), else the Triton kernel below (CUDA tensors only).
+  Each call records the kernel that ran (``kernel_choice.used()``).
   :func:`sparse_mla_fwd_reference` is the readable fp32 oracle (CPU or GPU).
 
 Shapes (axis letters of ``shared/style.md``): ``T`` = S_q query tokens, ``S`` = S_kv key tokens, ``H`` heads,
@@ -35,12 +38,23 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
     tl = None
 
-try:  # FlashMLA is optional and never required (no SM90 wheel exists; see shared/spec/kernels.md).
+from kernels_torch import kernel_choice
+
+try:  # FlashMLA is optional (the sgl-flash-mla wheel of ../shared/gpu/; see shared/spec/kernels.md).
     from flash_mla import flash_mla_sparse_fwd as _flash_mla_sparse_fwd
 except Exception:  # ImportError, or a broken build raising at import
     _flash_mla_sparse_fwd = None
 
-__all__ = ["sparse_mla_fwd", "sparse_mla_fwd_reference", "D_QK", "D_V", "D_ROPE", "TRITON_CONFIG"]
+__all__ = [
+    "sparse_mla_fwd",
+    "sparse_mla_fwd_kernel",
+    "flash_mla_takes",
+    "sparse_mla_fwd_reference",
+    "D_QK",
+    "D_V",
+    "D_ROPE",
+    "TRITON_CONFIG",
+]
 
 D_QK = 576  # 512 latent (kv_lora_rank) + 64 rope
 D_V = 512  # the value is the latent part of the key row
@@ -469,28 +483,111 @@ def _sparse_mla_fwd_triton(
     return (out, max_logits, lse, kernels) if return_kernels else (out, max_logits, lse)
 
 
-def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length):
-    """FlashMLA path: pad heads to 64 or 128 with zero queries (inert: they only produce rows we slice away)."""
+def _flash_mla_arch(device: torch.device) -> str | None:
+    """``"legacy"`` on SM90 (FlashMLA keeps its Hopper kernels under ``use_legacy=True``), ``"current"`` on SM100,
+    None elsewhere (FlashMLA has no kernels there) or without CUDA."""
+    if device.type != "cuda":
+        return None
+    major = torch.cuda.get_device_capability(device)[0]
+    return {9: "legacy", 10: "current"}.get(major)
+
+
+def flash_mla_takes(q: torch.Tensor) -> str | None:
+    """Why FlashMLA cannot run ``q`` [T, H, D] here (a reason string), or None when it can."""
+    if _flash_mla_sparse_fwd is None:
+        return "no flash_mla module with flash_mla_sparse_fwd imports (install sgl-flash-mla: ../shared/gpu/)"
+    if _flash_mla_arch(q.device) is None:
+        cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+        return f"device {q.device} (capability {cap}) is neither SM90 nor SM100"
+    if q.shape[1] > 128:
+        return f"H = {q.shape[1]} > 128 heads (FlashMLA takes 64 or 128)"
+    return None
+
+
+FLASH_MLA_ROWS = 8192  # query rows per FlashMLA call: bounds the padded copies (q, out: ~1 GiB each at 128 heads)
+_FLASH_MLA_TOPK_LENGTH = [True]  # False once the installed build refused the topk_length argument
+
+
+def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length, rows=FLASH_MLA_ROWS):
+    """FlashMLA path on checked inputs ``q [T,H,576]``, ``kv [S,576]``, ``indices [T,K]`` int32.
+
+    * heads padded to 64 or 128 with zero queries (inert: they only produce rows that are sliced away), in calls of
+      ``rows`` query rows, so the padded copies stay O(rows), not O(T); outputs are written into contiguous
+      ``[T, H, *]`` tensors;
+    * the top-k axis padded to a multiple of 128 with ``-1`` (skipped) ids (the SM90 kernels read 128-key blocks);
+    * with ``topk_length``, the slots at positions ``>= topk_length[t]`` are set to ``-1`` as well: FlashMLA documents
+      that a valid id past ``topk_length`` pointing to a NaN key row can still make its output NaN;
+    * ``use_legacy=True`` on SM90; natural-log lse (the default of sgl-flash-mla 1.0.0, ``return_log2_lse=None``);
+    * rows without a valid key are returned as ``out = 0``, ``max_logits = -inf``, ``lse = +inf`` (our contract, what
+      the cuDNN backward needs), whatever FlashMLA writes there.
+    """
     T, H, D = q.shape
-    H_pad = 64 if H <= 64 else 128
-    if H_pad != H:
-        q_pad = q.new_zeros(T, H_pad, D)
-        q_pad[:, :H] = q
-        q = q_pad
     K = indices.shape[1]
+    if T == 0 or K == 0 or kv.shape[0] == 0:  # nothing to launch: every row is empty
+        return (
+            q.new_zeros(T, H, D_V),
+            torch.full((T, H), -math.inf, device=q.device),
+            torch.full((T, H), math.inf, device=q.device),
+        )
+    H_pad = 64 if H <= 64 else 128
     K_pad = -(-K // 128) * 128  # SM90 FlashMLA wants topk a multiple of 128: pad with skipped ids
-    if K_pad != K:
-        indices = torch.nn.functional.pad(indices, (0, K_pad - K), value=-1)
-    # Current FlashMLA returns natural-log lse (tests/ref.py there); some 2025 builds documented base 2.
-    out, max_logits, lse = _flash_mla_sparse_fwd(
-        q.contiguous(),
-        kv[:, None, :].contiguous(),
-        indices[:, None, :].contiguous(),
-        float(sm_scale),
-        D_V,
-        topk_length=topk_length,
-    )
-    return out[:, :H], max_logits[:, :H], lse[:, :H]
+    kwargs = {"use_legacy": True} if _flash_mla_arch(q.device) == "legacy" else {}
+    kv3 = kv[:, None, :].contiguous()
+    out = max_logits = lse = None
+    pos = torch.arange(K_pad, device=indices.device, dtype=torch.int32)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        qc = q[t0:t1]
+        if H_pad != H:
+            q_pad = q.new_zeros(t1 - t0, H_pad, D)
+            q_pad[:, :H] = qc
+            qc = q_pad
+        idx = indices[t0:t1]
+        if K_pad != K:
+            idx = torch.nn.functional.pad(idx, (0, K_pad - K), value=-1)
+        tl_c = None
+        if topk_length is not None:
+            tl_c = topk_length[t0:t1]
+            idx = torch.where(pos[None, :] < tl_c[:, None], idx, -1)
+        args = (qc.contiguous(), kv3, idx[:, None, :].contiguous(), float(sm_scale), D_V)
+        if tl_c is not None and _FLASH_MLA_TOPK_LENGTH[0]:
+            try:
+                o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, topk_length=tl_c, **kwargs)
+            except (RuntimeError, TypeError):  # a build without topk_length: the -1 slots above say the same
+                _FLASH_MLA_TOPK_LENGTH[0] = False
+                o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, **kwargs)
+        else:
+            o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, **kwargs)
+        if out is None:  # dtypes as FlashMLA returns them (bf16 out, fp32 statistics)
+            out = torch.empty(T, H, D_V, dtype=o_c.dtype, device=q.device)
+            max_logits = torch.empty(T, H, dtype=m_c.dtype, device=q.device)
+            lse = torch.empty(T, H, dtype=l_c.dtype, device=q.device)
+        out[t0:t1] = o_c[:, :H]
+        max_logits[t0:t1] = m_c[:, :H]
+        lse[t0:t1] = l_c[:, :H]
+    # empty rows: FlashMLA's reference gives lse = +inf there too; normalise whatever the build wrote
+    empty = torch.isneginf(max_logits) | torch.isneginf(lse) | torch.isposinf(lse)
+    lse.masked_fill_(empty, math.inf)
+    max_logits.masked_fill_(empty, -math.inf)
+    return out, max_logits, lse
+
+
+def sparse_mla_fwd_kernel(q: torch.Tensor, backend: str | None = "auto") -> str:
+    """The kernel that :func:`sparse_mla_fwd` runs for ``q`` [T, H, 576] (CUDA) under ``backend``
+    (``"auto"``, ``"flash_mla"``, ``"triton"``, or None: ``$KIMI_SPARSE_KERNEL``, default auto).
+
+    Raises:
+        ValueError: an unknown ``backend``. RuntimeError: ``"flash_mla"`` requested but it cannot run (says why).
+    """
+    choice = kernel_choice.resolve("sparse_mla_fwd", None if backend in (None, "auto") else backend)
+    why = flash_mla_takes(q)
+    if choice == "flash_mla":
+        if why is not None:
+            raise RuntimeError(f"backend: got 'flash_mla', but FlashMLA cannot run here: {why}")
+        return "flash_mla"
+    if choice == "triton":
+        return "triton"
+    return "flash_mla" if why is None else "triton"
 
 
 def sparse_mla_fwd(q, kv, indices, sm_scale, topk_length=None, d_v=D_V, *, backend="auto"):
@@ -503,22 +600,23 @@ def sparse_mla_fwd(q, kv, indices, sm_scale, topk_length=None, d_v=D_V, *, backe
         sm_scale: softmax scale; ``192 ** -0.5`` for K3.1 (spec 3.3), NOT ``576 ** -0.5``.
         topk_length: optional ``[T]`` int32; entries at positions ``>= topk_length[t]`` are skipped.
         d_v: must be 512.
-        backend: ``"auto"`` (FlashMLA if importable, else Triton), ``"flash_mla"`` or ``"triton"``.
+        backend: ``"auto"`` (``$KIMI_SPARSE_KERNEL`` if set, else FlashMLA where it runs, else Triton),
+            ``"flash_mla"`` or ``"triton"``; None is the same as ``"auto"``. The kernel that ran is recorded in
+            ``kernels_torch.kernel_choice.used()``.
 
     Returns:
         ``out [T, H, 512]`` bf16, ``max_logits [T, H]`` fp32 (max of ``sm_scale * q.k``, -inf on empty rows),
         ``lse [T, H]`` fp32 natural-log log-sum-exp of the scaled logits (+inf on empty rows, where out is 0).
 
     Raises:
-        TypeError / ValueError naming the argument, value and expectation (shape, dtype, device);
-        RuntimeError if the requested backend is not available.
+        TypeError / ValueError naming the argument, value and expectation (shape, dtype, device, backend);
+        RuntimeError if the requested backend cannot run here.
     """
-    q, kv, indices, topk_length = _check_inputs(q, kv, indices, topk_length, d_v, fast=True)
-    if backend not in ("auto", "flash_mla", "triton"):
+    if backend not in (None, "auto", "flash_mla", "triton"):
         raise ValueError(f"backend: got {backend!r}, expected 'auto', 'flash_mla' or 'triton'")
-    if backend == "flash_mla" and _flash_mla_sparse_fwd is None:
-        raise RuntimeError("backend: got 'flash_mla', but no flash_mla module with flash_mla_sparse_fwd imports")
-    use_flash = _flash_mla_sparse_fwd is not None and backend != "triton" and q.shape[1] <= 128
-    if use_flash:
+    q, kv, indices, topk_length = _check_inputs(q, kv, indices, topk_length, d_v, fast=True)
+    kernel = sparse_mla_fwd_kernel(q, backend)
+    kernel_choice.record("sparse_mla_fwd", kernel)
+    if kernel == "flash_mla":
         return _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length)
     return _sparse_mla_fwd_triton(q, kv, indices, sm_scale, topk_length)

@@ -1,6 +1,8 @@
-"""GPU checks of the KDA layer under ``backend='cudnn'`` (fla-core Triton kernels, ``kernels_torch.kda._kda_layer_fla``)
-against the pure-torch eager layer: forward (out, final state, conv states), packed documents, decode, and the
-gradients of every parameter and of x. Spec ``architecture.md`` section 2; cases 1-7.
+"""GPU checks of the KDA layer under ``backend='cudnn'`` (``kernels_torch.kda._kda_layer_fast``) on both recurrence
+kernels (``kda_kernel`` = ``cudnn``: cuDNN Frontend's KDA op; ``fla``: fla-core's ``chunk_kda``) against the pure-torch
+eager layer: forward (out, final state, conv states), packed documents, decode, the gradients of every parameter and
+of x, the recurrence alone with non-zero initial states (and its gradient), and bitwise reproducible forwards. Spec
+``architecture.md`` section 2; cases 1-7.
 
 The cudnn layer runs in bf16 with the checkpoint dtypes (bf16 projections, fp32 conv / A_log / dt_bias / o_norm); the
 eager reference runs in fp32 on the same bf16-rounded values, so the errors below are the bf16 pipeline's error
@@ -11,10 +13,13 @@ Every measured error is printed as ``KDA_ERR <test> <tensor> <value>``.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import kernels_torch.kda as tk
+from kernels_torch import kernel_choice
 from kimi.config import load_config
 from kimi.layout import param_layout
 
@@ -32,7 +37,27 @@ TOL_GRAD = {  # per tensor, bf16 cudnn vs fp32 eager
     "dt_bias": 5e-2,  # [H*K]
     "o_norm.weight": 3e-2,
 }
+TOL_REC = {"o": 1e-2, "S": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "dg": 3e-2, "dbeta": 2e-2, "dS0": 2e-2}
 DEVICE = "cuda"
+# KIMI_TEST_KDA_KERNELS narrows the kernels (e.g. "cudnn" when fla was checked in an earlier run: its autotuning is slow)
+KERNELS = os.environ.get("KIMI_TEST_KDA_KERNELS", "cudnn,fla").split(",")
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """The recurrence kernel under test; cuDNN's is skipped (with the reason) where its op cannot run."""
+    if request.param == "cudnn":
+        why = tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
+        if why is not None:
+            pytest.skip(f"cuDNN KDA: {why}")
+    kernel_choice.reset_used()
+    return request.param
+
+
+def ran_on(kernel):
+    """Every KDA call since the fixture ran on ``kernel`` (no silent fallback)."""
+    got = kernel_choice.used().get("kda", {})
+    assert set(got) == {kernel}, f"KDA calls ran on {got}, expected only {kernel!r}"
 
 
 def configs():
@@ -53,7 +78,7 @@ def report(test: str, name: str, value: float) -> float:
     return value
 
 
-def layer_pair(cfg, seed: int):
+def layer_pair(cfg, seed: int, kernel: str | None = None):
     """(cudnn layer with checkpoint dtypes, eager fp32 layer with the same bf16-rounded values), both on the GPU.
     Random weights: linear N(0, 1/in), conv 0.5 N(0,1), A_log log U(1, 16), dt_bias N(0,1), o_norm 1 + 0.1 N(0,1)."""
     i = cfg.kda_layers[0]
@@ -75,7 +100,10 @@ def layer_pair(cfg, seed: int):
             r = r * shape[-1] ** -0.5
         dt = torch.bfloat16 if s.dtype == "bfloat16" else torch.float32
         vals[name], dtypes[name] = r.to(dt), dt
+    if kernel == "cudnn" and cfg.gate_lower_bound is None:
+        pytest.skip("cuDNN's KDA engine declines the unbounded softplus gate: test_unbounded_gate_runs_on_fla")
     fast = tk.KimiDeltaAttention(cfg, i, backend="cudnn").to(DEVICE)
+    fast.kda_kernel = kernel
     ref = tk.KimiDeltaAttention(cfg, i, backend="eager").to(DEVICE)
     for n, p in fast.named_parameters():
         p.data = vals[n].clone()
@@ -109,12 +137,27 @@ def check_forward(test, fast, ref, x16, x32, cu=None, cache16=None, cache32=None
 
 
 @pytest.mark.parametrize("gate", list(configs()))
-@pytest.mark.parametrize("T", [1, 63, 2049, 4096])
-def test_forward_matches_eager(T, gate):
+@pytest.mark.parametrize("T", [1, 63, 2049, 8192])
+def test_forward_matches_eager(T, gate, kernel):
     cfg = configs()[gate]
-    fast, ref = layer_pair(cfg, seed=T)
+    fast, ref = layer_pair(cfg, seed=T, kernel=kernel)
     x16, x32 = inputs(cfg, 2 if T < 4096 else 1, T, seed=T + 1)
-    check_forward(f"fwd[{gate}-T{T}]", fast, ref, x16, x32)
+    check_forward(f"fwd[{kernel}-{gate}-T{T}]", fast, ref, x16, x32)
+    ran_on(kernel)
+
+
+@pytest.mark.parametrize("gate", list(configs()))
+def test_forward_bitwise_reproducible(gate, kernel):
+    """Two forward calls on the same inputs give identical bits (activation recomputation relies on it)."""
+    cfg = configs()[gate]
+    fast, _ = layer_pair(cfg, seed=7, kernel=kernel)
+    x16, _ = inputs(cfg, 1, 2049, seed=8)
+    cu = torch.tensor([0, 1, 700, 2049])
+    with torch.no_grad():
+        a, ca = fast(x16, cu_seqlens=cu)
+        b, cb = fast(x16, cu_seqlens=cu)
+    assert torch.equal(a, b) and torch.equal(ca.S, cb.S)
+    ran_on(kernel)
 
 
 CU = {
@@ -126,13 +169,15 @@ CU = {
 
 @pytest.mark.parametrize("gate", list(configs()))
 @pytest.mark.parametrize("cu_name", list(CU))
-def test_packed_documents_match_eager(cu_name, gate):
+def test_packed_documents_match_eager(cu_name, gate, kernel):
     """Cases 4-5: conv window and state reset at every document start (B = 1, contiguous documents)."""
     cfg = configs()[gate]
     cu = CU[cu_name]
-    fast, ref = layer_pair(cfg, seed=len(cu))
+    fast, ref = layer_pair(cfg, seed=len(cu), kernel=kernel)
     x16, x32 = inputs(cfg, 1, cu[-1], seed=cu[1])
-    out, c = check_forward(f"packed[{gate}-{cu_name}]", fast, ref, x16, x32, cu=torch.tensor(cu, dtype=torch.int64))
+    out, c = check_forward(
+        f"packed[{kernel}-{gate}-{cu_name}]", fast, ref, x16, x32, cu=torch.tensor(cu, dtype=torch.int64)
+    )
     # int32 on the GPU and a plain list give the same result
     with torch.no_grad():
         out32, c32 = fast(x16, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEVICE))
@@ -143,6 +188,7 @@ def test_packed_documents_match_eager(cu_name, gate):
         whole, _ = fast(x16)
     starts = torch.tensor([s + j for s, e in zip(cu[1:-1], cu[2:]) for j in range(min(3, e - s))], device=DEVICE)
     assert rel(whole[:, starts], out[:, starts]) > 10 * TOL_OUT
+    ran_on(kernel)
 
 
 def test_fla_chunk_kda_cu_seqlens_int32_and_int64():
@@ -190,11 +236,11 @@ def test_fla_chunk_kda_cu_seqlens_int32_and_int64():
 
 
 @pytest.mark.parametrize("gate", list(configs()))
-def test_prefill_then_decode_matches_full_prefill(gate):
+def test_prefill_then_decode_matches_full_prefill(gate, kernel):
     """Case 3 and the decode cache: prefill T-8 then 8 single-token steps (chunk mode through fla with a cache, and
     recurrent mode through the torch recurrence) equals one prefill of T, and both match eager fp32."""
     cfg = configs()[gate]
-    fast, ref = layer_pair(cfg, seed=40)
+    fast, ref = layer_pair(cfg, seed=40, kernel=kernel)
     T = 72
     x16, x32 = inputs(cfg, 2, T, seed=41)
     with torch.no_grad():
@@ -207,8 +253,8 @@ def test_prefill_then_decode_matches_full_prefill(gate):
                 steps.append(o_t)
             out = torch.cat(steps, dim=1)
             e_out, e_S = (
-                report(f"decode[{gate}-{mode}]", "out", rel(out, full_r)),
-                report(f"decode[{gate}-{mode}]", "S", rel(c.S, c_full_r.S)),
+                report(f"decode[{kernel}-{gate}-{mode}]", "out", rel(out, full_r)),
+                report(f"decode[{kernel}-{gate}-{mode}]", "S", rel(c.S, c_full_r.S)),
             )
             assert e_out <= TOL_OUT and e_S <= TOL_STATE
             assert rel(c.conv_v, c_full_r.conv_v) <= TOL_CONV
@@ -234,36 +280,129 @@ def _tol_for(name: str) -> tuple[str, float]:
     return name, TOL_GRAD[name]
 
 
+_EAGER_GRADS: dict = {}
+
+
+def _eager_grads(cfg, gate, B, T, cu):
+    """Eager fp32 out and gradients of x and every parameter for loss <out, dout> (cached: both kernels share them)."""
+    key = (gate, B, T, None if cu is None else tuple(cu))
+    if key not in _EAGER_GRADS:
+        _, ref = layer_pair(cfg, seed=50)
+        _, x32 = inputs(cfg, B, T, seed=51)
+        x32.requires_grad_(True)
+        gen = torch.Generator(device=DEVICE).manual_seed(52)
+        dout = torch.randn(B, T, cfg.hidden_size, device=DEVICE, generator=gen).to(torch.bfloat16)
+        out_r, _ = ref(x32, cu_seqlens=cu)
+        out_r.backward(dout.float())
+        grads = {n: p.grad.detach() for n, p in ref.named_parameters()}
+        _EAGER_GRADS.clear()  # keep one entry: the large ones are hundreds of MB
+        _EAGER_GRADS[key] = (out_r.detach(), x32.grad.detach(), grads, dout)
+    return _EAGER_GRADS[key]
+
+
+GRAD_CASES = {  # name -> (B, T, cu_seqlens)
+    "T1": (2, 1, None),
+    "T63": (2, 63, None),
+    "T2049": (1, 2049, None),
+    "T8192": (1, 8192, None),
+    "packed_len1": (1, 400, [0, 1, 100, 130, 400]),
+}
+
+
 @pytest.mark.parametrize("gate", list(configs()))
-@pytest.mark.parametrize("cu", [None, [0, 100, 130, 400]], ids=["batch", "packed"])
-def test_gradients_match_eager(gate, cu):
-    """dx and the gradient of every parameter, cudnn (bf16) against eager (fp32 autograd through the pure-torch chunk
-    form), loss = <out, dout> with random dout."""
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_gradients_match_eager(gate, case, kernel):
+    """dx and the gradient of every parameter, cudnn backend (bf16) against eager (fp32 autograd through the
+    pure-torch chunk form), loss = <out, dout> with random dout; T in {1, 63, 2049, 8192} and packed documents with a
+    length-1 document."""
     cfg = configs()[gate]
-    fast, ref = layer_pair(cfg, seed=50)
-    B, T = (2, 300) if cu is None else (1, cu[-1])
-    x16, x32 = inputs(cfg, B, T, seed=51)
+    B, T, cu = GRAD_CASES[case]
+    out_r, dx_r, grads_r, dout = _eager_grads(cfg, gate, B, T, cu)
+    fast, _ = layer_pair(cfg, seed=50, kernel=kernel)
+    x16, _ = inputs(cfg, B, T, seed=51)
     x16.requires_grad_(True)
-    x32.requires_grad_(True)
-    gen = torch.Generator(device=DEVICE).manual_seed(52)
-    dout = torch.randn(B, T, cfg.hidden_size, device=DEVICE, generator=gen).to(torch.bfloat16)
     out, _ = fast(x16, cu_seqlens=cu)
     out.backward(dout)
-    out_r, _ = ref(x32, cu_seqlens=cu)
-    out_r.backward(dout.float())
-    test = f"grad[{gate}-{'batch' if cu is None else 'packed'}]"
+    test = f"grad[{kernel}-{gate}-{case}]"
     failures = []
-    errs = {"out": report(test, "out", rel(out, out_r)), "x": report(test, "dx", rel(x16.grad, x32.grad))}
+    errs = {"out": report(test, "out", rel(out, out_r)), "x": report(test, "dx", rel(x16.grad, dx_r))}
     if errs["out"] > TOL_OUT:
         failures.append(("out", errs["out"], TOL_OUT))
     if errs["x"] > TOL_GRAD["x"]:
         failures.append(("dx", errs["x"], TOL_GRAD["x"]))
-    ref_params = dict(ref.named_parameters())
     for n, p in fast.named_parameters():
         assert p.grad is not None, f"{n}: no gradient through the cudnn path"
         assert p.grad.dtype == p.dtype
-        e = report(test, "d" + n, rel(p.grad, ref_params[n].grad))
+        e = report(test, "d" + n, rel(p.grad, grads_r[n]))
         _, tol = _tol_for(n)
         if e > tol:
             failures.append((n, e, tol))
+    ran_on(kernel)
     assert not failures, f"relative errors over tolerance: {failures}"
+
+
+# ------------------------------------------------------------------------------------------------ the recurrence alone
+
+
+def _recurrence(kernel, q, k, v, g, beta, S0, cu):
+    """o, S of one kernel on L2-normalised bf16 q/k, bf16 v, fp32 log-space g and beta, fp32 S0 [N, H, K, V]."""
+    if kernel == "cudnn":
+        return tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, cu)
+    from fla.ops.kda import chunk_kda
+
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device=DEVICE)
+    return chunk_kda(
+        q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=S0, output_final_state=True, cu_seqlens=cu_t
+    )
+
+
+@pytest.mark.parametrize("case", ["T63", "T2049_init", "packed_len1_init"])
+def test_recurrence_matches_eager(case, kernel):
+    """The recurrence alone against ``kda_chunk`` in fp32: o, the final state and dq, dk, dv, dg, dbeta and the gradient
+    of a non-zero initial state (K-first [N, H, K, V]; the cuDNN op's V-first layout is converted inside), K = V = 128."""
+    T, cu, with_S0 = {"T63": (63, None, False), "T2049_init": (2049, None, True)}.get(
+        case, (700, [0, 1, 300, 301, 700], True)
+    )
+    H, K = 8, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(T)
+    N = 1 if cu is None else len(cu) - 1
+    rn = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    q = tk.l2norm(rn(1, T, H, K)).to(torch.bfloat16)
+    k = tk.l2norm(rn(1, T, H, K)).to(torch.bfloat16)
+    v = rn(1, T, H, K).to(torch.bfloat16)
+    g = -5 * torch.sigmoid(rn(1, T, H, K))  # the K3 gate's range (-5, 0)
+    beta = torch.sigmoid(rn(1, T, H))
+    S0 = 0.5 * rn(N, H, K, K) if with_S0 else None
+    do, dS = rn(1, T, H, K).to(torch.bfloat16), rn(N, H, K, K)
+    leaves = {"q": q, "k": k, "v": v, "g": g, "beta": beta} | ({"S0": S0} if with_S0 else {})
+    fast = {n: t.clone().requires_grad_(True) for n, t in leaves.items()}
+    ref = {n: t.double().requires_grad_(True) for n, t in leaves.items()}
+    o, S = _recurrence(kernel, *(fast[n] for n in ("q", "k", "v", "g", "beta")), fast.get("S0"), cu)
+    ((o.float() * do.float()).sum() + (S * dS).sum()).backward()
+    o_r, S_r = tk.kda_chunk(*(ref[n] for n in ("q", "k", "v", "g", "beta")), initial_state=ref.get("S0"), cu_seqlens=cu)
+    ((o_r * do.double()).sum() + (S_r * dS.double()).sum()).backward()
+    test = f"rec[{kernel}-{case}]"
+    errs = {"o": rel(o, o_r), "S": rel(S, S_r)}
+    errs |= {"d" + n: rel(fast[n].grad, ref[n].grad) for n in ("q", "k", "v", "g", "beta")}
+    if with_S0:
+        errs["dS0"] = rel(fast["S0"].grad, ref["S0"].grad)
+    for n, e in errs.items():
+        report(test, n, e)
+    bad = {n: e for n, e in errs.items() if not e <= TOL_REC[n]}
+    assert not bad, f"{test}: relative errors over tolerance {bad}"
+
+
+def test_unbounded_gate_runs_on_fla():
+    """The softplus gate (gate_lower_bound None): auto runs fla (cuDNN's engine gave NaN there on the H200), and a
+    forced cuDNN kernel says why it cannot run."""
+    cfg = configs()["kimi_linear_softplus"]
+    if tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE), 128, 128) is not None:
+        pytest.skip("no cuDNN KDA op here")
+    fast, ref = layer_pair(cfg, seed=60, kernel="auto")
+    x16, x32 = inputs(cfg, 1, 300, seed=61)
+    kernel_choice.reset_used()
+    check_forward("unbounded_gate[auto]", fast, ref, x16, x32)
+    ran_on("fla")
+    fast.kda_kernel = "cudnn"
+    with pytest.raises(RuntimeError, match="gate_lower_bound=None"):
+        fast(x16)

@@ -1,0 +1,80 @@
+"""Which GPU kernel runs the two hot ops of the ``cudnn`` backend, how a user picks it, and a record of what ran.
+
+Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
+
+* ``sparse_mla_fwd`` (DSA sparse MLA forward): ``flash_mla`` (FlashMLA's ``flash_mla_sparse_fwd``; SM90 legacy
+  kernels, SM100 current ones; 96 heads padded to 128) or ``triton`` (ours, ``kernels_torch.ops.sparse_mla``).
+* ``kda`` (the KDA recurrence in chunk mode): ``cudnn`` (cuDNN Frontend's ``torch.ops.cudnn.kimi_delta_attention_fwd``,
+  engine ``kda_hopper_cuda`` on SM90) or ``fla`` (fla-core's ``chunk_kda``).
+
+Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
+``kda_kernel`` attribute that ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)`` sets), then
+the environment variables ``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL``, then ``auto`` (the fast kernel where it is
+importable and takes the shape, else the other one). A forced kernel that cannot run raises; ``auto`` falls back.
+
+Every call records the kernel that actually ran (:func:`record`); :func:`used` returns the counts since the last
+:func:`reset_used`, which ``kimi compare --json`` and the benchmarks write beside their numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+__all__ = ["CHOICES", "ENV_VARS", "resolve", "record", "used", "reset_used", "set_model_kernels"]
+
+CHOICES = {"sparse_mla_fwd": ("auto", "flash_mla", "triton"), "kda": ("auto", "cudnn", "fla")}
+ENV_VARS = {"sparse_mla_fwd": "KIMI_SPARSE_KERNEL", "kda": "KIMI_KDA_KERNEL"}
+_USED: dict[str, Counter] = {}
+
+
+def resolve(op: str, explicit: str | None = None) -> str:
+    """The requested kernel of ``op``: ``explicit`` if given (not None), else ``$KIMI_..._KERNEL``, else ``"auto"``.
+
+    Raises:
+        ValueError: an unknown ``op``, or a value outside :data:`CHOICES` (naming where it came from).
+    """
+    if op not in CHOICES:
+        raise ValueError(f"op: got {op!r}, expected one of {list(CHOICES)}")
+    if explicit is not None:
+        value, where = explicit, "kernel argument"
+    else:
+        value, where = os.environ.get(ENV_VARS[op], "auto") or "auto", f"${ENV_VARS[op]}"
+    if value not in CHOICES[op]:
+        raise ValueError(f"{where}: got {value!r} for {op}, expected one of {list(CHOICES[op])}")
+    return value
+
+
+def record(op: str, kernel: str) -> None:
+    """Count one call of ``op`` that ran on ``kernel``."""
+    _USED.setdefault(op, Counter())[kernel] += 1
+
+
+def used() -> dict[str, dict[str, int]]:
+    """``{op: {kernel: calls}}`` since the last :func:`reset_used` (a copy)."""
+    return {op: dict(c) for op, c in _USED.items()}
+
+
+def reset_used() -> None:
+    """Forget the recorded calls."""
+    _USED.clear()
+
+
+def set_model_kernels(model, sparse_kernel: str | None = None, kda_kernel: str | None = None):
+    """Set the kernel choice on every layer of ``model`` (a ``torch.nn.Module``) that has one: the DSA layers'
+    ``sparse_kernel`` and the KDA layers' ``kda_kernel``. None leaves a choice as it is (the default: environment,
+    then auto). Returns ``model``.
+
+    Raises:
+        ValueError: a value outside :data:`CHOICES`.
+    """
+    if sparse_kernel is not None:
+        resolve("sparse_mla_fwd", sparse_kernel)
+    if kda_kernel is not None:
+        resolve("kda", kda_kernel)
+    for m in model.modules():
+        if sparse_kernel is not None and hasattr(m, "sparse_kernel"):
+            m.sparse_kernel = sparse_kernel
+        if kda_kernel is not None and hasattr(m, "kda_kernel"):
+            m.kda_kernel = kda_kernel
+    return model

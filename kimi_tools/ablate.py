@@ -1,0 +1,352 @@
+"""``kimi ablate``: a grid of config overrides against one checkpoint (torch path, CPU or GPU).
+
+    kimi ablate [--checkpoint DIR | --preset NAME] --set index_topk=16,32,dense --set gate_lower_bound=-5,none \\
+        --out DIR [--text FILE] [--tokens N] [--seq-len N] [--train-steps N --data PATH ...]
+
+Every combination of the ``--set`` values is one *cell*: the checkpoint's weights under the overridden config
+(``KimiConfig.replace``, validated; an override that changes the tensor layout is refused by the loader, naming the
+tensor). Value words: ``dense`` (``index_topk`` only: every visible key selected, spec 9), ``none`` (null); anything
+else is parsed as JSON, else kept as a string. Per cell:
+
+* ``eval_loss``: mean next-token cross-entropy on held-out text (``--text``, default the bundled Alice chapter; the
+  first ``--tokens`` tokens in rows of ``--seq-len``);
+* ``indexer_recall``: share of the dense head-summed attention mass on the selected keys, averaged over queries and
+  DSA layers (1 when every visible key is selected; :func:`kimi_tools.distill.model_recall`);
+* per-layer error against the unchanged model (``kimi_tools.compare``: each layer of the variant is fed the unchanged
+  model's inputs of that layer, so a row is that layer's own change; relative error of the attention output, the MLP
+  output and the residual), columns ``attn_rel.{i}``, ``residual_rel.{i}``, and the end-to-end ``logits_rel``.
+
+With ``--train-steps N`` each cell is instead trained N steps from the same checkpoint with ``kimi train``'s API
+(:func:`kimi_tools.train.train`, ``--stage``, on ``--data``; the run folders under ``DIR/runs/``), and ``eval_loss`` is
+that run's final held-out loss (``eval_lm_loss`` for distillation stages), recall measured on the trained weights.
+
+Output in ``--out``: ``ablate.csv`` and ``ablate.json`` (one row per finished cell, rewritten atomically after each
+cell), ``ablate.png`` (eval loss and recall per cell). A re-run skips the cells whose row is present (same cell key,
+mode and text). Progress: a tqdm bar over the cells on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import itertools
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, write_atomic
+
+__all__ = ["parse_grid", "cell_config", "run_grid", "add_parser", "cmd_ablate"]
+
+
+def _value(key: str, word: str) -> Any:
+    if word == "dense":
+        if key != "index_topk":
+            raise CliError(f"--set: got {key}=dense; 'dense' applies to index_topk only")
+        from kimi_tools.distill import DENSE_TOPK
+
+        return DENSE_TOPK
+    if word in ("none", "null"):
+        return None
+    try:
+        return json.loads(word)
+    except json.JSONDecodeError:
+        return word
+
+
+def parse_grid(sets: list[str], fields: set[str]) -> list[dict[str, tuple[str, Any]]]:
+    """``["index_topk=16,dense", "gate_lower_bound=-5,none"]`` -> one dict per cell, ``{key: (word, value)}``, in
+    row-major order (the first ``--set`` varies slowest).
+
+    Raises:
+        CliError: an item without ``=``, an unknown key, an empty value list or a key given twice.
+    """
+    axes = []
+    seen = set()
+    for item in sets:
+        key, sep, values = item.partition("=")
+        if not sep or key not in fields:
+            raise CliError(f"--set: got {item!r}, expected key=v1,v2,... with key one of the config fields")
+        if key in seen:
+            raise CliError(f"--set: {key} given twice; list its values once (e.g. {key}=a,b)")
+        seen.add(key)
+        words = [w.strip() for w in values.split(",") if w.strip()]
+        if not words:
+            raise CliError(f"--set: got {item!r}, expected at least one value after '='")
+        axes.append([(key, w, _value(key, w)) for w in words])
+    return [{k: (w, v) for k, w, v in combo} for combo in itertools.product(*axes)]
+
+
+def cell_key(cell: dict[str, tuple[str, Any]]) -> str:
+    return ",".join(f"{k}={w}" for k, (w, _) in cell.items()) or "(unchanged)"
+
+
+def cell_config(base, cell: dict[str, tuple[str, Any]]):
+    """The base ``KimiConfig`` with the cell's overrides (validated: a bad value raises ConfigError naming it)."""
+    return base.replace(**{k: v for k, (_, v) in cell.items()}) if cell else base
+
+
+def _build(cfg, params, backend: str, device: str):
+    import torch
+
+    from kernels_torch.model import KimiK3Model
+
+    with torch.device("meta"):
+        model = KimiK3Model(cfg, backend=backend)
+    model.load_state_dict(params, strict=True, assign=True)
+    return model.to(device).float().eval()
+
+
+def _eval(model, rows, device: str) -> tuple[float, float | None]:
+    """(mean next-token loss over the rows, mean indexer recall or None without DSA layers)."""
+    import torch
+    import torch.nn.functional as F
+
+    from kimi_tools.distill import model_recall
+
+    total, n, recalls = 0.0, 0, []
+    with torch.no_grad():
+        for row in rows:
+            ids = row[None].to(device)
+            logits = model(ids)
+            total += float(F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum"))
+            n += ids.shape[1] - 1
+            rec = model_recall(model, ids)
+            if rec:
+                recalls.append(sum(rec.values()) / len(rec))
+    return total / max(n, 1), (sum(recalls) / len(recalls) if recalls else None)
+
+
+def _layer_errors(model, ref, kinds, ids, device) -> dict[str, float]:
+    """Per-layer (layer-local) and logits errors of ``model`` against the unchanged model's run ``ref``."""
+    import numpy as np
+    import torch
+
+    from kimi_tools.compare import RunResult, _layer_local, compare_runs
+
+    def to_np(t):
+        t = t.detach().cpu()
+        return t.float().numpy() if t.is_floating_point() else t.numpy()
+
+    with torch.no_grad():
+        logits = model(torch.as_tensor(np.asarray(ids), device=device)[None])
+    layers = _layer_local(model, ref, to_np, device)
+    for row in layers:  # the selection itself is what the override changes: measure its effect, not its agreement
+        row.pop("topk_indices", None)
+    rep = compare_runs(ref, RunResult("variant", to_np(logits)[0], layers), kinds)
+    out: dict[str, float] = {"logits_rel": rep.logits_rel}
+    for r in rep.layers:
+        out[f"attn_rel.{r.layer}"] = r.attn_rel
+        out[f"residual_rel.{r.layer}"] = r.residual_rel
+    return out
+
+
+def _write(out: Path, rows: list[dict[str, Any]]) -> None:
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    write_atomic(out / "ablate.csv", buf.getvalue().encode())
+    write_atomic(out / "ablate.json", json.dumps(rows, indent=1).encode())
+
+
+def _plot(out: Path, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["cell"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(rows) + 4), 4))
+    axes[0].bar(range(len(rows)), [r["eval_loss"] for r in rows], color="C0")
+    axes[0].set_ylabel("eval loss (nats/token)")
+    rec = [r["indexer_recall"] if r["indexer_recall"] is not None else math.nan for r in rows]
+    axes[1].bar(range(len(rows)), rec, color="C1")
+    axes[1].set_ylabel("indexer recall")
+    axes[1].set_ylim(0, 1.05)
+    for ax in axes:
+        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+    fig.suptitle("kimi ablate")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    write_atomic(out / "ablate.png", buf.getvalue())
+
+
+def run_grid(
+    checkpoint: str | Path,
+    sets: list[str],
+    out: str | Path,
+    *,
+    text: str | Path | None = None,
+    tokens: int = 512,
+    seq_len: int = 256,
+    backend: str = "eager",
+    device: str = "cpu",
+    train_steps: int | None = None,
+    train_kwargs: dict[str, Any] | None = None,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """Run (or continue) the grid; returns every row of ``DIR/ablate.json`` (earlier runs included).
+
+    Args:
+        checkpoint: the model (config.json + safetensors). sets: ``["key=v1,v2", ...]``. out: the output folder.
+        text: held-out text (default the bundled Alice chapter); tokens / seq_len: how much of it, in rows of.
+        backend / device: the torch backend and device of the evaluations.
+        train_steps: train each cell this many steps first (``kimi_tools.train``), with ``train_kwargs`` passed to
+            ``TrainArgs`` (``data`` required; ``stage``, ``lr``, ``seq_len``, ...).
+
+    Raises:
+        CliError: bad ``--set`` items, missing text/data; ValueError (ConfigError, CheckpointError): a bad override
+        value, or one that changes the tensor layout.
+    """
+    import torch
+
+    from kimi.checkpoint import CheckpointReader, load_params
+    from kimi.tokenizer import load_tokenizer, read_text
+    from kimi_tools.compare import run_torch
+
+    out = Path(out)
+    reader = CheckpointReader(checkpoint)
+    base = reader.config
+    fields = set(base.__dataclass_fields__) - {"raw"}
+    cells = parse_grid(sets, fields)
+    for cell in cells:  # validate every override before any work
+        cell_config(base, cell)
+    text = Path(text or DEFAULT_TEXT)
+    if not text.is_file():
+        raise CliError(f"--text: no file at {text}")
+    ids = load_tokenizer(checkpoint, base.vocab_size).encode(read_text(text))[:tokens]
+    if len(ids) < 2:
+        raise CliError(f"--text: {text} gives {len(ids)} tokens, expected at least 2")
+    rows_ids = [
+        torch.tensor(ids[i : i + seq_len]) for i in range(0, len(ids), seq_len) if len(ids[i : i + seq_len]) > 1
+    ]
+    mode = f"train{train_steps}" if train_steps else "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    done: list[dict[str, Any]] = []
+    if (out / "ablate.json").is_file():
+        done = json.loads((out / "ablate.json").read_text(encoding="utf-8"))
+    finished = {(r["cell"], r["mode"], r["text"], r["tokens"]) for r in done}
+    todo = [c for c in cells if (cell_key(c), mode, text.name, len(ids)) not in finished]
+
+    params = load_params(reader, base)
+    ref = None
+    if todo and not train_steps:
+        ref = run_torch(checkpoint, ids[:seq_len], backend="eager", device=device)  # the unchanged model, per layer
+    kinds = [base.layer_type(i) for i in range(base.num_hidden_layers)]
+
+    from tqdm.auto import tqdm
+
+    for cell in tqdm(todo, desc="ablate", unit="cell", disable=quiet):
+        cfg = cell_config(base, cell)
+        row: dict[str, Any] = {"cell": cell_key(cell), **{k: w for k, (w, _) in cell.items()}}
+        row.update(mode=mode, text=text.name, tokens=len(ids))
+        if train_steps:
+            res = _train_cell(checkpoint, cfg, cell, out, train_steps, train_kwargs or {})
+            model = _build(cfg, load_params(CheckpointReader(res.out), cfg), backend, device)
+            last = [r for r in res.records if r.get("eval_loss") is not None][-1]
+            row["train_eval_loss"] = last.get("eval_lm_loss", last["eval_loss"])
+            row["eval_loss"], row["indexer_recall"] = _eval(model, rows_ids, device)
+        else:
+            model = _build(cfg, params, backend, device)
+            row["eval_loss"], row["indexer_recall"] = _eval(model, rows_ids, device)
+            row.update(_layer_errors(model, ref, kinds, ids[:seq_len], device))
+        done.append(row)
+        _write(out, done)  # one row per finished cell, never a half-written file
+    if done:
+        _plot(out, done)
+    return done
+
+
+def _train_cell(checkpoint, cfg, cell, out: Path, steps: int, kwargs: dict[str, Any]):
+    """Train one cell from ``checkpoint`` under ``cfg``: a folder of links to the weights plus the cell's config."""
+    import os
+
+    from kimi_tools.train import TrainArgs, train
+
+    if not kwargs.get("data"):
+        raise CliError("--train-steps: needs --data (the training text)")
+    run_dir = out / "runs" / cell_key(cell).replace("/", "_").replace(",", "__")
+    src = Path(checkpoint).resolve()
+    with tempfile.TemporaryDirectory(prefix="kimi-ablate-") as tmp:
+        for f in src.iterdir():
+            if f.name != "config.json" and f.is_file():
+                os.symlink(f, Path(tmp) / f.name)
+        write_atomic(Path(tmp) / "config.json", json.dumps(cfg.to_dict(), indent=1).encode())
+        if run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)  # an unfinished earlier attempt: start the cell over
+        args = {"steps": steps, "eval_every": steps, "quiet": True, "warmup_steps": 0, **kwargs}
+        return train(TrainArgs(out=str(run_dir), checkpoint=tmp, **args))
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("ablate", help="a grid of config overrides against one checkpoint (eval or train)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--checkpoint", metavar="DIR", help="the checkpoint (config.json + safetensors)")
+    g.add_argument("--preset", help="random init of a built-in config (default: tiny)")
+    p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a grid axis: config field and its values ('dense' = no top-k for index_topk; 'none' = null)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="where ablate.csv / .json / .png go (re-run: resume)")
+    p.add_argument("--text", metavar="FILE", help="held-out text (default: the bundled Alice chapter)")
+    p.add_argument("--tokens", type=positive_int, default=512, help="tokens of held-out text")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per evaluated row")
+    p.add_argument("--backend", choices=["eager", "sdpa"], default="eager")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--train-steps", type=positive_int, help="train each cell N steps first (kimi train's API)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="training text for --train-steps")
+    p.add_argument("--stage", default="lm", help="training stage for --train-steps (lm, indexer-warmup, sparse)")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate for --train-steps")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_ablate)
+    return p
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from kimi.config import load_config
+    from kimi.init import init_checkpoint
+
+    if not args.sets:
+        raise CliError("--set: give at least one grid axis, e.g. --set index_topk=16,32,dense")
+    with tempfile.TemporaryDirectory(prefix="kimi-") as tmp:
+        ckpt = args.checkpoint
+        if ckpt is None:
+            init_checkpoint(tmp, load_config(args.preset or "tiny"), seed=args.seed)
+            ckpt = tmp
+        train_kwargs = {"data": args.data, "stage": args.stage, "lr": args.lr, "seq_len": args.seq_len}
+        rows = run_grid(
+            ckpt,
+            args.sets,
+            args.out,
+            text=args.text,
+            tokens=args.tokens,
+            seq_len=args.seq_len,
+            backend=args.backend,
+            device=args.device,
+            train_steps=args.train_steps,
+            train_kwargs=train_kwargs,
+            quiet=args.quiet,
+        )
+    if not args.quiet:
+        for r in rows:
+            rec = "-" if r["indexer_recall"] is None else f"{r['indexer_recall']:.3f}"
+            print(f"{r['cell']:<40} {r['mode']:<8} eval loss {r['eval_loss']:.4f}  recall {rec}")
+        print(f"wrote {args.out}/ablate.csv, ablate.json, ablate.png")
+    return 0
