@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels_torch.cache import cached_causal_mask, key_count, write_rows
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
 from kimi.config import KimiConfig
 
@@ -154,7 +155,9 @@ class Indexer(nn.Module):
 
     ``forward(x, c_q, cu_seqlens=None) -> (topk_indices, scores)``: x ``[B, T, D]``, c_q ``[B, T, q_lora_rank]``;
     topk_indices ``[B, T, min(index_topk, T)]`` int32, scores ``[B, T, T]`` fp32 (unmasked); selection mask = causal
-    & same document.
+    & same document. With ``cache_k`` ``[B, S_max, KI]`` (``cache_pos``, ``lengths`` ``[B]``: see
+    ``kernels_torch.cache``) the new keys are written into it in place and scored with the cached ones, S =
+    ``max(cache_pos + lengths)``.
 
     Raises:
         NotImplementedError: at construction, ``config.indexer_rope`` other than "none" (case 11).
@@ -187,12 +190,18 @@ class Indexer(nn.Module):
         weights = F.linear(x.to(dt), self.weights_proj.weight.to(dt))  # [B, T, HI]
         return q_I, k_I, weights
 
-    def forward(self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None, cache_k=None, cache_pos=None, lengths=None):
         c = self.config
         B, T, D = x.shape
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, T, B)
         q_I, k_I, weights = self.projections(x, c_q)
+        if cache_k is not None:  # keys = the cached ones then this call's (kernels_torch.cache); written in place
+            S = key_count(cache_pos, lengths)
+            keys = write_rows(cache_k, k_I, cache_pos, lengths)[:, :S]  # [B, S, KI]
+            scores = indexer_scores(q_I, keys, weights)  # [B, T, S]
+            mask = cached_causal_mask(cache_pos, T, S, device=x.device)
+            return topk_indices(scores, mask, c.index_topk), scores
         scores = indexer_scores(q_I, k_I, weights)  # [B, T, S=T]
         mask = causal_document_mask(T, cu_seqlens, device=x.device)  # [T, S]
         return topk_indices(scores, mask, c.index_topk), scores

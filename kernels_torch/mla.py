@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels_torch.cache import MLACache, cached_causal_mask, key_count, write_rows
 from kernels_torch.common import RMSNorm, causal_document_mask, check_cu_seqlens, compute_dtype
 from kernels_torch.indexer import Indexer, sparse_mask
 from kimi.config import KimiConfig
@@ -204,10 +205,23 @@ class GatedMLA(nn.Module):
             if backend == "cudnn":  # hard top-k: no gradient reaches the indexer on the sparse path
                 self.indexer.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None, form: str = "expanded", return_aux: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens=None,
+        form: str = "expanded",
+        return_aux: bool = False,
+        cache: MLACache | None = None,
+        cache_pos: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ):
         c = self.config
         if form not in _FORMS:
             raise ValueError(f"form: got {form!r}, expected one of {list(_FORMS)}")
+        if self.backend == "cudnn" and cache is not None:
+            from kernels_torch.decode_cudnn import gated_mla_cached  # lazy: CPU machines never import the GPU path
+
+            return gated_mla_cached(self, x, cache, cache_pos, lengths, return_aux)
         if self.backend == "cudnn":
             from kernels_torch.dsa_cudnn import gated_mla_forward  # lazy: CPU machines never import the GPU path
 
@@ -218,24 +232,38 @@ class GatedMLA(nn.Module):
         H, Kn, R, V = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         c_q, q, q_nope, q_pe, c_kv, k_pe = self.project(x)  # 1.-2.
 
-        mask = causal_document_mask(T, cu_seqlens, device=x.device)  # [T, S]
+        if cache is None:  # keys = this call's tokens
+            S, keys_c_kv, keys_k_pe = T, c_kv, k_pe
+            mask = causal_document_mask(T, cu_seqlens, device=x.device)[None]  # [1, T, S]
+        else:  # keys = the cached rows then this call's (kernels_torch.cache); the cache is written in place
+            write_rows(cache.c_kv, c_kv, cache_pos, lengths)
+            write_rows(cache.k_pe, k_pe, cache_pos, lengths)
+            S = key_count(cache_pos, lengths)
+            keys_c_kv, keys_k_pe = cache.c_kv[:, :S], cache.k_pe[:, :S]  # [B, S, L], [B, S, R]
+            mask = cached_causal_mask(cache_pos, T, S, device=x.device)  # [B, T, S]
         aux: dict = {}
         if self.kind == "dsa":
-            topk, scores = self.indexer(x, c_q, cu_seqlens)
-            mask = mask[None] & sparse_mask(topk, T)  # re-apply causal/document after selection (spec 4.3)
+            if cache is None:
+                topk, scores = self.indexer(x, c_q, cu_seqlens)
+            else:
+                topk, scores = self.indexer(x, c_q, None, cache.index_k, cache_pos, lengths)
+            mask = mask & sparse_mask(topk, S)  # re-apply causal/document after selection (spec 4.3)
             aux = {"topk_indices": topk, "index_scores": scores}
 
+        mask = mask.expand(B, T, S)
         scale = c.mla_softmax_scale  # (Kn + R)^-1/2 in both forms (case 15)
         if form == "expanded":
-            kvb = self.kv_b_proj(c_kv).view(B, T, H, Kn + V)  # 3.
+            kvb = self.kv_b_proj(keys_c_kv).view(B, S, H, Kn + V)  # 3.
             k_nope, v = kvb[..., :Kn], kvb[..., Kn:]
-            k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, H, R)], dim=-1)  # 4. [B, S, H, Kn+R]
+            k = torch.cat([k_nope, keys_k_pe[:, :, None, :].expand(B, S, H, R)], dim=-1)  # 4. [B, S, H, Kn+R]
             o = mla_attention(q, k, v, mask, scale, backend=self.backend)  # 5. [B, T, H, V]
         else:
             o = mla_attention_absorbed(
-                q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight, mask, scale, backend=self.backend
+                q_nope, q_pe, keys_c_kv, keys_k_pe, self.kv_b_proj.weight, mask, scale, backend=self.backend
             )
         out = self.gate_and_project_out(o, x)  # 6.-8.
+        if cache is not None:
+            return (out, aux, cache) if return_aux else (out, cache)
         return (out, aux) if return_aux else out
 
     def project(self, x: torch.Tensor):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels_torch.attn_res import attn_res_mix
+from kernels_torch.cache import check_cache, kda_step
 from kernels_torch.common import RMSNorm
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.kernel_choice import set_model_kernels
@@ -64,9 +65,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(c, c.intermediate_size)
 
-    def attention(self, h, cu_seqlens=None, mla_form="expanded"):
+    def attention(self, h, cu_seqlens=None, mla_form="expanded", step=None):
         """Twin of ``reference_jax.model.DecoderLayer.attention``: ``h`` [B, T, D] -> (out [B, T, D], aux)."""
         x = self.input_layernorm(h)
+        if step is not None:  # a cached call (kernels_torch.cache): the layer's new cache goes into aux["cache"]
+            layer_cache = step.layers[self.layer_idx]
+            if self.config.layer_type(self.layer_idx) == "kda":
+                out, new = kda_step(self.self_attn, x, layer_cache, step)
+                return out, {"cache": new}
+            out, aux, new = self.self_attn(
+                x, form=mla_form, return_aux=True, cache=layer_cache, cache_pos=step.pos, lengths=step.lengths
+            )
+            return out, {**aux, "cache": new}
         if self.config.layer_type(self.layer_idx) == "kda":
             out, _ = self.self_attn(x, cu_seqlens=cu_seqlens)
             return out, {}
@@ -86,10 +96,10 @@ class DecoderLayer(nn.Module):
         proj = getattr(self, f"{which}_res_proj").weight
         return attn_res_mix(sources, norm, proj, eps=self.config.rms_norm_eps)
 
-    def forward(self, blocks, p, cu_seqlens=None, mla_form="expanded"):
+    def forward(self, blocks, p, cu_seqlens=None, mla_form="expanded", step=None):
         c, i = self.config, self.layer_idx
         if not c.has_attn_res:
-            a, aux = self.attention(p, cu_seqlens, mla_form)
+            a, aux = self.attention(p, cu_seqlens, mla_form, step)
             p = p + a
             m, mlp_aux = self.feed_forward(p)
             p = p + m
@@ -98,7 +108,7 @@ class DecoderLayer(nn.Module):
         restart = c.is_block_write_layer(i)
         if restart:
             blocks = blocks + [p]
-        a, aux = self.attention(h, cu_seqlens, mla_form)
+        a, aux = self.attention(h, cu_seqlens, mla_form, step)
         p = a if restart else p + a
         m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]))
         p = p + m
@@ -117,13 +127,13 @@ class _Backbone(nn.Module):
             self.output_attn_res_norm = _Weight(c.hidden_size)
             self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
 
-    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", on_layer=None):
+    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", on_layer=None, step=None):
         p = self.embed_tokens(input_ids)
         blocks: list[torch.Tensor] = []
         auxes = []
         for layer in self.layers:
             p_in, blocks_in = p, tuple(blocks)
-            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form)
+            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form, step)
             aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
             auxes.append(aux)
             if on_layer is not None:
@@ -144,6 +154,10 @@ class KimiK3Model(nn.Module):
     ``forward(input_ids [B, T] long, cu_seqlens=None, mla_form="expanded", return_aux=False)`` -> logits
     [B, T, vocab] in the parameters' dtype (and per-layer aux dicts with ``return_aux``).
 
+    Generation: ``cache=`` a ``kernels_torch.cache.ModelCache`` (``init_cache``) with ``lengths=`` ``[B]`` new tokens
+    per row (default all T; the rest of a row is right padding) returns ``(logits, cache)`` (``(logits, auxes,
+    cache)`` with ``return_aux``); the cache is updated **in place**. See ``kernels_torch.cache``.
+
     Raises:
         ValueError: an unknown ``backend``; token ids outside [0, vocab_size); invalid ``cu_seqlens``.
     """
@@ -156,7 +170,9 @@ class KimiK3Model(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None):
+    def forward(
+        self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None, cache=None, lengths=None
+    ):
         if input_ids.ndim != 2 or input_ids.numel() == 0:
             raise ValueError(f"input_ids: got shape {tuple(input_ids.shape)}, expected [B, T] with B, T >= 1")
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -164,9 +180,14 @@ class KimiK3Model(nn.Module):
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")
-        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer)
+        step = None if cache is None else check_cache(cache, self.config, *input_ids.shape, lengths, cu_seqlens)
+        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer, step)
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = h @ w.t()
+        if cache is not None:  # in place: the new layer caches and positions
+            cache.layers = [aux.pop("cache") for aux in auxes]
+            cache.pos = cache.pos + step.lengths
+            return (logits, auxes, cache) if return_aux else (logits, cache)
         return (logits, auxes) if return_aux else logits
 
 

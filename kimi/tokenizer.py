@@ -34,16 +34,22 @@ KIMI_PAT_STR = "|".join(
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """``encode(text) -> list[int]``; ``name`` says which tokenizer it is (for reports)."""
+    """``encode(text) -> list[int]``; ``name`` says which tokenizer it is (for reports); ``token_bytes(id) -> bytes``
+    the UTF-8 bytes of one token (b"" for special tokens), for streaming decoded text (``kimi generate``)."""
 
     name: str
     encode: Callable[[str], list[int]]
+    token_bytes: Callable[[int], bytes] = lambda i: b""
 
 
 def _byte_level(vocab_size: int) -> Tokenizer:
     if vocab_size < 256:
         raise ValueError(f"vocab_size: got {vocab_size}, expected >= 256 for the byte-level tokenizer")
-    return Tokenizer("byte-level tokenizer (id = UTF-8 byte)", lambda text: list(text.encode("utf-8")))
+    return Tokenizer(
+        "byte-level tokenizer (id = UTF-8 byte)",
+        lambda text: list(text.encode("utf-8")),
+        lambda i: bytes([i]) if 0 <= i < 256 else b"",  # ids >= 256 are the specials: no text
+    )
 
 
 def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
@@ -73,7 +79,17 @@ def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
     if top >= vocab_size:
         raise ValueError(f"tiktoken.model: token id {top} >= vocab_size {vocab_size} of the checkpoint's config")
     enc = tiktoken.Encoding(name="kimi", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=special)
-    return Tokenizer(f"kimi tiktoken ({model})", lambda text: enc.encode(text, disallowed_special=()))
+    special_ids = set(special.values())
+
+    def token_bytes(i: int) -> bytes:  # special tokens and ids outside the vocabulary carry no text
+        if i in special_ids:
+            return b""
+        try:
+            return enc.decode_single_token_bytes(i)
+        except KeyError:
+            return b""
+
+    return Tokenizer(f"kimi tiktoken ({model})", lambda text: enc.encode(text, disallowed_special=()), token_bytes)
 
 
 def read_text(path: str | Path) -> str:

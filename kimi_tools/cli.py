@@ -23,6 +23,7 @@ from typing import Sequence
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
 from kimi_tools import ablate, train
+from kimi_tools import generate as generate_cmd
 from kimi_tools.common import (
     CliError,
     Parser,
@@ -490,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train.add_parser(sub)
     ablate.add_parser(sub)
+    generate_cmd.add_parser(sub)  # kimi generate (kimi_tools/generate.py)
     return ap
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
+from reference_jax.cache import cached_causal_mask, write_rows
 from reference_jax.common import Linear, causal_document_mask, check_cu_seqlens, compute_dtype
 
 __all__ = ["indexer_scores", "topk_indices", "sparse_mask", "layer_norm", "LayerNorm", "Indexer"]
@@ -129,7 +130,9 @@ class Indexer(nn.Module):
         x: ``[B, T, D]`` the layer's normalised input; c_q: ``[B, T, q_lora_rank]`` = ``q_a_layernorm(q_a_proj(x))``;
         cu_seqlens: ``[N+1]`` packed-document offsets (B = 1) or None.
         topk_indices ``[B, T, min(index_topk, T)]`` int32 (canonical order, -1 padded), scores ``[B, T, T]`` fp32
-        (unmasked). Selection mask = causal & same document.
+        (unmasked). Selection mask = causal & same document. With ``cache_k`` ``[B, S_max, KI]`` (``cache_pos``,
+        ``lengths`` ``[B]``: see ``reference_jax.cache``) the keys are the cached ones plus this call's, S =
+        ``max(cache_pos + lengths)``, and the call returns ``(topk_indices, scores, new_cache_k)``.
 
     Raises:
         NotImplementedError: ``config.indexer_rope`` other than "none" (K3.1 has no indexer RoPE; case 11).
@@ -139,7 +142,7 @@ class Indexer(nn.Module):
     config: KimiConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, c_q: jax.Array, cu_seqlens=None) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, c_q: jax.Array, cu_seqlens=None, cache_k=None, cache_pos=None, lengths=None):
         c = self.config
         if c.indexer_rope != "none":
             raise NotImplementedError(
@@ -153,6 +156,11 @@ class Indexer(nn.Module):
         k_I = LayerNorm(KI, c.rms_norm_eps, name="k_norm")(Linear(KI, D, name="wk")(x))  # [B, T, KI]
         # weights_proj runs in fp32 (fp64 for fp64 x), as DeepSeek's `weights_proj(x.float())`.
         weights = Linear(HI, D, name="weights_proj")(x.astype(compute_dtype(x)))  # [B, T, HI]
+        if cache_k is not None:  # keys = the cached ones then this call's (reference_jax.cache)
+            index_k = write_rows(cache_k, k_I, cache_pos, lengths)  # [B, S_max, KI]
+            S = index_k.shape[1]  # the whole capacity, masked
+            scores = indexer_scores(q_I, index_k, weights)  # [B, T, S]
+            return topk_indices(scores, cached_causal_mask(cache_pos, T, S), c.index_topk), scores, index_k
         scores = indexer_scores(q_I, k_I, weights)  # [B, T, S=T]
         mask = causal_document_mask(T, cu_seqlens)  # [T, S]
         return topk_indices(scores, mask, c.index_topk), scores

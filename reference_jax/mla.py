@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
+from reference_jax.cache import MLACache, cached_causal_mask, write_rows
 from reference_jax.common import Linear, RMSNorm, Weight, causal_document_mask, check_cu_seqlens, compute_dtype, linear
 from reference_jax.indexer import Indexer, sparse_mask
 
@@ -148,11 +149,14 @@ class GatedMLA(nn.Module):
     ``kv_a_proj_with_mqa``, ``kv_a_layernorm`` (eps ``mla_norm_eps``), ``kv_b_proj``, ``g_proj`` (when
     ``mla_use_output_gate``), ``o_proj``, ``indexer`` (DSA layers).
 
-    Call ``(x, cu_seqlens=None, form="expanded", return_aux=False)``:
+    Call ``(x, cu_seqlens=None, form="expanded", return_aux=False, cache=None, cache_pos=None, lengths=None)``:
         x: ``[B, T, D]`` the normalised layer input; cu_seqlens: ``[N+1]`` packed-document offsets (B = 1) or None;
         form: "expanded" (HF/training) or "absorbed" (MQA over the latent; same mask and scale).
         Returns ``out`` ``[B, T, D]`` in ``x.dtype``; with ``return_aux`` also a dict, holding ``topk_indices``
         ``[B, T, min(index_topk, T)]`` int32 and ``index_scores`` ``[B, T, T]`` fp32 for DSA layers (empty otherwise).
+        With ``cache`` (a ``reference_jax.cache.MLACache``, ``cache_pos`` and ``lengths`` ``[B]`` ints) the keys are
+        the cached rows plus this call's (S = ``S_max``, the capacity, with the causal mask), and the call returns ``(out, new_cache)``
+        (``(out, aux, new_cache)`` with ``return_aux``).
 
     Raises:
         ValueError: ``layer_idx`` is a KDA layer, an unknown ``form``, malformed ``cu_seqlens``.
@@ -163,7 +167,16 @@ class GatedMLA(nn.Module):
     layer_idx: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, cu_seqlens=None, form: str = "expanded", return_aux: bool = False):
+    def __call__(
+        self,
+        x: jax.Array,
+        cu_seqlens=None,
+        form: str = "expanded",
+        return_aux: bool = False,
+        cache: MLACache | None = None,
+        cache_pos=None,
+        lengths=None,
+    ):
         c = self.config
         kind = c.layer_type(self.layer_idx)
         if kind == "kda":
@@ -197,22 +210,37 @@ class GatedMLA(nn.Module):
         w_kv_b = Weight((H * (Kn + V), L), nn.initializers.normal(L**-0.5), name="kv_b_proj")()  # [H*(Kn+V), L]
 
         # mask: causal & same document, & selected for DSA layers
-        mask = causal_document_mask(T, cu_seqlens)  # [T, S]
+        if cache is None:  # keys = this call's tokens
+            S, keys_c_kv, keys_k_pe = T, c_kv, k_pe
+            mask = causal_document_mask(T, cu_seqlens)[None]  # [1, T, S]
+        else:  # keys = the cached rows then this call's (reference_jax.cache): query t of row n sits at pos[n] + t
+            cache = cache._replace(
+                c_kv=write_rows(cache.c_kv, c_kv, cache_pos, lengths),
+                k_pe=write_rows(cache.k_pe, k_pe, cache_pos, lengths),
+            )
+            S = cache.c_kv.shape[1]  # the whole capacity, masked: static shapes from step to step
+            keys_c_kv, keys_k_pe = cache.c_kv, cache.k_pe  # [B, S, L], [B, S, R]
+            mask = cached_causal_mask(cache_pos, T, S)  # [B, T, S]
         aux: dict = {}
         if kind == "dsa":
-            topk, scores = Indexer(c, name="indexer")(x, c_q, cu_seqlens)
+            if cache is None:
+                topk, scores = Indexer(c, name="indexer")(x, c_q, cu_seqlens)
+            else:
+                topk, scores, index_k = Indexer(c, name="indexer")(x, c_q, None, cache.index_k, cache_pos, lengths)
+                cache = cache._replace(index_k=index_k)
             # Re-apply the causal/document mask after selection (spec 4.3), never trust the indices alone.
-            mask = mask[None] & sparse_mask(topk, T)  # [B, T, S]
+            mask = mask & sparse_mask(topk, S)  # [B, T, S]
             aux = {"topk_indices": topk, "index_scores": scores}
 
+        mask = jnp.broadcast_to(mask, (B, T, S))
         scale = c.mla_softmax_scale  # (Kn + R)^-1/2 in both forms (case 15)
         if form == "expanded":
-            kvb = linear(c_kv, w_kv_b).reshape(B, T, H, Kn + V)  # 3. [B, S, H, Kn+V]
+            kvb = linear(keys_c_kv, w_kv_b).reshape(B, S, H, Kn + V)  # 3. [B, S, H, Kn+V]
             k_nope, v = kvb[..., :Kn], kvb[..., Kn:]
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (B, T, H, R))], axis=-1)  # 4.
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(keys_k_pe[:, :, None, :], (B, S, H, R))], axis=-1)  # 4.
             o = mla_attention(q, k, v, mask, scale)  # 5. [B, T, H, V]
         else:
-            o = mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w_kv_b, mask, scale)  # [B, T, H, V]
+            o = mla_attention_absorbed(q_nope, q_pe, keys_c_kv, keys_k_pe, w_kv_b, mask, scale)  # [B, T, H, V]
         o = o.reshape(B, T, H * V)  # 6.
 
         if c.mla_use_output_gate:  # 7. sigmoid gate on the same x, in fp32
@@ -220,4 +248,6 @@ class GatedMLA(nn.Module):
             dt = compute_dtype(o)
             o = (o.astype(dt) * jax.nn.sigmoid(g.astype(dt))).astype(x.dtype)
         out = Linear(D, H * V, name="o_proj")(o.astype(x.dtype))  # 8. [B, T, D]
+        if cache is not None:
+            return (out, aux, cache) if return_aux else (out, cache)
         return (out, aux) if return_aux else out

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from kimi.config import KimiConfig
 from reference_jax.attn_res import attn_res_mix
+from reference_jax.cache import check_cache, kda_step
 from reference_jax.common import Linear, RMSNorm, Weight
 from reference_jax.kda import KimiDeltaAttention
 from reference_jax.mla import GatedMLA
@@ -59,10 +60,20 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(c, c.intermediate_size)
 
-    def attention(self, h: jax.Array, cu_seqlens=None, mla_form: str = "expanded") -> tuple[jax.Array, dict]:
+    def attention(self, h: jax.Array, cu_seqlens=None, mla_form: str = "expanded", step=None) -> tuple[jax.Array, dict]:
         """``input_layernorm`` then the layer's attention: ``h`` [B, T, D] -> (out [B, T, D], aux); aux holds
-        ``topk_indices`` / ``index_scores`` for DSA layers, nothing for KDA."""
+        ``topk_indices`` / ``index_scores`` for DSA layers, nothing for KDA, and the layer's new ``cache`` when
+        ``step`` (a cached call, see ``reference_jax.cache``) is given."""
         x = self.input_layernorm(h)
+        if step is not None:  # a cached call (reference_jax.cache): the layer's new cache goes into aux["cache"]
+            layer_cache = step.layers[self.layer_idx]
+            if self.config.layer_type(self.layer_idx) == "kda":
+                out, new = kda_step(self.self_attn, x, layer_cache, step)
+                return out, {"cache": new}
+            out, aux, new = self.self_attn(
+                x, form=mla_form, return_aux=True, cache=layer_cache, cache_pos=step.pos, lengths=step.lengths
+            )
+            return out, {**aux, "cache": new}
         if self.config.layer_type(self.layer_idx) == "kda":
             out, _ = self.self_attn(x, cu_seqlens=cu_seqlens)
             return out, {}
@@ -82,15 +93,15 @@ class DecoderLayer(nn.Module):
         proj = getattr(self, f"{which}_res_proj").variables["params"]["weight"]
         return attn_res_mix(sources, norm, proj, eps=self.config.rms_norm_eps)
 
-    def __call__(self, blocks: list[jax.Array], p: jax.Array, cu_seqlens=None, mla_form: str = "expanded"):
+    def __call__(self, blocks: list[jax.Array], p: jax.Array, cu_seqlens=None, mla_form: str = "expanded", step=None):
         """One step of the layer recurrence (spec 5.4). Returns ``(blocks, p, aux)``.
 
         AttnRes: ``blocks`` (list of [B,T,D]) and ``p`` (partial sum [B,T,D]). Plain residuals: ``blocks`` is
-        unused and ``p`` is the hidden state.
+        unused and ``p`` is the hidden state. ``step`` (a ``reference_jax.cache.CacheStep``) makes it a cached call.
         """
         c, i = self.config, self.layer_idx
         if not c.has_attn_res:
-            a, aux = self.attention(p, cu_seqlens, mla_form)
+            a, aux = self.attention(p, cu_seqlens, mla_form, step)
             p = p + a
             m, mlp_aux = self.feed_forward(p)
             p = p + m
@@ -99,7 +110,7 @@ class DecoderLayer(nn.Module):
         restart = c.is_block_write_layer(i)
         if restart:  # store the finished block, then restart the partial sum
             blocks = blocks + [p]
-        a, aux = self.attention(h, cu_seqlens, mla_form)
+        a, aux = self.attention(h, cu_seqlens, mla_form, step)
         p = a if restart else p + a
         m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]))
         p = p + m
@@ -120,14 +131,14 @@ class _Backbone(nn.Module):
             self.output_attn_res_norm = Weight((c.hidden_size,))
             self.output_attn_res_proj = Linear(1, c.hidden_size)
 
-    def __call__(self, input_ids: jax.Array, cu_seqlens=None, mla_form: str = "expanded", on_layer=None):
+    def __call__(self, input_ids: jax.Array, cu_seqlens=None, mla_form: str = "expanded", on_layer=None, step=None):
         c = self.config
         p = self.embed_tokens(input_ids)
         blocks: list[jax.Array] = []
         auxes = []
         for layer in self.layers:
             p_in, blocks_in = p, tuple(blocks)
-            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form)
+            blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form, step)
             aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
             auxes.append(aux)
             if on_layer is not None:
@@ -159,6 +170,10 @@ class KimiK3Model(nn.Module):
     with ``input_ids`` [B, T] int. Returns logits [B, T, vocab] in the parameters' dtype (fp32 by default), and with
     ``return_aux`` also a list (one dict per layer, see module docstring).
 
+    Generation: ``cache=`` a ``reference_jax.cache.ModelCache`` (``init_cache``) with ``lengths=`` ``[B]`` new tokens
+    per row (default all T; the rest of a row is right padding) returns ``(logits, new_cache)`` (``(logits, auxes,
+    new_cache)`` with ``return_aux``); see ``reference_jax.cache`` for the semantics.
+
     Raises:
         ValueError: token ids outside [0, vocab_size), or invalid ``cu_seqlens`` (from the layers).
     """
@@ -170,20 +185,34 @@ class KimiK3Model(nn.Module):
         if not self.config.tie_word_embeddings:
             self.lm_head = Linear(self.config.vocab_size, self.config.hidden_size)
 
-    def __call__(self, input_ids, cu_seqlens=None, mla_form: str = "expanded", return_aux: bool = False, on_layer=None):
+    def __call__(
+        self,
+        input_ids,
+        cu_seqlens=None,
+        mla_form: str = "expanded",
+        return_aux: bool = False,
+        on_layer=None,
+        cache=None,
+        lengths=None,
+    ):
         ids = jnp.asarray(input_ids)
         if ids.ndim != 2 or ids.size == 0:
             raise ValueError(f"input_ids: got shape {tuple(ids.shape)}, expected [B, T] with B, T >= 1")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"input_ids: got dtype {ids.dtype}, expected integer token ids")
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = (0, 0) if isinstance(ids, jax.core.Tracer) else (int(ids.min()), int(ids.max()))  # unknown under jit
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {self.config.vocab_size})")
-        h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer)
+        step = None if cache is None else check_cache(cache, self.config, *ids.shape, lengths, cu_seqlens)
+        h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer, step)
         if self.config.tie_word_embeddings:
             logits = h @ self.model.embed_tokens.variables["params"]["weight"].T
         else:
             logits = self.lm_head(h)
+        if cache is not None:
+            new_layers = tuple(aux.pop("cache") for aux in auxes)
+            cache = cache.replace(layers=new_layers, pos=cache.pos + jnp.asarray(step.lengths, jnp.int32))
+            return (logits, auxes, cache) if return_aux else (logits, cache)
         return (logits, auxes) if return_aux else logits
 
 

@@ -1,0 +1,102 @@
+"""``kimi_tools.generate``: greedy tokens equal on jax, eager and sdpa and equal to the cache-free greedy oracle
+(nanochat's engine-vs-``GPT.generate`` test), seeded sampling, batches of different lengths, the command line."""
+
+import numpy as np
+import pytest
+import torch
+
+from kernels_torch.model import load_model as load_torch
+from kimi_tools.cli import main
+from kimi_tools.common import DEFAULT_TEXT
+from kimi_tools.generate import generate, sample
+from reference_jax.model import load_model as load_jax
+
+PROMPT = list(DEFAULT_TEXT.read_bytes()[:24])  # byte-level ids of the bundled text
+
+
+def greedy_oracle(model, prompt, n):
+    """Cache-free greedy decoding: the whole sequence through the model for every new token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_on_jax_eager_sdpa(tiny_ckpt):
+    """The whole tiny preset (9 layers, three DSA layers), 8 greedy tokens: one sequence of ids on all backends."""
+    eager = load_torch(tiny_ckpt, backend="eager")
+    want = greedy_oracle(eager, PROMPT, 8)
+    got = {"eager": generate(eager, PROMPT, 8, stop_token=None).tokens[0]}
+    got["sdpa"] = generate(load_torch(tiny_ckpt, backend="sdpa"), PROMPT, 8, stop_token=None).tokens[0]
+    jmodel, params, _ = load_jax(tiny_ckpt)
+    got["jax"] = generate(jmodel, PROMPT, 8, params=params, stop_token=None).tokens[0]
+    assert all(v == want for v in got.values()), (want, got)
+
+
+def test_batch_of_different_lengths_and_chunked_prefill(tiny_ckpt):
+    model = load_torch(tiny_ckpt, layers=4)
+    prompts = [PROMPT[:5], PROMPT, PROMPT[:13]]
+    res = generate(model, prompts, 5, stop_token=None)  # the oracle does not stop at eos
+    assert res.tokens == [greedy_oracle(model, p, 5) for p in prompts]
+    assert generate(model, PROMPT, 5, chunk_size=7, stop_token=None).tokens == [res.tokens[1]]
+    assert res.stats["prefill_tokens"] == 42 and res.stats["decode_tokens"] == 15 and res.stats["decode_tok_s"] > 0
+
+
+def test_sampling_is_seeded_and_streams(tiny_ckpt):
+    model = load_torch(tiny_ckpt, layers=4)
+    seen = []
+    a = generate(model, PROMPT, 6, temperature=1.0, top_p=0.9, seed=3, on_token=lambda b, t: seen.append(t))
+    b = generate(model, PROMPT, 6, temperature=1.0, top_p=0.9, seed=3)
+    c = generate(model, PROMPT, 6, temperature=1.0, top_p=0.9, seed=4)
+    assert a.tokens == b.tokens and seen == a.tokens[0]
+    assert a.tokens != c.tokens  # 6 draws from a near-uniform random-init distribution: equal by chance ~never
+    stop = a.tokens[0][2]
+    assert generate(model, PROMPT, 6, temperature=1.0, top_p=0.9, seed=3, stop_token=stop).tokens[0][-1] == stop
+
+
+def test_sample():
+    rng = np.random.default_rng(0)
+    logits = np.array([[0.0, 3.0, 1.0, 3.0], [5.0, 0.0, 0.0, 0.0]])
+    assert sample(logits, 0.0, 1.0, rng).tolist() == [1, 0]  # greedy: ties to the lowest id
+    assert sample(logits, 1.0, 1e-6, rng).tolist() == [1, 0]  # top_p -> 0 keeps only the most likely token
+    draws = np.stack([sample(logits, 1.0, 1.0, rng) for _ in range(2000)])
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    assert np.allclose(np.bincount(draws[:, 0], minlength=4) / 2000, p, atol=0.04)
+    nucleus = np.stack([sample(logits, 1.0, 0.8, rng) for _ in range(200)])
+    assert set(nucleus[:, 0].tolist()) == {1, 3}  # 0.84 of the mass is in ids 1 and 3
+    with pytest.raises(ValueError, match="temperature"):
+        sample(logits, -1.0, 1.0, rng)
+    with pytest.raises(ValueError, match="top_p"):
+        sample(logits, 1.0, 0.0, rng)
+
+
+def test_generate_refuses_bad_input(tiny_ckpt):
+    model = load_torch(tiny_ckpt, layers=1)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(model, [[1, 2], []], 3)
+    with pytest.raises(ValueError, match="token id 600"):
+        generate(model, [1, 600], 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [1, 2], 0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        generate(model, [[1, 2], [3]], 2, chunk_size=1)
+
+
+def test_cli_generate_streams_text_and_stats(capsys, tmp_path):
+    assert main(["generate", "--preset", "tiny", "--layers", "4", "--prompt", "Alice", "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Alice") and out.endswith("\n")
+    assert "prefill: 5 tokens" in err and "decode: 4 tokens" in err and "tok/s" in err
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"\xff\xfe")
+    assert main(["generate", "--prompt-file", str(f), "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"kimi: error: --prompt-file: {f} is not UTF-8 text (byte 0: invalid start byte)"
+    ]
+    assert main(["generate", "--prompt-file", str(tmp_path / "none"), "--max-new-tokens", "2"]) == 2
+    assert "no file at" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "a", "--max-new-tokens", "2", "--temperature", "-1"])
+    assert e.value.code == 2 and "--temperature: got -1.0" in capsys.readouterr().err
