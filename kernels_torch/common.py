@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "rms_norm", "check_cu_seqlens", "segment_ids", "causal_document_mask", "RMSNorm"]
+__all__ = [
+    "compute_dtype",
+    "rms_norm",
+    "check_cu_seqlens",
+    "segment_ids",
+    "causal_document_mask",
+    "RMSNorm",
+    "effective_weight",
+]
 
 
 def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
@@ -71,3 +79,39 @@ def causal_document_mask(
     s = torch.arange(S, device=device)[None, :]
     seg = segment_ids(cu_seqlens, T, device=device)
     return (s <= t) & (seg[:, None] == seg[None, :S])
+
+
+def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` weight a linear layer applies, for code that uses the weight in another form than ``x Wᵀ``
+    (MLA's absorbed ``kv_b_proj``, spec 3.3): ``layer.weight`` for a plain ``nn.Linear``; for a LoRA-wrapped layer
+    (a peft ``LoraLayer``: ``base_layer``, ``lora_A``/``lora_B``, see ``kimi_tools.lora``) ``W + scale * B A`` summed
+    over its active, unmerged adapters (peft's ``get_delta_weight``; scale = alpha/r, alpha/sqrt(r) with rsLoRA).
+    Differentiable in W, A and B. A wrapped layer's ``.weight`` is the base weight alone: reading it directly would
+    silently drop the adapter (vLLM shipped that bug), so every such use goes through here.
+
+    Raises:
+        RuntimeError: an active adapter with dropout > 0 in training mode (LoRA dropout acts on the layer's input,
+            which the absorbed form never forms), or a DoRA adapter (its magnitude vector needs the input too).
+    """
+    base = getattr(layer, "base_layer", None)
+    if base is None:
+        return layer.weight
+    if getattr(layer, "disable_adapters", False) and getattr(layer, "merged", False):
+        layer.unmerge()  # as peft's own forward does for a disabled, merged layer
+    w = base.weight
+    if getattr(layer, "disable_adapters", False):
+        return w
+    merged = set(getattr(layer, "merged_adapters", ()))
+    for name in layer.active_adapters:
+        if name in merged or name not in layer.lora_A:
+            continue
+        if getattr(layer, "use_dora", {}).get(name, False):
+            raise RuntimeError(f"adapter {name!r}: DoRA on a weight used in absorbed form is not supported")
+        drop = layer.lora_dropout[name]
+        if layer.training and isinstance(drop, torch.nn.Dropout) and drop.p > 0:
+            raise RuntimeError(
+                f"adapter {name!r}: lora_dropout {drop.p} on a weight used in absorbed form (kv_b_proj): dropout acts "
+                "on the layer input, which the absorbed form never forms; use lora dropout 0 for this layer"
+            )
+        w = w + layer.get_delta_weight(name).to(w.dtype)
+    return w

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels_torch.cache import cached_causal_mask, key_count, write_rows
+from kernels_torch.common import effective_weight
 from kernels_torch.indexer import indexer_scores, topk_indices
 from kernels_torch.kda import KDACache, _linear, kda_gate, short_conv
 
@@ -95,14 +96,21 @@ def gated_mla_cached(layer, x: torch.Tensor, cache, cache_pos: torch.Tensor, len
     write_rows(cache.k_pe, k_pe, cache_pos, lengths)
     S = key_count(cache_pos, lengths)
     mask = cached_causal_mask(cache_pos, T, S, device=x.device)  # [N, T, S]
-    w = layer.kv_b_proj.weight.view(H, Kn + V, L)
+    w = effective_weight(layer.kv_b_proj).view(H, Kn + V, L)
     w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
     aux: dict = {}
     if layer.kind != "dsa":
         from kernels_torch.mla import mla_attention_absorbed
 
         o = mla_attention_absorbed(
-            q_nope, q_pe, cache.c_kv[:, :S], cache.k_pe[:, :S], layer.kv_b_proj.weight, mask, scale, backend="sdpa"
+            q_nope,
+            q_pe,
+            cache.c_kv[:, :S],
+            cache.k_pe[:, :S],
+            effective_weight(layer.kv_b_proj),
+            mask,
+            scale,
+            backend="sdpa",
         )
     else:
         q_I, k_I, weights = layer.indexer.projections(x, c_q)

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_torch import kernel_choice
-from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype
+from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype, effective_weight
 from kernels_torch.indexer import indexer_scores
 
 __all__ = [
@@ -470,7 +470,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
                 q_I.reshape(N, *q_I.shape[2:]), k_I.reshape(N, -1), weights.reshape(N, -1), topk, cu
             )
             idx = sort_topk_slots(idx)  # a reproducible forward: see sort_topk_slots
-        w = layer.kv_b_proj.weight.view(H, Kn + V, L)
+        w = effective_weight(layer.kv_b_proj).view(H, Kn + V, L)  # W + scale * B A under LoRA
         w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
         q_abs = torch.cat(
             [torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk), q_pe.reshape(N, H, R)], dim=-1

@@ -603,7 +603,10 @@ class GatedRMSNorm(nn.Module):
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``x Wᵀ`` in the activation dtype (as ``reference_jax.common.linear``): the weight follows ``x.dtype``."""
+    """``x Wᵀ`` in the activation dtype (as ``reference_jax.common.linear``): the weight follows ``x.dtype``.
+    A LoRA-wrapped layer (peft ``LoraLayer``, whose ``.weight`` is the base weight alone) runs its own forward."""
+    if hasattr(layer, "base_layer"):
+        return layer(x)
     return F.linear(x, layer.weight.to(x.dtype))
 
 
@@ -667,7 +670,29 @@ class KimiDeltaAttention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         H, K = c.kda_num_heads, c.kda_head_dim
-        cq, ck, cv, S0 = (None,) * 4 if cache is None else cache
+        S0 = None if cache is None else cache.S
+        q, k, v, g, beta, (cq, ck, cv) = self.recurrence_inputs(x, cu_seqlens, cache)
+        recurrence = kda_chunk if mode == "chunk" else kda_recurrent
+        o, S = recurrence(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)
+        gate = _linear(x, self.g_proj) if c.use_full_rank_gate else _linear(_linear(x, self.g_a_proj), self.g_b_proj)
+        y = self.o_norm(o, gate.reshape(B, T, H, K)).to(x.dtype).reshape(B, T, H * K)
+        return _linear(y, self.o_proj), KDACache(cq, ck, cv, S)
+
+    def recurrence_inputs(self, x, cu_seqlens=None, cache: KDACache | None = None):
+        """Spec 2.2 steps 1-6 on the pure-torch path, the inputs of the delta rule (``forward`` calls it; so does
+        context parallelism, ``kernels_torch.parallel.context``, for the state summary of a shard).
+
+        Args: as :meth:`forward` (``cache.S`` is not read).
+
+        Returns:
+            ``(q, k, v, g, beta, (conv_q, conv_k, conv_v))``: q, k ``[B, T, H, K]`` L2-normalised fp32 (fp64 for
+            fp64 x), v ``[B, T, H, V]`` in x's dtype, g ``[B, T, H, K]`` and beta ``[B, T, H]`` fp32/fp64, and the
+            new conv windows ``[N, P, W-1]``.
+        """
+        c = self.config
+        B, T, _ = x.shape
+        H, K = c.kda_num_heads, c.kda_head_dim
+        cq, ck, cv = (None,) * 3 if cache is None else cache[:3]
         q, cq = self.q_conv1d(_linear(x, self.q_proj), cu_seqlens, cq)  # [B,T,P]
         k, ck = self.k_conv1d(_linear(x, self.k_proj), cu_seqlens, ck)
         v, cv = self.v_conv1d(_linear(x, self.v_proj), cu_seqlens, cv)
@@ -675,8 +700,4 @@ class KimiDeltaAttention(nn.Module):
         f = _linear(_linear(x, self.f_a_proj), self.f_b_proj).reshape(B, T, H, K)
         g = kda_gate(f, self.A_log, self.dt_bias, c.gate_lower_bound)  # fp32, never narrowed (case 2)
         beta = torch.sigmoid(_linear(x, self.b_proj).to(compute_dtype(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
-        recurrence = kda_chunk if mode == "chunk" else kda_recurrent
-        o, S = recurrence(l2norm(q), l2norm(k), v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)
-        gate = _linear(x, self.g_proj) if c.use_full_rank_gate else _linear(_linear(x, self.g_a_proj), self.g_b_proj)
-        y = self.o_norm(o, gate.reshape(B, T, H, K)).to(x.dtype).reshape(B, T, H * K)
-        return _linear(y, self.o_proj), KDACache(cq, ck, cv, S)
+        return l2norm(q), l2norm(k), v, g, beta, (cq, ck, cv)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels_torch.cache import MLACache, cached_causal_mask, key_count, write_rows
-from kernels_torch.common import RMSNorm, causal_document_mask, check_cu_seqlens, compute_dtype
+from kernels_torch.common import RMSNorm, causal_document_mask, check_cu_seqlens, compute_dtype, effective_weight
 from kernels_torch.indexer import Indexer, sparse_mask
 from kimi.config import KimiConfig
 
@@ -259,7 +259,7 @@ class GatedMLA(nn.Module):
             o = mla_attention(q, k, v, mask, scale, backend=self.backend)  # 5. [B, T, H, V]
         else:
             o = mla_attention_absorbed(
-                q_nope, q_pe, keys_c_kv, keys_k_pe, self.kv_b_proj.weight, mask, scale, backend=self.backend
+                q_nope, q_pe, keys_c_kv, keys_k_pe, effective_weight(self.kv_b_proj), mask, scale, backend=self.backend
             )
         out = self.gate_and_project_out(o, x)  # 6.-8.
         if cache is not None:

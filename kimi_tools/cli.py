@@ -5,6 +5,8 @@
     kimi forward [--preset NAME | --checkpoint DIR] [--layers N] [--tokens N] [--seed N] [--backend jax|eager|sdpa]
     kimi compare [--preset NAME | --checkpoint DIR] [--layers N] [--text FILE] [--tokens N] [--backends eager,sdpa]
                  [--dtype float32|bfloat16] [--json FILE] [--against FILE.safetensors [--path jax|eager|sdpa]]
+                 [--grad [--documents N] [--dtype float64]]
+    kimi lora merge --checkpoint BASE --adapter DIR --out DIR
     kimi logits  [--preset NAME | --checkpoint DIR] [--layers N] [--backend jax|eager|sdpa] (--text FILE | --ids FILE)
                  --out FILE.safetensors [--hidden] [--tokens N]
 
@@ -22,7 +24,7 @@ from typing import Sequence
 
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
-from kimi_tools import ablate, train
+from kimi_tools import ablate, lora, train
 from kimi_tools import generate as generate_cmd
 from kimi_tools.common import (
     CliError,
@@ -203,6 +205,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from kimi_tools.compare import TOLERANCES, compare_runs, format_table, run_reference, run_torch
 
+    if args.dtype == "float64" and not args.grad:
+        raise CliError("--dtype: float64 is for --grad only (the forward comparison runs float32 or bfloat16)")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     known = ("eager", "sdpa", "cudnn")
     for b in backends:
@@ -225,6 +229,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if args.against:
             return _compare_against(args, ckpt, cfg)
         ids, tok_name = token_ids(args, ckpt, cfg)
+        if args.grad:  # per-parameter LM-loss gradients (kimi_tools.gradcheck)
+            from kimi_tools.gradcheck import run_grad_compare
+
+            print(f"kimi compare --grad: {source}; {len(ids)} tokens ({tok_name}); backends {','.join(backends)}")
+            return run_grad_compare(
+                ckpt, ids, backends, args.dtype, args.documents, args.layers, args.device, args.json
+            )
         n = cfg.num_hidden_layers
         kinds = [cfg.layer_type(i) for i in range(n)]
         # index_topk only means something when a DSA layer runs (a config without one does not even store it).
@@ -452,8 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", metavar="FILE", help="a JSON list of token ids instead of text")
     p.add_argument("--tokens", type=positive_int, default=256, help="use the first N tokens (default 256)")
     p.add_argument("--backends", default="eager,sdpa", help="comma-separated torch backends (default eager,sdpa)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="torch dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32", help="torch dtype")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    p.add_argument("--grad", action="store_true", help="compare LM-loss gradients per parameter instead (jax.grad)")
+    p.add_argument("--documents", type=positive_int, default=2, help="with --grad: packed documents (default 2)")
     p.add_argument("--against", metavar="FILE", help="compare with logits written elsewhere (kimi logits format)")
     p.add_argument(
         "--path",
@@ -488,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
     p.set_defaults(func=cmd_logits)
-
+    lora.add_parser(sub)
     train.add_parser(sub)
     ablate.add_parser(sub)
     generate_cmd.add_parser(sub)  # kimi generate (kimi_tools/generate.py)

@@ -47,7 +47,9 @@ MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"]
   ``loss(model, batch) -> (loss, metrics)``: ``loss`` a scalar tensor, the mean over the micro-batch's targets;
   ``metrics`` a dict of floats, averaged over the step like the loss and appended to the step's record (and
   shown as ``eval_<key>`` for evaluations). Register a factory ``(config, args) -> stage`` in :data:`STAGES`
-  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it.
+  (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it. ``trainable`` can only narrow
+  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen. The eval loss is the stage's
+  loss too, so a stage's runs are resumable and plotted like the LM stage's.
 * *LoRA* (``kimi_tools.lora``): ``--lora-rank R`` switches it on; ``check_lora_supported`` vets the options against
   the backend, ``apply_lora`` wraps the target modules and freezes the base, ``save_adapter`` writes the output.
 """
@@ -96,7 +98,7 @@ __all__ = [
 RECORD_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes")
 
 # Arguments that do not change the numbers of a run: they may differ between a run and its resumption.
-_RUN_CONTROL = ("out", "resume", "stop_after", "quiet", "save_every", "keep", "eval_every", "peak_tflops", "plot")
+_RUN_CONTROL = ("out", "resume", "stop_after", "quiet", "save_every", "keep", "eval_every", "peak_tflops", "plot", "cp")
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -152,6 +154,7 @@ class TrainArgs:
     peak_tflops: float | None = None
     quiet: bool = False
     plot: bool = True
+    cp: int = 1
 
 
 @dataclass
@@ -274,8 +277,8 @@ class Checkpointer:
     """``step-N/`` DCP folders in ``out``: written to a temporary folder, then renamed (valid only with
     ``.metadata``); the latest ``keep`` are kept."""
 
-    def __init__(self, out: Path, keep: int):
-        self.out, self.keep = out, keep
+    def __init__(self, out: Path, keep: int, par=None):
+        self.out, self.keep, self.par = out, keep, par  # par: kimi_tools.parallel.TrainParallel (torchrun)
 
     def steps(self) -> list[int]:
         found = []
@@ -289,16 +292,27 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         final = self.out / f"step-{step}"
-        tmp = self.out / f".step-{step}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        par = self.par if self.par is not None and self.par.enabled else None
+        tmp = self.out / (f".step-{step}.tmp" if par else f".step-{step}.tmp-{os.getpid()}")  # one folder, all ranks
+        if par is None or par.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if par is not None:
+            par.barrier()
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save(states, checkpoint_id=str(tmp))
+        if par is not None:
+            par.barrier()
+            if not par.is_writer:
+                par.barrier()
+                return final
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.out / f"step-{old}", ignore_errors=True)
+        if par is not None:
+            par.barrier()
         return final
 
     def load(self, step: int, states: dict[str, Any]) -> set[str]:
@@ -341,7 +355,6 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def _resolve(args: TrainArgs) -> TrainArgs:
     """Fill the ``None`` defaults and check every plain argument (no file is read)."""
-    import torch
 
     from kernels_torch.model import BACKENDS
 
@@ -360,8 +373,6 @@ def _resolve(args: TrainArgs) -> TrainArgs:
     a.device = a.device or ("cuda" if a.backend == "cudnn" else "cpu")
     if a.device not in ("cpu", "cuda"):
         raise ValueError(f"--device: got {a.device!r}, expected cpu or cuda")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here")
     if a.backend == "cudnn" and (a.device != "cuda" or a.dtype != "bfloat16"):
         raise ValueError(f"--backend cudnn: runs on cuda in bfloat16, got --device {a.device} --dtype {a.dtype}")
     for name in ("steps", "seq_len", "eval_tokens", "keep"):
@@ -480,11 +491,11 @@ def _check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
             raise ValueError(f"--resume: {out} holds no run (no run.json); start it without --resume")
         saved = json.loads(run_json.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != fingerprint:
-            diffs = _diff(saved.get("fingerprint_of", {}), body)
-            raise ValueError(
-                f"--resume: {out} is a run with other settings or another model config: "
-                + ("; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else "") if diffs else "fingerprint differs")
-            )
+            was = saved.get("fingerprint_of", {})
+            cfg_diffs = _diff(was.get("config", {}), body["config"])
+            diffs = cfg_diffs or _diff(was.get("args", {}), body["args"]) or ["fingerprint"]
+            what = "the model config differs from the run's" if cfg_diffs else "a run with other settings"
+            raise ValueError(f"--resume: {out} is {what}: " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else ""))
         if not Checkpointer(out, a.keep).steps():
             raise ValueError(f"--resume: {out} has no complete step-N checkpoint to resume from")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -590,9 +601,15 @@ def train(args: TrainArgs) -> TrainResult:
     # ---- 1. check everything before writing anything
     a = _resolve(args)
     lora_settings = _lora_settings(a) if a.lora_rank is not None else None
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here")
     cfg = _load_config(a)
     fingerprint, body = _fingerprint(a, cfg)
+    from kimi_tools.parallel import TrainParallel
+
+    par = TrainParallel(a.cp, a.device)  # torchrun: FSDP2 + context parallelism; else a no-op
     _check_out(a, fingerprint, body)
+    par.barrier()  # every rank has checked --out before rank 0 writes into it
     tok, docs, eval_docs = _read_data(a, cfg)
     rows = a.micro_batch_tokens // a.seq_len
     accum = a.batch_tokens // a.micro_batch_tokens
@@ -608,6 +625,7 @@ def train(args: TrainArgs) -> TrainResult:
 
         lora.apply_lora(model, lora_settings)
     _freeze(model, stage, a.freeze)
+    par.setup(model, lora=lora_settings is not None)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("--freeze/--stage: no parameter is left to train")
@@ -675,7 +693,7 @@ def train(args: TrainArgs) -> TrainResult:
         "train_state": _FnState(get_train_state, put_train_state),
     }
     out = Path(a.out)
-    ckpt = Checkpointer(out, a.keep)
+    ckpt = Checkpointer(out, a.keep, par)
     metrics_path = out / "metrics.jsonl"
     history: list[dict] = []
     if a.resume:
@@ -692,11 +710,19 @@ def train(args: TrainArgs) -> TrainResult:
                 del opt.state[m]
         if train_state["step"] != start:
             raise ValueError(f"--resume: {out}/step-{start} holds step {train_state['step']}, expected {start}")
+        if a.stop_after is not None and a.stop_after < start:
+            raise ValueError(f"--stop-after: got {a.stop_after}, but the run in {out} is at step {start} already")
         if metrics_path.is_file():
-            lines = metrics_path.read_text(encoding="utf-8").splitlines()
-            history = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= start]
-        write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history).encode())
-    else:
+            for line in metrics_path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a crash: the checkpoint says where to restart
+                    continue
+                if rec["step"] <= start:
+                    history.append(rec)
+        if par.is_writer:
+            write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history).encode())
+    elif par.is_writer:
         out.mkdir(parents=True, exist_ok=True)
         run = {
             "fingerprint": fingerprint,
@@ -716,12 +742,13 @@ def train(args: TrainArgs) -> TrainResult:
         total, n, extra = 0.0, 0, {}
         with torch.no_grad():
             for b in evals:
-                loss, m = stage.loss(model, b.to(a.device))
+                loss, m = par.loss(stage, model, b.to(a.device))
                 k = b.num_targets
                 total, n = total + float(loss) * k, n + k
                 for key, v in m.items():
                     extra[key] = extra.get(key, 0.0) + float(v) * k
         model.train()
+        total = par.sum_cp(total)  # context parallel: each rank's loss is its shard's share
         return total / max(n, 1), {f"eval_{k}": v / max(n, 1) for k, v in extra.items()}
 
     records: list[dict] = []
@@ -729,8 +756,9 @@ def train(args: TrainArgs) -> TrainResult:
     def log(rec: dict) -> None:
         records.append(rec)
         history.append(rec)
-        with open(metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+        if par.is_writer:
+            with open(metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
 
     def save(step: int) -> None:
         ckpt.save(step, states)
@@ -739,19 +767,18 @@ def train(args: TrainArgs) -> TrainResult:
 
             lora.save_adapter(model, lora_settings, out, base_checkpoint=a.checkpoint)
         else:
-            from kernels_torch.model import save_model
-
-            save_model(model, out)
-            _copy_tokenizer(a.checkpoint, out)
+            par.save_model(model, out)  # kernels_torch.model.save_model; gathered from the shards under torchrun
+            if par.is_writer:
+                _copy_tokenizer(a.checkpoint, out)
 
     from tqdm.auto import tqdm
 
     stop = a.stop_after or a.steps
     n_train = sum(p.numel() for _, p in trainable)
     n_total = sum(p.numel() for p in model.parameters())
-    if not a.quiet:
+    if not a.quiet and par.is_writer:
         print(
-            f"kimi train: {a.checkpoint or f'preset {a.preset} (random init, seed {a.seed})'}, "
+            f"kimi train: {f'checkpoint {a.checkpoint}' if a.checkpoint else f'preset {a.preset} (random init, seed {a.seed})'}, "
             f"{cfg.num_hidden_layers} layers, {n_train:,} of {n_total:,} parameters trained"
             + (f" (LoRA rank {a.lora_rank})" if lora_settings is not None else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
@@ -765,7 +792,9 @@ def train(args: TrainArgs) -> TrainResult:
     if start == 0:
         ev, ev_extra = evaluate()
         log({"step": 0, **dict.fromkeys(RECORD_KEYS[1:]), "eval_loss": ev, **ev_extra})
-    bar = tqdm(total=stop, initial=start, desc="train", unit="step", disable=a.quiet, file=sys.stderr)
+    bar = tqdm(
+        total=stop, initial=start, desc="train", unit="step", disable=a.quiet or not par.is_writer, file=sys.stderr
+    )
     peak = 0
     with contextlib.closing(bar):
         for step in range(start + 1, stop + 1):
@@ -775,13 +804,23 @@ def train(args: TrainArgs) -> TrainResult:
             batches = [loader.next_batch() for _ in range(accum)]
             n_tgt = sum(b.num_targets for b in batches)
             step_loss, step_extra = 0.0, {}
-            for b in batches:
+            for b in par.local(batches):  # torchrun: this dp group's micro-batches
                 w = b.num_targets / n_tgt if n_tgt else 0.0
-                loss, m = stage.loss(model, b.to(a.device))
+                loss, m = par.loss(stage, model, b.to(a.device))
                 (loss * w).backward()
                 step_loss += float(loss.detach()) * w
                 for key, v in m.items():
                     step_extra[key] = step_extra.get(key, 0.0) + float(v) * w
+            step_loss = par.sum_all(step_loss)
+            if lora_settings is not None and step == start + 1:  # LoRA must never be silently skipped (vLLM's bug)
+                from kimi_tools import lora
+
+                skipped = lora.adapters_without_gradient(model)
+                if skipped:
+                    raise ValueError(
+                        f"LoRA: the adapters of {', '.join(skipped[:4])} got no gradient on backend {a.backend} "
+                        "(a code path reads the base weight around them); refusing to train"
+                    )
             for p, mp in pairs:  # gradients up to the fp32 masters
                 if p is not mp:
                     mp.grad = None if p.grad is None else p.grad.float()
@@ -819,7 +858,7 @@ def train(args: TrainArgs) -> TrainResult:
             if step == a.steps or (a.eval_every and step % a.eval_every == 0):
                 rec["eval_loss"], ev_extra = evaluate()
                 rec.update(ev_extra)
-                if not a.quiet:
+                if not a.quiet and par.is_writer:
                     bar.write(f"step {step}: eval loss {rec['eval_loss']:.4f}")
             log(rec)
             bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
@@ -828,7 +867,7 @@ def train(args: TrainArgs) -> TrainResult:
                 save(step)
     if start == stop:  # resumed a finished run: nothing to do but make sure the outputs exist
         save(stop)
-    if a.plot:
+    if a.plot and par.is_writer:
         _plot(out / "loss.png", history)
     evals_seen = {r["step"]: r["eval_loss"] for r in history if r.get("eval_loss") is not None}
     result = TrainResult(
@@ -842,7 +881,7 @@ def train(args: TrainArgs) -> TrainResult:
         total_params=n_total,
         wall_s=time.perf_counter() - t_start,
     )
-    if not a.quiet:
+    if not a.quiet and par.is_writer:
         first, last = min(evals_seen), max(evals_seen)
         what = "adapter (adapter_config.json, adapter_model.safetensors)" if lora_settings else "model (safetensors)"
         print(
@@ -853,6 +892,7 @@ def train(args: TrainArgs) -> TrainResult:
             + (", loss.png" if a.plot else ""),
             flush=True,
         )
+    par.close()
     return result
 
 
@@ -903,6 +943,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s, for MFU")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no loss.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar or messages")
+    p.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks under torchrun (parallel.py)")
     p.set_defaults(func=cmd_train)
     return p
 

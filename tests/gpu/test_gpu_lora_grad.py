@@ -1,0 +1,148 @@
+"""GPU checks of LoRA and gradients on the ``cudnn`` backend (issue 10 parts 2-3).
+
+* A DSA layer at K3.1's attention dims (the real sparse MLA kernels, kv_b_proj used in absorbed form) with LoRA on
+  the default targets: every adapter (kv_b_proj included) gets a gradient, the output moves, and the LoRA layer
+  equals the merged layer (outputs and parameter gradients) and the eager fp32 LoRA layer, at bf16 tolerances.
+* The whole model (a KDA layer on fla, a DSA layer with latent MoE; tiny dims, so the cuDNN indexer and sparse MLA
+  take their torch twins where the kernels do not accept the shapes) in bf16: per-parameter LM-loss gradients
+  against ``jax.grad`` of the fp32 reference, ``GRAD_TOLERANCES["bfloat16"]``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+import kernels_torch.mla as tm  # noqa: E402
+from kimi.config import load_config  # noqa: E402
+from kimi_tools.lora import LoraSettings, apply_lora, lora_modules, merge_lora  # noqa: E402
+
+TOL_LORA_OUT = 2e-2  # bf16 cudnn LoRA layer vs bf16 cudnn merged layer / fp32 eager LoRA layer
+TOL_LORA_GRAD = 5e-2  # parameter gradients, same comparisons (bf16 rounding of W + s B A in the merged layer)
+MIN_LORA_EFFECT = 0.1  # the adapters must move the output far beyond the tolerances above
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _init(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+@pytest.mark.parametrize("T,cu", [(63, None), (2500, [0, 700, 2500])], ids=["T63", "T2500-packed"])
+def test_cudnn_dsa_layer_lora_never_skipped_and_merged_equal(T, cu):
+    cfg = load_config("k3.1-pro").replace(hidden_size=1024)
+    settings = LoraSettings(rank=8, alpha=16.0)
+    torch.manual_seed(T)
+    base = tm.GatedMLA(cfg, 3, backend="cudnn")
+    _init(base, seed=T)
+    lora = copy.deepcopy(base)
+    names = apply_lora(lora, settings)
+    assert "kv_b_proj" in names and not any(n.startswith("indexer") for n in names)
+    g = torch.Generator().manual_seed(1000 + T)
+    with torch.no_grad():  # random adapters, a non-zero B; the base weights are base's (deep copy)
+        for n, p in lora.named_parameters():
+            if ".lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    eager = tm.GatedMLA(cfg, 3, backend="eager")
+    apply_lora(eager, settings)
+    eager.load_state_dict(lora.state_dict())
+    base, lora = base.to("cuda", torch.bfloat16), lora.to("cuda", torch.bfloat16)
+    eager = eager.to("cuda", torch.bfloat16).float()  # the same bf16-rounded weights, computed in fp32
+    for m in (lora, eager):  # the base weights too, to compare their gradients; the indexer stays frozen
+        m.requires_grad_(True)
+        m.indexer.requires_grad_(False)
+
+    cu_t = None if cu is None else torch.tensor(cu)
+    g = torch.Generator(device="cuda").manual_seed(7 + T)
+    x = torch.randn(1, T, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(1, T, cfg.hidden_size, device="cuda", generator=g)
+    with torch.no_grad():
+        out_base = base(x, cu_seqlens=cu_t)
+    out = lora(x, cu_seqlens=cu_t)
+    (out.float() * dy).sum().backward()
+    assert rel(out, out_base) > MIN_LORA_EFFECT
+    for name, layer in lora_modules(lora).items():
+        for w in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
+            assert w.grad is not None and w.grad.abs().max() > 0, f"{name}: adapter skipped on the cudnn path"
+
+    out_e = eager(x.float(), cu_seqlens=cu_t)
+    (out_e * dy).sum().backward()
+    assert rel(out, out_e) <= TOL_LORA_OUT
+    ge = dict(eager.named_parameters())
+    for n, p in lora.named_parameters():
+        if p.grad is not None:
+            assert rel(p.grad, ge[n].grad) <= TOL_LORA_GRAD, n
+
+    merged = copy.deepcopy(lora)
+    merge_lora(merged)
+    for p in merged.parameters():
+        p.grad = None
+        p.requires_grad_(True)
+    merged.indexer.requires_grad_(False)
+    out_m = merged(x, cu_seqlens=cu_t)
+    (out_m.float() * dy).sum().backward()
+    assert rel(out, out_m) <= TOL_LORA_OUT
+    gm = dict(merged.named_parameters())
+    for n, p in lora.named_parameters():
+        if ".lora_" not in n and p.grad is not None:
+            assert rel(p.grad, gm[n.replace(".base_layer.", ".")].grad) <= TOL_LORA_GRAD, n
+
+
+def test_cudnn_model_gradients_match_jax_grad(tmp_path):
+    from kimi.init import init_checkpoint
+    from kimi_tools.gradcheck import GRAD_TOLERANCES, compare_grads, format_grad_table, reference_grads, torch_grads
+
+    cfg = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(0,), mla_layers=(1,), dsa_layers=(1,))
+    init_checkpoint(tmp_path, cfg, seed=4)
+    ids = np.random.default_rng(11).integers(0, 256, 200)
+    cu = np.array([0, 80, 200])
+    ref = reference_grads(tmp_path, ids, cu, dtype="float32")
+    run = torch_grads(tmp_path, ids, cu, backend="cudnn", dtype="bfloat16")
+    rows = compare_grads(ref, run, GRAD_TOLERANCES["bfloat16"])
+    table = format_grad_table(ref, run, rows)
+    print(table)
+    assert all(r.status != "FAIL" for r in rows), table
+
+
+def test_cudnn_model_lora_every_adapter_used_and_merged_equal():
+    """The whole model on cudnn (KDA on fla, the DSA layer's absorbed sparse MLA) with LoRA on the default targets:
+    no adapter is skipped (each gets a gradient) and the merged model gives the same logits."""
+    from kernels_torch.loss import lm_loss
+    from kernels_torch.model import KimiK3Model
+    from kimi_tools.lora import adapters_without_gradient
+
+    cfg = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(0,), mla_layers=(1,), dsa_layers=(1,))
+    torch.manual_seed(0)
+    model = KimiK3Model(cfg, backend="cudnn")
+    apply_lora(model, LoraSettings(rank=4, alpha=8.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    model = model.to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 150), generator=g).cuda()
+    cu = torch.tensor([0, 70, 150])
+    logits = model(ids, cu_seqlens=cu)
+    lm_loss(logits, ids, cu).backward()
+    assert adapters_without_gradient(model) == []
+    merged = copy.deepcopy(model)
+    merge_lora(merged)
+    with torch.no_grad():
+        assert rel(merged(ids, cu_seqlens=cu), logits) <= TOL_LORA_OUT

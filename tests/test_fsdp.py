@@ -1,0 +1,147 @@
+"""FSDP2 + context parallelism on a 2-D mesh (dp=1, cp=2) equals one process: loss, every gradient and the weights
+after one AdamW step; its DCP checkpoint loads in one process (world size 1) and gives the same logits; its HF
+safetensors export equals ``save_model`` of the single-process model. Two gloo processes spawned by the test, fp64.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from kimi.config import load_config
+
+T = 45
+CU = [0, 3, 12, 40, 45]
+TOL = {"loss": 1e-12, "grad": 1e-9, "param": 1e-9, "logits": 1e-9}
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup():
+    from kernels_torch.model import KimiK3Model
+
+    cfg = load_config("tiny").replace(index_topk=8).truncated(5)
+    torch.manual_seed(0)
+    model = KimiK3Model(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g)
+    return model, ids[:, :T], ids[:, 1:]
+
+
+def _loss(logits, labels, n_tokens):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum") / n_tokens
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.model import save_model
+        from kernels_torch.parallel.fsdp import (
+            export_safetensors,
+            global_token_count,
+            init_mesh,
+            parallelize,
+            save_checkpoint,
+        )
+
+        model, ids, labels = _setup()
+        ref = copy.deepcopy(model)
+        errors = []
+
+        # one process: loss, gradients, one AdamW step
+        # weight_decay 0: an expert no rank routes to gets a zero gradient under FSDP (fsdp._touch_experts), None here
+        opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+        loss_r = _loss(ref(ids, torch.tensor(CU)), labels, T)
+        loss_r.backward()
+        ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+        opt_r.step()
+
+        # FSDP2 over the flattened (dp, cp) mesh + context parallelism over cp
+        mesh = init_mesh(dp=1, cp=world)
+        cp = parallelize(model, mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        ids_l, cu_l = cp.shard(ids, torch.tensor(CU))
+        n_tok = global_token_count(ids_l.numel(), mesh)
+        loss = _loss(model(ids_l, cu_l), cp.shard_like(labels), n_tok)
+        loss.backward()
+        loss_sum = loss.detach().clone()
+        dist.all_reduce(loss_sum)
+        if rel(loss_sum, loss_r.detach()) > TOL["loss"]:
+            errors.append(f"loss {float(loss_sum)} vs {float(loss_r)}")
+        for n, p in model.named_parameters():
+            got = torch.zeros_like(p).full_tensor() if p.grad is None else p.grad.full_tensor()
+            want = ref_grads.get(n, torch.zeros_like(got))
+            err = rel(got, want) if want.norm() > 0 else float(got.norm())
+            if not err <= TOL["grad"]:
+                errors.append(f"{n}.grad: rel err {err:.3e}")
+        opt.step()
+        ref_params = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            err = rel(p.detach().full_tensor(), ref_params[n].detach())
+            if not err <= TOL["param"]:
+                errors.append(f"{n} after one AdamW step: rel err {err:.3e}")
+
+        # DCP checkpoint, logits after the step (gathered), the HF export of both
+        save_checkpoint(f"{out}/dcp", model, opt)
+        with torch.no_grad():
+            cp.shard(ids, torch.tensor(CU))
+            local = model(ids_l, cu_l)
+        parts = [None] * world
+        dist.all_gather_object(parts, local)
+        export_safetensors(model, f"{out}/hf_fsdp")
+        if rank == 0:
+            torch.save(torch.cat(parts, dim=1), f"{out}/logits.pt")
+            save_model(ref, f"{out}/hf_ref")
+        if errors:
+            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_fsdp_cp_step_dcp_and_export(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from kimi.checkpoint import CheckpointReader
+
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+
+    # the DCP folder written by 2 ranks loads in this process (world size 1) and gives the same logits
+    model, ids, _ = _setup()
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        logits = model(ids, torch.tensor(CU))
+    want = torch.load(tmp_path / "logits.pt")
+    assert rel(logits, want) <= TOL["logits"]
+
+    # the HF safetensors export of the sharded model equals save_model of the single-process one
+    files = sorted(p.name for p in (tmp_path / "hf_ref").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (tmp_path / "hf_fsdp").glob("*.safetensors"))
+    for name in files:
+        a, b = load_file(tmp_path / "hf_fsdp" / name), load_file(tmp_path / "hf_ref" / name)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert rel(a[k].double(), b[k].double()) <= 1e-6 or torch.equal(a[k], b[k]), k
+    assert CheckpointReader(tmp_path / "hf_fsdp").config.num_hidden_layers == 5

@@ -1,0 +1,298 @@
+"""LoRA (kimi_tools.lora): peft's format and peft itself, no path that skips an adapter, merged == unmerged,
+refusals, and ``kimi lora merge`` read by the JAX reference.
+
+All adapters here have a non-zero B (peft's ``init_lora_weights=False`` style) and the inputs are fresh random ids.
+The model is the tiny preset cut to 2 layers, a KDA layer (dense MLP) and a DSA layer (latent MoE), so every
+projection kind is present at a third of the 4-layer cost.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kernels_torch.loss import lm_loss
+from kernels_torch.model import KimiK3Model, load_model
+from kimi.config import load_config
+from kimi_tools.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    DEFAULT_TARGETS,
+    LoraSettings,
+    adapters_without_gradient,
+    apply_lora,
+    check_lora_supported,
+    load_adapter,
+    lora_modules,
+    merge_lora,
+    save_adapter,
+)
+
+# fp64 models: merged and unmerged differ only by the order of the rounding of W + s B A vs x W^T + s x A^T B^T.
+MERGE_OUT_REL = 1e-10  # logits, merged vs unmerged
+MERGE_GRAD_REL = 1e-8  # dL/dW (unmerged base weight) vs dL/dW' (merged weight); dL/dA, dL/dB vs their closed forms
+PEFT_OUT_REL = 0.0  # peft's PeftModel on our adapter runs the same layers: bitwise equal
+MERGED_CKPT_REL = 2e-2  # JAX on the merged bf16 checkpoint vs the unmerged fp32 torch model (bf16 rounding of W')
+MERGED_CKPT_SAME_REL = 1e-4  # JAX vs torch, both on the merged checkpoint (fp32)
+
+T = 37  # awkward length; two packed documents
+CU = torch.tensor([0, 13, T])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _two_layers():
+    return load_config("tiny").replace(num_hidden_layers=2, kda_layers=(0,), mla_layers=(1,), dsa_layers=(1,))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return _two_layers()
+
+
+def _model(cfg, backend="eager", seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return KimiK3Model(cfg, backend=backend).to(dtype)
+
+
+def _randomise_adapters(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_modules(model).values():
+            for w in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
+                w.copy_(torch.randn(w.shape, generator=g, dtype=torch.float64).to(w.dtype) * 0.2)
+
+
+def _ids(cfg, seed=2, n=T):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (1, n), generator=g)
+
+
+def test_defaults_wrap_mla_and_kda_projections_only(cfg):
+    model = _model(cfg)
+    names = apply_lora(model, LoraSettings(rank=4, alpha=8.0))
+    leaves = {n.rsplit(".", 1)[1] for n in names}
+    assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+    assert "model.layers.1.self_attn.kv_b_proj" in names
+    assert not any(".indexer." in n for n in names)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * len(names)
+    layer = lora_modules(model)["model.layers.1.self_attn.kv_b_proj"]
+    assert layer.lora_A["default"].weight.shape == (4, cfg.kv_lora_rank)  # [r, in]
+    assert layer.lora_B["default"].weight.shape == (layer.base_layer.out_features, 4)  # [out, r]
+    assert torch.all(layer.lora_B["default"].weight == 0)  # B starts at zero: the wrapped model is the base model
+    assert layer.scaling["default"] == 2.0
+    rs = _model(cfg)
+    apply_lora(rs, LoraSettings(rank=4, alpha=8.0, use_rslora=True))
+    assert lora_modules(rs)["model.layers.1.self_attn.kv_b_proj"].scaling["default"] == pytest.approx(8.0 / 2.0)
+
+
+@pytest.mark.parametrize(
+    "backend,form", [("eager", "expanded"), ("eager", "absorbed"), ("sdpa", "expanded"), ("sdpa", "absorbed")]
+)
+def test_merged_equals_unmerged_and_no_adapter_is_skipped(cfg, backend, form):
+    """Outputs and gradients: the LoRA model (W frozen + s B A) vs the merged model (W' = W + s B A), fp64.
+
+    Every adapter must receive a non-zero gradient (an adapter that some path skips would get none: the vLLM bug)
+    and change the output; dL/dW of the unmerged base weight equals dL/dW' of the merged one; dL/dB = s G Aᵀ and
+    dL/dA = s Bᵀ G with G = dL/dW' (the chain rule through W' = W + s B A)."""
+    model = _model(cfg, backend)
+    ids = _ids(cfg)
+    with torch.no_grad():
+        base = model(ids, cu_seqlens=CU, mla_form=form)
+    names = apply_lora(model, LoraSettings(rank=3, alpha=5.0, targets=DEFAULT_TARGETS + ("g_proj",)))
+    _randomise_adapters(model)
+    for p in model.parameters():
+        p.requires_grad_(True)  # the base weights too, to compare dL/dW with the merged model's
+    out = model(ids, cu_seqlens=CU, mla_form=form)
+    lm_loss(out, ids, CU).backward()
+    assert _rel(out.detach(), base) > 1e-2  # the adapters change the output
+
+    layers = lora_modules(model)
+    assert adapters_without_gradient(model) == []
+    for name, layer in layers.items():
+        for w in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
+            assert w.grad is not None and w.grad.abs().max() > 0, f"{name}: the adapter gets no gradient (skipped)"
+
+    merged = copy.deepcopy(model)
+    for p in merged.parameters():
+        p.grad = None
+    assert sorted(merge_lora(merged)) == sorted(names)
+    assert not lora_modules(merged)
+    assert set(merged.state_dict()) == set(_model(cfg).state_dict())  # canonical names again
+    for p in merged.parameters():
+        p.requires_grad_(True)
+    out_m = merged(ids, cu_seqlens=CU, mla_form=form)
+    lm_loss(out_m, ids, CU).backward()
+    assert _rel(out.detach(), out_m.detach()) <= MERGE_OUT_REL
+
+    grads_m = {n: p.grad for n, p in merged.named_parameters()}
+    for n, p in model.named_parameters():
+        if ".lora_" in n:
+            continue
+        key = n.replace(".base_layer.", ".")
+        assert (p.grad is None) == (grads_m[key] is None), key
+        if p.grad is not None:
+            assert _rel(p.grad, grads_m[key]) <= MERGE_GRAD_REL, key
+    for name, layer in layers.items():
+        G = grads_m[name + ".weight"]  # [out, in]
+        A, B, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+        assert _rel(B.grad, s * G @ A.detach().T) <= MERGE_GRAD_REL, name
+        assert _rel(A.grad, s * B.detach().T @ G) <= MERGE_GRAD_REL, name
+
+
+def test_peft_loads_our_adapter_and_we_load_peft_s(cfg, tmp_path):
+    """Our file is peft's format: exactly two files, peft's key names and shapes; ``PeftModel.from_pretrained`` on
+    the eager module tree gives our outputs. Conversely an adapter made by peft's ``get_peft_model`` (random B,
+    ``init_lora_weights=False``) and saved by peft loads through :func:`load_adapter` with peft's outputs."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    settings = LoraSettings(rank=4, alpha=16.0, use_rslora=True)
+    ours = _model(cfg, dtype=torch.float32)
+    names = apply_lora(ours, settings)
+    _randomise_adapters(ours)
+    ids = _ids(cfg, seed=5)
+    with torch.no_grad():
+        expect = ours(ids, cu_seqlens=CU)
+    save_adapter(ours, settings, tmp_path / "a", base_checkpoint="some/base")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    sd = load_file(str(tmp_path / "a" / ADAPTER_WEIGHTS))
+    assert set(sd) == {f"base_model.model.{n}.lora_{x}.weight" for n in names for x in "AB"}
+    kvb = "base_model.model.model.layers.1.self_attn.kv_b_proj"
+    assert sd[kvb + ".lora_A.weight"].shape == (4, cfg.kv_lora_rank)
+    assert sd[kvb + ".lora_B.weight"].shape == (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), 4)
+    conf = json.loads((tmp_path / "a" / ADAPTER_CONFIG).read_text())
+    assert (conf["peft_type"], conf["r"], conf["lora_alpha"], conf["use_rslora"]) == ("LORA", 4, 16.0, True)
+    assert conf["base_model_name_or_path"] == "some/base"
+
+    peft_model = PeftModel.from_pretrained(_model(cfg, dtype=torch.float32), str(tmp_path / "a"))
+    with torch.no_grad():
+        assert _rel(peft_model(ids, cu_seqlens=CU), expect) <= PEFT_OUT_REL
+
+    theirs = get_peft_model(
+        _model(cfg, dtype=torch.float32),
+        LoraConfig(r=2, lora_alpha=3.0, target_modules=["kv_b_proj", "o_proj"], init_lora_weights=False),
+    )
+    theirs.save_pretrained(str(tmp_path / "b"))
+    with torch.no_grad():
+        expect_b = theirs(ids, cu_seqlens=CU)
+    mine = _model(cfg, dtype=torch.float32)
+    load_adapter(mine, tmp_path / "b")
+    with torch.no_grad():
+        assert _rel(mine(ids, cu_seqlens=CU), expect_b) <= PEFT_OUT_REL
+
+
+def test_refusals(cfg, tmp_path):
+    ok = LoraSettings(rank=2, alpha=2.0)
+    for backend in ("eager", "sdpa", "cudnn"):
+        check_lora_supported(ok, backend)
+    with pytest.raises(ValueError, match="dropout.*kv_b_proj.*absorbed"):
+        check_lora_supported(LoraSettings(rank=2, alpha=2.0, dropout=0.1), "cudnn")
+    check_lora_supported(LoraSettings(2, 2.0, dropout=0.1, targets=("o_proj", "q_b_proj")), "cudnn")  # no kv_b_proj
+    with pytest.raises(ValueError, match="DoRA"):
+        check_lora_supported(LoraSettings(rank=2, alpha=2.0, use_dora=True), "eager")
+    for bad, match in (
+        (LoraSettings(0, 2.0), "rank"),
+        (LoraSettings(2, 0.0), "alpha"),
+        (LoraSettings(2, 2.0, dropout=1.0), "dropout"),
+        (LoraSettings(2, 2.0, targets=()), "targets"),
+        (LoraSettings(2, 2.0, targets=("o_proj[",)), "regular expression"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_lora_supported(bad, "eager")
+    for targets, match in (
+        (("wq_b",), "indexer"),
+        ((r".*\.indexer\..*",), "indexer"),
+        ((r".*_proj",), "indexer|reads directly"),
+        (("lm_head",), "reads directly"),
+        (("self_attention_res_proj",), "reads directly"),
+        (("w1",), "MXFP4"),
+        (("gate",), "nn.Linear"),
+        (("q_prj",), "matches no module"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            apply_lora(_model(cfg), LoraSettings(2, 2.0, targets=targets))
+    # dropout on kv_b_proj used in absorbed form by eager/sdpa: a clear error at forward time in training mode
+    model = _model(cfg)
+    apply_lora(model, LoraSettings(2, 2.0, dropout=0.1, targets=("kv_b_proj",)))
+    with pytest.raises(RuntimeError, match="dropout.*absorbed"):
+        model(_ids(cfg), mla_form="absorbed")
+    model.eval()
+    model(_ids(cfg), mla_form="absorbed")  # no dropout in eval mode: fine
+    with pytest.raises(ValueError, match="already has LoRA"):
+        apply_lora(model, LoraSettings(2, 2.0))
+    # a DoRA adapter file is refused on load
+    save_adapter(model, LoraSettings(2, 2.0), tmp_path / "d")
+    conf = json.loads((tmp_path / "d" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "d" / ADAPTER_CONFIG).write_text(json.dumps({**conf, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA"):
+        load_adapter(_model(cfg), tmp_path / "d")
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        load_adapter(_model(cfg), tmp_path / "missing")
+
+
+def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path, capsys):
+    """``kimi lora merge`` -> a plain checkpoint; the JAX reference on it gives the unmerged torch model's logits."""
+    import jax
+
+    from kimi.init import init_checkpoint
+    from kimi_tools.cli import main
+    from reference_jax.model import load_model as load_jax
+
+    init_checkpoint(tmp_path / "base", _two_layers(), seed=3)
+    settings = LoraSettings(rank=4, alpha=4.0, targets=DEFAULT_TARGETS + ("g_proj",))
+    model = load_model(tmp_path / "base", dtype=torch.float32)
+    apply_lora(model, settings)
+    _randomise_adapters(model, seed=7)
+    save_adapter(model, settings, tmp_path / "adapter", base_checkpoint=tmp_path / "base")
+    ids = _ids(model.config, seed=9, n=29)
+    with torch.no_grad():
+        unmerged = model(ids).double()
+
+    args = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]
+    assert main(args + ["--out", str(tmp_path / "merged")]) == 0
+    assert main(args + ["--out", str(tmp_path / "merged")]) == 2  # not empty: refused, nothing touched
+    bad = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "nowhere")]
+    assert main(bad + ["--out", str(tmp_path / "m2")]) == 2 and not (tmp_path / "m2").exists()
+    assert "kimi: error: adapter: no adapter_config.json" in capsys.readouterr().err
+    jm, tree, _ = load_jax(tmp_path / "merged")
+    with jax.default_matmul_precision("highest"):
+        ref = torch.from_numpy(np.asarray(jm.apply({"params": tree}, ids.numpy()), np.float64))
+    with torch.no_grad():
+        merged_torch = load_model(tmp_path / "merged", dtype=torch.float32)(ids).double()
+    assert _rel(ref, merged_torch) <= MERGED_CKPT_SAME_REL
+    assert _rel(ref, unmerged) <= MERGED_CKPT_REL
+    base_logits = load_model(tmp_path / "base", dtype=torch.float32)(ids).detach().double()
+    assert _rel(base_logits, unmerged) > 10 * MERGED_CKPT_REL  # the adapter's effect is far above the bf16 rounding
+
+
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_lora_on_the_generation_cache_path(cfg, form):
+    """Cached prefill + decode with adapters (the absorbed decode reads kv_b_proj through effective_weight) gives
+    the cache-free LoRA logits; the adapters change them."""
+    from kernels_torch import cache as tcache
+
+    model = _model(cfg)
+    ids = _ids(cfg, seed=12, n=24)
+    with torch.no_grad():
+        base = model(ids, mla_form=form)
+    apply_lora(model, LoraSettings(rank=2, alpha=4.0))
+    _randomise_adapters(model, seed=13)
+    with torch.no_grad():
+        free = model(ids, mla_form=form)
+        logits, cache, _ = tcache.prefill(model, ids[:, :17], tcache.init_cache(model.config, 1, 24, torch.float64))
+        steps = [logits]
+        for t in range(17, 24):
+            step, cache = model(ids[:, t : t + 1], cache=cache, mla_form=form)
+            steps.append(step)
+    assert _rel(torch.cat(steps, dim=1), free) <= MERGE_OUT_REL * 100
+    assert _rel(free, base) > 1e-2

@@ -1,0 +1,462 @@
+"""``kimi train`` (kimi_tools.train, kimi_tools.data): schedule, packing, exact resume, frozen parts, outputs, errors.
+
+The runs use the tiny preset cut to 2 layers (KDA dense + KDA MoE; 4 layers where the DSA indexer matters) on the
+bundled Alice chapter, 16-token rows: a few seconds each on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kimi_tools.cli import main
+from kimi_tools.common import DEFAULT_TEXT
+from kimi_tools.data import IGNORE_INDEX, PackedLoader, read_documents, split_tail
+from kimi_tools.train import RECORD_KEYS, STAGES, LMStage, TrainArgs, lr_multiplier, train
+
+SMALL = dict(
+    data=[str(DEFAULT_TEXT)],
+    layers=2,
+    steps=6,
+    seq_len=16,
+    micro_batch_tokens=32,
+    batch_tokens=32,
+    eval_tokens=32,
+    eval_every=3,
+    warmup_steps=1,
+    lr=1e-2,
+    quiet=True,
+)
+NUMERIC = ("step", "loss", "eval_loss", "lr", "grad_norm")
+
+
+def _numbers(records):
+    return [{k: r[k] for k in NUMERIC} for r in records]
+
+
+def _dcp_keys(step_dir: Path) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+
+def test_lr_multiplier_warmup_then_cosine():
+    kw = dict(warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
+    m = [lr_multiplier(s, **kw) for s in range(20)]
+    assert m[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up reaches the peak at step warmup - 1 ...
+    assert m[4] == 1.0  # ... and the cosine starts at the peak
+    assert all(a >= b for a, b in zip(m[4:], m[5:]))  # non-increasing after warm-up
+    assert 0.1 < m[-1] < 0.11  # ends just above min_lr_ratio
+    assert math.isclose(m[4 + 8], 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 16)))  # the formula, mid-way
+    assert lr_multiplier(0, warmup_steps=0, total_steps=5, min_lr_ratio=0.0) == 1.0  # no warm-up
+    assert m == [lr_multiplier(s, **kw) for s in range(20)]  # pure
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(step=20, warmup_steps=4, total_steps=20, min_lr_ratio=0.1), "step"),
+        (dict(step=0, warmup_steps=20, total_steps=20, min_lr_ratio=0.1), "--warmup-steps"),
+        (dict(step=0, warmup_steps=1, total_steps=20, min_lr_ratio=1.5), "--min-lr-ratio"),
+    ],
+)
+def test_lr_multiplier_rejects(kw, field):
+    step = kw.pop("step")
+    with pytest.raises(ValueError, match=field):
+        lr_multiplier(step, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def test_packed_rows_labels_and_cu_seqlens():
+    docs = [np.arange(10, 15), np.arange(20, 23), np.arange(30, 40)]  # lengths 5, 3, 10
+    b = PackedLoader(docs, seq_len=6, rows=2, shuffle=False).next_batch()
+    assert b.input_ids.tolist() == [[10, 11, 12, 13, 14, 20, 21, 22, 30, 31, 32, 33]]
+    # next token of the same document; -100 where a document ends; a row's last label peeks at the next row
+    assert b.labels.tolist() == [[11, 12, 13, 14, -100, 21, 22, -100, 31, 32, 33, 34]]
+    # document starts (10 | 20 | 30) and the row boundary (after 6 tokens: 20 | 21) are all boundaries
+    assert b.cu_seqlens.tolist() == [0, 5, 6, 8, 12]
+    assert b.num_targets == 10
+    nxt = PackedLoader(docs, seq_len=6, rows=2, shuffle=False)
+    nxt.load_state_dict({"epoch": 0, "doc": 2, "offset": 4})
+    b2 = nxt.next_batch()  # wraps into the next epoch
+    assert b2.input_ids.tolist() == [[34, 35, 36, 37, 38, 39, 10, 11, 12, 13, 14, 20]]
+    assert b2.labels.tolist()[0][5] == IGNORE_INDEX and b2.cu_seqlens.tolist() == [0, 6, 11, 12]
+    assert nxt.state_dict() == {"epoch": 1, "doc": 1, "offset": 1}
+
+
+def test_loader_resumes_the_same_batches():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 256, size=n) for n in (1, 7, 30, 2, 63, 5)]
+    a = PackedLoader(docs, seq_len=9, rows=3, seed=4)
+    for _ in range(5):
+        a.next_batch()
+    b = PackedLoader(docs, seq_len=9, rows=3, seed=4)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # plain ints survive a JSON round trip
+    for _ in range(8):  # across epochs: the shuffled order of epoch e is a function of (seed, e)
+        x, y = a.next_batch(), b.next_batch()
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
+        assert torch.equal(x.cu_seqlens, y.cu_seqlens)
+    assert a.epoch >= 1
+    other = PackedLoader(docs, seq_len=9, rows=3, seed=5)
+    assert not all(np.array_equal(other.order(e), a.order(e)) for e in range(3))
+    with pytest.raises(ValueError, match="data position"):
+        b.load_state_dict({"epoch": 0, "doc": 6, "offset": 0})
+
+
+def test_read_documents_files_folders_jsonl(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("first doc")
+    (tmp_path / "d" / "b.jsonl").write_text('{"text": "second"}\n\n{"text": "third", "id": 3}\n{"text": "  "}\n')
+    (tmp_path / "d" / "skip.bin").write_bytes(b"\xff")
+    assert read_documents([tmp_path / "d"]) == ["first doc", "second", "third"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object with a string 'text' field"):
+        read_documents([tmp_path / "bad.jsonl"])
+    (tmp_path / "empty.txt").write_text(" \n")
+    with pytest.raises(ValueError, match="no text"):
+        read_documents([tmp_path / "empty.txt"])
+    with pytest.raises(ValueError, match="no file or folder"):
+        read_documents([tmp_path / "missing.txt"])
+
+
+def test_split_tail_holds_out_the_last_tokens():
+    docs = [np.arange(6), np.arange(100, 104)]
+    train_docs, held = split_tail(docs, 0.3)  # 10 tokens: the last 3 held out, cutting the second document
+    assert [d.tolist() for d in train_docs] == [[0, 1, 2, 3, 4, 5], [100]]
+    assert [d.tolist() for d in held] == [[101, 102, 103]]
+
+
+# ---------------------------------------------------------------------------------------------- the model side
+
+
+@pytest.fixture(scope="module")
+def tiny4():
+    from kernels_torch.model import KimiK3Model
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    full = load_config("tiny")
+    cfg = full.truncated(4)  # KKKD: KDA, MoE and one DSA layer
+
+    def make(backend):
+        m = KimiK3Model(cfg, backend=backend)
+        m.load_state_dict(init_params(full, seed=1, layers=4))
+        return m
+
+    return cfg, make
+
+
+def _packed_batch(T=40):
+    docs = [np.asarray(list(t.encode())) for t in ("Alice was beginning", " to get very tired of sitting by her")]
+    return PackedLoader(docs, seq_len=T, rows=1, shuffle=False).next_batch()
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_indexer_gets_no_lm_gradient(tiny4, backend):
+    """Hard top-k: the LM loss reaches no indexer parameter (the stage freezes them; this checks why)."""
+    cfg, make = tiny4
+    model = make(backend)
+    loss, _ = LMStage(cfg, None).loss(model, _packed_batch())
+    loss.backward()
+    names = [n for n, _ in model.named_parameters() if ".indexer." in n]
+    assert names, "the 4-layer tiny model has a DSA layer"
+    grads = dict(model.named_parameters())
+    assert all(grads[n].grad is None for n in names)
+    assert grads["model.layers.3.self_attn.q_a_proj.weight"].grad.abs().sum() > 0  # the DSA layer itself trains
+    stage = LMStage(cfg, None)
+    assert not any(stage.trainable(n) for n in names)
+
+
+def test_recompute_gives_the_same_loss_and_grads(tiny4):
+    from kimi_tools.train import _recompute_layers
+
+    cfg, make = tiny4
+    batch = _packed_batch()
+    out = []
+    for recompute in (False, True):
+        model = make("sdpa")
+        if recompute:
+            _recompute_layers(model)
+        loss, _ = LMStage(cfg, None).loss(model, batch)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = out
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys() and len(g0) > 50
+    for n in g0:  # the same ops recomputed in the same order: equal to the bit on CPU
+        assert torch.equal(g0[n], g1[n]), n
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run A: 6 steps. Run B: the same, stopped after step 3, then resumed to step 6."""
+    root = tmp_path_factory.mktemp("train")
+    a = train(TrainArgs(out=str(root / "a"), **SMALL))
+    b1 = train(TrainArgs(out=str(root / "b"), stop_after=3, **SMALL))
+    b2 = train(TrainArgs(out=str(root / "b"), resume=True, **SMALL))
+    return root, a, b1, b2
+
+
+def test_resume_continues_exactly(runs):
+    root, a, b1, b2 = runs
+    assert (b1.step, b2.start_step, b2.step) == (3, 3, 6)
+    assert _numbers(a.records) == _numbers(b1.records + b2.records)  # losses, lr, grad norms: bitwise equal
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(root / "a" / "model.safetensors"), load_file(root / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    on_disk = [json.loads(x) for x in (root / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(on_disk) == _numbers(a.records)  # one record per step, none repeated by the resume
+    assert a.tokens_seen == b2.tokens_seen == 6 * 32
+
+
+def test_run_outputs_and_eval_loss_falls(runs):
+    root, a, _, _ = runs
+    out = root / "a"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "loss.png",
+        "metrics.jsonl",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "run.json",
+        "step-6",
+    ]
+    assert (out / "step-6" / ".metadata").is_file()
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(7))
+    assert all(tuple(r) == RECORD_KEYS for r in records)
+    assert [s for s, r in enumerate(records) if r["eval_loss"] is not None] == [0, 3, 6]
+    assert records[1]["lr"] == 1e-2 and all(r["grad_norm"] > 0 for r in records[1:])
+    assert records[-1]["mfu"] is None and records[-1]["peak_mem_bytes"] > 0
+    assert a.eval_losses[6] < a.eval_losses[0] - 0.5  # real text is learnable: well below the step-0 value
+    run = json.loads((out / "run.json").read_text())
+    assert run["args"]["batch_tokens"] == 32 and run["args"]["dtype"] == "float32"
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_output_loads_in_both_paths(runs):
+    """The exported model is a checkpoint in the real layout: the JAX reference's load_model and the torch twin's
+    read the same tensors, which are the trained weights (from the DCP state) in the checkpoint's dtypes."""
+    import torch.distributed.checkpoint as dcp
+
+    from kernels_torch.model import load_model as load_torch
+    from reference_jax.model import load_model as load_jax
+    from reference_jax.params import from_tree
+
+    out = runs[0] / "a"
+    jmodel, tree, cfg = load_jax(out)
+    assert cfg.num_hidden_layers == 2
+    jax_params = from_tree(tree)
+    torch_params = load_torch(out, backend="sdpa").state_dict()
+    assert jax_params.keys() == torch_params.keys()
+    assert all(torch.equal(jax_params[k], torch_params[k]) for k in jax_params)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    trained = {"weights": {name: torch.empty_like(torch_params[name])}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(trained, checkpoint_id=str(out / "step-6"))
+    assert torch.equal(trained["weights"][name].bfloat16().float(), torch_params[name])  # stored as bf16
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    initial = init_params(load_config("tiny"), seed=0, layers=2)[name].float()
+    assert not torch.equal(initial, torch_params[name])  # trained, not the random init written back
+
+
+def test_bf16_masters_frozen_parts_and_optimizer(tmp_path):
+    """bf16 weights train through fp32 masters; the indexer, the routing bias and --freeze patterns are neither
+    trained nor in the optimizer."""
+    res = train(
+        TrainArgs(
+            out=str(tmp_path / "r"),
+            **{**SMALL, "layers": 4, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "dtype": "bfloat16"},
+            freeze=["model.embed_tokens.*", "*.mlp_res_*"],
+            plot=False,
+        )
+    )
+    meta = _dcp_keys(tmp_path / "r" / "step-1")
+    weights = {k.removeprefix("weights."): v for k, v in meta.items() if k.startswith("weights.")}
+    opt_params = {k.removeprefix("optimizer.state.").rsplit(".", 1)[0] for k in meta if k.startswith("optimizer.st")}
+    assert weights and all(v.properties.dtype == torch.float32 for v in weights.values())  # fp32 masters
+    assert meta["optimizer.state.lm_head.weight.exp_avg"].properties.dtype == torch.float32
+    assert "model.layers.3.self_attn.q_a_proj.weight" in weights
+    for frozen in ("indexer.", "embed_tokens", "e_score_correction_bias", "mlp_res_"):
+        assert not any(frozen in n for n in weights), frozen
+        assert not any(frozen in n for n in opt_params), frozen
+    assert res.trainable_params == sum(v.size.numel() for v in weights.values())
+    from kimi.checkpoint import CheckpointReader
+
+    assert CheckpointReader(tmp_path / "r").dtype("model.layers.0.self_attn.q_proj.weight") == "bfloat16"
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    kw = {**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "batch_tokens": 64, "plot": False}
+    one = train(TrainArgs(out=str(tmp_path / "one"), **{**kw, "micro_batch_tokens": 64}, peak_tflops=0.5))
+    acc = train(TrainArgs(out=str(tmp_path / "acc"), **{**kw, "micro_batch_tokens": 16}))  # 4 micro-batches
+    a, b = one.records[1], acc.records[1]
+    from kimi.config import load_config
+    from kimi.flops import estimate_flops
+
+    flops = estimate_flops(load_config("tiny").truncated(2), 16, backward=True)["flops_per_token"]
+    assert math.isclose(a["mfu"], flops * a["tokens_per_s"] / 0.5e12) and b["mfu"] is None
+    assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6) and math.isclose(
+        a["grad_norm"], b["grad_norm"], rel_tol=1e-5
+    )
+
+
+def test_custom_stage_trains_its_parameters_and_logs_its_metrics(tmp_path, monkeypatch):
+    class HeadOnly(LMStage):
+        def trainable(self, name):
+            return name == "lm_head.weight"
+
+        def loss(self, model, batch):
+            loss, _ = super().loss(model, batch)
+            return loss, {"targets": float(batch.num_targets)}
+
+    monkeypatch.setitem(STAGES, "head-only", HeadOnly)
+    res = train(
+        TrainArgs(
+            out=str(tmp_path / "r"), **{**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16}, stage="head-only"
+        )
+    )
+    assert res.trainable_params == 512 * 96
+    assert res.records[1]["targets"] > 0 and res.records[1]["eval_targets"] > 0
+    weights = [k for k in _dcp_keys(tmp_path / "r" / "step-1") if k.startswith("weights.")]
+    assert weights == ["weights.lm_head.weight"]
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _cli(argv, capsys):
+    rc = main(["train", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, err
+
+
+def _small_argv(out):
+    """The CLI form of SMALL."""
+    return (
+        "--layers 2 --steps 6 --seq-len 16 --micro-batch-tokens 32 --batch-tokens 32 --eval-tokens 32 --eval-every 3 "
+        "--warmup-steps 1 --lr 1e-2 --quiet"
+    ).split() + ["--data", str(DEFAULT_TEXT), "--out", str(out)]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda argv, tmp: argv + ["--seq-len", "1"], "--seq-len: got 1, expected at least 2"),
+        (lambda argv, tmp: argv + ["--data", str(tmp / "empty.txt")], "--data: no text in"),
+        (lambda argv, tmp: argv + ["--micro-batch-tokens", "24"], "expected a positive multiple of --seq-len 16"),
+        (lambda argv, tmp: argv + ["--freeze", "nothing.*"], "--freeze: 'nothing.*' matches no parameter"),
+        (lambda argv, tmp: argv + ["--lora-alpha", "4"], "given without --lora-rank"),
+        (lambda argv, tmp: argv + ["--resume"], "holds no run"),
+        # options the backend cannot honour are refused by kimi_tools.lora.check_lora_supported, before any device
+        (
+            lambda argv, tmp: argv + ["--backend", "cudnn", "--lora-rank", "4", "--lora-dropout", "0.1"],
+            "lora dropout: got 0.1 with kv_b_proj among the targets on the cudnn backend",
+        ),
+        (lambda argv, tmp: argv + ["--lora-rank", "4", "--lora-targets", "lm_head"], "reads directly"),
+    ],
+    ids=["seq-len", "empty-data", "micro-batch", "freeze", "lora-alpha", "resume-nothing", "lora-cudnn", "lora-head"],
+)
+def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    out = tmp_path / "out"
+    rc, err = _cli(change(_small_argv(out), tmp_path), capsys)
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kimi: error: ") and message in err[0], err
+    assert not out.exists()
+
+
+def test_checkpoint_that_does_not_match_its_config(tmp_path, capsys):
+    from kimi.config import load_config
+    from kimi.init import init_checkpoint
+
+    init_checkpoint(tmp_path / "ck", load_config("tiny"), seed=0, layers=2)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    cfg["text_config"]["hidden_size"] = 128
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    argv = ["--checkpoint", str(tmp_path / "ck"), "--data", str(DEFAULT_TEXT), "--out", str(tmp_path / "out")]
+    rc, err = _cli(argv + ["--seq-len", "16", "--quiet"], capsys)
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kimi: error: "), err
+    assert "model.embed_tokens.weight" in err[0] and "[512, 128]" in err[0], err  # names the tensor and the shape
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
+    root = runs[0]
+    before = sorted((root / "a").rglob("*"))
+    argv = _small_argv(root / "a")
+    rc, err = _cli(argv + ["--lr", "1e-3", "--resume"], capsys)  # the run used --lr 1e-2
+    assert rc == 2 and len(err) == 1 and "other settings: lr (run: 0.01, now: 0.001)" in err[0], err
+    rc, err = _cli(argv + ["--layers", "3", "--resume"], capsys)  # another model
+    assert rc == 2 and "model config differs" in err[0] and "num_hidden_layers (run: 2, now: 3)" in err[0], err
+    rc, err = _cli(argv, capsys)  # a full folder without --resume
+    assert rc == 2 and "exists and is not empty" in err[0], err
+    assert sorted((root / "a").rglob("*")) == before
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def test_lora_run_resumes_exactly_and_writes_the_adapter(tmp_path):
+    """LoRA (dropout on, so the RNG state matters): 4 steps equal 2 + resume 2; the output holds peft's two files
+    (no full model), the DCP state only the adapters, and the adapter loads back onto the base."""
+    from safetensors.torch import load_file
+
+    from kimi.config import load_config
+    from kimi.init import init_checkpoint
+    from kimi_tools import lora
+
+    base = tmp_path / "base"
+    init_checkpoint(base, load_config("tiny"), seed=0, layers=2)
+    kw = {**SMALL, "layers": None, "steps": 4, "eval_every": 2, "lr": 1e-2, "checkpoint": str(base)}
+    kw.update(lora_rank=4, lora_dropout=0.1, plot=False)
+    a = train(TrainArgs(out=str(tmp_path / "a"), **kw))
+    b1 = train(TrainArgs(out=str(tmp_path / "b"), stop_after=2, **kw))
+    b2 = train(TrainArgs(out=str(tmp_path / "b"), resume=True, **kw))
+    assert _numbers(a.records) == _numbers(b1.records + b2.records)
+    assert a.eval_losses[4] != a.eval_losses[0]  # the adapters change the function (the benchmark: loss falls)
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "run.json", "step-4"]
+    wa = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    wb = load_file(tmp_path / "b" / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(k.startswith("base_model.model.model.layers.") and ".lora_" in k for k in wa)
+    assert any(".lora_B." in k and wa[k].abs().sum() > 0 for k in wa)  # B moved off its zero init
+    weights = [k for k in _dcp_keys(tmp_path / "a" / "step-4") if k.startswith("weights.")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights)
+    assert a.trainable_params == sum(v.numel() for v in wa.values())
+    from kernels_torch.model import load_model
+
+    model = load_model(base, backend="sdpa")
+    lora.load_adapter(model, tmp_path / "a")
+    sd = lora.adapter_state_dict(model)
+    assert all(torch.equal(sd[k], wa[k]) for k in wa)
+
+
+def test_lora_adapters_that_get_no_gradient_stop_the_run(tmp_path, monkeypatch):
+    """A path that bypasses the adapters (here a stage that never runs the layers) is caught at the first step."""
+
+    class Bypass(LMStage):  # calls one adapted projection and skips every other
+        def loss(self, model, batch):
+            h = model.model.embed_tokens(batch.input_ids)
+            return model.model.layers[0].self_attn.q_proj(h).float().pow(2).mean(), {}
+
+    monkeypatch.setitem(STAGES, "bypass", Bypass)
+    kw = {**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "plot": False}
+    with pytest.raises(ValueError, match=r"LoRA: the adapters of model\.layers\.0\.self_attn\..* got no gradient"):
+        train(TrainArgs(out=str(tmp_path / "r"), **kw, stage="bypass", lora_rank=2))
