@@ -19,9 +19,12 @@ __all__ = [
 ]
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 inputs."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
+    """The dtype the math of a group of inputs runs in: fp64 if any input is fp64, else fp32 (bf16/fp16 upcast).
+
+    The one dtype-promotion rule of the torch path (the twin of ``reference_jax.common.compute_dtype``).
+    """
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_torch.common import segment_ids
+from kernels_torch.common import compute_dtype, segment_ids
 
 __all__ = [
     "attention_target",
@@ -39,10 +39,6 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 28  # bound on one chunk's fp32 logits [B, H, rows, S] in the chunked forms (256 MiB)
-
-
-def _promote(*xs: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
 
 def _mask3(mask: torch.Tensor, B: int, T: int, S: int) -> torch.Tensor:
@@ -73,7 +69,7 @@ def attention_target(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale
     B, T, H, _ = q.shape
     S = k.shape[1]
     m = _mask3(mask, B, T, S)[:, None]  # [B, 1, T, S]
-    dt = _promote(q, k)
+    dt = compute_dtype(q, k)
     logits = torch.einsum("bthk,bshk->bhts", q.to(dt), k.to(dt)) * scale  # [B, H, T, S]
     logits = logits.masked_fill(~m, float("-inf"))
     row_max = logits.amax(-1, keepdim=True)
@@ -100,7 +96,7 @@ def indexer_kl(target: torch.Tensor, index_scores: torch.Tensor, mask: torch.Ten
     """
     B, T, S = index_scores.shape
     m = _mask3(mask, B, T, S)
-    dt = _promote(index_scores, target)
+    dt = compute_dtype(index_scores, target)
     I = index_scores.to(dt).masked_fill(~m, float("-inf"))
     row_max = I.detach().amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -197,7 +193,7 @@ class _WarmupKL(torch.autograd.Function):
     def forward(ctx, q, k, index_scores, scale, seg, lse, selected, rows):
         B, T, H, _ = q.shape
         S = index_scores.shape[-1]
-        dt = _promote(q, k, index_scores)
+        dt = compute_dtype(q, k, index_scores)
         kl = index_scores.new_zeros(B, T, dtype=dt)
         recall = index_scores.new_zeros(B, T, dtype=dt) if selected is not None else None
         lse_all = q.new_empty(B, H, T, dtype=dt)
@@ -297,7 +293,7 @@ def warmup_kl_chunked(
         from kernels_torch.indexer import sparse_mask
 
         selected = sparse_mask(topk_indices, S)
-    dt = _promote(q, k, index_scores)
+    dt = compute_dtype(q, k, index_scores)
     rows = _rows_per_chunk(B, H, S, dt, chunk_bytes)
     return _WarmupKL.apply(q.detach(), k.detach(), index_scores, scale, seg, lse, selected, rows)
 
@@ -316,7 +312,7 @@ def indexer_scores_at(
         ``[B, T, k]`` fp32 (fp64 for fp64 inputs) ``sum_j w[t,j] HI^-1/2 ReLU(KI^-1/2 q_I[t,j] . k_I[idx])``;
         differentiable in q_I, k_I and weights.
     """
-    dt = _promote(q_I, k_I, weights)
+    dt = compute_dtype(q_I, k_I, weights)
     B, T, HI, KI = q_I.shape
     w = weights.to(dt) * HI**-0.5
     out = []
@@ -367,7 +363,7 @@ def sparse_kl_gathered(
         )
     if lse is not None and tuple(lse.shape) != (N, H):
         raise ValueError(f"lse: got shape {tuple(lse.shape)}, expected {(N, H)}")
-    dt = _promote(q, kv, scores_at)
+    dt = compute_dtype(q, kv, scores_at)
     S = kv.shape[0]
     out = []
     for t0 in range(0, N, rows):

@@ -37,10 +37,6 @@ __all__ = [
 ]
 
 
-def _promote(*xs: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-
-
 SCORE_CHUNK_BYTES = 1 << 29  # largest [B, rows, HI, S] logits tensor of one query-row chunk (512 MiB)
 
 
@@ -99,7 +95,7 @@ def indexer_scores(
         ``[B, T, S]`` ``sum_j weights[t,j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t,j] . k_I[s])``, fp32 (fp64 when any input
         is fp64).
     """
-    dt = _promote(q_I, k_I, weights)
+    dt = compute_dtype(q_I, k_I, weights)
     B, T, HI, KI = q_I.shape
     S = k_I.shape[1]
     rows = max(1, chunk_bytes // max(1, B * HI * S * torch.finfo(dt).bits // 8))

@@ -2,7 +2,8 @@
 
 Same functions, argument names, shapes and dtypes as the reference: ``kda_gate``, ``l2norm``, ``short_conv``,
 ``kda_recurrent`` (the equation, one token at a time), ``kda_chunk`` (the chunked WY algorithm, pure torch),
-``gated_rms_norm``, ``slice_A_log`` / ``pad_A_log``, ``KDACache`` and the module ``KimiDeltaAttention``.
+``gated_rms_norm``, ``KDACache`` and the module ``KimiDeltaAttention`` (the checkpoint's padded ``A_log`` is sliced by
+the loader, ``kimi.checkpoint.slice_A_log``).
 
 Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state ``S`` ``[N, H, K, V]`` (K-first, fla
 layout). Packed documents: ``cu_seqlens`` ``[N+1]`` with ``B == 1``.
@@ -23,7 +24,7 @@ never narrowed to bf16 (case 2).
 from __future__ import annotations
 
 import importlib.util
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from kernels_torch import kernel_choice
-from kernels_torch.common import check_activation_dtype, check_cu_seqlens, rms_norm
+from kernels_torch.common import check_activation_dtype, check_cu_seqlens, compute_dtype, rms_norm
 from kimi.config import KimiConfig
 
 __all__ = [
@@ -45,8 +46,6 @@ __all__ = [
     "kda_recurrent",
     "kda_chunk",
     "gated_rms_norm",
-    "slice_A_log",
-    "pad_A_log",
     "KDACache",
     "ShortConvolution",
     "GatedRMSNorm",
@@ -68,11 +67,6 @@ A_LOG_MAX = 64.0
 G_MIN = -1000.0
 
 
-def _cdt(*xs: torch.Tensor) -> torch.dtype:
-    """Compute dtype of a group of inputs: fp64 if any is fp64, else fp32 (bf16/fp16 are upcast)."""
-    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-
-
 # ------------------------------------------------------------------------------------------------ small helpers
 
 
@@ -83,7 +77,7 @@ def kda_gate(
 
     Args:
         f: ``[B, T, H, K]`` raw ``f_b(f_a(x))`` reshaped per head.
-        A_log: ``[H]`` canonical (already sliced, see :func:`slice_A_log`).
+        A_log: ``[H]`` canonical (already sliced, see :func:`kimi.checkpoint.slice_A_log`).
         dt_bias: ``[H*K]``.
         lower_bound: ``gate_lower_bound`` (K3: -5.0) or None (Kimi-Linear).
 
@@ -106,7 +100,7 @@ def kda_gate(
         )
     if tuple(dt_bias.shape) != (H * K,):
         raise ValueError(f"dt_bias: got shape {tuple(dt_bias.shape)}, expected [H*K]=[{H * K}]")
-    dt = _cdt(f)
+    dt = compute_dtype(f)
     x = f.to(dt) + dt_bias.to(dt).reshape(H, K)  # [B,T,H,K]
     # Saturation (see A_LOG_MAX, G_MIN): exp(A_log) overflows fp32 past A_log = 88.7, and inf * 0 is NaN in the
     # value (x = 0) and in the gradients (sigmoid' = 0 at saturation). Capping the rate keeps both finite.
@@ -119,7 +113,7 @@ def kda_gate(
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x²) + eps)`` over the last axis in fp32 (fp64 for fp64 input); spec 2.2 step 4."""
-    xf = x.to(_cdt(x))
+    xf = x.to(compute_dtype(x))
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -162,7 +156,7 @@ def short_conv(
     if x.ndim != 3:
         raise ValueError(f"x: got shape {tuple(x.shape)}, expected [B, T, C]")
     B, T, C = x.shape
-    w = _conv_weight(weight, C).to(_cdt(x, weight))
+    w = _conv_weight(weight, C).to(compute_dtype(x, weight))
     W = w.shape[1]
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
     N = B if cu is None else len(cu) - 1
@@ -181,48 +175,8 @@ def short_conv(
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """FusedRMSNormGated, sigmoid (spec 2.2 step 8): ``rmsnorm(o) * weight * sigmoid(gate)`` per head over V.
     o, gate ``[B, T, H, V]``, weight ``[V]``. Returns fp32 (fp64 for fp64 input)."""
-    dt = _cdt(o, gate)
+    dt = compute_dtype(o, gate)
     return rms_norm(o.to(dt), None, eps) * weight.to(dt) * torch.sigmoid(gate.to(dt))
-
-
-def slice_A_log(A_log, num_heads: int) -> torch.Tensor:
-    """Canonical ``[H]`` ``A_log`` from ``[H]``, zero-padded ``[S>=H]`` (K3 stores 128, uses 96) or Kimi-Linear's
-    ``[1, 1, H, 1]`` (spec 2.1; cases 7, 17).
-
-    Raises:
-        ValueError: any other shape, or non-zero padding entries.
-    """
-    a = torch.as_tensor(A_log)
-    if tuple(a.shape) == (1, 1, num_heads, 1):
-        return a.reshape(num_heads)
-    if a.ndim == 1 and a.shape[0] >= num_heads:
-        if bool((a[num_heads:] != 0).any()):
-            raise ValueError(
-                f"A_log: padding entries [{num_heads}:{a.shape[0]}] are not zero, expected {num_heads} used entries then zeros"
-            )
-        return a[:num_heads]
-    raise ValueError(
-        f"A_log: got shape {tuple(a.shape)}, expected [H]={num_heads}, [S>=H] zero-padded, or [1, 1, H, 1]"
-    )
-
-
-def pad_A_log(A_log, shape: Sequence[int]) -> torch.Tensor:
-    """Stored ``A_log`` of ``shape`` (from ``kimi.layout.stored_layout``) from the canonical ``[H]``: zero-pad to
-    ``[S]`` or reshape to ``[1, 1, H, 1]``.
-
-    Raises:
-        ValueError: ``A_log`` not 1-D, or a ``shape`` that cannot hold it.
-    """
-    a = torch.as_tensor(A_log)
-    shape = tuple(int(s) for s in shape)
-    if a.ndim != 1:
-        raise ValueError(f"A_log: got shape {tuple(a.shape)}, expected canonical [H]")
-    H = a.shape[0]
-    if shape == (1, 1, H, 1):
-        return a.reshape(shape)
-    if len(shape) == 1 and shape[0] >= H:
-        return torch.cat([a, a.new_zeros(shape[0] - H)])
-    raise ValueError(f"shape: got {shape}, expected [S>=H={H}] or [1, 1, {H}, 1]")
 
 
 # ------------------------------------------------------------------------------------------------ the recurrence
@@ -254,7 +208,7 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     """What both forms check and set up: shapes, the compute dtype, ``cu_seqlens`` (as a list of boundaries or None),
     the initial state ``[N,H,K,V]``, the inputs cast to the compute dtype with q pre-scaled, and o's dtype (v's)."""
     B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
-    dt = _cdt(q, k, v, g, beta)
+    dt = compute_dtype(q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).tolist()
     N = B if cu is None else len(cu) - 1
@@ -764,5 +718,5 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V] with V = K = head_dim
         f = _linear(_linear(x, self.f_a_proj), self.f_b_proj).reshape(B, T, H, K)
         g = kda_gate(f, self.A_log, self.dt_bias, c.gate_lower_bound)  # fp32, never narrowed (case 2)
-        beta = torch.sigmoid(_linear(x, self.b_proj).to(_cdt(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
+        beta = torch.sigmoid(_linear(x, self.b_proj).to(compute_dtype(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
         return l2norm(q), l2norm(k), v, g, beta, (cq, ck, cv)

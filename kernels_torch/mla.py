@@ -54,10 +54,6 @@ def _mask4(mask: torch.Tensor, B: int, T: int, S: int) -> torch.Tensor:
     return mask.to(torch.bool).expand(B, T, S)[:, None]
 
 
-def _promote(*xs: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-
-
 # Query-row block of the eager path (twin of reference_jax.mla._ROW_BLOCK): bounds the fp32 logits to
 # [B, H, 2048, S] instead of [B, H, T, S] (26 GB per temporary at T = S = 8192, H = 96).
 _ROW_BLOCK = 2048
@@ -69,7 +65,7 @@ def _attend(
     """Masked attention in head-first layout: q ``[B, H, T, K]``, k ``[B, H|1, S, K]``, v ``[B, H|1, S, V]``,
     mask4 ``[B, 1, T, S]`` -> ``[B, H, T, V]``; rows with no visible key are 0."""
     if backend == "eager":
-        dt = _promote(q, v)
+        dt = compute_dtype(q, v)
         k, v = k.to(dt), v.to(dt)
         out = []
         for t0 in range(0, q.shape[2], _ROW_BLOCK):  # blocks of query rows, as the JAX twin: bounded memory
@@ -151,7 +147,7 @@ def mla_attention_absorbed(
             f"H={H}, K_nope={Kn}, L={L}"
         )
     m = _mask4(mask, B, T, S)
-    dt = _promote(q_nope, c_kv) if backend == "eager" else q_nope.dtype
+    dt = compute_dtype(q_nope, c_kv) if backend == "eager" else q_nope.dtype
     w = kv_b_weight.to(dt).view(H, rows // H, L)
     w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, K_nope, L], [H, V, L]
     q_lat = torch.einsum("bthk,hkl->bhtl", q_nope.to(dt), w_uk)  # [B, H, T, L]

@@ -28,6 +28,7 @@ BACKENDS = ("eager", "sdpa", "cudnn")
 
 
 def check_backend(backend: str) -> str:
+    """Return ``backend`` if it is one of :data:`BACKENDS`; raise ValueError naming it otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: got {backend!r}, expected one of {list(BACKENDS)}")
     return backend
@@ -66,6 +67,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c, c.intermediate_size)
 
     def attention(self, h, cu_seqlens=None, mla_form="expanded", step=None):
+        """Twin of ``reference_jax.model.DecoderLayer.attention``: ``h`` [B, T, D] -> (out [B, T, D], aux)."""
         x = self.input_layernorm(h)
         if step is not None:  # a cached call (kernels_torch.cache): the layer's new cache goes into aux["cache"]
             layer_cache = step.layers[self.layer_idx]
@@ -82,12 +84,15 @@ class DecoderLayer(nn.Module):
         return self.self_attn(x, cu_seqlens=cu_seqlens, form=mla_form, return_aux=True)
 
     def feed_forward(self, h):
+        """Twin of ``reference_jax.model.DecoderLayer.feed_forward``: ``h`` [B, T, D] -> (out [B, T, D], aux)."""
         x = self.post_attention_layernorm(h)
         if self.config.is_moe_layer(self.layer_idx):
             return self.block_sparse_moe(x, return_aux=True)  # (out, {"expert_ids", "expert_scores"})
         return self.mlp(x), {}
 
     def mix(self, which: str, sources):
+        """AttnRes depth mix with this layer's ``{which}_res_norm`` / ``{which}_res_proj`` (which: self_attention or
+        mlp); ``sources`` a list of [B, T, D] (spec 5.4)."""
         norm = getattr(self, f"{which}_res_norm").weight
         proj = getattr(self, f"{which}_res_proj").weight
         return attn_res_mix(sources, norm, proj, eps=self.config.rms_norm_eps)

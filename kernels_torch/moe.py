@@ -27,10 +27,6 @@ from kimi.config import KimiConfig
 __all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
 
 
-def _cd(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(compute_dtype(a), compute_dtype(b))
-
-
 # ---------------------------------------------------------------------------------------------- activations
 
 
@@ -49,7 +45,7 @@ def situ(a: torch.Tensor, b: torch.Tensor, beta: float = 4.0, linear_beta: float
         raise ValueError(f"situ: beta got {beta!r}, expected a positive number (activation_situ_beta)")
     if linear_beta is not None and not linear_beta > 0:
         raise ValueError(f"situ: linear_beta got {linear_beta!r}, expected a positive number or None")
-    cd = _cd(a, b)
+    cd = compute_dtype(a, b)
     af, bf = a.to(cd), b.to(cd)
     gate = beta * torch.tanh(af / beta) * torch.sigmoid(af)  # SiLU with x soft-capped to (-beta, beta)
     up = bf if linear_beta is None else linear_beta * torch.tanh(bf / linear_beta)
@@ -65,7 +61,7 @@ def glu_act(a: torch.Tensor, b: torch.Tensor, config: KimiConfig) -> torch.Tenso
     if config.hidden_act == "situ":
         return situ(a, b, config.activation_situ_beta, config.activation_situ_linear_beta)
     if config.hidden_act == "silu":
-        cd = _cd(a, b)
+        cd = compute_dtype(a, b)
         return (F.silu(a.to(cd)) * b.to(cd)).to(a.dtype)
     raise ValueError(f"hidden_act: got {config.hidden_act!r}, expected 'situ' or 'silu'")
 

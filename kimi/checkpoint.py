@@ -6,16 +6,22 @@ A checkpoint is a directory holding ``config.json`` and either one ``model.safet
 Face convention. Keys on disk carry ``config.key_prefix`` (``language_model.`` for K3, ``""`` for Kimi-Linear);
 names in this module never do. Vision keys (``vision_tower.*``, ``mm_projector.*``) are ignored.
 
+Framework: the work is done in numpy (bf16 as ``ml_dtypes.bfloat16``, MXFP4 decoded by :mod:`kimi.mxfp4`), so the
+JAX reference reads checkpoints without torch (:func:`load_arrays`, :meth:`CheckpointReader.get_array`); torch is
+imported only by the functions that return torch tensors (:func:`load_params`, :meth:`CheckpointReader.get`) or when
+torch tensors are handed in. Both give the same bits.
+
 * :class:`CheckpointReader` opens a directory; shapes and dtypes come from the safetensors headers (parsed here,
   no tensor data read), tensors are read one at a time, opening only the shard that holds them.
-* :func:`load_params` returns the **canonical** parameters (:func:`kimi.layout.param_layout`) of the requested
-  layers plus the global tensors, after checking every stored tensor of those layers against
-  :func:`kimi.layout.stored_layout` and reporting all problems in one :class:`CheckpointError`. Accepted storage
-  variants (spec 2.1, cases 7 and 17): conv weights ``[C, W]``; ``A_log`` as ``[a_log_storage]`` (K3, sliced to
+* :func:`load_params` (torch tensors) and :func:`load_arrays` (numpy arrays) return the **canonical** parameters
+  (:func:`kimi.layout.param_layout`) of the requested layers plus the global tensors, after checking every stored
+  tensor of those layers against :func:`kimi.layout.stored_layout` and reporting all problems in one
+  :class:`CheckpointError`. Accepted storage variants (spec 2.1, cases 7 and 17): conv weights ``[C, W]``; ``A_log`` as ``[a_log_storage]`` (K3, sliced to
   ``[:H]``), ``[1, 1, H, 1]`` (Kimi-Linear) or ``[H]``; a DSA layer without ``indexer.k_norm.bias`` (zeros, spec 9).
   MXFP4 experts are dequantised to ``experts.{E}.w{1,2,3}.weight`` in the config dtype.
 * :func:`to_stored` is the inverse; :func:`write_checkpoint` writes atomically (temporary names, fsync,
-  ``os.replace``; the index is written last and is the commit point); :func:`save_params` = both.
+  ``os.replace``; the index is written last and is the commit point); :func:`save_params` = both. All three take
+  torch tensors or numpy arrays.
 
 ``layers`` arguments everywhere: ``None`` (all layers), an int ``N`` (the first N layers) or an iterable of 0-based
 layer indices.
@@ -28,11 +34,12 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
-import torch
+import numpy as np
 from safetensors import safe_open
 
+from kimi.arrays import dtype_name, is_array, is_torch_tensor, numpy_dtype, to_numpy, to_torch
 from kimi.config import KimiConfig
 from kimi.layout import TensorSpec, layer_of, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -42,6 +49,9 @@ __all__ = [
     "CheckpointReader",
     "load_params",
     "nonfinite_tensors",
+    "load_arrays",
+    "slice_A_log",
+    "pad_A_log",
     "to_stored",
     "write_checkpoint",
     "save_params",
@@ -57,7 +67,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default "5GB"
 _VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 _MAX_LISTED = 200  # problems spelled out in one error message; all of them stay in CheckpointError.problems
 
-# safetensors dtype codes <-> torch dtype names (the names TensorSpec uses).
+# safetensors dtype codes <-> dtype names (the names TensorSpec uses; torch's and numpy/ml_dtypes' names alike).
 _ST_TO_TORCH = {
     "BOOL": "bool",
     "U8": "uint8",
@@ -88,14 +98,6 @@ class CheckpointError(ValueError):
     def __init__(self, message: str, problems: list[str] | None = None):
         super().__init__(message)
         self.problems = list(problems or [])
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
 
 
 def _fmt(shape: Iterable[int], dtype: str) -> str:
@@ -277,12 +279,21 @@ class CheckpointReader:
         return self._meta(name)[0]
 
     def dtype(self, name: str) -> str:
-        """Torch dtype name (``"bfloat16"``, ``"uint8"``, …) of ``name`` from the header (no data read)."""
+        """Dtype name (``"bfloat16"``, ``"uint8"``, …) of ``name`` from the header (no data read)."""
         return self._meta(name)[1]
 
     # -- data ----------------------------------------------------------------------------------------------
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (CPU, stored dtype and shape), opening only its shard (handles are cached).
+    def get(self, name: str) -> Any:
+        """Read one tensor as a CPU ``torch.Tensor`` (stored dtype and shape); see :meth:`get_array`.
+
+        Raises:
+            CheckpointError: unknown name, missing shard, or the shard lacks the key.
+        """
+        return to_torch(self.get_array(name))
+
+    def get_array(self, name: str) -> np.ndarray:
+        """Read one tensor as a numpy array (stored dtype and shape; bf16 as ``ml_dtypes.bfloat16``), opening only
+        its shard (handles are cached). No torch involved.
 
         Raises:
             CheckpointError: unknown name, missing shard, or the shard lacks the key.
@@ -292,7 +303,7 @@ class CheckpointReader:
         try:
             h = self._handles.get(file)
             if h is None:
-                h = self._handles[file] = safe_open(str(self.path / file), framework="pt")
+                h = self._handles[file] = safe_open(str(self.path / file), framework="numpy")
             t = h.get_tensor(key)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
             raise CheckpointError(
@@ -381,8 +392,21 @@ def load_params(
     layers: int | Iterable[int] | None = None,
     *,
     check_finite: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Canonical parameters of the requested layers plus all global tensors, validated first.
+) -> dict[str, Any]:
+    """Canonical parameters as CPU ``torch.Tensor``s: :func:`load_arrays` (same arguments, checks and errors,
+    including ``check_finite``), each array handed to torch without a copy (bf16 bit for bit)."""
+    return {n: to_torch(a) for n, a in load_arrays(source, config, layers, check_finite=check_finite).items()}
+
+
+def load_arrays(
+    source: str | os.PathLike | CheckpointReader,
+    config: KimiConfig | None = None,
+    layers: int | Iterable[int] | None = None,
+    *,
+    check_finite: bool = True,
+) -> dict[str, np.ndarray]:
+    """Canonical parameters of the requested layers plus all global tensors, validated first, as numpy arrays
+    (bf16 as ``ml_dtypes.bfloat16``); no torch involved (the JAX reference loads through this).
 
     Args:
         source: a checkpoint directory or an open :class:`CheckpointReader`.
@@ -427,36 +451,31 @@ def load_params(
     where = f"{reader.path} (layers {idx if len(idx) < 20 else f'{idx[0]}..{idx[-1]}'} + globals)"
     _raise_problems(where, _check_stored_meta(expected, found, cfg, extra))
 
-    dt = _torch_dtype(cfg.dtype)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, np.ndarray] = {}
     for spec in param_layout(cfg, idx):
         n = spec.name
         if ".experts." in n and cfg.quant_method == "mxfp4":
             base = n.removesuffix(".weight")
             try:
                 out[n] = dequantize_mxfp4(
-                    reader.get(base + ".weight_packed"),
-                    reader.get(base + ".weight_scale"),
-                    dtype=dt,
+                    reader.get_array(base + ".weight_packed"),
+                    reader.get_array(base + ".weight_scale"),
+                    dtype=cfg.dtype,
                     group_size=cfg.quant_group_size,
                 )
             except ValueError as e:
                 raise CheckpointError(f"{reader.path}: {base}.weight_scale / .weight_packed: {e}") from None
         elif n.endswith(".self_attn.A_log"):
-            stored = reader.get(n).reshape(-1)  # [128] (96 used) or Kimi-Linear's [1,1,H,1]
-            pad = stored[cfg.kda_num_heads :]
-            if bool((pad != 0).any()):  # 96 active + 32 zeros (spec 2.1): non-zero padding means a wrong layout
-                raise CheckpointError(
-                    f"{reader.path}: {n}: got {int((pad != 0).sum())} non-zero entries past the "
-                    f"{cfg.kda_num_heads} active heads, expected zero padding (spec 2.1)"
-                )
-            out[n] = stored[: cfg.kda_num_heads].clone()
+            try:
+                out[n] = slice_A_log(reader.get_array(n), cfg.kda_num_heads).copy()
+            except ValueError as e:
+                raise CheckpointError(f"{reader.path}: {n}: {e}") from None
         elif n.endswith("_conv1d.weight"):
-            out[n] = reader.get(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
+            out[n] = reader.get_array(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
         elif _optional(spec) and n not in reader:
-            out[n] = torch.zeros(spec.shape, dtype=_torch_dtype(spec.dtype))  # spec 9: absent bias = 0
+            out[n] = np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype))  # spec 9: absent bias = 0
         else:
-            out[n] = reader.get(n)
+            out[n] = reader.get_array(n)
     _check_params(out, cfg, idx, what="load_params result")  # internal consistency (cheap: metadata only)
     if check_finite:
         where = f"{reader.path}: non-finite weights (load_params(..., check_finite=False) skips this check)"
@@ -464,54 +483,116 @@ def load_params(
     return out
 
 
-def nonfinite_tensors(params: Mapping[str, torch.Tensor]) -> list[str]:
-    """One line per floating tensor of ``params`` that holds NaN or +-inf: ``"non-finite: {name}: {n_nan} NaN,
-    {n_inf} inf of {numel} values"`` (in ``params``' order; empty when every value is finite). Integer tensors are
-    skipped. One pass over each tensor (two more over the few that fail)."""
+def nonfinite_tensors(params: Mapping[str, Any]) -> list[str]:
+    """One line per floating tensor (numpy array, bf16 included, or torch tensor) of ``params`` that holds NaN or
+    +-inf: ``"non-finite: {name}: {n_nan} NaN, {n_inf} inf of {numel} values"`` (in ``params``' order; empty when
+    every value is finite). Integer tensors are skipped. One pass over each tensor (two more over the few that fail)."""
     problems = []
     for name, t in params.items():
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or bool(torch.isfinite(t).all()):
+        if hasattr(t, "is_floating_point") and hasattr(t, "detach"):  # a torch tensor (no torch import here)
+            if not t.is_floating_point():
+                continue
+            a = t.detach().float().cpu().numpy()  # fp32 holds bf16/fp16 exactly; NaN/inf survive
+        else:
+            a = np.asarray(t)
+            if a.dtype.kind not in "fV" and a.dtype.name != "bfloat16":
+                continue
+            if a.dtype.kind != "f":
+                a = a.astype(np.float32)  # ml_dtypes bfloat16 -> fp32 (exact)
+        if np.isfinite(a).all():
             continue
-        n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-        problems.append(f"non-finite: {name}: {n_nan} NaN, {n_inf} inf of {t.numel()} values")
+        problems.append(
+            f"non-finite: {name}: {int(np.isnan(a).sum())} NaN, {int(np.isinf(a).sum())} inf of {a.size} values"
+        )
     return problems
 
 
-def _check_params(params: Mapping[str, torch.Tensor], cfg: KimiConfig, idx: list[int], what: str) -> None:
+def _array_meta(
+    tensors: Mapping[str, Any],
+) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[str]]:
+    """``({name: (shape, dtype name)}, problems)`` of numpy arrays / torch tensors; anything else is a problem."""
     found, extra = {}, []
-    for n, t in params.items():
-        if not isinstance(t, torch.Tensor):
-            extra.append(f"not a torch tensor: {n} (found {type(t).__name__})")
+    for n, t in tensors.items():
+        if not is_array(t):
+            extra.append(f"not a numpy array or torch tensor: {n} (found {type(t).__name__})")
             continue
-        found[n] = (tuple(t.shape), _dtype_name(t.dtype))
+        found[n] = (tuple(t.shape), dtype_name(t))
+    return found, extra
+
+
+def _check_params(params: Mapping[str, Any], cfg: KimiConfig, idx: list[int], what: str) -> None:
+    found, extra = _array_meta(params)
     _raise_problems(what, _check_stored_meta(param_layout(cfg, idx), found, None, extra))
 
 
 # ---------------------------------------------------------------------------------------------- to stored form
 
 
-def _stored_items(name: str, t: torch.Tensor, cfg: KimiConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """One canonical parameter -> its stored tensor(s)."""
+def slice_A_log(A_log: np.ndarray, num_heads: int) -> np.ndarray:
+    """Canonical ``A_log`` ``[H]`` (fp32) from the stored one (spec 2.1; cases 7 and 17): K3's zero-padded
+    ``[a_log_storage]`` (128 stored, 96 used), Kimi-Linear's ``[1, 1, H, 1]`` or a plain ``[H]``. A view, no copy.
+
+    Raises:
+        ValueError: any other shape, or non-zero entries past the ``num_heads`` active ones (96 active + 32 zeros is
+            the layout; anything else there means the tensor is not what the config says).
+    """
+    a = np.asarray(A_log)
+    if a.shape != (1, 1, num_heads, 1) and not (a.ndim == 1 and a.shape[0] >= num_heads):
+        raise ValueError(
+            f"A_log: got shape {list(a.shape)}, expected [{num_heads}], [S >= {num_heads}] zero-padded or "
+            f"[1, 1, {num_heads}, 1]"
+        )
+    a = a.reshape(-1)
+    pad = a[num_heads:]
+    if (pad != 0).any():
+        raise ValueError(
+            f"A_log: got {int((pad != 0).sum())} non-zero entries past the {num_heads} active heads, expected zero "
+            "padding (spec 2.1)"
+        )
+    return a[:num_heads]
+
+
+def pad_A_log(A_log: np.ndarray, shape: Iterable[int]) -> np.ndarray:
+    """Stored ``A_log`` of ``shape`` (from :func:`kimi.layout.stored_layout`) from the canonical ``[H]``: zero-padded
+    to ``[S]`` (K3: 128 for 96 heads) or reshaped to Kimi-Linear's ``[1, 1, H, 1]``; the inverse of
+    :func:`slice_A_log`.
+
+    Raises:
+        ValueError: ``A_log`` not 1-D, or a ``shape`` that cannot hold it.
+    """
+    a = np.asarray(A_log)
+    shape = tuple(int(s) for s in shape)
+    if a.ndim != 1:
+        raise ValueError(f"A_log: got shape {list(a.shape)}, expected the canonical [H]")
+    H = a.shape[0]
+    if shape == (1, 1, H, 1):
+        return np.ascontiguousarray(a.reshape(shape))
+    if len(shape) == 1 and shape[0] >= H:
+        return np.concatenate([a, np.zeros(shape[0] - H, a.dtype)])
+    raise ValueError(f"shape: got {list(shape)}, expected [S >= {H}] or [1, 1, {H}, 1] for A_log [{H}]")
+
+
+def _stored_items(name: str, t: np.ndarray, cfg: KimiConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """One canonical parameter (numpy) -> its stored array(s)."""
     if ".experts." in name and cfg.quant_method == "mxfp4":
         base = name.removesuffix(".weight")
         packed, scale = quantize_mxfp4(t, group_size=cfg.quant_group_size)
         yield base + ".weight_packed", packed
         yield base + ".weight_scale", scale
-    elif name.endswith(".self_attn.A_log"):
+    elif name.endswith(".self_attn.A_log"):  # re-pad with zeros to a_log_storage (spec 2.1, case 7)
         H = cfg.kda_num_heads
-        if cfg.is_kimi_linear:
-            yield name, t.reshape(1, 1, H, 1).contiguous()
-        else:  # re-pad with zeros to a_log_storage (spec 2.1, case 7)
-            pad = torch.zeros(cfg.a_log_storage - H, dtype=t.dtype)
-            yield name, torch.cat([t.reshape(H), pad])
+        yield name, pad_A_log(t, (1, 1, H, 1) if cfg.is_kimi_linear else (cfg.a_log_storage,))
     else:
         yield name, t
 
 
 def to_stored(
-    params: Mapping[str, torch.Tensor], config: KimiConfig, layers: int | Iterable[int] | None = None
-) -> dict[str, torch.Tensor]:
+    params: Mapping[str, Any], config: KimiConfig, layers: int | Iterable[int] | None = None
+) -> dict[str, Any]:
     """Canonical params -> the tensors as stored on disk (names without prefix), the inverse of :func:`load_params`.
+
+    ``params`` holds torch tensors or numpy arrays; each stored tensor comes back in the kind of its canonical
+    parameter (CPU torch tensors for torch input).
 
     Experts quantised to MXFP4 when ``config.quant_method == "mxfp4"`` (exact for weights that are a round trip
     of MXFP4, as :func:`kimi.init.init_params` and :func:`load_params` produce); ``A_log`` ``[H]`` re-padded with
@@ -522,9 +603,11 @@ def to_stored(
     """
     idx = _normalise_layers(config, layers)
     _check_params(params, config, idx, what="to_stored: params")
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for spec in param_layout(config, idx):
-        out.update(_stored_items(spec.name, params[spec.name], config))
+        t = params[spec.name]
+        for name, a in _stored_items(spec.name, to_numpy(t), config):
+            out[name] = to_torch(a) if is_torch_tensor(t) else a
     return out
 
 
@@ -543,7 +626,7 @@ def _config_json(config: KimiConfig) -> dict:
 
 
 def _nbytes(spec: TensorSpec) -> int:
-    return spec.numel * _torch_dtype(spec.dtype).itemsize
+    return spec.numel * numpy_dtype(spec.dtype).itemsize
 
 
 def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -572,11 +655,11 @@ def _shard_header(specs: list[TensorSpec], prefix: str) -> bytes:
     return struct.pack("<Q", len(h)) + h
 
 
-def _write_tensor_data(f, t: torch.Tensor) -> None:
-    """Append the raw little-endian bytes of ``t`` (C order) to the open file ``f``."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    if flat.numel():
-        f.write(flat.view(torch.uint8).numpy().data)
+def _write_tensor_data(f, t: Any) -> None:
+    """Append the raw little-endian bytes of ``t`` (a numpy array or torch tensor, C order) to the open file ``f``."""
+    flat = np.ascontiguousarray(to_numpy(t)).reshape(-1)
+    if flat.size:
+        f.write(flat.view(np.uint8).data)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -608,7 +691,7 @@ def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
 def _write_stream(
     path: str | os.PathLike,
     specs: list[TensorSpec],
-    produce: Callable[[TensorSpec], torch.Tensor],
+    produce: Callable[[TensorSpec], Any],
     config: KimiConfig,
     max_shard_bytes: int,
 ) -> None:
@@ -636,7 +719,7 @@ def _write_stream(
                 f.write(_shard_header(group, prefix))
                 for s in group:
                     t = produce(s)
-                    got = (tuple(t.shape), _dtype_name(t.dtype))
+                    got = (tuple(t.shape), dtype_name(t))
                     if got != (s.shape, s.dtype):
                         raise CheckpointError(f"write: {s.name} expected {_fmt(s.shape, s.dtype)}, found {_fmt(*got)}")
                     _write_tensor_data(f, t)
@@ -680,7 +763,7 @@ def _write_stream(
 
 def write_checkpoint(
     path: str | os.PathLike,
-    stored: Mapping[str, torch.Tensor],
+    stored: Mapping[str, Any],
     config: KimiConfig,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
@@ -688,7 +771,8 @@ def write_checkpoint(
 
     Args:
         path: target directory (created if needed; an existing checkpoint there is replaced).
-        stored: ``{name: tensor}`` exactly as :func:`kimi.layout.stored_layout` ``(config)`` (names without prefix).
+        stored: ``{name: torch tensor or numpy array}`` exactly as :func:`kimi.layout.stored_layout` ``(config)``
+            (names without prefix).
         config: written as ``config.raw`` when that still parses to ``config``, else ``config.to_dict()``.
         max_shard_bytes: shard size limit (a single larger tensor gets a shard of its own). One shard is written
             as ``model.safetensors``; several as ``model-00001-of-0000N.safetensors``. The index (with
@@ -698,16 +782,12 @@ def write_checkpoint(
         CheckpointError: ``stored`` does not match the stored layout (all problems in one error); nothing is written.
     """
     specs = stored_layout(config)
-    found, extra = {}, []
-    for n, t in stored.items():
-        if not isinstance(t, torch.Tensor):
-            extra.append(f"not a torch tensor: {n} (found {type(t).__name__})")
-        else:
-            found[n] = (tuple(t.shape), _dtype_name(t.dtype))
+    found, extra = _array_meta(stored)
     _raise_problems(f"write_checkpoint {path}", _check_stored_meta(specs, found, None, extra))
     _write_stream(path, specs, lambda s: stored[s.name], config, max_shard_bytes)
 
 
-def save_params(path: str | os.PathLike, params: Mapping[str, torch.Tensor], config: KimiConfig, **kw) -> None:
-    """``write_checkpoint(path, to_stored(params, config), config, **kw)``: canonical params to a checkpoint."""
+def save_params(path: str | os.PathLike, params: Mapping[str, Any], config: KimiConfig, **kw) -> None:
+    """``write_checkpoint(path, to_stored(params, config), config, **kw)``: canonical params (torch tensors or numpy
+    arrays) to a checkpoint."""
     write_checkpoint(path, to_stored(params, config), config, **kw)

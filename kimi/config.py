@@ -150,14 +150,17 @@ class KimiConfig:
 
     @property
     def is_kimi_linear(self) -> bool:
+        """True for ``KimiLinearForCausalLM`` checkpoints (keys without prefix, ``A_log`` ``[1, 1, H, 1]``)."""
         return self.architecture in _KIMI_LINEAR
 
     @property
     def has_attn_res(self) -> bool:
+        """True when the residual stream is Block Attention Residuals (``attn_res_block_size`` set; spec 5.4)."""
         return self.attn_res_block_size is not None
 
     @property
     def has_latent_moe(self) -> bool:
+        """True when routed experts work in a latent width (``routed_expert_hidden_size`` set; spec 4.1)."""
         return self.routed_expert_hidden_size is not None
 
     def layer_type(self, idx: int) -> str:

@@ -16,6 +16,10 @@ Distributions (chosen for healthy activations in tests, not for training from sc
 * router ``gate.weight``: N(0, 1/D); ``e_score_correction_bias``: 0.01 * N(0, 1);
 * routed experts (MXFP4 configs): N(0, 1/in), then replaced by ``dequantize(quantize(w))`` so that saving and
   reloading is exact.
+
+Drawing, casting and the MXFP4 round trip happen in numpy (``init_array``; bf16 through ``ml_dtypes``, round to
+nearest even as torch casts), so :func:`init_checkpoint` needs no torch; :func:`init_tensor` and :func:`init_params`
+hand the same bits to torch.
 """
 
 from __future__ import annotations
@@ -24,17 +28,17 @@ import hashlib
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
-import torch
 
+from kimi.arrays import numpy_dtype, to_torch
 from kimi.checkpoint import DEFAULT_MAX_SHARD_BYTES, _normalise_layers, _stored_items, _write_stream
 from kimi.config import KimiConfig
 from kimi.layout import TensorSpec, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
-__all__ = ["init_params", "init_tensor", "init_checkpoint"]
+__all__ = ["init_params", "init_tensor", "init_array", "init_checkpoint"]
 
 _RESIDUAL_OUT = (
     ".o_proj.weight",
@@ -77,22 +81,27 @@ def _draw(spec: TensorSpec, config: KimiConfig, seed: int) -> np.ndarray:
     raise ValueError(f"init: no rule for {n} with shape {list(shape)}")
 
 
-def init_tensor(spec: TensorSpec, config: KimiConfig, seed: int = 0) -> torch.Tensor:
-    """One canonical parameter (``spec`` from :func:`kimi.layout.param_layout`), deterministic in (seed, name).
+def init_array(spec: TensorSpec, config: KimiConfig, seed: int = 0) -> np.ndarray:
+    """One canonical parameter (``spec`` from :func:`kimi.layout.param_layout`) as a numpy array of ``spec.shape``
+    and ``spec.dtype`` (bf16 as ``ml_dtypes.bfloat16``), deterministic in (seed, name); routed experts of an MXFP4
+    config are exactly MXFP4-representable (``dequantize(quantize(w))`` in the config dtype).
 
-    Returns a CPU tensor of ``spec.shape`` and ``spec.dtype``; routed experts of an MXFP4 config are exactly
-    MXFP4-representable (``dequantize(quantize(w))`` in the config dtype).
+    Raises:
+        ValueError: a tensor name with no initialisation rule.
     """
-    t = torch.from_numpy(_draw(spec, config, seed)).to(getattr(torch, spec.dtype))
+    a = _draw(spec, config, seed).astype(numpy_dtype(spec.dtype))  # fp32 -> bf16: round to nearest even
     if ".experts." in spec.name and config.quant_method == "mxfp4":
-        p, s = quantize_mxfp4(t, group_size=config.quant_group_size)
-        t = dequantize_mxfp4(p, s, dtype=getattr(torch, spec.dtype), group_size=config.quant_group_size)
-    return t
+        p, s = quantize_mxfp4(a, group_size=config.quant_group_size)
+        a = dequantize_mxfp4(p, s, dtype=spec.dtype, group_size=config.quant_group_size)
+    return a
 
 
-def init_params(
-    config: KimiConfig, seed: int = 0, layers: int | Iterable[int] | None = None
-) -> dict[str, torch.Tensor]:
+def init_tensor(spec: TensorSpec, config: KimiConfig, seed: int = 0) -> Any:
+    """:func:`init_array` as a CPU ``torch.Tensor`` (same bits)."""
+    return to_torch(init_array(spec, config, seed))
+
+
+def init_params(config: KimiConfig, seed: int = 0, layers: int | Iterable[int] | None = None) -> dict[str, Any]:
     """Random canonical parameters: names, shapes and dtypes of ``param_layout(config, layers)``.
 
     Args:
@@ -101,7 +110,7 @@ def init_params(
         layers: ``None`` (all), int N (first N) or 0-based indices; the global tensors are always included.
 
     Returns:
-        ``{name: CPU tensor}``.
+        ``{name: CPU torch tensor}``.
     """
     idx = _normalise_layers(config, layers)
     return {s.name: init_tensor(s, config, seed) for s in param_layout(config, idx)}
@@ -128,7 +137,7 @@ def init_checkpoint(
     """
     out_cfg = config if layers is None else config.truncated(int(layers))
     canon = {s.name: s for s in param_layout(out_cfg)}
-    cache: dict[str, torch.Tensor] = {}
+    cache: dict[str, np.ndarray] = {}
     cache_src: list[str | None] = [None]
 
     def canonical_name(stored_name: str) -> str:
@@ -149,12 +158,12 @@ def init_checkpoint(
     def refill(pool: ThreadPoolExecutor) -> None:
         while nxt[0] < len(order) and len(pending) < 2 * workers:
             cn = order[nxt[0]]
-            pending[cn] = pool.submit(init_tensor, canon[cn], config, seed)
+            pending[cn] = pool.submit(init_array, canon[cn], config, seed)
             nxt[0] += 1
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
 
-        def produce(spec: TensorSpec) -> torch.Tensor:
+        def produce(spec: TensorSpec) -> np.ndarray:
             cn = canonical_name(spec.name)
             if cache_src[0] != cn:  # packed and scale of one expert are adjacent in the layout: one-entry cache
                 refill(pool)

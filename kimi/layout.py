@@ -37,6 +37,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Number of elements (the product of ``shape``; 1 for a scalar)."""
         return math.prod(self.shape)
 
 
@@ -205,6 +206,8 @@ class LayerPlan:
 
 
 def layer_plan(c: KimiConfig) -> list[LayerPlan]:
+    """One :class:`LayerPlan` per decoder layer (0-based): attention kind (``kda`` / ``mla`` / ``dsa``), MLP kind
+    (``dense`` / ``moe``) and whether the layer writes an AttnRes block, all read from the config."""
     return [
         LayerPlan(i, c.layer_type(i), "moe" if c.is_moe_layer(i) else "dense", c.is_block_write_layer(i))
         for i in range(c.num_hidden_layers)

@@ -22,7 +22,11 @@ to the same numbers but re-encodes to the canonical bytes, not to the original o
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
+import numpy as np
+
+from kimi.arrays import dtype_name, is_torch_tensor, numpy_dtype, to_numpy, to_torch
 
 __all__ = ["E2M1_VALUES", "GROUP_SIZE", "ZERO_GROUP_SCALE_BYTE", "dequantize_mxfp4", "quantize_mxfp4"]
 
@@ -36,6 +40,7 @@ _E8M0_BIAS = 127
 _E2M1_EMAX = 2  # floor(log2(6))
 # Midpoints between consecutive magnitudes; a tie goes to the even code (ties-to-even on the mantissa bit).
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_DEQUANT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def _check_group(group_size: int) -> None:
@@ -43,113 +48,124 @@ def _check_group(group_size: int) -> None:
         raise ValueError(f"group_size: got {group_size!r}, expected a positive even integer (MXFP4 uses 32)")
 
 
-def _e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
+def _e8m0_to_float32(scale: np.ndarray) -> np.ndarray:
     """uint8 E8M0 bytes (0..254) -> exact float32 powers of two, built from the bit pattern (no pow rounding)."""
-    b = scale.to(torch.int32)
-    normal = (b << 23).view(torch.float32)  # exponent field = b: 2^(b-127) for b >= 1
-    sub = torch.full_like(normal, 2.0**-127)  # b == 0: 2^-127 is an fp32 subnormal (exact)
-    return torch.where(b == 0, sub, normal)
+    b = scale.astype(np.uint32)
+    normal = (b << 23).view(np.float32)  # exponent field = b: 2^(b-127) for b >= 1
+    return np.where(b == 0, np.float32(2.0**-127), normal)  # b == 0: 2^-127 is an fp32 subnormal (exact)
 
 
 def dequantize_mxfp4(
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    dtype: torch.dtype = torch.bfloat16,
+    weight_packed: Any,
+    weight_scale: Any,
+    dtype: Any = "bfloat16",
     group_size: int = GROUP_SIZE,
-) -> torch.Tensor:
-    """Decode MXFP4 to a dense ``[R, C]`` tensor of ``dtype``.
+) -> Any:
+    """Decode MXFP4 to a dense ``[R, C]`` array of ``dtype`` (computed in numpy).
 
     Args:
-        weight_packed: uint8 ``[R, C/2]``, low nibble = even column (spec 6).
-        weight_scale: uint8 ``[R, C/group_size]``, E8M0 bytes ``2^(b-127)``.
-        dtype: output dtype (bf16 by default; bf16 and fp32 are exact).
+        weight_packed: uint8 ``[R, C/2]``, low nibble = even column (spec 6); a numpy array or a torch tensor.
+        weight_scale: uint8 ``[R, C/group_size]``, E8M0 bytes ``2^(b-127)``; same kind as ``weight_packed``.
+        dtype: output dtype, a name (``"bfloat16"``), a numpy dtype or a ``torch.dtype`` (bf16 by default; bf16,
+            fp16 in range, fp32 and fp64 are exact).
         group_size: input columns per scale byte (32 for MXFP4).
 
     Returns:
-        ``[R, C]`` tensor of ``dtype``.
+        ``[R, C]`` of ``dtype``: a CPU torch tensor when ``weight_packed`` is a torch tensor, else a numpy array.
 
     Raises:
         ValueError: a non-uint8 or non-2-D input, mismatched shapes, a scale byte 255 (E8M0 NaN), or a value that
             overflows ``dtype`` (e.g. scale byte 254 with code 6 in bf16).
     """
     _check_group(group_size)
+    torch_out = is_torch_tensor(weight_packed)
     for nm, t in (("weight_packed", weight_packed), ("weight_scale", weight_scale)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{nm}: got {type(t).__name__}, expected a torch uint8 tensor")
-        if t.dtype != torch.uint8:
-            raise ValueError(f"{nm}: got dtype {t.dtype}, expected torch.uint8")
-        if t.dim() != 2:
+        if not (isinstance(t, np.ndarray) or is_torch_tensor(t)):
+            raise ValueError(f"{nm}: got {type(t).__name__}, expected a uint8 numpy array or torch tensor")
+        if dtype_name(t) != "uint8":
+            raise ValueError(f"{nm}: got dtype {dtype_name(t)}, expected uint8")
+        if t.ndim != 2:
             raise ValueError(f"{nm}: got shape {list(t.shape)}, expected 2-D [R, ...]")
-    R, half = weight_packed.shape
+    out_dt = numpy_dtype(dtype)
+    if out_dt.name not in _DEQUANT_DTYPES:
+        raise ValueError(f"dtype: got {out_dt.name}, expected one of {list(_DEQUANT_DTYPES)}")
+    packed, scale = to_numpy(weight_packed), to_numpy(weight_scale)
+    R, half = packed.shape
     C = 2 * half
     if C % group_size:
         raise ValueError(
             f"weight_packed: got {half} bytes per row = {C} columns, expected a multiple of group_size={group_size}"
         )
     want = (R, C // group_size)
-    if tuple(weight_scale.shape) != want:
+    if tuple(scale.shape) != want:
         raise ValueError(
-            f"weight_scale: got shape {list(weight_scale.shape)}, expected {list(want)} for "
-            f"weight_packed {list(weight_packed.shape)} (one byte per {group_size} columns)"
+            f"weight_scale: got shape {list(scale.shape)}, expected {list(want)} for "
+            f"weight_packed {list(packed.shape)} (one byte per {group_size} columns)"
         )
-    if bool((weight_scale == _E8M0_NAN).any()):
-        rows, groups = torch.nonzero(weight_scale == _E8M0_NAN, as_tuple=True)
+    if (scale == _E8M0_NAN).any():
+        rows, groups = np.nonzero(scale == _E8M0_NAN)
         raise ValueError(
             f"weight_scale: byte 255 (E8M0 NaN) at (row, group) ({int(rows[0])}, {int(groups[0])})"
             f" and {len(rows) - 1} more; expected 0..254"
         )
-    p = weight_packed.to(torch.int64)
-    codes = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(R, C)  # [R, C/2, 2] -> [R, C]: low nibble first
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+    codes = np.stack((packed & 0xF, packed >> 4), axis=-1).reshape(R, C)  # [R, C/2, 2] -> [R, C]: low nibble first
+    table = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=np.float32)
     vals = table[codes].reshape(R, C // group_size, group_size)
-    out = (vals * _e8m0_to_float32(weight_scale)[..., None]).reshape(R, C)  # exact in fp32 (or inf)
-    out = out.to(dtype)
-    if not bool(torch.isfinite(out).all()):
+    with np.errstate(over="ignore"):  # overflow gives inf, refused just below
+        out = (vals * _e8m0_to_float32(scale)[..., None]).reshape(R, C).astype(out_dt)  # exact in fp32 (or inf)
+    if not np.isfinite(out).all():
         raise ValueError(
-            f"weight_scale: a scale byte up to {int(weight_scale.max())} overflows {dtype} "
+            f"weight_scale: a scale byte up to {int(scale.max())} overflows {out_dt.name} "
             "(the decoded value is not finite)"
         )
-    return out
+    return to_torch(out) if torch_out else out
 
 
-def quantize_mxfp4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode ``w`` ``[R, C]`` (any float dtype) to MXFP4 with the OCP MX rule.
+def quantize_mxfp4(w: Any, group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
+    """Encode ``w`` ``[R, C]`` (any float dtype) to MXFP4 with the OCP MX rule (computed in numpy).
 
     Per group of ``group_size`` consecutive columns: ``e = floor(log2(amax)) - 2``, scale byte ``e + 127`` clamped
     to ``[0, 254]``; each element ``x / 2^e`` rounded to the nearest E2M1 value, ties to even, clamped to +-6. A
     group of zeros gets scale byte :data:`ZERO_GROUP_SCALE_BYTE` (0). Zero magnitudes are encoded as +0 (code 0).
 
     Args:
-        w: float tensor ``[R, C]``; C a multiple of ``group_size``. Computed in float64 (exact for bf16/fp32 inputs).
+        w: floating ``[R, C]``, a numpy array or a torch tensor; C a multiple of ``group_size``. Computed in float64
+            (exact for bf16/fp32 inputs).
 
     Returns:
-        ``(weight_packed uint8 [R, C/2], weight_scale uint8 [R, C/group_size])``.
+        ``(weight_packed uint8 [R, C/2], weight_scale uint8 [R, C/group_size])``: CPU torch tensors for a torch
+        ``w``, else numpy arrays.
 
     Raises:
-        ValueError: not a 2-D floating tensor, C not a multiple of ``group_size``, or a non-finite element.
+        ValueError: not a 2-D floating array, C not a multiple of ``group_size``, or a non-finite element.
     """
     _check_group(group_size)
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        raise ValueError(f"w: got {getattr(w, 'dtype', type(w).__name__)}, expected a floating torch tensor")
-    if w.dim() != 2:
+    floating = (isinstance(w, np.ndarray) and dtype_name(w).startswith(("float", "bfloat"))) or (
+        is_torch_tensor(w) and w.is_floating_point()
+    )
+    if not floating:
+        raise ValueError(f"w: got {getattr(w, 'dtype', type(w).__name__)}, expected a floating array or tensor")
+    if w.ndim != 2:
         raise ValueError(f"w: got shape {list(w.shape)}, expected 2-D [R, C]")
     R, C = w.shape
     if C % group_size:
         raise ValueError(f"w: got {C} columns, expected a multiple of group_size={group_size}")
-    x = w.detach().cpu().to(torch.float64).reshape(R, C // group_size, group_size)
-    if not bool(torch.isfinite(x).all()):
+    x = to_numpy(w).astype(np.float64).reshape(R, C // group_size, group_size)
+    if not np.isfinite(x).all():
         raise ValueError("w: got a non-finite element (inf or NaN), expected finite values")
-    amax = x.abs().amax(dim=-1)  # [R, G]
-    _, ex = torch.frexp(amax)  # amax = m * 2^ex with m in [0.5, 1): floor(log2(amax)) = ex - 1 (exact)
-    e = ex.to(torch.int64) - 1 - _E2M1_EMAX
-    byte = (e + _E8M0_BIAS).clamp(0, 254)
-    byte = torch.where(amax == 0, torch.full_like(byte, ZERO_GROUP_SCALE_BYTE), byte)
-    q = x / torch.pow(torch.tensor(2.0, dtype=torch.float64), (byte - _E8M0_BIAS).to(torch.float64))[..., None]
-    a = q.abs()
-    mag = torch.zeros_like(a, dtype=torch.int64)
+    amax = np.abs(x).max(axis=-1)  # [R, G]
+    _, ex = np.frexp(amax)  # amax = m * 2^ex with m in [0.5, 1): floor(log2(amax)) = ex - 1 (exact)
+    e = ex.astype(np.int64) - 1 - _E2M1_EMAX
+    byte = np.clip(e + _E8M0_BIAS, 0, 254)
+    byte = np.where(amax == 0, ZERO_GROUP_SCALE_BYTE, byte)
+    q = x / np.ldexp(1.0, byte - _E8M0_BIAS)[..., None]  # exact: division by a power of two
+    a = np.abs(q)
+    mag = np.zeros(a.shape, dtype=np.int64)
     for i, m in enumerate(_MIDPOINTS):  # crossing midpoint i moves to code i+1; a tie only if i+1 is even
-        up = (a > m) | ((a == m) & ((i + 1) % 2 == 0))
-        mag += up.to(torch.int64)
-    code = torch.where((q < 0) & (mag > 0), mag | 8, mag).reshape(R, C)
-    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
-    return packed.contiguous(), byte.to(torch.uint8).contiguous()
+        mag += (a > m) | ((a == m) & ((i + 1) % 2 == 0))
+    code = np.where((q < 0) & (mag > 0), mag | 8, mag).reshape(R, C)
+    packed = np.ascontiguousarray((code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8))
+    scale = np.ascontiguousarray(byte.astype(np.uint8))
+    if is_torch_tensor(w):
+        return to_torch(packed), to_torch(scale)
+    return packed, scale

@@ -1,9 +1,9 @@
-"""Text -> token ids: Kimi's own tiktoken vocabulary when the checkpoint ships it, else a byte-level fallback.
+"""Text -> token ids: Kimi's own tiktoken vocabulary when the checkpoint ships it, else a byte-level tokenizer.
 
 * **Kimi tokenizer**: a checkpoint directory holding ``tiktoken.model`` (base64 token + rank per line) is encoded with
   ``tiktoken`` and Kimi's pre-tokenisation pattern (Han runs split off first). Special tokens are read from
   ``tokenizer_config.json`` (``added_tokens_decoder``) when present; ordinary text never produces them.
-* **Byte-level fallback** (the tiny preset and any checkpoint without ``tiktoken.model``): token id = UTF-8 byte value
+* **Byte-level tokenizer** (the tiny preset and any checkpoint without ``tiktoken.model``): token id = UTF-8 byte value
   (0..255). Needs ``vocab_size >= 256``. The comparison report says which tokenizer was used.
 """
 
@@ -44,19 +44,19 @@ class Tokenizer:
 
 def _byte_level(vocab_size: int) -> Tokenizer:
     if vocab_size < 256:
-        raise ValueError(f"vocab_size: got {vocab_size}, expected >= 256 for the byte-level fallback tokenizer")
+        raise ValueError(f"vocab_size: got {vocab_size}, expected >= 256 for the byte-level tokenizer")
     return Tokenizer(
-        "byte-level fallback (id = UTF-8 byte)",
+        "byte-level tokenizer (id = UTF-8 byte)",
         lambda text: list(text.encode("utf-8")),
         lambda i: bytes([i]) if 0 <= i < 256 else b"",  # ids >= 256 are the specials: no text
     )
 
 
 def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
-    """Kimi's tiktoken tokenizer if ``checkpoint/tiktoken.model`` exists, else the byte-level fallback.
+    """Kimi's tiktoken tokenizer if ``checkpoint/tiktoken.model`` exists, else the byte-level tokenizer.
 
     Raises:
-        ValueError: a token id of the vocabulary is >= ``vocab_size``, or vocab_size < 256 for the fallback.
+        ValueError: a token id of the vocabulary is >= ``vocab_size``, or vocab_size < 256 for the byte-level tokenizer.
     """
     model = Path(checkpoint) / "tiktoken.model" if checkpoint is not None else None
     if model is None or not model.is_file():

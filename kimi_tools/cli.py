@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -46,6 +45,8 @@ __all__ = ["main"]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``kimi info``: the layer plan and parameter counts of a preset, config or checkpoint (``--json``: one
+    object). Returns 0; a bad source raises ConfigError / CheckpointError (one ``kimi: error:`` line)."""
     cfg = load_config(args.preset, getattr(args, "config", None), args.checkpoint)
     counts = param_counts(cfg)
     plan = layer_plan(cfg)
@@ -125,6 +126,12 @@ def _ranges(xs: Sequence[int]) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    """``kimi init``: write a random-initialised checkpoint of ``--preset`` (``--layers N`` keeps the first N,
+    ``--set`` overrides config fields) to ``--out``, atomically. Returns 0.
+
+    Raises:
+        CliError: ``--layers`` beyond the preset, a non-empty ``--out`` without ``--force``, or a bad ``--set``.
+    """
     from kimi.init import init_checkpoint
 
     cfg = apply_overrides(load_config(args.preset), args.set or [])
@@ -144,18 +151,15 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_forward(args: argparse.Namespace) -> int:
     """A reference (or torch) forward pass on random token ids; prints the logits' shape and statistics."""
+    import contextlib
+
     import numpy as np
 
-    ckpt = args.checkpoint
-    tmp = None
-    if ckpt is None:
-        from kimi.init import init_checkpoint
-
-        tmp = tempfile.TemporaryDirectory(prefix="kimi-")
-        ckpt = tmp.name
-        init_checkpoint(ckpt, load_config(args.preset), seed=args.seed, layers=args.layers)
-    try:
+    with contextlib.ExitStack() as stack:
+        ckpt, source = materialise_checkpoint(args, stack)
         cfg = KimiConfig.from_json(Path(ckpt) / "config.json")
+        n = cfg.num_hidden_layers if args.layers is None else min(args.layers, cfg.num_hidden_layers)
+        print(f"kimi forward: {source}; {n} layers; {args.tokens} random token ids; backend {args.backend}", flush=True)
         rng = np.random.default_rng(args.seed)
         ids = rng.integers(0, cfg.vocab_size, size=(1, args.tokens))
         if args.backend == "jax":
@@ -178,9 +182,6 @@ def cmd_forward(args: argparse.Namespace) -> int:
             )
             with torch.no_grad():
                 logits = model(torch.as_tensor(ids, device="cuda" if gpu else "cpu")).float().cpu().numpy()
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     finite = bool(np.isfinite(logits).all())
     print(
         f"logits: shape {list(logits.shape)} dtype {logits.dtype} finite {finite} "
@@ -193,6 +194,13 @@ def cmd_forward(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``kimi compare``: the oracle (JAX, or the torch eager twin in fp32) against each ``--backends`` entry, layer
+    by layer on real text, or (``--against FILE``) one path against logits written elsewhere. Prints the tables
+    (and ``--json``). Returns 0 when every report passes its tolerances, 1 otherwise.
+
+    Raises:
+        CliError: an unknown backend, CUDA asked for where there is none, bad ``--text`` / ``--ids`` / ``--against``.
+    """
     import contextlib
 
     from kimi_tools.compare import TOLERANCES, compare_runs, first_nonfinite, format_table, run_reference, run_torch
@@ -230,9 +238,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
             )
         n = cfg.num_hidden_layers
         kinds = [cfg.layer_type(i) for i in range(n)]
+        # index_topk only means something when a DSA layer runs (a config without one does not even store it).
+        topk = f"index_topk {cfg.index_topk}" if "dsa" in kinds else "no DSA layer"
         print(
             f"kimi compare: {source}; {n} layers ({''.join(k[0].upper() for k in kinds)}); {len(ids)} tokens "
-            f"({tok_name}); index_topk {cfg.index_topk}; backends {','.join(backends)}; dtype {args.dtype}",
+            f"({tok_name}); {topk}; backends {','.join(backends)}; dtype {args.dtype}",
             flush=True,
         )
         if args.reference == "jax":
@@ -274,7 +284,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "tokens": int(len(ids)),
             "tokenizer": tok_name,
             "num_layers": n,
-            "index_topk": cfg.index_topk,
+            "index_topk": cfg.index_topk if "dsa" in kinds else None,
             "dtype": args.dtype,
             "reports": [r.to_dict() for r in reports],
             "first_nonfinite": nonfinite,
@@ -374,6 +384,12 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
+    """``kimi logits``: run one path on ``--text`` / ``--ids`` and write ``input_ids``, fp32 ``logits`` ``[T, vocab]``
+    (and ``hidden.{i}`` ``[T, D]`` with ``--hidden``) to ``--out`` as safetensors, atomically. Returns 0.
+
+    Raises:
+        CliError: bad ``--text`` / ``--ids``, or CUDA asked for where there is none.
+    """
     import contextlib
 
     import numpy as np
@@ -423,6 +439,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kimi`` argument parser: one subcommand per tool, each with ``func`` set to its ``cmd_*`` function."""
     ap = Parser(prog="kimi", description="Kimi K3.1 Pro research tools (JAX reference + torch path).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -502,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kimi`` command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status. Every expected
+    failure (CliError, ValueError, OSError) prints one ``kimi: error: ...`` line on stderr and returns 2."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -37,10 +37,12 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (``kimi <cmd>: error: ...``, exit 2); ``--help`` still shows the usage."""
 
     def error(self, message: str):  # type: ignore[override]
+        """Print ``<prog>: error: <message> (see --help)`` on stderr and exit with status 2."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1. Raises ``argparse.ArgumentTypeError`` naming the value otherwise."""
     try:
         v = int(s)
     except ValueError:
@@ -51,6 +53,8 @@ def positive_int(s: str) -> int:
 
 
 def add_source(p: argparse.ArgumentParser, config_file: bool = True) -> None:
+    """Add the mutually exclusive ``--preset NAME`` / ``--config FILE`` (when ``config_file``) / ``--checkpoint DIR``
+    options to ``p`` (none given means the ``tiny`` preset)."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default: tiny)")
     if config_file:
@@ -82,29 +86,27 @@ DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "kimi" / "data" / "alice
 
 
 class Progress:
-    """A one-line progress indicator on stderr: ``[stage] layer i/N  (elapsed)``; redraws in place on a terminal."""
+    """A per-layer ``tqdm`` bar on stderr, used as the ``on_layer(i)`` callback of a forward pass.
+
+    ``Progress(stage, total, quiet)(i)`` marks layer ``i`` (0-based) done. The bar is opened at the first layer, not
+    before, so that an error raised while loading (one ``kimi: error:`` line) is not mixed with a half-drawn bar; it
+    closes itself after the last layer. ``quiet=True`` draws nothing.
+    """
 
     def __init__(self, stage: str, total: int, quiet: bool = False):
-        import time
-
-        self.stage, self.total, self.quiet, self.t0 = stage, total, quiet, time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self._draw(0)
-
-    def _draw(self, done: int) -> None:
-        import time
-
-        if self.quiet:
-            return
-        bar = "#" * int(20 * done / max(self.total, 1))
-        msg = f"[{self.stage:>12}] |{bar:<20}| layer {done}/{self.total}  {time.perf_counter() - self.t0:6.1f}s"
-        if self.tty:
-            print("\r" + msg, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
-        elif done == self.total:
-            print(msg, file=sys.stderr, flush=True)
+        self.stage, self.total, self.quiet = stage, total, quiet
+        self._bar = None
 
     def __call__(self, layer: int) -> None:
-        self._draw(layer + 1)
+        if self.quiet:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc=f"{self.stage:>12}", unit="layer", file=sys.stderr, leave=True)
+        self._bar.update(layer + 1 - self._bar.n)
+        if self._bar.n >= self.total:
+            self._bar.close()
 
 
 def materialise_checkpoint(args: argparse.Namespace, stack) -> tuple[Path, str]:
@@ -142,11 +144,17 @@ def token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
             raise CliError(f"--text: no file at {path}")
         ids = tok.encode(read_text(path))
         tok_name = tok.name
+    short = args.tokens is not None and args.tokens > len(ids)
     if args.tokens is not None:
         ids = ids[: args.tokens]
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]  # Python ints: no overflow on huge values
     if bad:
         raise CliError(f"token ids: got {bad[0]}, expected ids in [0, {cfg.vocab_size})")
+    if short:  # say so rather than run on fewer tokens without a word
+        print(
+            f"kimi: note: --tokens {args.tokens} is more than the {len(ids)} tokens of the input; running on {len(ids)}",
+            file=sys.stderr,
+        )
     return np.asarray(ids, dtype=np.int64), tok_name
 
 

@@ -7,6 +7,8 @@ helpers; see docs/design.md).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,12 +27,17 @@ __all__ = [
     "TOKEN_ID_DTYPES",
     "check_activation_dtype",
     "check_token_ids",
+    "Weight",
 ]
 
 
-def compute_dtype(x: jax.Array) -> jnp.dtype:
-    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 inputs."""
-    return jnp.promote_types(x.dtype, jnp.float32)
+def compute_dtype(*xs: jax.Array) -> jnp.dtype:
+    """The dtype the math of a group of inputs runs in: fp64 if any input is fp64, else fp32 (bf16/fp16 upcast).
+
+    The one dtype-promotion rule of the reference (the twin of ``kernels_torch.common.compute_dtype``).
+    """
+    dtypes = [x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype for x in xs]
+    return jnp.dtype(jnp.float64 if any(d == jnp.float64 for d in dtypes) else jnp.float32)
 
 
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -106,6 +113,19 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", nn.initializers.normal(self.in_features**-0.5), (self.features, self.in_features))
         return linear(x, w)
+
+
+class Weight(nn.Module):
+    """A bare parameter named ``weight`` of ``shape`` (checkpoint name), returned by calling the module: AttnRes
+    ``*_res_norm`` vectors ``[D]`` (init ones) and MLA's ``kv_b_proj`` ``[out, in]`` where the absorbed form needs it
+    as a matrix (init as :class:`Linear`)."""
+
+    shape: tuple[int, ...]
+    initializer: Callable = nn.initializers.ones
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("weight", self.initializer, self.shape)
 
 
 class RMSNorm(nn.Module):

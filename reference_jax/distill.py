@@ -67,7 +67,7 @@ def attention_target(q: jax.Array, k: jax.Array, mask: jax.Array, scale: float) 
     B, T, H, _ = q.shape
     S = k.shape[1]
     m = _mask3(mask, B, T, S)[:, None]  # [B, 1, T, S]
-    dt = jnp.promote_types(compute_dtype(q), compute_dtype(k))
+    dt = compute_dtype(q, k)
     logits = jnp.einsum("bthk,bshk->bhts", q.astype(dt), k.astype(dt), precision=_HI) * scale  # [B, H, T, S]
     logits = jnp.where(m, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -98,7 +98,7 @@ def indexer_kl(target: jax.Array, index_scores: jax.Array, mask: jax.Array) -> j
     """
     B, T, S = index_scores.shape
     m = _mask3(mask, B, T, S)
-    dt = jnp.promote_types(compute_dtype(index_scores), compute_dtype(target))
+    dt = compute_dtype(index_scores, target)
     I = jnp.where(m, index_scores.astype(dt), -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(I, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)

@@ -55,7 +55,7 @@ def indexer_scores(q_I: jax.Array, k_I: jax.Array, weights: jax.Array) -> jax.Ar
         ``[B, T, S]`` scores ``sum_j weights[t,j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t,j] . k_I[s])`` in fp32 (fp64 when
         any input is fp64). No masking is applied here.
     """
-    dt = jnp.promote_types(jnp.promote_types(compute_dtype(q_I), compute_dtype(k_I)), compute_dtype(weights))
+    dt = compute_dtype(q_I, k_I, weights)
     HI, KI = q_I.shape[-2:]
     # [B, T, HI, S]: per-head dot products, scaled by KI^-1/2 inside the ReLU (a positive factor, so equivalently outside)
     logits = jnp.einsum("btjk,bsk->btjs", q_I.astype(dt), k_I.astype(dt), precision=_HI) * (KI**-0.5)

@@ -7,7 +7,6 @@ What is here, top to bottom:
 * two forms of the gated delta rule with the same signature, as in fla ``fla/ops/kda/naive.py``:
   ``kda_recurrent`` (the equation of spec 2.2 step 7, one token at a time under ``lax.scan``) and ``kda_chunk``
   (the chunked WY algorithm of spec 2.3). Two independent forms place a bug in "equation" or "algorithm";
-* ``slice_A_log`` / ``pad_A_log``: the checkpoint's zero-padded ``A_log`` <-> the canonical ``[H]`` (case 7);
 * the linen module ``KimiDeltaAttention`` and its decode cache ``KDACache``.
 
 Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; state ``S`` ``[N, H, K, V]`` (K-first, the
@@ -22,7 +21,7 @@ dtype. Private helpers carry ``jax.jit`` only as a compile cache (see the note a
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi.config import KimiConfig
-from reference_jax.common import Linear, check_activation_dtype, check_cu_seqlens, rms_norm
+from reference_jax.common import Linear, check_activation_dtype, check_cu_seqlens, compute_dtype, rms_norm
 
 __all__ = [
     "A_LOG_MAX",
@@ -41,8 +40,6 @@ __all__ = [
     "kda_recurrent",
     "kda_chunk",
     "gated_rms_norm",
-    "slice_A_log",
-    "pad_A_log",
     "KDACache",
     "ShortConvolution",
     "GatedRMSNorm",
@@ -61,11 +58,6 @@ A_LOG_MAX = 64.0
 G_MIN = -1000.0
 
 
-def _cdt(*xs: jax.Array) -> jnp.dtype:
-    """Compute dtype of a group of inputs: fp64 if any is fp64, else fp32 (bf16/fp16 are upcast)."""
-    return jnp.float64 if any(jnp.asarray(x).dtype == jnp.float64 for x in xs) else jnp.float32
-
-
 # ------------------------------------------------------------------------------------------------ small helpers
 
 
@@ -74,7 +66,7 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
 
     Args:
         f: ``[B, T, H, K]`` raw ``f_b(f_a(x))`` reshaped per head.
-        A_log: ``[H]`` canonical (already sliced, see :func:`slice_A_log`).
+        A_log: ``[H]`` canonical (already sliced, see :func:`kimi.checkpoint.slice_A_log`).
         dt_bias: ``[H*K]`` per-channel bias.
         lower_bound: ``gate_lower_bound`` (K3: -5.0) or None (Kimi-Linear).
 
@@ -101,7 +93,7 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
         )
     if tuple(dt_bias.shape) != (H * K,):
         raise ValueError(f"dt_bias: got shape {tuple(dt_bias.shape)}, expected [H*K]=[{H * K}]")
-    dt = _cdt(f)
+    dt = compute_dtype(f)
     x = f.astype(dt) + dt_bias.astype(dt).reshape(H, K)  # [B,T,H,K]
     # Saturation (see A_LOG_MAX, G_MIN): exp(A_log) overflows fp32 past A_log = 88.7, and inf * 0 is NaN in the
     # value (x = 0) and in the gradients (sigmoid' = 0 at saturation). Capping the rate keeps both finite.
@@ -114,7 +106,7 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """``x / sqrt(sum(x²) + eps)`` over the last axis, in fp32 (fp64 for fp64 input); spec 2.2 step 4 (fla's
     in-kernel l2norm, eps under the square root). Returns the compute dtype, not ``x.dtype``."""
-    xf = x.astype(_cdt(x))
+    xf = x.astype(compute_dtype(x))
     return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
@@ -167,7 +159,7 @@ def short_conv(
     if x.ndim != 3:
         raise ValueError(f"x: got shape {tuple(x.shape)}, expected [B, T, C]")
     B, T, C = x.shape
-    w = _conv_weight(weight, C).astype(_cdt(x, weight))  # fp32 weights stay fp32 (spec 2.1: stored F32)
+    w = _conv_weight(weight, C).astype(compute_dtype(x, weight))  # fp32 weights stay fp32 (spec 2.1: stored F32)
     W = w.shape[1]
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
@@ -193,47 +185,8 @@ def gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     o, gate ``[B, T, H, V]``; weight ``[V]`` shared by all heads. Norm first, then the gate; no mean subtraction.
     Returns fp32 (fp64 for fp64 input); the caller casts for ``o_proj``.
     """
-    dt = _cdt(o, gate)
+    dt = compute_dtype(o, gate)
     return rms_norm(o.astype(dt), None, eps) * weight.astype(dt) * jax.nn.sigmoid(gate.astype(dt))
-
-
-def slice_A_log(A_log, num_heads: int) -> np.ndarray:
-    """Canonical ``[H]`` ``A_log`` from a stored one (spec 2.1, cases 7 and 17).
-
-    Accepts ``[H]``, K3's zero-padded ``[S]`` with ``S >= H`` (128 stored, 96 used) and Kimi-Linear's ``[1, 1, H, 1]``.
-
-    Raises:
-        ValueError: any other shape, or non-zero padding entries (a sign the tensor is not the padded layout).
-    """
-    a = np.asarray(A_log)
-    if a.shape == (1, 1, num_heads, 1):
-        return a.reshape(num_heads)
-    if a.ndim == 1 and a.shape[0] >= num_heads:
-        if np.any(a[num_heads:] != 0):
-            raise ValueError(
-                f"A_log: padding entries [{num_heads}:{a.shape[0]}] are not zero, expected {num_heads} used entries then zeros"
-            )
-        return a[:num_heads]
-    raise ValueError(f"A_log: got shape {a.shape}, expected [H]={num_heads}, [S>=H] zero-padded, or [1, 1, H, 1]")
-
-
-def pad_A_log(A_log, shape: Sequence[int]) -> np.ndarray:
-    """Stored ``A_log`` of ``shape`` (from ``kimi.layout.stored_layout``) from the canonical ``[H]``: zero-pad to
-    ``[S]`` (K3: 128 = ceil(96/128)*128) or reshape to Kimi-Linear's ``[1, 1, H, 1]``.
-
-    Raises:
-        ValueError: ``A_log`` not 1-D, or a ``shape`` that cannot hold it.
-    """
-    a = np.asarray(A_log)
-    shape = tuple(int(s) for s in shape)
-    if a.ndim != 1:
-        raise ValueError(f"A_log: got shape {a.shape}, expected canonical [H]")
-    H = a.shape[0]
-    if shape == (1, 1, H, 1):
-        return a.reshape(shape)
-    if len(shape) == 1 and shape[0] >= H:
-        return np.concatenate([a, np.zeros(shape[0] - H, a.dtype)])
-    raise ValueError(f"shape: got {shape}, expected [S>=H={H}] or [1, 1, {H}, 1]")
 
 
 # ------------------------------------------------------------------------------------------------ the recurrence
@@ -318,7 +271,7 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
         ValueError: inconsistent shapes or invalid ``cu_seqlens``.
     """
     B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
-    dt = _cdt(q, k, v, g, beta)
+    dt = compute_dtype(q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
@@ -420,7 +373,7 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     B, T, H, K, V = _check_qkvgb(q, k, v, g, beta)
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size: got {chunk_size}, expected a positive integer")
-    dt = _cdt(q, k, v, g, beta)
+    dt = compute_dtype(q, k, v, g, beta)
     scale = K**-0.5 if scale is None else scale
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B)
     N = B if cu is None else len(cu) - 1
@@ -486,7 +439,7 @@ class KimiDeltaAttention(nn.Module):
     (``kimi.layout.param_layout``): ``q_proj``/``k_proj``/``v_proj``/``f_a_proj``/``f_b_proj``/``b_proj``/``o_proj``
     (and ``g_proj``, or ``g_a_proj`` + ``g_b_proj`` when ``use_full_rank_gate`` is False) as ``{name: {weight}}``;
     ``q_conv1d``/``k_conv1d``/``v_conv1d`` ``{weight [P,1,W]}``; ``dt_bias`` ``[P]``; ``A_log`` ``[H]`` (canonical,
-    sliced: see :func:`slice_A_log`); ``o_norm`` ``{weight [K]}``.
+    sliced: see :func:`kimi.checkpoint.slice_A_log`); ``o_norm`` ``{weight [K]}``.
 
     ``__call__(x, cu_seqlens=None, cache=None, mode="chunk") -> (out, new_cache)``: x ``[B, T, D]`` the layer's
     normalised input; out ``[B, T, D]`` in ``x.dtype``; new_cache a :class:`KDACache` with N rows (N = B, or the number
@@ -536,7 +489,9 @@ class KimiDeltaAttention(nn.Module):
         k = l2norm(k.reshape(B, T, H, K))
         v = v.reshape(B, T, H, K)  # [B,T,H,V] (V = K = head_dim for this layer)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K), self.A_log, self.dt_bias, c.gate_lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(_cdt(x)))  # [B,T,H]: the one and only sigmoid on beta (case 3)
+        beta = jax.nn.sigmoid(
+            self.b_proj(x).astype(compute_dtype(x))
+        )  # [B,T,H]: the one and only sigmoid on beta (case 3)
         recurrence = kda_chunk if mode == "chunk" else kda_recurrent
         o, S = recurrence(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)  # o [B,T,H,V]
         gate = self.g_proj(x) if c.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))

@@ -26,6 +26,7 @@ from reference_jax.cache import MLACache, cached_causal_mask, write_rows
 from reference_jax.common import (
     Linear,
     RMSNorm,
+    Weight,
     causal_document_mask,
     check_activation_dtype,
     check_cu_seqlens,
@@ -86,7 +87,7 @@ def mla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sca
     """
     B, T, H, _ = q.shape
     S = k.shape[1]
-    dt = jnp.promote_types(compute_dtype(q), compute_dtype(v))
+    dt = compute_dtype(q, v)
     mask4 = _mask4(mask, B, T, S)
     k, v = k.astype(dt), v.astype(dt)
     out = []
@@ -133,7 +134,7 @@ def mla_attention_absorbed(
             f"kv_b_weight: got shape {tuple(kv_b_weight.shape)}, expected [H*(K_nope+V), L] with "
             f"H={H}, K_nope={Kn}, L={L}"
         )
-    dt = jnp.promote_types(compute_dtype(q_nope), compute_dtype(c_kv))
+    dt = compute_dtype(q_nope, c_kv)
     w = kv_b_weight.astype(dt).reshape(H, rows // H, L)
     w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, K_nope, L], [H, V, L]
     q_lat = jnp.einsum("bthk,hkl->bthl", q_nope.astype(dt), w_uk, precision=_HI)  # [B, T, H, L]
@@ -147,16 +148,6 @@ def mla_attention_absorbed(
         o_lat.append(jnp.einsum("bhts,bsl->bthl", p, c_kv.astype(dt), precision=_HI))  # [B, t, H, L]
     o_lat = jnp.concatenate(o_lat, axis=1)  # [B, T, H, L]
     return jnp.einsum("bthl,hvl->bthv", o_lat, w_uv, precision=_HI).astype(c_kv.dtype)  # [B, T, H, V]
-
-
-class _Weight(nn.Module):
-    """A bare ``weight`` ``[out, in]`` (Linear's init) for a projection the absorbed form needs as a matrix."""
-
-    shape: tuple[int, int]
-
-    @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("weight", nn.initializers.normal(self.shape[1] ** -0.5), self.shape)
 
 
 class GatedMLA(nn.Module):
@@ -226,7 +217,7 @@ class GatedMLA(nn.Module):
         kv = Linear(L + R, D, name="kv_a_proj_with_mqa")(x)  # [B, S, L+R]
         c_kv = RMSNorm(L, c.mla_norm_eps, name="kv_a_layernorm")(kv[..., :L])  # [B, S, L]
         k_pe = kv[..., L:]  # [B, S, R]
-        w_kv_b = _Weight((H * (Kn + V), L), name="kv_b_proj")()  # [H*(Kn+V), L]
+        w_kv_b = Weight((H * (Kn + V), L), nn.initializers.normal(L**-0.5), name="kv_b_proj")()  # [H*(Kn+V), L]
 
         # mask: causal & same document, & selected for DSA layers
         if cache is None:  # keys = this call's tokens

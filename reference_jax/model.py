@@ -28,22 +28,12 @@ import numpy as np
 from kimi.config import KimiConfig
 from reference_jax.attn_res import attn_res_mix
 from reference_jax.cache import check_cache, kda_step
-from reference_jax.common import Linear, RMSNorm, check_token_ids
+from reference_jax.common import Linear, RMSNorm, Weight, check_token_ids
 from reference_jax.kda import KimiDeltaAttention
 from reference_jax.mla import GatedMLA
 from reference_jax.moe import DenseMLP, KimiMoE
 
 __all__ = ["DecoderLayer", "KimiK3Model", "load_model", "load_params_tree", "save_params_tree"]
-
-
-class _Weight(nn.Module):
-    """A bare parameter named ``weight`` (for AttnRes ``*_res_norm`` vectors)."""
-
-    shape: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("weight", nn.initializers.ones, self.shape)
 
 
 class DecoderLayer(nn.Module):
@@ -62,9 +52,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(D, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(D, c.rms_norm_eps)
         if c.has_attn_res:
-            self.self_attention_res_norm = _Weight((D,))
+            self.self_attention_res_norm = Weight((D,))
             self.self_attention_res_proj = Linear(1, D)
-            self.mlp_res_norm = _Weight((D,))
+            self.mlp_res_norm = Weight((D,))
             self.mlp_res_proj = Linear(1, D)
         self.self_attn = KimiDeltaAttention(c, i) if c.layer_type(i) == "kda" else GatedMLA(c, i)
         if c.is_moe_layer(i):
@@ -73,6 +63,9 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c, c.intermediate_size)
 
     def attention(self, h: jax.Array, cu_seqlens=None, mla_form: str = "expanded", step=None) -> tuple[jax.Array, dict]:
+        """``input_layernorm`` then the layer's attention: ``h`` [B, T, D] -> (out [B, T, D], aux); aux holds
+        ``topk_indices`` / ``index_scores`` for DSA layers, nothing for KDA, and the layer's new ``cache`` when
+        ``step`` (a cached call, see ``reference_jax.cache``) is given."""
         x = self.input_layernorm(h)
         if step is not None:  # a cached call (reference_jax.cache): the layer's new cache goes into aux["cache"]
             layer_cache = step.layers[self.layer_idx]
@@ -89,6 +82,8 @@ class DecoderLayer(nn.Module):
         return self.self_attn(x, cu_seqlens=cu_seqlens, form=mla_form, return_aux=True)
 
     def feed_forward(self, h: jax.Array) -> jax.Array:
+        """``post_attention_layernorm`` then the dense MLP or the MoE: ``h`` [B, T, D] -> (out [B, T, D], aux); aux
+        holds ``expert_ids`` / ``expert_scores`` for MoE layers."""
         x = self.post_attention_layernorm(h)
         if self.config.is_moe_layer(self.layer_idx):
             return self.block_sparse_moe(x, return_aux=True)  # (out, {"expert_ids", "expert_scores"})
@@ -135,7 +130,7 @@ class _Backbone(nn.Module):
         self.layers = [DecoderLayer(c, i) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.has_attn_res:
-            self.output_attn_res_norm = _Weight((c.hidden_size,))
+            self.output_attn_res_norm = Weight((c.hidden_size,))
             self.output_attn_res_proj = Linear(1, c.hidden_size)
 
     def __call__(self, input_ids: jax.Array, cu_seqlens=None, mla_form: str = "expanded", on_layer=None, step=None):
@@ -287,34 +282,32 @@ def load_model(
         kimi.checkpoint.CheckpointError: missing, unexpected, misshaped or wrongly typed tensors.
         kimi.config.ConfigError: an invalid config.json.
     """
-    from kimi.checkpoint import CheckpointReader, load_params
+    from kimi.checkpoint import CheckpointReader, load_arrays
     from reference_jax.params import to_tree
 
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
-    params = load_params(reader, config, layers=range(config.num_hidden_layers), check_finite=check_finite)
+    params = load_arrays(reader, config, layers=range(config.num_hidden_layers), check_finite=check_finite)  # numpy
     return KimiK3Model(config), to_tree(params, dtype), config
 
 
 def load_params_tree(checkpoint: str | Path, layers: int | None = None, dtype: Any = None):
     """The canonical parameters of a checkpoint as a linen tree (``dtype=None`` keeps the stored dtypes: bf16 as
     ``ml_dtypes.bfloat16``, fp32 as fp32). Returns ``(tree, config)``."""
-    from kimi.checkpoint import CheckpointReader, load_params
+    from kimi.checkpoint import CheckpointReader, load_arrays
     from reference_jax.params import to_tree
 
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
-    return to_tree(load_params(reader, config, layers=range(config.num_hidden_layers)), dtype), config
+    return to_tree(load_arrays(reader, config, layers=range(config.num_hidden_layers)), dtype), config
 
 
 def save_params_tree(path: str | Path, tree: dict, config: KimiConfig) -> None:
     """Write a linen parameter tree as a checkpoint in the real layout (each tensor cast to its stored dtype;
-    experts re-quantised to MXFP4 when the config says so). Atomic per file, index last."""
-    import torch
-
+    experts re-quantised to MXFP4 when the config says so). Atomic per file, index last. No torch involved."""
     from kimi.checkpoint import save_params
     from kimi.layout import param_layout
     from reference_jax.params import from_tree
 
-    dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(config)}
+    dtypes = {s.name: s.dtype for s in param_layout(config)}
     save_params(path, from_tree(tree, dtypes), config)

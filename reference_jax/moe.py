@@ -58,7 +58,7 @@ def situ(a: jax.Array, b: jax.Array, beta: float = 4.0, linear_beta: float | Non
         raise ValueError(f"situ: beta got {beta!r}, expected a positive number (activation_situ_beta)")
     if linear_beta is not None and not linear_beta > 0:
         raise ValueError(f"situ: linear_beta got {linear_beta!r}, expected a positive number or None")
-    cd = jnp.promote_types(compute_dtype(a), compute_dtype(b))
+    cd = compute_dtype(a, b)
     af, bf = a.astype(cd), b.astype(cd)
     gate = beta * jnp.tanh(af / beta) * jax.nn.sigmoid(af)  # SiLU with x soft-capped to (-beta, beta)
     up = bf if linear_beta is None else linear_beta * jnp.tanh(bf / linear_beta)
@@ -75,7 +75,7 @@ def glu_act(a: jax.Array, b: jax.Array, config: KimiConfig) -> jax.Array:
     if config.hidden_act == "situ":
         return situ(a, b, config.activation_situ_beta, config.activation_situ_linear_beta)
     if config.hidden_act == "silu":
-        cd = jnp.promote_types(compute_dtype(a), compute_dtype(b))
+        cd = compute_dtype(a, b)
         return (jax.nn.silu(a.astype(cd)) * b.astype(cd)).astype(a.dtype)
     raise ValueError(f"hidden_act: got {config.hidden_act!r}, expected 'situ' or 'silu'")
 

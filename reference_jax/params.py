@@ -1,9 +1,13 @@
-"""Canonical flat parameters (checkpoint names -> torch tensors) <-> the linen parameter tree, and orbax save/restore.
+"""Canonical flat parameters (checkpoint names -> arrays) <-> the linen parameter tree, and orbax save/restore.
 
 The mapping (docs/design.md): split the name at '.', and fold a numeric segment into the one before it, as linen
 names list members: ``model.layers.3.block_sparse_moe.experts.5.w1.weight`` <->
 ``tree["model"]["layers_3"]["block_sparse_moe"]["experts_5"]["w1"]["weight"]``. It is a bijection because no
 checkpoint segment name ends in ``_<digits>``.
+
+No torch here: flat params are numpy arrays (bf16 as ``ml_dtypes.bfloat16``, as :func:`kimi.checkpoint.load_arrays`
+returns them) or jax arrays; torch tensors are also accepted (tests build parameters on the torch side), converted
+exactly by :func:`kimi.arrays.to_numpy`, which never imports torch itself.
 """
 
 from __future__ import annotations
@@ -14,34 +18,16 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-import torch
 
-__all__ = [
-    "name_to_path",
-    "path_to_name",
-    "to_tree",
-    "from_tree",
-    "torch_to_numpy",
-    "numpy_to_torch",
-    "save_orbax",
-    "restore_orbax",
-]
+from kimi.arrays import numpy_dtype, to_numpy
 
-_TORCH_TO_NP = {
-    torch.bfloat16: ml_dtypes.bfloat16,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.float16: np.float16,
-    torch.uint8: np.uint8,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-}
-_NP_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_NP.items()}
+__all__ = ["name_to_path", "path_to_name", "to_tree", "from_tree", "save_orbax", "restore_orbax"]
 
 
 def name_to_path(name: str) -> tuple[str, ...]:
+    """Checkpoint name -> linen tree path: ``"model.layers.3.mlp.gate_proj.weight"`` ->
+    ``("model", "layers_3", "mlp", "gate_proj", "weight")`` (a numeric segment folds into the one before it)."""
     out: list[str] = []
     for seg in name.split("."):
         if seg.isdigit() and out:
@@ -52,6 +38,7 @@ def name_to_path(name: str) -> tuple[str, ...]:
 
 
 def path_to_name(path: tuple[str, ...]) -> str:
+    """Linen tree path -> checkpoint name, the inverse of :func:`name_to_path`."""
     segs = []
     for p in path:
         m = re.fullmatch(r"(.+)_(\d+)", p)
@@ -59,24 +46,9 @@ def path_to_name(path: tuple[str, ...]) -> str:
     return ".".join(segs)
 
 
-def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """Exact conversion (bf16 keeps its bits through ``ml_dtypes.bfloat16``)."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def numpy_to_torch(a: np.ndarray) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
-
-
 def to_tree(params: Mapping[str, Any], dtype: Any = None, prefix: str = "") -> dict:
-    """Flat canonical params (torch tensors or numpy/jax arrays) -> nested linen tree of jax arrays, cast to ``dtype``
-    (None keeps each tensor's dtype).
+    """Flat canonical params (numpy/jax arrays or torch tensors) -> nested linen tree of jax arrays, cast to ``dtype``
+    (None keeps each tensor's dtype; bf16 keeps its bits).
 
     ``prefix`` strips a leading name part (e.g. ``"model.layers.3.self_attn."`` to get one module's tree).
     """
@@ -84,7 +56,7 @@ def to_tree(params: Mapping[str, Any], dtype: Any = None, prefix: str = "") -> d
     for name, t in params.items():
         if not name.startswith(prefix):
             continue
-        arr = jnp.asarray(torch_to_numpy(t) if isinstance(t, torch.Tensor) else t)
+        arr = jnp.asarray(to_numpy(t))
         if dtype is not None and jnp.issubdtype(arr.dtype, jnp.floating):
             arr = arr.astype(dtype)
         node = tree
@@ -95,15 +67,16 @@ def to_tree(params: Mapping[str, Any], dtype: Any = None, prefix: str = "") -> d
     return tree
 
 
-def from_tree(tree: Mapping[str, Any], dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
-    """Nested linen tree -> flat canonical params (torch CPU tensors); ``dtypes`` casts named entries back."""
+def from_tree(tree: Mapping[str, Any], dtypes: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Nested linen tree -> flat canonical params as numpy arrays (what :func:`kimi.checkpoint.save_params` takes);
+    ``dtypes`` (``{name: dtype name or numpy dtype}``) casts named entries (fp32 -> bf16 rounds to nearest even)."""
     flat = {path_to_name(tuple(k.key for k in kp)): v for kp, v in jax.tree_util.tree_flatten_with_path(dict(tree))[0]}
     out = {}
     for name, v in flat.items():
-        t = numpy_to_torch(np.asarray(v))
+        a = np.array(v)  # a copy: jax buffers are read-only
         if dtypes is not None and name in dtypes:
-            t = t.to(dtypes[name])
-        out[name] = t
+            a = a.astype(numpy_dtype(dtypes[name]), copy=False)
+        out[name] = a
     return out
 
 

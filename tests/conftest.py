@@ -1,12 +1,26 @@
 """Shared fixtures: small checkpoints written by the project itself, in the real layout."""
 
-import os
+import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no accelerator probing on CPU machines (set before jax imports)
+from kimi.config import load_config
 
-import pytest  # noqa: E402
 
-from kimi.config import load_config  # noqa: E402
+def pytest_configure(config):
+    """Run the JAX reference on the CPU in this test process.
+
+    Why: the reference is the fp32/fp64 oracle and its tests are CPU-sized; on a GPU machine JAX would otherwise
+    claim the accelerator (and preallocate most of its memory) next to the torch GPU tests. How: ``jax.config``,
+    which is this process's JAX setting only. No environment variable is set, so nothing leaks into a user's own
+    runs or into child processes (tests that start ``kimi`` in a subprocess pass ``JAX_PLATFORMS`` through
+    ``env=``). A ``JAX_PLATFORMS`` the user set explicitly is respected. This runs before collection, so before any
+    test module imports jax and picks a backend.
+    """
+    import os
+
+    if "JAX_PLATFORMS" not in os.environ:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 @pytest.fixture(scope="session")

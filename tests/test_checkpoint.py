@@ -8,6 +8,7 @@ import os
 import re
 import struct
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -20,7 +21,9 @@ from kimi.checkpoint import (
     CheckpointError,
     CheckpointReader,
     load_params,
+    pad_A_log,
     save_params,
+    slice_A_log,
     to_stored,
     write_checkpoint,
 )
@@ -377,6 +380,35 @@ def test_truncated_shard_and_nan_scale_are_named(tmp_path, cfg, params):
     shard.write_bytes(shard.read_bytes()[:-1000])
     with pytest.raises(CheckpointError, match="cannot read tensor"):
         load_params(tmp_path / "trunc")
+
+
+@pytest.mark.parametrize("preset", ["k3", "tiny", "tiny-linear"])
+def test_slice_and_pad_A_log(preset):
+    """Case 7 and 17: the stored A_log (K3 zero-padded to 128 with 96 used; Kimi-Linear [1, 1, H, 1]) <-> the
+    canonical [H]; the one copy of these helpers, used by load_arrays and to_stored."""
+    cfg = load_config(preset)
+    i = cfg.kda_layers[0]
+    H = cfg.kda_num_heads
+    stored = next(s for s in stored_layout(cfg, [i]) if s.name.endswith("A_log"))
+    canon = next(s for s in param_layout(cfg, [i]) if s.name.endswith("A_log"))
+    assert canon.shape == (H,)
+    a = np.log(np.random.default_rng(7).uniform(1, 16, H)).astype(np.float32)
+    padded = pad_A_log(a, stored.shape)
+    assert padded.shape == stored.shape and (padded.reshape(-1)[H:] == 0).all()
+    np.testing.assert_array_equal(slice_A_log(padded, H), a)
+    np.testing.assert_array_equal(slice_A_log(a.reshape(1, 1, H, 1), H), a)
+    np.testing.assert_array_equal(slice_A_log(a, H), a)
+    np.testing.assert_array_equal(pad_A_log(a, (1, 1, H, 1)), a.reshape(1, 1, H, 1))
+    bad = pad_A_log(a, (H + 5,))
+    bad[H + 2] = 1.0
+    with pytest.raises(ValueError, match=rf"A_log: got 1 non-zero entries past the {H} active heads"):
+        slice_A_log(bad, H)
+    with pytest.raises(ValueError, match=r"A_log: got shape \[3\]" if H == 4 else "A_log: got shape"):
+        slice_A_log(a[: H - 1], H)
+    with pytest.raises(ValueError, match="A_log: got shape"):
+        pad_A_log(a.reshape(1, H), (128,))
+    with pytest.raises(ValueError, match="shape: got"):
+        pad_A_log(a, (H - 1,))
 
 
 @pytest.mark.parametrize("shape", ["1,1,H,1", "H"])

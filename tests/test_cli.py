@@ -94,6 +94,7 @@ def test_compare_on_init_layers_4_checkpoint(tmp_path):
     kimi("init", "--preset", "tiny", "--out", tmp_path / "ck", "--layers", "4")
     r = kimi("compare", "--checkpoint", tmp_path / "ck", "--tokens", "150", "--quiet")
     assert "PASS" in r.stdout
+    assert "index_topk 64" in r.stdout.splitlines()[0]  # layer 3 is DSA: tiny's own top-k is shown
 
 
 @pytest.mark.slow
@@ -148,6 +149,27 @@ def test_logits_and_against_roundtrip(tmp_path):
     assert {f"hidden.{i}" for i in range(4)} <= f.keys()
     r = kimi("compare", "--checkpoint", tmp_path / "ck", "--against", out, "--quiet")
     assert "PASS" in r.stdout
+
+
+def test_compare_header_and_short_text_note(tmp_path):
+    """Header: no DSA layer in --layers 1, so no index_topk (it printed the 2048 default, not tiny's 64); the
+    tokenizer is named as such, not as a 'fallback'. Asking for more tokens than the text has says so."""
+    text = tmp_path / "short.txt"
+    text.write_text("Alice was beginning to get very tired of sitting by her sister.\n")  # 64 bytes = 64 tokens
+    r = kimi("compare", "--layers", "1", "--text", text, "--tokens", "100000", "--backends", "eager", "--quiet")
+    header = r.stdout.splitlines()[0]
+    assert "no DSA layer" in header and "2048" not in header and "index_topk" not in header, header
+    assert "byte-level tokenizer" in header and "fallback" not in header, header
+    assert "64 tokens" in header and "PASS" in r.stdout
+    assert "--tokens 100000 is more than the 64 tokens of the input; running on 64" in r.stderr, r.stderr
+
+
+def test_forward_names_what_it_ran(tiny_ckpt):
+    r = kimi("forward", "--layers", "1", "--tokens", "4")
+    assert r.stdout.startswith("kimi forward: preset tiny, random init seed 0; 1 layers; 4 random token ids"), r.stdout
+    r = kimi("forward", "--checkpoint", tiny_ckpt, "--layers", "1", "--tokens", "4", "--backend", "eager")
+    assert r.stdout.startswith(f"kimi forward: checkpoint {tiny_ckpt}; 1 layers;"), r.stdout
+    assert "backend eager" in r.stdout.splitlines()[0] and "finite True" in r.stdout
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from layer_weights import kda_params
 
 from kimi.config import load_config
-from kimi.layout import param_layout, stored_layout
+from kimi.layout import param_layout
 from reference_jax.kda import (
     KDACache,
     KimiDeltaAttention,
@@ -24,9 +24,7 @@ from reference_jax.kda import (
     kda_gate,
     kda_recurrent,
     l2norm,
-    pad_A_log,
     short_conv,
-    slice_A_log,
 )
 from reference_jax.params import to_tree as params_to_tree
 
@@ -258,29 +256,10 @@ def test_chunk_no_overflow_near_lower_bound():
 # ------------------------------------------------------------------------------------------------ case 7: A_log
 
 
-@pytest.mark.parametrize("preset", ["k3", "tiny"])
-def test_A_log_padding(preset):
-    """Case 7: the checkpoint stores A_log padded with zeros (K3: 128, 96 used); load slices, save re-pads."""
-    cfg = load_config(preset)
-    i = cfg.kda_layers[0]
-    H = cfg.kda_num_heads
-    stored = next(s for s in stored_layout(cfg, [i]) if s.name.endswith("A_log"))
-    canon = next(s for s in param_layout(cfg, [i]) if s.name.endswith("A_log"))
-    assert canon.shape == (H,)
-    a = np.log(np.random.default_rng(7).uniform(1, 16, H)).astype(np.float32)
-    padded = pad_A_log(a, stored.shape)
-    assert padded.shape == stored.shape and (padded[H:] == 0).all()
-    np.testing.assert_array_equal(slice_A_log(padded, H), a)
-    np.testing.assert_array_equal(slice_A_log(a.reshape(1, 1, H, 1), H), a)  # Kimi-Linear layout (case 17)
-    np.testing.assert_array_equal(pad_A_log(a, (1, 1, H, 1)), a.reshape(1, 1, H, 1))
-    bad = padded.copy()
-    if bad.shape[0] > H:
-        bad[H] = 1.0
-        with pytest.raises(ValueError, match="A_log"):
-            slice_A_log(bad, H)
-    with pytest.raises(ValueError, match="A_log"):
-        slice_A_log(a[: H - 1], H)
-    with pytest.raises(ValueError, match="slice_A_log"):  # the unsliced tensor is refused by the gate
+def test_gate_refuses_unsliced_A_log():
+    """The gate takes the canonical [H] A_log; the checkpoint's padded one is refused, pointing at slice_A_log."""
+    H = 4
+    with pytest.raises(ValueError, match="slice_A_log"):
         kda_gate(jnp.zeros((1, 1, H, 2)) + 1.0, jnp.asarray(np.zeros(H + 4)), jnp.ones(2 * H), LB)
 
 

@@ -180,20 +180,6 @@ def test_invalid_inputs_raise():
         tk.kda_gate(g, torch.zeros(8), torch.zeros(4), LB)
 
 
-def test_A_log_helpers_match_jax():
-    cfg = load_config("k3")
-    H = cfg.kda_num_heads
-    a = np.log(np.random.default_rng(7).uniform(1, 16, H)).astype(np.float32)
-    pt, pj = tk.pad_A_log(torch.tensor(a), (cfg.a_log_storage,)), jk.pad_A_log(a, (cfg.a_log_storage,))
-    np.testing.assert_array_equal(pt.numpy(), pj)
-    assert pt.shape == (128,) and (pt[H:] == 0).all()
-    np.testing.assert_array_equal(tk.slice_A_log(pt, H).numpy(), a)
-    np.testing.assert_array_equal(tk.slice_A_log(torch.tensor(a).reshape(1, 1, H, 1), H).numpy(), a)
-    pt[H + 3] = 0.5
-    with pytest.raises(ValueError, match="A_log"):
-        tk.slice_A_log(pt, H)
-
-
 # ------------------------------------------------------------------------------------------------ the module
 
 

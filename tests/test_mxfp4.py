@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +158,19 @@ def test_noncanonical_reencodes_to_same_values():
 def test_quantize_errors(w, match):
     with pytest.raises(ValueError, match=match):
         quantize_mxfp4(w)
+
+
+def test_numpy_and_torch_inputs_agree():
+    """The decoder and encoder run in numpy; torch tensors in give torch tensors out with the same bits."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(8, 64, generator=g) * 0.1).to(torch.bfloat16)
+    p_t, s_t = quantize_mxfp4(w)
+    p_n, s_n = quantize_mxfp4(w.float().numpy())
+    assert isinstance(p_t, torch.Tensor) and isinstance(p_n, np.ndarray)
+    assert np.array_equal(p_t.numpy(), p_n) and np.array_equal(s_t.numpy(), s_n)
+    d_t = dequantize_mxfp4(p_t, s_t, dtype=torch.float32)
+    d_n = dequantize_mxfp4(p_n, s_n, dtype="float32")
+    assert d_t.dtype == torch.float32 and d_n.dtype == np.float32 and np.array_equal(d_t.numpy(), d_n)
+    assert dequantize_mxfp4(p_n, s_n).dtype == ml_dtypes.bfloat16
+    with pytest.raises(ValueError, match="dtype: got int32"):
+        dequantize_mxfp4(p_n, s_n, dtype="int32")

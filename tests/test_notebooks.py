@@ -15,7 +15,20 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("ipykernel")
 
 NB_DIR = Path(__file__).parent.parent / "notebooks"
-NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
+
+
+def notebooks(folder: Path) -> list[Path]:
+    """The project's notebooks, without the ``*.nbconvert.ipynb`` copies ``jupyter nbconvert --execute`` leaves."""
+    return sorted(p for p in folder.glob("*.ipynb") if not p.name.endswith(".nbconvert.ipynb"))
+
+
+NOTEBOOKS = notebooks(NB_DIR)
+
+
+def test_nbconvert_outputs_are_not_collected(tmp_path):
+    (tmp_path / "explore.ipynb").write_text("{}")
+    (tmp_path / "explore.nbconvert.ipynb").write_text("{}")
+    assert [p.name for p in notebooks(tmp_path)] == ["explore.ipynb"]
 
 
 def execute(path: Path):

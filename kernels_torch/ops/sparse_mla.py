@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from kernels_torch.common import compute_dtype
+
 try:  # Triton is optional: the CPU CI machine has none; the reference works without it.
     import triton
     import triton.language as tl
@@ -167,7 +169,7 @@ def sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length=None, d_v=D_V
     q, kv, indices, topk_length = _check_inputs(q, kv, indices, topk_length, d_v, fast=False)
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
-    dt = torch.float64 if torch.float64 in (q.dtype, kv.dtype) else torch.float32
+    dt = compute_dtype(q, kv)
     out = torch.zeros(T, H, d_v, dtype=dt, device=q.device)
     max_logits = torch.full((T, H), -math.inf, dtype=dt, device=q.device)
     lse = torch.full((T, H), math.inf, dtype=dt, device=q.device)
@@ -202,6 +204,73 @@ def sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length=None, d_v=D_V
 # ----------------------------------------------------------------------------------------------------------
 
 if triton is not None:
+    # The two kernels (heads-on-M and keys-on-M) share their prologue, their KV gather and their epilogue: these
+    # three @triton.jit helpers, which Triton inlines into each kernel.
+
+    @triton.jit
+    def _load_row(
+        Q,
+        TOPK_LEN,
+        pid,
+        H,
+        K,
+        head_start,
+        stride_qt,
+        stride_qh,
+        N_HEAD_BLOCKS: tl.constexpr,
+        HAS_TOPK_LEN: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        D_NOPE: tl.constexpr,
+        D_PE: tl.constexpr,
+    ):
+        """Program ``pid`` -> its token ``t``, heads ``offs_h`` (``mask_h``: ``< H``), queries ``q_nope
+        [BLOCK_H, D_NOPE]`` and ``q_pe [BLOCK_H, D_PE]`` (zero past H: inert, never stored), and ``n_keys`` (K, or
+        ``topk_length[t]`` clamped to ``[0, K]``)."""
+        t = (pid // N_HEAD_BLOCKS).to(tl.int64)
+        offs_h = head_start + (pid % N_HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh
+        q_nope = tl.load(q_ptr + tl.arange(0, D_NOPE)[None, :], mask=mask_h[:, None], other=0.0)
+        q_pe = tl.load(q_ptr + D_NOPE + tl.arange(0, D_PE)[None, :], mask=mask_h[:, None], other=0.0)
+        n_keys = K
+        if HAS_TOPK_LEN:
+            n_keys = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t), 0), K)
+        return t, offs_h, mask_h, q_nope, q_pe, n_keys
+
+    @triton.jit
+    def _gather_kv(
+        KV,
+        idx_row,
+        k0,
+        n_keys,
+        S_kv,
+        stride_kvs,
+        BLOCK_K: tl.constexpr,
+        D_NOPE: tl.constexpr,
+        D_PE: tl.constexpr,
+    ):
+        """Key slots ``k0 .. k0 + BLOCK_K`` of one row -> ``valid [BLOCK_K]`` (inside n_keys and ``0 <= id < S_kv``),
+        ``kv_nope [BLOCK_K, D_NOPE]`` and ``kv_pe [BLOCK_K, D_PE]`` (zero where not valid)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_len = offs_k < n_keys
+        idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+        valid = in_len & (idx >= 0) & (idx < S_kv)
+        kv_ptr = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvs
+        # skipped keys are never read (masked), so an out-of-range id cannot fault and garbage cannot leak
+        kv_nope = tl.load(kv_ptr + tl.arange(0, D_NOPE)[None, :], mask=valid[:, None], other=0.0)
+        kv_pe = tl.load(kv_ptr + D_NOPE + tl.arange(0, D_PE)[None, :], mask=valid[:, None], other=0.0)
+        return valid, kv_nope, kv_pe
+
+    @triton.jit
+    def _store_row_stats(LSE, MAX_LOGITS, t, stride_lt, offs_h, mask_h, m_i, l_i):
+        """Store ``lse`` (natural log; +inf for a head without a valid key) and ``max_logits`` (-inf stays -inf)
+        from the base-2 running max ``m_i`` and sum ``l_i``."""
+        has_key = l_i > 0.0
+        l_use = tl.where(has_key, l_i, 1.0)
+        LN2: tl.constexpr = 0.6931471805599453
+        lse = tl.where(has_key, (m_i + tl.log2(l_use)) * LN2, float("inf"))  # natural log
+        tl.store(LSE + t * stride_lt + offs_h, lse, mask=mask_h)
+        tl.store(MAX_LOGITS + t * stride_lt + offs_h, m_i * LN2, mask=mask_h)
 
     @triton.jit(do_not_specialize=["H", "S_kv", "K", "head_start"])
     def _sparse_mla_fwd_kernel(
@@ -233,35 +302,18 @@ if triton is not None:
     ):
         # One program = one query token x BLOCK_H heads. The programs of one token are adjacent, so the KV
         # rows that the first one gathers are still in L2 for the next.
-        pid = tl.program_id(0)
-        t = (pid // N_HEAD_BLOCKS).to(tl.int64)
-        offs_h = head_start + (pid % N_HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        offs_n = tl.arange(0, D_NOPE)
-        offs_p = tl.arange(0, D_PE)
-
         # q [BLOCK_H, 512 + 64]; heads past H read as zero queries (inert, never stored)
-        q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh
-        q_nope = tl.load(q_ptr + offs_n[None, :], mask=mask_h[:, None], other=0.0)
-        q_pe = tl.load(q_ptr + D_NOPE + offs_p[None, :], mask=mask_h[:, None], other=0.0)
-
-        n_keys = K
-        if HAS_TOPK_LEN:
-            n_keys = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t), 0), K)
-
+        t, offs_h, mask_h, q_nope, q_pe, n_keys = _load_row(
+            Q, TOPK_LEN, tl.program_id(0), H, K, head_start, stride_qt, stride_qh, N_HEAD_BLOCKS, HAS_TOPK_LEN,
+            BLOCK_H, D_NOPE, D_PE,
+        )  # fmt: skip
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max, base-2 units
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp2(s - m_i)
         acc = tl.zeros([BLOCK_H, D_NOPE], dtype=tl.float32)
         idx_row = IDX + t * stride_it
         for k0 in range(0, n_keys, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            in_len = offs_k < n_keys
-            idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
-            valid = in_len & (idx >= 0) & (idx < S_kv)
-            kv_ptr = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvs
-            # skipped keys are never read (masked), so an out-of-range id cannot fault and garbage cannot leak
-            kv_nope = tl.load(kv_ptr + offs_n[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_K, 512]
-            kv_pe = tl.load(kv_ptr + D_NOPE + offs_p[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_K, 64]
+            # kv_nope [BLOCK_K, 512], kv_pe [BLOCK_K, 64]
+            valid, kv_nope, kv_pe = _gather_kv(KV, idx_row, k0, n_keys, S_kv, stride_kvs, BLOCK_K, D_NOPE, D_PE)
 
             s = tl.dot(q_pe, tl.trans(kv_pe))
             s = tl.dot(q_nope, tl.trans(kv_nope), s)  # [BLOCK_H, BLOCK_K] fp32
@@ -277,15 +329,10 @@ if triton is not None:
             acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc)  # V = the latent part of the key row
             m_i = m_new
 
-        has_key = l_i > 0.0
-        l_use = tl.where(has_key, l_i, 1.0)
-        out = acc / l_use[:, None]  # acc is exactly 0 on heads without a valid key
-        o_ptr = OUT + t * stride_ot + offs_h[:, None] * stride_oh + offs_n[None, :]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # acc is exactly 0 on heads without a valid key
+        o_ptr = OUT + t * stride_ot + offs_h[:, None] * stride_oh + tl.arange(0, D_NOPE)[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
-        LN2: tl.constexpr = 0.6931471805599453
-        lse = tl.where(has_key, (m_i + tl.log2(l_use)) * LN2, float("inf"))  # natural log
-        tl.store(LSE + t * stride_lt + offs_h, lse, mask=mask_h)
-        tl.store(MAX_LOGITS + t * stride_lt + offs_h, m_i * LN2, mask=mask_h)  # -inf stays -inf
+        _store_row_stats(LSE, MAX_LOGITS, t, stride_lt, offs_h, mask_h, m_i, l_i)
 
     @triton.jit(do_not_specialize=["H", "S_kv", "K", "head_start"])
     def _sparse_mla_fwd_kernel_t(
@@ -318,30 +365,16 @@ if triton is not None:
         # Transposed variant: S^T = KV_tile . Q^T ([keys, heads]) and O^T = V^T . P^T ([512, heads]).
         # Triton puts all warps of a chained dot on its M axis; with keys (not heads) on M, a 128-key tile
         # splits over two warpgroups instead of both warpgroups recomputing the same [64 heads, keys] scores.
-        pid = tl.program_id(0)
-        t = (pid // N_HEAD_BLOCKS).to(tl.int64)
-        offs_h = head_start + (pid % N_HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        offs_n = tl.arange(0, D_NOPE)
-        offs_p = tl.arange(0, D_PE)
-        q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh
-        q_nope = tl.load(q_ptr + offs_n[None, :], mask=mask_h[:, None], other=0.0)
-        q_pe = tl.load(q_ptr + D_NOPE + offs_p[None, :], mask=mask_h[:, None], other=0.0)
-        n_keys = K
-        if HAS_TOPK_LEN:
-            n_keys = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t), 0), K)
+        t, offs_h, mask_h, q_nope, q_pe, n_keys = _load_row(
+            Q, TOPK_LEN, tl.program_id(0), H, K, head_start, stride_qt, stride_qh, N_HEAD_BLOCKS, HAS_TOPK_LEN,
+            BLOCK_H, D_NOPE, D_PE,
+        )  # fmt: skip
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([D_NOPE, BLOCK_H], dtype=tl.float32)  # O^T
         idx_row = IDX + t * stride_it
         for k0 in range(0, n_keys, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            in_len = offs_k < n_keys
-            idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
-            valid = in_len & (idx >= 0) & (idx < S_kv)
-            kv_ptr = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvs
-            kv_nope = tl.load(kv_ptr + offs_n[None, :], mask=valid[:, None], other=0.0)
-            kv_pe = tl.load(kv_ptr + D_NOPE + offs_p[None, :], mask=valid[:, None], other=0.0)
+            valid, kv_nope, kv_pe = _gather_kv(KV, idx_row, k0, n_keys, S_kv, stride_kvs, BLOCK_K, D_NOPE, D_PE)
             s = tl.dot(kv_pe, tl.trans(q_pe))
             s = tl.dot(kv_nope, tl.trans(q_nope), s)  # [BLOCK_K, BLOCK_H]
             s = tl.where(valid[:, None], s * qk_scale_log2, float("-inf"))
@@ -353,15 +386,10 @@ if triton is not None:
             acc = acc * alpha[None, :]
             acc = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc)
             m_i = m_new
-        has_key = l_i > 0.0
-        l_use = tl.where(has_key, l_i, 1.0)
-        out = acc / l_use[None, :]
-        o_ptr = OUT + t * stride_ot + offs_h[None, :] * stride_oh + offs_n[:, None]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[None, :]
+        o_ptr = OUT + t * stride_ot + offs_h[None, :] * stride_oh + tl.arange(0, D_NOPE)[:, None]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[None, :])
-        LN2: tl.constexpr = 0.6931471805599453
-        lse = tl.where(has_key, (m_i + tl.log2(l_use)) * LN2, float("inf"))
-        tl.store(LSE + t * stride_lt + offs_h, lse, mask=mask_h)
-        tl.store(MAX_LOGITS + t * stride_lt + offs_h, m_i * LN2, mask=mask_h)
+        _store_row_stats(LSE, MAX_LOGITS, t, stride_lt, offs_h, mask_h, m_i, l_i)
 
 
 def _sparse_mla_fwd_triton(
