@@ -66,13 +66,13 @@ def test_packed_documents_equal_separate_runs(tiny_ckpt):
 @pytest.mark.slow
 def test_layers_n_reads_only_first_layers(tiny_ckpt, monkeypatch):
     seen = []
-    orig = CheckpointReader.get
+    orig = CheckpointReader.get_array  # the JAX side reads numpy arrays (no torch)
 
     def spy(self, name):
         seen.append(name)
         return orig(self, name)
 
-    monkeypatch.setattr(CheckpointReader, "get", spy)
+    monkeypatch.setattr(CheckpointReader, "get_array", spy)
     model, params, cfg = load_jax(tiny_ckpt, layers=4)
     assert cfg.num_hidden_layers == 4
     layers = {layer_of(n) for n in seen} - {None}

@@ -254,16 +254,17 @@ def test_output_loads_in_both_paths(runs):
     import torch.distributed.checkpoint as dcp
 
     from kernels_torch.model import load_model as load_torch
+    from kimi.arrays import to_torch
     from reference_jax.model import load_model as load_jax
     from reference_jax.params import from_tree
 
     out = runs[0] / "a"
     jmodel, tree, cfg = load_jax(out)
     assert cfg.num_hidden_layers == 2
-    jax_params = from_tree(tree)
+    jax_params = from_tree(tree)  # numpy arrays
     torch_params = load_torch(out, backend="sdpa").state_dict()
     assert jax_params.keys() == torch_params.keys()
-    assert all(torch.equal(jax_params[k], torch_params[k]) for k in jax_params)
+    assert all(torch.equal(to_torch(jax_params[k]), torch_params[k]) for k in jax_params)
     name = "model.layers.1.self_attn.q_proj.weight"
     trained = {"weights": {name: torch.empty_like(torch_params[name])}}
     with pytest.warns(UserWarning, match="single process"):
