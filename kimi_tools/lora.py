@@ -459,7 +459,9 @@ def cmd_lora(args: argparse.Namespace) -> int:
     merge_lora(model)
     save_model(model, out)
     _copy_tokenizer(Path(args.checkpoint), out)
-    print(f"kimi lora merge: {len(names)} adapters from {args.adapter} merged into {args.checkpoint} -> {out}")
+    print(
+        f"kimi lora merge: {len(names)} adapters from {args.adapter} folded into the weights of {args.checkpoint}; wrote {out}"
+    )
     return 0
 
 

@@ -131,7 +131,7 @@ class TrainArgs:
     batch_tokens: int | None = None
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
+    warmup_steps: int | None = None  # None: min(10, steps // 10)
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
@@ -361,6 +361,8 @@ def _resolve(args: TrainArgs) -> TrainArgs:
     a = dataclasses.replace(args, data=list(args.data or []), freeze=list(args.freeze or []))
     if a.checkpoint is None and a.preset is None:
         a.preset = "tiny"
+    if a.warmup_steps is None:
+        a.warmup_steps = min(10, a.steps // 10) if isinstance(a.steps, int) else 10
     if a.checkpoint is not None and a.preset is not None:
         raise ValueError("--checkpoint/--preset: got both, expected one model source")
     if a.preset is not None and a.preset not in PRESETS:
@@ -499,7 +501,9 @@ def _check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
         if not Checkpointer(out, a.keep).steps():
             raise ValueError(f"--resume: {out} has no complete step-N checkpoint to resume from")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out: {out} exists and is not empty; pass --resume to continue the run there, or another")
+        raise ValueError(
+            f"--out: {out} exists and is not empty; pass --resume to continue the run there, or choose another --out"
+        )
 
 
 def _freeze(model: nn.Module, stage: Stage, patterns: list[str]) -> None:
@@ -735,6 +739,11 @@ def train(args: TrainArgs) -> TrainResult:
         write_atomic(out / "run.json", json.dumps(run, indent=1).encode())
         metrics_path.write_text("", encoding="utf-8")
     start = train_state["step"]
+    if a.resume and start >= (a.stop_after or a.steps):
+        raise ValueError(
+            f"--resume: the run in {out} already finished step {start} of {a.steps}; nothing to train (its model "
+            f"and metrics are there; choose another --out for a new run)"
+        )
 
     # ---- 4. the loop
     def evaluate() -> tuple[float, dict[str, float]]:
@@ -920,7 +929,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=positive_int, help="tokens per optimizer step (gradient accumulation)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument(
+        "--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps (default: min(10, steps // 10))"
+    )
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay (matrices only)")
     p.add_argument("--beta1", type=float, default=d.beta1)
     p.add_argument("--beta2", type=float, default=d.beta2)

@@ -461,3 +461,19 @@ def test_lora_adapters_that_get_no_gradient_stop_the_run(tmp_path, monkeypatch):
     kw = {**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "plot": False}
     with pytest.raises(ValueError, match=r"LoRA: the adapters of model\.layers\.0\.self_attn\..* got no gradient"):
         train(TrainArgs(out=str(tmp_path / "r"), **kw, stage="bypass", lora_rank=2))
+
+
+def test_default_warmup_fits_short_runs_and_finished_runs_are_not_resumed(tmp_path):
+    """The default warm-up is min(10, steps // 10), so a 2-step run needs no --warmup-steps; --resume of a run that
+    already reached --steps is refused with one line instead of training nothing (it printed 'loss nan')."""
+    from kimi_tools.train import TrainArgs, _resolve
+
+    assert _resolve(TrainArgs(data=["x"], out="o", steps=2)).warmup_steps == 0
+    assert _resolve(TrainArgs(data=["x"], out="o", steps=100)).warmup_steps == 10
+    assert _resolve(TrainArgs(data=["x"], out="o", steps=1000)).warmup_steps == 10
+    text = tmp_path / "t.txt"
+    text.write_text("Alice was beginning to get very tired of sitting by her sister on the bank. " * 20)
+    args = ["train", "--preset", "tiny", "--layers", "1", "--data", str(text), "--out", str(tmp_path / "run"),
+            "--steps", "2", "--seq-len", "16", "--eval-tokens", "32", "--quiet"]  # fmt: skip
+    assert main(args) == 0
+    assert main([*args, "--resume"]) == 2
