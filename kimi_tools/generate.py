@@ -28,6 +28,7 @@ import argparse
 import codecs
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -177,6 +178,13 @@ def generate(
         raise ValueError(f"chunk_size: prompts of different lengths {lengths} are prefilled in one call; drop it")
     runner = _JaxRunner(model, params) if params is not None else _TorchRunner(model)
     B, T = len(rows), max(lengths)
+    if T + max_new_tokens > cfg.max_position_embeddings:  # the same policy as the cache-free forward: warn, compute
+        warnings.warn(
+            f"prompt {T} + max_new_tokens {max_new_tokens} tokens exceed config.max_position_embeddings="
+            f"{cfg.max_position_embeddings}: generated anyway (the model has no position embedding), but past the "
+            "length it was trained for",
+            stacklevel=2,
+        )
     cache = runner.init_cache(B, T + max_new_tokens)
     ids = np.zeros((B, T), np.int64)  # right padding with id 0: never attended to, never cached
     for b, r in enumerate(rows):

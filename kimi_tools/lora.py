@@ -445,6 +445,9 @@ def cmd_lora(args: argparse.Namespace) -> int:
     from kimi_tools.common import CliError
 
     out = Path(args.out)
+    for name, src in (("--checkpoint", args.checkpoint), ("--adapter", args.adapter)):
+        if out.resolve() == Path(src).resolve():  # even with --force: the inputs are read while the output is written
+            raise CliError(f"--out: {args.out} is the {name} folder; write the merged checkpoint to another folder")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise CliError(f"--out: {out} is not empty (use --force to write into it)")
     if not Path(args.checkpoint).is_dir():

@@ -43,6 +43,12 @@ __all__ = [
 _HI = jax.lax.Precision.HIGHEST
 
 
+def _canonical_zero(x: jax.Array) -> jax.Array:
+    """``x`` with -0.0 replaced by +0.0 (spec 9: equal scores tie, and -0.0 equals +0.0). ``x + 0.0`` does the same
+    op by op, but XLA folds it away under ``jax.jit``; a ``where`` on ``x == 0`` survives."""
+    return jnp.where(x == 0, jnp.zeros_like(x), x)
+
+
 def indexer_scores(q_I: jax.Array, k_I: jax.Array, weights: jax.Array) -> jax.Array:
     """Lightning-indexer scores (spec 4.2), unmasked.
 
@@ -60,9 +66,10 @@ def indexer_scores(q_I: jax.Array, k_I: jax.Array, weights: jax.Array) -> jax.Ar
     # [B, T, HI, S]: per-head dot products, scaled by KI^-1/2 inside the ReLU (a positive factor, so equivalently outside)
     logits = jnp.einsum("btjk,bsk->btjs", q_I.astype(dt), k_I.astype(dt), precision=_HI) * (KI**-0.5)
     w = weights.astype(dt) * (HI**-0.5)  # [B, T, HI]
-    # "+ 0.0" turns -0.0 (negative weights times an all-ReLU-zero key) into +0.0: top-k orders -0.0 below +0.0
+    # -0.0 (negative weights times an all-ReLU-zero key) becomes +0.0: top-k orders -0.0 below +0.0. A where, not
+    # "+ 0.0", which XLA folds away under jit
     # while both frameworks' tie rule must see them as the same score (spec 9: ties -> larger key index first).
-    return jnp.einsum("btj,btjs->bts", w, jax.nn.relu(logits), precision=_HI) + 0.0
+    return _canonical_zero(jnp.einsum("btj,btjs->bts", w, jax.nn.relu(logits), precision=_HI))
 
 
 def topk_indices(scores: jax.Array, mask: jax.Array, topk: int) -> jax.Array:
@@ -91,7 +98,7 @@ def topk_indices(scores: jax.Array, mask: jax.Array, topk: int) -> jax.Array:
     k = min(topk, S)
     # Masked keys get -inf *before* selection (case 8). "+ 0.0" makes -0.0 equal +0.0 here, whatever the caller
     # passes: lax.top_k orders -0.0 below +0.0, while the tie rule (spec 9) sees one score.
-    masked = jnp.where(mask, scores + 0.0, -jnp.inf)
+    masked = jnp.where(mask, _canonical_zero(scores), -jnp.inf)
     # lax.top_k puts the lower index first among ties; run it on the reversed key axis so that the larger original
     # key index wins ties (canonical order, spec 9), then map positions back.
     _, rev_idx = jax.lax.top_k(masked[..., ::-1], k)

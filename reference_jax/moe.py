@@ -87,7 +87,8 @@ def topk_ids(scores: jax.Array, k: int) -> jax.Array:
     """Indices of the ``k`` largest entries along the last axis, best first; among equal scores the **lower** index
     first (``jax.lax.top_k``'s documented order; ``-0.0`` and ``+0.0`` are equal, which ``lax.top_k`` alone does not
     honour). ``scores [..., E]`` -> ``[..., k]`` int32."""
-    return jax.lax.top_k(scores + 0.0, k)[1].astype(jnp.int32)  # + 0.0: -0.0 -> +0.0, a tie as in the torch twin
+    # -0.0 -> +0.0 (a tie, as in the torch twin); a where, since XLA folds "+ 0.0" away under jit
+    return jax.lax.top_k(jnp.where(scores == 0, jnp.zeros_like(scores), scores), k)[1].astype(jnp.int32)
 
 
 def _group_mask(biased: jax.Array, config: KimiConfig, has_bias: bool) -> jax.Array:

@@ -82,6 +82,10 @@ def test_generate_refuses_bad_input(tiny_ckpt):
         generate(model, [1, 2], 0)
     with pytest.raises(ValueError, match="chunk_size"):
         generate(model, [[1, 2], [3]], 2, chunk_size=1)
+    # past max_position_embeddings: the cache-free forward's policy (warn, compute), also on the cached path
+    model.config = model.config.replace(max_position_embeddings=4)
+    with pytest.warns(UserWarning, match="max_position_embeddings=4"):
+        generate(model, [1, 2, 3], 2, stop_token=None)
 
 
 def test_cli_generate_streams_text_and_stats(capsys, tmp_path):

@@ -296,3 +296,18 @@ def test_lora_on_the_generation_cache_path(cfg, form):
             steps.append(step)
     assert _rel(torch.cat(steps, dim=1), free) <= MERGE_OUT_REL * 100
     assert _rel(free, base) > 1e-2
+
+
+def test_merge_refuses_to_write_over_its_inputs(tmp_path, capsys):
+    """--out equal to --checkpoint (or --adapter) is refused even with --force: the base would be overwritten."""
+    from kimi_tools.cli import main
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    for d in (base, adapter):
+        d.mkdir()
+        (d / "keep.txt").write_text("x")
+    for out in (base, adapter, tmp_path / "base" / ".." / "base"):
+        args = ["lora", "merge", "--checkpoint", str(base), "--adapter", str(adapter), "--out", str(out), "--force"]
+        assert main(args) == 2
+        assert "write the merged checkpoint to another folder" in capsys.readouterr().err
+    assert (base / "keep.txt").read_text() == "x"

@@ -37,6 +37,9 @@ def test_issue_signed_zero_example_both_twins():
     """The issue's input: [0, -0, 0, -0] are four equal scores -> larger key index first, [3, 2, 1, 0]."""
     s = [[[0.0, -0.0, 0.0, -0.0]]]
     assert ji.topk_indices(jnp.array(s), jnp.ones((1, 4), bool), 4).tolist() == [[[3, 2, 1, 0]]]
+    # under jit too: XLA folds "scores + 0.0" away, which once brought back [2, 0, 3, 1]
+    jitted = jax.jit(ji.topk_indices, static_argnums=2)
+    assert jitted(jnp.array(s), jnp.ones((1, 4), bool), 4).tolist() == [[[3, 2, 1, 0]]]
     assert ti.topk_indices(torch.tensor(s), torch.ones(1, 4, dtype=torch.bool), 4).tolist() == [[[3, 2, 1, 0]]]
 
 
@@ -61,6 +64,7 @@ def test_router_topk_ids_signed_zeros_both_twins():
     s = np.array([[-0.0, 0.0, -0.0, 0.5, 0.0, -0.0]], np.float32)
     want = [[3, 0, 1, 2, 4, 5]]
     assert jmoe.topk_ids(jnp.asarray(s), 6).tolist() == want
+    assert jax.jit(jmoe.topk_ids, static_argnums=1)(jnp.asarray(s), 6).tolist() == want
     assert tmoe.topk_ids(torch.from_numpy(s), 6).tolist() == want
 
 
