@@ -34,11 +34,12 @@ class CliError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``kimi <cmd>: error: ...``, exit 2); ``--help`` still shows the usage."""
+    """argparse with one-line errors in the same form as every other failure (``kimi: error: ...``, exit 2);
+    ``--help`` still shows the usage."""
 
     def error(self, message: str):  # type: ignore[override]
-        """Print ``<prog>: error: <message> (see --help)`` on stderr and exit with status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        """Print ``kimi: error: <message> (see `<prog> --help`)`` on stderr and exit with status 2."""
+        self.exit(2, f"kimi: error: {message} (see `{self.prog} --help`)\n")
 
 
 def positive_int(s: str) -> int:

@@ -227,3 +227,14 @@ def _copy_without(src, dst, name):
         {prefix + k: reader.get(k).contiguous() for k in reader.keys() if k != name}, str(dst / "model.safetensors")
     )
     (dst / "config.json").write_text((src / "config.json").read_text())
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "0"], ["info", "--bogus"], ["generate", "--top-p", "x"]])
+def test_argument_errors_have_the_one_line_form(argv, capsys):
+    """argparse's own refusals read like every other failure: one ``kimi: error: ...`` line, exit 2."""
+    from kimi_tools.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("kimi: error: ")
