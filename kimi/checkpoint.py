@@ -433,13 +433,14 @@ def load_arrays(
     wanted = set(idx)
     expected = stored_layout(cfg, idx)
 
-    # Which stored names belong to this request (globals always; stray layers only when the config is the
-    # checkpoint's own, since a truncated config legitimately leaves later layers unread).
+    # Which stored names belong to this request: globals always, and layers past the checkpoint's own
+    # num_hidden_layers always (stray tensors: its config.json and its tensors disagree), whatever config the
+    # caller passes; a truncated config legitimately leaves the checkpoint's later layers unread.
     names = []
     extra = [f"unexpected: {k} (key lacks the prefix {cfg.key_prefix!r})" for k in reader.unprefixed]
     for name in reader.keys():
         li = _safe_layer_of(name)
-        if li is None or li in wanted or (own and not 0 <= li < cfg.num_hidden_layers):
+        if li is None or li in wanted or not 0 <= li < reader.config.num_hidden_layers:
             names.append(name)
     need_files = sorted({f for f in (reader.file_of(n) for n in names) if not (reader.path / f).is_file()})
     if need_files:

@@ -273,6 +273,19 @@ def test_stray_layer_beyond_config(tmp_path, cfg, params):
     d = _broken(tmp_path, cfg, params, lambda s: s.__setitem__("model.layers.9.input_layernorm.weight", torch.ones(2)))
     with pytest.raises(CheckpointError, match="unexpected: model.layers.9.input_layernorm.weight"):
         load_params(d)
+    # also when the caller passes the config (as every load_model does): config.json and tensors disagree
+    with pytest.raises(CheckpointError, match="unexpected: model.layers.9.input_layernorm.weight"):
+        load_params(d, KimiConfig.from_json(d / "config.json"))
+    # and with a truncated config: the checkpoint itself is inconsistent (a healthy checkpoint's later layers are
+    # left unread by a truncated config: test_truncated_config_reads_a_prefix)
+    with pytest.raises(CheckpointError, match="unexpected: model.layers.9.input_layernorm.weight"):
+        load_params(d, cfg.truncated(2), layers=2)
+
+
+def test_truncated_config_reads_a_prefix(tmp_path, cfg, params):
+    d = _broken(tmp_path, cfg, params, lambda s: None)
+    got = load_params(d, cfg.truncated(2), layers=2)
+    assert {layer_of(n) for n in got} - {None} == {0, 1}
 
 
 def test_unprefixed_key(tmp_path, cfg, params):
