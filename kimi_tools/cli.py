@@ -299,12 +299,30 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _run_path(path: str, ckpt: Path, ids, args: argparse.Namespace, n: int):
+    """One path on ``ids`` with a progress bar: the JAX reference (``path == "jax"``) or a torch backend in
+    ``args.dtype`` on ``args.device``. Returns a ``kimi_tools.compare.RunResult``."""
+    from kimi_tools.compare import run_reference, run_torch
+
+    if path == "jax":
+        return run_reference(ckpt, ids, layers=args.layers, on_layer=Progress("jax", n, args.quiet))
+    return run_torch(
+        ckpt,
+        ids,
+        layers=args.layers,
+        backend=path,
+        dtype=args.dtype,
+        on_layer=Progress(f"torch-{path}", n, args.quiet),
+        device=args.device,
+    )
+
+
 def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> int:
     """Compare one path's logits (and hidden.{i}, when the file has them) with a file written elsewhere."""
     import numpy as np
     from safetensors.numpy import load_file
 
-    from kimi_tools.compare import TOLERANCES, rel_err, run_reference, run_torch
+    from kimi_tools.compare import TOLERANCES, rel_err
 
     try:
         theirs = load_file(args.against)
@@ -332,18 +350,7 @@ def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> i
         )
     backend = args.path
     n = cfg.num_hidden_layers
-    if backend == "jax":
-        mine = run_reference(ckpt, ids, layers=args.layers, on_layer=Progress("jax", n, args.quiet))
-    else:
-        mine = run_torch(
-            ckpt,
-            ids,
-            layers=args.layers,
-            backend=backend,
-            dtype=args.dtype,
-            on_layer=Progress(f"torch-{backend}", n, args.quiet),
-            device=args.device,
-        )
+    mine = _run_path(backend, ckpt, ids, args, n)
     other = (
         theirs["logits"].astype(np.float32).reshape(mine.logits.shape)
         if theirs["logits"].size == mine.logits.size
@@ -395,7 +402,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
     from safetensors.numpy import save
 
-    from kimi_tools.compare import first_nonfinite, run_reference, run_torch
+    from kimi_tools.compare import first_nonfinite
 
     if not args.text and not args.ids:
         raise CliError("input: expected one of --text FILE or --ids FILE")
@@ -405,18 +412,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
         cfg = cfg if args.layers is None else cfg.truncated(min(args.layers, cfg.num_hidden_layers))
         ids, tok_name = token_ids(args, ckpt, cfg)
         n = cfg.num_hidden_layers
-        if args.backend == "jax":
-            res = run_reference(ckpt, ids, layers=args.layers, on_layer=Progress("jax", n, args.quiet))
-        else:
-            res = run_torch(
-                ckpt,
-                ids,
-                layers=args.layers,
-                backend=args.backend,
-                dtype=args.dtype,
-                on_layer=Progress(f"torch-{args.backend}", n, args.quiet),
-                device=args.device,
-            )
+        res = _run_path(args.backend, ckpt, ids, args, n)
     tensors = {"input_ids": ids.astype(np.int64), "logits": res.logits.astype(np.float32)}
     if args.hidden:
         for i, layer in enumerate(res.layers):
