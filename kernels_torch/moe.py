@@ -243,26 +243,31 @@ class KimiMoE(nn.Module):
         if c.num_shared_experts:
             self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size)
 
+    def routed_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``r = Σ_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6): per expert, only its tokens; expert order; each expert
+        output in z's dtype, weighted and summed in fp32 (fp64 for fp64 z).
+
+        ``z`` ``[N, Dl]``, ``ids`` ``[N, k]`` int64, ``weights`` ``[N, k]`` fp32 -> ``[N, Dl]`` fp32 (fp64).
+        ``kernels_torch.parallel.expert`` replaces this method on the instance (expert parallelism)."""
+        r = torch.zeros(z.shape, dtype=compute_dtype(z), device=z.device)  # [N, Dl]
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
+            if tok.numel() == 0:
+                continue
+            out = expert(z[tok])  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
+            r.index_add_(0, tok, out.to(r.dtype) * weights[tok, slot, None].to(r.dtype))
+        return r
+
     def forward(self, x: torch.Tensor, return_aux: bool = False):
         c = self.config
         check_activation_dtype(x, "KimiMoE")
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"KimiMoE: x has shape {tuple(x.shape)}, expected [B, T, {c.hidden_size}]")
         B, T, D = x.shape
-        cd = compute_dtype(x)
         xf = x.reshape(B * T, D)  # [N, D]
         ids, weights = self.gate(xf)  # [N, k], [N, k] fp32 -- router on the full-width x
         z = self.routed_expert_down_proj(xf) if c.has_latent_moe else xf  # [N, Dl]
-
-        # r = Σ_k w_k · E_{ids_k}(z): per expert, only its tokens; expert order; fp32 accumulation.
-        r = torch.zeros(z.shape, dtype=cd, device=z.device)  # [N, Dl]
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
-            if tok.numel() == 0:
-                continue
-            out = expert(z[tok])  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
-            r.index_add_(0, tok, out.to(cd) * weights[tok, slot, None].to(cd))
-        r = r.to(x.dtype)
+        r = self.routed_experts(z, ids, weights).to(x.dtype)  # [N, Dl]
 
         if c.has_latent_moe:  # norm after the combine, then back up to D
             if c.latent_moe_use_norm:

@@ -1,0 +1,201 @@
+"""Expert parallelism (EP) of the torch MoE over a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
+
+The ``E`` routed experts of every :class:`kernels_torch.moe.KimiMoE` are split over the ``world`` ranks of the EP
+group in contiguous blocks: rank ``r`` owns experts ``[r E/world, (r + 1) E/world)`` (``E`` must be divisible by
+``world``). Everything else of the layer (the router ``gate``, the latent ``routed_expert_down_proj`` /
+``routed_expert_norm`` / ``routed_expert_up_proj``, the shared experts) stays on every rank and runs on the rank's
+own tokens, as in data parallelism; only the routed-expert step (``KimiMoE.routed_experts``, spec 5.3 steps 4-6) is
+replaced, on the instance, by (``docs/scaling.md`` section 2):
+
+1. *route*: the layer's own router, unchanged (same top-k, ``e_score_correction_bias`` for the choice only, grouped
+   top-k, renormalisation, ``routed_scaling_factor``): ``ids, weights`` ``[N, k]`` for the rank's ``N`` tokens.
+2. *dispatch*: the ``N k`` (token, expert) pairs are sorted by expert (stable: token order within an expert), so
+   they are grouped by owner rank; one small ``all_to_all_single`` of the per-expert counts ``[E]`` int64 tells
+   every rank how many rows it receives from each source for each of its experts; then ``all_to_all_single`` of the
+   latent rows ``z`` ``[N k, Dl]`` (the latent MoE dispatches in ``Dl``, not ``D``) with those split sizes.
+3. *experts*: the owner regroups the received rows by expert (source order within an expert) and runs each of its
+   experts once on its rows; outputs in the activation dtype (the rounding ``KimiMoE`` applies).
+4. *combine*: the reverse ``all_to_all_single`` returns every output row to its token's rank, in the order it was
+   sent; there the rows are weighted by the fp32 router weights and summed per token in fp32 (``index_add_`` in
+   expert order, as ``KimiMoE.routed_experts``).
+
+Backward: ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what
+``torch.distributed.nn.functional.all_to_all_single`` now points to): the gradient of an all-to-all is the reverse
+all-to-all (split sizes swapped), so the gradient of the combine goes back to the expert owners and the gradient of
+the dispatch back to the tokens' ranks (reaching ``routed_expert_down_proj``, the router through the weights, and x).
+
+Gradients: each rank holds the **whole** gradient of its own experts (every token of the group that chose them); the
+replicated parameters (router, latent projections, norm, shared experts) get each rank's part and must be summed (or
+averaged, as the loss is normalised) over the group, as data-parallel replicas.
+
+Use::
+
+    ep = shard_experts(model, group)        # keeps only this rank's experts; call the model as before
+    ep.load_full_state_dict(full_sd)        # a full (single-process) state dict, sliced to this rank's experts
+    loss.backward()                         # then sum the replicated parameters' gradients over the group
+
+Not implemented: capacity limits / token dropping (this is dropless, variable counts), overlap of the all-to-alls
+with compute, grouped GEMM for the local experts (a loop over experts, as ``KimiMoE``), a reader that fetches only
+the local experts from a checkpoint directory (``load_full_state_dict`` takes full tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from kernels_torch.common import compute_dtype
+from kernels_torch.moe import KimiMoE
+
+__all__ = ["experts_per_rank", "all_to_all", "ExpertParallel", "shard_experts"]
+
+_EXPERT_KEY = re.compile(r"(^|\.)experts\.(\d+)\.")
+
+
+def experts_per_rank(num_experts: int, world: int) -> int:
+    """``num_experts / world``, the number of experts each EP rank owns.
+
+    Raises:
+        ValueError: ``world < 1`` or ``num_experts`` not divisible by ``world``.
+    """
+    if world < 1:
+        raise ValueError(f"world: got {world}, expected a positive EP group size")
+    if num_experts % world:
+        raise ValueError(
+            f"num_experts: got {num_experts} for an expert-parallel group of {world} ranks, expected a multiple of "
+            f"{world} (each rank owns num_experts / world experts)"
+        )
+    return num_experts // world
+
+
+def all_to_all(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` along dim 0: rows ``input_split_sizes[j]`` of ``x`` go to rank ``j``;
+    the result holds ``output_split_sizes[j]`` rows from rank ``j``, in rank order. Backward: the reverse all-to-all
+    (``torch.distributed._functional_collectives.all_to_all_single_autograd``).
+
+    ``x`` ``[sum(input_split_sizes), ...]`` -> ``[sum(output_split_sizes), ...]``, same dtype. Every rank of the group
+    must call it (and run its backward) in the same order."""
+    out = funcol.all_to_all_single_autograd(x.contiguous(), list(output_split_sizes), list(input_split_sizes), group)
+    return funcol.wait_tensor(out)
+
+
+def _routed_experts_ep(moe: KimiMoE, ep: ExpertParallel, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """``KimiMoE.routed_experts`` under expert parallelism (module docstring, steps 2-4): ``z`` ``[N, Dl]``, ``ids``
+    / ``weights`` ``[N, k]`` of this rank's tokens -> ``[N, Dl]`` fp32 (fp64 for fp64 z)."""
+    E, world, El = moe.config.num_experts, ep.world, ep.experts_per_rank
+    N, k = ids.shape
+    cd = compute_dtype(z)
+
+    # 2. dispatch: pairs in expert order (= grouped by owner rank), per-expert counts first
+    flat = ids.reshape(-1)  # [N k]
+    order = torch.sort(flat, stable=True).indices  # [N k]: pair (tok, slot) = divmod(order, k)
+    tok, slot = order // k, order % k
+    counts = torch.bincount(flat, minlength=E)  # [E] pairs this rank sends to each expert (on z's device: NCCL)
+    recv_counts = torch.empty_like(counts)  # [E] = [world, El]: rows from source j for my local expert e
+    dist.all_to_all_single(recv_counts, counts, group=ep.group)
+    counts, recv_counts = counts.cpu(), recv_counts.cpu()  # the split sizes are host integers
+    send_splits = counts.view(world, El).sum(1).tolist()
+    recv_splits = recv_counts.view(world, El).sum(1).tolist()
+    recv = all_to_all(z[tok], recv_splits, send_splits, ep.group)  # [R, Dl]: source-major, expert within source
+
+    # 3. the local experts, each on its rows (expert-major, source order within an expert)
+    local = torch.arange(El).repeat(world)  # [world El]: local expert of each (source, expert) block
+    row_expert = torch.repeat_interleave(local, recv_counts).to(z.device)  # [R]
+    perm = torch.sort(row_expert, stable=True).indices  # [R]
+    grouped = recv[perm]
+    per_expert = recv_counts.view(world, El).sum(0).tolist()
+    outs, start = [], 0
+    for e_local, n in enumerate(per_expert):
+        if n:
+            outs.append(ep.local_expert(moe, e_local)(grouped[start : start + n]))  # [n, Dl] in z's dtype
+        start += n
+    # (no rows at all: the empty `grouped` itself, so the combine stays downstream of the dispatch on every rank)
+    y_grouped = torch.cat(outs) if outs else grouped
+    y = y_grouped[torch.argsort(perm)]  # back to the received order
+
+    # 4. combine: the reverse all-to-all, then the weighted fp32 sum per token in expert order
+    back = all_to_all(y, send_splits, recv_splits, ep.group)  # [N k, Dl] in `order`
+    r = torch.zeros(N, z.shape[-1], dtype=cd, device=z.device)
+    return r.index_add_(0, tok, back.to(cd) * weights[tok, slot, None].to(cd))
+
+
+class ExpertParallel:
+    """Expert parallelism of every :class:`kernels_torch.moe.KimiMoE` inside ``model`` (a
+    :class:`kernels_torch.model.KimiK3Model`, or a bare ``KimiMoE``) over a process group.
+
+    Attaching keeps only this rank's experts: ``moe.experts`` becomes an ``nn.ModuleDict`` keyed by the **global**
+    expert id (``"8"``, ``"9"``, ...), so ``state_dict()`` keys stay the checkpoint's names
+    (``...block_sparse_moe.experts.8.w1.weight``) and the other ranks' experts are freed; ``moe.routed_experts`` is
+    replaced on the instance by the all-to-all version (module docstring). Build the model on the ``meta`` device,
+    attach, then ``to_empty`` and :meth:`load_full_state_dict`, to never hold all experts at once.
+
+    Args:
+        model: the module holding the MoE layers. group: the EP process group (default: the world group).
+
+    Attributes:
+        model, group, rank, world; experts_per_rank (``E / world``); local_experts (``range`` of this rank's global ids).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` not initialised; ``model`` holds no ``KimiMoE``.
+        ValueError: ``num_experts`` not divisible by the group size (:func:`experts_per_rank`); an MoE already
+            expert-parallel.
+    """
+
+    def __init__(self, model: nn.Module, group=None):
+        if not dist.is_initialized():
+            raise RuntimeError("ExpertParallel: torch.distributed is not initialised (init_process_group first)")
+        self.model = model
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self._layers = [m for m in model.modules() if isinstance(m, KimiMoE)]
+        if not self._layers:
+            raise RuntimeError(f"ExpertParallel: {type(model).__name__} holds no KimiMoE layer, expected at least one")
+        self.experts_per_rank = experts_per_rank(self._layers[0].config.num_experts, self.world)
+        self.local_experts = range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
+        for m in self._layers:
+            if isinstance(m.experts, nn.ModuleDict):
+                raise ValueError("ExpertParallel: an MoE layer is already expert-parallel (its experts are sharded)")
+            experts_per_rank(len(m.experts), self.world)
+            m.experts = nn.ModuleDict({str(e): m.experts[e] for e in self.local_experts})
+            m.routed_experts = functools.partial(_routed_experts_ep, m, self)
+
+    def owner(self, expert: int) -> int:
+        """The EP rank that owns global expert id ``expert``."""
+        return expert // self.experts_per_rank
+
+    def local_expert(self, moe: KimiMoE, e_local: int) -> nn.Module:
+        """This rank's ``e_local``-th expert of ``moe`` (global id ``local_experts[e_local]``)."""
+        return moe.experts[str(self.local_experts[e_local])]
+
+    def shard_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of a full (single-process) state dict that this rank keeps: everything but the routed experts
+        of other ranks (keys ``...experts.<id>....`` with ``id`` outside :attr:`local_experts`)."""
+        out = {}
+        for name, t in state_dict.items():
+            m = _EXPERT_KEY.search(name)
+            if m is None or int(m.group(2)) in self.local_experts:
+                out[name] = t
+        return out
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], assign: bool = False):
+        """Load a full (single-process, all experts) state dict into the sharded model: sliced by
+        :meth:`shard_state_dict`, then ``model.load_state_dict(..., strict=True)`` (``assign=True`` after
+        ``to_empty`` from ``meta``).
+
+        Raises:
+            RuntimeError: a key missing from ``state_dict``, or a key that is neither the model's nor another
+                rank's expert (``load_state_dict``'s strict check).
+        """
+        return self.model.load_state_dict(self.shard_state_dict(state_dict), strict=True, assign=assign)
+
+
+def shard_experts(model: nn.Module, group=None) -> ExpertParallel:
+    """Make every MoE layer of ``model`` expert-parallel over ``group`` (default the world group): see
+    :class:`ExpertParallel` (which this returns; its errors)."""
+    return ExpertParallel(model, group)

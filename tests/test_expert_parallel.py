@@ -1,0 +1,211 @@
+"""Expert parallelism (kernels_torch.parallel.expert) equals one process: outputs, routing and every gradient.
+
+Processes are spawned by the test (torch.multiprocessing, gloo on CPU, a free TCP port). Every rank builds the same
+full ``KimiMoE`` from one seed and all ranks' token batches from one generator, and runs the single-process
+reference itself on the concatenation of all ranks' tokens (the MoE is token-local, so rank r's rows of it are what
+EP must give on rank r). The EP layer is a fresh ``KimiMoE`` (another seed) sharded by ``shard_experts`` and loaded
+from the reference's full state dict by slicing. Uneven batches: rank 0 has [2, 5] tokens, rank 1 a single token,
+ranks 2-3 [1, 9] and [1, 2]. Cases: the tiny preset with a random correction bias and routed_scaling_factor 2.5;
+a bias that starves the last rank's experts (it receives no row at all, runs no expert, and still takes part in both
+all-to-alls and their backward) and expert 0 (no token anywhere); the Kimi-Linear-style layer (no latent
+projection, SiLU, softmax router without renormalisation) in fp32; grouped top-k (16 experts in 4 groups, top-2
+groups, k = 4); and a 3-layer model (dense layer 0, two MoE layers) end to end.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernels_torch.parallel.expert import experts_per_rank
+from kimi.config import load_config
+
+SHAPES = [(2, 5), (1, 1), (1, 9), (1, 2)]  # [B, T] of rank 0, 1, 2, 3: uneven token counts
+# named tolerances (relative error): fp64 measures the algorithm, fp32 the rounding of a different summation order
+TOL = {
+    torch.float64: {"out": 1e-12, "x.grad": 1e-11, "router.grad": 1e-11, "expert.grad": 1e-11, "param.grad": 1e-11},
+    torch.float32: {"out": 1e-5, "x.grad": 1e-5, "router.grad": 1e-4, "expert.grad": 1e-5, "param.grad": 1e-5},
+}
+TOL_LOGITS, TOL_MODEL_GRAD = 1e-11, 1e-10  # the 3-layer model, fp64
+_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ no processes
+
+
+def test_experts_per_rank():
+    assert experts_per_rank(896, 64) == 14
+    assert experts_per_rank(8, 4) == 2
+    with pytest.raises(ValueError, match=r"num_experts: got 896 for an expert-parallel group of 3 ranks"):
+        experts_per_rank(896, 3)
+    with pytest.raises(ValueError, match="world: got 0"):
+        experts_per_rank(8, 0)
+
+
+# ------------------------------------------------------------------------------------------------ spawned ranks
+
+
+def _check(name: str, got, want, tol: float, errors: list[str]) -> None:
+    if want is None and got is None:
+        return
+    got = torch.zeros_like(want) if got is None else got
+    want = torch.zeros_like(got) if want is None else want
+    err = float(got.norm()) if want.norm() == 0 else rel(got, want)
+    if not err <= tol:
+        errors.append(f"{name}: rel err {err:.3e} > {tol:.0e}")
+
+
+def _tol_key(name: str) -> str:
+    if _EXPERT.search(name):
+        return "expert.grad"
+    return "router.grad" if name.startswith("gate.") else "param.grad"
+
+
+def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None):
+    """One MoE layer: single-process reference on all ranks' tokens vs EP on this rank's tokens."""
+    from kernels_torch.moe import KimiMoE
+    from kernels_torch.parallel.expert import shard_experts
+
+    torch.manual_seed(0)
+    ref = KimiMoE(cfg).to(dtype)
+    with torch.no_grad():
+        for p in ref.parameters():  # every weight random, also the norm (ones at init)
+            p.add_(0.05 * torch.randn_like(p))
+        ref.gate.e_score_correction_bias.copy_(bias if bias is not None else 0.1 * torch.randn(cfg.num_experts))
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(*SHAPES[j], cfg.hidden_size, generator=g, dtype=dtype) for j in range(world)]
+    Rs = [torch.randn(x.shape, generator=g, dtype=dtype) for x in xs]
+
+    # reference: one process, every rank's tokens as one batch
+    xr = [x.clone().requires_grad_() for x in xs]
+    out_r, aux_r = ref(torch.cat([x.reshape(-1, cfg.hidden_size) for x in xr])[None], return_aux=True)
+    (out_r[0] * torch.cat([R.reshape(-1, cfg.hidden_size) for R in Rs])).sum().backward()
+    lo = sum(xs[j].shape[0] * xs[j].shape[1] for j in range(rank))
+    hi = lo + xs[rank].shape[0] * xs[rank].shape[1]
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    # expert parallel: a fresh layer, sharded, loaded from the full state dict by slicing
+    torch.manual_seed(123)
+    moe = KimiMoE(cfg).to(dtype)
+    ep = shard_experts(moe)
+    ep.load_full_state_dict(ref.state_dict())
+    El = cfg.num_experts // world
+    want_keys = {k for k in ref.state_dict() if not _EXPERT.search(k) or int(_EXPERT.search(k).group(2)) // El == rank}
+    if set(moe.state_dict()) != want_keys:
+        errors.append(f"{tag}: state_dict keys {sorted(set(moe.state_dict()) ^ want_keys)} differ from the slice")
+    x = xs[rank].clone().requires_grad_()
+    out, aux = moe(x, return_aux=True)
+    (out * Rs[rank]).sum().backward()
+
+    tol = TOL[dtype]
+    B, T = SHAPES[rank]
+    _check(f"{tag} out", out, out_r[0, lo:hi].reshape(B, T, -1), tol["out"], errors)
+    _check(f"{tag} x.grad", x.grad, xr[rank].grad, tol["x.grad"], errors)
+    if not torch.equal(aux["expert_ids"].reshape(-1), aux_r["expert_ids"][0, lo:hi].reshape(-1)):
+        errors.append(f"{tag}: expert_ids differ from the single-process router")
+    for n, p in moe.named_parameters():
+        gr = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        if not _EXPERT.search(n):  # replicated: each rank holds its tokens' part
+            dist.all_reduce(gr)
+        _check(f"{tag} {n}.grad", gr, ref_grads[n], tol[_tol_key(n)], errors)
+    if moe.gate.e_score_correction_bias.grad is not None:
+        errors.append(f"{tag}: e_score_correction_bias got a gradient (it only chooses experts)")
+    return aux_r["expert_ids"]
+
+
+def _model_case(cfg, world, rank, errors):
+    """A 3-layer model (dense layer 0, MoE layers 1-2), fp64: logits and every gradient."""
+    from kernels_torch.model import KimiK3Model
+    from kernels_torch.parallel.expert import shard_experts
+
+    torch.manual_seed(2)
+    ref = KimiK3Model(cfg).double()
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, cfg.vocab_size, (1, SHAPES[j][0] * SHAPES[j][1] + 2), generator=g) for j in range(world)]
+    Rs = [torch.randn(*i.shape, cfg.vocab_size, generator=g, dtype=torch.float64) for i in ids]
+    logits_r = [ref(i) for i in ids]
+    sum((lg * R).sum() for lg, R in zip(logits_r, Rs)).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    with torch.device("meta"):
+        model = KimiK3Model(cfg).double()
+    ep = shard_experts(model)
+    model.to_empty(device="cpu")
+    ep.load_full_state_dict(ref.state_dict(), assign=True)
+    logits = model(ids[rank])
+    (logits * Rs[rank]).sum().backward()
+    _check("model logits", logits, logits_r[rank], TOL_LOGITS, errors)
+    for n, p in model.named_parameters():
+        gr = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        if not _EXPERT.search(n):
+            dist.all_reduce(gr)
+        _check(f"model {n}.grad", gr, ref_grads[n], TOL_MODEL_GRAD, errors)
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.moe import KimiMoE
+        from kernels_torch.parallel.expert import shard_experts
+
+        tiny = load_config("tiny")
+        errors: list[str] = []
+        E = tiny.num_experts
+        _moe_case(tiny.replace(routed_scaling_factor=2.5), torch.float64, world, rank, errors, "tiny")
+
+        # starve the last rank's experts and expert 0: the last rank receives nothing, expert 0 has no token anywhere
+        El = E // world
+        bias = torch.zeros(E)
+        bias[0] = bias[E - El :] = -10.0
+        ids = _moe_case(tiny, torch.float64, world, rank, errors, "starved", bias=bias)
+        if bool((ids == 0).any()) or bool((ids >= E - El).any()):
+            errors.append("starved: the bias did not starve the experts it should (test setup)")
+
+        linear = tiny.replace(
+            routed_expert_hidden_size=None,
+            hidden_act="silu",
+            activation_situ_linear_beta=None,
+            moe_router_activation_func="softmax",
+            moe_renormalize=False,
+            quant_method=None,
+        )
+        _moe_case(linear, torch.float32, world, rank, errors, "kimi-linear fp32")
+        grouped = tiny.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)
+        _moe_case(grouped, torch.float64, world, rank, errors, "grouped 4x2")
+
+        if world == 2:  # the whole model once
+            _model_case(tiny.truncated(3), world, rank, errors)
+
+        # a clear error when the experts do not divide over the group
+        try:
+            shard_experts(KimiMoE(tiny.replace(num_experts=2 * world + 1)))
+            errors.append("num_experts not divisible by the world size was accepted")
+        except ValueError as e:
+            if f"num_experts: got {2 * world + 1} for an expert-parallel group of {world} ranks" not in str(e):
+                errors.append(f"unclear error for indivisible num_experts: {e}")
+        if errors:
+            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_one_process(world):
+    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
