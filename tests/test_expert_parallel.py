@@ -14,6 +14,7 @@ groups, k = 4); and a 3-layer model (dense layer 0, two MoE layers) end to end.
 
 from __future__ import annotations
 
+import datetime
 import re
 import socket
 
@@ -29,9 +30,9 @@ SHAPES = [(2, 5), (1, 1), (1, 9), (1, 2)]  # [B, T] of rank 0, 1, 2, 3: uneven t
 # named tolerances (relative error): fp64 measures the algorithm, fp32 the rounding of a different summation order
 TOL = {
     torch.float64: {"out": 1e-12, "x.grad": 1e-11, "router.grad": 1e-11, "expert.grad": 1e-11, "param.grad": 1e-11},
-    torch.float32: {"out": 1e-5, "x.grad": 1e-5, "router.grad": 1e-4, "expert.grad": 1e-5, "param.grad": 1e-5},
+    torch.float32: {"out": 1e-6, "x.grad": 1e-5, "router.grad": 1e-5, "expert.grad": 1e-5, "param.grad": 1e-5},
 }
-TOL_LOGITS, TOL_MODEL_GRAD = 1e-11, 1e-10  # the 3-layer model, fp64
+TOL_LOGITS, TOL_MODEL_GRAD = 1e-12, 1e-12  # the 3-layer model, fp64
 _EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
 
 
@@ -159,7 +160,14 @@ def _model_case(cfg, world, rank, errors):
 
 def _worker(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a collective one rank never joins (a mismatched graph) fails after 60 s instead of hanging the suite
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         from kernels_torch.moe import KimiMoE
         from kernels_torch.parallel.expert import shard_experts
