@@ -30,7 +30,7 @@ SHAPES = [(2, 5), (1, 1), (1, 9), (1, 2)]  # [B, T] of rank 0, 1, 2, 3: uneven t
 # named tolerances (relative error): fp64 measures the algorithm, fp32 the rounding of a different summation order
 TOL = {
     torch.float64: {"out": 1e-12, "x.grad": 1e-11, "router.grad": 1e-11, "expert.grad": 1e-11, "param.grad": 1e-11},
-    torch.float32: {"out": 1e-6, "x.grad": 1e-5, "router.grad": 1e-5, "expert.grad": 1e-5, "param.grad": 1e-5},
+    torch.float32: {"out": 1e-5, "x.grad": 1e-5, "router.grad": 1e-5, "expert.grad": 1e-5, "param.grad": 1e-5},
 }
 TOL_LOGITS, TOL_MODEL_GRAD = 1e-12, 1e-12  # the 3-layer model, fp64
 _EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
