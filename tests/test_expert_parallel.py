@@ -109,6 +109,14 @@ def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None):
     want_keys = {k for k in ref.state_dict() if not _EXPERT.search(k) or int(_EXPERT.search(k).group(2)) // El == rank}
     if set(moe.state_dict()) != want_keys:
         errors.append(f"{tag}: state_dict keys {sorted(set(moe.state_dict()) ^ want_keys)} differ from the slice")
+    full = ref.state_dict()
+    for bad, what in (({k: v for k, v in full.items() if k != "gate.weight"}, "Missing"), ({**full, "w9": 0}, "Unexp")):
+        try:
+            ep.load_full_state_dict(bad)
+            errors.append(f"{tag}: load_full_state_dict accepted a state dict with a key {what.lower()}...")
+        except RuntimeError as e:
+            if what not in str(e):
+                errors.append(f"{tag}: load_full_state_dict: unclear error {e}")
     x = xs[rank].clone().requires_grad_()
     out, aux = moe(x, return_aux=True)
     (out * Rs[rank]).sum().backward()
