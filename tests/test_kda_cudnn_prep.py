@@ -106,9 +106,7 @@ def test_fused_matches_outside_and_eager(monkeypatch, case):
     assert o.shape == (B, T, H, V) and S.shape == (N, H, K, V) and S.is_contiguous()
     # the same function with the maps computed outside (what training runs)
     g = tk.kda_gate(f, A_log, dt_bias, LB)
-    o_out, S_out = tk.kda_recurrence_cudnn(
-        tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), S0, cu, plan_name=None
-    )
+    o_out, S_out = tk.kda_recurrence_cudnn(tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), S0, cu, plan_name=None)
     assert seen == {"l2": False, "sig": False, "safe": False, "plan": None}
     # and the eager chunk form on our layout
     o_r, S_r = tk.kda_chunk(tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), initial_state=S0, cu_seqlens=cu)
