@@ -48,7 +48,9 @@ MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"]
   ``metrics`` a dict of floats, averaged over the step like the loss and appended to the step's record (and
   shown as ``eval_<key>`` for evaluations). Register a factory ``(config, args) -> stage`` in :data:`STAGES`
   (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it. ``trainable`` can only narrow
-  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen. The eval loss is the stage's
+  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen, unless the stage's optional
+  ``prepare(model)`` (called right after the model is built, before LoRA) unfreezes them, as the distillation
+  stages do for the ``cudnn`` indexers. The eval loss is the stage's
   loss too, so a stage's runs are resumable and plotted like the LM stage's.
 * *LoRA* (``kimi_tools.lora``): ``--lora-rank R`` switches it on; ``check_lora_supported`` vets the options against
   the backend, ``apply_lora`` wraps the target modules and freezes the base, ``save_adapter`` writes the output.
@@ -642,6 +644,8 @@ def train(args: TrainArgs) -> TrainResult:
     # ---- 2. model, trainable set, optimizer
     torch.manual_seed(a.seed)
     model = _build_model(a, cfg)
+    if hasattr(stage, "prepare"):  # e.g. the distillation stages unfreeze the cudnn backend's indexers
+        stage.prepare(model)
     if lora_settings is not None:
         from kimi_tools import lora
 
