@@ -339,15 +339,35 @@ def _fingerprint(args: TrainArgs, config: KimiConfig) -> tuple[str, dict]:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(), body
 
 
-def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k} (run: {va!r}, now: {vb!r})")
-    return out
+_ABSENT = object()  # a key one side of a _diff lacks
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    """A value of a _diff, short: ``absent``, or its repr cut to ``limit`` characters (with the item count)."""
+    if v is _ABSENT:
+        return "absent"
+    r = repr(v)
+    if len(r) <= limit:
+        return r
+    return r[: limit - 5] + " ...]" * isinstance(v, list) + " ...}" * isinstance(v, dict) + f" ({len(v)} items)"
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The differences between two JSON values (run.json's and now), one ``"path (run: X, now: Y)"`` per leaf.
+
+    Nested dicts (a checkpoint's ``text_config.linear_attn_config``) are walked, so the path names the key as it
+    stands in ``config.json`` (``text_config.num_hidden_layers``); lists of equal length are compared item by item
+    (``...kda_layers[5]``), so the differing item shows even in a long list; a key on one side only is ``absent``;
+    anything else (a dict against None, lists of other lengths) is shown whole, cut by :func:`_show`.
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _diff(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{prefix}[{i}]")]
+    return [] if a == b else [f"{prefix} (run: {_show(a)}, now: {_show(b)})"]
 
 
 # ---------------------------------------------------------------------------------------------- set-up helpers
@@ -494,10 +514,21 @@ def _check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
         saved = json.loads(run_json.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != fingerprint:
             was = saved.get("fingerprint_of", {})
+            flags = [
+                f"--{k.replace('_', '-')} ({v}"
+                for k, _, v in (d.partition(" (") for d in _diff(was.get("args", {}), body["args"]))
+            ]
+            parts = []
             cfg_diffs = _diff(was.get("config", {}), body["config"])
-            diffs = cfg_diffs or _diff(was.get("args", {}), body["args"]) or ["fingerprint"]
-            what = "the model config differs from the run's" if cfg_diffs else "a run with other settings"
-            raise ValueError(f"--resume: {out} is {what}: " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else ""))
+            for what, diffs in (("another model config", cfg_diffs), ("other settings", flags)):
+                if diffs:
+                    more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
+                    parts.append(f"{what}: {'; '.join(diffs[:4])}{more}")
+            raise ValueError(
+                f"--resume: {out} holds a run with "
+                + (" and ".join(parts) or "another fingerprint (run.json has no readable record of its settings)")
+                + "; resume with the run's own settings, or choose another --out"
+            )
         if not Checkpointer(out, a.keep).steps():
             raise ValueError(f"--resume: {out} has no complete step-N checkpoint to resume from")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -402,12 +402,41 @@ def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
     before = sorted((root / "a").rglob("*"))
     argv = _small_argv(root / "a")
     rc, err = _cli(argv + ["--lr", "1e-3", "--resume"], capsys)  # the run used --lr 1e-2
-    assert rc == 2 and len(err) == 1 and "other settings: lr (run: 0.01, now: 0.001)" in err[0], err
-    rc, err = _cli(argv + ["--layers", "3", "--resume"], capsys)  # another model
-    assert rc == 2 and "model config differs" in err[0] and "num_hidden_layers (run: 2, now: 3)" in err[0], err
+    assert rc == 2 and len(err) == 1 and "with other settings: --lr (run: 0.01, now: 0.001); resume with" in err[0], err
+    rc, err = _cli(argv + ["--layers", "3", "--resume"], capsys)  # another model: the nested text_config differs
+    assert rc == 2 and len(err) == 1, err
+    assert err[0] == (
+        f"kimi: error: --resume: {root / 'a'} holds a run with another model config: "
+        "text_config.linear_attn_config.kda_layers (run: [1, 2], now: [1, 2, 3]); "
+        "text_config.num_hidden_layers (run: 2, now: 3) and other settings: --layers (run: 2, now: 3); "
+        "resume with the run's own settings, or choose another --out"
+    )
     rc, err = _cli(argv, capsys)  # a full folder without --resume
     assert rc == 2 and "exists and is not empty" in err[0], err
     assert sorted((root / "a").rglob("*")) == before
+
+
+def test_resume_mismatch_names_nested_keys_with_both_values():
+    """``_diff`` on nested checkpoint configs: the path of each differing leaf with both values, long lists by item,
+    a dict against None shown short, absent keys said so (the message dumped whole dicts and lists)."""
+    from kimi_tools.train import _diff
+
+    layers = list(range(1, 70))
+    run = {
+        "text_config": {"hidden_size": 96, "linear_attn_config": {"kda_layers": layers}, "q": {"a": 1, "b": "x" * 80}}
+    }
+    now = {"text_config": {"hidden_size": 128, "linear_attn_config": {"kda_layers": layers[:-1] + [93]}, "q": None}}
+    now["text_config"]["rope"] = 1.5
+    assert _diff(run, now) == [
+        "text_config.hidden_size (run: 96, now: 128)",
+        "text_config.linear_attn_config.kda_layers[68] (run: 69, now: 93)",
+        "text_config.q (run: {'a': 1, 'b': '" + "x" * 40 + " ...} (2 items), now: None)",
+        "text_config.rope (run: absent, now: 1.5)",
+    ]
+    assert _diff({"data": ["a.txt"]}, {"data": ["a.txt", "b.txt"]}) == [
+        "data (run: ['a.txt'], now: ['a.txt', 'b.txt'])"
+    ]
+    assert _diff(run, run) == []
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
