@@ -37,6 +37,11 @@ Python API: ``train(TrainArgs(...)) -> TrainResult`` (the CLI is a thin wrapper)
 7. **Resume** (``--resume``, same arguments): the fingerprint of the model config and of every argument that
    changes the numbers must match ``run.json``; the latest ``step-N`` is loaded and the run continues exactly
    (bitwise on CPU in fp32). ``--stop-after N`` ends a run early at step N (the schedule still spans ``--steps``).
+8. **Divergence**: a step whose loss or gradient norm is not finite updates nothing; the run saves the state before
+   it as ``step-(N-1)/`` (unless there already), exports that model, writes :data:`DIVERGED` (step, loss, gradient
+   norm, last good step) and ``loss.png``, and raises one line naming the step and the loss. The folder is then what
+   ``--stop-after N-1`` would have left plus ``diverged.json``: ``--resume`` continues from step N-1 (and removes
+   the marker), the metrics hold steps 0 to N-1.
 
 MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"] * tokens/s`` over
 ``--peak-tflops`` (no default: ``mfu`` is null without it).
@@ -94,6 +99,8 @@ __all__ = [
     "add_parser",
     "cmd_train",
 ]
+
+DIVERGED = "diverged.json"  # written beside step-N when a step's loss or gradient norm is not finite
 
 RECORD_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes")
 
@@ -626,7 +633,8 @@ def train(args: TrainArgs) -> TrainResult:
 
     Raises:
         ValueError (also ConfigError, CheckpointError): a bad argument, data, model source, LoRA option or output
-            folder, before anything is written; a non-finite loss or gradient norm during training.
+            folder, before anything is written; a non-finite loss or gradient norm during training (after the
+            last good step is saved: module docstring, point 8).
     """
     import torch
 
@@ -743,6 +751,8 @@ def train(args: TrainArgs) -> TrainResult:
         for n, m in master_params.items():  # no AdamW state saved: the parameter never had a gradient; nor now
             if m in opt.state and f"optimizer.state.{n}.step" not in held:
                 del opt.state[m]
+        if start == 0:  # step-0 (a divergence at step 1) holds the placeholder state that DCP's
+            opt.state.clear()  # get_optimizer_state_dict makes with a zero-lr step (AdamW step 1): a fresh run has none
         if train_state["step"] != start:
             raise ValueError(f"--resume: {out}/step-{start} holds step {train_state['step']}, expected {start}")
         if a.stop_after is not None and a.stop_after < start:
@@ -757,6 +767,7 @@ def train(args: TrainArgs) -> TrainResult:
                     history.append(rec)
         if par.is_writer:
             write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history).encode())
+            (out / DIVERGED).unlink(missing_ok=True)  # continuing: a new divergence writes it again
     elif par.is_writer:
         out.mkdir(parents=True, exist_ok=True)
         run = {
@@ -829,7 +840,7 @@ def train(args: TrainArgs) -> TrainResult:
             flush=True,
         )
     model.train()
-    if start == 0:
+    if start == 0 and not history:  # (a resume from step-0, saved by a divergence at step 1, has its record)
         ev, ev_extra = evaluate()
         log({"step": 0, **dict.fromkeys(RECORD_KEYS[1:]), "eval_loss": ev, **ev_extra})
     bar = tqdm(
@@ -841,6 +852,7 @@ def train(args: TrainArgs) -> TrainResult:
             t0 = time.perf_counter()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            before = (loader.state_dict(), get_train_state())  # what step-(step-1) holds, if this step diverges
             batches = [loader.next_batch() for _ in range(accum)]
             n_tgt = sum(b.num_targets for b in batches)
             step_loss, step_extra = 0.0, {}
@@ -868,9 +880,27 @@ def train(args: TrainArgs) -> TrainResult:
             grads = [mp for _, mp in pairs if mp.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, a.grad_clip if a.grad_clip > 0 else math.inf))
             if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+                # Diverged. Nothing has been updated yet (the optimizer steps below), so the model, AdamW and the
+                # schedule are those of step - 1: put the data position and RNG back too and save them as
+                # step-(step - 1), the folder then being what --stop-after step-1 leaves, plus diverged.json.
+                opt.zero_grad(set_to_none=True)
+                for p, _ in pairs:
+                    p.grad = None
+                loader.load_state_dict(before[0])
+                put_train_state(before[1])
+                good = step - 1
+                if good not in ckpt.steps():
+                    save(good)
+                if par.is_writer:
+                    note = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "last_good_step": good}
+                    write_atomic(out / DIVERGED, json.dumps(note).encode())
+                    if a.plot:
+                        _plot(out / "loss.png", history)
+                par.close()
                 raise ValueError(
-                    f"step {step}: loss {step_loss} / gradient norm {grad_norm} is not finite; stopped (the last "
-                    f"checkpoint is {ckpt.steps()[-1] if ckpt.steps() else 'none'}; try a lower --lr)"
+                    f"step {step}: the loss is {step_loss} (gradient norm {grad_norm}), not finite: training stopped; "
+                    f"{out} keeps step-{good}/ (the run up to step {good}: --resume continues from it), its model, "
+                    f"metrics.jsonl and {DIVERGED}; for another try, a lower --lr in a new --out"
                 )
             lr = sched.get_last_lr()[0]
             opt.step()

@@ -416,6 +416,54 @@ def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
     assert sorted((root / "a").rglob("*")) == before
 
 
+@pytest.mark.parametrize("bad_step", [1, 3])
+def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_path, capsys, monkeypatch, bad_step):
+    """A non-finite loss at step N: one ``kimi: error:`` line naming the step and the loss; the folder keeps
+    step-(N-1)/ (saved then, with the data position and RNG of before step N), its model, the metrics up to N-1 and
+    diverged.json; ``--resume`` then gives run A's numbers exactly (the folder was an unusable run.json +
+    metrics.jsonl, refused by --resume and by a fresh run alike)."""
+
+    class Diverges(LMStage):  # the loss of the bad_step-th training step is NaN, evaluation stays clean
+        calls = 0
+
+        def loss(self, model, batch):
+            loss, m = super().loss(model, batch)
+            if model.training:
+                Diverges.calls += 1
+                if Diverges.calls == bad_step:
+                    loss = loss * math.nan
+            return loss, m
+
+    out = tmp_path / "run"
+    monkeypatch.setitem(STAGES, "lm", Diverges)
+    rc, err = _cli(_small_argv(out), capsys)
+    good = bad_step - 1
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"kimi: error: step {bad_step}: the loss is nan (gradient norm nan), not finite"), err
+    assert f"keeps step-{good}/" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "diverged.json",
+        "loss.png",
+        "metrics.jsonl",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "run.json",
+        f"step-{good}",
+    ]
+    note = json.loads((out / "diverged.json").read_text())
+    assert note["step"] == bad_step and note["last_good_step"] == good and math.isnan(note["loss"])
+    on_disk = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in on_disk] == list(range(bad_step))
+
+    monkeypatch.setitem(STAGES, "lm", LMStage)
+    resumed = train(TrainArgs(out=str(out), resume=True, **SMALL))
+    assert resumed.start_step == good and resumed.step == 6
+    on_disk = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(on_disk) == _numbers(runs[1].records)  # run A, step for step: the same batches, bitwise
+    assert not (out / "diverged.json").exists()
+
+
 def test_resume_mismatch_names_nested_keys_with_both_values():
     """``_diff`` on nested checkpoint configs: the path of each differing leaf with both values, long lists by item,
     a dict against None shown short, absent keys said so (the message dumped whole dicts and lists)."""
