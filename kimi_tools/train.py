@@ -105,7 +105,19 @@ DIVERGED = "diverged.json"  # written beside step-N when a step's loss or gradie
 RECORD_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes")
 
 # Arguments that do not change the numbers of a run: they may differ between a run and its resumption.
-_RUN_CONTROL = ("out", "resume", "stop_after", "quiet", "save_every", "keep", "eval_every", "peak_tflops", "plot", "cp")
+_RUN_CONTROL = (
+    "out",
+    "resume",
+    "stop_after",
+    "quiet",
+    "save",
+    "save_every",
+    "keep",
+    "eval_every",
+    "peak_tflops",
+    "plot",
+    "cp",
+)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -156,6 +168,7 @@ class TrainArgs:
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None
     resume: bool = False
+    save: bool = True  # False: no weights and no step-N/ (a measurement run: metrics.jsonl and loss.png only)
     save_every: int = 0
     keep: int = 2
     peak_tflops: float | None = None
@@ -434,6 +447,11 @@ def _resolve(args: TrainArgs) -> TrainArgs:
             f"--weight-decay/--beta1/--beta2: got {a.weight_decay}/{a.beta1}/{a.beta2}, expected wd >= 0 and "
             f"betas in [0, 1)"
         )
+    if not a.save and (a.save_every or a.stop_after is not None or a.resume):
+        raise ValueError(
+            "--no-save: a run that saves nothing cannot be stopped and resumed; got it with --save-every "
+            f"{a.save_every}, --stop-after {a.stop_after}, --resume {a.resume}, expected none of them"
+        )
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         raise ValueError(f"--peak-tflops: got {a.peak_tflops}, expected a positive peak (TFLOP/s)")
     lr_multiplier(0, warmup_steps=a.warmup_steps, total_steps=a.steps, min_lr_ratio=a.min_lr_ratio)  # checks
@@ -681,6 +699,7 @@ def train(args: TrainArgs) -> TrainResult:
         [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=a.lr,
         betas=(a.beta1, a.beta2),
+        fused=a.device == "cuda" or None,  # one kernel, no foreach temporaries (an fp32 copy of every state list)
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -933,7 +952,7 @@ def train(args: TrainArgs) -> TrainResult:
             log(rec)
             bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             bar.update(1)
-            if step == stop or (a.save_every and step % a.save_every == 0):
+            if a.save and (step == stop or (a.save_every and step % a.save_every == 0)):
                 save(step)
     if start == stop:  # resumed a finished run: nothing to do but make sure the outputs exist
         save(stop)
@@ -954,12 +973,12 @@ def train(args: TrainArgs) -> TrainResult:
     if not a.quiet and par.is_writer:
         first, last = min(evals_seen), max(evals_seen)
         what = "adapter (adapter_config.json, adapter_model.safetensors)" if lora_settings else "model (safetensors)"
+        what = f"{what}, step-{result.step}/ (resume state)" if a.save else "no weights or resume state (--no-save)"
         print(
             f"step {result.step}/{a.steps}: loss {result.final_loss if result.final_loss is not None else float('nan'):.4f}"
             f"; eval loss {evals_seen[first]:.4f} (step {first}) -> {evals_seen[last]:.4f} (step {last}); "
             f"{result.tokens_seen:,} tokens in {result.wall_s:.0f} s"
-            f"\nwrote {out}: {what}, step-{result.step}/ (resume state), metrics.jsonl"
-            + (", loss.png" if a.plot else ""),
+            f"\nwrote {out}: {what}, metrics.jsonl" + (", loss.png" if a.plot else ""),
             flush=True,
         )
     par.close()
@@ -1011,6 +1030,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", nargs="+", metavar="PATTERN", help="module-name patterns to adapt")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest step-N")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end)")
+    p.add_argument(
+        "--no-save",
+        dest="save",
+        action="store_false",
+        help="write no weights and no step-N/ (a measurement run: metrics and plot only)",
+    )
     p.add_argument("--keep", type=positive_int, default=d.keep, help="step-N checkpoints kept")
     p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s, for MFU")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no loss.png")

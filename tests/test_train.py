@@ -371,8 +371,19 @@ def _small_argv(out):
             "lora dropout: got 0.1 with kv_b_proj among the targets on the cudnn backend",
         ),
         (lambda argv, tmp: argv + ["--lora-rank", "4", "--lora-targets", "lm_head"], "reads directly"),
+        (lambda argv, tmp: argv + ["--no-save", "--stop-after", "3"], "--no-save: a run that saves nothing"),
     ],
-    ids=["seq-len", "empty-data", "micro-batch", "freeze", "lora-alpha", "resume-nothing", "lora-cudnn", "lora-head"],
+    ids=[
+        "seq-len",
+        "empty-data",
+        "micro-batch",
+        "freeze",
+        "lora-alpha",
+        "resume-nothing",
+        "lora-cudnn",
+        "lora-head",
+        "no-save-stop",
+    ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
     (tmp_path / "empty.txt").write_text("\n\n")
@@ -380,6 +391,17 @@ def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
     rc, err = _cli(change(_small_argv(out), tmp_path), capsys)
     assert rc == 2 and len(err) == 1 and err[0].startswith("kimi: error: ") and message in err[0], err
     assert not out.exists()
+
+
+def test_no_save_writes_metrics_and_plot_only(tmp_path, capsys):
+    """--no-save (measurement runs whose optimizer state would not fit on disk): the run trains and logs, and
+    writes neither weights nor step-N/."""
+    out = tmp_path / "out"
+    rc, err = _cli(_small_argv(out) + ["--steps", "2", "--eval-every", "0", "--no-save"], capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "metrics.jsonl", "run.json"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in records[1:])
 
 
 def test_checkpoint_that_does_not_match_its_config(tmp_path, capsys):
