@@ -38,10 +38,10 @@ Python API: ``train(TrainArgs(...)) -> TrainResult`` (the CLI is a thin wrapper)
    changes the numbers must match ``run.json``; the latest ``step-N`` is loaded and the run continues exactly
    (bitwise on CPU in fp32). ``--stop-after N`` ends a run early at step N (the schedule still spans ``--steps``).
 8. **Divergence**: a step whose loss or gradient norm is not finite updates nothing; the run saves the state before
-   it as ``step-(N-1)/`` (unless there already), exports that model, writes :data:`DIVERGED` (step, loss, gradient
-   norm, last good step) and ``loss.png``, and raises one line naming the step and the loss. The folder is then what
-   ``--stop-after N-1`` would have left plus ``diverged.json``: ``--resume`` continues from step N-1 (and removes
-   the marker), the metrics hold steps 0 to N-1.
+   it as ``step-(N-1)/`` (unless there already, or under ``--no-save``) with its model, writes :data:`DIVERGED`
+   (step, loss, gradient norm, last good step) and ``loss.png``, and raises one line naming the step and the loss.
+   The folder is then what ``--stop-after N-1`` would have left plus ``diverged.json``: ``--resume`` continues from
+   step N-1 (and removes the marker); the metrics hold steps 0 to N-1.
 
 MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"] * tokens/s`` over
 ``--peak-tflops`` (no default: ``mfu`` is null without it).
@@ -908,7 +908,7 @@ def train(args: TrainArgs) -> TrainResult:
                 loader.load_state_dict(before[0])
                 put_train_state(before[1])
                 good = step - 1
-                if good not in ckpt.steps():
+                if a.save and good not in ckpt.steps():
                     save(good)
                 if par.is_writer:
                     note = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "last_good_step": good}
@@ -916,10 +916,14 @@ def train(args: TrainArgs) -> TrainResult:
                     if a.plot:
                         _plot(out / "loss.png", history)
                 par.close()
+                kept = (
+                    f"step-{good}/ (the run up to step {good}: --resume continues from it), its model, "
+                    if a.save
+                    else "no weights (--no-save) but "
+                )
                 raise ValueError(
                     f"step {step}: the loss is {step_loss} (gradient norm {grad_norm}), not finite: training stopped; "
-                    f"{out} keeps step-{good}/ (the run up to step {good}: --resume continues from it), its model, "
-                    f"metrics.jsonl and {DIVERGED}; for another try, a lower --lr in a new --out"
+                    f"{out} keeps {kept}metrics.jsonl and {DIVERGED}; for another try, a lower --lr in a new --out"
                 )
             lr = sched.get_last_lr()[0]
             opt.step()

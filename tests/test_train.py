@@ -484,6 +484,14 @@ def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_
     on_disk = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert _numbers(on_disk) == _numbers(runs[1].records)  # run A, step for step: the same batches, bitwise
     assert not (out / "diverged.json").exists()
+    if bad_step == 1:  # --no-save: still one line and the marker, but no weights written
+        Diverges.calls = 0
+        monkeypatch.setitem(STAGES, "lm", Diverges)
+        rc, err = _cli(_small_argv(tmp_path / "nosave") + ["--no-save", "--no-plot"], capsys)
+        assert (
+            rc == 2 and len(err) == 1 and "keeps no weights (--no-save) but metrics.jsonl and diverged.json" in err[0]
+        )
+        assert sorted(p.name for p in (tmp_path / "nosave").iterdir()) == ["diverged.json", "metrics.jsonl", "run.json"]
 
 
 def test_resume_mismatch_names_nested_keys_with_both_values():
