@@ -1,8 +1,9 @@
 """Cached generation on one GPU: prefill tokens/s and decode tokens/s at batch 1 and 8 with a 32K-token context.
 
 Model: the first ``--layers`` layers of K3.1 Pro (default 4: ``KKKD``, three KDA layers and one DSA layer; real
-dims, random weights N(0, 1/in), norms 1), bf16, then the final norm and lm_head; ``--hidden-size`` shrinks D
-(attention and KDA head dims stay real) when memory is short. Backend ``cudnn`` by default
+dims, random weights N(0, 1/in), norms 1), bf16, then the final norm and lm_head, with the routed experts shrunk so
+the MoE fits one GPU as in benchmark 5 (``--experts``, default 16 of which 8 are active per token); ``--hidden-size``
+shrinks D (attention and KDA head dims stay real) when memory is short. Backend ``cudnn`` by default
 (``kernels_torch.decode_cudnn``: fla's ``fused_recurrent_kda`` for KDA decode, the indexer over the cached keys and
 the Triton sparse MLA over the selected latent rows); ``--backends cudnn,sdpa`` adds the dense baseline.
 
@@ -14,7 +15,7 @@ the Triton sparse MLA over the selected latent rows); ``--backends cudnn,sdpa`` 
 
     python3 benchmarks/generate_decode.py --context 32768 --batches 1 8 --out benchmarks/results/generate_decode.json
 
-Writes a JSON record (config, device, torch version, rows) and prints a table. Not run yet (written for the H200).
+Writes a JSON record (config, device, torch version, rows) and prints a table.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def run(backend: str, cfg, context: int, chunk: int, batches: list[int], steps: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16, help="routed experts (K3.1: 896)")
+    ap.add_argument("--experts-per-token", type=int, default=8, help="active routed experts per token (K3.1: 16)")
     ap.add_argument("--hidden-size", type=int, default=None, help="override D (default: K3.1's 7168)")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--chunk-size", type=int, default=8192)
@@ -114,7 +117,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("generate_decode: needs CUDA", file=sys.stderr)
         return 2
-    cfg = load_config("k3.1-pro").truncated(args.layers)
+    cfg = (
+        load_config("k3.1-pro")
+        .truncated(args.layers)
+        .replace(num_experts=args.experts, num_experts_per_token=args.experts_per_token)
+    )
     if args.hidden_size:
         cfg = cfg.replace(hidden_size=args.hidden_size)
     rows = []
@@ -128,6 +135,7 @@ def main() -> int:
         "layers": cfg.num_hidden_layers,
         "layer_types": [cfg.layer_type(i) for i in range(cfg.num_hidden_layers)],
         "hidden_size": cfg.hidden_size,
+        "experts": [cfg.num_experts, cfg.num_experts_per_token],
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

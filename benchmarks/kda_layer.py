@@ -9,6 +9,15 @@ with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both a
 ``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated`` (sigmoid), ``o_proj``; no cache output.
 "rec_chunk_kda" / "rec_cudnn" = the recurrence alone as the layer runs it (chunk_kda with gate and norm fused; or fla's
 L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-layout conversions).
+Two variants of the cuDNN path (``kda_prep``): ``outside`` (the L2 norms, gate and beta sigmoid computed around the op;
+the only one with a backward on SM90, so every fwd+bwd row) and ``in_kernel`` (the op's own fusions; forward only):
+"layer_cudnn_outside_fwd" / "layer_cudnn_in_kernel_fwd" and "rec_cudnn_fwd" / "rec_cudnn_in_kernel_fwd".
+"breakdown_ms" (cuDNN only): the op alone on ready inputs with the layer's gate distribution and with g uniform in
+(-5, 0) (the distribution of the 2026-11-30 measurement), the op with one piece per sequence (cuDNN's launcher splits a
+sequence over P = 264 // (N*H) CTAs, each piece walking back until the decay bound proves the earlier state negligible:
+channels that hardly decay defeat that bound), and the pieces around it (fla l2norm of q and k, fused_kda_gate);
+"gate_stats": the share of (16-token chunk, head) pairs whose slowest-decaying channel makes the walk-back bound
+stall (per-chunk bound max_k sum_t g * log2(e) + 3.5 >= 0: cuDNN FE 1.32 ``kda_fused_sm90.cu``).
 Also: the bf16 matmul ceiling of this run and the layer's projection FLOPs (6 T x weights: fwd + bwd), hence its
 matmul floor in ms.
 Times: median of CUDA-event-timed iterations (forward, then backward of <out, dout>), rounds of ours and fla
@@ -31,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _timing
 import kernels_torch.kda as tk  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
@@ -99,6 +109,91 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
+def stall_share(g: torch.Tensor, chunk: int = 16) -> float:
+    """Share of (chunk, head) pairs of ``g [1, T, H, K]`` whose per-chunk decay bound does not shrink the dropped
+    state in cuDNN's seed walk-back: max over channels of the chunk's summed log-decay, times log2(e), plus the 3.5
+    mixing allowance, is >= 0 (cuDNN FE 1.32 ``kda_fused_sm90.cu``, kLogEps / kMixLog2)."""
+    T, H, K = g.shape[1:]
+    n = T // chunk
+    if n == 0:
+        return 0.0
+    s = g[0, : n * chunk].float().reshape(n, chunk, H, K).sum(1).amax(-1)  # [n, H]
+    return float((s * 1.4426950408889634 + 3.5 >= 0).float().mean())
+
+
+def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg) -> dict:
+    """Milliseconds of the pieces of the cuDNN recurrence at this shape (each timed alone, median of a few calls):
+    the op on ready inputs (pre-normalised q/k, fp32 g, fp32 beta) with the layer's gate and with g uniform in (-5, 0),
+    forward and forward+backward; the forward with one piece per sequence (cuDNN's launcher patched for the call);
+    fla's l2norm of q and k and fused_kda_gate, forward and forward+backward."""
+    import importlib
+
+    from _timing import time_ms
+    from fla.modules.norm.l2norm import l2norm as fla_l2norm
+    from fla.ops.kda.gate import fused_kda_gate
+
+    lb = cfg.gate_lower_bound
+    with torch.no_grad():
+        qn, kn = fla_l2norm(q), fla_l2norm(k)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (qn, kn, v, beta)]
+    out = {}
+
+    def op_fb(g):
+        gl = g.detach().clone().requires_grad_(True)
+
+        def run():
+            for t in (*leaves, gl):
+                t.grad = None
+            tk.kda_recurrence_cudnn(*leaves[:3], gl, leaves[3])[0].backward(do)
+
+        return run
+
+    def op_f(g):
+        def run():
+            with torch.no_grad():
+                tk.kda_recurrence_cudnn(qn, kn, v, g, beta)
+
+        return run
+
+    for name, g in (("op_layer_gate", g_layer), ("op_uniform_gate", g_unif)):
+        out[f"{name}_fwd"] = round(time_ms(op_f(g), warmup=2)[0], 3)
+        out[f"{name}_fwd_bwd"] = round(time_ms(op_fb(g), warmup=2)[0], 3)
+    try:  # the forward with P = 1 piece per sequence: an experiment on cuDNN's private launcher, restored after
+        host = importlib.import_module("cudnn.linear_attention.hopper.cuda_host")
+        pieces = host.pieces_per_sequence
+        host.pieces_per_sequence = lambda *a: 1
+        try:
+            for name, g in (("op_layer_gate_P1", g_layer), ("op_uniform_gate_P1", g_unif)):
+                out[f"{name}_fwd"] = round(time_ms(op_f(g), warmup=2)[0], 3)
+        finally:
+            host.pieces_per_sequence = pieces
+        out["pieces_per_sequence_default"] = pieces(q.shape[1], 1, q.shape[2])
+    except Exception as e:  # noqa: BLE001  (an experiment: its failure is reported, not fatal)
+        out["P1_error"] = f"{type(e).__name__}: {e}"
+    ql, kl, fl = (t.detach().clone().requires_grad_(True) for t in (q, k, f))
+    Al, dl = A_log.detach().clone().requires_grad_(True), dt_bias.detach().clone().requires_grad_(True)
+
+    def l2_fb():
+        for t in (ql, kl):
+            t.grad = None
+        (fla_l2norm(ql).float().sum() + fla_l2norm(kl).float().sum()).backward()
+
+    def gate_fb():
+        for t in (fl, Al, dl):
+            t.grad = None
+        fused_kda_gate(fl, Al, dl, lower_bound=lb, output_dtype=torch.float32).backward(g_layer)
+
+    with torch.no_grad():
+        out["prep_l2norm_qk_fwd"] = round(time_ms(lambda: (fla_l2norm(q), fla_l2norm(k)), warmup=2)[0], 3)
+        out["prep_gate_fwd"] = round(
+            time_ms(lambda: fused_kda_gate(f, A_log, dt_bias, lower_bound=lb, output_dtype=torch.float32), warmup=2)[0],
+            3,
+        )
+    out["prep_l2norm_qk_fwd_bwd"] = round(time_ms(l2_fb, warmup=2)[0], 3)
+    out["prep_gate_fwd_bwd"] = round(time_ms(gate_fb, warmup=2)[0], 3)
+    return out
+
+
 def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
     from kernels_torch import kernel_choice
 
@@ -116,9 +211,9 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
 
         return run
 
-    def ours_with(kernel):
+    def ours_with(kernel, prep=None):
         def fwd():
-            m.kda_kernel = kernel
+            m.kda_kernel, m.kda_prep = kernel, prep
             return m(x)[0]
 
         return fwd
@@ -159,6 +254,11 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
         g = fused_kda_gate(f, A_log, dt_bias, lower_bound=cfg.gate_lower_bound, output_dtype=torch.float32)
         return tk.kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta)[0]
 
+    def rec_cudnn_in_kernel():  # forward only: the op normalises q/k, gates f and applies the sigmoid to beta logits
+        return tk.kda_recurrence_cudnn_fused(q, k, v, f, beta_logits, A_log, dt_bias, cfg.gate_lower_bound)[0]
+
+    beta_logits = torch.logit(beta.detach())  # the same beta, as the logits the fused variant takes
+
     def fb(fn):
         def run():
             for p in rec_in:
@@ -172,12 +272,22 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
         recs["rec_cudnn"] = rec_cudnn
     fb_fns = {**{n: step(fn) for n, fn in layers.items()}, **{n: fb(fn) for n, fn in recs.items()}}
     fwd_fns = {**layers, **recs}
+    if has_cudnn:  # forward-only rows of both kda_prep variants ("layer_cudnn" alone is auto: in_kernel under no_grad)
+        fwd_fns["layer_cudnn_outside"] = ours_with("cudnn", "outside")
+        fwd_fns["layer_cudnn_in_kernel"] = ours_with("cudnn", "in_kernel")
+        fwd_fns["rec_cudnn_in_kernel"] = rec_cudnn_in_kernel
 
     t0 = time.perf_counter()
     for name, fn in fb_fns.items():  # warm-up (the first chunk_kda call autotunes, cuDNN compiles with NVRTC)
         fn()
         torch.cuda.synchronize()
         print(f"T={T}: warm-up {name} done at {time.perf_counter() - t0:.1f} s", flush=True)
+    with torch.no_grad():  # the forward-only variants compile their own cubins
+        for name in ("layer_cudnn_in_kernel", "rec_cudnn_in_kernel"):
+            if name in fwd_fns:
+                fwd_fns[name]()
+                torch.cuda.synchronize()
+                print(f"T={T}: warm-up {name} (fwd) done at {time.perf_counter() - t0:.1f} s", flush=True)
     warm_s = time.perf_counter() - t0
     diffs = {}
     with torch.no_grad():  # the layers compute the same function
@@ -187,12 +297,23 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
         if has_cudnn:
             a, b = rec_cudnn().double(), rec_fla().double()
             diffs["rec_cudnn_vs_chunk_kda"] = float((a - b).norm() / b.norm())
+            a = rec_cudnn_in_kernel().double()
+            diffs["rec_cudnn_in_kernel_vs_chunk_kda"] = float((a - b).norm() / b.norm())
+            for name in ("layer_cudnn_outside", "layer_cudnn_in_kernel"):
+                diffs[name] = float((fwd_fns[name]().double() - ref).norm() / ref.norm())
     kernel_choice.reset_used()
     ms = interleaved(fb_fns, rounds, reps)
     with torch.no_grad():
         ms_fwd = interleaved(fwd_fns, rounds, reps)
     used = kernel_choice.used()
-    m.kda_kernel = None
+    m.kda_kernel = m.kda_prep = None
+    breakdown, gate_stats = {}, {}
+    if has_cudnn:
+        A_sat = A_log.detach().clamp(max=tk.A_LOG_MAX)
+        g_layer = fused_kda_gate(f.detach(), A_sat, dt_bias.detach(), lower_bound=cfg.gate_lower_bound).float()
+        g_unif = -5 * torch.rand(g_layer.shape, device="cuda", generator=gen)
+        gate_stats = {"layer_gate": stall_share(g_layer), "uniform_gate": stall_share(g_unif)}
+        breakdown = op_breakdown(q, k, v, f, beta, A_sat, dt_bias.detach(), g_layer, g_unif, do, cfg)
     mm_params = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear))
     proj_tflop = 6 * T * mm_params / 1e12  # fwd (2 flops per MAC) + bwd (4): the projections of the layer
     row = {
@@ -208,12 +329,18 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
         "matmul_ceiling_tflops": round(ceiling, 1),
         "projection_floor_ms": round(proj_tflop / ceiling * 1e3, 2),
         "kernels_used": used,
+        "breakdown_ms": breakdown,
+        "gate_stats": gate_stats,
         "warmup_s": round(warm_s, 1),
         "timed_iters": rounds * reps,
     }
     if has_cudnn:
         row["rec_speedup_fwd_bwd"] = round(ms["rec_chunk_kda"] / ms["rec_cudnn"], 3)
         row["rec_speedup_fwd"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn"], 3)
+        row["rec_speedup_fwd_in_kernel"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn_in_kernel"], 3)
+        row["layer_speedup_fwd_in_kernel_vs_outside"] = round(
+            ms_fwd["layer_cudnn_outside"] / ms_fwd["layer_cudnn_in_kernel"], 3
+        )
         row["layer_speedup_cudnn_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn"], 3)
         row["layer_matmul_share_of_ceiling"] = round(row["projection_floor_ms"] / ms["layer_cudnn"], 3)
     return row

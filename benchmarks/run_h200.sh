@@ -24,6 +24,10 @@
 #   jax_oracle   kimi compare --reference jax (fp32 JAX on the GPU) of the 4-layer checkpoint at 2,049 tokens: KDA
 #                layers 0-2 and DSA layer 3, cudnn and eager (bf16)
 #   tests_fla    all of tests/gpu on the other kernels: KDA on fla (KIMI_TEST_KDA_KERNELS=fla), DSA on Triton
+#   tests_new    the GPU tests of hardening, generation, LoRA and gradients, and distillation (default kernels)
+#   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
+#                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
+#   generate_decode  benchmarks/generate_decode.py: prefill and decode tokens/s with a 32K context, cudnn and sdpa
 #   indexer_topk, profile (not in the default STEPS): benchmark 2; Nsight Compute counters of the Triton sparse
 #                forward and the indexer's kernel breakdown (ncu reads counters on Firecracker machines only)
 set -uo pipefail
@@ -55,8 +59,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NA
   return $rc
 }
 
-default_steps="init probe tests_main sparse_mla_fwd kda_layer validate tests_dsa train_step_4layers dsa_vs_dense_layer \
-jax_oracle tests_fla"
+default_steps="init probe tests_main tests_new sparse_mla_fwd kda_layer validate tests_dsa train_step_4layers \
+dsa_vs_dense_layer jax_oracle train_full train_lora generate_decode tests_fla"
 want() { [[ " ${STEPS:-$default_steps} " == *" $1 "* ]]; }
 pytest_gpu=(python3 -m pytest -m gpu -q -rfE -s -p no:cacheprovider --durations=15)
 
@@ -68,6 +72,8 @@ fi
 want probe && step probe 300 python3 benchmarks/probe_h200.py
 want tests_main && KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 \
   "${pytest_gpu[@]}" tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64"
+want tests_new && step tests_new 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_hardening.py tests/gpu/test_gpu_generate.py \
+  tests/gpu/test_gpu_lora_grad.py tests/gpu/test_gpu_distill.py
 # shellcheck disable=SC2046
 want sparse_mla_fwd && step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd.py $([ "${SWEEP:-0}" = 1 ] || echo --no-sweep) \
   --out "$dir/sparse_mla_fwd.json"
@@ -87,6 +93,12 @@ if want jax_oracle; then
   step jax_oracle 900 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens 2049 \
     --reference jax --backends cudnn,eager --dtype bfloat16 --device cuda --json "$dir/jax_oracle_T2049.json" --quiet
 fi
+[ -n "${init_pid:-}" ] && wait "$init_pid"
+for mode in full lora; do
+  want "train_$mode" && step "train_$mode" 600 bash benchmarks/train_4layers_h200.sh "$mode" "$dir/train_$mode"
+done
+want generate_decode && step generate_decode 600 python3 benchmarks/generate_decode.py --context 32768 --batches 1 8 \
+  --backends cudnn,sdpa --out "$dir/generate_decode.json"
 if want tests_fla; then  # everything again on the other kernels: fla's KDA, the Triton sparse forward in the DSA layer
   KIMI_TEST_KDA_KERNELS=fla KIMI_SPARSE_KERNEL=triton step tests_fla 1200 "${pytest_gpu[@]}" tests/gpu
   save_autotune

@@ -13,7 +13,8 @@ documented in the reference module. Two forms here:
   backward recomputes each chunk, so no ``[T, S, H]`` tensor ever exists (32K tokens: 96 heads x 32K x 32K x 4 B
   = 412 GB); :func:`sparse_kl_gathered` runs the sparse stage on the selected rows only (``[T, H, k]`` per chunk),
   reusing the sparse forward's lse, which is taken over exactly ``S_t`` (case 29: never an lse over another set);
-  :func:`indexer_scores_at` gives the student's scores at the selected keys without the ``[T, S]`` score matrix.
+  :func:`indexer_scores_at` gives the student's scores at the selected keys without the ``[T, S]`` score matrix;
+  :func:`sparse_recall` gives the recall of a selection from the sparse lse and a chunked dense lse (no ``[T, S]``).
 
 :func:`mla_queries_keys` recomputes a ``GatedMLA`` layer's q and k from its weights (through ``layer.project``), so the
 layer's forward stays untouched.
@@ -35,6 +36,7 @@ __all__ = [
     "warmup_kl_chunked",
     "sparse_kl_gathered",
     "indexer_scores_at",
+    "sparse_recall",
     "CHUNK_BYTES",
 ]
 
@@ -383,3 +385,54 @@ def sparse_kl_gathered(
         log_q = _chunk_log_softmax(scores_at[rt].to(dt), valid)
         out.append(torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1))
     return torch.cat(out) if out else scores_at.new_zeros(0, dtype=dt)
+
+
+@torch.no_grad()
+def sparse_recall(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """Recall of a sparse selection from the sparse forward's lse: the share of the dense head-summed attention mass
+    on ``S_t``, without any ``[T, S]`` tensor.
+
+    Each head's dense probabilities sum to 1 over the visible keys, so the L1-normalised head sum is their mean over
+    heads and its mass on ``S_t`` is ``(1/H) sum_h exp(lse_S[t, h] - lse_dense[t, h])``; ``lse_dense`` (over every
+    causal key of the document) is reduced here in query-row chunks of ``[C, H, t1]`` logits. Equal to
+    ``indexer_recall(attention_target(q, k, mask), selected)`` up to rounding.
+
+    Args:
+        q: ``[N, H, D]`` absorbed queries; kv: ``[N, D]`` latent rows (as :func:`sparse_kl_gathered`).
+        lse: ``[N, H]`` natural-log lse of the sparse forward over exactly ``S_t`` (+inf on a row without a slot).
+        scale: ``config.mla_softmax_scale``. cu_seqlens: ``[M+1]`` packed documents over the N rows, or None.
+        chunk_bytes: bound on one chunk's fp32 logits.
+
+    Returns:
+        ``[N]`` fp32 (fp64 for fp64 inputs) in [0, 1] (clamped: the two lse come from different kernels); no gradient.
+
+    Raises:
+        ValueError: shapes that do not agree, malformed ``cu_seqlens``.
+    """
+    N, H, D = q.shape
+    if tuple(kv.shape) != (N, D) or tuple(lse.shape) != (N, H):
+        raise ValueError(f"kv / lse: got {tuple(kv.shape)} / {tuple(lse.shape)}, expected {(N, D)} / {(N, H)}")
+    seg = segment_ids(cu_seqlens, N, device=q.device)
+    dt = compute_dtype(q, kv, lse)
+    rows = _rows_per_chunk(1, H, max(N, 1), dt, chunk_bytes)
+    out = q.new_zeros(N, dtype=dt)
+    for t0 in range(0, N, rows):
+        t1 = min(N, t0 + rows)
+        vis = (torch.arange(t1, device=q.device)[None, :] <= torch.arange(t0, t1, device=q.device)[:, None]) & (
+            seg[t0:t1, None] == seg[None, :t1]
+        )  # [C, t1]
+        logits = torch.einsum("chd,sd->chs", q[t0:t1].to(dt), kv[:t1].to(dt)) * scale
+        lse_dense = torch.logsumexp(logits.masked_fill(~vis[:, None], float("-inf")), -1)  # [C, H]
+        del logits
+        lse_s = lse[t0:t1].to(dt)
+        ok = torch.isfinite(lse_s) & torch.isfinite(lse_dense)
+        out[t0:t1] = torch.where(ok, torch.exp(torch.where(ok, lse_s - lse_dense, 0.0)), 0.0).mean(-1)
+    return out.clamp(0.0, 1.0)

@@ -350,23 +350,29 @@ class SparseMLAFunction(torch.autograd.Function):
     """Absorbed sparse MLA with autograd: ``out = softmax(scale * q . kv[idx]) kv[idx, :512]`` per head.
 
     ``apply(q [T, H, 576] bf16, kv [S, 576] bf16, indices [T, K] int32 global (-1 skipped), topk_length [T] int32,
-    sm_scale, kernel=None)`` -> ``out [T, H, 512]`` bf16. Forward: ``sparse_mla_fwd(backend=kernel)`` (FlashMLA or
-    Triton; saves out and the natural-log lse);
+    sm_scale, kernel=None, return_lse=False)`` -> ``out [T, H, 512]`` bf16, or with ``return_lse`` ``(out, lse)``,
+    lse ``[T, H]`` fp32 natural-log over exactly the valid slots (+inf on a row without one; non-differentiable: the
+    indexer distillation's sparse stage reuses it, ``kernels_torch.distill.sparse_kl_gathered``). Forward:
+    ``sparse_mla_fwd(backend=kernel)`` (FlashMLA or Triton; saves out and the natural-log lse);
     backward: cuDNN FE ``sparse_attention_backward_wrapper`` (no attention sink: ``attn_sink = -inf``; atomics, so
     not bitwise deterministic). Gradients for q and kv only.
     """
 
     @staticmethod
-    def forward(ctx, q, kv, indices, topk_length, sm_scale, kernel=None):
+    def forward(ctx, q, kv, indices, topk_length, sm_scale, kernel=None, return_lse=False):
         from kernels_torch.ops.sparse_mla import sparse_mla_fwd
 
         out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, topk_length, backend=kernel)
         ctx.save_for_backward(q, kv, indices, topk_length, out, lse)
         ctx.sm_scale = float(sm_scale)
-        return out
+        if not return_lse:
+            return out
+        lse_out = lse.detach().float().clone()  # its own storage: the saved lse stays the backward's
+        ctx.mark_non_differentiable(lse_out)
+        return out, lse_out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_):
         q, kv, indices, topk_length, out, lse = ctx.saved_tensors
         sink = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
         res = _dsa().sparse_attention_backward_wrapper(
@@ -380,16 +386,17 @@ class SparseMLAFunction(torch.autograd.Function):
             softmax_scale=ctx.sm_scale,
             topk_length=topk_length,
         )
-        return res["dq"], res["dkv"], None, None, None, None
+        return res["dq"], res["dkv"], None, None, None, None, None
 
 
-def _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v, rows_per_chunk=256):
-    """Differentiable torch twin of :class:`SparseMLAFunction` for any d_qk / d_v (fp32 softmax, gathered keys)."""
+def _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v, rows_per_chunk=256, return_lse=False):
+    """Differentiable torch twin of :class:`SparseMLAFunction` for any d_qk / d_v (fp32 softmax, gathered keys);
+    with ``return_lse`` also the detached natural-log lse ``[T, H]`` (fp32, fp64 for fp64 q; +inf on empty rows)."""
     T, H, D = q.shape
     S, K = kv.shape[0], indices.shape[1]
     pos = torch.arange(K, device=q.device)
     dt = compute_dtype(q)  # fp32 (fp64 for fp64 inputs)
-    outs = []
+    outs, lses = [], []
     for t0 in range(0, T, rows_per_chunk):
         t1 = min(T, t0 + rows_per_chunk)
         idx = indices[t0:t1].long()
@@ -398,20 +405,26 @@ def _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v, rows_per_chunk
         logits = torch.einsum("chd,ckd->chk", q[t0:t1].to(dt), sel) * sm_scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         empty = ~valid.any(-1)  # rows with no valid key give 0, never NaN (also in backward)
+        if return_lse:
+            lses.append(torch.logsumexp(logits.detach(), -1).masked_fill(empty[:, None], float("inf")))
         logits = logits.masked_fill(empty[:, None, None], 0.0)
         p = torch.softmax(logits, dim=-1).masked_fill(empty[:, None, None], 0.0)
         outs.append(torch.einsum("chk,ckv->chv", p, sel[..., :d_v]).to(q.dtype))
-    return torch.cat(outs) if outs else q.new_zeros(0, H, d_v)
+    out = torch.cat(outs) if outs else q.new_zeros(0, H, d_v)
+    if not return_lse:
+        return out
+    return out, (torch.cat(lses) if lses else q.new_zeros(0, H, dtype=dt))
 
 
-def sparse_mla(q, kv, indices, topk_length, sm_scale, d_v=SPARSE_D_V, kernel=None):
+def sparse_mla(q, kv, indices, topk_length, sm_scale, d_v=SPARSE_D_V, kernel=None, return_lse=False):
     """Sparse absorbed MLA with autograd: :class:`SparseMLAFunction` for d_qk = 576, d_v = 512 (the real dims),
     else the torch twin. Shapes as in :class:`SparseMLAFunction`; ``kernel`` picks the forward (``"flash_mla"``,
-    ``"triton"``, ``"auto"`` or None: ``$KIMI_SPARSE_KERNEL``, then auto)."""
+    ``"triton"``, ``"auto"`` or None: ``$KIMI_SPARSE_KERNEL``, then auto). ``return_lse``: also return the detached
+    natural-log lse ``[T, H]`` of the forward (fp32; over exactly the valid slots, +inf on a row without one)."""
     if q.shape[-1] == SPARSE_D_QK and d_v == SPARSE_D_V and q.dtype == torch.bfloat16:
-        return SparseMLAFunction.apply(q, kv, indices, topk_length, sm_scale, kernel)
+        return SparseMLAFunction.apply(q, kv, indices, topk_length, sm_scale, kernel, return_lse)
     kernel_choice.record("sparse_mla_fwd", "torch")
-    return _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v)
+    return _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v, return_lse=return_lse)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -437,7 +450,16 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
     DSA layers: c_q -> frozen indexer (no grad) -> :func:`indexer_topk_cudnn`; absorbed query
     ``[W_UK^T q_nope || q_pe]`` ``[N, H, 576]`` and latent rows ``[kv_a_layernorm(c) || k_pe]`` ``[N, 576]``
     -> :func:`sparse_mla` -> W_UV -> sigmoid gate (fp32) -> o_proj. ``B > 1`` runs as ``B`` packed documents.
-    MLA layers without an indexer: expanded form with torch SDPA (causal, or the document mask).
+    MLA layers without an indexer: expanded form with torch SDPA (causal, or the document mask). A DSA layer whose
+    indexer's ``index_topk`` selects every visible key and exceeds the top-k kernel's :data:`MAX_TOPK` (the dense
+    warm-up's ``kimi_tools.distill.dense_selection``) is dense causal MLA (spec 4.3) and runs that SDPA path too,
+    with ``topk_indices`` None in the aux.
+
+    With ``layer.sparse_kl_aux`` set (``kimi_tools.distill.capture_dsa_inputs`` sets it), a sparse DSA layer's aux
+    also holds what the indexer distillation's sparse stage needs, all detached, in the packed layout of the sparse
+    forward (N = B * T rows): ``"q_abs"`` ``[N, H, L+R]``, ``"kv_rows"`` ``[N, L+R]``, ``"topk_global"`` ``[N, k]``
+    int32 global row ids (-1 padded), ``"lse"`` ``[N, H]`` fp32, the sparse forward's natural-log lse over exactly
+    those slots, and ``"c_q"`` ``[B, T, q_lora_rank]`` (the indexer's query input).
 
     Returns:
         ``[B, T, D]`` bf16, plus with ``return_aux`` ``{"topk_indices": [B, T, min(index_topk, T)] int32 (-1 padded),
@@ -458,14 +480,18 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
     c_q, q, q_nope, q_pe, c_kv, k_pe = layer.project(x)
 
     aux: dict = {}
-    if layer.kind != "dsa":
+    index_topk = layer.indexer.config.index_topk if layer.kind == "dsa" else 0
+    dense = layer.kind == "dsa" and index_topk > MAX_TOPK and index_topk >= T  # every visible key selected
+    if layer.kind != "dsa" or dense:
         kvb = layer.kv_b_proj(c_kv).view(B, T, H, Kn + V)
         k = torch.cat([kvb[..., :Kn], k_pe[:, :, None, :].expand(B, T, H, R)], dim=-1)
         o = _dense_sdpa(q, k, kvb[..., Kn:], cu_seqlens, scale)  # [B, T, H, V]
+        if dense:
+            aux = {"topk_indices": None, "index_scores": None}
     else:
         N = B * T  # B sequences = B packed documents
         cu = cu_seqlens if cu_seqlens is not None or B == 1 else torch.arange(B + 1) * T
-        topk = min(c.index_topk, T)
+        topk = min(index_topk, T)
         with torch.no_grad():  # frozen indexer: hard top-k passes no gradient
             # RoPE (config.indexer_rope) is applied here, before the cuDNN call; positions restart per document
             q_I, k_I, weights = layer.indexer.projections(x.detach(), c_q.detach(), cu_seqlens)
@@ -479,13 +505,23 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
             [torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk), q_pe.reshape(N, H, R)], dim=-1
         ).contiguous()  # [N, H, L+R]
         kv_rows = torch.cat([c_kv, k_pe], dim=-1).reshape(N, L + R).contiguous()  # [N, L+R]: one latent KV head
-        o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L, kernel=getattr(layer, "sparse_kernel", None))
+        kl_aux = bool(getattr(layer, "sparse_kl_aux", False))
+        o_lat = sparse_mla(
+            q_abs, kv_rows, idx, tlen, scale, d_v=L, kernel=getattr(layer, "sparse_kernel", None), return_lse=kl_aux
+        )
+        if kl_aux:
+            o_lat, lse = o_lat
         o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).view(B, T, H, V)
+        idx_global = idx
         idx = idx.view(B, T, topk)
         if B > 1:  # the B sequences ran as packed documents: key ids back to positions within each sequence
             offset = (torch.arange(B, device=idx.device, dtype=idx.dtype) * T)[:, None, None]
             idx = torch.where(idx >= 0, idx - offset, idx)
         aux = {"topk_indices": idx, "index_scores": None}
+        if kl_aux:  # the indexer distillation's sparse stage (kimi_tools.distill): the sparse forward's own rows
+            aux.update(
+                q_abs=q_abs.detach(), kv_rows=kv_rows.detach(), topk_global=idx_global, lse=lse, c_q=c_q.detach()
+            )
 
     out = layer.gate_and_project_out(o, x)
     return (out, aux) if return_aux else out

@@ -51,6 +51,7 @@ __all__ = [
     "GatedRMSNorm",
     "KimiDeltaAttention",
     "kda_recurrence_cudnn",
+    "kda_recurrence_cudnn_fused",
     "cudnn_kda_unavailable",
 ]
 
@@ -407,26 +408,10 @@ def _cudnn_plan_name(device: torch.device) -> str | None:
     return CUDNN_KDA_PLAN_SM90 if torch.cuda.get_device_capability(device)[0] == 9 else None
 
 
-def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, plan_name: str | None = "default"):
-    """The KDA recurrence (spec 2.2 step 7) on cuDNN Frontend's KDA op, with autograd.
-
-    Args:
-        q, k: ``[B, T, H, K]`` bf16, already L2-normalised (the SM90 backward takes no in-kernel norm).
-        v: ``[B, T, H, V]`` bf16. g: ``[B, T, H, K]`` fp32 log-space decay (<= 0). beta: ``[B, T, H]`` fp32, post-sigmoid
-            (the SM90 backward engine needs fp32 beta: bf16 gets "no engine proposed a plan").
-        initial_state: ``[N, H, K, V]`` fp32 (our K-first layout) or None (zeros).
-        cu_seqlens: ``[N+1]`` int (B == 1, packed documents, the state resets at each start) or None (B sequences).
-        plan_name: cuDNN plan to pin; ``"default"``: ``kda_hopper_cuda`` on SM90 (:func:`_cudnn_plan_name`).
-
-    Returns:
-        ``o [B, T, H, V]`` bf16 and the final state ``[N, H, K, V]`` fp32 (K-first). Scale ``K^-1/2`` (the only one the
-        SM90 backward takes). The op's layout is THD (``[B*T, H, *]``) with V-first states ``[N, H, V, K]``: both are
-        converted here, inside autograd.
-
-    Raises:
-        ValueError: shapes; RuntimeError / ``cudnn.cudnnGraphNotSupportedError`` from cuDNN when no engine takes it.
-    """
-    op = _cudnn_kda_op()
+def _cudnn_kda_args(q, v, initial_state, cu_seqlens, plan_name):
+    """What both cuDNN calls share, in the op's terms: ``(B, T, H, K, V, cu, S0, plan_name)`` with ``cu`` int32
+    ``[N+1]`` on q's device (``[0, T, 2T, ...]`` for B sequences), ``S0`` None or the initial state as the op's V-first
+    fp32 ``[N, H, V, K]`` (one transposing copy, only when a state is given), and the resolved plan name."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is None:
@@ -443,12 +428,37 @@ def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, 
         S0 = initial_state.float().transpose(-1, -2).contiguous()  # K-first -> the op's V-first [N, H, V, K]
     if plan_name == "default":
         plan_name = _cudnn_plan_name(q.device)
+    return B, T, H, K, V, cu, S0, plan_name
+
+
+def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, plan_name: str | None = "default"):
+    """The KDA recurrence (spec 2.2 step 7) on cuDNN Frontend's KDA op, with autograd.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16, already L2-normalised (the SM90 backward takes no in-kernel norm).
+        v: ``[B, T, H, V]`` bf16. g: ``[B, T, H, K]`` fp32 log-space decay (<= 0). beta: ``[B, T, H]`` fp32, post-sigmoid
+            (the SM90 backward engine needs fp32 beta: bf16 gets "no engine proposed a plan").
+        initial_state: ``[N, H, K, V]`` fp32 (our K-first layout) or None (zeros).
+        cu_seqlens: ``[N+1]`` int (B == 1, packed documents, the state resets at each start) or None (B sequences).
+        plan_name: cuDNN plan to pin; ``"default"``: ``kda_hopper_cuda`` on SM90 (:func:`_cudnn_plan_name`).
+
+    Returns:
+        ``o [B, T, H, V]`` bf16 and the final state ``[N, H, K, V]`` fp32 (K-first). Scale ``K^-1/2`` (the only one the
+        SM90 backward takes). The op's layout is THD (``[B*T, H, *]``, a free view of our contiguous ``[B, T, H, *]``)
+        with V-first states ``[N, H, V, K]``: the states are transposed here, inside autograd (one copy of
+        ``N*H*K*V`` fp32 each way, 6.3 MB per sequence at H = 96, K = V = 128; none in when there is no initial state).
+
+    Raises:
+        ValueError: shapes; RuntimeError / ``cudnn.cudnnGraphNotSupportedError`` from cuDNN when no engine takes it.
+    """
+    op = _cudnn_kda_op()
+    B, T, H, K, V, cu, S0, plan_name = _cudnn_kda_args(q, v, initial_state, cu_seqlens, plan_name)
     o, S, _ = op(
         q.reshape(B * T, H, K),
         k.reshape(B * T, H, K),
         v.reshape(B * T, H, V),
         g.reshape(B * T, H, K),
-        beta.reshape(B * T, H).contiguous(),
+        beta.reshape(B * T, H),
         cu,
         K**-0.5,
         initial_state=S0,
@@ -458,7 +468,105 @@ def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, 
     return o.view(B, T, H, V), S.transpose(-1, -2).contiguous()
 
 
+def kda_recurrence_cudnn_fused(
+    q,
+    k,
+    v,
+    f,
+    beta_logits,
+    A_log,
+    dt_bias,
+    lower_bound: float,
+    initial_state=None,
+    cu_seqlens=None,
+    plan_name: str | None = "default",
+):
+    """Forward only: spec 2.2 steps 4-7 (q/k L2 norm, the lower-bound gate, the beta sigmoid, the recurrence) in one
+    call of cuDNN Frontend's KDA op, which applies the three input maps to each staged tile inside its forward kernel
+    (``use_qk_l2norm_in_kernel``, ``safe_gate`` with ``a_log`` / ``dt_bias`` / ``gate_lower_bound``,
+    ``use_beta_sigmoid_in_kernel``; cuDNN FE 1.32 ``hopper/cuda_kernels/kda_fused_sm90.cu``). Same function as
+    :func:`kda_recurrence_cudnn` on ``l2norm(q)``, ``l2norm(k)``, ``kda_gate(f, A_log, dt_bias, lower_bound)`` and
+    ``sigmoid(beta_logits)``: the kernel computes ``x * rsqrt(sum(x^2) + 1e-6)`` in fp32 rounded to bf16 (as fla's
+    ``l2norm``), ``lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` in fp32 with A_log capped at :data:`A_LOG_MAX` here
+    (as :func:`kda_gate`), and ``sigmoid`` in fp32 (fast-math ``exp`` throughout).
+
+    No autograd: the SM90 backward engine (``kda_hopper_cuda``) declines every one of these fusions, so this serves
+    inference and prefill; training uses :func:`kda_recurrence_cudnn` with the maps computed outside.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16, raw (the conv outputs, not normalised). v: ``[B, T, H, V]`` bf16.
+        f: ``[B, T, H, K]`` raw gate input ``f_b(f_a(x))`` (bf16 or fp32; passed to the op as fp32, the dtype the kernel
+            reads). beta_logits: ``[B, T, H]`` pre-sigmoid ``b_proj(x)`` (passed as fp32).
+        A_log: ``[H]`` (canonical, sliced). dt_bias: ``[H*K]``. lower_bound: ``gate_lower_bound`` in [-5, 0).
+        initial_state, cu_seqlens, plan_name: as :func:`kda_recurrence_cudnn`.
+
+    Returns:
+        ``o [B, T, H, V]`` bf16 and the final state ``[N, H, K, V]`` fp32 (K-first), as :func:`kda_recurrence_cudnn`.
+
+    Raises:
+        RuntimeError: gradients are needed (grad mode on and an input that requires grad).
+        ValueError: shapes, or ``lower_bound`` outside [-5, 0); cuDNN's errors as :func:`kda_recurrence_cudnn`.
+    """
+    tensors = (q, k, v, f, beta_logits, A_log, dt_bias, initial_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "kda_recurrence_cudnn_fused is forward only (the SM90 backward engine takes none of the in-kernel "
+            "L2 norm / gate / beta sigmoid): run it under torch.no_grad(), or use kda_recurrence_cudnn"
+        )
+    if lower_bound is None or not -5.0 <= lower_bound < 0:
+        raise ValueError(f"lower_bound: got {lower_bound}, expected a gate_lower_bound in [-5, 0) (the safe gate)")
+    op = _cudnn_kda_op()
+    B, T, H, K, V, cu, S0, plan_name = _cudnn_kda_args(q, v, initial_state, cu_seqlens, plan_name)
+    if tuple(f.shape) != (B, T, H, K) or tuple(beta_logits.shape) != (B, T, H):
+        raise ValueError(
+            f"f, beta_logits: got shapes {tuple(f.shape)}, {tuple(beta_logits.shape)}, expected "
+            f"[B, T, H, K]=[{B}, {T}, {H}, {K}] and [B, T, H]=[{B}, {T}, {H}]"
+        )
+    if tuple(A_log.shape) != (H,) or tuple(dt_bias.shape) != (H * K,):
+        raise ValueError(
+            f"A_log, dt_bias: got shapes {tuple(A_log.shape)}, {tuple(dt_bias.shape)}, expected [H]=[{H}], [H*K]=[{H * K}]"
+        )
+    o, S, _ = op(
+        q.reshape(B * T, H, K),
+        k.reshape(B * T, H, K),
+        v.reshape(B * T, H, V),
+        f.reshape(B * T, H, K).float(),  # no copy when f is fp32; else the cast the kernel would make anyway
+        beta_logits.reshape(B * T, H).float(),
+        cu,
+        K**-0.5,
+        initial_state=S0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=True,
+        gate_lower_bound=float(lower_bound),
+        a_log=A_log.float().clamp(max=A_LOG_MAX),  # the eager gate's cap (kda_gate)
+        dt_bias=dt_bias.float().reshape(H, K),
+        plan_name=plan_name,
+    )
+    return o.view(B, T, H, V), S.transpose(-1, -2).contiguous()
+
+
 _FALLBACK_WARNED: set[str] = set()
+
+
+def _kda_prep_choice(layer: KimiDeltaAttention, x: torch.Tensor) -> str:
+    """``"in_kernel"`` or ``"outside"``: where the cuDNN path computes the q/k L2 norm, the gate and the beta sigmoid
+    (``kernel_choice.resolve("kda_prep", layer.kda_prep)``; ``auto``: in the kernel when no gradient is needed).
+
+    Raises:
+        RuntimeError: ``in_kernel`` forced where gradients are needed (the SM90 backward takes none of the fusions).
+    """
+    prep = kernel_choice.resolve("kda_prep", getattr(layer, "kda_prep", None))
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    if prep == "in_kernel" and needs_grad:
+        raise RuntimeError(
+            "kda_prep: got 'in_kernel', but gradients are needed and cuDNN's SM90 KDA backward takes none of the "
+            "in-kernel L2 norm / gate / beta sigmoid; use 'outside' or 'auto' for training (or run under torch.no_grad())"
+        )
+    if prep == "auto":
+        prep = "outside" if needs_grad else "in_kernel"
+    return prep
 
 
 def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cache: KDACache | None):
@@ -470,10 +578,17 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
       resets at every ``cu_seqlens`` start); our weight ``[P, 1, W]`` is passed as ``[P, W]``.
     * the recurrence, by ``kernel_choice.resolve("kda", layer.kda_kernel)``:
 
-      - ``cudnn`` (:func:`kda_recurrence_cudnn`): q/k L2 norm with ``fla.modules.norm.l2norm`` (eps 1e-6, fp32 math,
-        bf16 out), the gate in fp32 with ``fla.ops.kda.gate.fused_kda_gate`` (either form: ``lb * sigmoid(exp(A_log) *
-        (f + dt_bias))`` or ``-exp(A_log) * softplus(f + dt_bias)``), beta = sigmoid in fp32, then the cuDNN op (the SM90
-        backward fuses none of these; they are computed outside, with their own backward kernels).
+      - ``cudnn``: where the q/k L2 norm, the gate and the beta sigmoid run is ``kernel_choice.resolve("kda_prep",
+        layer.kda_prep)`` (``$KIMI_KDA_PREP``): ``outside`` (:func:`kda_recurrence_cudnn`): q/k L2 norm with
+        ``fla.modules.norm.l2norm`` (eps 1e-6, fp32 math, bf16 out), the gate in fp32 with
+        ``fla.ops.kda.gate.fused_kda_gate`` (``lb * sigmoid(exp(A_log) * (f + dt_bias))``), beta = sigmoid in fp32,
+        then the cuDNN op (the SM90 backward fuses none of these; they are computed outside, with their own backward
+        kernels); ``in_kernel`` (:func:`kda_recurrence_cudnn_fused`, forward only): the op applies all three to its
+        staged tiles, which saves the two L2-norm passes over q and k and the sigmoid kernels. ``auto``: ``in_kernel``
+        when no gradient is needed (grad mode off, or neither x nor a parameter requires grad), else ``outside``; a
+        forced ``in_kernel`` where gradients are needed raises. Recorded in ``kernel_choice.used()["kda_prep"]``.
+        (Under reentrant activation checkpointing ``auto`` would run ``in_kernel`` in the first forward and
+        ``outside`` in the recomputation: force ``outside`` there. The project's checkpointing is non-reentrant.)
       - ``fla``: ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (K3:
         ``safe_gate=True, lower_bound=lb``; Kimi-Linear: softplus), beta fp32.
 
@@ -488,7 +603,8 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         ``(out [B, T, D] bf16, KDACache)`` as the eager layer.
 
     Raises:
-        RuntimeError: ``kda_kernel='cudnn'`` where the cuDNN op cannot run (with the reason).
+        RuntimeError: ``kda_kernel='cudnn'`` where the cuDNN op cannot run (with the reason); ``kda_prep='in_kernel'``
+            where gradients are needed.
     """
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
@@ -532,19 +648,25 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     v, cv = conv(layer.v_proj, layer.v_conv1d, cv)
     q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V], V = K
     f = _linear(_linear(x, layer.f_a_proj), layer.f_b_proj).reshape(B, T, H, K)  # raw gate input; gated in fp32
-    beta = torch.sigmoid(_linear(x, layer.b_proj).float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
+    b_logits = _linear(x, layer.b_proj)  # [B,T,H]
     lb = c.gate_lower_bound
     S0f = None if S0 is None else S0.float()
     o = S = None
     if choice != "fla" and why is None:
-        from fla.modules.norm.l2norm import l2norm as fla_l2norm
-        from fla.ops.kda.gate import fused_kda_gate
-
-        A_log = layer.A_log.float().clamp(max=A_LOG_MAX)  # the eager gate's cap: finite rate, finite gradients
-        g = fused_kda_gate(f, A_log, layer.dt_bias.float(), lower_bound=lb, output_dtype=torch.float32)
+        prep = _kda_prep_choice(layer, x)  # outside the try: a forced in_kernel under autograd raises, never falls back
         try:
-            o, S = kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, S0f, cu)
+            if prep == "in_kernel":
+                o, S = kda_recurrence_cudnn_fused(q, k, v, f, b_logits, layer.A_log, layer.dt_bias, lb, S0f, cu)
+            else:
+                from fla.modules.norm.l2norm import l2norm as fla_l2norm
+                from fla.ops.kda.gate import fused_kda_gate
+
+                A_log = layer.A_log.float().clamp(max=A_LOG_MAX)  # the eager gate's cap: finite rate, finite gradients
+                g = fused_kda_gate(f, A_log, layer.dt_bias.float(), lower_bound=lb, output_dtype=torch.float32)
+                beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
+                o, S = kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, S0f, cu)
             kernel_choice.record("kda", "cudnn")
+            kernel_choice.record("kda_prep", prep)
         except Exception as e:  # a cuDNN decline (no engine / plan for this graph)
             if choice == "cudnn":
                 raise
@@ -562,7 +684,7 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
             k,
             v,
             f,
-            beta,
+            torch.sigmoid(b_logits.float()),  # [B,T,H] fp32: the one sigmoid on beta (case 3)
             scale=K**-0.5,
             initial_state=S0f,
             output_final_state=True,
@@ -654,6 +776,7 @@ class KimiDeltaAttention(nn.Module):
             )
         self.config, self.layer_idx, self.backend = config, layer_idx, backend
         self.kda_kernel: str | None = None  # cudnn backend: recurrence kernel (kernels_torch.kernel_choice)
+        self.kda_prep: str | None = None  # cudnn backend, cuDNN kernel: where the L2 norm / gate / beta sigmoid run
         c = config
         H, K, D, W, R = c.kda_num_heads, c.kda_head_dim, c.hidden_size, c.short_conv_kernel_size, c.kda_gate_rank
         P = H * K

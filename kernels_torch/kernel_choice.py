@@ -6,10 +6,15 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   kernels, SM100 current ones; 96 heads padded to 128) or ``triton`` (ours, ``kernels_torch.ops.sparse_mla``).
 * ``kda`` (the KDA recurrence in chunk mode): ``cudnn`` (cuDNN Frontend's ``torch.ops.cudnn.kimi_delta_attention_fwd``,
   engine ``kda_hopper_cuda`` on SM90) or ``fla`` (fla-core's ``chunk_kda``).
+* ``kda_prep`` (where the cuDNN KDA path computes the q/k L2 norm, the lower-bound gate and the beta sigmoid):
+  ``in_kernel`` (the op's own fusions; forward only, since the SM90 backward engine takes none of them) or
+  ``outside`` (fla's ``l2norm`` and ``fused_kda_gate``, torch's sigmoid, each with its backward); ``auto`` takes
+  ``in_kernel`` where no gradient is needed (inference, prefill) and ``outside`` otherwise.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
-``kda_kernel`` attribute that ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)`` sets), then
-the environment variables ``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL``, then ``auto`` (the fast kernel where it is
+``kda_kernel`` / ``kda_prep`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
+sets the first two), then the environment variables ``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP``,
+then ``auto`` (the fast kernel where it is
 importable and takes the shape, else the other one). A forced kernel that cannot run raises; ``auto`` falls back.
 
 Every call records the kernel that actually ran (:func:`record`); :func:`used` returns the counts since the last
@@ -23,8 +28,12 @@ from collections import Counter
 
 __all__ = ["CHOICES", "ENV_VARS", "resolve", "record", "used", "reset_used", "set_model_kernels"]
 
-CHOICES = {"sparse_mla_fwd": ("auto", "flash_mla", "triton"), "kda": ("auto", "cudnn", "fla")}
-ENV_VARS = {"sparse_mla_fwd": "KIMI_SPARSE_KERNEL", "kda": "KIMI_KDA_KERNEL"}
+CHOICES = {
+    "sparse_mla_fwd": ("auto", "flash_mla", "triton"),
+    "kda": ("auto", "cudnn", "fla"),
+    "kda_prep": ("auto", "in_kernel", "outside"),
+}
+ENV_VARS = {"sparse_mla_fwd": "KIMI_SPARSE_KERNEL", "kda": "KIMI_KDA_KERNEL", "kda_prep": "KIMI_KDA_PREP"}
 _USED: dict[str, Counter] = {}
 
 

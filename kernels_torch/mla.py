@@ -172,7 +172,10 @@ class GatedMLA(nn.Module):
     (None under ``"cudnn"``, which never forms the scores; ``form`` is ignored there: see
     :func:`kernels_torch.dsa_cudnn.gated_mla_forward`).
 
-    Under ``"cudnn"`` the indexer's parameters are frozen (``requires_grad=False``): hard top-k gives them no gradient.
+    Under ``"cudnn"`` the indexer's parameters are frozen (``requires_grad=False``): hard top-k gives them no gradient
+    (the indexer distillation stages of ``kimi_tools.distill`` unfreeze them: their KL trains the indexer from the
+    layer's detached input, outside the layer's forward). ``sparse_kl_aux`` (default False): under ``"cudnn"``, also
+    return the sparse forward's rows and lse in the aux (:func:`kernels_torch.dsa_cudnn.gated_mla_forward`).
 
     Raises:
         ValueError: unknown ``backend`` (allowed: :data:`BACKENDS`), a KDA ``layer_idx``, an unknown ``form``,
@@ -192,6 +195,7 @@ class GatedMLA(nn.Module):
             )
         self.config, self.layer_idx, self.backend, self.kind = c, layer_idx, backend, kind
         self.sparse_kernel: str | None = None  # cudnn DSA: sparse forward kernel (kernels_torch.kernel_choice)
+        self.sparse_kl_aux = False  # cudnn DSA: also return the sparse forward's rows and lse (dsa_cudnn, distill)
         D, H = c.hidden_size, c.num_attention_heads
         Kn, R, V, L = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         if c.q_lora_rank is None:

@@ -6,12 +6,20 @@ The two stages of DeepSeek-V3.2 (spec 4.4; the math is in ``reference_jax.distil
   parameter frozen except the DSA indexers (``*.indexer.*``); the loss is ``sum_t KL(p_t || softmax(I_t))`` over all
   causal keys, summed over the DSA layers. The forward runs under ``torch.no_grad`` (nothing upstream trains); each
   DSA layer's indexer is re-run from its captured, detached input with gradients. The KL uses the chunked form
-  (:func:`kernels_torch.distill.warmup_kl_chunked`), so no ``[T, S, H]`` tensor is formed.
+  (:func:`kernels_torch.distill.warmup_kl_chunked`: query-row chunks of the attention logits and their lse), so no
+  ``[T, S, H]`` tensor is formed. On ``cudnn`` the dense DSA layers run causal SDPA (``dense_selection``).
 * ``--stage sparse`` (:class:`SparseStage`): the model runs sparse (top-``index_topk``); the LM loss trains every
   parameter except the indexers (hard top-k gives them no gradient anyway) and the router's
   ``e_score_correction_bias``; the KL over the selected set, from the indexer re-run on the **detached** layer input,
   trains the indexers only (case 30). The loss returned is ``lm + kl`` (disjoint parameter sets, so each part moves
-  only its own).
+  only its own). On ``eager``/``sdpa`` the KL is the dense twin (``[B, H, T, S]`` logits, CPU sizes); on ``cudnn``
+  it is :func:`kernels_torch.distill.sparse_kl_gathered` on the sparse forward's own absorbed queries, latent rows,
+  selection and natural-log lse (the layer's ``sparse_kl_aux``), in query-row chunks of the selected keys only, with
+  the indexer scored at the selected keys only (:func:`kernels_torch.distill.indexer_scores_at`); the recall comes
+  from that lse and a chunked dense lse (:func:`kernels_torch.distill.sparse_recall`).
+
+The cudnn backend freezes the indexers (hard top-k); both stages unfreeze them in :meth:`WarmupStage.prepare` /
+:meth:`SparseStage.prepare`, which ``kimi train`` calls before choosing the trainable set.
 
 Reduction: DeepSeek sums the KL over query tokens. ``kimi train`` weights micro-batches by their target count and
 expects a per-target mean, so the stage returns ``sum_layers sum_t KL / num_targets``: the same direction as
@@ -63,33 +71,43 @@ def dsa_layers(model: nn.Module) -> dict[int, nn.Module]:
 @contextlib.contextmanager
 def capture_dsa_inputs(model: nn.Module) -> Iterator[dict[int, dict[str, Any]]]:
     """Within the block, every forward of ``model`` (a ``kernels_torch.model.KimiK3Model``) records, per DSA layer
-    index, ``{"x": the layer's normalised input [B, T, D], "cu_seqlens": ..., "topk_indices": [B, T, k] or None}``
-    (the last forward wins). Forward hooks only; removed on exit."""
+    index, ``{"x": the layer's normalised input [B, T, D], "cu_seqlens": ..., "topk_indices": [B, T, k] or None,
+    "forward": the layer's aux}`` (the last forward wins). On ``cudnn`` the block sets each DSA layer's
+    ``sparse_kl_aux``, so that aux also holds the sparse forward's rows and lse
+    (:func:`kernels_torch.dsa_cudnn.gated_mla_forward`). Forward hooks only; hooks and flags restored on exit."""
     seen: dict[int, dict[str, Any]] = {}
-    handles = []
+    handles, flags = [], []
     for i, attn in dsa_layers(model).items():
 
         def hook(module, args, kwargs, output, i=i):
             x = args[0] if args else kwargs["x"]
             aux = output[1] if isinstance(output, tuple) else {}
-            seen[i] = {"x": x, "cu_seqlens": kwargs.get("cu_seqlens"), "topk_indices": aux.get("topk_indices")}
+            seen[i] = {
+                "x": x,
+                "cu_seqlens": kwargs.get("cu_seqlens"),
+                "topk_indices": aux.get("topk_indices"),
+                "forward": aux,
+            }
 
         handles.append(attn.register_forward_hook(hook, with_kwargs=True))
+        flags.append((attn, getattr(attn, "sparse_kl_aux", False)))
+        attn.sparse_kl_aux = attn.backend == "cudnn"
     try:
         yield seen
     finally:
         for h in handles:
             h.remove()
+        for attn, flag in flags:
+            attn.sparse_kl_aux = flag
 
 
 @contextlib.contextmanager
 def dense_selection(model: nn.Module) -> Iterator[None]:
     """Within the block, every DSA indexer of ``model`` selects every visible key (``index_topk`` = :data:`DENSE_TOPK`),
-    so the DSA layers compute dense causal MLA (spec 9). The eager/sdpa backends only."""
+    so the DSA layers compute dense causal MLA (spec 9); on ``cudnn`` they then run causal SDPA and report no
+    ``topk_indices`` (:func:`kernels_torch.dsa_cudnn.gated_mla_forward`)."""
     saved = []
     for attn in dsa_layers(model).values():
-        if attn.backend == "cudnn":
-            raise ValueError("backend: got 'cudnn'; the dense warm-up needs dense attention: use 'eager' or 'sdpa'")
         saved.append((attn.indexer, attn.indexer.config))
         attn.indexer.config = attn.indexer.config.replace(index_topk=DENSE_TOPK)
     try:
@@ -99,8 +117,40 @@ def dense_selection(model: nn.Module) -> Iterator[None]:
             indexer.config = cfg
 
 
+_SPARSE_KL_AUX = ("q_abs", "kv_rows", "topk_global", "lse", "c_q")  # what the cudnn sparse forward hands over
+
+
+def _sparse_terms_gathered(attn, x, cu_seqlens, topk, forward_aux) -> dict[str, torch.Tensor]:
+    """The sparse stage on ``cudnn``: KL over ``S_t`` from the sparse forward's own rows and lse (module docstring)."""
+    missing = [n for n in _SPARSE_KL_AUX if (forward_aux or {}).get(n) is None]
+    if missing:
+        raise ValueError(
+            f"forward_aux: missing {missing}; the cudnn sparse stage needs the DSA layer's sparse_kl_aux output "
+            "(run the forward inside kimi_tools.distill.capture_dsa_inputs)"
+        )
+    f = forward_aux
+    B, T, _ = x.shape
+    N, H, D = f["q_abs"].shape
+    k = f["topk_global"].shape[-1]
+    if N != B * T or tuple(topk.shape) != (B, T, k):
+        raise ValueError(f"forward_aux: q_abs {tuple(f['q_abs'].shape)} / topk {tuple(topk.shape)} do not fit x {B, T}")
+    scale = attn.config.mla_softmax_scale
+    q_I, k_I, w = attn.indexer.projections(x, f["c_q"], cu_seqlens)  # the indexer re-run on the detached input
+    scores_at = kd.indexer_scores_at(q_I, k_I, w, topk).reshape(N, k)  # [N, k], the student at the selected keys
+    rows = max(1, kd.CHUNK_BYTES // (k * (D + H) * 4))  # gathered fp32 keys [C, k, D] + logits [C, H, k]
+    kl = kd.sparse_kl_gathered(f["q_abs"], f["kv_rows"], f["topk_global"], scores_at, scale, lse=f["lse"], rows=rows)
+    cu = cu_seqlens if cu_seqlens is not None or B == 1 else torch.arange(B + 1) * T  # B rows ran as documents
+    recall = kd.sparse_recall(f["q_abs"], f["kv_rows"], f["lse"], scale, cu)
+    return {"kl_sum": kl.sum(), "kl": kl.detach().view(B, T), "recall": recall.view(B, T)}
+
+
 def layer_terms(
-    attn: nn.Module, x: torch.Tensor, cu_seqlens, stage: str, topk: torch.Tensor | None = None
+    attn: nn.Module,
+    x: torch.Tensor,
+    cu_seqlens,
+    stage: str,
+    topk: torch.Tensor | None = None,
+    forward_aux: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The distillation terms of one DSA layer from its captured input.
 
@@ -109,26 +159,32 @@ def layer_terms(
         cu_seqlens: ``[N+1]`` or None. stage: "warmup" (KL over every visible key) or "sparse" (over ``topk``).
         topk: ``[B, T, k]`` the selection the sparse forward used (needed for "sparse"); for "warmup", None means
             the selection the indexer would make now (``config.index_topk``), used for the recall only.
+        forward_aux: the layer's aux from that forward (:func:`capture_dsa_inputs`); needed for "sparse" on the
+            ``cudnn`` backend, whose KL reuses the sparse forward's rows and lse (``sparse_kl_aux``).
 
     Returns:
         ``{"kl_sum": scalar (gradient to the indexer only), "kl": [B, T] per query (detached), "recall": [B, T]}``.
 
     Raises:
-        ValueError: an unknown ``stage``, or "sparse" without ``topk``.
+        ValueError: an unknown ``stage``, "sparse" without ``topk``, or "sparse" on ``cudnn`` without the sparse
+            forward's aux.
     """
     if stage not in ("warmup", "sparse"):
         raise ValueError(f"stage: got {stage!r}, expected 'warmup' or 'sparse'")
+    if stage == "sparse" and topk is None:
+        raise ValueError("topk: got None, expected the sparse forward's topk_indices for the sparse stage")
     x = x.detach()
+    if stage == "sparse" and attn.backend == "cudnn":
+        return _sparse_terms_gathered(attn, x, cu_seqlens, topk, forward_aux)
     B, T, _ = x.shape
     scale = attn.config.mla_softmax_scale
     mask = causal_document_mask(T, cu_seqlens, device=x.device)
     with torch.no_grad():
         q, k, c_q = kd.mla_queries_keys(attn, x)
-    q_I, k_I, w = attn.indexer.projections(x, c_q)  # the indexer re-run on the detached input (case 30)
+    # the indexer re-run on the detached input (case 30), positions per document as in its forward
+    q_I, k_I, w = attn.indexer.projections(x, c_q, cu_seqlens)
     scores = indexer_scores(q_I, k_I, w)  # [B, T, S]
     if stage == "sparse":
-        if topk is None:
-            raise ValueError("topk: got None, expected the sparse forward's topk_indices for the sparse stage")
         selected = sparse_mask(topk, T)
         kl_sum, kl = kd.sparse_loss(q, k, scores, mask, selected, scale)
         with torch.no_grad():
@@ -164,6 +220,14 @@ def _lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: int) -> to
     return total / max(num_targets, 1)
 
 
+def _unfreeze_indexers(model: nn.Module) -> None:
+    """The ``cudnn`` backend freezes its DSA indexers (hard top-k); the distillation's KL trains them, from the
+    layer's detached input outside the layer's forward (which still runs the indexer under ``no_grad``)."""
+    for attn in dsa_layers(model).values():
+        if attn.backend == "cudnn":
+            attn.indexer.requires_grad_(True)
+
+
 class WarmupStage:
     """``--stage indexer-warmup``: dense forward, only ``*.indexer.*`` trains, loss = KL over every causal key."""
 
@@ -171,6 +235,10 @@ class WarmupStage:
         if not config.dsa_layers:
             raise ValueError("--stage indexer-warmup: the model has no DSA layer (config.dsa_layers is empty)")
         self.config = config
+
+    def prepare(self, model: nn.Module) -> None:
+        """Unfreeze the ``cudnn`` backend's indexers (``kimi train`` calls this before choosing the trainable set)."""
+        _unfreeze_indexers(model)
 
     def trainable(self, name: str) -> bool:
         return ".indexer." in name
@@ -197,20 +265,21 @@ class SparseStage:
             raise ValueError("--stage sparse: the model has no DSA layer (config.dsa_layers is empty)")
         self.config = config
 
+    def prepare(self, model: nn.Module) -> None:
+        """Unfreeze the ``cudnn`` backend's indexers (``kimi train`` calls this before choosing the trainable set)."""
+        _unfreeze_indexers(model)
+
     def trainable(self, name: str) -> bool:
         return not name.endswith("e_score_correction_bias")
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
-        if any(a.backend == "cudnn" for a in dsa_layers(model).values()):
-            raise ValueError(
-                "backend: got 'cudnn', whose DSA layers freeze the indexer; the sparse stage needs 'eager' or 'sdpa'"
-            )
         with capture_dsa_inputs(model) as seen:
             logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
         lm = _lm_loss(logits, batch.labels, batch.num_targets)
         terms = [
-            layer_terms(a, seen[i]["x"], seen[i]["cu_seqlens"], "sparse", seen[i]["topk_indices"])
+            layer_terms(a, s["x"], s["cu_seqlens"], "sparse", s["topk_indices"], s["forward"])
             for i, a in dsa_layers(model).items()
+            for s in (seen[i],)
         ]
         kl_sum = sum(t["kl_sum"] for t in terms)
         metrics = {

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import math
 import sys
 import time
 import warnings
@@ -50,16 +51,27 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     ``(0, 1]``, rows drawn in order from ``rng``.
 
     Raises:
-        ValueError: ``temperature`` < 0 or ``top_p`` outside ``(0, 1]``.
+        ValueError: ``temperature`` negative, NaN or infinite (inf would be a silent uniform draw), ``top_p``
+            outside ``(0, 1]`` (NaN included), or a ``temperature`` so small that ``logits / temperature``
+            overflows fp64 (use 0 for greedy); a row of ``logits`` with NaN, +inf or only -inf.
     """
-    if not temperature >= 0:
-        raise ValueError(f"temperature: got {temperature}, expected >= 0 (0 = greedy)")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature: got {temperature}, expected a finite number >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p: got {top_p}, expected a probability in (0, 1]")
     logits = np.asarray(logits, np.float64)
     if temperature == 0:
         return logits.argmax(-1)
-    z = logits / temperature
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = logits / temperature
+    if not np.isfinite(z.max(-1)).all():
+        bad = np.isfinite(logits.max(-1)).all()  # the logits are fine: the temperature overflowed them
+        raise ValueError(
+            f"temperature: got {temperature}, so small that logits / temperature overflows; expected 0 (greedy) "
+            "or a larger temperature"
+            if bad
+            else "logits: a row holds NaN, +inf or only -inf, expected finite values to sample from"
+        )
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     out = np.empty(len(p), np.int64)
@@ -246,9 +258,9 @@ def _non_negative(s: str) -> float:
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"got {s!r}, expected a number >= 0") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"got {v}, expected a number >= 0 (0 = greedy)")
+        raise argparse.ArgumentTypeError(f"got {s!r}, expected a finite number >= 0") from None
+    if not (v >= 0 and math.isfinite(v)):  # float() takes 'inf' and 'nan'
+        raise argparse.ArgumentTypeError(f"got {v}, expected a finite number >= 0 (0 = greedy)")
     return v
 
 

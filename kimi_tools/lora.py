@@ -374,7 +374,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     """Wrap ``model`` with the adapter of ``adapter_dir`` (peft format) and load its weights, strictly.
 
     Returns the wrapped module names. Raises ValueError: see :func:`read_adapter_config`; a key of the file that
-    the model has no place for, or a wrapped layer the file has no weights for, or a shape mismatch.
+    the model has no place for, or a wrapped layer the file has no weights for, or a tensor whose shape is not the
+    model's (named, with both shapes: a rank other than adapter_config.json's ``r``, or another model's sizes).
     """
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -383,7 +384,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     names = apply_lora(model, settings)
     raw = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
     sd = {(k[len(_KEY_PREFIX) :] if k.startswith(_KEY_PREFIX) else k): v for k, v in raw.items()}
-    expected, got = set(adapter_state_dict(model)), {_KEY_PREFIX + k for k in sd}
+    want = adapter_state_dict(model)  # the freshly wrapped model's tensors: the shapes the file must have
+    expected, got = set(want), {_KEY_PREFIX + k for k in sd}
     if got != expected:
         extra, lost = sorted(got - expected), sorted(expected - got)
         raise ValueError(
@@ -391,10 +393,21 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
             + (f"unexpected key {extra[0]!r}" if extra else f"missing key {lost[0]!r}")
             + f" ({len(extra)} unexpected, {len(lost)} missing)"
         )
-    try:
-        set_peft_model_state_dict(model, sd, adapter_name=_ADAPTER)
-    except RuntimeError as e:  # size mismatch
-        raise ValueError(f"adapter: {adapter_dir}: {str(e).splitlines()[0]}") from None
+    for k in sorted(sd):  # torch's own size-mismatch error is one line per tensor, and its first says nothing
+        have, need = list(sd[k].shape), list(want[_KEY_PREFIX + k].shape)
+        if have != need:
+            a_or_b = ".lora_A." in k
+            r_have = have[0 if a_or_b else -1] if len(have) == 2 else None
+            why = (
+                f"adapter_config.json says r={settings.rank} but the tensors have rank {r_have}"
+                if len(have) == 2 and r_have != settings.rank
+                else "an adapter trained for a model with other layer sizes"
+            )
+            raise ValueError(
+                f"adapter: {Path(adapter_dir) / ADAPTER_WEIGHTS}: tensor {_KEY_PREFIX + k!r} has shape {have}, "
+                f"expected {need} ({'lora_A [r, in]' if a_or_b else 'lora_B [out, r]'}; {why})"
+            )
+    set_peft_model_state_dict(model, sd, adapter_name=_ADAPTER)
     return names
 
 

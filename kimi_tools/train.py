@@ -37,6 +37,11 @@ Python API: ``train(TrainArgs(...)) -> TrainResult`` (the CLI is a thin wrapper)
 7. **Resume** (``--resume``, same arguments): the fingerprint of the model config and of every argument that
    changes the numbers must match ``run.json``; the latest ``step-N`` is loaded and the run continues exactly
    (bitwise on CPU in fp32). ``--stop-after N`` ends a run early at step N (the schedule still spans ``--steps``).
+8. **Divergence**: a step whose loss or gradient norm is not finite updates nothing; the run saves the state before
+   it as ``step-(N-1)/`` (unless there already, or under ``--no-save``) with its model, writes :data:`DIVERGED`
+   (step, loss, gradient norm, last good step) and ``loss.png``, and raises one line naming the step and the loss.
+   The folder is then what ``--stop-after N-1`` would have left plus ``diverged.json``: ``--resume`` continues from
+   step N-1 (and removes the marker); the metrics hold steps 0 to N-1.
 
 MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"] * tokens/s`` over
 ``--peak-tflops`` (no default: ``mfu`` is null without it).
@@ -48,7 +53,9 @@ MFU: ``kimi.flops.estimate_flops(cfg, seq_len, backward=True)["flops_per_token"]
   ``metrics`` a dict of floats, averaged over the step like the loss and appended to the step's record (and
   shown as ``eval_<key>`` for evaluations). Register a factory ``(config, args) -> stage`` in :data:`STAGES`
   (or a ``"module:attr"`` string, imported on use), then ``--stage NAME`` selects it. ``trainable`` can only narrow
-  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen. The eval loss is the stage's
+  the set: parameters the backend (the ``cudnn`` indexer) or LoRA froze stay frozen, unless the stage's optional
+  ``prepare(model)`` (called right after the model is built, before LoRA) unfreezes them, as the distillation
+  stages do for the ``cudnn`` indexers. The eval loss is the stage's
   loss too, so a stage's runs are resumable and plotted like the LM stage's.
 * *LoRA* (``kimi_tools.lora``): ``--lora-rank R`` switches it on; ``check_lora_supported`` vets the options against
   the backend, ``apply_lora`` wraps the target modules and freezes the base, ``save_adapter`` writes the output.
@@ -95,10 +102,24 @@ __all__ = [
     "cmd_train",
 ]
 
+DIVERGED = "diverged.json"  # written beside step-N when a step's loss or gradient norm is not finite
+
 RECORD_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes")
 
 # Arguments that do not change the numbers of a run: they may differ between a run and its resumption.
-_RUN_CONTROL = ("out", "resume", "stop_after", "quiet", "save_every", "keep", "eval_every", "peak_tflops", "plot", "cp")
+_RUN_CONTROL = (
+    "out",
+    "resume",
+    "stop_after",
+    "quiet",
+    "save",
+    "save_every",
+    "keep",
+    "eval_every",
+    "peak_tflops",
+    "plot",
+    "cp",
+)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -149,6 +170,7 @@ class TrainArgs:
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None
     resume: bool = False
+    save: bool = True  # False: no weights and no step-N/ (a measurement run: metrics.jsonl and loss.png only)
     save_every: int = 0
     keep: int = 2
     peak_tflops: float | None = None
@@ -339,15 +361,35 @@ def _fingerprint(args: TrainArgs, config: KimiConfig) -> tuple[str, dict]:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(), body
 
 
-def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k} (run: {va!r}, now: {vb!r})")
-    return out
+_ABSENT = object()  # a key one side of a _diff lacks
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    """A value of a _diff, short: ``absent``, or its repr cut to ``limit`` characters (with the item count)."""
+    if v is _ABSENT:
+        return "absent"
+    r = repr(v)
+    if len(r) <= limit:
+        return r
+    return r[: limit - 5] + " ...]" * isinstance(v, list) + " ...}" * isinstance(v, dict) + f" ({len(v)} items)"
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The differences between two JSON values (run.json's and now), one ``"path (run: X, now: Y)"`` per leaf.
+
+    Nested dicts (a checkpoint's ``text_config.linear_attn_config``) are walked, so the path names the key as it
+    stands in ``config.json`` (``text_config.num_hidden_layers``); lists of equal length are compared item by item
+    (``...kda_layers[5]``), so the differing item shows even in a long list; a key on one side only is ``absent``;
+    anything else (a dict against None, lists of other lengths) is shown whole, cut by :func:`_show`.
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _diff(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{prefix}[{i}]")]
+    return [] if a == b else [f"{prefix} (run: {_show(a)}, now: {_show(b)})"]
 
 
 # ---------------------------------------------------------------------------------------------- set-up helpers
@@ -406,6 +448,11 @@ def _resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(
             f"--weight-decay/--beta1/--beta2: got {a.weight_decay}/{a.beta1}/{a.beta2}, expected wd >= 0 and "
             f"betas in [0, 1)"
+        )
+    if not a.save and (a.save_every or a.stop_after is not None or a.resume):
+        raise ValueError(
+            "--no-save: a run that saves nothing cannot be stopped and resumed; got it with --save-every "
+            f"{a.save_every}, --stop-after {a.stop_after}, --resume {a.resume}, expected none of them"
         )
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         raise ValueError(f"--peak-tflops: got {a.peak_tflops}, expected a positive peak (TFLOP/s)")
@@ -494,10 +541,21 @@ def _check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
         saved = json.loads(run_json.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != fingerprint:
             was = saved.get("fingerprint_of", {})
+            flags = [
+                f"--{k.replace('_', '-')} ({v}"
+                for k, _, v in (d.partition(" (") for d in _diff(was.get("args", {}), body["args"]))
+            ]
+            parts = []
             cfg_diffs = _diff(was.get("config", {}), body["config"])
-            diffs = cfg_diffs or _diff(was.get("args", {}), body["args"]) or ["fingerprint"]
-            what = "the model config differs from the run's" if cfg_diffs else "a run with other settings"
-            raise ValueError(f"--resume: {out} is {what}: " + "; ".join(diffs[:6]) + (" ..." if len(diffs) > 6 else ""))
+            for what, diffs in (("another model config", cfg_diffs), ("other settings", flags)):
+                if diffs:
+                    more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
+                    parts.append(f"{what}: {'; '.join(diffs[:4])}{more}")
+            raise ValueError(
+                f"--resume: {out} holds a run with "
+                + (" and ".join(parts) or "another fingerprint (run.json has no readable record of its settings)")
+                + "; resume with the run's own settings, or choose another --out"
+            )
         if not Checkpointer(out, a.keep).steps():
             raise ValueError(f"--resume: {out} has no complete step-N checkpoint to resume from")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -595,7 +653,8 @@ def train(args: TrainArgs) -> TrainResult:
 
     Raises:
         ValueError (also ConfigError, CheckpointError): a bad argument, data, model source, LoRA option or output
-            folder, before anything is written; a non-finite loss or gradient norm during training.
+            folder, before anything is written; a non-finite loss or gradient norm during training (after the
+            last good step is saved: module docstring, point 8).
     """
     import torch
 
@@ -624,6 +683,8 @@ def train(args: TrainArgs) -> TrainResult:
     # ---- 2. model, trainable set, optimizer
     torch.manual_seed(a.seed)
     model = _build_model(a, cfg)
+    if hasattr(stage, "prepare"):  # e.g. the distillation stages unfreeze the cudnn backend's indexers
+        stage.prepare(model)
     if lora_settings is not None:
         from kimi_tools import lora
 
@@ -642,6 +703,7 @@ def train(args: TrainArgs) -> TrainResult:
         [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=a.lr,
         betas=(a.beta1, a.beta2),
+        fused=a.device == "cuda" or None,  # one kernel, no foreach temporaries (an fp32 copy of every state list)
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -712,6 +774,8 @@ def train(args: TrainArgs) -> TrainResult:
         for n, m in master_params.items():  # no AdamW state saved: the parameter never had a gradient; nor now
             if m in opt.state and f"optimizer.state.{n}.step" not in held:
                 del opt.state[m]
+        if start == 0:  # step-0 (a divergence at step 1) holds the placeholder state that DCP's
+            opt.state.clear()  # get_optimizer_state_dict makes with a zero-lr step (AdamW step 1): a fresh run has none
         if train_state["step"] != start:
             raise ValueError(f"--resume: {out}/step-{start} holds step {train_state['step']}, expected {start}")
         if a.stop_after is not None and a.stop_after < start:
@@ -726,6 +790,7 @@ def train(args: TrainArgs) -> TrainResult:
                     history.append(rec)
         if par.is_writer:
             write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history).encode())
+            (out / DIVERGED).unlink(missing_ok=True)  # continuing: a new divergence writes it again
     elif par.is_writer:
         out.mkdir(parents=True, exist_ok=True)
         run = {
@@ -798,7 +863,7 @@ def train(args: TrainArgs) -> TrainResult:
             flush=True,
         )
     model.train()
-    if start == 0:
+    if start == 0 and not history:  # (a resume from step-0, saved by a divergence at step 1, has its record)
         ev, ev_extra = evaluate()
         log({"step": 0, **dict.fromkeys(RECORD_KEYS[1:]), "eval_loss": ev, **ev_extra})
     bar = tqdm(
@@ -810,6 +875,7 @@ def train(args: TrainArgs) -> TrainResult:
             t0 = time.perf_counter()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            before = (loader.state_dict(), get_train_state())  # what step-(step-1) holds, if this step diverges
             batches = [loader.next_batch() for _ in range(accum)]
             n_tgt = sum(b.num_targets for b in batches)
             step_loss, step_extra = 0.0, {}
@@ -837,9 +903,31 @@ def train(args: TrainArgs) -> TrainResult:
             grads = [mp for _, mp in pairs if mp.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, a.grad_clip if a.grad_clip > 0 else math.inf))
             if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+                # Diverged. Nothing has been updated yet (the optimizer steps below), so the model, AdamW and the
+                # schedule are those of step - 1: put the data position and RNG back too and save them as
+                # step-(step - 1), the folder then being what --stop-after step-1 leaves, plus diverged.json.
+                opt.zero_grad(set_to_none=True)
+                for p, _ in pairs:
+                    p.grad = None
+                loader.load_state_dict(before[0])
+                put_train_state(before[1])
+                good = step - 1
+                if a.save and good not in ckpt.steps():
+                    save(good)
+                if par.is_writer:
+                    note = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "last_good_step": good}
+                    write_atomic(out / DIVERGED, json.dumps(note).encode())
+                    if a.plot:
+                        _plot(out / "loss.png", history)
+                par.close()
+                kept = (
+                    f"step-{good}/ (the run up to step {good}: --resume continues from it), its model, "
+                    if a.save
+                    else "no weights (--no-save) but "
+                )
                 raise ValueError(
-                    f"step {step}: loss {step_loss} / gradient norm {grad_norm} is not finite; stopped (the last "
-                    f"checkpoint is {ckpt.steps()[-1] if ckpt.steps() else 'none'}; try a lower --lr)"
+                    f"step {step}: the loss is {step_loss} (gradient norm {grad_norm}), not finite: training stopped; "
+                    f"{out} keeps {kept}metrics.jsonl and {DIVERGED}; for another try, a lower --lr in a new --out"
                 )
             lr = sched.get_last_lr()[0]
             opt.step()
@@ -872,7 +960,7 @@ def train(args: TrainArgs) -> TrainResult:
             log(rec)
             bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             bar.update(1)
-            if step == stop or (a.save_every and step % a.save_every == 0):
+            if a.save and (step == stop or (a.save_every and step % a.save_every == 0)):
                 save(step)
     if start == stop:  # resumed a finished run: nothing to do but make sure the outputs exist
         save(stop)
@@ -893,12 +981,12 @@ def train(args: TrainArgs) -> TrainResult:
     if not a.quiet and par.is_writer:
         first, last = min(evals_seen), max(evals_seen)
         what = "adapter (adapter_config.json, adapter_model.safetensors)" if lora_settings else "model (safetensors)"
+        what = f"{what}, step-{result.step}/ (resume state)" if a.save else "no weights or resume state (--no-save)"
         print(
             f"step {result.step}/{a.steps}: loss {result.final_loss if result.final_loss is not None else float('nan'):.4f}"
             f"; eval loss {evals_seen[first]:.4f} (step {first}) -> {evals_seen[last]:.4f} (step {last}); "
             f"{result.tokens_seen:,} tokens in {result.wall_s:.0f} s"
-            f"\nwrote {out}: {what}, step-{result.step}/ (resume state), metrics.jsonl"
-            + (", loss.png" if a.plot else ""),
+            f"\nwrote {out}: {what}, metrics.jsonl" + (", loss.png" if a.plot else ""),
             flush=True,
         )
     par.close()
@@ -950,6 +1038,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", nargs="+", metavar="PATTERN", help="module-name patterns to adapt")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest step-N")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end)")
+    p.add_argument(
+        "--no-save",
+        dest="save",
+        action="store_false",
+        help="write no weights and no step-N/ (a measurement run: metrics and plot only)",
+    )
     p.add_argument("--keep", type=positive_int, default=d.keep, help="step-N checkpoints kept")
     p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s, for MFU")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no loss.png")

@@ -1,6 +1,8 @@
 """``kimi_tools.generate``: greedy tokens equal on jax, eager and sdpa and equal to the cache-free greedy oracle
 (nanochat's engine-vs-``GPT.generate`` test), seeded sampling, batches of different lengths, the command line."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -70,6 +72,48 @@ def test_sample():
         sample(logits, -1.0, 1.0, rng)
     with pytest.raises(ValueError, match="top_p"):
         sample(logits, 1.0, 0.0, rng)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, match",
+    [
+        (math.inf, 1.0, "temperature: got inf, expected a finite number"),  # was a silent uniform draw
+        (math.nan, 1.0, "temperature: got nan"),
+        (-0.5, 1.0, "temperature: got -0.5"),
+        (1e-320, 1.0, "temperature: got 1e-320, so small that logits / temperature overflows"),  # was NaN probs
+        (1.0, math.nan, "top_p: got nan"),
+        (1.0, 1.5, "top_p: got 1.5"),
+        (1.0, -0.1, "top_p: got -0.1"),
+    ],
+)
+def test_sample_refuses_nonfinite_settings(temperature, top_p, match):
+    logits = np.array([[0.0, 3.0, 1.0, 3.0]])
+    with pytest.raises(ValueError, match=match):
+        sample(logits, temperature, top_p, np.random.default_rng(0))
+
+
+def test_sample_names_bad_logits_not_the_temperature():
+    with pytest.raises(ValueError, match="logits: a row holds NaN, \\+inf or only -inf"):
+        sample(np.array([[0.0, np.nan]]), 1.0, 1.0, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--temperature", "inf", "--temperature: got inf, expected a finite number >= 0"),
+        ("--temperature", "nan", "--temperature: got nan, expected a finite number >= 0"),
+        ("--temperature", "-1", "--temperature: got -1.0, expected a finite number >= 0"),
+        ("--top-p", "nan", "--top-p: got nan, expected a number in (0, 1]"),
+        ("--top-p", "0", "--top-p: got 0.0, expected a number in (0, 1]"),
+        ("--top-p", "1.01", "--top-p: got 1.01, expected a number in (0, 1]"),
+    ],
+)
+def test_cli_generate_refuses_bad_sampling_flags(capsys, flag, value, message):
+    """One ``kimi: error:`` line and exit 2, before any model is built (``--temperature inf`` used to run)."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--preset", "tiny", "--layers", "1", "--prompt", "a", "--max-new-tokens", "1", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("kimi: error: ") and message in err[0], err
 
 
 def test_generate_refuses_bad_input(tiny_ckpt):

@@ -311,3 +311,39 @@ def test_merge_refuses_to_write_over_its_inputs(tmp_path, capsys):
         assert main(args) == 2
         assert "write the merged checkpoint to another folder" in capsys.readouterr().err
     assert (base / "keep.txt").read_text() == "x"
+
+
+def test_adapter_of_another_rank_or_model_names_the_tensor_and_shapes(cfg, tmp_path, capsys):
+    """An adapter_config.json whose r is not the tensors' rank, or an adapter of a model with other sizes, is refused
+    with one line naming the tensor, its shape and the model's (torch's error said only 'Error(s) in loading')."""
+    import shutil
+
+    from kimi.init import init_checkpoint
+    from kimi_tools.cli import main
+
+    settings = LoraSettings(rank=2, alpha=2.0)
+    init_checkpoint(tmp_path / "base", cfg, seed=0)
+    model = load_model(tmp_path / "base", dtype=torch.float32)
+    apply_lora(model, settings)
+    save_adapter(model, settings, tmp_path / "r2")
+    shutil.copytree(tmp_path / "r2", tmp_path / "r4")
+    conf = json.loads((tmp_path / "r4" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "r4" / ADAPTER_CONFIG).write_text(json.dumps({**conf, "r": 4}))  # the tensors stay rank 2
+    rank_msg = (
+        r"tensor 'base_model\.model\.model\.layers\.0\.\S+\.lora_A\.weight' has shape \[2, 96\], expected \[4, 96\] "
+        r"\(lora_A \[r, in\]; adapter_config\.json says r=4 but the tensors have rank 2\)"
+    )
+    with pytest.raises(ValueError, match=rank_msg):
+        load_adapter(_model(cfg, dtype=torch.float32), tmp_path / "r4")
+    args = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "r4")]
+    assert main([*args, "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kimi: error: adapter: ") and "has shape [2, 96]" in err[0], err
+    assert not (tmp_path / "merged").exists()
+
+    other = _model(cfg.replace(kv_lora_rank=16), dtype=torch.float32)  # another model: a narrower MLA latent
+    apply_lora(other, settings)
+    save_adapter(other, settings, tmp_path / "other")
+    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa\.lora_B\.weight' has shape \[24, 2\], expected \[40, 2\] "
+                       r"\(lora_B \[out, r\]; an adapter trained for a model with other layer sizes\)"):  # fmt: skip
+        load_adapter(_model(cfg, dtype=torch.float32), tmp_path / "other")

@@ -371,8 +371,19 @@ def _small_argv(out):
             "lora dropout: got 0.1 with kv_b_proj among the targets on the cudnn backend",
         ),
         (lambda argv, tmp: argv + ["--lora-rank", "4", "--lora-targets", "lm_head"], "reads directly"),
+        (lambda argv, tmp: argv + ["--no-save", "--stop-after", "3"], "--no-save: a run that saves nothing"),
     ],
-    ids=["seq-len", "empty-data", "micro-batch", "freeze", "lora-alpha", "resume-nothing", "lora-cudnn", "lora-head"],
+    ids=[
+        "seq-len",
+        "empty-data",
+        "micro-batch",
+        "freeze",
+        "lora-alpha",
+        "resume-nothing",
+        "lora-cudnn",
+        "lora-head",
+        "no-save-stop",
+    ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
     (tmp_path / "empty.txt").write_text("\n\n")
@@ -380,6 +391,17 @@ def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
     rc, err = _cli(change(_small_argv(out), tmp_path), capsys)
     assert rc == 2 and len(err) == 1 and err[0].startswith("kimi: error: ") and message in err[0], err
     assert not out.exists()
+
+
+def test_no_save_writes_metrics_and_plot_only(tmp_path, capsys):
+    """--no-save (measurement runs whose optimizer state would not fit on disk): the run trains and logs, and
+    writes neither weights nor step-N/."""
+    out = tmp_path / "out"
+    rc, err = _cli(_small_argv(out) + ["--steps", "2", "--eval-every", "0", "--no-save"], capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "metrics.jsonl", "run.json"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in records[1:])
 
 
 def test_checkpoint_that_does_not_match_its_config(tmp_path, capsys):
@@ -402,12 +424,97 @@ def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
     before = sorted((root / "a").rglob("*"))
     argv = _small_argv(root / "a")
     rc, err = _cli(argv + ["--lr", "1e-3", "--resume"], capsys)  # the run used --lr 1e-2
-    assert rc == 2 and len(err) == 1 and "other settings: lr (run: 0.01, now: 0.001)" in err[0], err
-    rc, err = _cli(argv + ["--layers", "3", "--resume"], capsys)  # another model
-    assert rc == 2 and "model config differs" in err[0] and "num_hidden_layers (run: 2, now: 3)" in err[0], err
+    assert rc == 2 and len(err) == 1 and "with other settings: --lr (run: 0.01, now: 0.001); resume with" in err[0], err
+    rc, err = _cli(argv + ["--layers", "3", "--resume"], capsys)  # another model: the nested text_config differs
+    assert rc == 2 and len(err) == 1, err
+    assert err[0] == (
+        f"kimi: error: --resume: {root / 'a'} holds a run with another model config: "
+        "text_config.linear_attn_config.kda_layers (run: [1, 2], now: [1, 2, 3]); "
+        "text_config.num_hidden_layers (run: 2, now: 3) and other settings: --layers (run: 2, now: 3); "
+        "resume with the run's own settings, or choose another --out"
+    )
     rc, err = _cli(argv, capsys)  # a full folder without --resume
     assert rc == 2 and "exists and is not empty" in err[0], err
     assert sorted((root / "a").rglob("*")) == before
+
+
+@pytest.mark.parametrize("bad_step", [1, 3])
+def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_path, capsys, monkeypatch, bad_step):
+    """A non-finite loss at step N: one ``kimi: error:`` line naming the step and the loss; the folder keeps
+    step-(N-1)/ (saved then, with the data position and RNG of before step N), its model, the metrics up to N-1 and
+    diverged.json; ``--resume`` then gives run A's numbers exactly (the folder was an unusable run.json +
+    metrics.jsonl, refused by --resume and by a fresh run alike)."""
+
+    class Diverges(LMStage):  # the loss of the bad_step-th training step is NaN, evaluation stays clean
+        calls = 0
+
+        def loss(self, model, batch):
+            loss, m = super().loss(model, batch)
+            if model.training:
+                Diverges.calls += 1
+                if Diverges.calls == bad_step:
+                    loss = loss * math.nan
+            return loss, m
+
+    out = tmp_path / "run"
+    monkeypatch.setitem(STAGES, "lm", Diverges)
+    rc, err = _cli(_small_argv(out), capsys)
+    good = bad_step - 1
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"kimi: error: step {bad_step}: the loss is nan (gradient norm nan), not finite"), err
+    assert f"keeps step-{good}/" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "diverged.json",
+        "loss.png",
+        "metrics.jsonl",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "run.json",
+        f"step-{good}",
+    ]
+    note = json.loads((out / "diverged.json").read_text())
+    assert note["step"] == bad_step and note["last_good_step"] == good and math.isnan(note["loss"])
+    on_disk = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in on_disk] == list(range(bad_step))
+
+    monkeypatch.setitem(STAGES, "lm", LMStage)
+    resumed = train(TrainArgs(out=str(out), resume=True, **SMALL))
+    assert resumed.start_step == good and resumed.step == 6
+    on_disk = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(on_disk) == _numbers(runs[1].records)  # run A, step for step: the same batches, bitwise
+    assert not (out / "diverged.json").exists()
+    if bad_step == 1:  # --no-save: still one line and the marker, but no weights written
+        Diverges.calls = 0
+        monkeypatch.setitem(STAGES, "lm", Diverges)
+        rc, err = _cli(_small_argv(tmp_path / "nosave") + ["--no-save", "--no-plot"], capsys)
+        assert (
+            rc == 2 and len(err) == 1 and "keeps no weights (--no-save) but metrics.jsonl and diverged.json" in err[0]
+        )
+        assert sorted(p.name for p in (tmp_path / "nosave").iterdir()) == ["diverged.json", "metrics.jsonl", "run.json"]
+
+
+def test_resume_mismatch_names_nested_keys_with_both_values():
+    """``_diff`` on nested checkpoint configs: the path of each differing leaf with both values, long lists by item,
+    a dict against None shown short, absent keys said so (the message dumped whole dicts and lists)."""
+    from kimi_tools.train import _diff
+
+    layers = list(range(1, 70))
+    run = {
+        "text_config": {"hidden_size": 96, "linear_attn_config": {"kda_layers": layers}, "q": {"a": 1, "b": "x" * 80}}
+    }
+    now = {"text_config": {"hidden_size": 128, "linear_attn_config": {"kda_layers": layers[:-1] + [93]}, "q": None}}
+    now["text_config"]["rope"] = 1.5
+    assert _diff(run, now) == [
+        "text_config.hidden_size (run: 96, now: 128)",
+        "text_config.linear_attn_config.kda_layers[68] (run: 69, now: 93)",
+        "text_config.q (run: {'a': 1, 'b': '" + "x" * 40 + " ...} (2 items), now: None)",
+        "text_config.rope (run: absent, now: 1.5)",
+    ]
+    assert _diff({"data": ["a.txt"]}, {"data": ["a.txt", "b.txt"]}) == [
+        "data (run: ['a.txt'], now: ['a.txt', 'b.txt'])"
+    ]
+    assert _diff(run, run) == []
 
 
 # ---------------------------------------------------------------------------------------------- LoRA

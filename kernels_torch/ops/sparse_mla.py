@@ -262,6 +262,22 @@ if triton is not None:
         return valid, kv_nope, kv_pe
 
     @triton.jit
+    def _online_softmax_step(s, m_i, l_i, KEY_AXIS: tl.constexpr):
+        """One key tile of the online softmax (Milakov & Gimelshein 2018; FlashAttention-2 alg. 1), base 2.
+
+        ``s``: the tile's scaled logits, keys on axis ``KEY_AXIS`` (-inf where not valid); ``m_i``, ``l_i``
+        ``[BLOCK_H]``: running max and sum of ``exp2(s - m_i)``. Returns the new ``m_i``, ``l_i``, the factor
+        ``alpha [BLOCK_H]`` by which the caller rescales its accumulator, and ``p = exp2(s - m_i)`` (``s``'s shape).
+        """
+        m_new = tl.maximum(m_i, tl.max(s, KEY_AXIS))
+        # a head that has seen no valid key yet keeps m = -inf; subtract 0 then, never (-inf) - (-inf) = NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - tl.expand_dims(m_use, KEY_AXIS))
+        l_i = l_i * alpha + tl.sum(p, KEY_AXIS)
+        return m_new, l_i, alpha, p
+
+    @triton.jit
     def _store_row_stats(LSE, MAX_LOGITS, t, stride_lt, offs_h, mask_h, m_i, l_i):
         """Store ``lse`` (natural log; +inf for a head without a valid key) and ``max_logits`` (-inf stays -inf)
         from the base-2 running max ``m_i`` and sum ``l_i``."""
@@ -319,15 +335,9 @@ if triton is not None:
             s = tl.dot(q_nope, tl.trans(kv_nope), s)  # [BLOCK_H, BLOCK_K] fp32
             s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
 
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a head that has seen no valid key yet keeps m = -inf; subtract 0 then, never (-inf) - (-inf) = NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i, l_i, alpha, p = _online_softmax_step(s, m_i, l_i, 1)  # keys on axis 1
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc)  # V = the latent part of the key row
-            m_i = m_new
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # acc is exactly 0 on heads without a valid key
         o_ptr = OUT + t * stride_ot + offs_h[:, None] * stride_oh + tl.arange(0, D_NOPE)[None, :]
@@ -378,14 +388,9 @@ if triton is not None:
             s = tl.dot(kv_pe, tl.trans(q_pe))
             s = tl.dot(kv_nope, tl.trans(q_nope), s)  # [BLOCK_K, BLOCK_H]
             s = tl.where(valid[:, None], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i, l_i, alpha, p = _online_softmax_step(s, m_i, l_i, 0)  # keys on axis 0
             acc = acc * alpha[None, :]
             acc = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc)
-            m_i = m_new
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[None, :]
         o_ptr = OUT + t * stride_ot + offs_h[None, :] * stride_oh + tl.arange(0, D_NOPE)[:, None]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[None, :])

@@ -10,6 +10,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from _helpers import init_layer, rel  # noqa: E402
+
 import kernels_torch.indexer as ti  # noqa: E402
 import kernels_torch.mla as tm  # noqa: E402
 from kernels_torch.common import causal_document_mask  # noqa: E402
@@ -26,11 +28,6 @@ TOL_SPARSE_GRAD = 3e-2  # dq, dkv
 TOL_LAYER_OUT = 2e-2  # bf16 layer (cudnn) vs fp32 eager layer, same bf16-rounded weights
 TOL_LAYER_GRAD = 3e-2  # parameter and input gradients, same comparison
 SELECTION_DISAGREE_MAX = 0.02  # bf16 vs fp32 indexer inputs: rows whose sets differ beyond ties (tie_rel 2e-2)
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def dc():
@@ -163,18 +160,6 @@ def _layer_config():
     return load_config("k3.1-pro").replace(hidden_size=1024)
 
 
-def _init_layer(layer, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("norm.bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-
-
 LAYER_CASES = [(1, None), (63, None), (2049, None), (4096, [0, 100, 2200, 4096])]
 
 
@@ -183,7 +168,7 @@ def test_dsa_layer_cudnn_matches_eager(T, cu):
     cfg = _layer_config()
     torch.manual_seed(T)
     ref_layer = tm.GatedMLA(cfg, 3, backend="eager")
-    _init_layer(ref_layer, seed=T)
+    init_layer(ref_layer, seed=T)
     layer = tm.GatedMLA(cfg, 3, backend="cudnn")
     layer.load_state_dict(ref_layer.state_dict())
     layer = layer.to("cuda", torch.bfloat16)

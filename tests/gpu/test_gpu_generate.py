@@ -16,6 +16,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from _helpers import init_layer, rel  # noqa: E402
+
 import kernels_torch.cache as tc  # noqa: E402
 import kernels_torch.kda as tk  # noqa: E402
 import kernels_torch.mla as tm  # noqa: E402
@@ -27,23 +29,6 @@ TOL_KDA_STATE = 2e-2
 COSINE_MIN = 0.99  # tiny model logits, cached cudnn vs cache-free cudnn (bf16)
 
 
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _init(layer, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("norm.bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-
-
 def _layer_cache(cfg, i, B, max_len, dtype):
     return tc.init_cache(cfg, B, max_len, dtype=dtype, device="cuda").layers[i]
 
@@ -52,7 +37,7 @@ def _layer_cache(cfg, i, B, max_len, dtype):
 def test_dsa_layer_cached_decode_matches_eager():
     cfg = load_config("k3.1-pro").replace(hidden_size=1024)  # layer 3 is DSA; real attention dims
     ref = tm.GatedMLA(cfg, 3, backend="eager")
-    _init(ref, 0)
+    init_layer(ref, 0)
     fast = tm.GatedMLA(cfg, 3, backend="cudnn")
     fast.load_state_dict(ref.state_dict())
     fast = fast.cuda().bfloat16()
@@ -79,7 +64,7 @@ def test_dsa_layer_cached_decode_matches_eager():
 def test_kda_layer_decode_through_fla_matches_eager():
     cfg = load_config("tiny").replace(hidden_size=256, kda_num_heads=96, kda_head_dim=128, kda_gate_rank=64)
     ref = tk.KimiDeltaAttention(cfg, 0, backend="eager")
-    _init(ref, 1)
+    init_layer(ref, 1)
     fast = tk.KimiDeltaAttention(cfg, 0, backend="cudnn")
     fast.load_state_dict(ref.state_dict())
     fast, ref = fast.cuda(), ref.cuda()

@@ -73,7 +73,8 @@ def test_cudnn_dsa_layer_with_indexer_rope_matches_eager(style, cu):
     """Fault 7 on the cudnn path: Indexer.projections rotates q_I and k_I (positions restarting per document) before
     the cuDNN indexer, so its selected sets match the eager twin's beyond near-ties, and the outputs agree. Mutation:
     call projections without cu_seqlens in gated_mla_forward (positions do not restart: the packed case fails)."""
-    from test_gpu_dsa_cudnn import SELECTION_DISAGREE_MAX, TOL_LAYER_OUT, _init_layer, _layer_config
+    from _helpers import init_layer
+    from test_gpu_dsa_cudnn import SELECTION_DISAGREE_MAX, TOL_LAYER_OUT, _layer_config
 
     import kernels_torch.mla as tm
     from kimi_tools.compare import selection_agreement
@@ -81,7 +82,7 @@ def test_cudnn_dsa_layer_with_indexer_rope_matches_eager(style, cu):
     cfg = _layer_config().replace(indexer_rope=style)
     T = 3000
     ref_layer = tm.GatedMLA(cfg, 3, backend="eager")
-    _init_layer(ref_layer, seed=5)
+    init_layer(ref_layer, seed=5)
     layer = tm.GatedMLA(cfg, 3, backend="cudnn")
     layer.load_state_dict(ref_layer.state_dict())
     layer = layer.to(DEVICE, torch.bfloat16)

@@ -1,8 +1,10 @@
 """GPU checks of the KDA layer under ``backend='cudnn'`` (``kernels_torch.kda._kda_layer_fast``) on both recurrence
 kernels (``kda_kernel`` = ``cudnn``: cuDNN Frontend's KDA op; ``fla``: fla-core's ``chunk_kda``) against the pure-torch
 eager layer: forward (out, final state, conv states), packed documents, decode, the gradients of every parameter and
-of x, the recurrence alone with non-zero initial states (and its gradient), and bitwise reproducible forwards. Spec
-``architecture.md`` section 2; cases 1-7.
+of x, the recurrence alone with non-zero initial states (and its gradient), and bitwise reproducible forwards. The cuDNN
+kernel runs in two variants (``kda_prep``): ``outside`` (q/k L2 norm, gate and beta sigmoid computed around the op; what
+training runs) and ``in_kernel`` (the op's own fusions, forward only; what ``auto`` runs without gradients): both are
+checked against eager fp32 with the same tolerances. Spec ``architecture.md`` section 2; cases 1-7.
 
 The cudnn layer runs in bf16 with the checkpoint dtypes (bf16 projections, fp32 conv / A_log / dt_bias / o_norm); the
 eager reference runs in fp32 on the same bf16-rounded values, so the errors below are the bf16 pipeline's error
@@ -330,6 +332,8 @@ def test_gradients_match_eager(gate, case, kernel):
         failures.append(("out", errs["out"], TOL_OUT))
     if errs["x"] > TOL_GRAD["x"]:
         failures.append(("dx", errs["x"], TOL_GRAD["x"]))
+    if kernel == "cudnn":  # training computes the L2 norm / gate / beta sigmoid outside (the SM90 backward needs it)
+        assert set(kernel_choice.used().get("kda_prep", {})) == {"outside"}
     for n, p in fast.named_parameters():
         assert p.grad is not None, f"{n}: no gradient through the cudnn path"
         assert p.grad.dtype == p.dtype
@@ -406,3 +410,109 @@ def test_unbounded_gate_runs_on_fla():
     fast.kda_kernel = "cudnn"
     with pytest.raises(RuntimeError, match="gate_lower_bound=None"):
         fast(x16)
+
+
+# ------------------------------------------------------------------------------------------------ kda_prep variants
+
+
+def _cudnn_or_skip():
+    why = tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
+    if why is not None:
+        pytest.skip(f"cuDNN KDA: {why}")
+
+
+PREP_CASES = {  # name -> (B, T, cu_seqlens, with a random non-zero cache: conv windows and initial state)
+    "T1": (2, 1, None, False),
+    "T63": (2, 63, None, True),
+    "T2049": (1, 2049, None, False),
+    "T8192": (1, 8192, None, False),
+    "packed_len1_init": (1, 503, [0, 1, 2, 3, 503], True),
+}
+
+
+@pytest.mark.parametrize("prep", ["in_kernel", "outside"])
+@pytest.mark.parametrize("case", list(PREP_CASES))
+def test_cudnn_prep_variants_match_eager(case, prep):
+    """The cuDNN kernel with the L2 norm / gate / beta sigmoid in the kernel and outside it: layer output, final
+    state and conv states against eager fp32 (same tolerances as every forward test), with non-zero initial states
+    and packed documents including length-1 ones; two calls give identical bits; the variant that ran is recorded."""
+    _cudnn_or_skip()
+    cfg = configs()["k3_lb_sigmoid"]
+    B, T, cu, with_cache = PREP_CASES[case]
+    fast, ref = layer_pair(cfg, seed=70 + T, kernel="cudnn")
+    fast.kda_prep = prep
+    x16, x32 = inputs(cfg, B, T, seed=71 + T)
+    cache16 = cache32 = None
+    if with_cache:
+        N = B if cu is None else len(cu) - 1
+        P, W, H, K = (
+            cfg.kda_num_heads * cfg.kda_head_dim,
+            cfg.short_conv_kernel_size,
+            cfg.kda_num_heads,
+            cfg.kda_head_dim,
+        )
+        gen = torch.Generator(device=DEVICE).manual_seed(72)
+        conv = [torch.randn(N, P, W - 1, device=DEVICE, generator=gen).to(torch.bfloat16) for _ in range(3)]
+        S0 = 0.5 * torch.randn(N, H, K, K, device=DEVICE, generator=gen)
+        cache16 = tk.KDACache(*conv, S0)
+        cache32 = tk.KDACache(*(c.float() for c in conv), S0)
+    cu_t = None if cu is None else torch.tensor(cu)
+    kernel_choice.reset_used()
+    out, c = check_forward(f"prep[{prep}-{case}]", fast, ref, x16, x32, cu=cu_t, cache16=cache16, cache32=cache32)
+    with torch.no_grad():
+        out2, c2 = fast(x16, cu_seqlens=cu_t, cache=cache16)
+    assert torch.equal(out, out2) and torch.equal(c.S, c2.S)
+    assert kernel_choice.used() == {"kda": {"cudnn": 2}, "kda_prep": {prep: 2}}
+
+
+def test_cudnn_prep_auto_and_forced():
+    """auto: in the kernel under no_grad, outside under autograd; a forced in_kernel under autograd raises."""
+    _cudnn_or_skip()
+    cfg = configs()["k3_lb_sigmoid"]
+    fast, _ = layer_pair(cfg, seed=80, kernel="cudnn")
+    x16, _ = inputs(cfg, 1, 100, seed=81)
+    kernel_choice.reset_used()
+    with torch.no_grad():
+        fast(x16)
+    fast(x16)[0].float().sum().backward()
+    assert kernel_choice.used()["kda_prep"] == {"in_kernel": 1, "outside": 1}
+    fast.kda_prep = "in_kernel"
+    with pytest.raises(RuntimeError, match="in_kernel"):
+        fast(x16)
+
+
+@pytest.mark.parametrize("case", ["T1", "T63", "T2049_init", "packed_len1_init"])
+def test_recurrence_fused_matches_eager(case):
+    """``kda_recurrence_cudnn_fused`` (raw q/k, raw gate input f with A_log / dt_bias / lower bound, beta logits) against
+    ``kda_chunk`` in fp64 on ``l2norm``, ``kda_gate`` and ``sigmoid``: o and the final state (K-first), with one head's
+    A_log past the cap A_LOG_MAX and non-zero initial states; and against the outside variant on the same inputs."""
+    _cudnn_or_skip()
+    T, cu, with_S0 = {"T1": (1, None, False), "T63": (63, None, False), "T2049_init": (2049, None, True)}.get(
+        case, (700, [0, 1, 300, 301, 700], True)
+    )
+    H, K = 8, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(90 + T)
+    N = 1 if cu is None else len(cu) - 1
+    rn = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    q, k, v, f = (rn(1, T, H, K).to(torch.bfloat16) for _ in range(4))
+    b = rn(1, T, H).to(torch.bfloat16)
+    A_log = torch.rand(H, device=DEVICE, generator=gen).mul(15).add(1).log()
+    A_log[0] = 80.0  # past A_LOG_MAX (exp(80) overflows fp32): the cap must reach the kernel
+    dt_bias = rn(H * K)
+    S0 = 0.5 * rn(N, H, K, K) if with_S0 else None
+    with torch.no_grad():
+        o, S = tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, -5.0, S0, cu)
+        g = tk.kda_gate(f.double(), A_log.double(), dt_bias.double(), -5.0)
+        qn, kn, beta = tk.l2norm(q.double()), tk.l2norm(k.double()), torch.sigmoid(b.double())
+        o_r, S_r = tk.kda_chunk(qn, kn, v.double(), g, beta, initial_state=S0, cu_seqlens=cu)
+        o_out, S_out = tk.kda_recurrence_cudnn(
+            tk.l2norm(q).to(torch.bfloat16), tk.l2norm(k).to(torch.bfloat16), v, g.float(), beta.float(), S0, cu
+        )
+    test = f"rec_fused[{case}]"
+    errs = {"o": rel(o, o_r), "S": rel(S, S_r)}
+    for n, e in errs.items():
+        report(test, n, e)
+    report(test, "o vs outside", rel(o, o_out))
+    report(test, "S vs outside", rel(S, S_out))
+    bad = {n: e for n, e in errs.items() if not e <= TOL_REC[n]}
+    assert not bad, f"{test}: relative errors over tolerance {bad}"

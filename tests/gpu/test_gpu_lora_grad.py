@@ -18,6 +18,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from _helpers import init_layer, rel  # noqa: E402
+
 import kernels_torch.mla as tm  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi_tools.lora import LoraSettings, apply_lora, lora_modules, merge_lora  # noqa: E402
@@ -27,30 +29,13 @@ TOL_LORA_GRAD = 5e-2  # parameter gradients, same comparisons (bf16 rounding of 
 MIN_LORA_EFFECT = 0.1  # the adapters must move the output far beyond the tolerances above
 
 
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _init(module, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("norm.bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-
-
 @pytest.mark.parametrize("T,cu", [(63, None), (2500, [0, 700, 2500])], ids=["T63", "T2500-packed"])
 def test_cudnn_dsa_layer_lora_never_skipped_and_merged_equal(T, cu):
     cfg = load_config("k3.1-pro").replace(hidden_size=1024)
     settings = LoraSettings(rank=8, alpha=16.0)
     torch.manual_seed(T)
     base = tm.GatedMLA(cfg, 3, backend="cudnn")
-    _init(base, seed=T)
+    init_layer(base, seed=T)
     lora = copy.deepcopy(base)
     names = apply_lora(lora, settings)
     assert "kv_b_proj" in names and not any(n.startswith("indexer") for n in names)

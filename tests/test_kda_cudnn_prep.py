@@ -1,0 +1,158 @@
+"""CPU checks of the cuDNN KDA path's argument preparation (``kernels_torch.kda``): the forward-only variant that lets
+cuDNN's op compute the q/k L2 norm, the lower-bound gate and the beta sigmoid (``kda_recurrence_cudnn_fused``) against
+the variant that computes them outside (``kda_recurrence_cudnn``) and against the eager functions, and the layer's
+choice between them (``kda_prep``). cuDNN's op is replaced by a torch stand-in that implements its documented options
+(cuDNN FE 1.32 ``kimi_delta_attention`` docstring: ``x * rsqrt(sum(x^2) + 1e-6)``, ``gate_lower_bound *
+sigmoid(exp(a_log) * (g + dt_bias))`` with ``dt_bias [H, K]``, ``sigmoid(beta)``; THD tensors, V-first states), so
+these tests check our wiring, not the kernel (the GPU tests in ``tests/gpu/test_gpu_kda_cudnn.py`` do that)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels_torch.kda as tk
+from kernels_torch import kernel_choice
+from kimi.config import load_config
+
+TOL = 1e-6  # fp64 inputs; f and beta reach the op as fp32 (what the kernel reads), so ~1e-7 relative differences
+LB = -5.0
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def fake_op(seen: dict):
+    """A torch stand-in for ``torch.ops.cudnn.kimi_delta_attention_fwd`` with the fusion options (fp64 math)."""
+
+    def op(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens,
+        scale,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False,
+        safe_gate=False,
+        gate_lower_bound=None,
+        a_log=None,
+        dt_bias=None,
+        plan_name=None,
+    ):
+        T, H, K = q.shape
+        V = v.shape[-1]
+        N = cu_seqlens.numel() - 1
+        assert k.shape == (T, H, K) and g.shape == (T, H, K) and beta.shape == (T, H) and v.shape == (T, H, V)
+        assert cu_seqlens.dtype == torch.int32 and scale == K**-0.5 and output_final_state
+        assert initial_state is None or (initial_state.shape == (N, H, V, K) and initial_state.dtype == torch.float32)
+        seen.update(l2=use_qk_l2norm_in_kernel, sig=use_beta_sigmoid_in_kernel, safe=safe_gate, plan=plan_name)
+        if safe_gate:
+            # the kernel's g and beta are fp32; a_log [H] capped by us, dt_bias [H, K]
+            assert g.dtype == torch.float32 and beta.dtype == torch.float32
+            assert a_log.shape == (H,) and dt_bias.shape == (H, K) and float(a_log.max()) <= tk.A_LOG_MAX
+            g = gate_lower_bound * torch.sigmoid(a_log.double().exp()[:, None] * (g.double() + dt_bias.double()))
+        else:
+            assert a_log is None and dt_bias is None
+        if use_qk_l2norm_in_kernel:
+            q, k = (x.double() * torch.rsqrt(x.double().pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+        if use_beta_sigmoid_in_kernel:
+            beta = torch.sigmoid(beta.double())
+        S0 = None if initial_state is None else initial_state.transpose(-1, -2)
+        o, S = tk.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale, S0, cu_seqlens.tolist())
+        return o[0], S.transpose(-1, -2), torch.empty(0)
+
+    return op
+
+
+def inputs(seed: int, B: int, T: int, H: int, K: int, V: int, N: int):
+    """Raw (un-normalised) q, k, v, f, beta logits in fp64, A_log [H] with one head past the cap, dt_bias [H*K],
+    S0 [N, H, K, V]."""
+    gen = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, f = (2 * rn(B, T, H, K) for _ in range(3))
+    v, b = rn(B, T, H, V), rn(B, T, H)
+    A_log = torch.empty(H, dtype=torch.float64).uniform_(0.0, 2.8, generator=gen)
+    A_log[0] = 80.0  # past A_LOG_MAX: the cap must reach the op (exp(80) overflows fp32)
+    dt_bias = rn(H * K)
+    return q, k, v, f, b, A_log, dt_bias, 0.5 * rn(N, H, K, V)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # (B, T, cu_seqlens, with S0): K != V catches a missing transpose; T = 1; packed with a length-1 document
+        (2, 9, None, True),
+        (1, 1, None, False),
+        (1, 63, [0, 1, 20, 63], True),
+    ],
+)
+def test_fused_matches_outside_and_eager(monkeypatch, case):
+    B, T, cu, with_S0 = case
+    H, K, V = 3, 4, 6
+    N = B if cu is None else len(cu) - 1
+    seen = {}
+    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op(seen))
+    q, k, v, f, b, A_log, dt_bias, S0 = inputs(T, B, T, H, K, V, N)
+    S0 = S0 if with_S0 else None
+    with torch.no_grad():
+        o, S = tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0, cu, plan_name=None)
+    assert seen == {"l2": True, "sig": True, "safe": True, "plan": None}
+    assert o.shape == (B, T, H, V) and S.shape == (N, H, K, V) and S.is_contiguous()
+    # the same function with the maps computed outside (what training runs)
+    g = tk.kda_gate(f, A_log, dt_bias, LB)
+    o_out, S_out = tk.kda_recurrence_cudnn(tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), S0, cu, plan_name=None)
+    assert seen == {"l2": False, "sig": False, "safe": False, "plan": None}
+    # and the eager chunk form on our layout
+    o_r, S_r = tk.kda_chunk(tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), initial_state=S0, cu_seqlens=cu)
+    for name, a, ref in (("o", o, o_r), ("S", S, S_r), ("o_outside", o_out, o_r), ("S_outside", S_out, S_r)):
+        assert rel(a, ref) <= TOL, f"{name}: {rel(a, ref):.2e}"
+
+
+def test_fused_refuses_gradients_and_bad_arguments(monkeypatch):
+    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op({}))
+    q, k, v, f, b, A_log, dt_bias, S0 = inputs(0, 1, 5, 2, 4, 4, 1)
+    with pytest.raises(RuntimeError, match="forward only"):
+        tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log.requires_grad_(True), dt_bias, LB, plan_name=None)
+    A_log = A_log.detach()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="lower_bound"):
+            tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, None, plan_name=None)
+        with pytest.raises(ValueError, match="dt_bias"):
+            tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias[:-1], LB, plan_name=None)
+        with pytest.raises(ValueError, match="beta_logits"):
+            tk.kda_recurrence_cudnn_fused(q, k, v, f, b[..., :1], A_log, dt_bias, LB, plan_name=None)
+        with pytest.raises(ValueError, match="initial_state"):
+            tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0[..., :2], plan_name=None)
+
+
+def test_prep_choice(monkeypatch):
+    """``kda_prep``: auto = in the kernel without gradients, outside with them; the attribute beats $KIMI_KDA_PREP; a
+    forced in_kernel under autograd raises."""
+    monkeypatch.delenv("KIMI_KDA_PREP", raising=False)
+    cfg = load_config("tiny")
+    layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")
+    x = torch.randn(1, 2, cfg.hidden_size)
+    assert layer.kda_prep is None
+    assert tk._kda_prep_choice(layer, x) == "outside"  # parameters require grad
+    with torch.no_grad():
+        assert tk._kda_prep_choice(layer, x) == "in_kernel"
+    layer.requires_grad_(False)
+    assert tk._kda_prep_choice(layer, x) == "in_kernel"
+    assert tk._kda_prep_choice(layer, x.requires_grad_(True)) == "outside"
+    monkeypatch.setenv("KIMI_KDA_PREP", "outside")
+    with torch.no_grad():
+        assert tk._kda_prep_choice(layer, x) == "outside"
+        layer.kda_prep = "in_kernel"
+        assert tk._kda_prep_choice(layer, x) == "in_kernel"
+    with pytest.raises(RuntimeError, match="in_kernel"):
+        tk._kda_prep_choice(layer, x)
+    layer.kda_prep = "fused"
+    with pytest.raises(ValueError, match="kda_prep"):
+        tk._kda_prep_choice(layer, x)
+    assert kernel_choice.resolve("kda_prep", "auto") == "auto"
