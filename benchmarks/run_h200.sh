@@ -62,7 +62,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NA
 default_steps="init probe tests_main tests_new sparse_mla_fwd kda_layer validate tests_dsa train_step_4layers \
 dsa_vs_dense_layer jax_oracle train_full train_lora generate_decode tests_fla"
 want() { [[ " ${STEPS:-$default_steps} " == *" $1 "* ]]; }
-pytest_gpu=(python3 -m pytest -m gpu -q -rfE -s -p no:cacheprovider --durations=15)
+# -v: the log names each test as it runs; faulthandler_timeout: a test past 240 s dumps every thread's stack
+pytest_gpu=(python3 -m pytest -m gpu -v -rfE -s -p no:cacheprovider --durations=15 -o faulthandler_timeout=240)
 
 if want init; then
   step init 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT" --force \
@@ -74,6 +75,12 @@ want tests_main && KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_m
   "${pytest_gpu[@]}" tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64"
 want tests_new && step tests_new 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_hardening.py tests/gpu/test_gpu_generate.py \
   tests/gpu/test_gpu_lora_grad.py tests/gpu/test_gpu_distill.py
+# the same files one step each (a hang costs one step)
+want tests_gen && step tests_gen 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py
+want tests_distill && step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py
+want tests_lora && step tests_lora 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_lora_grad.py -k "not jax_grad"
+want tests_jaxgrad && step tests_jaxgrad 200 "${pytest_gpu[@]}" -o faulthandler_timeout=120 \
+  tests/gpu/test_gpu_lora_grad.py -k jax_grad
 # shellcheck disable=SC2046
 want sparse_mla_fwd && step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd.py $([ "${SWEEP:-0}" = 1 ] || echo --no-sweep) \
   --out "$dir/sparse_mla_fwd.json"

@@ -9,7 +9,9 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
 * ``kda_prep`` (where the cuDNN KDA path computes the q/k L2 norm, the lower-bound gate and the beta sigmoid):
   ``in_kernel`` (the op's own fusions; forward only, since the SM90 backward engine takes none of them) or
   ``outside`` (fla's ``l2norm`` and ``fused_kda_gate``, torch's sigmoid, each with its backward); ``auto`` takes
-  ``in_kernel`` where no gradient is needed (inference, prefill) and ``outside`` otherwise.
+  ``outside``: on the H200 the in-kernel fusions made the op's forward slower (8K tokens, 96 heads: 3.52 ms against
+  3.13 ms for the prepared inputs; 32K: 12.1 against 9.0; benchmarks/results/kda_layer_pass7.json), so
+  ``in_kernel`` is opt-in, for inference only.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
 ``kda_kernel`` / ``kda_prep`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``

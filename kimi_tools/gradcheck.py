@@ -13,8 +13,10 @@ them; the check for them is "reference exactly 0 and torch none or exactly 0", r
 
 from __future__ import annotations
 
+import functools
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from kimi_tools.compare import rel_err
 __all__ = [
     "FROZEN",
     "GRAD_TOLERANCES",
+    "GRAD_TOLERANCE_OVERRIDES",
+    "grad_tolerance",
     "GradRun",
     "GradRow",
     "is_frozen",
@@ -44,6 +48,20 @@ FROZEN = re.compile(r".*\.self_attn\.indexer\..*|.*\.gate\.e_score_correction_bi
 # documents): worst 1e-5 .. 1e-4 (embed rows of rare tokens, KDA decay parameters); fp64: ~1e-12. bf16 (cudnn, GPU
 # test): the bf16 forward's rounding, ~1e-2 on most tensors.
 GRAD_TOLERANCES = {"float64": 1e-9, "float32": 5e-4, "bfloat16": 0.1}
+
+# Wider bounds for named parameters, by dtype. bf16: the KDA decay parameters' gradients (A_log, dt_bias) are sums
+# over every token of the gate's gradient, which reaches them through the state's cumulative decay; bf16 rounding of
+# the forward leaves ~0.14 there on every backend: eager and sdpa on CPU 0.138 (A_log) / 0.119 (dt_bias), cudnn on the
+# H200 0.149 / 0.110 (tiny preset cut to a KDA and a DSA layer, T = 200 in two documents), against <= 0.08 elsewhere.
+GRAD_TOLERANCE_OVERRIDES = {"bfloat16": ((re.compile(r".*\.self_attn\.(A_log|dt_bias)"), 0.25),)}
+
+
+def grad_tolerance(dtype: str, name: str) -> float:
+    """The bound for parameter ``name`` in a ``dtype`` run: :data:`GRAD_TOLERANCE_OVERRIDES`, else the dtype's."""
+    for pattern, tol in GRAD_TOLERANCE_OVERRIDES.get(dtype, ()):
+        if pattern.fullmatch(name):
+            return tol
+    return GRAD_TOLERANCES[dtype]
 
 
 def is_frozen(name: str) -> bool:
@@ -137,12 +155,15 @@ class GradRow:
     note: str = ""
 
 
-def compare_grads(ref: GradRun, other: GradRun, tol: float) -> list[GradRow]:
-    """Per-parameter rows, worst first (largest ``rel / tol``; failures before passes). A parameter missing on one
-    side, a trainable parameter with no torch gradient, a frozen one with a non-zero gradient on either side, or a
-    non-finite value fail."""
+def compare_grads(ref: GradRun, other: GradRun, tol: float | Callable[[str], float]) -> list[GradRow]:
+    """Per-parameter rows, worst first (largest ``rel / tol``; failures before passes). ``tol``: one bound, or a
+    function of the parameter name (e.g. ``functools.partial(grad_tolerance, "bfloat16")``). A parameter missing on
+    one side, a trainable parameter with no torch gradient, a frozen one with a non-zero gradient on either side, or
+    a non-finite value fail."""
+    tol_of = tol if callable(tol) else (lambda _name: tol)
     rows = []
     for name in sorted(set(ref.grads) | set(other.grads)):
+        tol = tol_of(name)
         r, o = ref.grads.get(name), other.grads.get(name)
         shape = tuple(np.shape(r if r is not None else o))
         if name not in ref.grads or name not in other.grads:
@@ -182,7 +203,7 @@ def format_grad_table(ref: GradRun, other: GradRun, rows: list[GradRow], limit: 
     shown = [r for r in rows if r.status not in ("frozen", "unused")]
     for r in shown if limit is None else shown[:limit]:
         lines.append(
-            f"{r.name:<{width}} {str(list(r.shape)):>16} {r.rel:9.2e} {r.tol:7.0e}  {r.status} {r.note}".rstrip()
+            f"{r.name:<{width}} {str(list(r.shape)):>16} {r.rel:9.2e} {r.tol:7.2g}  {r.status} {r.note}".rstrip()
         )
     if limit is not None and len(shown) > limit:
         lines.append(f"... {len(shown) - limit} more within tolerance")
@@ -246,7 +267,7 @@ def run_grad_compare(
     reports, failed = [], []
     for b in backends:
         other = torch_grads(checkpoint, ids, cu, backend=b, dtype=dtype, device=device, layers=layers)
-        rows = compare_grads(ref, other, GRAD_TOLERANCES[dtype])
+        rows = compare_grads(ref, other, functools.partial(grad_tolerance, dtype))
         print(format_grad_table(ref, other, rows, limit=limit))
         print()
         reports.append(to_dict(ref, other, rows))

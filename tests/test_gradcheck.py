@@ -7,6 +7,8 @@ The model test uses the tiny preset cut to a KDA layer (dense MLP) and a DSA lay
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from kimi_tools.gradcheck import (
     GradRun,
     compare_grads,
     format_grad_table,
+    grad_tolerance,
     is_frozen,
     reference_grads,
     torch_grads,
@@ -175,3 +178,27 @@ def test_torch_gradients_match_jax_grad(tmp_path):
         for n in frozen:
             assert run.grads[n] is None and not np.any(ref.grads[n])
         assert sum(r.status == "ok" for r in rows) >= 70
+
+
+@pytest.mark.slow
+def test_bf16_gradients_within_the_gpu_bounds(tmp_path):
+    """The bf16 bounds of the H200's cudnn gradient test (``tests/gpu/test_gpu_lora_grad.py``, same model, tokens and
+    documents) hold for the CPU's eager backend in bf16 against the fp32 reference, including the wider bound of KDA's
+    ``A_log`` and ``dt_bias`` (``GRAD_TOLERANCE_OVERRIDES``; measured here 0.138 / 0.119): the bf16 error there is the
+    dtype's, not a GPU kernel's."""
+    from kimi.init import init_checkpoint
+
+    cfg = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(0,), mla_layers=(1,), dsa_layers=(1,))
+    init_checkpoint(tmp_path, cfg, seed=4)
+    ids = np.random.default_rng(11).integers(0, 256, 200)
+    cu = np.array([0, 80, 200])
+    ref = reference_grads(tmp_path, ids, cu, dtype="float32")
+    run = torch_grads(tmp_path, ids, cu, backend="eager", dtype="bfloat16")
+    rows = compare_grads(ref, run, functools.partial(grad_tolerance, "bfloat16"))
+    table = format_grad_table(ref, run, rows)
+    assert all(r.status != "FAIL" for r in rows), table
+    by_name = {r.name: r for r in rows}
+    assert (
+        by_name["model.layers.0.self_attn.A_log"].tol == 0.25
+        and by_name["model.layers.0.self_attn.q_proj.weight"].tol == 0.1
+    )

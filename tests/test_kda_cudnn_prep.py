@@ -132,8 +132,8 @@ def test_fused_refuses_gradients_and_bad_arguments(monkeypatch):
 
 
 def test_prep_choice(monkeypatch):
-    """``kda_prep``: auto = in the kernel without gradients, outside with them; the attribute beats $KIMI_KDA_PREP; a
-    forced in_kernel under autograd raises."""
+    """``kda_prep``: auto = outside, with or without gradients (in_kernel measured slower); the attribute beats
+    $KIMI_KDA_PREP; a forced in_kernel under autograd raises."""
     monkeypatch.delenv("KIMI_KDA_PREP", raising=False)
     cfg = load_config("tiny")
     layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")
@@ -141,17 +141,21 @@ def test_prep_choice(monkeypatch):
     assert layer.kda_prep is None
     assert tk._kda_prep_choice(layer, x) == "outside"  # parameters require grad
     with torch.no_grad():
-        assert tk._kda_prep_choice(layer, x) == "in_kernel"
+        assert tk._kda_prep_choice(layer, x) == "outside"
     layer.requires_grad_(False)
-    assert tk._kda_prep_choice(layer, x) == "in_kernel"
-    assert tk._kda_prep_choice(layer, x.requires_grad_(True)) == "outside"
+    assert tk._kda_prep_choice(layer, x) == "outside"
+    monkeypatch.setenv("KIMI_KDA_PREP", "in_kernel")
+    assert tk._kda_prep_choice(layer, x) == "in_kernel"  # no gradient needed: the forced choice holds
+    with pytest.raises(RuntimeError, match="in_kernel"):
+        tk._kda_prep_choice(layer, x.requires_grad_(True))
+    x = x.detach()
     monkeypatch.setenv("KIMI_KDA_PREP", "outside")
     with torch.no_grad():
         assert tk._kda_prep_choice(layer, x) == "outside"
         layer.kda_prep = "in_kernel"
         assert tk._kda_prep_choice(layer, x) == "in_kernel"
     with pytest.raises(RuntimeError, match="in_kernel"):
-        tk._kda_prep_choice(layer, x)
+        tk._kda_prep_choice(layer, x.requires_grad_(True))
     layer.kda_prep = "fused"
     with pytest.raises(ValueError, match="kda_prep"):
         tk._kda_prep_choice(layer, x)

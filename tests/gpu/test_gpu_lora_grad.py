@@ -5,7 +5,8 @@
   equals the merged layer (outputs and parameter gradients) and the eager fp32 LoRA layer, at bf16 tolerances.
 * The whole model (a KDA layer on fla, a DSA layer with latent MoE; tiny dims, so the cuDNN indexer and sparse MLA
   take their torch twins where the kernels do not accept the shapes) in bf16: per-parameter LM-loss gradients
-  against ``jax.grad`` of the fp32 reference, ``GRAD_TOLERANCES["bfloat16"]``.
+  against ``jax.grad`` of the fp32 reference, ``grad_tolerance("bfloat16", name)`` (0.1; 0.25 for KDA's A_log and
+  dt_bias, whose bf16 error is as large on the CPU's eager and sdpa backends).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from kimi.config import load_config  # noqa: E402
 from kimi_tools.lora import LoraSettings, apply_lora, lora_modules, merge_lora  # noqa: E402
 
 TOL_LORA_OUT = 2e-2  # bf16 cudnn LoRA layer vs bf16 cudnn merged layer / fp32 eager LoRA layer
+# the whole tiny model in bf16, LoRA vs merged logits: merging rounds W + s B A to bf16 in every adapted matrix and the
+# tiny bf16 model amplifies it (H200: 2.2e-2; the tiny model's bf16 logits are 0.24 cosine from fp32 at worst rows)
+TOL_MERGED_MODEL_LOGITS = 5e-2
 TOL_LORA_GRAD = 5e-2  # parameter gradients, same comparisons (bf16 rounding of W + s B A in the merged layer)
 MIN_LORA_EFFECT = 0.1  # the adapters must move the output far beyond the tolerances above
 
@@ -90,8 +94,10 @@ def test_cudnn_dsa_layer_lora_never_skipped_and_merged_equal(T, cu):
 
 
 def test_cudnn_model_gradients_match_jax_grad(tmp_path):
+    import functools
+
     from kimi.init import init_checkpoint
-    from kimi_tools.gradcheck import GRAD_TOLERANCES, compare_grads, format_grad_table, reference_grads, torch_grads
+    from kimi_tools.gradcheck import compare_grads, format_grad_table, grad_tolerance, reference_grads, torch_grads
 
     cfg = load_config("tiny").replace(num_hidden_layers=2, kda_layers=(0,), mla_layers=(1,), dsa_layers=(1,))
     init_checkpoint(tmp_path, cfg, seed=4)
@@ -99,7 +105,7 @@ def test_cudnn_model_gradients_match_jax_grad(tmp_path):
     cu = np.array([0, 80, 200])
     ref = reference_grads(tmp_path, ids, cu, dtype="float32")
     run = torch_grads(tmp_path, ids, cu, backend="cudnn", dtype="bfloat16")
-    rows = compare_grads(ref, run, GRAD_TOLERANCES["bfloat16"])
+    rows = compare_grads(ref, run, functools.partial(grad_tolerance, "bfloat16"))
     table = format_grad_table(ref, run, rows)
     print(table)
     assert all(r.status != "FAIL" for r in rows), table
@@ -130,4 +136,4 @@ def test_cudnn_model_lora_every_adapter_used_and_merged_equal():
     merged = copy.deepcopy(model)
     merge_lora(merged)
     with torch.no_grad():
-        assert rel(merged(ids, cu_seqlens=cu), logits) <= TOL_LORA_OUT
+        assert rel(merged(ids, cu_seqlens=cu), logits) <= TOL_MERGED_MODEL_LOGITS
