@@ -53,24 +53,24 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     Raises:
         ValueError: ``temperature`` negative, NaN or infinite (inf would be a silent uniform draw), ``top_p``
             outside ``(0, 1]`` (NaN included), or a ``temperature`` so small that ``logits / temperature``
-            overflows fp64 (use 0 for greedy); a row of ``logits`` with NaN, +inf or only -inf.
+            overflows fp64 (use 0 for greedy); a row of ``logits`` with NaN, +inf or only -inf (greedy
+            included: argmax would pick the first NaN's id).
     """
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature: got {temperature}, expected a finite number >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p: got {top_p}, expected a probability in (0, 1]")
     logits = np.asarray(logits, np.float64)
+    if not np.isfinite(logits.max(-1)).all():  # also greedy: argmax of a NaN row is the first NaN's id, silently
+        raise ValueError("logits: a row holds NaN, +inf or only -inf, expected finite values to sample from")
     if temperature == 0:
         return logits.argmax(-1)
     with np.errstate(over="ignore", invalid="ignore"):
         z = logits / temperature
-    if not np.isfinite(z.max(-1)).all():
-        bad = np.isfinite(logits.max(-1)).all()  # the logits are fine: the temperature overflowed them
+    if not np.isfinite(z.max(-1)).all():  # the logits are finite: the temperature overflowed them
         raise ValueError(
             f"temperature: got {temperature}, so small that logits / temperature overflows; expected 0 (greedy) "
             "or a larger temperature"
-            if bad
-            else "logits: a row holds NaN, +inf or only -inf, expected finite values to sample from"
         )
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)

@@ -92,9 +92,16 @@ def test_sample_refuses_nonfinite_settings(temperature, top_p, match):
         sample(logits, temperature, top_p, np.random.default_rng(0))
 
 
-def test_sample_names_bad_logits_not_the_temperature():
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "row", [[0.0, np.nan, 5.0], [np.nan] * 3, [0.0, np.inf, 1.0], [-np.inf] * 3], ids=["nan", "all-nan", "inf", "-inf"]
+)
+def test_sample_names_bad_logits_not_the_temperature(temperature, row):
+    """Bad logits are refused whatever the temperature: greedy returned argmax of a NaN row (the first NaN's id) as
+    if it were a token."""
+    logits = np.array([[0.0, 3.0, 1.0], row])
     with pytest.raises(ValueError, match="logits: a row holds NaN, \\+inf or only -inf"):
-        sample(np.array([[0.0, np.nan]]), 1.0, 1.0, np.random.default_rng(0))
+        sample(logits, temperature, 1.0, np.random.default_rng(0))
 
 
 @pytest.mark.parametrize(
