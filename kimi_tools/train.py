@@ -362,6 +362,12 @@ def _fingerprint(args: TrainArgs, config: KimiConfig) -> tuple[str, dict]:
 
 
 _ABSENT = object()  # a key one side of a _diff lacks
+_NEGATED = {"shuffle": "no_shuffle"}  # TrainArgs fields set by a --no-X flag (run control ones never differ)
+
+
+def _as_flags(args: dict) -> dict:
+    """run.json's ``args`` keyed as the command line spells them: ``shuffle: False`` is ``no_shuffle: True``."""
+    return {_NEGATED.get(k, k): (not v if k in _NEGATED and isinstance(v, bool) else v) for k, v in args.items()}
 
 
 def _show(v: Any, limit: int = 60) -> str:
@@ -449,10 +455,15 @@ def _resolve(args: TrainArgs) -> TrainArgs:
             f"--weight-decay/--beta1/--beta2: got {a.weight_decay}/{a.beta1}/{a.beta2}, expected wd >= 0 and "
             f"betas in [0, 1)"
         )
-    if not a.save and (a.save_every or a.stop_after is not None or a.resume):
+    given = (
+        [f"--save-every {a.save_every}"] * bool(a.save_every)
+        + [f"--stop-after {a.stop_after}"] * (a.stop_after is not None)
+        + ["--resume"] * bool(a.resume)
+    )
+    if not a.save and given:
         raise ValueError(
-            "--no-save: a run that saves nothing cannot be stopped and resumed; got it with --save-every "
-            f"{a.save_every}, --stop-after {a.stop_after}, --resume {a.resume}, expected none of them"
+            f"--no-save: a run that saves nothing cannot be stopped and resumed; got it with {', '.join(given)}, "
+            "expected none of --save-every, --stop-after, --resume"
         )
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         raise ValueError(f"--peak-tflops: got {a.peak_tflops}, expected a positive peak (TFLOP/s)")
@@ -543,7 +554,9 @@ def _check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
             was = saved.get("fingerprint_of", {})
             flags = [
                 f"--{k.replace('_', '-')} ({v}"
-                for k, _, v in (d.partition(" (") for d in _diff(was.get("args", {}), body["args"]))
+                for k, _, v in (
+                    d.partition(" (") for d in _diff(_as_flags(was.get("args", {})), _as_flags(body["args"]))
+                )
             ]
             parts = []
             cfg_diffs = _diff(was.get("config", {}), body["config"])

@@ -517,6 +517,29 @@ def test_resume_mismatch_names_nested_keys_with_both_values():
     assert _diff(run, run) == []
 
 
+def test_resume_mismatch_names_the_flags_as_typed(tmp_path):
+    """The settings part of the refusal names flags a user can type: ``--no-shuffle`` (given or not), not the
+    ``shuffle`` field's ``--shuffle``, which ``kimi train`` does not have."""
+    from kimi_tools.train import _check_out
+
+    args = {**SMALL, "shuffle": True, "lora_targets": None}
+    was = {"config": {}, "args": {**args, "shuffle": False}}
+    (tmp_path / "run.json").write_text(json.dumps({"fingerprint": "was", "fingerprint_of": was}))
+    with pytest.raises(ValueError) as e:
+        _check_out(TrainArgs(out=str(tmp_path), resume=True, **SMALL), "now", {"config": {}, "args": args})
+    assert "other settings: --no-shuffle (run: True, now: False); resume with" in str(e.value), e.value
+
+
+def test_no_save_refusal_names_only_the_flags_given():
+    from kimi_tools.train import _resolve
+
+    with pytest.raises(ValueError) as e:
+        _resolve(TrainArgs(out="x", save=False, stop_after=3, **SMALL))
+    assert "got it with --stop-after 3, expected none of --save-every, --stop-after, --resume" in str(e.value)
+    with pytest.raises(ValueError, match="got it with --save-every 2, --resume, expected"):
+        _resolve(TrainArgs(out="x", save=False, save_every=2, resume=True, **SMALL))
+
+
 # ---------------------------------------------------------------------------------------------- LoRA
 
 
