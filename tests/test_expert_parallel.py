@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from kernels_torch.parallel.expert import experts_per_rank
 from kimi.config import load_config
@@ -215,6 +216,26 @@ def _worker(rank: int, world: int, port: int) -> None:
         except ValueError as e:
             if f"num_experts: got {2 * world + 1} for an expert-parallel group of {world} ranks" not in str(e):
                 errors.append(f"unclear error for indivisible num_experts: {e}")
+
+        # a group without this rank: refused (rank -1 took the last experts, counted from the end, silently)
+        first = dist.new_group([0])  # every rank calls new_group; the others get a non-member handle
+        try:
+            ep = shard_experts(KimiMoE(tiny), first)
+            if rank != 0:
+                errors.append(f"a group without rank {rank} was accepted (local experts {list(ep.local_experts)})")
+        except ValueError as e:
+            if rank == 0 or f"global rank {rank}) is not a member of the expert-parallel group" not in str(e):
+                errors.append(f"group [0] on rank {rank}: {e}")
+
+        # a refusal changes nothing: one MoE layer already sharded, the model's other one is left as it was
+        model = nn.Sequential(KimiMoE(tiny), KimiMoE(tiny))
+        shard_experts(model[1])
+        try:
+            shard_experts(model)
+            errors.append("a model holding an expert-parallel MoE was sharded again")
+        except ValueError:
+            if not isinstance(model[0].experts, nn.ModuleList) or model[0].routed_experts.__self__ is not model[0]:
+                errors.append("a refused shard_experts left the first MoE layer sharded")
         if errors:
             raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
     finally:

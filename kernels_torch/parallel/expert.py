@@ -143,8 +143,9 @@ class ExpertParallel:
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised; ``model`` holds no ``KimiMoE``.
-        ValueError: ``num_experts`` not divisible by the group size (:func:`experts_per_rank`); an MoE already
-            expert-parallel.
+        ValueError: ``num_experts`` not divisible by the group size (:func:`experts_per_rank`) or not the same in
+            every MoE layer; an MoE already expert-parallel (nothing is changed then); this process not a member of
+            ``group``.
     """
 
     def __init__(self, model: nn.Module, group=None):
@@ -153,15 +154,25 @@ class ExpertParallel:
         self.model = model
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if self.rank < 0:  # new_group's non-member handle: rank -1 would index the last experts from the end
+            raise ValueError(
+                f"group: this process (global rank {dist.get_rank()}) is not a member of the expert-parallel group, "
+                "expected a group that holds it (call shard_experts only on the group's ranks)"
+            )
         self._layers = [m for m in model.modules() if isinstance(m, KimiMoE)]
         if not self._layers:
             raise RuntimeError(f"ExpertParallel: {type(model).__name__} holds no KimiMoE layer, expected at least one")
         self.experts_per_rank = experts_per_rank(self._layers[0].config.num_experts, self.world)
         self.local_experts = range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
-        for m in self._layers:
+        for m in self._layers:  # every layer checked before any is changed: a refusal leaves the model as it was
             if isinstance(m.experts, nn.ModuleDict):
                 raise ValueError("ExpertParallel: an MoE layer is already expert-parallel (its experts are sharded)")
-            experts_per_rank(len(m.experts), self.world)
+            if len(m.experts) != self._layers[0].config.num_experts:
+                raise ValueError(
+                    f"num_experts: an MoE layer holds {len(m.experts)} experts, expected "
+                    f"{self._layers[0].config.num_experts} (the first layer's config) in every layer"
+                )
+        for m in self._layers:
             m.experts = nn.ModuleDict({str(e): m.experts[e] for e in self.local_experts})
             m.routed_experts = functools.partial(_routed_experts_ep, m, self)
 
