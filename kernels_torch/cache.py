@@ -23,7 +23,6 @@ layer of the wrong kind or shape, or a write past ``max_len``.
 
 from __future__ import annotations
 
-import copy as _copy
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -73,8 +72,10 @@ class ModelCache:
         return int(self.pos.shape[0])
 
     def copy(self) -> ModelCache:
-        """A deep copy (new buffers): a prefix cache that later calls on ``self`` leave untouched."""
-        return ModelCache(_copy.deepcopy(self.layers), self.pos.clone(), self.max_len, self.config_id)
+        """A copy with new buffers (detached from any autograd graph): a prefix cache that later calls on ``self``
+        leave untouched."""
+        layers = [type(c)(*(None if t is None else t.detach().clone() for t in c)) for c in self.layers]
+        return ModelCache(layers, self.pos.clone(), self.max_len, self.config_id)
 
     def rows(self, idx: Sequence[int]) -> ModelCache:
         """A new cache of the rows ``idx`` (repeats allowed: a batch-1 prefill copied into N decode rows).
@@ -151,12 +152,17 @@ class CacheStep(NamedTuple):
     lengths: torch.Tensor
 
 
-def check_cache(cache: ModelCache, config: KimiConfig, B: int, T: int, lengths=None, cu_seqlens=None) -> CacheStep:
-    """Validate a cached call of ``B`` rows with ``T`` columns and return its :class:`CacheStep`.
+def check_cache(
+    cache: ModelCache, config: KimiConfig, B: int, T: int, lengths=None, cu_seqlens=None, *, dtype=None, device=None
+) -> CacheStep:
+    """Validate a cached call of ``B`` rows with ``T`` columns and return its :class:`CacheStep`. ``dtype`` /
+    ``device``: the model's activation dtype and device, when given: every cache tensor must be on ``device`` and
+    the MLA layers' rows in ``dtype``.
 
     Raises:
-        ValueError: a cache from another config, another batch size, a layer of the wrong kind or shape, ``lengths``
-            outside ``[1, T]``, ``cu_seqlens`` given (rows replace packed documents here), a write past ``max_len``.
+        ValueError: a cache from another config, another batch size, a layer of the wrong kind or shape, dtype or
+            device, ``lengths`` outside ``[1, T]``, ``cu_seqlens`` given (rows replace packed documents here), a write
+            past ``max_len``.
     """
     if not isinstance(cache, ModelCache):
         raise ValueError(f"cache: got {type(cache).__name__}, expected a kernels_torch.cache.ModelCache (init_cache)")
@@ -177,6 +183,18 @@ def check_cache(cache: ModelCache, config: KimiConfig, B: int, T: int, lengths=N
         got = {n: tuple(getattr(layer, n).shape) for n in want} if isinstance(layer, kind) else None
         if got != want:
             raise ValueError(f"cache: layer {i} holds {type(layer).__name__} {got}, expected a {kind.__name__} {want}")
+        for name, t in layer._asdict().items():
+            if t is None:
+                continue
+            # the latent rows are written in place into init_cache's buffers, so their dtype is the one asked for
+            # there; the KDA layers hand back new conv windows and states in the dtypes their kernels produce
+            want_dtype = dtype if isinstance(layer, MLACache) else None
+            if (want_dtype is not None and t.dtype != want_dtype) or (device is not None and t.device != device):
+                raise ValueError(
+                    f"cache: layer {i} {name} is {t.dtype} on {t.device}, expected {want_dtype or t.dtype} on "
+                    f"{device or t.device} like the model; build it with init_cache(model.config, B, max_len, "
+                    f"dtype={dtype}, device=...)"
+                )
     lengths = torch.full((B,), T, dtype=torch.int64) if lengths is None else torch.as_tensor(lengths).cpu()
     if (
         tuple(lengths.shape) != (B,)

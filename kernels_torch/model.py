@@ -207,7 +207,13 @@ class KimiK3Model(nn.Module):
             return self._forward_padded(input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer)
         if cache is None:
             _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
-        step = None if cache is None else check_cache(cache, self.config, *input_ids.shape, lengths, cu_seqlens)
+        if cache is not None:
+            w = self.model.embed_tokens.weight  # the activation dtype and device
+            step = check_cache(
+                cache, self.config, *input_ids.shape, lengths, cu_seqlens, dtype=w.dtype, device=w.device
+            )
+        else:
+            step = None
         h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer, step)
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = h @ w.t()

@@ -33,6 +33,7 @@ import io
 import itertools
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,8 @@ def run_grid(
         done = json.loads((out / "ablate.json").read_text(encoding="utf-8"))
     finished = {(r["cell"], r["mode"], r["text"], r["tokens"]) for r in done}
     todo = [c for c in cells if (cell_key(c), mode, text.name, len(ids)) not in finished]
+    if len(todo) < len(cells) and not quiet:
+        print(f"kimi ablate: {len(cells) - len(todo)} of {len(cells)} cells already in {out}; skipped", file=sys.stderr)
 
     params = load_params(reader, base)
     ref = None

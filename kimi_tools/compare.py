@@ -50,6 +50,10 @@ class Tolerances:
 # Per-layer rows are layer-local and carry the tight checks. The end-to-end logits of a bf16 run accumulate
 # discrete flips (expert routing and top-k keys at near-ties, then everything downstream of them), so in bf16 they
 # get looser bounds (measured on the random-init tiny preset, 256 tokens, sdpa: rel 0.193, cosine 0.981, top-1 0.894).
+# fp32/fp64: the end-to-end logits bound is this many times looser once a near-tie flip occurred and every layer
+# passed (bf16's bounds already allow for flips, which happen there in most runs).
+TIE_FLIP_LOGITS_FACTOR = 10.0
+
 TOLERANCES = {
     "float32": Tolerances(
         attn_rel=1e-4,
@@ -273,6 +277,10 @@ class Report:
     top1: float
     failed: list[str]
     kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # the GPU kernels that ran (cudnn backend)
+    # Rows whose keys or experts flipped at near-ties in some layer (layer-local), and the logits bound that applied:
+    # tolerances.logits_rel, times TIE_FLIP_LOGITS_FACTOR when such flips occurred and every layer passed.
+    tie_flipped_rows: int = 0
+    logits_rel_bound: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -305,6 +313,7 @@ def compare_runs(
     """Compare ``other`` against ``ref`` layer by layer; ``kinds[i]`` is 'kda' | 'mla' | 'dsa'."""
     tol = tol or TOLERANCES[dtype]
     rows = []
+    flipped = np.zeros(ref.logits.shape[0], bool)  # rows whose keys or experts differ in some layer
     for i, (r, o) in enumerate(zip(ref.layers, other.layers)):
         T = r["attn_out"].shape[0]
         sel = routing = None
@@ -317,6 +326,8 @@ def compare_runs(
         if "expert_ids" in r and "expert_ids" in o:
             routing, mlp_keep = selection_agreement(r["expert_ids"], r["expert_scores"], o["expert_ids"], tol.tie_rel)
         keep = attn_keep & mlp_keep  # the residual carries both
+        if keep.shape == flipped.shape:
+            flipped |= ~keep
         row = LayerRow(
             i,
             kinds[i],
@@ -340,14 +351,33 @@ def compare_runs(
     top1 = float((a.argmax(-1) == b.argmax(-1)).mean())
     lrel = rel_err(a, b)
     failed = []
-    if not lrel <= tol.logits_rel:
-        failed.append(f"logits_rel {lrel:.2e} > {tol.logits_rel:.0e}")
+    bound = tol.logits_rel
+    if dtype in ("float32", "float64") and flipped.any() and not any(r.failed for r in rows):
+        # Every layer passed, and some row's keys or experts flipped at a near-tie. In the two end-to-end runs that
+        # flip changes the row, and through the KDA state and the later layers' keys every row after it, by far
+        # more than rounding (fp32, 3,379 tokens of the tiny preset: logits rel 1.9e-4 after two flipped rows in 45k
+        # layer-rows); the layer rows above, fed the same inputs, are the sharp check there.
+        bound = tol.logits_rel * TIE_FLIP_LOGITS_FACTOR
+    if not lrel <= bound:
+        failed.append(f"logits_rel {lrel:.2e} > {bound:.0e}")
     if not cos >= tol.logits_cos_min:
         failed.append(f"logits cosine {cos:.6f} < {tol.logits_cos_min}")
     if not top1 >= tol.top1_min:
         failed.append(f"top-1 agreement {top1:.4f} < {tol.top1_min}")
     return Report(
-        other.name, dtype, tol, rows, ref.name, lrel, float(np.abs(a - b).max()), cos, top1, failed, other.kernels
+        other.name,
+        dtype,
+        tol,
+        rows,
+        ref.name,
+        lrel,
+        float(np.abs(a - b).max()),
+        cos,
+        top1,
+        failed,
+        other.kernels,
+        int(flipped.sum()),
+        bound,
     )
 
 
@@ -376,6 +406,12 @@ def format_table(reports: list[Report]) -> str:
             f"logits: rel {rep.logits_rel:.2e}  max abs {rep.logits_max_abs:.2e}  cosine {rep.logits_cos:.7f}  "
             f"top-1 agreement {rep.top1:.4f}  -> " + ("PASS" if rep.passed else "FAIL")
         )
+        if rep.logits_rel_bound is not None and rep.logits_rel_bound != t.logits_rel:
+            lines.append(
+                f"logits rel bound {rep.logits_rel_bound:.0e} ({TIE_FLIP_LOGITS_FACTOR:g} x {t.logits_rel:.0e}): "
+                f"{rep.tie_flipped_rows} rows' keys or experts flipped at near-ties, which moves every later row in "
+                "a full run; the layer rows, fed the same inputs, all passed"
+            )
         if rep.kernels:
             lines.append(
                 "kernels: "

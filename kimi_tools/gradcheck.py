@@ -53,7 +53,9 @@ GRAD_TOLERANCES = {"float64": 1e-9, "float32": 5e-4, "bfloat16": 0.1}
 # over every token of the gate's gradient, which reaches them through the state's cumulative decay; bf16 rounding of
 # the forward leaves ~0.14 there on every backend: eager and sdpa on CPU 0.138 (A_log) / 0.119 (dt_bias), cudnn on the
 # H200 0.149 / 0.110 (tiny preset cut to a KDA and a DSA layer, T = 200 in two documents), against <= 0.08 elsewhere.
-GRAD_TOLERANCE_OVERRIDES = {"bfloat16": ((re.compile(r".*\.self_attn\.(A_log|dt_bias)"), 0.25),)}
+# So a whole-model bf16 check cannot see an error below ~20% in these two; the sharp checks of them are fp32/fp64 here
+# (eager, sdpa) and, for the cudnn kernels, the KDA layer's GPU test against eager fp32 (every gradient, 5e-2).
+GRAD_TOLERANCE_OVERRIDES = {"bfloat16": ((re.compile(r".*\.self_attn\.(A_log|dt_bias)"), 0.2),)}
 
 
 def grad_tolerance(dtype: str, name: str) -> float:
@@ -206,7 +208,9 @@ def format_grad_table(ref: GradRun, other: GradRun, rows: list[GradRow], limit: 
             f"{r.name:<{width}} {str(list(r.shape)):>16} {r.rel:9.2e} {r.tol:7.2g}  {r.status} {r.note}".rstrip()
         )
     if limit is not None and len(shown) > limit:
-        lines.append(f"... {len(shown) - limit} more within tolerance")
+        hidden = shown[limit:]
+        past = sum(r.status == "FAIL" for r in hidden)
+        lines.append(f"... {len(hidden)} more " + (f"({past} of them past tolerance)" if past else "within tolerance"))
     if frozen:
         lines.append(
             f"frozen (no LM-loss gradient through hard top-k; reference exactly 0, torch none): {len(frozen)} tensors"

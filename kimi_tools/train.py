@@ -473,6 +473,11 @@ def _resolve(args: TrainArgs) -> TrainArgs:
     lora_opts = (a.lora_alpha, a.lora_targets, a.lora_dropout or None)
     if a.lora_rank is None and any(o is not None for o in lora_opts):
         raise ValueError("--lora-alpha/--lora-dropout/--lora-targets: given without --lora-rank, expected it too")
+    if a.lora_rank is not None and a.stage in ("indexer-warmup", "sparse"):
+        raise ValueError(
+            f"--stage {a.stage} with --lora-rank: LoRA freezes every base weight, the DSA indexer (which this stage "
+            "distils, and which is no LoRA target) included, so its KL would train nothing; run the stage without LoRA"
+        )
     if a.lora_rank is not None:
         if a.lora_rank < 1:
             raise ValueError(f"--lora-rank: got {a.lora_rank}, expected a positive integer")
@@ -818,6 +823,11 @@ def train(args: TrainArgs) -> TrainResult:
         metrics_path.write_text("", encoding="utf-8")
     start = train_state["step"]
     if a.resume and start >= (a.stop_after or a.steps):
+        if start < a.steps:  # stopped early by --stop-after, and asked to stop there again
+            raise ValueError(
+                f"--resume: the run in {out} stopped at step {start} of {a.steps}, and --stop-after {a.stop_after} "
+                f"ends there too; drop --stop-after (or give a later step) to continue it"
+            )
         raise ValueError(
             f"--resume: the run in {out} already finished step {start} of {a.steps}; nothing to train (its model "
             f"and metrics are there; choose another --out for a new run)"
@@ -868,6 +878,7 @@ def train(args: TrainArgs) -> TrainResult:
             f"kimi train: {f'checkpoint {a.checkpoint}' if a.checkpoint else f'preset {a.preset} (random init, seed {a.seed})'}, "
             f"{cfg.num_hidden_layers} layers, {n_train:,} of {n_total:,} parameters trained"
             + (f" (LoRA rank {a.lora_rank})" if lora_settings is not None else "")
+            + (f"; stage {a.stage}" if a.stage != "lm" else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
             + (", recompute" if a.recompute else "")
             + f"\n  data: {len(docs)} documents, {sum(map(len, docs)):,} tokens ({tok.name}); eval "
@@ -1021,14 +1032,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, nargs="+", metavar="PATH", help="text files, JSONL (text field), folders")
     p.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out text (default: the tail of --data)")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction, help="tail of --data held out")
-    p.add_argument("--eval-tokens", type=positive_int, default=d.eval_tokens, help="evaluate on up to N tokens")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evals (0: start and end)")
-    p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps (the schedule's length)")
+    p.add_argument(
+        "--eval-tokens",
+        type=positive_int,
+        default=d.eval_tokens,
+        help="evaluate on up to N tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="steps between evals (0: start and end; default %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=d.steps,
+        help="optimizer steps (the schedule's length; default %(default)s)",
+    )
     p.add_argument("--stop-after", type=positive_int, help="end this process after step N (resume later)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed row (default %(default)s)")
     p.add_argument("--micro-batch-tokens", type=positive_int, help="tokens per forward (rows; default --seq-len)")
     p.add_argument("--batch-tokens", type=positive_int, help="tokens per optimizer step (gradient accumulation)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
     p.add_argument(
         "--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps (default: min(10, steps // 10))"
@@ -1050,14 +1076,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--lora-targets", nargs="+", metavar="PATTERN", help="module-name patterns to adapt")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest step-N")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end)")
+    p.add_argument(
+        "--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end, the default)"
+    )
     p.add_argument(
         "--no-save",
         dest="save",
         action="store_false",
         help="write no weights and no step-N/ (a measurement run: metrics and plot only)",
     )
-    p.add_argument("--keep", type=positive_int, default=d.keep, help="step-N checkpoints kept")
+    p.add_argument("--keep", type=positive_int, default=d.keep, help="step-N checkpoints kept (default %(default)s)")
     p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s, for MFU")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no loss.png")
     p.add_argument("--quiet", action="store_true", help="no progress bar or messages")

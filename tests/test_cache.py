@@ -274,6 +274,9 @@ def test_torch_bad_use_is_refused(tmodel, tiny_ckpt):
         tmodel(ids, cache=broken)
     with pytest.raises(ValueError, match="idx"):
         cache.rows([2])
+    # a cache of another dtype than the model's activations: named, not torch's "m1 and m2" deep inside a layer
+    with pytest.raises(ValueError, match=r"layer 3 c_kv is torch.float64 .* expected torch.float32"):
+        tmodel(ids, cache=tcache.init_cache(cfg, 2, 16, dtype=torch.float64))
 
 
 def test_jax_bad_use_is_refused(tiny_ckpt):
@@ -343,3 +346,16 @@ def test_cudnn_cached_pieces_on_cpu(tmodel, monkeypatch):
                 rel(got, want) <= 1e-5 and rel(gcache.S, wcache.S) <= 1e-5 and torch.equal(gcache.conv_v, wcache.conv_v)
             )
             cache = gcache
+
+
+def test_prefix_copy_under_autograd(tmodel):
+    """``prefill(..., snapshot_at=)`` and ``ModelCache.copy`` outside ``torch.no_grad()`` (README's snippet): the
+    copies are detached buffers, equal to the live cache's values at that point (deepcopy refused non-leaf tensors)."""
+    cfg = tmodel.config
+    ids = torch.from_numpy(ids_for(1, 20, 43))
+    _, cache, snaps = tcache.prefill(tmodel, ids, tcache.init_cache(cfg, 1, 24), chunk_size=8, snapshot_at=[12])
+    copy = cache.copy()
+    for a, b in zip(copy.layers, cache.layers):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or (not x.requires_grad and torch.equal(x, y) and x is not y)
+    assert int(snaps[12].pos[0]) == 12

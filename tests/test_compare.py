@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kimi_tools.compare import TOLERANCES, RunResult, compare_runs, rel_err, selection_agreement
+from kimi_tools.compare import TOLERANCES, RunResult, compare_runs, format_table, rel_err, selection_agreement
 
 rng = np.random.default_rng(0)
 
@@ -72,3 +72,39 @@ def test_tolerances_named_per_dtype():
     assert set(TOLERANCES) == {"float32", "bfloat16"}
     assert TOLERANCES["float32"].attn_rel < TOLERANCES["bfloat16"].attn_rel
     assert rel_err(np.ones(3), np.ones(3)) == 0.0
+
+
+def _dsa_run(ref_logits, topk, scores, T=12, D=8):
+    layers = [
+        {k: np.ones((T, D), np.float32) for k in ("attn_out", "mlp_out", "residual")}
+        | {"topk_indices": topk, "index_scores": scores}
+    ]
+    return RunResult("x", ref_logits, layers)
+
+
+def test_logits_bound_after_near_tie_flips():
+    """fp32: a near-tie flip of a row's keys (every layer passing) moves every later row of a full run, so the
+    logits bound widens by TIE_FLIP_LOGITS_FACTOR and says why; without a flip, or past the widened bound, or in
+    bf16, the plain bound holds."""
+    from kimi_tools.compare import TIE_FLIP_LOGITS_FACTOR
+
+    T = 12
+    scores = np.tile(np.arange(T, 0, -1, dtype=np.float32), (T, 1))  # key 0 scores highest
+    scores[5, 1] = scores[5, 0]  # row 5: keys 0 and 1 tie
+    topk = np.zeros((T, 1), np.int64)
+    flipped = topk.copy()
+    flipped[5, 0] = 1  # the tied twin: a near-tie flip
+    logits = rng.standard_normal((T, 16)).astype(np.float32)
+    tol = TOLERANCES["float32"].logits_rel
+
+    def other(rel, sel):
+        noisy = logits * (1 + rel)  # logits rel = rel exactly
+        return RunResult("torch-eager", noisy, _dsa_run(logits, sel, scores).layers)
+
+    ref = _dsa_run(logits, topk, scores)
+    assert compare_runs(ref, other(3 * tol, flipped), ["dsa"], "float32").passed
+    rep = compare_runs(ref, other(3 * tol, topk), ["dsa"], "float32")  # no flip: the plain bound
+    assert not rep.passed and rep.tie_flipped_rows == 0
+    rep = compare_runs(ref, other(2 * TIE_FLIP_LOGITS_FACTOR * tol, flipped), ["dsa"], "float32")
+    assert not rep.passed and rep.tie_flipped_rows == 1
+    assert "flipped at near-ties" in format_table([compare_runs(ref, other(3 * tol, flipped), ["dsa"], "float32")])

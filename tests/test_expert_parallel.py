@@ -118,6 +118,13 @@ def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None):
         except RuntimeError as e:
             if what not in str(e):
                 errors.append(f"{tag}: load_full_state_dict: unclear error {e}")
+    stray = next(k for k in full if _EXPERT.search(k)).replace(".0.", f".{cfg.num_experts}.", 1)  # one id too far
+    try:
+        ep.load_full_state_dict({**full, stray: 0})
+        errors.append(f"{tag}: load_full_state_dict dropped {stray} (an expert id past num_experts) silently")
+    except ValueError as e:
+        if f"expert {cfg.num_experts}" not in str(e):
+            errors.append(f"{tag}: load_full_state_dict: unclear error {e}")
     x = xs[rank].clone().requires_grad_()
     out, aux = moe(x, return_aux=True)
     (out * Rs[rank]).sum().backward()

@@ -199,6 +199,6 @@ def test_bf16_gradients_within_the_gpu_bounds(tmp_path):
     assert all(r.status != "FAIL" for r in rows), table
     by_name = {r.name: r for r in rows}
     assert (
-        by_name["model.layers.0.self_attn.A_log"].tol == 0.25
+        by_name["model.layers.0.self_attn.A_log"].tol == 0.2
         and by_name["model.layers.0.self_attn.q_proj.weight"].tol == 0.1
     )

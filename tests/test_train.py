@@ -372,6 +372,7 @@ def _small_argv(out):
         ),
         (lambda argv, tmp: argv + ["--lora-rank", "4", "--lora-targets", "lm_head"], "reads directly"),
         (lambda argv, tmp: argv + ["--no-save", "--stop-after", "3"], "--no-save: a run that saves nothing"),
+        (lambda argv, tmp: argv + ["--stage", "sparse", "--lora-rank", "2"], "LoRA freezes every base weight"),
     ],
     ids=[
         "seq-len",
@@ -383,6 +384,7 @@ def _small_argv(out):
         "lora-cudnn",
         "lora-head",
         "no-save-stop",
+        "stage-lora",
     ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
@@ -558,6 +560,8 @@ def test_lora_run_resumes_exactly_and_writes_the_adapter(tmp_path):
     kw.update(lora_rank=4, lora_dropout=0.1, plot=False)
     a = train(TrainArgs(out=str(tmp_path / "a"), **kw))
     b1 = train(TrainArgs(out=str(tmp_path / "b"), stop_after=2, **kw))
+    with pytest.raises(ValueError, match="drop --stop-after"):  # README's "the same command with --resume"
+        train(TrainArgs(out=str(tmp_path / "b"), resume=True, stop_after=2, **kw))
     b2 = train(TrainArgs(out=str(tmp_path / "b"), resume=True, **kw))
     assert _numbers(a.records) == _numbers(b1.records + b2.records)
     assert a.eval_losses[4] != a.eval_losses[0]  # the adapters change the function (the benchmark: loss falls)

@@ -17,7 +17,8 @@ replaced, on the instance, by (``docs/scaling.md`` section 2):
    experts once on its rows; outputs in the activation dtype (the rounding ``KimiMoE`` applies).
 4. *combine*: the reverse ``all_to_all_single`` returns every output row to its token's rank, in the order it was
    sent; there the rows are weighted by the fp32 router weights and summed per token in fp32 (``index_add_`` in
-   expert order, as ``KimiMoE.routed_experts``).
+   expert order, as ``KimiMoE.routed_experts``; on CUDA ``index_add_`` with repeated indices does not fix the order
+   of the additions, so the sums there match the single-process MoE to fp32 rounding, not bitwise).
 
 Backward: ``torch.distributed._functional_collectives.all_to_all_single_autograd`` (what
 ``torch.distributed.nn.functional.all_to_all_single`` now points to): the gradient of an all-to-all is the reverse
@@ -162,7 +163,8 @@ class ExpertParallel:
         self._layers = [m for m in model.modules() if isinstance(m, KimiMoE)]
         if not self._layers:
             raise RuntimeError(f"ExpertParallel: {type(model).__name__} holds no KimiMoE layer, expected at least one")
-        self.experts_per_rank = experts_per_rank(self._layers[0].config.num_experts, self.world)
+        self.num_experts = self._layers[0].config.num_experts
+        self.experts_per_rank = experts_per_rank(self.num_experts, self.world)
         self.local_experts = range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
         for m in self._layers:  # every layer checked before any is changed: a refusal leaves the model as it was
             if isinstance(m.experts, nn.ModuleDict):
@@ -186,10 +188,18 @@ class ExpertParallel:
 
     def shard_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The entries of a full (single-process) state dict that this rank keeps: everything but the routed experts
-        of other ranks (keys ``...experts.<id>....`` with ``id`` outside :attr:`local_experts`)."""
+        of other ranks (keys ``...experts.<id>....`` with ``id`` outside :attr:`local_experts`).
+
+        Raises:
+            ValueError: an expert id outside ``[0, num_experts)``."""
         out = {}
         for name, t in state_dict.items():
             m = _EXPERT_KEY.search(name)
+            if m is not None and not 0 <= int(m.group(2)) < self.num_experts:
+                raise ValueError(
+                    f"state_dict: {name!r} names expert {m.group(2)}, expected an id in [0, {self.num_experts}) "
+                    "(num_experts): a checkpoint of another model?"
+                )
             if m is None or int(m.group(2)) in self.local_experts:
                 out[name] = t
         return out
