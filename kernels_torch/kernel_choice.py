@@ -71,21 +71,22 @@ def reset_used() -> None:
     _USED.clear()
 
 
-def set_model_kernels(model, sparse_kernel: str | None = None, kda_kernel: str | None = None):
+def set_model_kernels(
+    model, sparse_kernel: str | None = None, kda_kernel: str | None = None, kda_prep: str | None = None
+):
     """Set the kernel choice on every layer of ``model`` (a ``torch.nn.Module``) that has one: the DSA layers'
-    ``sparse_kernel`` and the KDA layers' ``kda_kernel``. None leaves a choice as it is (the default: environment,
-    then auto). Returns ``model``.
+    ``sparse_kernel`` and the KDA layers' ``kda_kernel`` and ``kda_prep``. None leaves a choice as it is (the
+    default: environment, then auto). Returns ``model``.
 
     Raises:
         ValueError: a value outside :data:`CHOICES`.
     """
-    if sparse_kernel is not None:
-        resolve("sparse_mla_fwd", sparse_kernel)
-    if kda_kernel is not None:
-        resolve("kda", kda_kernel)
+    chosen = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep}
+    for attr, op in (("sparse_kernel", "sparse_mla_fwd"), ("kda_kernel", "kda"), ("kda_prep", "kda_prep")):
+        if chosen[attr] is not None:
+            resolve(op, chosen[attr])
     for m in model.modules():
-        if sparse_kernel is not None and hasattr(m, "sparse_kernel"):
-            m.sparse_kernel = sparse_kernel
-        if kda_kernel is not None and hasattr(m, "kda_kernel"):
-            m.kda_kernel = kda_kernel
+        for attr, value in chosen.items():
+            if value is not None and hasattr(m, attr):
+                setattr(m, attr, value)
     return model

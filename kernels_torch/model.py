@@ -276,14 +276,17 @@ def load_model(
     sparse_kernel: str | None = None,
     kda_kernel: str | None = None,
     *,
+    kda_prep: str | None = None,
     check_finite: bool = True,
 ) -> KimiK3Model:
     """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`.
     ``check_finite=False`` skips the NaN/inf scan of the weights (``kimi.checkpoint.load_params``) for speed.
 
     ``sparse_kernel`` (``auto`` | ``flash_mla`` | ``triton``) and ``kda_kernel`` (``auto`` | ``cudnn`` | ``fla``) pick
-    the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer (None: ``$KIMI_SPARSE_KERNEL`` /
-    ``$KIMI_KDA_KERNEL``, else auto; ``kernels_torch.kernel_choice``); other backends ignore them.
+    the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer, ``kda_prep`` (``auto`` |
+    ``outside`` | ``in_kernel``) where its cuDNN KDA op gets the q/k norms, gate and beta (None: ``$KIMI_SPARSE_KERNEL``
+    / ``$KIMI_KDA_KERNEL`` / ``$KIMI_KDA_PREP``, else auto; ``kernels_torch.kernel_choice``); other backends ignore
+    them.
 
     Raises:
         kimi.checkpoint.CheckpointError, kimi.config.ConfigError, ValueError (backend, kernel choice).
@@ -291,7 +294,8 @@ def load_model(
     from kimi.checkpoint import CheckpointReader, load_params
 
     check_backend(backend)
-    set_model_kernels(nn.Module(), sparse_kernel=sparse_kernel, kda_kernel=kda_kernel)  # validate before reading
+    kernels = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep}
+    set_model_kernels(nn.Module(), **kernels)  # validate before reading
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device: got {str(device)!r}, but CUDA is not available here"
@@ -303,7 +307,7 @@ def load_model(
     with torch.device("meta"):
         model = KimiK3Model(config, backend=backend)
     model.load_state_dict(params, strict=True, assign=True)
-    set_model_kernels(model, sparse_kernel=sparse_kernel, kda_kernel=kda_kernel)
+    set_model_kernels(model, **kernels)
     return cast_model(model.to(device), dtype)
 
 

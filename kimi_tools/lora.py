@@ -377,11 +377,30 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     the model has no place for, or a wrapped layer the file has no weights for, or a tensor whose shape is not the
     model's (named, with both shapes: a rank other than adapter_config.json's ``r``, or another model's sizes).
     """
+    _, settings = read_adapter_config(adapter_dir)
+    names = apply_lora(model, settings)
+    try:
+        _load_checked(model, adapter_dir, settings)
+    except BaseException:
+        _remove_lora(model)  # a refused adapter leaves the model as it was (a retry must not meet its zero adapters)
+        raise
+    return names
+
+
+def _remove_lora(model: nn.Module) -> None:
+    """Put the plain base layers back without merging (undo :func:`apply_lora`)."""
+    for name, layer in lora_modules(model).items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+
+
+def _load_checked(model: nn.Module, adapter_dir: str | Path, settings) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    _, settings = read_adapter_config(adapter_dir)
-    names = apply_lora(model, settings)
     raw = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
     sd = {(k[len(_KEY_PREFIX) :] if k.startswith(_KEY_PREFIX) else k): v for k, v in raw.items()}
     want = adapter_state_dict(model)  # the freshly wrapped model's tensors: the shapes the file must have
@@ -408,7 +427,6 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
                 f"expected {need} ({'lora_A [r, in]' if a_or_b else 'lora_B [out, r]'}; {why})"
             )
     set_peft_model_state_dict(model, sd, adapter_name=_ADAPTER)
-    return names
 
 
 def merge_lora(model: nn.Module) -> list[str]:

@@ -43,3 +43,7 @@ def test_load_model_sets_every_layer(tiny_ckpt):
     assert {x.kda_kernel for x in load_model(tiny_ckpt).modules() if hasattr(x, "kda_kernel")} == {None}
     with pytest.raises(ValueError, match="flashmla"):
         load_model(tiny_ckpt, sparse_kernel="flashmla")
+    m = load_model(tiny_ckpt, backend="cudnn", kda_prep="in_kernel")
+    assert {x.kda_prep for x in m.modules() if hasattr(x, "kda_kernel")} == {"in_kernel"}
+    with pytest.raises(ValueError, match="fused"):  # refused before the checkpoint is read, whatever the backend
+        load_model(tiny_ckpt, kda_prep="fused")

@@ -333,8 +333,13 @@ def test_adapter_of_another_rank_or_model_names_the_tensor_and_shapes(cfg, tmp_p
         r"tensor 'base_model\.model\.model\.layers\.0\.\S+\.lora_A\.weight' has shape \[2, 96\], expected \[4, 96\] "
         r"\(lora_A \[r, in\]; adapter_config\.json says r=4 but the tensors have rank 2\)"
     )
+    fresh = _model(cfg, dtype=torch.float32)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(ValueError, match=rank_msg):
-        load_adapter(_model(cfg, dtype=torch.float32), tmp_path / "r4")
+        load_adapter(fresh, tmp_path / "r4")
+    after = fresh.state_dict()  # the refusal left the model as it was: no adapters, the same tensors
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    load_adapter(fresh, tmp_path / "r2")  # so a retry with the right adapter works
     args = ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "r4")]
     assert main([*args, "--out", str(tmp_path / "merged")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
