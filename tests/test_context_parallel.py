@@ -10,12 +10,11 @@ than the conv window), batch rows without cu_seqlens, the absorbed MLA form.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distributed_helpers import free_port, rel
 
 from kernels_torch.parallel.context import make_shard, shard_bounds
 from kimi.config import load_config
@@ -24,16 +23,6 @@ T = 45
 CU = [0, 3, 12, 40, 45]
 # named tolerances (relative error, fp64)
 TOL = {"out": 1e-10, "x.grad": 1e-9, "param.grad": 1e-9, "logits": 1e-10, "index_scores": 1e-10}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ no processes
@@ -185,4 +174,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_equals_one_rank(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)

@@ -8,8 +8,6 @@ forward's lse (``sparse_kl_aux``); the warm-up runs the dense DSA layers through
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from kernels_torch.common import causal_document_mask
 from kernels_torch.model import KimiK3Model
 from kimi.config import load_config
 from kimi.init import init_params
+from kimi_tools.data import Batch
 from kimi_tools.distill import (
     SparseStage,
     WarmupStage,
@@ -55,17 +54,6 @@ def cudnn_code(monkeypatch):
     """Run the cudnn layer code on the CPU: no CUDA check, the top-k kernel replaced by its torch stand-in."""
     monkeypatch.setattr(dc, "require_cudnn", lambda x, what="x": None)
     monkeypatch.setattr(dc, "indexer_topk_cudnn", _indexer_topk_torch)
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    cu_seqlens: torch.Tensor
-
-    @property
-    def num_targets(self) -> int:
-        return int((self.labels != -100).sum())
 
 
 def _models():

@@ -3,28 +3,16 @@ warm-up's view, and that a few warm-up steps lower the KL and raise the recall."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from kernels_torch.model import KimiK3Model
 from kimi.config import load_config
 from kimi.init import init_params
+from kimi_tools.data import Batch
 from kimi_tools.distill import SparseStage, WarmupStage, capture_dsa_inputs, dense_selection, layer_terms, model_recall
 
 T = 96  # > index_topk = 64 of the tiny preset: the selection really restricts
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    cu_seqlens: torch.Tensor
-
-    @property
-    def num_targets(self) -> int:
-        return int((self.labels != -100).sum())
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import datetime
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distributed_helpers import free_port, rel
 from torch import nn
 
 from kernels_torch.parallel.expert import experts_per_rank
@@ -35,16 +35,6 @@ TOL = {
 }
 TOL_LOGITS, TOL_MODEL_GRAD = 1e-12, 1e-12  # the 3-layer model, fp64
 _EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ no processes
@@ -252,4 +242,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_equals_one_process(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)

@@ -6,29 +6,19 @@ safetensors export equals ``save_model`` of the single-process model. Two gloo p
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from distributed_helpers import free_port, rel
 
 from kimi.config import load_config
 
 T = 45
 CU = [0, 3, 12, 40, 45]
 TOL = {"loss": 1e-12, "grad": 1e-9, "param": 1e-9, "logits": 1e-9}
-
-
-def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup():
@@ -122,7 +112,7 @@ def test_fsdp_cp_step_dcp_and_export(tmp_path):
 
     from kimi.checkpoint import CheckpointReader
 
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
 
     # the DCP folder written by 2 ranks loads in this process (world size 1) and gives the same logits
     model, ids, _ = _setup()
