@@ -23,6 +23,7 @@ from torch import nn
 from kernels_torch.cache import cached_causal_mask, key_count, write_rows
 from kernels_torch.common import causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
 from kimi.config import KimiConfig
+from kimi.rope import INDEXER_ROPE_THETA, ROPE_STYLES, check_rope_args, document_positions, rope_tables
 
 __all__ = [
     "indexer_scores",
@@ -145,26 +146,13 @@ def sparse_mask(topk_indices: torch.Tensor, S: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ optional RoPE
 
-INDEXER_ROPE_THETA = 10000.0  # DeepSeek-V3.2's rope_theta (no YaRN scaling); the same in the JAX twin
-ROPE_STYLES = ("none", "half", "interleaved")
-
 
 def rope_positions(T: int, cu_seqlens=None) -> np.ndarray:
     """Position of every token inside its document, ``[T]`` int64 (``t - cu[n]`` in document n; ``t`` without
     ``cu_seqlens``). Twin of ``reference_jax.indexer.rope_positions``."""
     if cu_seqlens is None:
-        return np.arange(T, dtype=np.int64)
-    cu = check_cu_seqlens(torch.as_tensor(cu_seqlens).cpu(), T).numpy()
-    doc = np.searchsorted(cu[1:], np.arange(T), side="right")
-    return np.arange(T, dtype=np.int64) - cu[doc]
-
-
-def rope_tables(positions, rope_dim: int, theta: float = INDEXER_ROPE_THETA) -> tuple[np.ndarray, np.ndarray]:
-    """``cos, sin`` ``[T, rope_dim/2]`` float64 of ``positions[t] * theta^(-2i/rope_dim)`` (as the JAX twin: the same
-    float64 numpy tables, so both rotate by the same rounded angles)."""
-    inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # [R/2]
-    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
-    return np.cos(ang), np.sin(ang)
+        return document_positions(T, None)
+    return document_positions(T, check_cu_seqlens(torch.as_tensor(cu_seqlens).cpu(), T).numpy())
 
 
 def apply_rope(
@@ -178,15 +166,10 @@ def apply_rope(
     Raises:
         ValueError: an unknown ``style``, an odd ``rope_dim`` or one larger than ``KI``, ``positions`` not ``[T]``.
     """
-    if style not in ROPE_STYLES:
-        raise ValueError(f"indexer_rope: got {style!r}, expected one of {list(ROPE_STYLES)}")
+    T = x.shape[1]
+    check_rope_args(style, rope_dim, T, x.shape[-1], positions)
     if style == "none":
         return x
-    T, KI = x.shape[1], x.shape[-1]
-    if rope_dim % 2 or not 0 < rope_dim <= KI:
-        raise ValueError(f"rope_dim: got {rope_dim}, expected an even number in [2, {KI}] (the indexer head dim)")
-    if np.shape(positions) != (T,):
-        raise ValueError(f"positions: got shape {np.shape(positions)}, expected [T]=[{T}]")
     dt = compute_dtype(x)
     shape = (1, T) + (1,) * (x.ndim - 3) + (-1,)
     cos, sin = (torch.from_numpy(a).to(x.device, dt).reshape(shape) for a in rope_tables(positions, rope_dim, theta))

@@ -260,16 +260,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             ref.name = "torch-eager fp32"
         reports, runs = [], [ref]
         for b in backends:
-            other = run_torch(
-                ckpt,
-                ids,
-                layers=args.layers,
-                backend=b,
-                dtype=args.dtype,
-                on_layer=Progress(f"torch-{b}", n, args.quiet),
-                device=args.device,
-                ref=ref,
-            )
+            other = _run_path(b, ckpt, ids, args, n, ref=ref)
             reports.append(compare_runs(ref, other, kinds, dtype=args.dtype, tol=TOLERANCES[args.dtype]))
             runs.append(other)
     print(format_table(reports))
@@ -299,9 +290,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_path(path: str, ckpt: Path, ids, args: argparse.Namespace, n: int):
+def _run_path(path: str, ckpt: Path, ids, args: argparse.Namespace, n: int, ref=None):
     """One path on ``ids`` with a progress bar: the JAX reference (``path == "jax"``) or a torch backend in
-    ``args.dtype`` on ``args.device``. Returns a ``kimi_tools.compare.RunResult``."""
+    ``args.dtype`` on ``args.device`` (``ref``: the reference run whose per-layer inputs the torch layers take, as
+    ``run_torch``). Returns a ``kimi_tools.compare.RunResult``."""
     from kimi_tools.compare import run_reference, run_torch
 
     if path == "jax":
@@ -314,6 +306,7 @@ def _run_path(path: str, ckpt: Path, ids, args: argparse.Namespace, n: int):
         dtype=args.dtype,
         on_layer=Progress(f"torch-{path}", n, args.quiet),
         device=args.device,
+        ref=ref,
     )
 
 

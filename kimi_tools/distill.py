@@ -228,17 +228,25 @@ def _unfreeze_indexers(model: nn.Module) -> None:
             attn.indexer.requires_grad_(True)
 
 
-class WarmupStage:
-    """``--stage indexer-warmup``: dense forward, only ``*.indexer.*`` trains, loss = KL over every causal key."""
+class _IndexerStage:
+    """What both distillation stages share: a model with DSA layers, and the ``cudnn`` indexers unfrozen."""
+
+    name = ""
 
     def __init__(self, config: KimiConfig, args: Any = None):
         if not config.dsa_layers:
-            raise ValueError("--stage indexer-warmup: the model has no DSA layer (config.dsa_layers is empty)")
+            raise ValueError(f"--stage {self.name}: the model has no DSA layer (config.dsa_layers is empty)")
         self.config = config
 
     def prepare(self, model: nn.Module) -> None:
         """Unfreeze the ``cudnn`` backend's indexers (``kimi train`` calls this before choosing the trainable set)."""
         _unfreeze_indexers(model)
+
+
+class WarmupStage(_IndexerStage):
+    """``--stage indexer-warmup``: dense forward, only ``*.indexer.*`` trains, loss = KL over every causal key."""
+
+    name = "indexer-warmup"
 
     def trainable(self, name: str) -> bool:
         return ".indexer." in name
@@ -257,17 +265,10 @@ class WarmupStage:
         return kl_sum / max(batch.num_targets, 1), metrics
 
 
-class SparseStage:
+class SparseStage(_IndexerStage):
     """``--stage sparse``: sparse forward; LM loss trains all but the indexers, the KL over S_t trains the indexers."""
 
-    def __init__(self, config: KimiConfig, args: Any = None):
-        if not config.dsa_layers:
-            raise ValueError("--stage sparse: the model has no DSA layer (config.dsa_layers is empty)")
-        self.config = config
-
-    def prepare(self, model: nn.Module) -> None:
-        """Unfreeze the ``cudnn`` backend's indexers (``kimi train`` calls this before choosing the trainable set)."""
-        _unfreeze_indexers(model)
+    name = "sparse"
 
     def trainable(self, name: str) -> bool:
         return not name.endswith("e_score_correction_bias")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi.config import KimiConfig
+from kimi.rope import INDEXER_ROPE_THETA, check_rope_args, document_positions, rope_tables
 from reference_jax.cache import cached_causal_mask, write_rows
 from reference_jax.common import Linear, causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
 
@@ -130,26 +131,11 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
 
 # ------------------------------------------------------------------------------------------------ optional RoPE
 
-INDEXER_ROPE_THETA = 10000.0  # DeepSeek-V3.2's rope_theta (no YaRN scaling here); the same in the torch twin
-ROPE_STYLES = ("none", "half", "interleaved")
-
 
 def rope_positions(T: int, cu_seqlens=None) -> np.ndarray:
     """Position of every token inside its document, ``[T]`` int64: ``t`` without ``cu_seqlens``, ``t - cu[n]`` in
     document n (RoPE restarts at every packed document, as a separate run would)."""
-    if cu_seqlens is None:
-        return np.arange(T, dtype=np.int64)
-    cu = check_cu_seqlens(cu_seqlens, T)
-    doc = np.searchsorted(cu[1:], np.arange(T), side="right")
-    return np.arange(T, dtype=np.int64) - cu[doc]
-
-
-def rope_tables(positions, rope_dim: int, theta: float = INDEXER_ROPE_THETA) -> tuple[np.ndarray, np.ndarray]:
-    """``cos, sin`` ``[T, rope_dim/2]`` float64 of the angles ``positions[t] * theta^(-2i/rope_dim)`` (RoFormer eq. 15;
-    computed in float64 numpy so both twins rotate by the same rounded angles)."""
-    inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)  # [R/2]
-    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
-    return np.cos(ang), np.sin(ang)
+    return document_positions(T, None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T))
 
 
 def apply_rope(x: jax.Array, positions, rope_dim: int, style: str, theta: float = INDEXER_ROPE_THETA) -> jax.Array:
@@ -171,15 +157,10 @@ def apply_rope(x: jax.Array, positions, rope_dim: int, style: str, theta: float 
     Raises:
         ValueError: an unknown ``style``, an odd ``rope_dim`` or one larger than ``KI``, ``positions`` not ``[T]``.
     """
-    if style not in ROPE_STYLES:
-        raise ValueError(f"indexer_rope: got {style!r}, expected one of {list(ROPE_STYLES)}")
+    T = x.shape[1]
+    check_rope_args(style, rope_dim, T, x.shape[-1], positions)
     if style == "none":
         return x
-    T, KI = x.shape[1], x.shape[-1]
-    if rope_dim % 2 or not 0 < rope_dim <= KI:
-        raise ValueError(f"rope_dim: got {rope_dim}, expected an even number in [2, {KI}] (the indexer head dim)")
-    if np.shape(positions) != (T,):
-        raise ValueError(f"positions: got shape {np.shape(positions)}, expected [T]=[{T}]")
     dt = compute_dtype(x)
     cos, sin = (
         jnp.asarray(a, dt).reshape((1, T) + (1,) * (x.ndim - 3) + (-1,))
