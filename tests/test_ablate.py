@@ -44,7 +44,7 @@ def ckpt(tmp_path_factory):
     return d
 
 
-def test_grid_rows_errors_and_skip(ckpt, tmp_path, monkeypatch):
+def test_grid_rows_errors_and_skip(ckpt, tmp_path, monkeypatch, capsys):
     out = tmp_path / "abl"
     rows = ab.run_grid(ckpt, ["index_topk=8,dense"], out, tokens=48, seq_len=48, quiet=True)
     assert [r["cell"] for r in rows] == ["index_topk=8", "index_topk=dense"]
@@ -62,8 +62,10 @@ def test_grid_rows_errors_and_skip(ckpt, tmp_path, monkeypatch):
     built = []
     orig = ab._build
     monkeypatch.setattr(ab, "_build", lambda cfg, *a: built.append(cfg.index_topk) or orig(cfg, *a))
-    rows = ab.run_grid(ckpt, ["index_topk=8,dense,16"], out, tokens=48, seq_len=48, quiet=True)
+    capsys.readouterr()
+    rows = ab.run_grid(ckpt, ["index_topk=8,dense,16"], out, tokens=48, seq_len=48, quiet=False)
     assert built == [16] and len(rows) == 3
+    assert "2 of 3 cells already in" in capsys.readouterr().err  # the user is told which cells were skipped
     assert json.loads((out / "ablate.json").read_text())[2]["cell"] == "index_topk=16"
 
 
