@@ -551,21 +551,30 @@ _FALLBACK_WARNED: set[str] = set()
 
 
 def _kda_prep_choice(layer: KimiDeltaAttention, x: torch.Tensor) -> str:
-    """``"in_kernel"`` or ``"outside"``: where the cuDNN path computes the q/k L2 norm, the gate and the beta sigmoid
-    (``kernel_choice.resolve("kda_prep", layer.kda_prep)``; ``auto``: outside, the faster one measured on the H200).
+    """``"triton"``, ``"outside"`` or ``"in_kernel"``: where the cuDNN path computes the q/k L2 norm, the gate and the
+    beta sigmoid (``kernel_choice.resolve("kda_prep", layer.kda_prep)``). ``auto``: ``triton`` (ours,
+    ``kernels_torch.ops.kda_prep``) where Triton imports and x is on CUDA, else ``outside`` (fla's functions).
 
     Raises:
-        RuntimeError: ``in_kernel`` forced where gradients are needed (the SM90 backward takes none of the fusions).
+        RuntimeError: ``in_kernel`` forced where gradients are needed (the SM90 backward takes none of the fusions);
+            ``triton`` forced where it cannot run (the reason named).
     """
+    from kernels_torch.ops.kda_prep import triton_prep_unavailable
+
     prep = kernel_choice.resolve("kda_prep", getattr(layer, "kda_prep", None))
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
     if prep == "in_kernel" and needs_grad:
         raise RuntimeError(
             "kda_prep: got 'in_kernel', but gradients are needed and cuDNN's SM90 KDA backward takes none of the "
-            "in-kernel L2 norm / gate / beta sigmoid; use 'outside' or 'auto' for training (or run under torch.no_grad())"
+            "in-kernel L2 norm / gate / beta sigmoid; use 'triton', 'outside' or 'auto' for training (or run under "
+            "torch.no_grad())"
         )
+    why = triton_prep_unavailable(x) if x.is_cuda else f"x is on {x.device}"
+    if prep == "triton" and why is not None:
+        raise RuntimeError(f"kda_prep: got 'triton', but the Triton preparation cannot run here: {why}")
     if prep == "auto":
-        prep = "outside"  # in_kernel measured slower (kernel_choice's docstring); forced, it serves no-grad calls
+        # in_kernel measured slower (kernel_choice's docstring); forced, it serves no-grad calls
+        prep = "triton" if why is None else "outside"
     return prep
 
 
@@ -579,13 +588,17 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     * the recurrence, by ``kernel_choice.resolve("kda", layer.kda_kernel)``:
 
       - ``cudnn``: where the q/k L2 norm, the gate and the beta sigmoid run is ``kernel_choice.resolve("kda_prep",
-        layer.kda_prep)`` (``$KIMI_KDA_PREP``): ``outside`` (:func:`kda_recurrence_cudnn`): q/k L2 norm with
+        layer.kda_prep)`` (``$KIMI_KDA_PREP``): ``triton`` (:func:`kda_recurrence_cudnn` on the outputs of
+        ``kernels_torch.ops.kda_prep``: ``l2norm_qk`` normalises q and k in one launch, ``kda_gate_lb`` computes the
+        same gate, each with a one-launch backward; beta = sigmoid in fp32 in torch); ``outside``
+        (:func:`kda_recurrence_cudnn`): q/k L2 norm with
         ``fla.modules.norm.l2norm`` (eps 1e-6, fp32 math, bf16 out), the gate in fp32 with
         ``fla.ops.kda.gate.fused_kda_gate`` (``lb * sigmoid(exp(A_log) * (f + dt_bias))``), beta = sigmoid in fp32,
         then the cuDNN op (the SM90 backward fuses none of these; they are computed outside, with their own backward
         kernels); ``in_kernel`` (:func:`kda_recurrence_cudnn_fused`, forward only): the op applies all three to its
         staged tiles, which saves the two L2-norm passes over q and k and the sigmoid kernels, yet measured slower
-        on the H200 (3.52 against 3.13 ms at 8K tokens, 96 heads). ``auto``: ``outside``; a forced ``in_kernel``
+        on the H200 (3.52 against 3.13 ms at 8K tokens, 96 heads). ``auto``: ``triton`` (``outside`` where
+        Triton does not import); a forced ``in_kernel``
         runs where no gradient is needed (grad mode off, or neither x nor a parameter requires grad) and raises
         otherwise. Recorded in ``kernel_choice.used()["kda_prep"]``.
       - ``fla``: ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (K3:
@@ -656,6 +669,13 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         try:
             if prep == "in_kernel":
                 o, S = kda_recurrence_cudnn_fused(q, k, v, f, b_logits, layer.A_log, layer.dt_bias, lb, S0f, cu)
+            elif prep == "triton":
+                from kernels_torch.ops.kda_prep import kda_gate_lb, l2norm_qk
+
+                g = kda_gate_lb(f, layer.A_log, layer.dt_bias, lb)  # fp32; A_log capped inside, as kda_gate
+                beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
+                qn, kn = l2norm_qk(q, k)  # one launch for both, bf16 out
+                o, S = kda_recurrence_cudnn(qn, kn, v, g, beta, S0f, cu)
             else:
                 from fla.modules.norm.l2norm import l2norm as fla_l2norm
                 from fla.ops.kda.gate import fused_kda_gate

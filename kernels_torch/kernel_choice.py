@@ -7,11 +7,14 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
 * ``kda`` (the KDA recurrence in chunk mode): ``cudnn`` (cuDNN Frontend's ``torch.ops.cudnn.kimi_delta_attention_fwd``,
   engine ``kda_hopper_cuda`` on SM90) or ``fla`` (fla-core's ``chunk_kda``).
 * ``kda_prep`` (where the cuDNN KDA path computes the q/k L2 norm, the lower-bound gate and the beta sigmoid):
-  ``in_kernel`` (the op's own fusions; forward only, since the SM90 backward engine takes none of them) or
-  ``outside`` (fla's ``l2norm`` and ``fused_kda_gate``, torch's sigmoid, each with its backward); ``auto`` takes
-  ``outside``: on the H200 the in-kernel fusions made the op's forward slower (8K tokens, 96 heads: 3.52 ms against
-  3.13 ms for the prepared inputs; 32K: 12.1 against 9.0; benchmarks/results/kda_layer_pass7.json), so
-  ``in_kernel`` is opt-in, for inference only.
+  ``in_kernel`` (the op's own fusions; forward only, since the SM90 backward engine takes none of them),
+  ``outside`` (fla's ``l2norm`` and ``fused_kda_gate``, torch's sigmoid, each with its backward) or ``triton``
+  (ours, ``kernels_torch.ops.kda_prep``: q and k normalised in one launch, the gate in one, each with a one-launch
+  backward; torch's sigmoid). ``auto`` takes ``triton`` where Triton imports and the tensors are on CUDA, else
+  ``outside``: fla's norms and gate cost several times their memory traffic on the H200 (8K tokens, 96 heads: 1.77
+  and 1.10 ms fwd+bwd, benchmarks/README.md pass 7; ``benchmarks/kda_layer.py`` times both preparations side by
+  side). The in-kernel fusions made the op's forward slower (3.52 ms against 3.13 ms for the prepared inputs; 32K:
+  12.1 against 9.0; benchmarks/results/kda_layer_pass7.json), so ``in_kernel`` is opt-in, for inference only.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
 ``kda_kernel`` / ``kda_prep`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
@@ -33,7 +36,7 @@ __all__ = ["CHOICES", "ENV_VARS", "resolve", "record", "used", "reset_used", "se
 CHOICES = {
     "sparse_mla_fwd": ("auto", "flash_mla", "triton"),
     "kda": ("auto", "cudnn", "fla"),
-    "kda_prep": ("auto", "in_kernel", "outside"),
+    "kda_prep": ("auto", "in_kernel", "outside", "triton"),
 }
 ENV_VARS = {"sparse_mla_fwd": "KIMI_SPARSE_KERNEL", "kda": "KIMI_KDA_KERNEL", "kda_prep": "KIMI_KDA_PREP"}
 _USED: dict[str, Counter] = {}

@@ -284,7 +284,7 @@ def load_model(
 
     ``sparse_kernel`` (``auto`` | ``flash_mla`` | ``triton``) and ``kda_kernel`` (``auto`` | ``cudnn`` | ``fla``) pick
     the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer, ``kda_prep`` (``auto`` |
-    ``outside`` | ``in_kernel``) where its cuDNN KDA op gets the q/k norms, gate and beta (None: ``$KIMI_SPARSE_KERNEL``
+    ``triton`` | ``outside`` | ``in_kernel``) where its cuDNN KDA op gets the q/k norms, gate and beta (None: ``$KIMI_SPARSE_KERNEL``
     / ``$KIMI_KDA_KERNEL`` / ``$KIMI_KDA_PREP``, else auto; ``kernels_torch.kernel_choice``); other backends ignore
     them.
 
