@@ -86,9 +86,10 @@ def check_l2(B, T, H, K, dtype, seed=0):
     assert not bad, f"l2norm_qk {dtype} B={B} T={T} H={H} K={K}: over tolerance {bad}"
 
 
-def gate_inputs(B, T, H, K, dtype, seed, extreme=False):
+def gate_inputs(B, T, H, K, dtype, seed, extreme=False, past_cap_live=False):
     """f ~ 4 N(0, 1) (some entries +-1e4 and +-1e30 when ``extreme``), A_log with head 0 past A_LOG_MAX (80) and the
-    rest log U(1, 16), dt_bias N(0, 1)."""
+    rest log U(1, 16), dt_bias N(0, 1). ``past_cap_live``: head 0 gets dt_bias 0 and f ~ 1e-28 N(0, 1), so that its
+    capped rate exp(64) = 6e27 gives an unsaturated sigmoid there, and only the cap's mask zeroes its dA_log."""
     gen = torch.Generator().manual_seed(seed)
     f = 4 * torch.randn(B, T, H, K, generator=gen)
     if extreme:
@@ -99,12 +100,15 @@ def gate_inputs(B, T, H, K, dtype, seed, extreme=False):
     A_log = torch.rand(H, generator=gen).mul(15).add(1).log()
     A_log[0] = 80.0  # exp(80) overflows fp32: capped at A_LOG_MAX, zero gradient
     dt_bias = torch.randn(H * K, generator=gen)
+    if past_cap_live:
+        f[..., 0, :] *= 2.5e-29
+        dt_bias[:K] = 0.0
     dg = torch.randn(B, T, H, K, generator=gen)
     return f.to(dtype), A_log, dt_bias, dg
 
 
-def check_gate(B, T, H, K, dtype, seed=0, extreme=False):
-    f, A_log, dt_bias, dg = gate_inputs(B, T, H, K, dtype, seed, extreme)
+def check_gate(B, T, H, K, dtype, seed=0, extreme=False, past_cap_live=False):
+    f, A_log, dt_bias, dg = gate_inputs(B, T, H, K, dtype, seed, extreme, past_cap_live)
     ours = {"f": f.clone().requires_grad_(True), "A_log": A_log.clone().requires_grad_(True)}
     ours["dt_bias"] = dt_bias.clone().requires_grad_(True)
     g = kp.kda_gate_lb(ours["f"], ours["A_log"], ours["dt_bias"], LB)
@@ -151,6 +155,13 @@ def test_gate_matches_eager(shape, dtype):
 def test_gate_extreme_f(dtype):
     """f at +-1e4 and +-1e30: saturated sigmoid, finite values and gradients, still the eager gate's."""
     check_gate(1, 300, 3, 128, dtype, seed=3, extreme=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_past_cap_unsaturated(dtype):
+    """A head past A_LOG_MAX whose sigmoid is not saturated: its dA_log is still exactly 0 (clamp's gradient)."""
+    check_gate(1, 63, 3, 128, dtype, seed=4, past_cap_live=True)
 
 
 @needs_interpreter
