@@ -2,9 +2,9 @@
 kernels (``kda_kernel`` = ``cudnn``: cuDNN Frontend's KDA op; ``fla``: fla-core's ``chunk_kda``) against the pure-torch
 eager layer: forward (out, final state, conv states), packed documents, decode, the gradients of every parameter and
 of x, the recurrence alone with non-zero initial states (and its gradient), and bitwise reproducible forwards. The cuDNN
-kernel runs in two variants (``kda_prep``): ``outside`` (q/k L2 norm, gate and beta sigmoid computed around the op; what
-training runs) and ``in_kernel`` (the op's own fusions, forward only, opt-in: measured slower): both are
-checked against eager fp32 with the same tolerances. Spec ``architecture.md`` section 2; cases 1-7.
+kernel runs in three variants (``kda_prep``): ``triton`` and ``outside`` (q/k L2 norm, gate and beta sigmoid computed
+around the op by our Triton kernels, auto's choice, or by fla's; what training runs) and ``in_kernel`` (the op's own
+fusions, forward only, opt-in: measured slower): all are checked against eager fp32 with the same tolerances. Spec ``architecture.md`` section 2; cases 1-7.
 
 The cudnn layer runs in bf16 with the checkpoint dtypes (bf16 projections, fp32 conv / A_log / dt_bias / o_norm); the
 eager reference runs in fp32 on the same bf16-rounded values, so the errors below are the bf16 pipeline's error
@@ -332,8 +332,9 @@ def test_gradients_match_eager(gate, case, kernel):
         failures.append(("out", errs["out"], TOL_OUT))
     if errs["x"] > TOL_GRAD["x"]:
         failures.append(("dx", errs["x"], TOL_GRAD["x"]))
-    if kernel == "cudnn":  # training computes the L2 norm / gate / beta sigmoid outside (the SM90 backward needs it)
-        assert set(kernel_choice.used().get("kda_prep", {})) == {"outside"}
+    if kernel == "cudnn":  # training computes the L2 norm / gate / beta sigmoid outside the op (the SM90 backward
+        # needs it); auto takes our Triton kernels (kda_prep='triton'; fla's: tests/gpu/test_gpu_kda_prep.py)
+        assert set(kernel_choice.used().get("kda_prep", {})) == {"triton"}
     for n, p in fast.named_parameters():
         assert p.grad is not None, f"{n}: no gradient through the cudnn path"
         assert p.grad.dtype == p.dtype
@@ -430,10 +431,11 @@ PREP_CASES = {  # name -> (B, T, cu_seqlens, with a random non-zero cache: conv 
 }
 
 
-@pytest.mark.parametrize("prep", ["in_kernel", "outside"])
+@pytest.mark.parametrize("prep", ["in_kernel", "outside", "triton"])
 @pytest.mark.parametrize("case", list(PREP_CASES))
 def test_cudnn_prep_variants_match_eager(case, prep):
-    """The cuDNN kernel with the L2 norm / gate / beta sigmoid in the kernel and outside it: layer output, final
+    """The cuDNN kernel with the L2 norm / gate / beta sigmoid in the kernel and outside it (fla's or our Triton
+    kernels): layer output, final
     state and conv states against eager fp32 (same tolerances as every forward test), with non-zero initial states
     and packed documents including length-1 ones; two calls give identical bits; the variant that ran is recorded."""
     _cudnn_or_skip()
@@ -466,8 +468,8 @@ def test_cudnn_prep_variants_match_eager(case, prep):
 
 
 def test_cudnn_prep_auto_and_forced():
-    """auto: outside under no_grad and under autograd (in_kernel measured slower); a forced in_kernel runs under
-    no_grad and raises under autograd."""
+    """auto: triton (our kernels) under no_grad and under autograd (in_kernel measured slower); a forced outside
+    (fla's) runs; a forced in_kernel runs under no_grad and raises under autograd."""
     _cudnn_or_skip()
     cfg = configs()["k3_lb_sigmoid"]
     fast, _ = layer_pair(cfg, seed=80, kernel="cudnn")
@@ -476,11 +478,13 @@ def test_cudnn_prep_auto_and_forced():
     with torch.no_grad():
         fast(x16)
     fast(x16)[0].float().sum().backward()
-    assert kernel_choice.used()["kda_prep"] == {"outside": 2}
+    assert kernel_choice.used()["kda_prep"] == {"triton": 2}
+    fast.kda_prep = "outside"
+    fast(x16)[0].float().sum().backward()
     fast.kda_prep = "in_kernel"
     with torch.no_grad():
         fast(x16)
-    assert kernel_choice.used()["kda_prep"] == {"outside": 2, "in_kernel": 1}
+    assert kernel_choice.used()["kda_prep"] == {"triton": 2, "outside": 1, "in_kernel": 1}
     with pytest.raises(RuntimeError, match="in_kernel"):
         fast(x16)
 
