@@ -12,10 +12,17 @@ L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-l
 Two variants of the cuDNN path (``kda_prep``): ``outside`` (the L2 norms, gate and beta sigmoid computed around the op;
 the only one with a backward on SM90, so every fwd+bwd row) and ``in_kernel`` (the op's own fusions; forward only):
 "layer_cudnn_outside_fwd" / "layer_cudnn_in_kernel_fwd" and "rec_cudnn_fwd" / "rec_cudnn_in_kernel_fwd".
+Preparations (``kda_prep``, issue 15): "rec_cudnn" / "layer_cudnn_outside" use fla's L2 norm and gate;
+"rec_cudnn_triton" / "layer_cudnn_triton" use ours (``kernels_torch.ops.kda_prep``); "layer_cudnn" is ``auto`` (ours
+where Triton imports).
 "breakdown_ms" (cuDNN only): the op alone on ready inputs with the layer's gate distribution and with g uniform in
 (-5, 0) (the distribution of the 2026-11-30 measurement), the op with one piece per sequence (cuDNN's launcher splits a
 sequence over P = 264 // (N*H) CTAs, each piece walking back until the decay bound proves the earlier state negligible:
-channels that hardly decay defeat that bound), and the pieces around it (fla l2norm of q and k, fused_kda_gate);
+channels that hardly decay defeat that bound), and the pieces around it (fla l2norm of q and k, fused_kda_gate:
+"prep_l2norm_qk_*" / "prep_gate_*", the L2 norms' backward through ``.float().sum()`` as in pass 7; and "prep_{fla,triton}_{l2norm_qk,gate}_{fwd,fwd_bwd}": both
+preparations with the backward fed bf16 / fp32 output gradients as inside the layer, with "prep_*_gbps": the minimum
+bytes moved (bf16 q/k/dq/dk/f/df, fp32 g/dg) over the time; "prep_triton_sweep_ms": our kernels under other launch
+shapes, ``kernels_torch.ops.kda_prep.TRITON_CONFIG``, unless ``--no-prep-sweep``);
 "gate_stats": the share of (16-token chunk, head) pairs whose slowest-decaying channel makes the walk-back bound
 stall (per-chunk bound max_k sum_t g * log2(e) + 3.5 >= 0: cuDNN FE 1.32 ``kda_fused_sm90.cu``).
 Also: the bf16 matmul ceiling of this run and the layer's projection FLOPs (6 T x weights: fwd + bwd), hence its
@@ -121,11 +128,12 @@ def stall_share(g: torch.Tensor, chunk: int = 16) -> float:
     return float((s * 1.4426950408889634 + 3.5 >= 0).float().mean())
 
 
-def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg) -> dict:
+def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg, sweep: bool = True) -> dict:
     """Milliseconds of the pieces of the cuDNN recurrence at this shape (each timed alone, median of a few calls):
     the op on ready inputs (pre-normalised q/k, fp32 g, fp32 beta) with the layer's gate and with g uniform in (-5, 0),
     forward and forward+backward; the forward with one piece per sequence (cuDNN's launcher patched for the call);
-    fla's l2norm of q and k and fused_kda_gate, forward and forward+backward."""
+    fla's l2norm of q and k and fused_kda_gate, forward and forward+backward; both preparations side by side
+    (:func:`prep_compare`)."""
     import importlib
 
     from _timing import time_ms
@@ -191,10 +199,100 @@ def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg) -> 
         )
     out["prep_l2norm_qk_fwd_bwd"] = round(time_ms(l2_fb, warmup=2)[0], 3)
     out["prep_gate_fwd_bwd"] = round(time_ms(gate_fb, warmup=2)[0], 3)
+    out.update(prep_compare(q, k, f, A_log, dt_bias, g_layer, lb, sweep))
     return out
 
 
-def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
+def prep_compare(q, k, f, A_log, dt_bias, dg, lb, sweep: bool) -> dict:
+    """fla's and our (Triton) L2 norm of q and k and lower-bound gate, forward and forward+backward, the backward
+    fed fixed output gradients (bf16 dq/dk for the norms, the fp32 ``dg`` for the gate) as inside the layer; the
+    achieved GB/s over the minimum traffic; with ``sweep``, our kernels under a few other launch shapes."""
+    from _timing import time_ms
+    from fla.modules.norm.l2norm import l2norm as fla_l2norm
+    from fla.ops.kda.gate import fused_kda_gate
+
+    from kernels_torch.ops import kda_prep as kp
+
+    n = q.numel()  # elements of each of q, k, f
+    gb = {  # minimum bytes: bf16 2, fp32 4 (rstd and the parameters are negligible)
+        "l2norm_qk_fwd": 2 * n * (2 + 2),
+        "l2norm_qk_fwd_bwd": 2 * n * (2 + 2) + 2 * n * (2 + 2 + 2),
+        "gate_fwd": n * (2 + 4),
+        "gate_fwd_bwd": n * (2 + 4) + n * (2 + 4 + 2),
+    }
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dq, dk = (torch.randn(q.shape, device="cuda", generator=gen).to(q.dtype) for _ in range(2))
+    ql, kl, fl = (t.detach().clone().requires_grad_(True) for t in (q, k, f))
+    Al, dl = A_log.detach().clone().requires_grad_(True), dt_bias.detach().clone().requires_grad_(True)
+    A_cap = A_log.detach().clamp(max=tk.A_LOG_MAX)
+    impls = {
+        "fla": (
+            lambda a, b: (fla_l2norm(a), fla_l2norm(b)),
+            lambda x, A, d: fused_kda_gate(x, A.clamp(max=tk.A_LOG_MAX), d, lower_bound=lb, output_dtype=torch.float32),
+        ),
+        "triton": (kp.l2norm_qk, lambda x, A, d: kp.kda_gate_lb(x, A, d, lb)),
+    }
+    out = {}
+
+    def timed(name, fn):
+        ms = time_ms(fn, warmup=2)[0]
+        out[f"prep_{name}"] = round(ms, 3)
+        piece = name.split("_", 1)[1]
+        out[f"prep_{name}_gbps"] = round(gb[piece] / (ms * 1e-3) / 1e9, 1)
+
+    def l2_fb(l2):
+        def run():
+            ql.grad = kl.grad = None
+            torch.autograd.backward(l2(ql, kl), [dq, dk])
+
+        return run
+
+    def gate_fb(gate):
+        def run():
+            fl.grad = Al.grad = dl.grad = None
+            gate(fl, Al, dl).backward(dg)
+
+        return run
+
+    for impl, (l2, gate) in impls.items():
+        with torch.no_grad():
+            timed(f"{impl}_l2norm_qk_fwd", lambda: l2(q, k))
+            timed(f"{impl}_gate_fwd", lambda: gate(f, A_cap, dt_bias))
+        timed(f"{impl}_l2norm_qk_fwd_bwd", l2_fb(l2))
+        timed(f"{impl}_gate_fwd_bwd", gate_fb(gate))
+    out["prep_triton_config"] = dict(kp.TRITON_CONFIG)
+    if sweep:
+        out["prep_triton_sweep_ms"] = prep_sweep(l2_fb(kp.l2norm_qk), gate_fb(impls["triton"][1]))
+    return out
+
+
+def prep_sweep(l2_fb, gate_fb) -> dict:
+    """fwd+bwd ms of our L2 norm and gate under other launch shapes (``TRITON_CONFIG`` restored after)."""
+    from _timing import time_ms
+
+    from kernels_torch.ops import kda_prep as kp
+
+    base = dict(kp.TRITON_CONFIG)
+    out = {}
+    try:
+        for bm in (4, 8, 16, 32):
+            for w in (2, 4, 8):
+                kp.TRITON_CONFIG.update(base, l2_block_m=bm, l2_warps=w)
+                out[f"l2norm_qk block_m={bm} warps={w}"] = round(time_ms(l2_fb, warmup=2)[0], 3)
+        for bm in (16, 32, 64):
+            for tiles in (4, 8, 16):
+                for w in (4, 8):
+                    kp.TRITON_CONFIG.update(base, gate_block_m=bm, gate_tiles=tiles, gate_warps=w)
+                    out[f"gate block_m={bm} tiles={tiles} warps={w}"] = round(time_ms(gate_fb, warmup=2)[0], 3)
+    except Exception as e:  # noqa: BLE001  (a sweep point that does not compile is reported, not fatal)
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        kp.TRITON_CONFIG.clear()
+        kp.TRITON_CONFIG.update(base)
+    return out
+
+
+def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: bool = True) -> dict:
     from kernels_torch import kernel_choice
 
     H, K, D = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
@@ -221,7 +319,9 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
     has_cudnn = tk.cudnn_kda_unavailable(x, K, K) is None
     layers = {"layer_fla": ours_with("fla"), "layer_fla_direct": lambda: fla_layer(m, x)}
     if has_cudnn:
-        layers["layer_cudnn"] = ours_with("cudnn")
+        layers["layer_cudnn"] = ours_with("cudnn")  # auto: our Triton preparation where Triton imports
+        layers["layer_cudnn_outside"] = ours_with("cudnn", "outside")  # fla's l2norm and fused_kda_gate
+        layers["layer_cudnn_triton"] = ours_with("cudnn", "triton")
     # the recurrence alone, on tensors of the layer's shapes, each with what it needs around it inside the layer
     from fla.modules.norm.l2norm import l2norm as fla_l2norm
     from fla.ops.kda import chunk_kda
@@ -254,6 +354,12 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
         g = fused_kda_gate(f, A_log, dt_bias, lower_bound=cfg.gate_lower_bound, output_dtype=torch.float32)
         return tk.kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta)[0]
 
+    def rec_cudnn_triton():  # the same with our Triton preparation (kda_prep='triton')
+        from kernels_torch.ops.kda_prep import kda_gate_lb, l2norm_qk
+
+        g = kda_gate_lb(f, A_log, dt_bias, cfg.gate_lower_bound)
+        return tk.kda_recurrence_cudnn(*l2norm_qk(q, k), v, g, beta)[0]
+
     def rec_cudnn_in_kernel():  # forward only: the op normalises q/k, gates f and applies the sigmoid to beta logits
         return tk.kda_recurrence_cudnn_fused(q, k, v, f, beta_logits, A_log, dt_bias, cfg.gate_lower_bound)[0]
 
@@ -270,10 +376,10 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
     recs = {"rec_chunk_kda": rec_fla}
     if has_cudnn:
         recs["rec_cudnn"] = rec_cudnn
+        recs["rec_cudnn_triton"] = rec_cudnn_triton
     fb_fns = {**{n: step(fn) for n, fn in layers.items()}, **{n: fb(fn) for n, fn in recs.items()}}
     fwd_fns = {**layers, **recs}
-    if has_cudnn:  # forward-only rows of both kda_prep variants ("layer_cudnn" alone is auto: in_kernel under no_grad)
-        fwd_fns["layer_cudnn_outside"] = ours_with("cudnn", "outside")
+    if has_cudnn:  # forward-only row of the in_kernel variant (the others are in ``layers``)
         fwd_fns["layer_cudnn_in_kernel"] = ours_with("cudnn", "in_kernel")
         fwd_fns["rec_cudnn_in_kernel"] = rec_cudnn_in_kernel
 
@@ -299,8 +405,11 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
             diffs["rec_cudnn_vs_chunk_kda"] = float((a - b).norm() / b.norm())
             a = rec_cudnn_in_kernel().double()
             diffs["rec_cudnn_in_kernel_vs_chunk_kda"] = float((a - b).norm() / b.norm())
-            for name in ("layer_cudnn_outside", "layer_cudnn_in_kernel"):
-                diffs[name] = float((fwd_fns[name]().double() - ref).norm() / ref.norm())
+            a = rec_cudnn_triton().double()
+            diffs["rec_cudnn_triton_vs_chunk_kda"] = float((a - b).norm() / b.norm())
+            diffs["layer_cudnn_in_kernel"] = float(
+                (fwd_fns["layer_cudnn_in_kernel"]().double() - ref).norm() / ref.norm()
+            )
     kernel_choice.reset_used()
     ms = interleaved(fb_fns, rounds, reps)
     with torch.no_grad():
@@ -313,7 +422,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
         g_layer = fused_kda_gate(f.detach(), A_sat, dt_bias.detach(), lower_bound=cfg.gate_lower_bound).float()
         g_unif = -5 * torch.rand(g_layer.shape, device="cuda", generator=gen)
         gate_stats = {"layer_gate": stall_share(g_layer), "uniform_gate": stall_share(g_unif)}
-        breakdown = op_breakdown(q, k, v, f, beta, A_sat, dt_bias.detach(), g_layer, g_unif, do, cfg)
+        breakdown = op_breakdown(q, k, v, f, beta, A_sat, dt_bias.detach(), g_layer, g_unif, do, cfg, sweep)
     mm_params = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear))
     proj_tflop = 6 * T * mm_params / 1e12  # fwd (2 flops per MAC) + bwd (4): the projections of the layer
     row = {
@@ -342,6 +451,10 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float) -> dict:
             ms_fwd["layer_cudnn_outside"] / ms_fwd["layer_cudnn_in_kernel"], 3
         )
         row["layer_speedup_cudnn_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn"], 3)
+        row["rec_speedup_fwd_bwd_triton_prep"] = round(ms["rec_chunk_kda"] / ms["rec_cudnn_triton"], 3)
+        row["rec_speedup_fwd_triton_prep"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn_triton"], 3)
+        row["layer_speedup_cudnn_triton_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn_triton"], 3)
+        row["layer_speedup_cudnn_triton_vs_outside"] = round(ms["layer_cudnn_outside"] / ms["layer_cudnn_triton"], 3)
         row["layer_matmul_share_of_ceiling"] = round(row["projection_floor_ms"] / ms["layer_cudnn"], 3)
     return row
 
@@ -352,6 +465,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining lengths after this many seconds")
+    ap.add_argument(
+        "--no-prep-sweep", action="store_true", help="skip timing our Triton preparation under other launch shapes"
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kda_layer.json")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -392,7 +508,7 @@ def main():
             result["skipped"].append(T)
             continue
         print(f"T={T}: start at {time.perf_counter() - t_start:.1f} s", flush=True)
-        row = bench_seq(m, cfg, T, args.rounds, args.reps, ceiling)
+        row = bench_seq(m, cfg, T, args.rounds, args.reps, ceiling, sweep=not args.no_prep_sweep)
         result["rows"].append(row)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         torch.cuda.empty_cache()
