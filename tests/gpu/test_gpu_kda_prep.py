@@ -31,27 +31,29 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 DEVICE = "cuda"
 LB = -5.0
-TOL = {  # ||a - b|| / ||b|| against fp64 eager autograd, per input dtype and tensor
+TOL = {  # ||a - b|| / ||b|| against fp64 eager autograd, per input dtype and tensor. CPU interpreter measured (T 63 /
+    # 2049): fp32 l2 5e-8, g 3e-8, df 3.5e-7, ddt_bias 3.7e-7, dA_log 5e-6 (a cancelling sum of B*T*K terms per head);
+    # here 10x more room for the compiled approximate sqrt / division / exp and the 4x longer sums at T = 8192
     torch.float32: {
-        "qn": 1e-6,
-        "kn": 1e-6,
-        "dq": 1e-6,
-        "dk": 1e-6,
-        "g": 1e-6,
-        "df": 1e-6,
-        "dA_log": 2e-5,
-        "ddt_bias": 1e-6,
+        "qn": 2e-6,
+        "kn": 2e-6,
+        "dq": 2e-6,
+        "dk": 2e-6,
+        "g": 2e-6,
+        "df": 5e-6,
+        "dA_log": 1e-4,
+        "ddt_bias": 5e-6,
     },
-    # bf16: y and df stored in bf16 (2^-9 relative); the L2 backward uses the stored y
+    # bf16: y and df stored in bf16 (2^-9 relative, measured 3.3e-3); the L2 backward uses the stored y
     torch.bfloat16: {
         "qn": 5e-3,
         "kn": 5e-3,
         "dq": 1e-2,
         "dk": 1e-2,
-        "g": 1e-6,
+        "g": 2e-6,
         "df": 5e-3,
-        "dA_log": 2e-5,
-        "ddt_bias": 1e-6,
+        "dA_log": 1e-4,
+        "ddt_bias": 5e-6,
     },
 }
 TOL_VS_FLA = {"qn": 1e-2, "kn": 1e-2, "dq": 2e-2, "dk": 2e-2, "g": 1e-5, "df": 1e-2, "dA_log": 1e-3, "ddt_bias": 1e-3}
