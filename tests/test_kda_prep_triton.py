@@ -52,6 +52,7 @@ TOL = {
         "ddt_bias": 1e-6,
     },
 }
+TOL_LAYER = 1e-5  # the whole layer in fp32 (measured <= 1.2e-6, on dA_log)
 LB = -5.0
 # The interpreter evaluates exp(-a * x) in numpy: at saturation it overflows to inf on purpose (sigmoid -> 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -217,3 +218,63 @@ def test_prep_choice_triton(monkeypatch):
     monkeypatch.setenv("KIMI_KDA_PREP", "triton")
     with pytest.raises(RuntimeError, match="'triton'"):
         tk._kda_prep_choice(layer, x)
+
+
+@needs_interpreter
+def test_cudnn_layer_wiring_with_triton_prep(monkeypatch):
+    """``_kda_layer_fast`` with ``kda_prep='triton'`` on the CPU: fla's conv / gated norm replaced by the eager twins,
+    cuDNN's op by ``test_kda_cudnn_prep``'s torch stand-in, so that only our kernels and the layer's wiring run
+    (fp32 x, packed documents with a length-1 one, a head past A_LOG_MAX). Output, final state, dx and every parameter
+    gradient equal the eager layer's to fp32 rounding."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+    from test_kda_cudnn_prep import fake_op
+
+    from kernels_torch import kernel_choice
+
+    def causal_conv1d(x, weight, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu):
+        state = None if initial_state is None else initial_state[..., 1:]
+        y, new = tk.short_conv(x, weight, cu_seqlens_cpu, state)
+        return y, F.pad(new, (1, 0))  # fla's [N, C, W] window
+
+    def rms_norm_gated(o, gate, weight, bias, activation, eps):
+        return tk.gated_rms_norm(o, gate, weight, eps).to(o.dtype)
+
+    stubs = {n: types.ModuleType(n) for n in ("fla", "fla.modules", "fla.modules.norm")}
+    stubs["fla.modules.causal_conv1d"] = types.SimpleNamespace(causal_conv1d=causal_conv1d)
+    stubs["fla.modules.norm.fused_norm_gate"] = types.SimpleNamespace(rms_norm_gated=rms_norm_gated)
+    for name, mod in stubs.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    seen = {}
+    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op(seen))
+    monkeypatch.setattr(tk, "_cudnn_missing", lambda x: [])
+    monkeypatch.setattr(tk, "cudnn_kda_unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(tk, "_cudnn_plan_name", lambda device: None)
+    monkeypatch.setattr(tk, "_kda_prep_choice", lambda layer, x: "triton")  # CPU x: auto would take fla's
+
+    cfg = load_config("tiny").replace(kda_num_heads=3, kda_head_dim=128)
+    torch.manual_seed(0)
+    fast = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")
+    fast.kda_kernel = "cudnn"
+    ref = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="eager")
+    with torch.no_grad():
+        fast.A_log[0] = 80.0
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randn(1, 37, cfg.hidden_size)
+    xf, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    cu = [0, 1, 20, 37]
+    kernel_choice.reset_used()
+    (out, c), (out_r, c_r) = fast(xf, cu_seqlens=cu), ref(xr, cu_seqlens=cu)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    out_r.backward(dout)
+    assert kernel_choice.used() == {"kda": {"cudnn": 1}, "kda_prep": {"triton": 1}}
+    assert seen["l2"] is False and seen["safe"] is False  # the op got prepared inputs
+    errs = {"out": rel(out, out_r), "S": rel(c.S, c_r.S), "dx": rel(xf.grad, xr.grad)}
+    ref_grads = dict(ref.named_parameters())
+    errs |= {"d" + n: rel(p.grad, ref_grads[n].grad) for n, p in fast.named_parameters()}
+    assert fast.A_log.grad[0] == 0
+    bad = {n: e for n, e in errs.items() if not e <= TOL_LAYER}
+    assert not bad, f"cudnn layer with kda_prep='triton' vs eager: over tolerance {bad}"
