@@ -62,9 +62,9 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedMLA(c, i, backend=backend)
         if c.is_moe_layer(i):
-            self.block_sparse_moe = KimiMoE(c)
+            self.block_sparse_moe = KimiMoE(c, backend)
         else:
-            self.mlp = DenseMLP(c, c.intermediate_size)
+            self.mlp = DenseMLP(c, c.intermediate_size, backend)
 
     def attention(self, h, cu_seqlens=None, mla_form="expanded", step=None):
         """Twin of ``reference_jax.model.DecoderLayer.attention``: ``h`` [B, T, D] -> (out [B, T, D], aux)."""
