@@ -146,9 +146,10 @@ if triton is not None:
     def _tanh(x):
         """fp32 tanh, Cephes ``tanhf``: odd polynomial below 0.625, ``1 - 2/(exp(2|x|)+1)`` above (saturates to 1)."""
         ax = tl.abs(x)
-        z = x * x
+        xs = tl.where(ax < 0.625, x, 0.0)  # the polynomial's argument (no x*x overflow for huge |x|)
+        z = xs * xs
         p = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
-        small = x + x * z * (p - 3.33332819422e-1)
+        small = xs + xs * z * (p - 3.33332819422e-1)
         big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)  # exp overflows to inf for large |x|: big = 1, never NaN
         big = tl.where(x < 0, -big, big)
         return tl.where(ax < 0.625, small, big)
