@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-__all__ = ["CHOICES", "ENV_VARS", "resolve", "record", "used", "reset_used", "set_model_kernels"]
+__all__ = ["CHOICES", "ENV_VARS", "resolve", "check_environment", "record", "used", "reset_used", "set_model_kernels"]
 
 CHOICES = {
     "sparse_mla_fwd": ("auto", "flash_mla", "triton"),
@@ -63,6 +63,17 @@ def resolve(op: str, explicit: str | None = None) -> str:
     if value not in CHOICES[op]:
         raise ValueError(f"{where}: got {value!r} for {op}, expected one of {list(CHOICES[op])}")
     return value
+
+
+def check_environment() -> None:
+    """Resolve every op's environment variable now, so that a bad value fails where a ``cudnn`` model is built rather
+    than at the first call of the kernel it names (which may be minutes later, or never on a CPU).
+
+    Raises:
+        ValueError: an environment variable of :data:`ENV_VARS` outside its :data:`CHOICES` (named, with the value).
+    """
+    for op in CHOICES:
+        resolve(op)
 
 
 def record(op: str, kernel: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kernels_torch import kernel_choice
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.cache import check_cache, kda_step
 from kernels_torch.common import RMSNorm, check_token_ids
@@ -182,6 +183,8 @@ class KimiK3Model(nn.Module):
         super().__init__()
         self.config = config
         self.backend = check_backend(backend)
+        if self.backend == "cudnn":
+            kernel_choice.check_environment()  # a bad $KIMI_*_KERNEL / $KIMI_KDA_PREP fails here, not at its first call
         self.model = _Backbone(config, backend)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
