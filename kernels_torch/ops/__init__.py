@@ -1,3 +1,3 @@
-"""Fused GPU ops (Triton) with readable torch twins: ``sparse_mla`` (DSA sparse MLA forward),
+"""Fused GPU ops (Triton) with readable torch twins: ``sparse_mla`` (DSA sparse MLA forward), ``situ`` (SiTU-GLU),
 ``kda_prep`` (the KDA q/k L2 norm and lower-bound gate before cuDNN's KDA op; twins ``kernels_torch.kda.l2norm`` /
 ``kda_gate``)."""
