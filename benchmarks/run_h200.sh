@@ -24,7 +24,8 @@
 #   jax_oracle   kimi compare --reference jax (fp32 JAX on the GPU) of the 4-layer checkpoint at 2,049 tokens: KDA
 #                layers 0-2 and DSA layer 3, cudnn and eager (bf16)
 #   tests_fla    all of tests/gpu on the other kernels: KDA on fla (KIMI_TEST_KDA_KERNELS=fla), DSA on Triton
-#   tests_new    the GPU tests of hardening, generation, LoRA and gradients, distillation, fused SiTU-GLU (default kernels)
+#   tests_new    the GPU tests of hardening, generation, LoRA and gradients, distillation, fused SiTU-GLU, the Triton KDA
+#                preparation (default kernels)
 #   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
 #                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
 #   generate_decode  benchmarks/generate_decode.py: prefill and decode tokens/s with a 32K context, cudnn and sdpa
@@ -75,7 +76,7 @@ want probe && step probe 300 python3 benchmarks/probe_h200.py
 want tests_main && KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 \
   "${pytest_gpu[@]}" tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64"
 want tests_new && step tests_new 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_hardening.py tests/gpu/test_gpu_generate.py \
-  tests/gpu/test_gpu_situ.py \
+  tests/gpu/test_gpu_situ.py tests/gpu/test_gpu_kda_prep.py \
   tests/gpu/test_gpu_lora_grad.py tests/gpu/test_gpu_distill.py
 # the same files one step each (a hang costs one step)
 want tests_gen && step tests_gen 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py
