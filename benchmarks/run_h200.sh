@@ -24,10 +24,11 @@
 #   jax_oracle   kimi compare --reference jax (fp32 JAX on the GPU) of the 4-layer checkpoint at 2,049 tokens: KDA
 #                layers 0-2 and DSA layer 3, cudnn and eager (bf16)
 #   tests_fla    all of tests/gpu on the other kernels: KDA on fla (KIMI_TEST_KDA_KERNELS=fla), DSA on Triton
-#   tests_new    the GPU tests of hardening, generation, LoRA and gradients, and distillation (default kernels)
+#   tests_new    the GPU tests of hardening, generation, LoRA and gradients, distillation, fused SiTU-GLU (default kernels)
 #   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
 #                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
 #   generate_decode  benchmarks/generate_decode.py: prefill and decode tokens/s with a 32K context, cudnn and sdpa
+#   situ_glu (not in the default STEPS): benchmarks/situ_glu.py, the fused SiTU-GLU against the plain ops
 #   indexer_topk, profile (not in the default STEPS): benchmark 2; Nsight Compute counters of the Triton sparse
 #                forward and the indexer's kernel breakdown (ncu reads counters on Firecracker machines only)
 set -uo pipefail
@@ -74,6 +75,7 @@ want probe && step probe 300 python3 benchmarks/probe_h200.py
 want tests_main && KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 \
   "${pytest_gpu[@]}" tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64"
 want tests_new && step tests_new 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_hardening.py tests/gpu/test_gpu_generate.py \
+  tests/gpu/test_gpu_situ.py \
   tests/gpu/test_gpu_lora_grad.py tests/gpu/test_gpu_distill.py
 # the same files one step each (a hang costs one step)
 want tests_gen && step tests_gen 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py
@@ -111,6 +113,7 @@ if want tests_fla; then  # everything again on the other kernels: fla's KDA, the
   save_autotune
 fi
 # optional
+want situ_glu && step situ_glu 300 python3 benchmarks/situ_glu.py --out "$dir/situ_glu.json"
 want indexer_topk && step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json"
 if want profile; then
   ncu_one=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)" --clock-control none

@@ -4,7 +4,8 @@ Measures, in one process: the bf16 matmul ceiling (8192^3, random data), a sweep
 S = 8192 (``--no-sweep``: the default variant only), the best variant at S in {8192, 32768, 65536}, FlashMLA
 (``sparse_mla_fwd(backend="flash_mla")``: SM90 legacy kernels, 96 heads padded to 128, padding included in the time;
 the TFLOP/s count the 96 useful heads) at the same S when the ``flash_mla`` module imports, and the torch baseline at
-S = 8192 and 32768. Every row names the kernel (``kernel``: flash_mla / triton / torch / matmul).
+S = 8192 and 32768, and FlashMLA's bare call at S <= 32768 (no wrapper, h_q = 128; ``bare_rows``: the most a 96-head
+wrapper of it can reach). Every row names the kernel (``kernel``: flash_mla / triton / torch / matmul).
 H = 96, K = 2048 random valid causal-ish indices (row t draws from [0, max(t+1, K))), d_qk = 576, d_v = 512.
 FLOPs = 2 * S * H * K * (576 + 512) (kernels.md). Times are medians over CUDA-event-timed calls after warm-up.
 
@@ -73,6 +74,40 @@ def torch_baseline(q, kv, idx, rows=1024):
 
 def flops(S):
     return 2 * S * H * K * (sm.D_QK + sm.D_V)
+
+
+def bare_rows(S, q, kv, idx, row):
+    """FlashMLA's own call, no wrapper: h_q = 128 (the 96 heads plus 32 zero heads, built once outside the timing),
+    (a) every row with K valid ids (this benchmark's inputs), (b) the causal inputs of kernels.md's measurement (row t
+    keeps min(t + 1, K) ids, the rest -1). The rows give three rates: ``tflops`` counts the 96 useful heads and K ids
+    per row (the convention of every row here), ``tflops_128_heads`` the heads the kernel computes, and
+    ``tflops_valid_ids`` only the ids that are valid. With (a), 0.75 x ``tflops_128_heads`` is the most any 96-head
+    wrapper of this kernel can reach."""
+    kwargs = {"use_legacy": True} if sm._flash_mla_arch(q.device) == "legacy" else {}
+    q128 = torch.zeros(S, 128, sm.D_QK, device=q.device, dtype=q.dtype)
+    q128[:, :H] = q
+    t = torch.arange(S, device=q.device)[:, None]
+    causal = torch.where(torch.arange(K, device=q.device)[None, :] <= t, idx[:, 0] % (t + 1), -1).to(torch.int32)
+    for name, ids, valid in (
+        ("all K valid", idx, S * K),
+        ("causal, kernels.md inputs", causal[:, None, :].contiguous(), int((causal >= 0).sum())),
+    ):
+        ms, _ = time_ms(
+            lambda ids=ids: sm._flash_mla_sparse_fwd(q128, kv, ids, SM_SCALE, sm.D_V, **kwargs),
+            target_s=1.0,
+            warmup=2,
+            min_reps=3,
+            max_reps=50,
+        )
+        at128 = flops(S) * 128 / H / (ms * 1e-3) / 1e12
+        row(
+            S,
+            ms,
+            f"flash_mla bare call (h_q 128, {name})",
+            tflops_128_heads=round(at128, 1),
+            tflops_valid_ids=round(at128 * valid / (S * K), 1),
+            bare=True,
+        )
 
 
 def main():
@@ -202,6 +237,8 @@ def main():
             max_reps=50,
         )
         row(S, ms, "flash_mla sparse_fwd (legacy SM90, H 96->128)", **stats)
+        if S <= 32768:
+            bare_rows(S, q, kv, idx, row)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print("\n| seq_len | impl | ms | TFLOP/s | of matmul ceiling |\n|---|---|---|---|---|")
     for r in rows:

@@ -12,6 +12,9 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   ``outside``: on the H200 the in-kernel fusions made the op's forward slower (8K tokens, 96 heads: 3.52 ms against
   3.13 ms for the prepared inputs; 32K: 12.1 against 9.0; benchmarks/results/kda_layer_pass7.json), so
   ``in_kernel`` is opt-in, for inference only.
+* ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
+  (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops
+  of ``kernels_torch.moe`` and record nothing.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
 ``kda_kernel`` / ``kda_prep`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
@@ -28,14 +31,20 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-__all__ = ["CHOICES", "ENV_VARS", "resolve", "record", "used", "reset_used", "set_model_kernels"]
+__all__ = ["CHOICES", "ENV_VARS", "resolve", "check_environment", "record", "used", "reset_used", "set_model_kernels"]
 
 CHOICES = {
     "sparse_mla_fwd": ("auto", "flash_mla", "triton"),
     "kda": ("auto", "cudnn", "fla"),
     "kda_prep": ("auto", "in_kernel", "outside"),
+    "glu": ("auto", "triton", "torch"),
 }
-ENV_VARS = {"sparse_mla_fwd": "KIMI_SPARSE_KERNEL", "kda": "KIMI_KDA_KERNEL", "kda_prep": "KIMI_KDA_PREP"}
+ENV_VARS = {
+    "sparse_mla_fwd": "KIMI_SPARSE_KERNEL",
+    "kda": "KIMI_KDA_KERNEL",
+    "kda_prep": "KIMI_KDA_PREP",
+    "glu": "KIMI_GLU_KERNEL",
+}
 _USED: dict[str, Counter] = {}
 
 
@@ -54,6 +63,17 @@ def resolve(op: str, explicit: str | None = None) -> str:
     if value not in CHOICES[op]:
         raise ValueError(f"{where}: got {value!r} for {op}, expected one of {list(CHOICES[op])}")
     return value
+
+
+def check_environment() -> None:
+    """Resolve every op's environment variable now, so that a bad value fails where a ``cudnn`` model is built rather
+    than at the first call of the kernel it names (which may be minutes later, or never on a CPU).
+
+    Raises:
+        ValueError: an environment variable of :data:`ENV_VARS` outside its :data:`CHOICES` (named, with the value).
+    """
+    for op in CHOICES:
+        resolve(op)
 
 
 def record(op: str, kernel: str) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels_torch import kernel_choice
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.cache import check_cache, kda_step
 from kernels_torch.common import RMSNorm, check_token_ids, compute_dtype
@@ -63,9 +64,9 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedMLA(c, i, backend=backend)
         if c.is_moe_layer(i):
-            self.block_sparse_moe = KimiMoE(c)
+            self.block_sparse_moe = KimiMoE(c, backend)
         else:
-            self.mlp = DenseMLP(c, c.intermediate_size)
+            self.mlp = DenseMLP(c, c.intermediate_size, backend)
 
     def attention(self, h, cu_seqlens=None, mla_form="expanded", step=None):
         """Twin of ``reference_jax.model.DecoderLayer.attention``: ``h`` [B, T, D] -> (out [B, T, D], aux)."""
@@ -195,6 +196,8 @@ class KimiK3Model(nn.Module):
         super().__init__()
         self.config = config
         self.backend = check_backend(backend)
+        if self.backend == "cudnn":
+            kernel_choice.check_environment()  # a bad $KIMI_*_KERNEL / $KIMI_KDA_PREP fails here, not at its first call
         self.model = _Backbone(config, backend)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -10,6 +10,10 @@ Same names, arguments and numerics as the reference:
   routed to it (gather, expert, weighted ``index_add_``), in expert order, with each expert output rounded to the
   activation dtype, weighted by the fp32 router weight and summed in fp32, as the reference's dense loop.
 
+The MLP modules take the model's ``backend``: ``cudnn`` runs the activation as the fused, memory-lean
+``kernels_torch.ops.situ.glu_act_fused`` (saves only a and b; Triton on CUDA), ``eager`` / ``sdpa`` the plain ops
+below (the dense references). The choice is the plain attribute ``fused_glu`` (not in ``state_dict()``).
+
 ``state_dict()`` keys equal the canonical names relative to ``mlp.`` / ``block_sparse_moe.`` (``kimi.layout``).
 Note: ``gate.e_score_correction_bias`` is fp32 in the checkpoint; ``module.to(torch.bfloat16)`` would round it, so
 cast the model with care (the router upcasts whatever it gets).
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels_torch.common import RMSNorm, check_activation_dtype, compute_dtype
+from kernels_torch.ops.situ import glu_act_fused
 from kimi.config import KimiConfig
 
 __all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
@@ -167,16 +172,23 @@ def route(
 # ---------------------------------------------------------------------------------------------- modules
 
 
+def _act(module: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The module's GLU activation: fused (``cudnn`` backend) or the plain ops (``eager`` / ``sdpa``)."""
+    return glu_act_fused(a, b, module.config) if module.fused_glu else glu_act(a, b, module.config)
+
+
 class DenseMLP(nn.Module):
     """GLU MLP ``down_proj(act(gate_proj(x), up_proj(x)))`` (spec 5.2): layer-0 ``mlp`` and ``shared_experts``.
 
     Params ``gate_proj.weight`` / ``up_proj.weight`` ``[I, D]``, ``down_proj.weight`` ``[D, I]``.
     x ``[B, T, D]`` -> ``[B, T, D]`` (x and the weights in one dtype; the activation runs in fp32).
+    ``backend='cudnn'`` sets ``fused_glu`` (the fused activation); other backends run the plain ops.
     """
 
-    def __init__(self, config: KimiConfig, intermediate_size: int):
+    def __init__(self, config: KimiConfig, intermediate_size: int, backend: str = "eager"):
         super().__init__()
         self.config = config
+        self.fused_glu = backend == "cudnn"
         D, I = config.hidden_size, intermediate_size
         self.gate_proj = nn.Linear(D, I, bias=False)
         self.up_proj = nn.Linear(D, I, bias=False)
@@ -184,22 +196,24 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_activation_dtype(x, "DenseMLP")
-        return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.config))
+        return self.down_proj(_act(self, self.gate_proj(x), self.up_proj(x)))
 
 
 class RoutedExpert(nn.Module):
-    """One routed expert ``w2 · act(w1 z, w3 z)`` (spec 5.3 step 5); ``hidden_size`` = latent width (or D)."""
+    """One routed expert ``w2 · act(w1 z, w3 z)`` (spec 5.3 step 5); ``hidden_size`` = latent width (or D).
+    ``backend='cudnn'`` sets ``fused_glu`` (the fused activation)."""
 
-    def __init__(self, config: KimiConfig, hidden_size: int):
+    def __init__(self, config: KimiConfig, hidden_size: int, backend: str = "eager"):
         super().__init__()
         self.config = config
+        self.fused_glu = backend == "cudnn"
         I = config.moe_intermediate_size
         self.w1 = nn.Linear(hidden_size, I, bias=False)  # gate
         self.w3 = nn.Linear(hidden_size, I, bias=False)  # up
         self.w2 = nn.Linear(I, hidden_size, bias=False)  # down
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.w2(glu_act(self.w1(z), self.w3(z), self.config))
+        return self.w2(_act(self, self.w1(z), self.w3(z)))
 
 
 class MoEGate(nn.Module):
@@ -225,23 +239,24 @@ class KimiMoE(nn.Module):
     ``routed_expert_up_proj`` (latent MoE only), ``shared_experts`` (absent when ``num_shared_experts == 0``).
 
     ``forward(x, return_aux=False)``: x ``[B, T, D]`` -> ``[B, T, D]`` in x's dtype (and, with ``return_aux``,
-    ``{"expert_ids", "expert_scores"}`` as the JAX twin).
+    ``{"expert_ids", "expert_scores"}`` as the JAX twin). ``backend='cudnn'`` gives the experts and shared experts
+    the fused activation (``fused_glu``).
     """
 
-    def __init__(self, config: KimiConfig):
+    def __init__(self, config: KimiConfig, backend: str = "eager"):
         super().__init__()
         c = self.config = config
         D = c.hidden_size
         Dl = c.routed_expert_hidden_size or D
         self.gate = MoEGate(c)
-        self.experts = nn.ModuleList(RoutedExpert(c, Dl) for _ in range(c.num_experts))
+        self.experts = nn.ModuleList(RoutedExpert(c, Dl, backend) for _ in range(c.num_experts))
         if c.has_latent_moe:
             self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
             if c.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(Dl, c.rms_norm_eps)
             self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
         if c.num_shared_experts:
-            self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size)
+            self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size, backend)
 
     def routed_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``r = Σ_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6): per expert, only its tokens; expert order; each expert

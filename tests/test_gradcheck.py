@@ -138,7 +138,10 @@ def test_compare_grad_cli_exit_codes(monkeypatch, capsys):
     assert "a.weight" in capsys.readouterr().out
     monkeypatch.setattr(gc, "torch_grads", lambda *a, **k: _fake(f"torch-{k['backend']}", {"a.weight": [1.0, 3.0]}))
     assert main(args) == 1
-    assert "FAIL torch-eager" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "FAIL torch-eager" in err and "note: the bfloat16 bounds" not in err
+    assert main(args + ["--dtype", "bfloat16"]) == 1  # a bf16 failure says what bf16 bounds can and cannot show
+    assert "note: the bfloat16 bounds" in capsys.readouterr().err
     assert main(args + ["--documents", "9"]) == 2
     assert "--documents" in capsys.readouterr().err
     assert main(["compare", "--dtype", "float64", "--layers", "1", "--tokens", "8"]) == 2

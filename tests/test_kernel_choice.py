@@ -47,3 +47,16 @@ def test_load_model_sets_every_layer(tiny_ckpt):
     assert {x.kda_prep for x in m.modules() if hasattr(x, "kda_kernel")} == {"in_kernel"}
     with pytest.raises(ValueError, match="fused"):  # refused before the checkpoint is read, whatever the backend
         load_model(tiny_ckpt, kda_prep="fused")
+
+
+@pytest.mark.parametrize("var", sorted(kernel_choice.ENV_VARS.values()))
+def test_bad_environment_fails_when_a_cudnn_model_is_built(monkeypatch, var):
+    """A misspelt $KIMI_* kernel variable is refused where the cudnn model is built (naming the variable and the
+    value), not at the first call of the kernel (never, on a CPU); the dense-mask backends do not read them."""
+    from kernels_torch.model import KimiK3Model
+    from kimi.config import load_config
+
+    monkeypatch.setenv(var, "bogus")
+    with pytest.raises(ValueError, match=rf"\${var}: got 'bogus'"):
+        KimiK3Model(load_config("tiny"), backend="cudnn")
+    KimiK3Model(load_config("tiny"), backend="eager")

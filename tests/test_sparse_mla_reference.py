@@ -133,6 +133,7 @@ def test_flash_mla_wrapper_pads_heads_and_topk(monkeypatch, H, K, with_topk_leng
 
     def fake_flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length=None, use_legacy=False):
         assert q.ndim == 3 and q.shape[1] in (64, 128) and q.shape[2] == 576
+        assert (q[:, H:] == 0).all()  # the pad heads are zero queries (inert), in every call of the reused buffer
         assert kv.ndim == 3 and kv.shape[1] == 1 and indices.ndim == 3 and indices.shape[1] == 1
         assert indices.shape[2] % 128 == 0 and d_v == 512 and use_legacy  # SM90: the legacy kernels
         if topk_length is not None:  # slots past topk_length are skipped ids (FlashMLA's NaN footnote)

@@ -540,13 +540,16 @@ def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length, rows=FLASH_
     kv3 = kv[:, None, :].contiguous()
     out = max_logits = lse = None
     pos = torch.arange(K_pad, device=indices.device, dtype=torch.int32)
+    q_pad = None
+    if H_pad != H:  # one buffer for every call: its pad heads are zeroed once, its first H heads overwritten per call
+        q_pad = q.new_empty(min(T, rows), H_pad, D)
+        q_pad[:, H:].zero_()
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         qc = q[t0:t1]
-        if H_pad != H:
-            q_pad = q.new_zeros(t1 - t0, H_pad, D)
-            q_pad[:, :H] = qc
-            qc = q_pad
+        if q_pad is not None:
+            q_pad[: t1 - t0, :H] = qc
+            qc = q_pad[: t1 - t0]
         idx = indices[t0:t1]
         if K_pad != K:
             idx = torch.nn.functional.pad(idx, (0, K_pad - K), value=-1)
