@@ -10,7 +10,8 @@ divided by T; ``full`` is the old path, ``F.cross_entropy`` of the whole bf16 lo
 accumulates in fp32). One step = forward + backward of that loss; timed with CUDA events after two warm-up steps,
 median of ``--repeats``.
 
-Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant): its
+Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant; with
+``--recompute-mode mlp`` only each layer's MLP / MoE block, and the row's ``recompute`` is ``"mlp"``): its
 activations are recomputed in the backward, which is what lets 32K tokens fit (the eager MLP/MoE keep fp32 SiTU
 intermediates: about 1.3 MB per token in the dense layer 0 alone); rows in ``--seq-lens`` run without it (32K
 there is the row that asks whether the chunked loss lets a whole 32K step fit). Each row is written to ``--out`` as
@@ -80,10 +81,20 @@ def build(cfg, backend: str) -> KimiK3Model:
     return model
 
 
-def recompute_layers(model: KimiK3Model) -> KimiK3Model:
-    """Activation recomputation per decoder layer: each layer keeps only its inputs for the backward."""
+def recompute_layers(model: KimiK3Model, mode: str = "layer") -> KimiK3Model:
+    """Activation recomputation (``torch.utils.checkpoint``, non-reentrant) per decoder layer: ``layer`` wraps the
+    whole layer (it keeps only its inputs for the backward; the forward runs twice), ``mlp`` only its MLP / MoE block
+    (``DecoderLayer.feed_forward``: the attention keeps its activations; the MLP's forward, about half of a layer's
+    matmuls here, runs twice)."""
     for layer in model.model.layers:
-        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+        if mode == "layer":
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+        elif mode == "mlp":
+            layer.feed_forward = functools.partial(
+                torch.utils.checkpoint.checkpoint, layer.feed_forward, use_reentrant=False
+            )
+        else:
+            raise ValueError(f"--recompute-mode: got {mode!r}, expected 'layer' or 'mlp'")
     return model
 
 
@@ -131,7 +142,13 @@ def main() -> int:
         type=int,
         nargs="*",
         default=[8192, 32768],
-        help="lengths run with activation recomputation per decoder layer",
+        help="lengths run with activation recomputation per decoder layer (--recompute-mode)",
+    )
+    ap.add_argument(
+        "--recompute-mode",
+        choices=["layer", "mlp"],
+        default="layer",
+        help="what the recompute rows recompute: the whole layer, or only its MLP / MoE block",
     )
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
     ap.add_argument("--loss", choices=["chunked", "full"], default="chunked", help="chunked: no [T, vocab] logits")
@@ -159,7 +176,7 @@ def main() -> int:
             row = {
                 "seq_len": T,
                 "backend": backend,
-                "recompute": recompute,
+                "recompute": recompute and args.recompute_mode,
                 "loss": args.loss,
                 "loss_chunk_size": chunk if args.loss == "chunked" else None,
                 "layers": [cfg.layer_type(i) for i in range(4)],
@@ -172,7 +189,7 @@ def main() -> int:
             try:
                 model = build(cfg, backend)
                 if recompute:
-                    recompute_layers(model)
+                    recompute_layers(model, args.recompute_mode)
                 kernel_choice.reset_used()
                 ms = step_time(model, T, args.repeats, args.loss, chunk)
                 row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
@@ -214,7 +231,7 @@ def main() -> int:
             f"{mfu:>6} {r['status'][:60]}"
         )
     for T, recompute in plan:
-        by = {r["backend"]: r for r in rows if (r["seq_len"], r["recompute"]) == (T, recompute) and r["ms"]}
+        by = {r["backend"]: r for r in rows if (r["seq_len"], bool(r["recompute"])) == (T, recompute) and r["ms"]}
         if "cudnn" in by and "sdpa" in by:
             print(
                 f"T={T} recompute={recompute}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s"
