@@ -3,24 +3,30 @@
 The model is `k3.1-pro` truncated to 4 layers (KDA, KDA, KDA, DSA: the real first four), with the routed experts
 shrunk so the MoE fits (``--experts``, default 16 of which 8 are active per token; every other dimension is real),
 random weights drawn directly on the GPU (the numbers do not depend on the values), bf16 parameters with the
-fp32 ones kept fp32 as in the checkpoint. Loss: cross-entropy of the bf16 logits against random targets (PyTorch's
-log-softmax accumulates in fp32). One step = forward + backward of that loss; timed with CUDA events after two
-warm-up steps, median of ``--repeats``.
+fp32 ones kept fp32 as in the checkpoint. Loss (``--loss``, recorded in every row): ``chunked`` (default) is the
+model's own ``forward(ids, labels=)``, the summed NLL of random targets by ``kernels_torch.loss.linear_cross_entropy``
+(``--loss-chunk-size`` rows at a time, default 1 GiB of fp32 logits per chunk: the [T, 163840] logits never exist),
+divided by T; ``full`` is the old path, ``F.cross_entropy`` of the whole bf16 logits (PyTorch's log-softmax
+accumulates in fp32). One step = forward + backward of that loss; timed with CUDA events after two warm-up steps,
+median of ``--repeats``.
 
-Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant): its
+Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant; with
+``--recompute-mode mlp`` only each layer's MLP / MoE block, and the row's ``recompute`` is ``"mlp"``): its
 activations are recomputed in the backward, which is what lets 32K tokens fit (the eager MLP/MoE keep fp32 SiTU
-intermediates: about 1.3 MB per token in the dense layer 0 alone). Each row is written to ``--out`` as it finishes.
+intermediates: about 1.3 MB per token in the dense layer 0 alone); rows in ``--seq-lens`` run without it (32K
+there is the row that asks whether the chunked loss lets a whole 32K step fit). Each row is written to ``--out`` as
+it finishes.
 The script sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the variable is already set.
 
-    python benchmarks/train_step_4layers.py --seq-lens 2048 8192 --recompute-seq-lens 8192 32768 --repeats 3 \
-        --out results/train_step_4layers.json
+    python benchmarks/train_step_4layers.py --seq-lens 2048 8192 32768 --recompute-seq-lens 8192 32768 \
+        --loss chunked --repeats 3 --out results/train_step_4layers.json
 
 Model FLOPs utilisation: ``kimi.flops.estimate_flops(cfg, T)`` (model FLOPs of the forward + backward, counted from the
 config, no recomputation) over the step time and the bf16 matmul ceiling measured at the start of the same run
 (8192^3). Every row records the GPU kernels that ran (``kernels``: sparse forward and KDA recurrence).
 
 Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "rows": [...]}``, rows with ``seq_len``, ``backend``,
-``recompute``, ``ms``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``kernels``, ``status``, and prints a table with the cudnn/sdpa speed-up. A backend that runs out
+``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``kernels``, ``status``, and prints a table with the cudnn/sdpa speed-up. A backend that runs out
 of memory is reported as ``status: "oom"``.
 """
 
@@ -46,6 +52,7 @@ import torch.utils.checkpoint  # noqa: E402
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from kernels_torch import kernel_choice  # noqa: E402
+from kernels_torch.loss import default_chunk_size  # noqa: E402
 from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi.layout import param_layout  # noqa: E402
@@ -74,21 +81,34 @@ def build(cfg, backend: str) -> KimiK3Model:
     return model
 
 
-def recompute_layers(model: KimiK3Model) -> KimiK3Model:
-    """Activation recomputation per decoder layer: each layer keeps only its inputs for the backward."""
+def recompute_layers(model: KimiK3Model, mode: str = "layer") -> KimiK3Model:
+    """Activation recomputation (``torch.utils.checkpoint``, non-reentrant) per decoder layer: ``layer`` wraps the
+    whole layer (it keeps only its inputs for the backward; the forward runs twice), ``mlp`` only its MLP / MoE block
+    (``DecoderLayer.feed_forward``: the attention keeps its activations; the MLP's forward, about half of a layer's
+    matmuls here, runs twice)."""
     for layer in model.model.layers:
-        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+        if mode == "layer":
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
+        elif mode == "mlp":
+            layer.feed_forward = functools.partial(
+                torch.utils.checkpoint.checkpoint, layer.feed_forward, use_reentrant=False
+            )
+        else:
+            raise ValueError(f"--recompute-mode: got {mode!r}, expected 'layer' or 'mlp'")
     return model
 
 
-def step_time(model: KimiK3Model, T: int, repeats: int) -> float:
+def step_time(model: KimiK3Model, T: int, repeats: int, loss_kind: str = "chunked", chunk_size=None) -> float:
     V = model.config.vocab_size
     ids = torch.randint(0, V, (1, T), device="cuda")
     target = torch.randint(0, V, (T,), device="cuda")
 
     def step():
-        logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits[0], target)
+        if loss_kind == "chunked":  # the summed NLL inside the forward, logits never materialised
+            loss = model(ids, labels=target[None], loss_chunk_size=chunk_size) / T
+        else:  # the whole [T, vocab] bf16 logits, then their cross-entropy
+            logits = model(ids)
+            loss = torch.nn.functional.cross_entropy(logits[0], target)
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -114,15 +134,25 @@ def model_tflop(cfg, T: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 8192])
+    ap.add_argument(
+        "--seq-lens", type=int, nargs="*", default=[2048, 8192, 32768], help="lengths run without recomputation"
+    )
     ap.add_argument(
         "--recompute-seq-lens",
         type=int,
         nargs="*",
         default=[8192, 32768],
-        help="lengths run with activation recomputation per decoder layer",
+        help="lengths run with activation recomputation per decoder layer (--recompute-mode)",
+    )
+    ap.add_argument(
+        "--recompute-mode",
+        choices=["layer", "mlp"],
+        default="layer",
+        help="what the recompute rows recompute: the whole layer, or only its MLP / MoE block",
     )
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
+    ap.add_argument("--loss", choices=["chunked", "full"], default="chunked", help="chunked: no [T, vocab] logits")
+    ap.add_argument("--loss-chunk-size", type=int, help="rows per loss chunk (default: 1 GiB of fp32 logits)")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--experts-per-token", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -133,6 +163,7 @@ def main() -> int:
         .truncated(4)
         .replace(num_experts=args.experts, num_experts_per_token=args.experts_per_token)
     )
+    chunk = args.loss_chunk_size or default_chunk_size(cfg.vocab_size)
     plan = [(T, False) for T in args.seq_lens] + [(T, True) for T in args.recompute_seq_lens]
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s", flush=True)
@@ -145,7 +176,9 @@ def main() -> int:
             row = {
                 "seq_len": T,
                 "backend": backend,
-                "recompute": recompute,
+                "recompute": recompute and args.recompute_mode,
+                "loss": args.loss,
+                "loss_chunk_size": chunk if args.loss == "chunked" else None,
                 "layers": [cfg.layer_type(i) for i in range(4)],
                 "experts": args.experts,
                 "experts_per_token": args.experts_per_token,
@@ -156,9 +189,9 @@ def main() -> int:
             try:
                 model = build(cfg, backend)
                 if recompute:
-                    recompute_layers(model)
+                    recompute_layers(model, args.recompute_mode)
                 kernel_choice.reset_used()
-                ms = step_time(model, T, args.repeats)
+                ms = step_time(model, T, args.repeats, args.loss, chunk)
                 row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
                 tf, detail = model_tflop(cfg, T)
                 row.update(model_tflop=tf, flops_detail=detail)
@@ -186,8 +219,8 @@ def main() -> int:
                 )
             )
     print(
-        f"\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} {'peak GiB':>9} "
-        f"{'MFU':>6} status"
+        f"\nloss: {args.loss}\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} "
+        f"{'peak GiB':>9} {'MFU':>6} status"
     )
     for r in rows:
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
@@ -198,7 +231,7 @@ def main() -> int:
             f"{mfu:>6} {r['status'][:60]}"
         )
     for T, recompute in plan:
-        by = {r["backend"]: r for r in rows if (r["seq_len"], r["recompute"]) == (T, recompute) and r["ms"]}
+        by = {r["backend"]: r for r in rows if (r["seq_len"], bool(r["recompute"])) == (T, recompute) and r["ms"]}
         if "cudnn" in by and "sdpa" in by:
             print(
                 f"T={T} recompute={recompute}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s"

@@ -11,12 +11,13 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels_torch import kernel_choice
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.cache import check_cache, kda_step
-from kernels_torch.common import RMSNorm, check_token_ids
+from kernels_torch.common import RMSNorm, check_token_ids, compute_dtype
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.kernel_choice import set_model_kernels
 from kernels_torch.mla import GatedMLA
@@ -154,8 +155,8 @@ class KimiK3Model(nn.Module):
     """``KimiK3ForCausalLM`` on the torch path.
 
     ``forward(input_ids [B, T] int32/int64, cu_seqlens=None, mla_form="expanded", return_aux=False,
-    attention_mask=None)`` -> logits [B, T, vocab] in the parameters' dtype (and per-layer aux dicts with
-    ``return_aux``).
+    attention_mask=None, labels=None, loss_chunk_size=None)`` -> logits [B, T, vocab] in the parameters' dtype (and
+    per-layer aux dicts with ``return_aux``); with ``labels``, the summed loss instead (see Loss).
 
     Padding: every row is one sequence starting at its first token. **Right** padding is safe (attention is causal and
     KDA runs forward, so pads after a row's tokens never reach them). **Left** padding is not: the pads enter the KDA
@@ -164,6 +165,16 @@ class KimiK3Model(nn.Module):
     dropped and the rows run as packed documents (``cu_seqlens``), so each row's logits at its real positions equal
     that row run alone, whatever the padding side; logits at padded positions are 0. Not combinable with
     ``cu_seqlens`` or ``return_aux`` (refused). The same holds in ``reference_jax.model.KimiK3Model``.
+
+    Loss: ``labels=`` ``[B, T]`` int64 (the target id of each position, ``-100`` for none; ``kimi_tools.data``'s
+    convention) returns instead of logits the **summed** next-token NLL over the positions with a target, a scalar
+    in nats, fp32 (fp64 for fp64 weights); divide by ``(labels != -100).sum()`` for the mean. The logits are never
+    materialised: :func:`kernels_torch.loss.linear_cross_entropy` runs ``loss_chunk_size`` rows at a time (None: 1 GiB
+    of fp32 logits per chunk) inside this forward, so FSDP2's gathered ``lm_head`` is the one used; its value and
+    gradients equal ``F.cross_entropy(logits.float(), labels, reduction="sum")`` on the logits path. Tied embeddings
+    use the embedding weight; an ``lm_head`` that is not a plain ``nn.Linear`` takes the logits path (same value).
+    Combinable with ``cu_seqlens``, ``mla_form`` and ``on_layer``; ``cache``, ``lengths``, ``attention_mask`` and
+    ``return_aux`` are refused.
 
     Length: a sequence (a row, a packed document, or a masked row's real tokens) longer than
     ``config.max_position_embeddings`` is computed (the model is NoPE, nothing breaks) but gives a UserWarning: it
@@ -176,7 +187,9 @@ class KimiK3Model(nn.Module):
     Raises:
         ValueError: an unknown ``backend``; ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are
             refused) or outside [0, vocab_size); invalid ``cu_seqlens``; an ``attention_mask`` that is not [B, T] of
-            0/1 (or bool), has no real token at all, or comes with ``cu_seqlens`` or ``return_aux``.
+            0/1 (or bool), has no real token at all, or comes with ``cu_seqlens`` or ``return_aux``; ``labels`` not
+            ``[B, T]`` int64, with an id outside [0, vocab_size) other than -100, or given with ``cache``,
+            ``lengths``, ``attention_mask`` or ``return_aux``.
     """
 
     def __init__(self, config: KimiConfig, backend: str = "eager"):
@@ -199,8 +212,13 @@ class KimiK3Model(nn.Module):
         cache=None,
         lengths=None,
         attention_mask=None,
+        labels=None,
+        loss_chunk_size=None,
     ):
         check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
+        if labels is not None:
+            given = {"cache": cache, "lengths": lengths, "attention_mask": attention_mask, "return_aux": return_aux}
+            return self._forward_loss(input_ids, labels, cu_seqlens, mla_form, on_layer, loss_chunk_size, given)
         if attention_mask is not None:
             if cache is not None or lengths is not None:
                 raise ValueError(
@@ -225,6 +243,34 @@ class KimiK3Model(nn.Module):
             cache.pos = cache.pos + step.lengths
             return (logits, auxes, cache) if return_aux else (logits, cache)
         return (logits, auxes) if return_aux else logits
+
+    def _forward_loss(self, input_ids, labels, cu_seqlens, mla_form, on_layer, chunk_size, given):
+        """The summed next-token NLL (``labels=``): the backbone, then :func:`kernels_torch.loss.linear_cross_entropy`
+        on the final hidden states and the output weight, inside this forward (FSDP2's unsharded ``lm_head``)."""
+        from kernels_torch.loss import linear_cross_entropy
+
+        refused = [k for k, v in given.items() if v is not None and v is not False]
+        if refused:
+            raise ValueError(
+                f"labels: given with {', '.join(refused)}, expected none of them (the loss path returns one scalar; "
+                "pack padded rows with cu_seqlens and mark their pads -100 in labels)"
+            )
+        if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.shape != input_ids.shape:
+            got = f"shape {tuple(labels.shape)} dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else labels
+            raise ValueError(f"labels: got {got}, expected [B, T] = {list(input_ids.shape)} int64 (-100: no target)")
+        V = self.config.vocab_size
+        bad = (labels != -100) & ((labels < 0) | (labels >= V))
+        if bool(bad.any()):  # before the backbone runs
+            raise ValueError(f"labels: got {int(labels[bad][0])}, expected ids in [0, {V}) or -100 (no target)")
+        _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
+        h, _ = self.model(input_ids, cu_seqlens, mla_form, on_layer, None)  # [B, T, D]
+        head = None if self.config.tie_word_embeddings else self.lm_head
+        w = self.model.embed_tokens.weight if head is None else head.weight  # [vocab, D]
+        h, y = h.reshape(-1, h.shape[-1]), labels.to(h.device).reshape(-1)  # [B*T, D], [B*T]
+        if head is not None and type(head) is not nn.Linear:  # e.g. a wrapped lm_head: the dense path, same value
+            logits = h @ w.t()
+            return F.cross_entropy(logits.to(compute_dtype(logits)), y, ignore_index=-100, reduction="sum")
+        return linear_cross_entropy(h, w, y, ignore_index=-100, chunk_size=chunk_size)
 
     def _forward_padded(self, input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer):
         """Drop the masked tokens, run the rows as packed documents, scatter the logits back (0 at pads)."""

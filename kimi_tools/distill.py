@@ -38,7 +38,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels_torch import distill as kd
@@ -215,9 +214,9 @@ def model_recall(model: nn.Module, input_ids: torch.Tensor, cu_seqlens=None, den
     return out
 
 
-def _lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: int) -> torch.Tensor:
-    total = F.cross_entropy(logits[0].float(), labels[0], ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / max(num_targets, 1)
+def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The mean next-token NLL of ``batch``, from the model's chunked loss path (``forward(..., labels=)``)."""
+    return model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels) / max(batch.num_targets, 1)
 
 
 def _unfreeze_indexers(model: nn.Module) -> None:
@@ -253,8 +252,7 @@ class WarmupStage(_IndexerStage):
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
         with capture_dsa_inputs(model) as seen, dense_selection(model), torch.no_grad():
-            logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
-            lm = _lm_loss(logits, batch.labels, batch.num_targets)
+            lm = _lm_loss(model, batch)
         terms = [layer_terms(a, seen[i]["x"], seen[i]["cu_seqlens"], "warmup") for i, a in dsa_layers(model).items()]
         kl_sum = sum(t["kl_sum"] for t in terms)
         metrics = {
@@ -275,8 +273,7 @@ class SparseStage(_IndexerStage):
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
         with capture_dsa_inputs(model) as seen:
-            logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens)
-        lm = _lm_loss(logits, batch.labels, batch.num_targets)
+            lm = _lm_loss(model, batch)
         terms = [
             layer_terms(a, s["x"], s["cu_seqlens"], "sparse", s["topk_indices"], s["forward"])
             for i, a in dsa_layers(model).items()

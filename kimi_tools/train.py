@@ -238,7 +238,8 @@ class Stage(Protocol):
 
 
 class LMStage:
-    """Next-token cross-entropy over the batch's targets (``labels != -100``), in fp32.
+    """Next-token cross-entropy over the batch's targets (``labels != -100``), in fp32, computed by the model's
+    ``forward(..., labels=)`` without materialising the logits (``kernels_torch.loss.linear_cross_entropy``).
 
     Trains everything except the DSA indexer (``*.indexer.*``: hard top-k, no LM-loss gradient) and the router's
     ``e_score_correction_bias`` (not a gradient-trained parameter).
@@ -251,12 +252,9 @@ class LMStage:
         return ".indexer." not in name and not name.endswith("e_score_correction_bias")
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        import torch.nn.functional as F
-
-        from kimi_tools.data import IGNORE_INDEX
-
-        logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens)  # [1, T, vocab]
-        total = F.cross_entropy(logits[0].float(), batch.labels[0], ignore_index=IGNORE_INDEX, reduction="sum")
+        # the summed NLL inside the model's forward, in row chunks: the [T, vocab] logits never exist at once
+        # (kernels_torch.loss.linear_cross_entropy; = F.cross_entropy of the logits: tests/test_linear_cross_entropy.py)
+        total = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
         return total / max(batch.num_targets, 1), {}
 
 

@@ -14,7 +14,7 @@ Under ``torchrun``::
     mesh = init_mesh(dp=1, cp=2, device_type="cuda")     # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
     cp = parallelize(model, mesh)                         # FSDP2 + CP; returns the ContextParallel (None if cp=1)
     ids, cu = cp.shard(input_ids, cu_seqlens)             # the same global row on every cp rank
-    loss = F.cross_entropy(model(ids, cu)[0], cp.shard_like(labels)[0], reduction="sum") / n_tokens
+    loss = model(ids, cu, labels=cp.shard_like(labels)) / n_tokens  # summed NLL, lm_head gathered, no logits
     save_checkpoint(path, model, optimizer)               # DCP: loads on any other world size
     sd = full_state_dict(model)                           # rank 0: full tensors for kernels_torch.model.save_model
 """
