@@ -10,7 +10,7 @@
 # (fla's first call then takes about 30 s instead of about 5.5 minutes; TRITON_AUTOTUNE_TGZ=other.tgz, or "" for none),
 # and CUDA_HOME defaults to /usr/local/cuda (cuDNN's SM90 KDA engine compiles with NVRTC and needs the CUDA headers).
 #
-# Steps (STEPS="..." picks a subset and its order is the one below; GPU-timed steps never share the GPU):
+# Steps (STEPS="..." picks a subset and runs it in the order given; GPU-timed steps never share the GPU):
 #   init         kimi init of the 4-layer real-dimension checkpoint (16 experts, random; CPU, in the background)
 #   probe        benchmarks/probe_h200.py: versions, FlashMLA and cuDNN KDA on small cases
 #   tests_main   tests/gpu/test_gpu_sparse_mla.py (both sparse kernels) and test_gpu_kda_cudnn.py (KDA kernels in
@@ -25,10 +25,12 @@
 #                layers 0-2 and DSA layer 3, cudnn and eager (bf16)
 #   tests_fla    all of tests/gpu on the other kernels: KDA on fla (KIMI_TEST_KDA_KERNELS=fla), DSA on Triton
 #   tests_new    the GPU tests of hardening, generation, LoRA and gradients, distillation, fused SiTU-GLU, the Triton KDA
-#                preparation (default kernels)
+#                preparation, the chunked LM loss (default kernels)
 #   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
 #                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
 #   generate_decode  benchmarks/generate_decode.py: prefill and decode tokens/s with a 32K context, cudnn and sdpa
+#   tests_kernels (not in the default STEPS): the GPU tests of the fused SiTU-GLU, the Triton KDA preparation and
+#                the chunked LM loss, one step
 #   situ_glu (not in the default STEPS): benchmarks/situ_glu.py, the fused SiTU-GLU against the plain ops
 #   indexer_topk, profile (not in the default STEPS): benchmark 2; Nsight Compute counters of the Triton sparse
 #                forward and the indexer's kernel breakdown (ncu reads counters on Firecracker machines only)
@@ -63,69 +65,80 @@ step() {  # step NAME TIMEOUT_S CMD...: run CMD with a time limit, log to DIR/NA
 
 default_steps="init probe tests_main tests_new sparse_mla_fwd kda_layer validate tests_dsa train_step_4layers \
 dsa_vs_dense_layer jax_oracle train_full train_lora generate_decode tests_fla"
-want() { [[ " ${STEPS:-$default_steps} " == *" $1 "* ]]; }
 # -v: the log names each test as it runs; faulthandler_timeout: a test past 240 s dumps every thread's stack
 pytest_gpu=(python3 -m pytest -m gpu -v -rfE -s -p no:cacheprovider --durations=15 -o faulthandler_timeout=240)
+init_pid=
+wait_init() { [ -n "$init_pid" ] && wait "$init_pid"; init_pid=; }  # the steps that read $CKPT
 
-if want init; then
-  step init 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT" --force \
-    --set num_experts=16 --set num_experts_per_token=8 &
-  init_pid=$!
-fi
-want probe && step probe 300 python3 benchmarks/probe_h200.py
-want tests_main && KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 \
-  "${pytest_gpu[@]}" tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64"
-want tests_new && step tests_new 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_hardening.py tests/gpu/test_gpu_generate.py \
-  tests/gpu/test_gpu_situ.py tests/gpu/test_gpu_kda_prep.py \
-  tests/gpu/test_gpu_lora_grad.py tests/gpu/test_gpu_distill.py
-# the same files one step each (a hang costs one step)
-want tests_gen && step tests_gen 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py
-want tests_distill && step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py
-want tests_lora && step tests_lora 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_lora_grad.py -k "not jax_grad"
-want tests_jaxgrad && step tests_jaxgrad 200 "${pytest_gpu[@]}" -o faulthandler_timeout=120 \
-  tests/gpu/test_gpu_lora_grad.py -k jax_grad
-# shellcheck disable=SC2046
-want sparse_mla_fwd && step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd.py $([ "${SWEEP:-0}" = 1 ] || echo --no-sweep) \
-  --out "$dir/sparse_mla_fwd.json"
-want kda_layer && step kda_layer 900 python3 benchmarks/kda_layer.py --seq-lens 8192 32768 --out "$dir/kda_layer.json" \
-  && save_autotune
-[ -n "${init_pid:-}" ] && wait "$init_pid"
-want validate && OUT=$dir step validate 1200 bash benchmarks/validate_k31_4layers.sh
-want tests_dsa && KIMI_SPARSE_KERNEL=flash_mla step tests_dsa 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_dsa_cudnn.py
-# shellcheck disable=SC2086
-want train_step_4layers && step train_step_4layers 900 python3 benchmarks/train_step_4layers.py \
-  ${TRAIN_ARGS:---seq-lens 8192 --recompute-seq-lens 32768} --out "$dir/train_step_4layers.json"
-want dsa_vs_dense_layer && step dsa_vs_dense_layer 600 python3 benchmarks/dsa_vs_dense_layer.py --breakdown \
-  --sizes "${DSA_SIZES:-16384,32768,65536,131072}" --sdpa-max 0 --out "$dir/dsa_vs_dense_layer.json"
-if want jax_oracle; then
-  text="${TMPDIR:-/tmp}/alice_x3.txt"
-  for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
-  step jax_oracle 900 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens 2049 \
-    --reference jax --backends cudnn,eager --dtype bfloat16 --device cuda --json "$dir/jax_oracle_T2049.json" --quiet
-fi
-[ -n "${init_pid:-}" ] && wait "$init_pid"
-for mode in full lora; do
-  want "train_$mode" && step "train_$mode" 600 bash benchmarks/train_4layers_h200.sh "$mode" "$dir/train_$mode"
+run_step() {  # run_step NAME: one step of the list above
+  case $1 in
+  init)
+    step init 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT" --force \
+      --set num_experts=16 --set num_experts_per_token=8 &
+    init_pid=$! ;;
+  probe) step probe 300 python3 benchmarks/probe_h200.py ;;
+  tests_main) KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 "${pytest_gpu[@]}" \
+    tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64" ;;
+  tests_new) step tests_new 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_hardening.py tests/gpu/test_gpu_generate.py \
+    tests/gpu/test_gpu_situ.py tests/gpu/test_gpu_kda_prep.py tests/gpu/test_gpu_linear_cross_entropy.py \
+    tests/gpu/test_gpu_lora_grad.py tests/gpu/test_gpu_distill.py ;;
+  # the same files one step each (a hang costs one step)
+  tests_kernels) step tests_kernels 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_situ.py tests/gpu/test_gpu_kda_prep.py \
+    tests/gpu/test_gpu_linear_cross_entropy.py ;;
+  tests_gen) step tests_gen 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py ;;
+  tests_distill) step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py ;;
+  tests_lora) step tests_lora 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_lora_grad.py -k "not jax_grad" ;;
+  tests_jaxgrad) step tests_jaxgrad 200 "${pytest_gpu[@]}" -o faulthandler_timeout=120 \
+    tests/gpu/test_gpu_lora_grad.py -k jax_grad ;;
+  # shellcheck disable=SC2046
+  sparse_mla_fwd) step sparse_mla_fwd 400 python3 benchmarks/sparse_mla_fwd.py \
+    $([ "${SWEEP:-0}" = 1 ] || echo --no-sweep) --out "$dir/sparse_mla_fwd.json" ;;
+  # shellcheck disable=SC2086
+  kda_layer) step kda_layer 900 python3 benchmarks/kda_layer.py --seq-lens 8192 32768 ${KDA_ARGS:-} \
+    --out "$dir/kda_layer.json" && save_autotune ;;
+  validate) wait_init; OUT=$dir step validate 1200 bash benchmarks/validate_k31_4layers.sh ;;
+  tests_dsa) KIMI_SPARSE_KERNEL=flash_mla step tests_dsa 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_dsa_cudnn.py ;;
+  # shellcheck disable=SC2086
+  train_step_4layers) step train_step_4layers 900 python3 benchmarks/train_step_4layers.py \
+    ${TRAIN_ARGS:---seq-lens 8192 32768 --recompute-seq-lens 32768 --backends cudnn} \
+    --out "$dir/train_step_4layers.json" ;;
+  dsa_vs_dense_layer) step dsa_vs_dense_layer 600 python3 benchmarks/dsa_vs_dense_layer.py --breakdown \
+    --sizes "${DSA_SIZES:-16384,32768,65536,131072}" --sdpa-max 0 --out "$dir/dsa_vs_dense_layer.json" ;;
+  jax_oracle)
+    wait_init
+    text="${TMPDIR:-/tmp}/alice_x3.txt"
+    for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
+    step jax_oracle 900 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens 2049 \
+      --reference jax --backends cudnn,eager --dtype bfloat16 --device cuda --json "$dir/jax_oracle_T2049.json" \
+      --quiet ;;
+  train_full | train_lora)
+    wait_init
+    step "$1" 600 bash benchmarks/train_4layers_h200.sh "${1#train_}" "$dir/$1" ;;
+  generate_decode) step generate_decode 600 python3 benchmarks/generate_decode.py --context 32768 --batches 1 8 \
+    --backends cudnn,sdpa --out "$dir/generate_decode.json" ;;
+  tests_fla)  # everything again on the other kernels: fla's KDA, the Triton sparse forward in the DSA layer
+    KIMI_TEST_KDA_KERNELS=fla KIMI_SPARSE_KERNEL=triton step tests_fla 1200 "${pytest_gpu[@]}" tests/gpu
+    save_autotune ;;
+  # optional
+  situ_glu) step situ_glu 300 python3 benchmarks/situ_glu.py --out "$dir/situ_glu.json" ;;
+  indexer_topk) step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json" ;;
+  profile)
+    ncu_one=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)" --clock-control none
+             --launch-count 1 --import-source no)
+    sparse_call=(-k regex:_sparse_mla_fwd_kernel --launch-skip 1 python3 benchmarks/sparse_mla_fwd.py --profile-call 8192)
+    ops=sm__ops_path_tensor_src_bf16_dst_fp32.sum,gpu__time_duration.sum
+    step ncu_sparse_mla 300 "${ncu_one[@]}" --set full "${sparse_call[@]}"
+    step ncu_tensor_ops 300 "${ncu_one[@]}" --metrics "$ops" "${sparse_call[@]}"
+    step ncu_matmul_ops 120 "${ncu_one[@]}" --metrics "$ops" -k 'regex:gemm|nvjet|cutlass|xmma' python3 -c \
+      'import torch; a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); a @ a; torch.cuda.synchronize()'
+    step indexer_profile 300 python3 benchmarks/indexer_topk.py --profile 8192 --out "$dir/indexer_topk_profile.json" ;;
+  *) echo "$1 unknown step (see the list at the top of run_h200.sh)" >> "$dir/status.txt" ;;
+  esac
+}
+
+for name in ${STEPS:-$default_steps}; do  # in the order given
+  run_step "$name"
 done
-want generate_decode && step generate_decode 600 python3 benchmarks/generate_decode.py --context 32768 --batches 1 8 \
-  --backends cudnn,sdpa --out "$dir/generate_decode.json"
-if want tests_fla; then  # everything again on the other kernels: fla's KDA, the Triton sparse forward in the DSA layer
-  KIMI_TEST_KDA_KERNELS=fla KIMI_SPARSE_KERNEL=triton step tests_fla 1200 "${pytest_gpu[@]}" tests/gpu
-  save_autotune
-fi
-# optional
-want situ_glu && step situ_glu 300 python3 benchmarks/situ_glu.py --out "$dir/situ_glu.json"
-want indexer_topk && step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json"
-if want profile; then
-  ncu_one=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)" --clock-control none
-           --launch-count 1 --import-source no)
-  sparse_call=(-k regex:_sparse_mla_fwd_kernel --launch-skip 1 python3 benchmarks/sparse_mla_fwd.py --profile-call 8192)
-  ops=sm__ops_path_tensor_src_bf16_dst_fp32.sum,gpu__time_duration.sum
-  step ncu_sparse_mla 300 "${ncu_one[@]}" --set full "${sparse_call[@]}"
-  step ncu_tensor_ops 300 "${ncu_one[@]}" --metrics "$ops" "${sparse_call[@]}"
-  step ncu_matmul_ops 120 "${ncu_one[@]}" --metrics "$ops" -k 'regex:gemm|nvjet|cutlass|xmma' python3 -c \
-    'import torch; a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); a @ a; torch.cuda.synchronize()'
-  step indexer_profile 300 python3 benchmarks/indexer_topk.py --profile 8192 --out "$dir/indexer_topk_profile.json"
-fi
+wait_init
 echo "done at $(( $(date +%s) - t0 ))s" >> "$dir/status.txt"
 touch "$dir/DONE"
