@@ -38,7 +38,7 @@ DECODE_GAP_FACTOR = 2.0  # mean (1 - cosine) over the decoded rows: cudnn <= fac
 DECODE_GAP_FLOOR = 1e-3
 # Greedy picks, judged by the fp32 eager model teacher-forced on the picked tokens: ``gap`` = mean over the new tokens
 # of (fp32 max logit - fp32 logit of the pick). bf16 moves this random-init model's logits by up to ~0.8 (eager bf16
-# on CPU: picks of fp32 rank up to 16, gaps up to 0.77; H200, pass 7: cudnn and eager bf16 already differ at the first
+# on CPU: picks of fp32 rank up to 16, gaps up to 0.77; H200, pass 8: cudnn and eager bf16 already differ at the first
 # new token, where eager bf16 picks fp32's second), so comparing cudnn's tokens with eager bf16's is ill-posed: cudnn
 # must pick as well as eager bf16 does, by the fp32 model's judgement.
 GREEDY_GAP_FACTOR = 2.0  # cudnn's gap <= factor x eager-bf16's + GREEDY_GAP_FLOOR (logits)
