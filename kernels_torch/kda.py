@@ -552,8 +552,8 @@ _FALLBACK_WARNED: set[str] = set()
 
 def _kda_prep_choice(layer: KimiDeltaAttention, x: torch.Tensor) -> str:
     """``"triton"``, ``"outside"`` or ``"in_kernel"``: where the cuDNN path computes the q/k L2 norm, the gate and the
-    beta sigmoid (``kernel_choice.resolve("kda_prep", layer.kda_prep)``). ``auto``: ``triton`` (ours,
-    ``kernels_torch.ops.kda_prep``) where Triton imports and x is on CUDA, else ``outside`` (fla's functions).
+    beta sigmoid (``kernel_choice.resolve("kda_prep", layer.kda_prep)``). ``auto``: ``outside`` (fla's functions;
+    ours, ``triton``, measured no faster on the H200: kernel_choice's docstring).
 
     Raises:
         RuntimeError: ``in_kernel`` forced where gradients are needed (the SM90 backward takes none of the fusions);
@@ -572,9 +572,8 @@ def _kda_prep_choice(layer: KimiDeltaAttention, x: torch.Tensor) -> str:
     why = triton_prep_unavailable(x) if x.is_cuda else f"x is on {x.device}"
     if prep == "triton" and why is not None:
         raise RuntimeError(f"kda_prep: got 'triton', but the Triton preparation cannot run here: {why}")
-    if prep == "auto":
-        # in_kernel measured slower (kernel_choice's docstring); forced, it serves no-grad calls
-        prep = "triton" if why is None else "outside"
+    if prep == "auto":  # in_kernel and triton measured no faster (kernel_choice's docstring); both are opt-in
+        prep = "outside"
     return prep
 
 
@@ -597,8 +596,8 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         then the cuDNN op (the SM90 backward fuses none of these; they are computed outside, with their own backward
         kernels); ``in_kernel`` (:func:`kda_recurrence_cudnn_fused`, forward only): the op applies all three to its
         staged tiles, which saves the two L2-norm passes over q and k and the sigmoid kernels, yet measured slower
-        on the H200 (3.52 against 3.13 ms at 8K tokens, 96 heads). ``auto``: ``triton`` (``outside`` where
-        Triton does not import); a forced ``in_kernel``
+        on the H200 (3.52 against 3.13 ms at 8K tokens, 96 heads). ``auto``: ``outside`` (``triton`` measured no
+        faster: 42.4 against 40.5 ms for the layer at 8K); a forced ``in_kernel``
         runs where no gradient is needed (grad mode off, or neither x nor a parameter requires grad) and raises
         otherwise. Recorded in ``kernel_choice.used()["kda_prep"]``.
       - ``fla``: ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (K3:

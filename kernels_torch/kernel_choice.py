@@ -10,11 +10,14 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   ``in_kernel`` (the op's own fusions; forward only, since the SM90 backward engine takes none of them),
   ``outside`` (fla's ``l2norm`` and ``fused_kda_gate``, torch's sigmoid, each with its backward) or ``triton``
   (ours, ``kernels_torch.ops.kda_prep``: q and k normalised in one launch, the gate in one, each with a one-launch
-  backward; torch's sigmoid). ``auto`` takes ``triton`` where Triton imports and the tensors are on CUDA, else
-  ``outside``: fla's norms and gate cost several times their memory traffic on the H200 (8K tokens, 96 heads: 1.77
-  and 1.10 ms fwd+bwd, benchmarks/README.md pass 7; ``benchmarks/kda_layer.py`` times both preparations side by
-  side). The in-kernel fusions made the op's forward slower (3.52 ms against 3.13 ms for the prepared inputs; 32K:
-  12.1 against 9.0; benchmarks/results/kda_layer_pass7.json), so ``in_kernel`` is opt-in, for inference only.
+  backward; torch's sigmoid). ``auto`` takes ``outside``. Measured on the H200 (pass 8, benchmarks/README.md;
+  ``benchmarks/kda_layer.py`` times both side by side, fed fixed output gradients): fla's functions already run near
+  the memory bandwidth (8K tokens, 96 heads: norms 0.77 ms, gate 0.73 ms fwd+bwd; ours 0.57 and 0.74), and the layer
+  fwd+bwd with ours was no faster (42.4 against 40.5 ms at 8K, 166.9 against 163.4 at 32K; recurrence 7.22 against
+  7.30 and 26.0 against 25.7), so the library's path stays the default and ``triton`` is opt-in. (Pass 7's 1.77 and
+  1.10 ms for fla's norms and gate had timed a ``.float().sum()`` backward, not the functions.) The in-kernel
+  fusions made the op's forward slower (3.52 ms against 3.13 ms for the prepared inputs; 32K: 12.1 against 9.0;
+  benchmarks/results/kda_layer_pass7.json), so ``in_kernel`` is opt-in, for inference only.
 * ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
   (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops
   of ``kernels_torch.moe`` and record nothing.

@@ -333,8 +333,8 @@ def test_gradients_match_eager(gate, case, kernel):
     if errs["x"] > TOL_GRAD["x"]:
         failures.append(("dx", errs["x"], TOL_GRAD["x"]))
     if kernel == "cudnn":  # training computes the L2 norm / gate / beta sigmoid outside the op (the SM90 backward
-        # needs it); auto takes our Triton kernels (kda_prep='triton'; fla's: tests/gpu/test_gpu_kda_prep.py)
-        assert set(kernel_choice.used().get("kda_prep", {})) == {"triton"}
+        # needs it); auto takes fla's functions (kda_prep='outside'; ours, 'triton': tests/gpu/test_gpu_kda_prep.py)
+        assert set(kernel_choice.used().get("kda_prep", {})) == {"outside"}
     for n, p in fast.named_parameters():
         assert p.grad is not None, f"{n}: no gradient through the cudnn path"
         assert p.grad.dtype == p.dtype
@@ -468,8 +468,8 @@ def test_cudnn_prep_variants_match_eager(case, prep):
 
 
 def test_cudnn_prep_auto_and_forced():
-    """auto: triton (our kernels) under no_grad and under autograd (in_kernel measured slower); a forced outside
-    (fla's) runs; a forced in_kernel runs under no_grad and raises under autograd."""
+    """auto: outside (fla's functions) under no_grad and under autograd (in_kernel and triton measured no faster); a
+    forced triton (ours) runs; a forced in_kernel runs under no_grad and raises under autograd."""
     _cudnn_or_skip()
     cfg = configs()["k3_lb_sigmoid"]
     fast, _ = layer_pair(cfg, seed=80, kernel="cudnn")
@@ -478,13 +478,13 @@ def test_cudnn_prep_auto_and_forced():
     with torch.no_grad():
         fast(x16)
     fast(x16)[0].float().sum().backward()
-    assert kernel_choice.used()["kda_prep"] == {"triton": 2}
-    fast.kda_prep = "outside"
+    assert kernel_choice.used()["kda_prep"] == {"outside": 2}
+    fast.kda_prep = "triton"
     fast(x16)[0].float().sum().backward()
     fast.kda_prep = "in_kernel"
     with torch.no_grad():
         fast(x16)
-    assert kernel_choice.used()["kda_prep"] == {"triton": 2, "outside": 1, "in_kernel": 1}
+    assert kernel_choice.used()["kda_prep"] == {"outside": 2, "triton": 1, "in_kernel": 1}
     with pytest.raises(RuntimeError, match="in_kernel"):
         fast(x16)
 
