@@ -33,7 +33,6 @@ of memory is reported as ``status: "oom"``.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import math
@@ -48,7 +47,6 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch.utils.checkpoint  # noqa: E402
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from kernels_torch import kernel_choice  # noqa: E402
@@ -56,6 +54,7 @@ from kernels_torch.loss import default_chunk_size  # noqa: E402
 from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi.layout import param_layout  # noqa: E402
+from kimi_tools.train import recompute_layers  # noqa: E402
 
 
 def build(cfg, backend: str) -> KimiK3Model:
@@ -78,23 +77,6 @@ def build(cfg, backend: str) -> KimiK3Model:
                 p.normal_(0.0, 0.02)
     model = cast_model(model, torch.bfloat16)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n in fp32)
-    return model
-
-
-def recompute_layers(model: KimiK3Model, mode: str = "layer") -> KimiK3Model:
-    """Activation recomputation (``torch.utils.checkpoint``, non-reentrant) per decoder layer: ``layer`` wraps the
-    whole layer (it keeps only its inputs for the backward; the forward runs twice), ``mlp`` only its MLP / MoE block
-    (``DecoderLayer.feed_forward``: the attention keeps its activations; the MLP's forward, about half of a layer's
-    matmuls here, runs twice)."""
-    for layer in model.model.layers:
-        if mode == "layer":
-            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
-        elif mode == "mlp":
-            layer.feed_forward = functools.partial(
-                torch.utils.checkpoint.checkpoint, layer.feed_forward, use_reentrant=False
-            )
-        else:
-            raise ValueError(f"--recompute-mode: got {mode!r}, expected 'layer' or 'mlp'")
     return model
 
 
@@ -189,7 +171,7 @@ def main() -> int:
             try:
                 model = build(cfg, backend)
                 if recompute:
-                    recompute_layers(model, args.recompute_mode)
+                    recompute_layers(model, args.recompute_mode)  # kimi train's --recompute-mode
                 kernel_choice.reset_used()
                 ms = step_time(model, T, args.repeats, args.loss, chunk)
                 row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())

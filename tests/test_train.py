@@ -178,23 +178,28 @@ def test_indexer_gets_no_lm_gradient(tiny4, backend):
 
 
 def test_recompute_gives_the_same_loss_and_grads(tiny4):
-    from kimi_tools.train import _recompute_layers
+    """--recompute in both modes (whole layer; MLP / MoE block only) gives the loss and every gradient of no
+    recomputation, bit for bit on CPU; an unknown mode is refused by name."""
+    from kimi_tools.train import recompute_layers
 
     cfg, make = tiny4
     batch = _packed_batch()
     out = []
-    for recompute in (False, True):
+    for mode in (None, "layer", "mlp"):
         model = make("sdpa")
-        if recompute:
-            _recompute_layers(model)
+        if mode:
+            recompute_layers(model, mode)
         loss, _ = LMStage(cfg, None).loss(model, batch)
         loss.backward()
         out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (l0, g0), (l1, g1) = out
-    assert torch.equal(l0, l1)
-    assert g0.keys() == g1.keys() and len(g0) > 50
-    for n in g0:  # the same ops recomputed in the same order: equal to the bit on CPU
-        assert torch.equal(g0[n], g1[n]), n
+    (l0, g0) = out[0]
+    for l1, g1 in out[1:]:
+        assert torch.equal(l0, l1)
+        assert g0.keys() == g1.keys() and len(g0) > 50
+        for n in g0:  # the same ops recomputed in the same order: equal to the bit on CPU
+            assert torch.equal(g0[n], g1[n]), n
+    with pytest.raises(ValueError, match="--recompute-mode: got 'attn'"):
+        recompute_layers(make("sdpa"), "attn")
 
 
 # ---------------------------------------------------------------------------------------------- runs
