@@ -345,6 +345,8 @@ def load_model(
     check_backend(backend)
     kernels = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep}
     set_model_kernels(nn.Module(), **kernels)  # validate before reading
+    if backend == "cudnn":  # a bad $KIMI_* kernel variable: refused before the checkpoint is read, not after
+        kernel_choice.check_environment()
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device: got {str(device)!r}, but CUDA is not available here"

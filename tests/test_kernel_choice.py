@@ -60,3 +60,11 @@ def test_bad_environment_fails_when_a_cudnn_model_is_built(monkeypatch, var):
     with pytest.raises(ValueError, match=rf"\${var}: got 'bogus'"):
         KimiK3Model(load_config("tiny"), backend="cudnn")
     KimiK3Model(load_config("tiny"), backend="eager")
+
+
+def test_bad_environment_fails_before_load_model_reads_the_checkpoint(monkeypatch, tmp_path):
+    """load_model builds the model after reading every weight: the $KIMI_* check must come before the read (no
+    checkpoint here: the environment's error, not the missing folder's, must be the one raised)."""
+    monkeypatch.setenv("KIMI_GLU_KERNEL", "bogus")
+    with pytest.raises(ValueError, match=r"\$KIMI_GLU_KERNEL: got 'bogus'"):
+        load_model(tmp_path / "absent", backend="cudnn")
