@@ -473,6 +473,8 @@ def _resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"--stage: got {a.stage!r}, expected one of {sorted(STAGES)}")
     if a.recompute_mode not in RECOMPUTE_MODES:
         raise ValueError(f"--recompute-mode: got {a.recompute_mode!r}, expected one of {list(RECOMPUTE_MODES)}")
+    if a.recompute_mode != "layer" and not a.recompute:  # it would be ignored: nothing recomputed
+        raise ValueError(f"--recompute-mode: got {a.recompute_mode!r} without --recompute, expected --recompute too")
     lora_opts = (a.lora_alpha, a.lora_targets, a.lora_dropout or None)
     if a.lora_rank is None and any(o is not None for o in lora_opts):
         raise ValueError("--lora-alpha/--lora-dropout/--lora-targets: given without --lora-rank, expected it too")

@@ -378,6 +378,7 @@ def _small_argv(out):
         (lambda argv, tmp: argv + ["--lora-rank", "4", "--lora-targets", "lm_head"], "reads directly"),
         (lambda argv, tmp: argv + ["--no-save", "--stop-after", "3"], "--no-save: a run that saves nothing"),
         (lambda argv, tmp: argv + ["--stage", "sparse", "--lora-rank", "2"], "LoRA freezes every base weight"),
+        (lambda argv, tmp: argv + ["--recompute-mode", "mlp"], "--recompute-mode: got 'mlp' without --recompute"),
     ],
     ids=[
         "seq-len",
@@ -390,6 +391,7 @@ def _small_argv(out):
         "lora-head",
         "no-save-stop",
         "stage-lora",
+        "recompute-mode-alone",
     ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
