@@ -262,6 +262,10 @@ class KimiK3Model(nn.Module):
         bad = (labels != -100) & ((labels < 0) | (labels >= V))
         if bool(bad.any()):  # before the backbone runs
             raise ValueError(f"labels: got {int(labels[bad][0])}, expected ids in [0, {V}) or -100 (no target)")
+        if isinstance(chunk_size, bool) or not (
+            chunk_size is None or (isinstance(chunk_size, int) and chunk_size >= 1)
+        ):
+            raise ValueError(f"loss_chunk_size: got {chunk_size!r}, expected a positive int or None")  # before it too
         _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
         h, _ = self.model(input_ids, cu_seqlens, mla_form, on_layer, None)  # [B, T, D]
         head = None if self.config.tie_word_embeddings else self.lm_head

@@ -195,6 +195,11 @@ def test_model_labels_batched_rows_and_refusals():
         model(ids, labels=labels[:1])
     with pytest.raises(ValueError, match=r"labels: got .*int32"):
         model(ids, labels=labels.int())
+    ran = []  # a bad loss_chunk_size is named as the model's argument, before the backbone runs
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"loss_chunk_size: got {bad!r}, expected a positive int"):
+            model(ids, labels=labels, loss_chunk_size=bad, on_layer=ran.append)
+    assert ran == []
     labels[0, 3] = model.config.vocab_size
     with pytest.raises(ValueError, match=rf"labels: got {model.config.vocab_size}, expected ids in \[0, 512\)"):
         model(ids, labels=labels)
