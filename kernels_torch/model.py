@@ -189,7 +189,7 @@ class KimiK3Model(nn.Module):
             refused) or outside [0, vocab_size); invalid ``cu_seqlens``; an ``attention_mask`` that is not [B, T] of
             0/1 (or bool), has no real token at all, or comes with ``cu_seqlens`` or ``return_aux``; ``labels`` not
             ``[B, T]`` int64, with an id outside [0, vocab_size) other than -100, or given with ``cache``,
-            ``lengths``, ``attention_mask`` or ``return_aux``.
+            ``lengths``, ``attention_mask`` or ``return_aux``; ``loss_chunk_size`` not a positive int (or None).
     """
 
     def __init__(self, config: KimiConfig, backend: str = "eager"):
