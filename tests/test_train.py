@@ -187,10 +187,15 @@ def test_recompute_gives_the_same_loss_and_grads(tiny4):
     out = []
     for mode in (None, "layer", "mlp"):
         model = make("sdpa")
+        calls = []  # feed_forward runs: once per layer, twice where the backward recomputes it
+        for layer in model.model.layers:
+            ff = layer.feed_forward
+            layer.feed_forward = lambda h, ff=ff: calls.append(1) or ff(h)
         if mode:
             recompute_layers(model, mode)
         loss, _ = LMStage(cfg, None).loss(model, batch)
         loss.backward()
+        assert len(calls) == len(model.model.layers) * (2 if mode else 1), (mode, len(calls))
         out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (l0, g0) = out[0]
     for l1, g1 in out[1:]:
