@@ -11,7 +11,9 @@ Pieces (spec 2.2 and 2.4 for KDA; 3.3, 4.2, 4.3 and 9 for MLA/DSA):
   the cache in place; the indexer scores every cached key (``indexer_scores``, fp32, query-row chunks) under the
   cached causal mask and picks the canonical top-k (``topk_indices``: score descending, ties to the larger key
   index, spec 9); the absorbed queries attend over the selected rows with :func:`kernels_torch.dsa_cudnn.sparse_mla`
-  (our Triton ``sparse_mla_fwd`` for the real 576/512 dims in bf16, its torch twin otherwise). Decode gathers only
+  (``sparse_mla_fwd`` for the real 576/512 dims in bf16: FlashMLA's sparse kernel where it runs, else our Triton
+  kernel, as ``kernel_choice`` picks; its torch twin otherwise). FlashMLA's own sparse decode kernel reads only an
+  FP8 KV cache, and this cache is bf16, so decode rows go through the same sparse kernel as prefill. Decode gathers only
   the selected rows (``[N*T*k, 576]``); long prefill chunks hand the kernel each sequence's rows once with global ids
   (whichever is fewer rows). MLA layers without an indexer attend densely in the absorbed form with SDPA.
   The softmax scale stays ``config.mla_softmax_scale`` (192^-1/2), never 576^-1/2 (case 15).

@@ -559,21 +559,22 @@ def _kda_prep_choice(layer: KimiDeltaAttention, x: torch.Tensor) -> str:
         RuntimeError: ``in_kernel`` forced where gradients are needed (the SM90 backward takes none of the fusions);
             ``triton`` forced where it cannot run (the reason named).
     """
-    from kernels_torch.ops.kda_prep import triton_prep_unavailable
-
     prep = kernel_choice.resolve("kda_prep", getattr(layer, "kda_prep", None))
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
-    if prep == "in_kernel" and needs_grad:
-        raise RuntimeError(
-            "kda_prep: got 'in_kernel', but gradients are needed and cuDNN's SM90 KDA backward takes none of the "
-            "in-kernel L2 norm / gate / beta sigmoid; use 'triton', 'outside' or 'auto' for training (or run under "
-            "torch.no_grad())"
-        )
-    why = triton_prep_unavailable(x) if x.is_cuda else f"x is on {x.device}"
-    if prep == "triton" and why is not None:
-        raise RuntimeError(f"kda_prep: got 'triton', but the Triton preparation cannot run here: {why}")
     if prep == "auto":  # in_kernel and triton measured no faster (kernel_choice's docstring); both are opt-in
-        prep = "outside"
+        return "outside"
+    if prep == "in_kernel":
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters())):
+            raise RuntimeError(
+                "kda_prep: got 'in_kernel', but gradients are needed and cuDNN's SM90 KDA backward takes none of the "
+                "in-kernel L2 norm / gate / beta sigmoid; use 'triton', 'outside' or 'auto' for training (or run "
+                "under torch.no_grad())"
+            )
+    elif prep == "triton":
+        from kernels_torch.ops.kda_prep import triton_prep_unavailable
+
+        why = triton_prep_unavailable(x) if x.is_cuda else f"x is on {x.device}"
+        if why is not None:
+            raise RuntimeError(f"kda_prep: got 'triton', but the Triton preparation cannot run here: {why}")
     return prep
 
 

@@ -115,14 +115,14 @@ def _gate_up_torch(af, bf, hidden_act, beta, linear_beta):
 
 
 def _forward_torch(a, b, hidden_act, beta, linear_beta):
+    if hidden_act == "situ":  # the plain op itself: bitwise the same output (lazy import: moe imports this module)
+        from kernels_torch.moe import situ
+
+        return situ(a, b, beta, linear_beta)
     cd = compute_dtype(a, b)
     af, bf = a.to(cd), b.to(cd)
-    if hidden_act == "situ":  # literally kernels_torch.moe.situ's expressions: bitwise the same output
-        gate = beta * torch.tanh(af / beta) * torch.sigmoid(af)
-    else:
-        gate = torch.nn.functional.silu(af)
     up = bf if linear_beta is None else linear_beta * torch.tanh(bf / linear_beta)
-    return (gate * up).to(a.dtype)
+    return (torch.nn.functional.silu(af) * up).to(a.dtype)
 
 
 def _backward_torch(dout, a, b, hidden_act, beta, linear_beta, need_da, need_db):

@@ -85,20 +85,14 @@ def _rel(a, b) -> float:
 def _stage_layers(seed):
     """(cudnn bf16 layer with its indexer unfrozen, eager fp32 layer with the same bf16-rounded weights), layer 3 of
     K3.1 (a DSA layer) with hidden_size 1024, and the config."""
+    from _helpers import init_layer
+
     import kernels_torch.mla as tm
     from kimi.config import load_config
 
     cfg = load_config("k3.1-pro").replace(hidden_size=1024)
     ref = tm.GatedMLA(cfg, 3, backend="eager")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("norm.bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    init_layer(ref, seed)  # an MLA layer has only norms and matrices: the same draws as the loop this replaced
     fast = tm.GatedMLA(cfg, 3, backend="cudnn")
     fast.load_state_dict(ref.state_dict())
     fast = fast.to("cuda", torch.bfloat16)

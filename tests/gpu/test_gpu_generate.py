@@ -137,6 +137,7 @@ def test_tiny_model_cached_generation_on_cudnn():
         init_checkpoint(d, load_config("tiny"), seed=0)
         fast = load_model(d, backend="cudnn", dtype=torch.bfloat16, device="cuda")
         eager = load_model(d, backend="eager", dtype=torch.bfloat16, device="cuda")
+        fp32 = load_model(d, backend="eager", dtype=torch.float32, device="cuda")  # the judge of greedy picks
     ids = torch.randint(0, 256, (2, 160), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     cos_fast, cos_eager = _cached_vs_free_cosine(fast, ids, 130), _cached_vs_free_cosine(eager, ids, 130)
     gap_fast, gap_eager = float((1 - cos_fast[:, 130:]).mean()), float((1 - cos_eager[:, 130:]).mean())
@@ -150,9 +151,6 @@ def test_tiny_model_cached_generation_on_cudnn():
     assert mean_pre <= PREFILL_MEAN_GAP and outliers <= PREFILL_OUTLIERS, (mean_pre, outliers)
     assert gap_fast <= DECODE_GAP_FACTOR * gap_eager + DECODE_GAP_FLOOR, (gap_fast, gap_eager)
     prompt = ids[0, :40].tolist()
-    with tempfile.TemporaryDirectory() as d:
-        init_checkpoint(d, load_config("tiny"), seed=0)
-        fp32 = load_model(d, backend="eager", dtype=torch.float32, device="cuda")
 
     def judged(model):  # (gap, top-1 share, picks): model's greedy picks under the fp32 model (see GREEDY_GAP_FACTOR)
         picks = generate(model, prompt, 16, stop_token=None).tokens[0]
