@@ -66,18 +66,9 @@ CATEGORIES = (  # first match wins, on the lower-cased kernel name (names as see
 
 def breakdown(step) -> dict:
     """GPU time of one ``step()`` per category of kernel (CATEGORIES), in ms, plus the 30 largest kernels."""
-    from torch.profiler import ProfilerActivity, profile
+    from _timing import kernel_ms
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
-            per[e.key] = per.get(e.key, 0.0) + t / 1e3
+    per = kernel_ms(step)
     top = sorted(per.items(), key=lambda kv: -kv[1])[:30]
     return categorise(sum(per.values()), [[k[:120], round(v, 3)] for k, v in top], per)
 

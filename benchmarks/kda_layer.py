@@ -9,10 +9,14 @@ with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both a
 ``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated`` (sigmoid), ``o_proj``; no cache output.
 "rec_chunk_kda" / "rec_cudnn" = the recurrence alone as the layer runs it (chunk_kda with gate and norm fused; or fla's
 L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-layout conversions).
+"layer_cudnn" is the default (``kda_prep`` and ``kda_pieces`` auto: fla's norms and gate, one piece per sequence);
+"layer_cudnn_split_cudnn" / "rec_cudnn_split_cudnn" the same with cuDNN's own sequence split (``kda_pieces='cudnn'``,
+the default before pass 9); "profile_layer_cudnn": one profiled fwd+bwd of "layer_cudnn", GPU ms per kernel category
+(``PROFILE_CATEGORIES``) and the 30 largest kernels.
 Two variants of the cuDNN path (``kda_prep``): ``outside`` (the L2 norms, gate and beta sigmoid computed around the op;
 the only one with a backward on SM90, so every fwd+bwd row) and ``in_kernel`` (the op's own fusions; forward only):
-"layer_cudnn_outside_fwd" / "layer_cudnn_in_kernel_fwd" and "rec_cudnn_fwd" / "rec_cudnn_in_kernel_fwd".
-Preparations (``kda_prep``, issue 15): "rec_cudnn" / "layer_cudnn_outside" use fla's L2 norm and gate;
+"layer_cudnn_fwd" / "layer_cudnn_in_kernel_fwd" and "rec_cudnn_fwd" / "rec_cudnn_in_kernel_fwd".
+Preparations (``kda_prep``, issue 15): "rec_cudnn" / "layer_cudnn" use fla's L2 norm and gate;
 "rec_cudnn_triton" / "layer_cudnn_triton" use ours (``kernels_torch.ops.kda_prep``); "layer_cudnn" is ``auto`` (ours
 where Triton imports).
 "breakdown_ms" (cuDNN only): the op alone on ready inputs with the layer's gate distribution and with g uniform in
@@ -146,38 +150,34 @@ def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg, swe
     leaves = [t.detach().clone().requires_grad_(True) for t in (qn, kn, v, beta)]
     out = {}
 
-    def op_fb(g):
+    def op_fb(g, pieces="cudnn"):
         gl = g.detach().clone().requires_grad_(True)
 
         def run():
             for t in (*leaves, gl):
                 t.grad = None
-            tk.kda_recurrence_cudnn(*leaves[:3], gl, leaves[3])[0].backward(do)
+            tk.kda_recurrence_cudnn(*leaves[:3], gl, leaves[3], pieces=pieces)[0].backward(do)
 
         return run
 
-    def op_f(g):
+    def op_f(g, pieces="cudnn"):
         def run():
             with torch.no_grad():
-                tk.kda_recurrence_cudnn(qn, kn, v, g, beta)
+                tk.kda_recurrence_cudnn(qn, kn, v, g, beta, pieces=pieces)
 
         return run
 
+    # "op_*": cuDNN's own sequence split; "op_*_P1": one piece per sequence (kda_pieces='one', the default since pass 9)
     for name, g in (("op_layer_gate", g_layer), ("op_uniform_gate", g_unif)):
         out[f"{name}_fwd"] = round(time_ms(op_f(g), warmup=2)[0], 3)
         out[f"{name}_fwd_bwd"] = round(time_ms(op_fb(g), warmup=2)[0], 3)
-    try:  # the forward with P = 1 piece per sequence: an experiment on cuDNN's private launcher, restored after
-        host = importlib.import_module("cudnn.linear_attention.hopper.cuda_host")
-        pieces = host.pieces_per_sequence
-        host.pieces_per_sequence = lambda *a: 1
-        try:
-            for name, g in (("op_layer_gate_P1", g_layer), ("op_uniform_gate_P1", g_unif)):
-                out[f"{name}_fwd"] = round(time_ms(op_f(g), warmup=2)[0], 3)
-        finally:
-            host.pieces_per_sequence = pieces
-        out["pieces_per_sequence_default"] = pieces(q.shape[1], 1, q.shape[2])
-    except Exception as e:  # noqa: BLE001  (an experiment: its failure is reported, not fatal)
-        out["P1_error"] = f"{type(e).__name__}: {e}"
+        out[f"{name}_P1_fwd"] = round(time_ms(op_f(g, "one"), warmup=2)[0], 3)
+        out[f"{name}_P1_fwd_bwd"] = round(time_ms(op_fb(g, "one"), warmup=2)[0], 3)
+    try:
+        host = importlib.import_module(tk._CUDNN_KDA_SM90_HOST)
+        out["pieces_per_sequence_default"] = host.pieces_per_sequence(q.shape[1], 1, q.shape[2])
+    except Exception as e:  # noqa: BLE001  (reported, not fatal)
+        out["pieces_error"] = f"{type(e).__name__}: {e}"
     ql, kl, fl = (t.detach().clone().requires_grad_(True) for t in (q, k, f))
     Al, dl = A_log.detach().clone().requires_grad_(True), dt_bias.detach().clone().requires_grad_(True)
 
@@ -292,6 +292,18 @@ def prep_sweep(l2_fb, gate_fb) -> dict:
     return out
 
 
+PROFILE_CATEGORIES = (  # kernel-name substrings (lower case) of the cuDNN layer's fwd+bwd, first match wins
+    ("cuDNN KDA op", ("kda_fused", "k_prep", "k_scan", "k_bwd", "k_meta")),
+    ("matmuls", ("gemm", "nvjet", "cutlass", "xmma", "wgmma")),
+    ("short conv", ("conv",)),
+    ("q/k L2 norm", ("l2norm", "l2_norm")),
+    ("gate", ("gate_fwd", "gate_bwd", "kda_gate")),
+    ("gated RMSNorm", ("norm",)),
+    ("copies and fills", ("copy", "fill", "memcpy", "memset", "cat")),
+    ("elementwise and reductions", ("elementwise", "reduce", "vectorized")),
+)
+
+
 def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: bool = True) -> dict:
     from kernels_torch import kernel_choice
 
@@ -309,9 +321,9 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
 
         return run
 
-    def ours_with(kernel, prep=None):
+    def ours_with(kernel, prep=None, pieces=None):
         def fwd():
-            m.kda_kernel, m.kda_prep = kernel, prep
+            m.kda_kernel, m.kda_prep, m.kda_pieces = kernel, prep, pieces
             return m(x)[0]
 
         return fwd
@@ -319,8 +331,8 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     has_cudnn = tk.cudnn_kda_unavailable(x, K, K) is None
     layers = {"layer_fla": ours_with("fla"), "layer_fla_direct": lambda: fla_layer(m, x)}
     if has_cudnn:
-        layers["layer_cudnn"] = ours_with("cudnn")  # auto: our Triton preparation where Triton imports
-        layers["layer_cudnn_outside"] = ours_with("cudnn", "outside")  # fla's l2norm and fused_kda_gate
+        layers["layer_cudnn"] = ours_with("cudnn")  # auto: fla's l2norm and fused_kda_gate, one piece per sequence
+        layers["layer_cudnn_split_cudnn"] = ours_with("cudnn", None, "cudnn")  # cuDNN's own sequence split
         layers["layer_cudnn_triton"] = ours_with("cudnn", "triton")
     # the recurrence alone, on tensors of the layer's shapes, each with what it needs around it inside the layer
     from fla.modules.norm.l2norm import l2norm as fla_l2norm
@@ -350,9 +362,9 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
             lower_bound=cfg.gate_lower_bound,
         )[0]
 
-    def rec_cudnn():  # what _kda_layer_fast runs: fla l2norm x2, fused_kda_gate (fp32), the cuDNN op (THD, states)
+    def rec_cudnn(pieces=None):  # what _kda_layer_fast runs: fla l2norm x2, fused_kda_gate (fp32), the cuDNN op
         g = fused_kda_gate(f, A_log, dt_bias, lower_bound=cfg.gate_lower_bound, output_dtype=torch.float32)
-        return tk.kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta)[0]
+        return tk.kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, pieces=pieces)[0]
 
     def rec_cudnn_triton():  # the same with our Triton preparation (kda_prep='triton')
         from kernels_torch.ops.kda_prep import kda_gate_lb, l2norm_qk
@@ -376,6 +388,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     recs = {"rec_chunk_kda": rec_fla}
     if has_cudnn:
         recs["rec_cudnn"] = rec_cudnn
+        recs["rec_cudnn_split_cudnn"] = lambda: rec_cudnn("cudnn")
         recs["rec_cudnn_triton"] = rec_cudnn_triton
     fb_fns = {**{n: step(fn) for n, fn in layers.items()}, **{n: fb(fn) for n, fn in recs.items()}}
     fwd_fns = {**layers, **recs}
@@ -415,7 +428,13 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     with torch.no_grad():
         ms_fwd = interleaved(fwd_fns, rounds, reps)
     used = kernel_choice.used()
-    m.kda_kernel = m.kda_prep = None
+    m.kda_kernel = m.kda_prep = m.kda_pieces = None
+    profile = {}
+    if has_cudnn:  # one profiled fwd+bwd of the default cuDNN layer: where its GPU time goes, per kernel
+        from _timing import categorise, kernel_ms
+
+        profile = categorise(kernel_ms(fb_fns["layer_cudnn"]), PROFILE_CATEGORIES)
+        print(f"T={T}: layer_cudnn profile {json.dumps(profile['ms'])}", flush=True)
     breakdown, gate_stats = {}, {}
     if has_cudnn:
         A_sat = A_log.detach().clamp(max=tk.A_LOG_MAX)
@@ -440,6 +459,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
         "kernels_used": used,
         "breakdown_ms": breakdown,
         "gate_stats": gate_stats,
+        "profile_layer_cudnn": profile,
         "warmup_s": round(warm_s, 1),
         "timed_iters": rounds * reps,
     }
@@ -448,13 +468,15 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
         row["rec_speedup_fwd"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn"], 3)
         row["rec_speedup_fwd_in_kernel"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn_in_kernel"], 3)
         row["layer_speedup_fwd_in_kernel_vs_outside"] = round(
-            ms_fwd["layer_cudnn_outside"] / ms_fwd["layer_cudnn_in_kernel"], 3
+            ms_fwd["layer_cudnn"] / ms_fwd["layer_cudnn_in_kernel"], 3
         )
+        row["rec_speedup_fwd_bwd_split_cudnn"] = round(ms["rec_chunk_kda"] / ms["rec_cudnn_split_cudnn"], 3)
+        row["layer_speedup_one_piece_vs_split_cudnn"] = round(ms["layer_cudnn_split_cudnn"] / ms["layer_cudnn"], 3)
         row["layer_speedup_cudnn_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn"], 3)
         row["rec_speedup_fwd_bwd_triton_prep"] = round(ms["rec_chunk_kda"] / ms["rec_cudnn_triton"], 3)
         row["rec_speedup_fwd_triton_prep"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn_triton"], 3)
         row["layer_speedup_cudnn_triton_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn_triton"], 3)
-        row["layer_speedup_cudnn_triton_vs_outside"] = round(ms["layer_cudnn_outside"] / ms["layer_cudnn_triton"], 3)
+        row["layer_speedup_cudnn_triton_vs_outside"] = round(ms["layer_cudnn"] / ms["layer_cudnn_triton"], 3)
         row["layer_matmul_share_of_ceiling"] = round(row["projection_floor_ms"] / ms["layer_cudnn"], 3)
     return row
 

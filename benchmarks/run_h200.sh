@@ -100,7 +100,7 @@ run_step() {  # run_step NAME: one step of the list above
   tests_dsa) KIMI_SPARSE_KERNEL=flash_mla step tests_dsa 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_dsa_cudnn.py ;;
   # shellcheck disable=SC2086
   train_step_4layers) step train_step_4layers 900 python3 benchmarks/train_step_4layers.py \
-    ${TRAIN_ARGS:---seq-lens 8192 32768 --recompute-seq-lens 32768 --backends cudnn} \
+    ${TRAIN_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --backends cudnn} \
     --out "$dir/train_step_4layers.json" ;;
   dsa_vs_dense_layer) step dsa_vs_dense_layer 600 python3 benchmarks/dsa_vs_dense_layer.py --breakdown \
     --sizes "${DSA_SIZES:-16384,32768,65536,131072}" --sdpa-max 0 --out "$dir/dsa_vs_dense_layer.json" ;;

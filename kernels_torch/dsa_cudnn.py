@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from kernels_torch import kernel_choice
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype, effective_weight
 from kernels_torch.indexer import indexer_scores
+from kernels_torch.ops.sparse_mla import padded_q, wants_padded_q
 
 __all__ = [
     "require_cudnn",
@@ -501,14 +502,22 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
             idx = sort_topk_slots(idx)  # a reproducible forward: see sort_topk_slots
         w = effective_weight(layer.kv_b_proj).view(H, Kn + V, L)  # W + scale * B A under LoRA
         w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
-        q_abs = torch.cat(
-            [torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk), q_pe.reshape(N, H, R)], dim=-1
-        ).contiguous()  # [N, H, L+R]
+        kernel = getattr(layer, "sparse_kernel", None)
+        q_lat = torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk)  # [N, H, L]
+        q_rope = q_pe.reshape(N, H, R)
+        needs_grad = torch.is_grad_enabled() and (q_lat.requires_grad or q_rope.requires_grad)
+        if not needs_grad and (L, R) == (SPARSE_D_V, SPARSE_D_QK - SPARSE_D_V) and wants_padded_q(H, x.device, kernel):
+            # FlashMLA reads 64 or 128 heads: write the absorbed queries straight into its padded layout, so the
+            # forward copies nothing in or out. Not under autograd: cuDNN's backward stages contiguous q and out
+            # anyway, so the copies would only move there, and the saved tensors would grow by the pad heads.
+            q_abs = padded_q(N, H, L + R, dtype=q_lat.dtype, device=x.device)
+            q_abs[..., :L] = q_lat
+            q_abs[..., L:] = q_rope
+        else:
+            q_abs = torch.cat([q_lat, q_rope], dim=-1).contiguous()  # [N, H, L+R]
         kv_rows = torch.cat([c_kv, k_pe], dim=-1).reshape(N, L + R).contiguous()  # [N, L+R]: one latent KV head
         kl_aux = bool(getattr(layer, "sparse_kl_aux", False))
-        o_lat = sparse_mla(
-            q_abs, kv_rows, idx, tlen, scale, d_v=L, kernel=getattr(layer, "sparse_kernel", None), return_lse=kl_aux
-        )
+        o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L, kernel=kernel, return_lse=kl_aux)
         if kl_aux:
             o_lat, lse = o_lat
         o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).view(B, T, H, V)

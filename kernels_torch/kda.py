@@ -23,7 +23,10 @@ never narrowed to bf16 (case 2).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
+import threading
 from typing import NamedTuple
 
 import torch
@@ -53,6 +56,7 @@ __all__ = [
     "kda_recurrence_cudnn",
     "kda_recurrence_cudnn_fused",
     "cudnn_kda_unavailable",
+    "cudnn_kda_pieces",
 ]
 
 BACKENDS = ("eager", "sdpa", "cudnn")
@@ -408,6 +412,57 @@ def _cudnn_plan_name(device: torch.device) -> str | None:
     return CUDNN_KDA_PLAN_SM90 if torch.cuda.get_device_capability(device)[0] == 9 else None
 
 
+_CUDNN_KDA_SM90_HOST = "cudnn.linear_attention.hopper.cuda_host"  # kda_hopper_cuda's forward launcher
+_PIECES_LOCK = threading.RLock()  # re-entrant: a nested block keeps the outer one's patch
+
+
+@contextlib.contextmanager
+def cudnn_kda_pieces(pieces: str | None = None):
+    """Run cuDNN KDA calls inside the block with the forward's sequence split ``pieces`` (``kernel_choice`` op
+    ``kda_pieces``: ``"one"``, ``"cudnn"``, ``"auto"`` = ``"one"``; None: ``$KIMI_KDA_PIECES``, then auto). Yields the
+    choice that applies, recorded by the caller.
+
+    cuDNN FE 1.32's SM90 forward (``kda_hopper_cuda``, ``hopper/cuda_host.py``) launches ``P`` CTAs per (sequence,
+    head) from its module function ``pieces_per_sequence`` (``P = 264 // (N * H)``, at most the 16-token chunks). A
+    piece after the first begins by walking back over the tokens before it until its decay bound (per chunk, the
+    slowest channel's ``sum_t g * log2(e) + 3.5 < 0``) proves the carried state negligible; one channel that hardly
+    decays stalls the bound and the piece redoes its predecessors' work. ``"one"`` sets ``P = 1`` for the calls in the
+    block (one CTA walks the sequence; exactly the recurrence, no walk-back) by replacing that function, under a lock,
+    and restores it after; the backward engine has no pieces. Measured: ``kernel_choice``'s docstring.
+
+    Raises:
+        ValueError: a value outside ``kernel_choice.CHOICES["kda_pieces"]``.
+        RuntimeError: ``"one"`` forced where the installed cuDNN FE has no such launcher function (another version).
+    """
+    choice = kernel_choice.resolve("kda_pieces", pieces)
+    host = missing = None
+    if choice != "cudnn":
+        try:
+            host = importlib.import_module(_CUDNN_KDA_SM90_HOST)
+            original = host.pieces_per_sequence
+        except (ImportError, AttributeError) as e:
+            host, missing = None, f"{type(e).__name__}: {e}"
+    if choice == "one" and host is None:
+        raise RuntimeError(
+            f"kda_pieces: got 'one', but {_CUDNN_KDA_SM90_HOST}.pieces_per_sequence is not there ({missing}); "
+            "this cuDNN FE version splits sequences its own way: use 'cudnn'"
+        )
+    if host is None:  # 'cudnn', or auto on a cuDNN FE without that launcher: its own split
+        yield "cudnn"
+        return
+    with _PIECES_LOCK:
+        host.pieces_per_sequence = _one_piece
+        try:
+            yield "one"
+        finally:
+            host.pieces_per_sequence = original
+
+
+def _one_piece(total_tokens: int, n_seqs: int, n_heads: int) -> int:
+    """cuDNN's ``pieces_per_sequence`` with ``P = 1``: one CTA per (sequence, head), no walk-back."""
+    return 1
+
+
 def _cudnn_kda_args(q, v, initial_state, cu_seqlens, plan_name):
     """What both cuDNN calls share, in the op's terms: ``(B, T, H, K, V, cu, S0, plan_name)`` with ``cu`` int32
     ``[N+1]`` on q's device (``[0, T, 2T, ...]`` for B sequences), ``S0`` None or the initial state as the op's V-first
@@ -431,7 +486,9 @@ def _cudnn_kda_args(q, v, initial_state, cu_seqlens, plan_name):
     return B, T, H, K, V, cu, S0, plan_name
 
 
-def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, plan_name: str | None = "default"):
+def kda_recurrence_cudnn(
+    q, k, v, g, beta, initial_state=None, cu_seqlens=None, plan_name: str | None = "default", pieces: str | None = None
+):
     """The KDA recurrence (spec 2.2 step 7) on cuDNN Frontend's KDA op, with autograd.
 
     Args:
@@ -441,6 +498,8 @@ def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, 
         initial_state: ``[N, H, K, V]`` fp32 (our K-first layout) or None (zeros).
         cu_seqlens: ``[N+1]`` int (B == 1, packed documents, the state resets at each start) or None (B sequences).
         plan_name: cuDNN plan to pin; ``"default"``: ``kda_hopper_cuda`` on SM90 (:func:`_cudnn_plan_name`).
+        pieces: the SM90 forward's sequence split (:func:`cudnn_kda_pieces`; None: ``$KIMI_KDA_PIECES``, then
+            ``"one"``); recorded in ``kernel_choice.used()["kda_pieces"]``.
 
     Returns:
         ``o [B, T, H, V]`` bf16 and the final state ``[N, H, K, V]`` fp32 (K-first). Scale ``K^-1/2`` (the only one the
@@ -453,18 +512,20 @@ def kda_recurrence_cudnn(q, k, v, g, beta, initial_state=None, cu_seqlens=None, 
     """
     op = _cudnn_kda_op()
     B, T, H, K, V, cu, S0, plan_name = _cudnn_kda_args(q, v, initial_state, cu_seqlens, plan_name)
-    o, S, _ = op(
-        q.reshape(B * T, H, K),
-        k.reshape(B * T, H, K),
-        v.reshape(B * T, H, V),
-        g.reshape(B * T, H, K),
-        beta.reshape(B * T, H),
-        cu,
-        K**-0.5,
-        initial_state=S0,
-        output_final_state=True,
-        plan_name=plan_name,
-    )
+    with cudnn_kda_pieces(pieces) as split:
+        o, S, _ = op(
+            q.reshape(B * T, H, K),
+            k.reshape(B * T, H, K),
+            v.reshape(B * T, H, V),
+            g.reshape(B * T, H, K),
+            beta.reshape(B * T, H),
+            cu,
+            K**-0.5,
+            initial_state=S0,
+            output_final_state=True,
+            plan_name=plan_name,
+        )
+    kernel_choice.record("kda_pieces", split)
     return o.view(B, T, H, V), S.transpose(-1, -2).contiguous()
 
 
@@ -480,6 +541,7 @@ def kda_recurrence_cudnn_fused(
     initial_state=None,
     cu_seqlens=None,
     plan_name: str | None = "default",
+    pieces: str | None = None,
 ):
     """Forward only: spec 2.2 steps 4-7 (q/k L2 norm, the lower-bound gate, the beta sigmoid, the recurrence) in one
     call of cuDNN Frontend's KDA op, which applies the three input maps to each staged tile inside its forward kernel
@@ -498,7 +560,7 @@ def kda_recurrence_cudnn_fused(
         f: ``[B, T, H, K]`` raw gate input ``f_b(f_a(x))`` (bf16 or fp32; passed to the op as fp32, the dtype the kernel
             reads). beta_logits: ``[B, T, H]`` pre-sigmoid ``b_proj(x)`` (passed as fp32).
         A_log: ``[H]`` (canonical, sliced). dt_bias: ``[H*K]``. lower_bound: ``gate_lower_bound`` in [-5, 0).
-        initial_state, cu_seqlens, plan_name: as :func:`kda_recurrence_cudnn`.
+        initial_state, cu_seqlens, plan_name, pieces: as :func:`kda_recurrence_cudnn`.
 
     Returns:
         ``o [B, T, H, V]`` bf16 and the final state ``[N, H, K, V]`` fp32 (K-first), as :func:`kda_recurrence_cudnn`.
@@ -526,24 +588,26 @@ def kda_recurrence_cudnn_fused(
         raise ValueError(
             f"A_log, dt_bias: got shapes {tuple(A_log.shape)}, {tuple(dt_bias.shape)}, expected [H]=[{H}], [H*K]=[{H * K}]"
         )
-    o, S, _ = op(
-        q.reshape(B * T, H, K),
-        k.reshape(B * T, H, K),
-        v.reshape(B * T, H, V),
-        f.reshape(B * T, H, K).float(),  # no copy when f is fp32; else the cast the kernel would make anyway
-        beta_logits.reshape(B * T, H).float(),
-        cu,
-        K**-0.5,
-        initial_state=S0,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        safe_gate=True,
-        gate_lower_bound=float(lower_bound),
-        a_log=A_log.float().clamp(max=A_LOG_MAX),  # the eager gate's cap (kda_gate)
-        dt_bias=dt_bias.float().reshape(H, K),
-        plan_name=plan_name,
-    )
+    with cudnn_kda_pieces(pieces) as split:
+        o, S, _ = op(
+            q.reshape(B * T, H, K),
+            k.reshape(B * T, H, K),
+            v.reshape(B * T, H, V),
+            f.reshape(B * T, H, K).float(),  # no copy when f is fp32; else the cast the kernel would make anyway
+            beta_logits.reshape(B * T, H).float(),
+            cu,
+            K**-0.5,
+            initial_state=S0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            safe_gate=True,
+            gate_lower_bound=float(lower_bound),
+            a_log=A_log.float().clamp(max=A_LOG_MAX),  # the eager gate's cap (kda_gate)
+            dt_bias=dt_bias.float().reshape(H, K),
+            plan_name=plan_name,
+        )
+    kernel_choice.record("kda_pieces", split)
     return o.view(B, T, H, V), S.transpose(-1, -2).contiguous()
 
 
@@ -600,7 +664,9 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         on the H200 (3.52 against 3.13 ms at 8K tokens, 96 heads). ``auto``: ``outside`` (``triton`` measured no
         faster: 42.4 against 40.5 ms for the layer at 8K); a forced ``in_kernel``
         runs where no gradient is needed (grad mode off, or neither x nor a parameter requires grad) and raises
-        otherwise. Recorded in ``kernel_choice.used()["kda_prep"]``.
+        otherwise. Recorded in ``kernel_choice.used()["kda_prep"]``. The SM90 forward's sequence split is
+        ``kernel_choice.resolve("kda_pieces", layer.kda_pieces)`` (``$KIMI_KDA_PIECES``; auto: one piece per
+        sequence, :func:`cudnn_kda_pieces`), recorded in ``kernel_choice.used()["kda_pieces"]``.
       - ``fla``: ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (K3:
         ``safe_gate=True, lower_bound=lb``; Kimi-Linear: softplus), beta fp32.
 
@@ -667,15 +733,18 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     if choice != "fla" and why is None:
         prep = _kda_prep_choice(layer, x)  # outside the try: a forced in_kernel under autograd raises, never falls back
         try:
+            pieces = getattr(layer, "kda_pieces", None)
             if prep == "in_kernel":
-                o, S = kda_recurrence_cudnn_fused(q, k, v, f, b_logits, layer.A_log, layer.dt_bias, lb, S0f, cu)
+                o, S = kda_recurrence_cudnn_fused(
+                    q, k, v, f, b_logits, layer.A_log, layer.dt_bias, lb, S0f, cu, pieces=pieces
+                )
             elif prep == "triton":
                 from kernels_torch.ops.kda_prep import kda_gate_lb, l2norm_qk
 
                 g = kda_gate_lb(f, layer.A_log, layer.dt_bias, lb)  # fp32; A_log capped inside, as kda_gate
                 beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
                 qn, kn = l2norm_qk(q, k)  # one launch for both, bf16 out
-                o, S = kda_recurrence_cudnn(qn, kn, v, g, beta, S0f, cu)
+                o, S = kda_recurrence_cudnn(qn, kn, v, g, beta, S0f, cu, pieces=pieces)
             else:
                 from fla.modules.norm.l2norm import l2norm as fla_l2norm
                 from fla.ops.kda.gate import fused_kda_gate
@@ -683,7 +752,7 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
                 A_log = layer.A_log.float().clamp(max=A_LOG_MAX)  # the eager gate's cap: finite rate, finite gradients
                 g = fused_kda_gate(f, A_log, layer.dt_bias.float(), lower_bound=lb, output_dtype=torch.float32)
                 beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
-                o, S = kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, S0f, cu)
+                o, S = kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, S0f, cu, pieces=pieces)
             kernel_choice.record("kda", "cudnn")
             kernel_choice.record("kda_prep", prep)
         except Exception as e:  # a cuDNN decline (no engine / plan for this graph)
@@ -796,6 +865,7 @@ class KimiDeltaAttention(nn.Module):
         self.config, self.layer_idx, self.backend = config, layer_idx, backend
         self.kda_kernel: str | None = None  # cudnn backend: recurrence kernel (kernels_torch.kernel_choice)
         self.kda_prep: str | None = None  # cudnn backend, cuDNN kernel: where the L2 norm / gate / beta sigmoid run
+        self.kda_pieces: str | None = None  # cudnn backend, cuDNN kernel: the SM90 forward's sequence split
         c = config
         H, K, D, W, R = c.kda_num_heads, c.kda_head_dim, c.hidden_size, c.short_conv_kernel_size, c.kda_gate_rank
         P = H * K

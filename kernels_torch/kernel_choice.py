@@ -18,13 +18,22 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   1.10 ms for fla's norms and gate had timed a ``.float().sum()`` backward, not the functions.) The in-kernel
   fusions made the op's forward slower (3.52 ms against 3.13 ms for the prepared inputs; 32K: 12.1 against 9.0;
   benchmarks/results/kda_layer_pass7.json), so ``in_kernel`` is opt-in, for inference only.
+* ``kda_pieces`` (how cuDNN's SM90 KDA forward, ``kda_hopper_cuda``, splits one sequence over CTAs): ``one`` (one
+  piece per (sequence, head): each CTA walks its whole sequence) or ``cudnn`` (cuDNN's launcher heuristic, ``P = 264 //
+  (N * H)`` pieces capped by the 16-token chunks, so 2 for one sequence of 96 heads). A piece after the first starts
+  by walking back over the earlier tokens until the decay bound proves the carried state negligible; a channel that
+  hardly decays stalls that bound, and then the piece redoes its predecessors' work. ``auto`` takes ``one``: on the
+  random-init K3 layer's gate 95% of (16-token chunk, head) pairs stall, and the forward took 1.44 against 2.02 ms at
+  8K tokens and 4.85 against 7.22 ms at 32K (H200, pass 8, ``benchmarks/results/kda_layer_pass8.json``); on a gate
+  uniform in (-5, 0) cuDNN's split was faster (1.23 against 1.46 ms). The backward engine has no pieces.
 * ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
   (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops
   of ``kernels_torch.moe`` and record nothing.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
-``kda_kernel`` / ``kda_prep`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
-sets the first two), then the environment variables ``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP``,
+``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
+sets the first two), then the environment variables ``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP`` /
+``KIMI_KDA_PIECES``,
 then ``auto`` (the fast kernel where it is
 importable and takes the shape, else the other one). A forced kernel that cannot run raises; ``auto`` falls back.
 
@@ -43,12 +52,14 @@ CHOICES = {
     "sparse_mla_fwd": ("auto", "flash_mla", "triton"),
     "kda": ("auto", "cudnn", "fla"),
     "kda_prep": ("auto", "in_kernel", "outside", "triton"),
+    "kda_pieces": ("auto", "one", "cudnn"),
     "glu": ("auto", "triton", "torch"),
 }
 ENV_VARS = {
     "sparse_mla_fwd": "KIMI_SPARSE_KERNEL",
     "kda": "KIMI_KDA_KERNEL",
     "kda_prep": "KIMI_KDA_PREP",
+    "kda_pieces": "KIMI_KDA_PIECES",
     "glu": "KIMI_GLU_KERNEL",
 }
 _USED: dict[str, Counter] = {}
@@ -98,17 +109,22 @@ def reset_used() -> None:
 
 
 def set_model_kernels(
-    model, sparse_kernel: str | None = None, kda_kernel: str | None = None, kda_prep: str | None = None
+    model,
+    sparse_kernel: str | None = None,
+    kda_kernel: str | None = None,
+    kda_prep: str | None = None,
+    kda_pieces: str | None = None,
 ):
     """Set the kernel choice on every layer of ``model`` (a ``torch.nn.Module``) that has one: the DSA layers'
-    ``sparse_kernel`` and the KDA layers' ``kda_kernel`` and ``kda_prep``. None leaves a choice as it is (the
+    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep`` and ``kda_pieces``. None leaves a choice as it is (the
     default: environment, then auto). Returns ``model``.
 
     Raises:
         ValueError: a value outside :data:`CHOICES`.
     """
-    chosen = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep}
-    for attr, op in (("sparse_kernel", "sparse_mla_fwd"), ("kda_kernel", "kda"), ("kda_prep", "kda_prep")):
+    chosen = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep, "kda_pieces": kda_pieces}
+    ops = {"sparse_kernel": "sparse_mla_fwd", "kda_kernel": "kda", "kda_prep": "kda_prep", "kda_pieces": "kda_pieces"}
+    for attr, op in ops.items():
         if chosen[attr] is not None:
             resolve(op, chosen[attr])
     for m in model.modules():

@@ -160,3 +160,75 @@ def test_prep_choice(monkeypatch):
     with pytest.raises(ValueError, match="kda_prep"):
         tk._kda_prep_choice(layer, x)
     assert kernel_choice.resolve("kda_prep", "auto") == "auto"
+
+
+def fake_cuda_host(monkeypatch, launches: list):
+    """A stand-in for cuDNN FE 1.32's SM90 forward launcher module (``cudnn.linear_attention.hopper.cuda_host``):
+    its ``pieces_per_sequence`` is cuDNN's heuristic, and an op stand-in that reads it at call time (as the real
+    ``launch`` does) records the P of each call."""
+    import sys
+    import types
+
+    host = types.ModuleType(tk._CUDNN_KDA_SM90_HOST)
+    host.pieces_per_sequence = lambda total, n_seqs, n_heads: max(1, min(264 // (n_seqs * n_heads), -(-total // 16)))
+    for name in ("cudnn", "cudnn.linear_attention", "cudnn.linear_attention.hopper"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, host)
+    op = fake_op({})
+
+    def launching_op(q, *args, **kwargs):
+        launches.append(host.pieces_per_sequence(q.shape[0], args[4].numel() - 1, q.shape[1]))
+        return op(q, *args, **kwargs)
+
+    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: launching_op)
+    return host
+
+
+def test_pieces_choice_patches_the_launcher_only_inside_the_call(monkeypatch):
+    """``kda_pieces``: auto and ``one`` launch with P = 1, ``cudnn`` with cuDNN's heuristic (here 264 // 3 heads,
+    capped by the 16-token chunks: 4 at T = 63); the launcher's function is restored after each call, also after an
+    error; the same outputs either way (both are the recurrence); each call is recorded; the layer attribute and
+    ``$KIMI_KDA_PIECES`` are honoured and a bad value is named."""
+    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
+    launches = []
+    host = fake_cuda_host(monkeypatch, launches)
+    heuristic = host.pieces_per_sequence
+    q, k, v, f, b, A_log, dt_bias, S0 = inputs(5, 1, 63, 3, 4, 6, 1)
+    args = (tk.l2norm(q), tk.l2norm(k), v, tk.kda_gate(f, A_log, dt_bias, LB), torch.sigmoid(b), S0)
+    kernel_choice.reset_used()
+    outs = {p: tk.kda_recurrence_cudnn(*args, plan_name=None, pieces=p) for p in ("auto", "one", "cudnn", None)}
+    assert launches == [1, 1, 4, 1] and host.pieces_per_sequence is heuristic
+    assert kernel_choice.used()["kda_pieces"] == {"one": 3, "cudnn": 1}
+    for p, (o, S) in outs.items():
+        assert torch.equal(o, outs["cudnn"][0]) and torch.equal(S, outs["cudnn"][1]), p
+    monkeypatch.setenv("KIMI_KDA_PIECES", "cudnn")
+    tk.kda_recurrence_cudnn(*args, plan_name=None)
+    assert launches[-1] == 4
+    with torch.no_grad():  # the forward-only fused variant takes the same switch
+        tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0, plan_name=None, pieces="one")
+    assert launches[-1] == 1 and host.pieces_per_sequence is heuristic
+    with pytest.raises(ValueError, match="initial_state"):  # an error inside the call: the launcher is restored
+        with tk.cudnn_kda_pieces("one"):
+            assert host.pieces_per_sequence(10_000, 1, 3) == 1
+            tk.kda_recurrence_cudnn(*args[:5], S0[..., :2], plan_name=None)
+    assert host.pieces_per_sequence is heuristic
+    monkeypatch.setenv("KIMI_KDA_PIECES", "two")
+    with pytest.raises(ValueError, match=r"\$KIMI_KDA_PIECES: got 'two'"):
+        tk.kda_recurrence_cudnn(*args, plan_name=None)
+
+
+def test_pieces_without_the_launcher(monkeypatch):
+    """A cuDNN FE without the 1.32 launcher function: auto runs cuDNN's own split (recorded as ``cudnn``); a forced
+    ``one`` says why it cannot apply."""
+    import sys
+
+    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
+    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, None)  # import raises ImportError
+    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op({}))
+    q, k, v, f, b, A_log, dt_bias, S0 = inputs(6, 1, 9, 2, 4, 4, 1)
+    args = (tk.l2norm(q), tk.l2norm(k), v, tk.kda_gate(f, A_log, dt_bias, LB), torch.sigmoid(b))
+    kernel_choice.reset_used()
+    tk.kda_recurrence_cudnn(*args, plan_name=None)
+    assert kernel_choice.used()["kda_pieces"] == {"cudnn": 1}
+    with pytest.raises(RuntimeError, match="kda_pieces: got 'one'.*use 'cudnn'"):
+        tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")

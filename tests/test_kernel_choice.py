@@ -47,6 +47,10 @@ def test_load_model_sets_every_layer(tiny_ckpt):
     assert {x.kda_prep for x in m.modules() if hasattr(x, "kda_kernel")} == {"in_kernel"}
     with pytest.raises(ValueError, match="fused"):  # refused before the checkpoint is read, whatever the backend
         load_model(tiny_ckpt, kda_prep="fused")
+    m = load_model(tiny_ckpt, backend="cudnn", kda_pieces="cudnn")
+    assert {x.kda_pieces for x in m.modules() if hasattr(x, "kda_kernel")} == {"cudnn"}
+    with pytest.raises(ValueError, match="kda_pieces"):
+        load_model(tiny_ckpt, kda_pieces="two")
 
 
 @pytest.mark.parametrize("var", sorted(kernel_choice.ENV_VARS.values()))

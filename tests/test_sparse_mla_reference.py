@@ -183,3 +183,51 @@ def test_kernel_choice(monkeypatch):
     monkeypatch.setenv("KIMI_SPARSE_KERNEL", "cutlass")
     with pytest.raises(ValueError, match="KIMI_SPARSE_KERNEL.*cutlass"):
         sm.sparse_mla_fwd_kernel(q)
+
+
+def test_flash_mla_reads_padded_q_in_place(monkeypatch):
+    """A query built with ``padded_q`` reaches FlashMLA as its own buffer (no copy, one call whatever ``rows``), the
+    outputs come back as ``[:, :H]`` views of FlashMLA's, and they equal the readable reference; pad heads holding NaN
+    stay in the pad rows. Queries not in that layout (a strided head slice, or heads 32: of a 128-head buffer, whose
+    last row's pad would lie past the storage) go through the padded copy and give the same numbers."""
+    import kernels_torch.ops.sparse_mla as sm
+
+    calls = []
+
+    def fake_flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length=None, use_legacy=False):
+        calls.append((q.data_ptr(), q.shape[0]))
+        assert q.is_contiguous() and q.shape[1] == 128
+        return sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length, d_v=d_v)
+
+    monkeypatch.setattr(sm, "_flash_mla_sparse_fwd", fake_flash_mla_sparse_fwd)
+    monkeypatch.setattr(sm, "_flash_mla_arch", lambda device: "legacy")
+    T, H, S, K = 9, 96, 200, 128
+    g = torch.Generator().manual_seed(11)
+    dense = torch.randn(T, H, 576, generator=g, dtype=torch.float64)
+    kv = torch.randn(S, 576, generator=g, dtype=torch.float64)
+    idx = torch.randint(-1, S, (T, K), generator=g, dtype=torch.int32)
+    want = sparse_mla_fwd_reference(dense, kv, idx, SM_SCALE)
+
+    q = sm.padded_q(T, H, dtype=torch.float64, device="cpu")
+    parent = q.as_strided((T, 128, 576), (128 * 576, 576, 1))
+    assert q.shape == (T, H, 576) and (parent[:, H:] == 0).all()
+    q.copy_(dense)
+    parent[:, H:] = float("nan")  # inert: heads never mix
+    got = sm._sparse_mla_fwd_flash_mla(q, kv, idx, SM_SCALE, None, rows=4)
+    assert calls == [(q.data_ptr(), T)]  # the buffer itself, in one call
+    assert got[0].shape == (T, H, 512) and not got[0].is_contiguous()  # a view of FlashMLA's 128-head output
+    big = torch.randn(T, 128, 576, generator=g, dtype=torch.float64)
+    for name, other in (
+        ("strided heads", torch.randn(T, 2 * H, 576, dtype=torch.float64)[:, ::2]),
+        ("tail", big[:, 32:]),
+    ):
+        other.copy_(dense)
+        calls.clear()
+        again = sm._sparse_mla_fwd_flash_mla(other, kv, idx, SM_SCALE, None, rows=4)
+        assert len(calls) == 3 and all(ptr != other.data_ptr() for ptr, _ in calls), name  # the padded copy
+        for a, b in zip(again, got):
+            assert torch.equal(a, b), name
+    for name, a, b in zip(("out", "max_logits", "lse"), got, want):
+        fin = torch.isfinite(b)
+        assert torch.equal(torch.isposinf(a), torch.isposinf(b)), name
+        assert torch.allclose(a[fin], b[fin], rtol=1e-12, atol=1e-12), name

@@ -49,6 +49,9 @@ __all__ = [
     "sparse_mla_fwd",
     "sparse_mla_fwd_kernel",
     "flash_mla_takes",
+    "flash_mla_heads",
+    "padded_q",
+    "wants_padded_q",
     "sparse_mla_fwd_reference",
     "D_QK",
     "D_V",
@@ -497,6 +500,37 @@ def _flash_mla_arch(device: torch.device) -> str | None:
     return {9: "legacy", 10: "current"}.get(major)
 
 
+def flash_mla_heads(H: int) -> int:
+    """The head count FlashMLA computes for ``H`` query heads: 64 for ``H <= 64``, else 128 (its two SM90 tilings)."""
+    return 64 if H <= 64 else 128
+
+
+def padded_q(T: int, H: int, D: int = D_QK, *, dtype=torch.bfloat16, device=None) -> torch.Tensor:
+    """An uninitialised query tensor ``[T, H, D]`` laid out as FlashMLA reads it: heads ``:H`` of a row-major
+    ``[T, flash_mla_heads(H), D]`` buffer whose pad heads are zero. Fill it in place (``q[..., :512] = ...``) and
+    :func:`sparse_mla_fwd` hands the buffer to FlashMLA as it is, with no head-padding copy, and returns its
+    ``[:, :H]`` output views (no copy back either). Any other ``[T, H, D]`` works too, through one padded copy.
+
+    Costs ``T * (H_pad - H) * D`` more elements than a dense ``[T, H, D]`` (a third more at 96 heads).
+    """
+    H_pad = flash_mla_heads(H)
+    buf = torch.empty(T, H_pad, D, dtype=dtype, device=device)
+    buf[:, H:].zero_()
+    return buf[:, :H]
+
+
+def _padded_parent(q: torch.Tensor, H_pad: int) -> torch.Tensor | None:
+    """``q``'s FlashMLA-layout parent ``[T, H_pad, D]`` when ``q`` is heads ``:H`` of a row-major ``[T, H_pad, D]``
+    buffer (:func:`padded_q`, or ``H == H_pad`` and contiguous), else None. Only the strides and the storage's extent
+    are read: the pad heads' values only reach the pad heads' outputs (heads never mix), which are sliced away."""
+    T, H, D = q.shape
+    if T == 0 or q.stride(2) != 1 or q.stride(1) != D or (T > 1 and q.stride(0) != H_pad * D):
+        return None
+    if (q.storage_offset() + T * H_pad * D) * q.element_size() > q.untyped_storage().nbytes():
+        return None  # the last row's pad heads would lie past the storage
+    return q.as_strided((T, H_pad, D), (H_pad * D, D, 1))
+
+
 def flash_mla_takes(q: torch.Tensor) -> str | None:
     """Why FlashMLA cannot run ``q`` [T, H, D] here (a reason string), or None when it can."""
     if _flash_mla_sparse_fwd is None:
@@ -516,9 +550,11 @@ _FLASH_MLA_TOPK_LENGTH = [True]  # False once the installed build refused the to
 def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length, rows=FLASH_MLA_ROWS):
     """FlashMLA path on checked inputs ``q [T,H,576]``, ``kv [S,576]``, ``indices [T,K]`` int32.
 
-    * heads padded to 64 or 128 with zero queries (inert: they only produce rows that are sliced away), in calls of
-      ``rows`` query rows, so the padded copies stay O(rows), not O(T); outputs are written into contiguous
-      ``[T, H, *]`` tensors;
+    * heads padded to 64 or 128 (:func:`flash_mla_heads`); the pad heads are inert (heads never mix: they only
+      produce rows that are sliced away). When ``q`` already lies in that layout (:func:`padded_q`, or ``H`` is 64 or
+      128 and ``q`` is contiguous) it goes to FlashMLA as it is, in one call, and the outputs are FlashMLA's own
+      ``[:, :H]`` views (no copy either way). Otherwise ``q`` is copied into a zero-padded buffer in calls of ``rows``
+      query rows (the copies stay O(rows), not O(T)) and the outputs are written into contiguous ``[T, H, *]``;
     * the top-k axis padded to a multiple of 128 with ``-1`` (skipped) ids (the SM90 kernels read 128-key blocks);
     * with ``topk_length``, the slots at positions ``>= topk_length[t]`` are set to ``-1`` as well: FlashMLA documents
       that a valid id past ``topk_length`` pointing to a NaN key row can still make its output NaN;
@@ -534,22 +570,13 @@ def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length, rows=FLASH_
             torch.full((T, H), -math.inf, device=q.device),
             torch.full((T, H), math.inf, device=q.device),
         )
-    H_pad = 64 if H <= 64 else 128
+    H_pad = flash_mla_heads(H)
     K_pad = -(-K // 128) * 128  # SM90 FlashMLA wants topk a multiple of 128: pad with skipped ids
     kwargs = {"use_legacy": True} if _flash_mla_arch(q.device) == "legacy" else {}
     kv3 = kv[:, None, :].contiguous()
-    out = max_logits = lse = None
     pos = torch.arange(K_pad, device=indices.device, dtype=torch.int32)
-    q_pad = None
-    if H_pad != H:  # one buffer for every call: its pad heads are zeroed once, its first H heads overwritten per call
-        q_pad = q.new_empty(min(T, rows), H_pad, D)
-        q_pad[:, H:].zero_()
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        qc = q[t0:t1]
-        if q_pad is not None:
-            q_pad[: t1 - t0, :H] = qc
-            qc = q_pad[: t1 - t0]
+
+    def call(qc, t0, t1):  # one FlashMLA call on query rows [t0, t1) of the [*, H_pad, D] layout
         idx = indices[t0:t1]
         if K_pad != K:
             idx = torch.nn.functional.pad(idx, (0, K_pad - K), value=-1)
@@ -557,22 +584,33 @@ def _sparse_mla_fwd_flash_mla(q, kv, indices, sm_scale, topk_length, rows=FLASH_
         if topk_length is not None:
             tl_c = topk_length[t0:t1]
             idx = torch.where(pos[None, :] < tl_c[:, None], idx, -1)
-        args = (qc.contiguous(), kv3, idx[:, None, :].contiguous(), float(sm_scale), D_V)
+        args = (qc, kv3, idx[:, None, :].contiguous(), float(sm_scale), D_V)
         if tl_c is not None and _FLASH_MLA_TOPK_LENGTH[0]:
             try:
-                o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, topk_length=tl_c, **kwargs)
+                return _flash_mla_sparse_fwd(*args, topk_length=tl_c, **kwargs)
             except (RuntimeError, TypeError):  # a build without topk_length: the -1 slots above say the same
                 _FLASH_MLA_TOPK_LENGTH[0] = False
-                o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, **kwargs)
-        else:
-            o_c, m_c, l_c = _flash_mla_sparse_fwd(*args, **kwargs)
-        if out is None:  # dtypes as FlashMLA returns them (bf16 out, fp32 statistics)
-            out = torch.empty(T, H, D_V, dtype=o_c.dtype, device=q.device)
-            max_logits = torch.empty(T, H, dtype=m_c.dtype, device=q.device)
-            lse = torch.empty(T, H, dtype=l_c.dtype, device=q.device)
-        out[t0:t1] = o_c[:, :H]
-        max_logits[t0:t1] = m_c[:, :H]
-        lse[t0:t1] = l_c[:, :H]
+        return _flash_mla_sparse_fwd(*args, **kwargs)
+
+    parent = _padded_parent(q, H_pad)
+    if parent is not None:  # already in FlashMLA's layout: one call, no copies
+        o, m, lse_all = call(parent, 0, T)
+        out, max_logits, lse = o[:, :H], m[:, :H], lse_all[:, :H]
+    else:
+        out = max_logits = lse = None
+        q_pad = q.new_empty(min(T, rows), H_pad, D)  # one buffer for every call: pad heads zeroed once
+        q_pad[:, H:].zero_()
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            q_pad[: t1 - t0, :H] = q[t0:t1]
+            o_c, m_c, l_c = call(q_pad[: t1 - t0], t0, t1)
+            if out is None:  # dtypes as FlashMLA returns them (bf16 out, fp32 statistics)
+                out = torch.empty(T, H, D_V, dtype=o_c.dtype, device=q.device)
+                max_logits = torch.empty(T, H, dtype=m_c.dtype, device=q.device)
+                lse = torch.empty(T, H, dtype=l_c.dtype, device=q.device)
+            out[t0:t1] = o_c[:, :H]
+            max_logits[t0:t1] = m_c[:, :H]
+            lse[t0:t1] = l_c[:, :H]
     # empty rows: FlashMLA's reference gives lse = +inf there too; normalise whatever the build wrote
     empty = torch.isneginf(max_logits) | torch.isneginf(lse) | torch.isposinf(lse)
     lse.masked_fill_(empty, math.inf)
@@ -598,11 +636,25 @@ def sparse_mla_fwd_kernel(q: torch.Tensor, backend: str | None = "auto") -> str:
     return "flash_mla" if why is None else "triton"
 
 
+def wants_padded_q(H: int, device: torch.device, backend: str | None = "auto") -> bool:
+    """Whether a caller about to build ``[T, H, 576]`` queries on ``device`` for :func:`sparse_mla_fwd` under
+    ``backend`` saves a head-padding copy by building them with :func:`padded_q`: FlashMLA will run and ``H`` is not
+    already 64 or 128.
+
+    Raises:
+        ValueError / RuntimeError: as :func:`sparse_mla_fwd_kernel` (an unknown or impossible forced backend).
+    """
+    if H == flash_mla_heads(H) or torch.device(device).type != "cuda":
+        return False
+    return sparse_mla_fwd_kernel(torch.empty(0, H, D_QK, device=device), backend) == "flash_mla"
+
+
 def sparse_mla_fwd(q, kv, indices, sm_scale, topk_length=None, d_v=D_V, *, backend="auto"):
     """Sparse MLA forward with the FlashMLA ``flash_mla_sparse_fwd`` contract (spec 4.3, kernels.md).
 
     Args:
-        q: ``[T, H, 576]`` bf16, CUDA (absorbed queries: 512 latent + 64 rope).
+        q: ``[T, H, 576]`` bf16, CUDA (absorbed queries: 512 latent + 64 rope). Built with :func:`padded_q`, FlashMLA
+            reads it in place (no head-padding copy in, none out).
         kv: ``[S, 1, 576]`` or ``[S, 576]`` bf16 (the one latent KV head; value = ``kv[..., :512]``).
         indices: ``[T, 1, K]`` or ``[T, K]`` int32 global key ids; ``-1``, ``< 0`` and ``>= S`` are skipped.
         sm_scale: softmax scale; ``192 ** -0.5`` for K3.1 (spec 3.3), NOT ``576 ** -0.5``.
@@ -615,6 +667,8 @@ def sparse_mla_fwd(q, kv, indices, sm_scale, topk_length=None, d_v=D_V, *, backe
     Returns:
         ``out [T, H, 512]`` bf16, ``max_logits [T, H]`` fp32 (max of ``sm_scale * q.k``, -inf on empty rows),
         ``lse [T, H]`` fp32 natural-log log-sum-exp of the scaled logits (+inf on empty rows, where out is 0).
+        From FlashMLA with ``q`` in its layout (:func:`padded_q`), the three are ``[:, :H]`` views of its
+        ``flash_mla_heads(H)``-head outputs (strided, not contiguous).
 
     Raises:
         TypeError / ValueError naming the argument, value and expectation (shape, dtype, device, backend);

@@ -211,3 +211,26 @@ def test_dsa_layer_cudnn_matches_eager(T, cu):
     assert errs["out"] <= TOL_LAYER_OUT, errs
     bad = {k: v for k, v in errs.items() if k != "out" and not v <= TOL_LAYER_GRAD}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("T", [63, 2049])
+def test_dsa_layer_inference_layout_is_bitwise_the_training_layout(T):
+    """Without autograd the DSA layer writes its absorbed queries into FlashMLA's padded layout (``padded_q``); with
+    autograd it builds them contiguous. The outputs are bitwise equal, and the kernel that ran is recorded."""
+    from kernels_torch import kernel_choice
+    from kernels_torch.ops import sparse_mla as sm
+
+    cfg = _layer_config()
+    layer = tm.GatedMLA(cfg, 3, backend="cudnn")
+    init_layer(layer, seed=T + 5)
+    layer = layer.to("cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(400 + T)
+    x = torch.randn(1, T, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+    if not sm.wants_padded_q(cfg.num_attention_heads, x.device, layer.sparse_kernel):
+        pytest.skip("FlashMLA does not run here (no padded layout)")
+    kernel_choice.reset_used()
+    with torch.no_grad():
+        out_inf = layer(x)
+    out_train = layer(x.clone().requires_grad_())
+    assert torch.equal(out_inf, out_train.detach())
+    assert kernel_choice.used()["sparse_mla_fwd"] == {"flash_mla": 2}

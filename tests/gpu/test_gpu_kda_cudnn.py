@@ -524,3 +524,34 @@ def test_recurrence_fused_matches_eager(case):
     report(test, "S vs outside", rel(S, S_out))
     bad = {n: e for n, e in errs.items() if not e <= TOL_REC[n]}
     assert not bad, f"{test}: relative errors over tolerance {bad}"
+
+
+@pytest.mark.parametrize("gate", ["layer", "uniform"])
+def test_pieces_one_and_cudnn_split_match_eager(gate):
+    """``kda_pieces``: one piece per sequence (auto) and cuDNN's split (here 33 pieces: 264 // 8 heads, with its
+    walk-back) both match ``kda_chunk`` in fp64 (o and the final state), with a gate whose slowest channels hardly
+    decay (the layer's kind, which stalls the walk-back bound) and with one uniform in (-5, 0); each is bitwise
+    reproducible and the split that ran is recorded."""
+    _cudnn_or_skip()
+    T, H, K = 2049, 8, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(91)
+    rn = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    q, k = (tk.l2norm(rn(1, T, H, K)).to(torch.bfloat16) for _ in range(2))
+    v = rn(1, T, H, K).to(torch.bfloat16)
+    if gate == "layer":  # lb * sigmoid(rate * (f + dt_bias)) with dt_bias ~ N(0, 1): some channels barely decay
+        g = tk.kda_gate(
+            rn(1, T, H, K), torch.rand(H, device=DEVICE, generator=gen).mul(15).add(1).log(), rn(H * K), -5.0
+        )
+    else:
+        g = -5 * torch.rand(1, T, H, K, device=DEVICE, generator=gen)
+    beta = torch.sigmoid(rn(1, T, H))
+    S0 = 0.5 * rn(1, H, K, K)
+    o_r, S_r = tk.kda_chunk(q.double(), k.double(), v.double(), g.double(), beta.double(), initial_state=S0.double())
+    kernel_choice.reset_used()
+    for pieces in ("one", "cudnn"):
+        o, S = tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, pieces=pieces)
+        o2, S2 = tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, pieces=pieces)
+        assert torch.equal(o, o2) and torch.equal(S, S2), f"{pieces}: two calls differ"
+        errs = {"o": report(f"pieces[{pieces}-{gate}]", "o", rel(o, o_r)), "S": rel(S, S_r)}
+        assert errs["o"] <= TOL_REC["o"] and errs["S"] <= TOL_REC["S"], f"{pieces}: {errs}"
+    assert kernel_choice.used()["kda_pieces"] == {"one": 2, "cudnn": 2}

@@ -207,3 +207,22 @@ def test_flash_mla_raw_contract():
     print(f"FLASH_MLA_RAW lse_err_natural_log={err_ln:.2e} max_logits_err={err_mx:.2e}")
     assert err_ln <= TOL_LSE and err_mx <= TOL_MAX
     assert (out[0] == 0).all() and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("T,H,K,S,topk", CASES, ids=CASE_IDS)
+def test_flash_mla_padded_q_in_place(T, H, K, S, topk):
+    """FlashMLA on a query built with ``padded_q`` (read in place, outputs returned as views): bitwise the same as on
+    a contiguous query (same kernel, same numbers in the heads that count), with the pad heads poisoned to NaN."""
+    q, kv, idx, tlen = _inputs(T, H, S, K, seed=T * 3 + K + H, topk_length=topk)
+    _skip_unless("flash_mla", q)
+    want = sm.sparse_mla_fwd(q, kv, idx, SM_SCALE, topk_length=tlen, backend="flash_mla")
+    qp = sm.padded_q(T, H, device="cuda")
+    qp.copy_(q)
+    H_pad = sm.flash_mla_heads(H)
+    if H_pad != H:
+        qp.as_strided((T, H_pad, sm.D_QK), (H_pad * sm.D_QK, sm.D_QK, 1))[:, H:] = float("nan")
+    got = sm.sparse_mla_fwd(qp, kv, idx, SM_SCALE, topk_length=tlen, backend="flash_mla")
+    for name, a, b in zip(("out", "max_logits", "lse"), got, want):
+        assert a.shape == b.shape and torch.equal(a, b), f"padded q: {name} differs from the contiguous query's"
+    assert sm.wants_padded_q(96, q.device, "flash_mla") and not sm.wants_padded_q(128, q.device, "flash_mla")
+    assert not sm.wants_padded_q(96, q.device, "triton")
