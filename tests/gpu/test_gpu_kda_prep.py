@@ -195,3 +195,104 @@ def test_cudnn_layer_with_prep_matches_eager(case, prep):
         if not e <= _tol_for(n)[1]:
             failures.append((n, e, _tol_for(n)[1]))
     assert not failures, f"{test}: relative errors over tolerance {failures}"
+
+
+# ------------------------------------------------------------------------------------------------ the short conv
+
+TOL_CONV = {  # ||a - b|| / ||b|| against fp64 eager autograd (tests/test_short_conv_triton.py: 1e-6 in fp32)
+    torch.float32: {"y": 2e-6, "state": 0.0, "dx": 2e-6, "dw": 2e-6},
+    torch.bfloat16: {"y": 5e-3, "state": 0.0, "dx": 5e-3, "dw": 2e-6},  # y and dx stored in bf16; dw fp32 sums
+}
+CONV_CASES = {  # name -> (B, T, cu_seqlens, with a conv state)
+    "T1": (2, 1, None, True),
+    "T63": (2, 63, None, False),
+    "T2049-state": (1, 2049, None, True),
+    "T8192": (1, 8192, None, False),
+    "packed-len1-state": (1, 503, [0, 1, 2, 3, 503], True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_short_conv_matches_eager_and_fla(case, dtype):
+    """``short_conv_silu`` at the layer's width (C = 96 x 128) against ``kernels_torch.kda.short_conv`` in fp64: y,
+    the new conv state, dx and dweight, with conv states and packed documents (length-1 ones among them); beside
+    fla's ``causal_conv1d`` on the same inputs; two calls give identical bits."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    from kernels_torch.ops.short_conv import short_conv_silu
+
+    B, T, cu, with_state = CONV_CASES[case]
+    C, W = 96 * 128, 4
+    gen = torch.Generator(device=DEVICE).manual_seed(T + B)
+    N = B if cu is None else len(cu) - 1
+    x = torch.randn(B, T, C, device=DEVICE, generator=gen).to(dtype)
+    w = 0.5 * torch.randn(C, 1, W, device=DEVICE, generator=gen)
+    state = torch.randn(N, C, W - 1, device=DEVICE, generator=gen).to(dtype) if with_state else None
+    dy = torch.randn(B, T, C, device=DEVICE, generator=gen).to(dtype)
+    cu_t = None if cu is None else torch.tensor(cu)
+    runs = []
+    for _ in range(2):
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y, new_state = short_conv_silu(xs, ws, cu_t, state)
+        y.backward(dy)
+        runs.append((y, new_state, xs.grad, ws.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), f"{case}: two calls differ"
+    y, new_state, dx, dw = runs[0]
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    y_r, state_r = tk.short_conv(xr, wr, cu_t, None if state is None else state.double())
+    y_r.backward(dy.double())
+    test = f"short_conv[{case}-{str(dtype)[6:]}]"
+    errs = {"y": rel(y, y_r), "state": rel(new_state, state_r), "dx": rel(dx, xr.grad), "dw": rel(dw, wr.grad)}
+    for n, e in errs.items():
+        report(test, n, e)
+    # fla's kernel on the same inputs (its state window has one more, unread, column in front)
+    xf, wf = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    cu_dev = None if cu is None else cu_t.to(DEVICE)
+    y_f, _ = causal_conv1d(
+        x=xf,
+        weight=wf[:, 0],
+        initial_state=None if state is None else torch.nn.functional.pad(state, (1, 0)),
+        output_final_state=True,
+        activation="silu",
+        cu_seqlens=cu_dev,
+        cu_seqlens_cpu=cu_t,
+    )
+    y_f.backward(dy)
+    report(test, "y_vs_fla", rel(y, y_f))
+    report(test, "dx_vs_fla", rel(dx, xf.grad))
+    report(test, "dw_vs_fla", rel(dw, wf.grad))
+    bad = {n: e for n, e in errs.items() if not e <= TOL_CONV[dtype][n]}
+    assert not bad, f"{test}: relative errors over tolerance {bad}"
+
+
+def test_cudnn_layer_short_conv_kernels_agree():
+    """The cudnn KDA layer with ``short_conv_kernel`` triton (auto's choice) and fla: forward with a random conv cache
+    and packed documents, then x and every parameter gradient, each against the eager fp32 layer with
+    ``test_gpu_kda_cudnn``'s tolerances; the kernel that ran is recorded."""
+    cfg = configs()["k3_lb_sigmoid"]
+    T, cu = 503, [0, 1, 2, 3, 503]
+    x16, x32 = inputs(cfg, 1, T, seed=97)
+    cu_t = torch.tensor(cu)
+    for kernel in ("triton", "fla"):
+        fast, ref = layer_pair(
+            cfg, seed=96, kernel="cudnn" if tk.cudnn_kda_unavailable(x16, 128, 128) is None else "fla"
+        )
+        fast.short_conv_kernel = None if kernel == "triton" else kernel
+        kernel_choice.reset_used()
+        xa, xb = x16.clone().requires_grad_(True), x32.clone().requires_grad_(True)
+        out = fast(xa, cu_seqlens=cu_t)[0]
+        out_r = ref(xb, cu_seqlens=cu_t)[0]
+        assert kernel_choice.used()["short_conv"] == {kernel: 3}
+        gen = torch.Generator(device=DEVICE).manual_seed(98)
+        dy = torch.randn(out.shape, device=DEVICE, generator=gen)
+        (out.float() * dy).sum().backward()
+        (out_r * dy).sum().backward()
+        test = f"layer_short_conv[{kernel}]"
+        errs = {"out": report(test, "out", rel(out, out_r)), "x": report(test, "x", rel(xa.grad, xb.grad))}
+        for (n, p), (_, p_r) in zip(fast.named_parameters(), ref.named_parameters()):
+            errs[n] = report(test, n, rel(p.grad, p_r.grad))
+        assert errs["out"] <= TOL_OUT, errs
+        bad = {n: e for n, e in errs.items() if n != "out" and not e <= TOL_GRAD[_tol_for(n)[0]]}
+        assert not bad, f"{test}: {bad}"
