@@ -9,8 +9,7 @@ with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both a
 ``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated`` (sigmoid), ``o_proj``; no cache output.
 "rec_chunk_kda" / "rec_cudnn" = the recurrence alone as the layer runs it (chunk_kda with gate and norm fused; or fla's
 L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-layout conversions).
-"layer_cudnn" is the default (``kda_prep``, ``kda_pieces`` and ``short_conv_kernel`` auto: fla's norms and gate, one
-piece per sequence, our Triton short convolution); "layer_cudnn_conv_fla" the same with fla's ``causal_conv1d``;
+"layer_cudnn" is the default (``kda_prep`` and ``kda_pieces`` auto: fla's norms and gate, one piece per sequence);
 "layer_cudnn_split_cudnn" / "rec_cudnn_split_cudnn" the same with cuDNN's own sequence split (``kda_pieces='cudnn'``,
 the default before pass 9); "profile_layer_cudnn": one profiled fwd+bwd of "layer_cudnn", GPU ms per kernel category
 (``PROFILE_CATEGORIES``) and the 30 largest kernels.
@@ -322,9 +321,9 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
 
         return run
 
-    def ours_with(kernel, prep=None, pieces=None, conv=None):
+    def ours_with(kernel, prep=None, pieces=None):
         def fwd():
-            m.kda_kernel, m.kda_prep, m.kda_pieces, m.short_conv_kernel = kernel, prep, pieces, conv
+            m.kda_kernel, m.kda_prep, m.kda_pieces = kernel, prep, pieces
             return m(x)[0]
 
         return fwd
@@ -334,7 +333,6 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     if has_cudnn:
         layers["layer_cudnn"] = ours_with("cudnn")  # auto: fla's l2norm and fused_kda_gate, one piece per sequence
         layers["layer_cudnn_split_cudnn"] = ours_with("cudnn", None, "cudnn")  # cuDNN's own sequence split
-        layers["layer_cudnn_conv_fla"] = ours_with("cudnn", None, None, "fla")  # fla's causal_conv1d
         layers["layer_cudnn_triton"] = ours_with("cudnn", "triton")
     # the recurrence alone, on tensors of the layer's shapes, each with what it needs around it inside the layer
     from fla.modules.norm.l2norm import l2norm as fla_l2norm
@@ -430,7 +428,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     with torch.no_grad():
         ms_fwd = interleaved(fwd_fns, rounds, reps)
     used = kernel_choice.used()
-    m.kda_kernel = m.kda_prep = m.kda_pieces = m.short_conv_kernel = None
+    m.kda_kernel = m.kda_prep = m.kda_pieces = None
     profile = {}
     if has_cudnn:  # one profiled fwd+bwd of the default cuDNN layer: where its GPU time goes, per kernel
         from _timing import categorise, kernel_ms
@@ -473,7 +471,6 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
             ms_fwd["layer_cudnn"] / ms_fwd["layer_cudnn_in_kernel"], 3
         )
         row["rec_speedup_fwd_bwd_split_cudnn"] = round(ms["rec_chunk_kda"] / ms["rec_cudnn_split_cudnn"], 3)
-        row["layer_speedup_triton_conv_vs_fla_conv"] = round(ms["layer_cudnn_conv_fla"] / ms["layer_cudnn"], 3)
         row["layer_speedup_one_piece_vs_split_cudnn"] = round(ms["layer_cudnn_split_cudnn"] / ms["layer_cudnn"], 3)
         row["layer_speedup_cudnn_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn"], 3)
         row["rec_speedup_fwd_bwd_triton_prep"] = round(ms["rec_chunk_kda"] / ms["rec_cudnn_triton"], 3)

@@ -10,8 +10,8 @@ layout). Packed documents: ``cu_seqlens`` ``[N+1]`` with ``B == 1``.
 
 Backends: ``eager`` and ``sdpa`` both run the pure-torch algorithm (the backend only matters for attention layers).
 ``cudnn`` (CUDA, bf16 activations, the ``gpu`` extra) runs the chunk mode of the layer on GPU kernels (see
-:func:`_kda_layer_fast`, the only code here that cannot be tested on CPU): our Triton short convolution
-(``kernels_torch.ops.short_conv``) or fla-core's, fla-core's gated RMSNorm around the recurrence, and the recurrence itself on cuDNN Frontend's KDA op (``torch.ops.cudnn.kimi_delta_attention_fwd``,
+:func:`_kda_layer_fast`, the only code here that cannot be tested on CPU): fla-core's short conv and gated RMSNorm
+around the recurrence, and the recurrence itself on cuDNN Frontend's KDA op (``torch.ops.cudnn.kimi_delta_attention_fwd``,
 SM90 engine ``kda_hopper_cuda``, :func:`kda_recurrence_cudnn`) or on fla-core's ``chunk_kda``. The layer's
 ``kda_kernel`` attribute or ``$KIMI_KDA_KERNEL`` (``auto`` | ``cudnn`` | ``fla``; ``kernels_torch.kernel_choice``) picks
 one; ``auto`` takes cuDNN where it imports and takes the shape (K = V = 128), else fla. ``mode="recurrent"`` (decode)
@@ -614,21 +614,6 @@ def kda_recurrence_cudnn_fused(
 _FALLBACK_WARNED: set[str] = set()
 
 
-def _short_conv_choice(layer: KimiDeltaAttention, x: torch.Tensor, state: torch.Tensor | None, W: int) -> str:
-    """``"triton"`` or ``"fla"``: the kernel of the cudnn layer's short convolutions
-    (``kernel_choice.resolve("short_conv", layer.short_conv_kernel)``). ``auto``: ours (``kernels_torch.ops.short_conv``)
-    where Triton runs on x, W is a power of two and the conv state needs no gradient, else fla's ``causal_conv1d``.
-    A forced ``triton`` that cannot run raises in :func:`kernels_torch.ops.short_conv.short_conv_silu`."""
-    choice = kernel_choice.resolve("short_conv", getattr(layer, "short_conv_kernel", None))
-    if choice != "auto":
-        return choice
-    from kernels_torch.ops.kda_prep import triton_prep_unavailable
-
-    grad_state = state is not None and state.requires_grad and torch.is_grad_enabled()
-    ok = triton_prep_unavailable(x) is None and W >= 2 and not W & (W - 1) and not grad_state
-    return "triton" if ok else "fla"
-
-
 def _kda_prep_choice(layer: KimiDeltaAttention, x: torch.Tensor) -> str:
     """``"triton"``, ``"outside"`` or ``"in_kernel"``: where the cuDNN path computes the q/k L2 norm, the gate and the
     beta sigmoid (``kernel_choice.resolve("kda_prep", layer.kda_prep)``). ``auto``: ``outside`` (fla's functions;
@@ -662,11 +647,8 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
 
     Same math, arguments and returns as the eager layer (spec 2.2); the pieces:
 
-    * short conv + SiLU, by :func:`_short_conv_choice` (``layer.short_conv_kernel``, ``$KIMI_SHORT_CONV_KERNEL``):
-      ``triton``, ours (``kernels_torch.ops.short_conv.short_conv_silu``, auto's choice), or ``fla``
-      (``fla.modules.causal_conv1d.causal_conv1d``); both fp32 accumulation, output in x.dtype, resets at every
-      ``cu_seqlens`` start; our weight ``[P, 1, W]`` is passed as ``[P, W]``. Recorded in
-      ``kernel_choice.used()["short_conv"]``.
+    * short conv + SiLU: ``fla.modules.causal_conv1d.causal_conv1d`` (Triton; fp32 accumulation, output in x.dtype,
+      resets at every ``cu_seqlens`` start); our weight ``[P, 1, W]`` is passed as ``[P, W]``.
     * the recurrence, by ``kernel_choice.resolve("kda", layer.kda_kernel)``:
 
       - ``cudnn``: where the q/k L2 norm, the gate and the beta sigmoid run is ``kernel_choice.resolve("kda_prep",
@@ -727,14 +709,7 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     if choice == "cudnn" and why is not None:
         raise RuntimeError(f"kda_kernel: got 'cudnn', but the cuDNN KDA op cannot run here: {why}")
 
-    conv_kernel = _short_conv_choice(layer, x, cq, W)
-
     def conv(proj: nn.Linear, conv1d: ShortConvolution, state):  # -> y [B, T, P], new state [N, P, W-1]
-        kernel_choice.record("short_conv", conv_kernel)
-        if conv_kernel == "triton":
-            from kernels_torch.ops.short_conv import short_conv_silu
-
-            return short_conv_silu(_linear(x, proj), conv1d.weight, cu_cpu, state)
         y, final = causal_conv1d(
             x=_linear(x, proj),
             weight=_conv_weight(conv1d.weight, P),
@@ -891,7 +866,6 @@ class KimiDeltaAttention(nn.Module):
         self.kda_kernel: str | None = None  # cudnn backend: recurrence kernel (kernels_torch.kernel_choice)
         self.kda_prep: str | None = None  # cudnn backend, cuDNN kernel: where the L2 norm / gate / beta sigmoid run
         self.kda_pieces: str | None = None  # cudnn backend, cuDNN kernel: the SM90 forward's sequence split
-        self.short_conv_kernel: str | None = None  # cudnn backend: the q/k/v short convolutions (triton | fla)
         c = config
         H, K, D, W, R = c.kda_num_heads, c.kda_head_dim, c.hidden_size, c.short_conv_kernel_size, c.kda_gate_rank
         P = H * K

@@ -26,20 +26,14 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   random-init K3 layer's gate 95% of (16-token chunk, head) pairs stall, and the forward took 1.44 against 2.02 ms at
   8K tokens and 4.85 against 7.22 ms at 32K (H200, pass 8, ``benchmarks/results/kda_layer_pass8.json``); on a gate
   uniform in (-5, 0) cuDNN's split was faster (1.23 against 1.46 ms). The backward engine has no pieces.
-* ``short_conv`` (the ``cudnn`` KDA layer's q/k/v depthwise causal conv + SiLU): ``triton`` (ours,
-  ``kernels_torch.ops.short_conv``: one launch forward, one backward that recomputes the pre-activation) or ``fla``
-  (fla-core's ``causal_conv1d``). ``auto`` takes ``triton`` where Triton imports, the kernel width is a power of two
-  and the conv state needs no gradient, else ``fla``. Measured on the H200 (pass 9a profile of the layer, 8K tokens):
-  fla's three convolutions took 3.3 ms of the layer's 37.6 (2.4 ms backward), about five times their bytes at the
-  memory bandwidth.
 * ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
   (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops
   of ``kernels_torch.moe`` and record nothing.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
-``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` / ``short_conv_kernel`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
+``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
 sets the first two), then the environment variables ``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP`` /
-``KIMI_KDA_PIECES`` / ``KIMI_SHORT_CONV_KERNEL``,
+``KIMI_KDA_PIECES``,
 then ``auto`` (the fast kernel where it is
 importable and takes the shape, else the other one). A forced kernel that cannot run raises; ``auto`` falls back.
 
@@ -59,7 +53,6 @@ CHOICES = {
     "kda": ("auto", "cudnn", "fla"),
     "kda_prep": ("auto", "in_kernel", "outside", "triton"),
     "kda_pieces": ("auto", "one", "cudnn"),
-    "short_conv": ("auto", "triton", "fla"),
     "glu": ("auto", "triton", "torch"),
 }
 ENV_VARS = {
@@ -67,7 +60,6 @@ ENV_VARS = {
     "kda": "KIMI_KDA_KERNEL",
     "kda_prep": "KIMI_KDA_PREP",
     "kda_pieces": "KIMI_KDA_PIECES",
-    "short_conv": "KIMI_SHORT_CONV_KERNEL",
     "glu": "KIMI_GLU_KERNEL",
 }
 _USED: dict[str, Counter] = {}
@@ -122,29 +114,16 @@ def set_model_kernels(
     kda_kernel: str | None = None,
     kda_prep: str | None = None,
     kda_pieces: str | None = None,
-    short_conv_kernel: str | None = None,
 ):
     """Set the kernel choice on every layer of ``model`` (a ``torch.nn.Module``) that has one: the DSA layers'
-    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep``, ``kda_pieces`` and ``short_conv_kernel``. None leaves a choice as it is (the
+    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep`` and ``kda_pieces``. None leaves a choice as it is (the
     default: environment, then auto). Returns ``model``.
 
     Raises:
         ValueError: a value outside :data:`CHOICES`.
     """
-    chosen = {
-        "sparse_kernel": sparse_kernel,
-        "kda_kernel": kda_kernel,
-        "kda_prep": kda_prep,
-        "kda_pieces": kda_pieces,
-        "short_conv_kernel": short_conv_kernel,
-    }
-    ops = {
-        "sparse_kernel": "sparse_mla_fwd",
-        "kda_kernel": "kda",
-        "kda_prep": "kda_prep",
-        "kda_pieces": "kda_pieces",
-        "short_conv_kernel": "short_conv",
-    }
+    chosen = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep, "kda_pieces": kda_pieces}
+    ops = {"sparse_kernel": "sparse_mla_fwd", "kda_kernel": "kda", "kda_prep": "kda_prep", "kda_pieces": "kda_pieces"}
     for attr, op in ops.items():
         if chosen[attr] is not None:
             resolve(op, chosen[attr])

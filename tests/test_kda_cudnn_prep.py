@@ -232,31 +232,3 @@ def test_pieces_without_the_launcher(monkeypatch):
     assert kernel_choice.used()["kda_pieces"] == {"cudnn": 1}
     with pytest.raises(RuntimeError, match="kda_pieces: got 'one'.*use 'cudnn'"):
         tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")
-
-
-def test_short_conv_choice(monkeypatch):
-    """``short_conv``: auto takes the Triton kernel where Triton runs on x, W is a power of two and the conv state
-    needs no gradient, else fla; the layer attribute beats $KIMI_SHORT_CONV_KERNEL; a bad value is named."""
-    from kernels_torch.ops import kda_prep as kp
-
-    monkeypatch.delenv("KIMI_SHORT_CONV_KERNEL", raising=False)
-    cfg = load_config("tiny")
-    layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")
-    x = torch.randn(1, 2, cfg.hidden_size)
-    monkeypatch.setattr(kp, "triton_prep_unavailable", lambda x: None)
-    state = torch.randn(1, 8, 3)
-    assert tk._short_conv_choice(layer, x, None, 4) == "triton"
-    assert tk._short_conv_choice(layer, x, state, 4) == "triton"
-    assert tk._short_conv_choice(layer, x, state.requires_grad_(True), 4) == "fla"
-    with torch.no_grad():
-        assert tk._short_conv_choice(layer, x, state, 4) == "triton"
-    assert tk._short_conv_choice(layer, x, None, 3) == "fla"
-    monkeypatch.setattr(kp, "triton_prep_unavailable", lambda x: "triton does not import")
-    assert tk._short_conv_choice(layer, x, None, 4) == "fla"
-    monkeypatch.setenv("KIMI_SHORT_CONV_KERNEL", "triton")
-    assert tk._short_conv_choice(layer, x, None, 4) == "triton"  # forced: short_conv_silu says why if it cannot run
-    layer.short_conv_kernel = "fla"
-    assert tk._short_conv_choice(layer, x, None, 4) == "fla"
-    layer.short_conv_kernel = "cuda"
-    with pytest.raises(ValueError, match="short_conv"):
-        tk._short_conv_choice(layer, x, None, 4)
