@@ -413,7 +413,47 @@ def _cudnn_plan_name(device: torch.device) -> str | None:
 
 
 _CUDNN_KDA_SM90_HOST = "cudnn.linear_attention.hopper.cuda_host"  # kda_hopper_cuda's forward launcher
-_PIECES_LOCK = threading.RLock()  # re-entrant: a nested block keeps the outer one's patch
+_PIECES_LOCK = threading.RLock()  # re-entrant: a block nested in the same thread sets its own split, then the outer's
+
+
+def _cudnn_kda_host():
+    """``(module, None)``: cuDNN FE's SM90 forward launcher module, which has ``pieces_per_sequence``; or
+    ``(None, why)`` where it does not import or lacks that function (another cuDNN FE version, or none)."""
+    try:
+        host = importlib.import_module(_CUDNN_KDA_SM90_HOST)
+        host.pieces_per_sequence  # noqa: B018  (only its presence is checked here)
+    except Exception as e:  # ImportError, AttributeError, or a broken install raising at import
+        return None, f"{type(e).__name__}: {e}"
+    return host, None
+
+
+def _kda_pieces_choice(pieces: str | None) -> str:
+    """``kernel_choice.resolve("kda_pieces", pieces)``, checked: a forced ``"one"`` needs the launcher function.
+
+    Raises:
+        ValueError: a value outside ``kernel_choice.CHOICES["kda_pieces"]`` (argument or ``$KIMI_KDA_PIECES``).
+        RuntimeError: ``"one"`` forced where the installed cuDNN FE has no such launcher function (another version).
+    """
+    choice = kernel_choice.resolve("kda_pieces", pieces)
+    if choice == "one":
+        host, missing = _cudnn_kda_host()
+        if host is None:
+            raise RuntimeError(
+                f"kda_pieces: got 'one', but {_CUDNN_KDA_SM90_HOST}.pieces_per_sequence is not there ({missing}); "
+                "this cuDNN FE version splits sequences its own way: use 'cudnn'"
+            )
+    return choice
+
+
+class _OnePiece:
+    """cuDNN's ``pieces_per_sequence`` with ``P = 1``: one CTA per (sequence, head), no walk-back. Keeps the function
+    it replaced (``heuristic``), so that a ``"cudnn"`` block nested inside can put cuDNN's own split back."""
+
+    def __init__(self, heuristic):
+        self.heuristic = heuristic
+
+    def __call__(self, total_tokens: int, n_seqs: int, n_heads: int) -> int:
+        return 1
 
 
 @contextlib.contextmanager
@@ -427,40 +467,30 @@ def cudnn_kda_pieces(pieces: str | None = None):
     piece after the first begins by walking back over the tokens before it until its decay bound (per chunk, the
     slowest channel's ``sum_t g * log2(e) + 3.5 < 0``) proves the carried state negligible; one channel that hardly
     decays stalls the bound and the piece redoes its predecessors' work. ``"one"`` sets ``P = 1`` for the calls in the
-    block (one CTA walks the sequence; exactly the recurrence, no walk-back) by replacing that function, under a lock,
-    and restores it after; the backward engine has no pieces. Measured: ``kernel_choice``'s docstring.
+    block (one CTA walks the sequence; exactly the recurrence, no walk-back) by replacing that function, and
+    ``"cudnn"`` puts cuDNN's own function there (it is the one there unless this block is nested in a ``"one"``
+    block); either way under one lock, held for the whole block (other threads' blocks wait: no thread launches with
+    another's split), and the function found on entry is restored on exit, also on an exception. The backward engine
+    has no pieces. Measured: ``kernel_choice``'s docstring.
 
     Raises:
         ValueError: a value outside ``kernel_choice.CHOICES["kda_pieces"]``.
         RuntimeError: ``"one"`` forced where the installed cuDNN FE has no such launcher function (another version).
     """
-    choice = kernel_choice.resolve("kda_pieces", pieces)
-    host = missing = None
-    if choice != "cudnn":
-        try:
-            host = importlib.import_module(_CUDNN_KDA_SM90_HOST)
-            original = host.pieces_per_sequence
-        except (ImportError, AttributeError) as e:
-            host, missing = None, f"{type(e).__name__}: {e}"
-    if choice == "one" and host is None:
-        raise RuntimeError(
-            f"kda_pieces: got 'one', but {_CUDNN_KDA_SM90_HOST}.pieces_per_sequence is not there ({missing}); "
-            "this cuDNN FE version splits sequences its own way: use 'cudnn'"
-        )
-    if host is None:  # 'cudnn', or auto on a cuDNN FE without that launcher: its own split
+    choice = _kda_pieces_choice(pieces)
+    host, _ = _cudnn_kda_host()
+    if host is None:  # auto or 'cudnn' on a cuDNN FE without that launcher: its own split, nothing to patch
         yield "cudnn"
         return
+    split = "cudnn" if choice == "cudnn" else "one"
     with _PIECES_LOCK:
-        host.pieces_per_sequence = _one_piece
+        found = host.pieces_per_sequence  # read under the lock: never another thread's patch
+        heuristic = found.heuristic if isinstance(found, _OnePiece) else found
+        host.pieces_per_sequence = _OnePiece(heuristic) if split == "one" else heuristic
         try:
-            yield "one"
+            yield split
         finally:
-            host.pieces_per_sequence = original
-
-
-def _one_piece(total_tokens: int, n_seqs: int, n_heads: int) -> int:
-    """cuDNN's ``pieces_per_sequence`` with ``P = 1``: one CTA per (sequence, head), no walk-back."""
-    return 1
+            host.pieces_per_sequence = found
 
 
 def _cudnn_kda_args(q, v, initial_state, cu_seqlens, plan_name):

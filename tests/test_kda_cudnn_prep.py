@@ -232,3 +232,59 @@ def test_pieces_without_the_launcher(monkeypatch):
     assert kernel_choice.used()["kda_pieces"] == {"cudnn": 1}
     with pytest.raises(RuntimeError, match="kda_pieces: got 'one'.*use 'cudnn'"):
         tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")
+
+
+def test_pieces_nested_cudnn_inside_one(monkeypatch):
+    """A ``cudnn`` call inside a ``cudnn_kda_pieces("one")`` block launches with cuDNN's heuristic, which is what it
+    records, and the outer block's patch is back after it."""
+    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
+    launches = []
+    host = fake_cuda_host(monkeypatch, launches)
+    heuristic = host.pieces_per_sequence
+    q, k, v, f, b, A_log, dt_bias, S0 = inputs(7, 1, 63, 3, 4, 6, 1)
+    args = (tk.l2norm(q), tk.l2norm(k), v, tk.kda_gate(f, A_log, dt_bias, LB), torch.sigmoid(b), S0)
+    kernel_choice.reset_used()
+    with tk.cudnn_kda_pieces("one"):
+        tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="cudnn")
+        assert host.pieces_per_sequence(10_000, 1, 3) == 1  # the outer block's patch is back
+        tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")
+    assert launches == [4, 1] and kernel_choice.used()["kda_pieces"] == {"cudnn": 1, "one": 1}
+    assert host.pieces_per_sequence is heuristic
+
+
+def test_pieces_threads_restore_the_launcher(monkeypatch):
+    """A second thread that asks for ``one`` while the first holds the patch waits, and leaves cuDNN's function
+    restored once both are done: it must not take the first thread's patch for cuDNN's own function."""
+    import threading
+
+    launches = []
+    host = fake_cuda_host(monkeypatch, launches)
+    heuristic = host.pieces_per_sequence
+    real_lock, waiting = tk._PIECES_LOCK, threading.Event()
+
+    class SignallingLock:  # the real lock; says when the second thread is about to wait on it
+        def __enter__(self):
+            if threading.current_thread().name == "second":
+                waiting.set()
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    monkeypatch.setattr(tk, "_PIECES_LOCK", SignallingLock())
+    errors = []
+
+    def second():
+        try:
+            with tk.cudnn_kda_pieces("one"):
+                assert host.pieces_per_sequence(10_000, 1, 3) == 1
+        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(e)
+
+    with tk.cudnn_kda_pieces("one"):
+        t = threading.Thread(target=second, name="second")
+        t.start()
+        assert waiting.wait(10)
+    t.join(10)
+    assert not t.is_alive() and not errors, errors
+    assert host.pieces_per_sequence is heuristic, "cuDNN's pieces_per_sequence left patched"
