@@ -696,7 +696,8 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         runs where no gradient is needed (grad mode off, or neither x nor a parameter requires grad) and raises
         otherwise. Recorded in ``kernel_choice.used()["kda_prep"]``. The SM90 forward's sequence split is
         ``kernel_choice.resolve("kda_pieces", layer.kda_pieces)`` (``$KIMI_KDA_PIECES``; auto: one piece per
-        sequence, :func:`cudnn_kda_pieces`), recorded in ``kernel_choice.used()["kda_pieces"]``.
+        sequence, :func:`cudnn_kda_pieces`), recorded in ``kernel_choice.used()["kda_pieces"]``; a value outside the
+        choices, or a forced ``one`` where cuDNN FE has no launcher function, raises (never taken for a decline).
       - ``fla``: ``fla.ops.kda.chunk_kda`` with ``use_qk_l2norm_in_kernel=True`` and ``use_gate_in_kernel=True`` (K3:
         ``safe_gate=True, lower_bound=lb``; Kimi-Linear: softplus), beta fp32.
 
@@ -762,8 +763,8 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     o = S = None
     if choice != "fla" and why is None:
         prep = _kda_prep_choice(layer, x)  # outside the try: a forced in_kernel under autograd raises, never falls back
+        pieces = _kda_pieces_choice(getattr(layer, "kda_pieces", None))  # outside too: a bad or impossible value raises
         try:
-            pieces = getattr(layer, "kda_pieces", None)
             if prep == "in_kernel":
                 o, S = kda_recurrence_cudnn_fused(
                     q, k, v, f, b_logits, layer.A_log, layer.dt_bias, lb, S0f, cu, pieces=pieces

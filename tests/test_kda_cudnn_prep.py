@@ -288,3 +288,48 @@ def test_pieces_threads_restore_the_launcher(monkeypatch):
     t.join(10)
     assert not t.is_alive() and not errors, errors
     assert host.pieces_per_sequence is heuristic, "cuDNN's pieces_per_sequence left patched"
+
+
+def test_layer_refuses_a_bad_pieces_choice_instead_of_falling_back(monkeypatch):
+    """The cudnn layer with its kernel on auto: a ``kda_pieces`` outside the choices (attribute or
+    ``$KIMI_KDA_PIECES``), or a forced ``one`` where cuDNN FE has no launcher function, raises naming it; it is not
+    taken for a cuDNN decline (which falls back to fla's kernel with a warning). A good value runs the op."""
+    import sys
+    import types
+
+    def causal_conv1d(x, weight, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu):
+        y, new = tk.short_conv(x, weight, cu_seqlens_cpu, None if initial_state is None else initial_state[..., 1:])
+        return y, torch.nn.functional.pad(new, (1, 0))  # fla's [N, C, W] window
+
+    def rms_norm_gated(o, gate, weight, bias, activation, eps):
+        return tk.gated_rms_norm(o, gate, weight, eps).to(o.dtype)
+
+    stubs = {n: types.ModuleType(n) for n in ("fla", "fla.modules", "fla.modules.norm", "fla.ops", "fla.ops.kda")}
+    stubs["fla.modules.causal_conv1d"] = types.SimpleNamespace(causal_conv1d=causal_conv1d)
+    stubs["fla.modules.norm.fused_norm_gate"] = types.SimpleNamespace(rms_norm_gated=rms_norm_gated)
+    for name, mod in stubs.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op({}))
+    monkeypatch.setattr(tk, "_cudnn_missing", lambda x: [])
+    monkeypatch.setattr(tk, "cudnn_kda_unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(tk, "_cudnn_plan_name", lambda device: None)
+    monkeypatch.setattr(tk, "_kda_prep_choice", lambda layer, x: "in_kernel")
+    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, None)  # no launcher function
+    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
+    cfg = load_config("tiny").replace(kda_num_heads=2, kda_head_dim=16)
+    layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")  # kda_kernel None: auto
+    x = torch.randn(1, 5, cfg.hidden_size)
+    with torch.no_grad():
+        kernel_choice.reset_used()
+        layer(x)
+        assert kernel_choice.used()["kda"] == {"cudnn": 1} and kernel_choice.used()["kda_pieces"] == {"cudnn": 1}
+        layer.kda_pieces = "two"
+        with pytest.raises(ValueError, match="got 'two' for kda_pieces"):
+            layer(x)
+        layer.kda_pieces = "one"
+        with pytest.raises(RuntimeError, match="kda_pieces: got 'one'"):
+            layer(x)
+        layer.kda_pieces = None
+        monkeypatch.setenv("KIMI_KDA_PIECES", "two")
+        with pytest.raises(ValueError, match=r"\$KIMI_KDA_PIECES: got 'two'"):
+            layer(x)
