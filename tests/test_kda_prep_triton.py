@@ -253,6 +253,8 @@ def test_cudnn_layer_wiring_with_triton_prep(monkeypatch):
     monkeypatch.setattr(tk, "cudnn_kda_unavailable", lambda *a, **k: None)
     monkeypatch.setattr(tk, "_cudnn_plan_name", lambda device: None)
     monkeypatch.setattr(tk, "_kda_prep_choice", lambda layer, x: "triton")  # CPU x: auto would take fla's
+    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, None)  # no SM90 launcher: cuDNN's own split, recorded
+    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
 
     cfg = load_config("tiny").replace(kda_num_heads=3, kda_head_dim=128)
     torch.manual_seed(0)
@@ -270,7 +272,7 @@ def test_cudnn_layer_wiring_with_triton_prep(monkeypatch):
     dout = torch.randn_like(out)
     out.backward(dout)
     out_r.backward(dout)
-    assert kernel_choice.used() == {"kda": {"cudnn": 1}, "kda_prep": {"triton": 1}}
+    assert kernel_choice.used() == {"kda": {"cudnn": 1}, "kda_prep": {"triton": 1}, "kda_pieces": {"cudnn": 1}}
     assert seen["l2"] is False and seen["safe"] is False  # the op got prepared inputs
     errs = {"out": rel(out, out_r), "S": rel(c.S, c_r.S), "dx": rel(xf.grad, xr.grad)}
     ref_grads = dict(ref.named_parameters())
