@@ -231,3 +231,18 @@ def test_flash_mla_reads_padded_q_in_place(monkeypatch):
         fin = torch.isfinite(b)
         assert torch.equal(torch.isposinf(a), torch.isposinf(b)), name
         assert torch.allclose(a[fin], b[fin], rtol=1e-12, atol=1e-12), name
+
+
+def test_padded_q_refuses_head_counts_flash_mla_has_no_tiling_for():
+    """``flash_mla_heads`` / ``padded_q`` take 0 <= H <= 128 (FlashMLA's 64- and 128-head tilings); more heads, or a
+    negative count, is named, never a tensor of another head count."""
+    import kernels_torch.ops.sparse_mla as sm
+
+    assert [sm.flash_mla_heads(h) for h in (1, 63, 64, 65, 96, 128)] == [64, 64, 64, 128, 128, 128]
+    assert sm.padded_q(3, 96, dtype=torch.float32).shape == (3, 96, 576)
+    assert sm.padded_q(3, 0, dtype=torch.float32).shape == (3, 0, 576)
+    for H in (129, 192, -3):
+        with pytest.raises(ValueError, match=f"H: got {H} query heads, expected"):
+            sm.flash_mla_heads(H)
+        with pytest.raises(ValueError, match=f"H: got {H} query heads, expected"):
+            sm.padded_q(3, H, dtype=torch.float32)

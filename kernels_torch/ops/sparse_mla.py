@@ -501,7 +501,13 @@ def _flash_mla_arch(device: torch.device) -> str | None:
 
 
 def flash_mla_heads(H: int) -> int:
-    """The head count FlashMLA computes for ``H`` query heads: 64 for ``H <= 64``, else 128 (its two SM90 tilings)."""
+    """The head count FlashMLA computes for ``H`` query heads: 64 for ``H <= 64``, else 128 (its two SM90 tilings).
+
+    Raises:
+        ValueError: ``H`` outside ``[0, 128]`` (FlashMLA has no tiling for more heads).
+    """
+    if not 0 <= H <= 128:
+        raise ValueError(f"H: got {H} query heads, expected 0 <= H <= 128 (FlashMLA computes 64 or 128 heads)")
     return 64 if H <= 64 else 128
 
 
@@ -512,6 +518,9 @@ def padded_q(T: int, H: int, D: int = D_QK, *, dtype=torch.bfloat16, device=None
     ``[:, :H]`` output views (no copy back either). Any other ``[T, H, D]`` works too, through one padded copy.
 
     Costs ``T * (H_pad - H) * D`` more elements than a dense ``[T, H, D]`` (a third more at 96 heads).
+
+    Raises:
+        ValueError: ``H`` outside ``[0, 128]`` (:func:`flash_mla_heads`).
     """
     H_pad = flash_mla_heads(H)
     buf = torch.empty(T, H_pad, D, dtype=dtype, device=device)
@@ -644,7 +653,7 @@ def wants_padded_q(H: int, device: torch.device, backend: str | None = "auto") -
     Raises:
         ValueError / RuntimeError: as :func:`sparse_mla_fwd_kernel` (an unknown or impossible forced backend).
     """
-    if H == flash_mla_heads(H) or torch.device(device).type != "cuda":
+    if H in (64, 128) or torch.device(device).type != "cuda":
         return False
     return sparse_mla_fwd_kernel(torch.empty(0, H, D_QK, device=device), backend) == "flash_mla"
 
