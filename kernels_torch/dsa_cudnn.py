@@ -505,7 +505,8 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         kernel = getattr(layer, "sparse_kernel", None)
         q_lat = torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk)  # [N, H, L]
         q_rope = q_pe.reshape(N, H, R)
-        needs_grad = torch.is_grad_enabled() and (q_lat.requires_grad or q_rope.requires_grad)
+        # the sparse backward runs (and reads q) when any of its inputs needs a gradient: the KV rows count too
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_rope, c_kv, k_pe))
         if not needs_grad and (L, R) == (SPARSE_D_V, SPARSE_D_QK - SPARSE_D_V) and wants_padded_q(H, x.device, kernel):
             # FlashMLA reads 64 or 128 heads: write the absorbed queries straight into its padded layout, so the
             # forward copies nothing in or out. Not under autograd: cuDNN's backward stages contiguous q and out

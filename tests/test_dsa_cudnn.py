@@ -249,3 +249,35 @@ def test_cudnn_layer_code_matches_eager_with_torch_kernels(monkeypatch, B, T, cu
     assert bool((keyed[..., 1:] >= keyed[..., :-1]).all())
     err = rel_err(out.detach(), out_e.detach())
     assert err <= TOL_WIRING, err
+
+
+def test_padded_query_layout_only_when_nothing_needs_the_sparse_backward(monkeypatch):
+    """``gated_mla_forward`` writes its absorbed queries into FlashMLA's padded layout (``padded_q``, a strided view)
+    only when no gradient flows through the sparse attention: with grad mode off, but not when only the latent KV rows
+    need one (here only ``kv_a_*`` trains: q needs no gradient, yet the cuDNN backward runs and reads q), nor in full
+    training. The outputs are the same either way (real 576/512 dims, fp64, FlashMLA stood in by the torch twin)."""
+    monkeypatch.setattr(dc, "require_cudnn", lambda x, what="x": None)
+    monkeypatch.setattr(dc, "indexer_topk_cudnn", _indexer_topk_torch)
+    monkeypatch.setattr(dc, "wants_padded_q", lambda H, device, kernel=None: True)  # as on an H200 with FlashMLA
+    layouts, sparse_mla = [], dc.sparse_mla
+
+    def spy(q, kv, *args, **kwargs):
+        layouts.append("contiguous" if q.is_contiguous() else "padded")
+        return sparse_mla(q, kv, *args, **kwargs)
+
+    monkeypatch.setattr(dc, "sparse_mla", spy)
+    cfg = load_config("tiny").replace(kv_lora_rank=dc.SPARSE_D_V, qk_rope_head_dim=dc.SPARSE_D_QK - dc.SPARSE_D_V)
+    torch.manual_seed(5)
+    layer = tm.GatedMLA(cfg, DSA, backend="cudnn").double()
+    x = torch.randn(1, 9, cfg.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        out_inf = layer(x)
+    for name, p in layer.named_parameters():
+        p.requires_grad_(name.startswith("kv_a_"))
+    out_kv = layer(x)
+    out_kv.sum().backward()
+    assert layer.kv_a_proj_with_mqa.weight.grad is not None
+    layer.requires_grad_(True)
+    out_all = layer(x)
+    assert layouts == ["padded", "contiguous", "contiguous"]
+    assert rel_err(out_kv.detach(), out_inf) <= TOL_FP64 and rel_err(out_all.detach(), out_inf) <= TOL_FP64
