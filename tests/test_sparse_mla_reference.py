@@ -188,8 +188,10 @@ def test_kernel_choice(monkeypatch):
 def test_flash_mla_reads_padded_q_in_place(monkeypatch):
     """A query built with ``padded_q`` reaches FlashMLA as its own buffer (no copy, one call whatever ``rows``), the
     outputs come back as ``[:, :H]`` views of FlashMLA's, and they equal the readable reference; pad heads holding NaN
-    stay in the pad rows. Queries not in that layout (a strided head slice, or heads 32: of a 128-head buffer, whose
-    last row's pad would lie past the storage) go through the padded copy and give the same numbers."""
+    stay in the pad rows. Queries not in that layout (a strided head slice, heads 32: of a 128-head buffer, whose
+    last row's pad would lie past the storage, or the first T rows of a taller dense tensor, whose row stride is H * D
+    though the storage has room) go through the padded copy and give the same numbers; a single row goes in place
+    whatever its row stride, with whatever follows it as pad heads."""
     import kernels_torch.ops.sparse_mla as sm
 
     calls = []
@@ -220,6 +222,7 @@ def test_flash_mla_reads_padded_q_in_place(monkeypatch):
     for name, other in (
         ("strided heads", torch.randn(T, 2 * H, 576, dtype=torch.float64)[:, ::2]),
         ("tail", big[:, 32:]),
+        ("rows of a taller dense tensor", torch.randn(2 * T, H, 576, dtype=torch.float64)[:T]),
     ):
         other.copy_(dense)
         calls.clear()
@@ -231,6 +234,17 @@ def test_flash_mla_reads_padded_q_in_place(monkeypatch):
         fin = torch.isfinite(b)
         assert torch.equal(torch.isposinf(a), torch.isposinf(b)), name
         assert torch.allclose(a[fin], b[fin], rtol=1e-12, atol=1e-12), name
+    # T = 1: the row's stride is never used, so a dense row with room after it goes in place; the 32 "pad heads"
+    # FlashMLA reads are the next row's first heads (NaN here), inert as the zeros of padded_q
+    rows = torch.randn(3, H, 576, dtype=torch.float64)
+    rows[2] = float("nan")
+    one = rows[1:2]
+    one.copy_(dense[4:5])
+    calls.clear()
+    single = sm._sparse_mla_fwd_flash_mla(one, kv, idx[4:5], SM_SCALE, None, rows=4)
+    assert calls == [(one.data_ptr(), 1)]
+    for a, b in zip(single, got):
+        assert torch.equal(a, b[4:5])
 
 
 def test_padded_q_refuses_head_counts_flash_mla_has_no_tiling_for():
