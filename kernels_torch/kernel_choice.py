@@ -31,11 +31,11 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   of ``kernels_torch.moe`` and record nothing.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
-``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` attribute; ``kernels_torch.model.load_model(..., sparse_kernel=..., kda_kernel=...)``
-sets the first two), then the environment variables ``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP`` /
-``KIMI_KDA_PIECES``,
-then ``auto`` (the fast kernel where it is
-importable and takes the shape, else the other one). A forced kernel that cannot run raises; ``auto`` falls back.
+``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` attribute, which ``kernels_torch.model.load_model`` and
+:func:`set_model_kernels` set from their arguments of the same names), then the environment variables
+``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP`` / ``KIMI_KDA_PIECES``, then ``auto`` (the fast kernel
+where it is importable and takes the shape, else the other one). A forced kernel that cannot run raises; ``auto``
+falls back.
 
 Every call records the kernel that actually ran (:func:`record`); :func:`used` returns the counts since the last
 :func:`reset_used`, which ``kimi compare --json`` and the benchmarks write beside their numbers.
@@ -116,8 +116,8 @@ def set_model_kernels(
     kda_pieces: str | None = None,
 ):
     """Set the kernel choice on every layer of ``model`` (a ``torch.nn.Module``) that has one: the DSA layers'
-    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep`` and ``kda_pieces``. None leaves a choice as it is (the
-    default: environment, then auto). Returns ``model``.
+    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep`` and ``kda_pieces``. None leaves a choice as it
+    is (the default: environment, then auto). Returns ``model``.
 
     Raises:
         ValueError: a value outside :data:`CHOICES`.
