@@ -62,3 +62,48 @@ def categorise(per: dict[str, float], categories, top: int = 30) -> dict:
         "share": {k: round(v / total, 3) for k, v in cats.items()} if total else {},
         "top_kernels_ms": [[k[:120], round(v, 3)] for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+SYNC_HINTS = ("synchronize", "malloc", "cudafree", "memcpy", "_local_scalar_dense", "aten::item", "cumemalloc")
+
+
+def idle_report(step, top: int = 10) -> dict:
+    """Where the GPU waits during one ``step()``: ``torch.profiler`` with CPU and CUDA activity. Returns the span from
+    the first kernel's start to the last one's end, the kernel time inside it (overlaps merged), their difference
+    (``idle_ms``), the ``top`` longest gaps between kernels as ``[ms, kernel before, kernel after]``, and the calls
+    that can make the host wait or stall the queue (:data:`SYNC_HINTS`: synchronisations, allocations, copies,
+    ``.item()``) as ``{name: [calls, CPU ms]}``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
+    )
+    if not kernels:
+        return {}
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_name = kernels[0]
+    for start, end, name in kernels[1:]:
+        if start > cur_end:  # a gap: the GPU had nothing to run
+            busy += cur_end - cur_start
+            gaps.append([round((start - cur_end) / 1e3, 3), cur_name[:80], name[:80]])
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+        cur_name = name
+    busy += cur_end - cur_start
+    span = kernels[-1][1] - kernels[0][0]
+    calls = {}
+    for e in prof.key_averages():
+        if any(h in e.key.lower() for h in SYNC_HINTS):
+            calls[e.key[:80]] = [e.count, round(e.cpu_time_total / 1e3, 3)]
+    return {
+        "span_ms": round(span / 1e3, 3),
+        "kernel_ms": round(busy / 1e3, 3),
+        "idle_ms": round((span - busy) / 1e3, 3),
+        "gaps": sorted(gaps, reverse=True)[:top],
+        "host_calls": calls,
+    }

@@ -12,7 +12,8 @@ L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-l
 "layer_cudnn" is the default (``kda_prep`` and ``kda_pieces`` auto: fla's norms and gate, one piece per sequence);
 "layer_cudnn_split_cudnn" / "rec_cudnn_split_cudnn" the same with cuDNN's own sequence split (``kda_pieces='cudnn'``,
 the default before pass 9); "profile_layer_cudnn": one profiled fwd+bwd of "layer_cudnn", GPU ms per kernel category
-(``PROFILE_CATEGORIES``) and the 30 largest kernels.
+(``PROFILE_CATEGORIES``) and the 30 largest kernels, and under "idle" where the GPU waits during one step
+(``_timing.idle_report``: kernel time against the span, the longest gaps, and the synchronising host calls).
 Two variants of the cuDNN path (``kda_prep``): ``outside`` (the L2 norms, gate and beta sigmoid computed around the op;
 the only one with a backward on SM90, so every fwd+bwd row) and ``in_kernel`` (the op's own fusions; forward only):
 "layer_cudnn_fwd" / "layer_cudnn_in_kernel_fwd" and "rec_cudnn_fwd" / "rec_cudnn_in_kernel_fwd".
@@ -435,6 +436,13 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
 
         profile = categorise(kernel_ms(fb_fns["layer_cudnn"]), PROFILE_CATEGORIES)
         print(f"T={T}: layer_cudnn profile {json.dumps(profile['ms'])}", flush=True)
+        try:  # pass 9 saw the kernels add up to 6% less than the timed step: where does the GPU wait?
+            from _timing import idle_report
+
+            profile["idle"] = idle_report(fb_fns["layer_cudnn"])
+            print(f"T={T}: layer_cudnn idle {json.dumps(profile['idle'])}", flush=True)
+        except Exception as e:  # noqa: BLE001  (a diagnostic: its failure is reported, not fatal)
+            profile["idle_error"] = f"{type(e).__name__}: {e}"
     breakdown, gate_stats = {}, {}
     if has_cudnn:
         A_sat = A_log.detach().clamp(max=tk.A_LOG_MAX)
