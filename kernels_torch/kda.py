@@ -471,7 +471,9 @@ def cudnn_kda_pieces(pieces: str | None = None):
     ``"cudnn"`` puts cuDNN's own function there (it is the one there unless this block is nested in a ``"one"``
     block); either way under one lock, held for the whole block (other threads' blocks wait: no thread launches with
     another's split), and the function found on entry is restored on exit, also on an exception. The backward engine
-    has no pieces. Measured: ``kernel_choice``'s docstring.
+    has no pieces. Only the SM90 engine calls that function: elsewhere (SM100, or another engine pinned by
+    ``$KIMI_KDA_CUDNN_PLAN``) the split recorded is the one requested, not one that ran. Measured: ``kernel_choice``'s
+    docstring.
 
     Raises:
         ValueError: a value outside ``kernel_choice.CHOICES["kda_pieces"]``.
