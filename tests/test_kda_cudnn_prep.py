@@ -184,18 +184,28 @@ def fake_cuda_host(monkeypatch, launches: list):
     return host
 
 
+def pieces_case(monkeypatch, seed: int):
+    """The fake launcher (:func:`fake_cuda_host`) with no ``$KIMI_KDA_PIECES``, fresh raw inputs (T = 63, H = 3, K = 4,
+    V = 6, with S0) and the recurrence's arguments made from them; the record is reset. Returns ``(launches, host,
+    raw inputs, args)``."""
+    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
+    launches = []
+    host = fake_cuda_host(monkeypatch, launches)
+    raw = inputs(seed, 1, 63, 3, 4, 6, 1)
+    q, k, v, f, b, A_log, dt_bias, S0 = raw
+    args = (tk.l2norm(q), tk.l2norm(k), v, tk.kda_gate(f, A_log, dt_bias, LB), torch.sigmoid(b), S0)
+    kernel_choice.reset_used()
+    return launches, host, raw, args
+
+
 def test_pieces_choice_patches_the_launcher_only_inside_the_call(monkeypatch):
     """``kda_pieces``: auto and ``one`` launch with P = 1, ``cudnn`` with cuDNN's heuristic (here 264 // 3 heads,
     capped by the 16-token chunks: 4 at T = 63); the launcher's function is restored after each call, also after an
     error; the same outputs either way (both are the recurrence); each call is recorded; the layer attribute and
     ``$KIMI_KDA_PIECES`` are honoured and a bad value is named."""
-    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
-    launches = []
-    host = fake_cuda_host(monkeypatch, launches)
+    launches, host, raw, args = pieces_case(monkeypatch, seed=5)
     heuristic = host.pieces_per_sequence
-    q, k, v, f, b, A_log, dt_bias, S0 = inputs(5, 1, 63, 3, 4, 6, 1)
-    args = (tk.l2norm(q), tk.l2norm(k), v, tk.kda_gate(f, A_log, dt_bias, LB), torch.sigmoid(b), S0)
-    kernel_choice.reset_used()
+    q, k, v, f, b, A_log, dt_bias, S0 = raw
     outs = {p: tk.kda_recurrence_cudnn(*args, plan_name=None, pieces=p) for p in ("auto", "one", "cudnn", None)}
     assert launches == [1, 1, 4, 1] and host.pieces_per_sequence is heuristic
     assert kernel_choice.used()["kda_pieces"] == {"one": 3, "cudnn": 1}
@@ -237,13 +247,8 @@ def test_pieces_without_the_launcher(monkeypatch):
 def test_pieces_nested_cudnn_inside_one(monkeypatch):
     """A ``cudnn`` call inside a ``cudnn_kda_pieces("one")`` block launches with cuDNN's heuristic, which is what it
     records, and the outer block's patch is back after it."""
-    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
-    launches = []
-    host = fake_cuda_host(monkeypatch, launches)
+    launches, host, _, args = pieces_case(monkeypatch, seed=7)
     heuristic = host.pieces_per_sequence
-    q, k, v, f, b, A_log, dt_bias, S0 = inputs(7, 1, 63, 3, 4, 6, 1)
-    args = (tk.l2norm(q), tk.l2norm(k), v, tk.kda_gate(f, A_log, dt_bias, LB), torch.sigmoid(b), S0)
-    kernel_choice.reset_used()
     with tk.cudnn_kda_pieces("one"):
         tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="cudnn")
         assert host.pieces_per_sequence(10_000, 1, 3) == 1  # the outer block's patch is back
