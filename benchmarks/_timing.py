@@ -47,15 +47,17 @@ def kernel_ms(step) -> dict[str, float]:
     return per
 
 
-def categorise(per: dict[str, float], categories, top: int = 30) -> dict:
+def categorise(per: dict[str, float], categories, top: int = 30, total: float | None = None) -> dict:
     """Split the kernels of :func:`kernel_ms` over ``categories`` (``((name, (substring, ...)), ...)``, first match
     of a lower-cased kernel name wins, the unmatched are "rest"): total, ms and share per category, and the ``top``
-    largest kernels ``[[name, ms], ...]``."""
+    largest kernels ``[[name, ms], ...]``. ``total`` (default: the sum of ``per``) is for re-splitting a stored
+    breakdown from its largest kernels only: what they do not cover is counted as "rest"."""
     cats = {name: 0.0 for name, _ in categories} | {"rest": 0.0}
     for k, ms in per.items():
         low = k.lower()
         cats[next((name for name, keys in categories if any(w in low for w in keys)), "rest")] += ms
-    total = sum(per.values())
+    total = sum(per.values()) if total is None else total
+    cats["rest"] += total - sum(cats.values())
     return {
         "total_gpu_ms": round(total, 2),
         "ms": {k: round(v, 2) for k, v in cats.items()},

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _timing import categorise, time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from kernels_torch import kernel_choice  # noqa: E402
 from kernels_torch.mla import GatedMLA  # noqa: E402
@@ -68,25 +68,7 @@ def breakdown(step) -> dict:
     """GPU time of one ``step()`` per category of kernel (CATEGORIES), in ms, plus the 30 largest kernels."""
     from _timing import kernel_ms
 
-    per = kernel_ms(step)
-    top = sorted(per.items(), key=lambda kv: -kv[1])[:30]
-    return categorise(sum(per.values()), [[k[:120], round(v, 3)] for k, v in top], per)
-
-
-def categorise(total: float, top_kernels, per: dict | None = None) -> dict:
-    """Split ``total`` GPU ms by CATEGORIES over ``per`` (every kernel: ms) or, without it, over the stored 30 largest
-    kernels ``top_kernels`` ([[name, ms], ...]), the remainder counted as "rest"."""
-    cats = {name: 0.0 for name, _ in CATEGORIES} | {"rest": 0.0}
-    for k, ms in (per or dict(top_kernels)).items():
-        low = k.lower()
-        cats[next((name for name, keys in CATEGORIES if any(w in low for w in keys)), "rest")] += ms
-    cats["rest"] += total - sum(cats.values())
-    return {
-        "total_gpu_ms": round(total, 2),
-        "ms": {k: round(v, 2) for k, v in cats.items()},
-        "share": {k: round(v / total, 3) for k, v in cats.items()} if total else {},
-        "top_kernels_ms": top_kernels,
-    }
+    return categorise(kernel_ms(step), CATEGORIES)
 
 
 def print_breakdowns(rows) -> None:
@@ -104,7 +86,8 @@ def recategorise(path: str) -> None:
     d = json.loads(Path(path).read_text())
     for r in d["rows"]:
         if "breakdown" in r:
-            r["breakdown"] = categorise(r["breakdown"]["total_gpu_ms"], r["breakdown"]["top_kernels_ms"])
+            b = r["breakdown"]
+            r["breakdown"] = categorise(dict(b["top_kernels_ms"]), CATEGORIES, total=b["total_gpu_ms"])
     Path(path).write_text(json.dumps(d, indent=1))
     print_breakdowns(d["rows"])
 
