@@ -74,13 +74,22 @@ def idle_report(step, top: int = 10) -> dict:
     the first kernel's start to the last one's end, the kernel time inside it (overlaps merged), their difference
     (``idle_ms``), the ``top`` longest gaps between kernels as ``[ms, kernel before, kernel after]``, and the calls
     that can make the host wait or stall the queue (:data:`SYNC_HINTS`: synchronisations, allocations, copies,
-    ``.item()``) as ``{name: [calls, CPU ms]}``."""
+    ``.item()``) as ``{name: [calls, CPU ms]}``, and what the caching allocator did during the step
+    (``allocator``: the change of its ``cudaMalloc`` / ``cudaFree`` counts and retries, and of reserved GiB)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    allocator = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+    allocator["reserved_gib_delta"] = round(
+        (after.get("reserved_bytes.all.current", 0) - before.get("reserved_bytes.all.current", 0)) / 2**30, 3
+    )
     kernels = sorted(
         (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
     )
@@ -108,4 +117,5 @@ def idle_report(step, top: int = 10) -> dict:
         "idle_ms": round((span - busy) / 1e3, 3),
         "gaps": sorted(gaps, reverse=True)[:top],
         "host_calls": calls,
+        "allocator": allocator,
     }

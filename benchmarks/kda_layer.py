@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -432,9 +433,12 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     m.kda_kernel = m.kda_prep = m.kda_pieces = None
     profile = {}
     if has_cudnn:  # one profiled fwd+bwd of the default cuDNN layer: where its GPU time goes, per kernel
-        from _timing import categorise, kernel_ms
+        from _timing import categorise, kernel_ms, time_ms
 
-        profile = categorise(kernel_ms(fb_fns["layer_cudnn"]), PROFILE_CATEGORIES)
+        # the same step timed on its own (the interleaved rows alternate with other variants' allocations)
+        profile["ms_alone"] = round(time_ms(fb_fns["layer_cudnn"], target_s=2.0, warmup=2, min_reps=10)[0], 3)
+        print(f"T={T}: layer_cudnn alone {profile['ms_alone']} ms", flush=True)
+        profile |= categorise(kernel_ms(fb_fns["layer_cudnn"]), PROFILE_CATEGORIES)
         print(f"T={T}: layer_cudnn profile {json.dumps(profile['ms'])}", flush=True)
         try:  # pass 9 saw the kernels add up to 6% less than the timed step: where does the GPU wait?
             from _timing import idle_report
@@ -521,6 +525,7 @@ def main():
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "fla": getattr(fla, "__version__", "?"),
         "config": {
             "hidden": cfg.hidden_size,

@@ -17,6 +17,7 @@
 #                $KDA_TEST_KERNELS, default "cudnn"; fla's own check runs in tests_fla)
 #   sparse_mla_fwd   benchmark 1, FlashMLA and Triton (--no-sweep unless SWEEP=1)
 #   kda_layer    benchmark 3: layer and recurrence, cuDNN KDA and fla, 8K and 32K
+#   kda_layer_es (not in the default STEPS): the same under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #   validate     validate_k31_4layers.sh (LENGTHS="4096 8192"), default kernels (FlashMLA, cuDNN KDA)
 #   tests_dsa    tests/gpu/test_gpu_dsa_cudnn.py with KIMI_SPARSE_KERNEL=flash_mla
 #   train_step_4layers  benchmark 5 (MFU, tokens/s, peak memory)
@@ -96,6 +97,9 @@ run_step() {  # run_step NAME: one step of the list above
   # shellcheck disable=SC2086
   kda_layer) step kda_layer 900 python3 benchmarks/kda_layer.py --seq-lens 8192 32768 ${KDA_ARGS:-} \
     --out "$dir/kda_layer.json" && save_autotune ;;
+  # shellcheck disable=SC2086
+  kda_layer_es) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step kda_layer_es 900 python3 benchmarks/kda_layer.py \
+    --seq-lens 8192 32768 ${KDA_ARGS:-} --out "$dir/kda_layer_es.json" ;;
   validate) wait_init; OUT=$dir step validate 1200 bash benchmarks/validate_k31_4layers.sh ;;
   tests_dsa) KIMI_SPARSE_KERNEL=flash_mla step tests_dsa 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_dsa_cudnn.py ;;
   # shellcheck disable=SC2086
