@@ -9,7 +9,9 @@ with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both a
 ``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated`` (sigmoid), ``o_proj``; no cache output.
 "rec_chunk_kda" / "rec_cudnn" = the recurrence alone as the layer runs it (chunk_kda with gate and norm fused; or fla's
 L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-layout conversions).
-"layer_cudnn" is the default (``kda_prep`` and ``kda_pieces`` auto: fla's norms and gate, one piece per sequence);
+"layer_cudnn" is the default (``kda_prep``, ``kda_pieces`` and ``short_conv_kernel`` auto: fla's norms and gate, one
+piece per sequence, ``kernel_choice.SHORT_CONV_AUTO``'s short convolution); "layer_cudnn_conv_cudnn" /
+"layer_cudnn_conv_fla" the same with the short convolutions forced to cuDNN FE's ``causal_conv1d`` / fla's;
 "layer_cudnn_split_cudnn" / "rec_cudnn_split_cudnn" the same with cuDNN's own sequence split (``kda_pieces='cudnn'``,
 the default before pass 9); "profile_layer_cudnn": one profiled fwd+bwd of "layer_cudnn", GPU ms per kernel category
 (``PROFILE_CATEGORIES``) and the 30 largest kernels, and under "idle" where the GPU waits during one step
@@ -323,9 +325,9 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
 
         return run
 
-    def ours_with(kernel, prep=None, pieces=None):
+    def ours_with(kernel, prep=None, pieces=None, conv=None):
         def fwd():
-            m.kda_kernel, m.kda_prep, m.kda_pieces = kernel, prep, pieces
+            m.kda_kernel, m.kda_prep, m.kda_pieces, m.short_conv_kernel = kernel, prep, pieces, conv
             return m(x)[0]
 
         return fwd
@@ -336,6 +338,9 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
         layers["layer_cudnn"] = ours_with("cudnn")  # auto: fla's l2norm and fused_kda_gate, one piece per sequence
         layers["layer_cudnn_split_cudnn"] = ours_with("cudnn", None, "cudnn")  # cuDNN's own sequence split
         layers["layer_cudnn_triton"] = ours_with("cudnn", "triton")
+        if tk.cudnn_short_conv_unavailable(x, m.q_conv1d.weight.shape[-1]) is None:  # the short convs forced
+            layers["layer_cudnn_conv_cudnn"] = ours_with("cudnn", None, None, "cudnn")  # cuDNN FE's causal_conv1d
+            layers["layer_cudnn_conv_fla"] = ours_with("cudnn", None, None, "fla")  # fla's causal_conv1d
     # the recurrence alone, on tensors of the layer's shapes, each with what it needs around it inside the layer
     from fla.modules.norm.l2norm import l2norm as fla_l2norm
     from fla.ops.kda import chunk_kda
@@ -430,7 +435,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     with torch.no_grad():
         ms_fwd = interleaved(fwd_fns, rounds, reps)
     used = kernel_choice.used()
-    m.kda_kernel = m.kda_prep = m.kda_pieces = None
+    m.kda_kernel = m.kda_prep = m.kda_pieces = m.short_conv_kernel = None
     profile = {}
     if has_cudnn:  # one profiled fwd+bwd of the default cuDNN layer: where its GPU time goes, per kernel
         from _timing import categorise, kernel_ms, time_ms
@@ -489,6 +494,10 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
         row["rec_speedup_fwd_triton_prep"] = round(ms_fwd["rec_chunk_kda"] / ms_fwd["rec_cudnn_triton"], 3)
         row["layer_speedup_cudnn_triton_vs_fla"] = round(ms["layer_fla"] / ms["layer_cudnn_triton"], 3)
         row["layer_speedup_cudnn_triton_vs_outside"] = round(ms["layer_cudnn"] / ms["layer_cudnn_triton"], 3)
+        if "layer_cudnn_conv_cudnn" in ms:
+            row["layer_speedup_conv_cudnn_vs_conv_fla"] = round(
+                ms["layer_cudnn_conv_fla"] / ms["layer_cudnn_conv_cudnn"], 3
+            )
         row["layer_matmul_share_of_ceiling"] = round(row["projection_floor_ms"] / ms["layer_cudnn"], 3)
     return row
 

@@ -30,6 +30,8 @@
 #   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
 #                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
 #   generate_decode  benchmarks/generate_decode.py: prefill and decode tokens/s with a 32K context, cudnn and sdpa
+#   short_conv (not in the default STEPS): benchmarks/short_conv.py, fla's causal_conv1d against cuDNN FE's
+#   tests_conv (not in the default STEPS): the GPU tests of the short convolution kernels (op and layer gradients)
 #   tests_kernels (not in the default STEPS): the GPU tests of the fused SiTU-GLU, the Triton KDA preparation and
 #                the chunked LM loss, one step
 #   situ_glu (not in the default STEPS): benchmarks/situ_glu.py, the fused SiTU-GLU against the plain ops
@@ -86,6 +88,9 @@ run_step() {  # run_step NAME: one step of the list above
   # the same files one step each (a hang costs one step)
   tests_kernels) step tests_kernels 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_situ.py tests/gpu/test_gpu_kda_prep.py \
     tests/gpu/test_gpu_linear_cross_entropy.py ;;
+  tests_conv) step tests_conv 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_short_conv.py \
+    tests/gpu/test_gpu_kda_cudnn.py -k short_conv ;;
+  short_conv) step short_conv 600 python3 benchmarks/short_conv.py --out "$dir/short_conv.json" ;;
   tests_gen) step tests_gen 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py ;;
   tests_distill) step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py ;;
   tests_lora) step tests_lora 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_lora_grad.py -k "not jax_grad" ;;

@@ -362,6 +362,103 @@ def _fla_conv_state(state: torch.Tensor | None) -> torch.Tensor | None:
     return None if state is None else F.pad(state, (1, 0))
 
 
+_CUDNN_CONV_MODULE = "cudnn.ops"  # cudnn.ops.causal_conv1d: CuTe DSL (nvidia-cutlass-dsl), bf16, width 4, SiLU
+CUDNN_CONV_WIDTH = 4  # the only kernel width cuDNN FE 1.32's causal_conv1d route takes
+
+
+def _cudnn_causal_conv1d():
+    """``cudnn.ops.causal_conv1d`` (cuDNN Frontend); a seam for the CPU tests, which replace it by a torch stand-in."""
+    return importlib.import_module(_CUDNN_CONV_MODULE).causal_conv1d
+
+
+def cudnn_short_conv_unavailable(x: torch.Tensor, W: int) -> str | None:
+    """Why cuDNN's ``causal_conv1d`` cannot run KDA's short convolution on activations ``x`` with kernel width ``W``,
+    as a reason string, or None when it can (as far as can be told before the call: the CuTe DSL route may still
+    decline at the call with ``NotImplementedError``, e.g. without the CUTLASS DSL or on an unlisted device)."""
+    if importlib.util.find_spec("cudnn") is None:
+        return "nvidia-cudnn-frontend is not importable"
+    try:
+        _cudnn_causal_conv1d()
+    except Exception as e:  # ImportError / AttributeError (another cuDNN FE version), or a broken install
+        return f"cudnn.ops.causal_conv1d is not there ({type(e).__name__}: {e})"
+    if not x.is_cuda:
+        return f"x is on {x.device}"
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}; cuDNN's route takes bfloat16 activations"
+    if W != CUDNN_CONV_WIDTH:
+        return f"kernel width W={W}; cuDNN's route takes W = {CUDNN_CONV_WIDTH}"
+    return None
+
+
+def conv_final_state(
+    x: torch.Tensor, conv_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, W: int
+) -> torch.Tensor:
+    """The new conv state of :func:`short_conv`: the last ``W-1`` pre-conv inputs of each sequence or document,
+    oldest first, ``[N, C, W-1]`` in ``x.dtype``; a position before a document's start reads that document's
+    ``conv_state`` row (zeros without one). A gather of ``N * (W-1)`` rows, no sync.
+
+    Args:
+        x: ``[B, T, C]``; conv_state ``[N, C, W-1]`` or None; cu_seqlens ``[N+1]`` int on any device (B == 1, already
+            validated) or None (B sequences of T).
+    """
+    B, T, C = x.shape
+    x2 = x.reshape(B * T, C)
+    if cu_seqlens is None:
+        cu = torch.arange(0, B * T + 1, T, device=x.device)
+    else:
+        cu = torch.as_tensor(cu_seqlens).to(device=x.device, dtype=torch.int64)
+    N = cu.numel() - 1
+    start, end = cu[:-1, None], cu[1:, None]
+    pos = end - (W - 1) + torch.arange(W - 1, device=x.device)  # [N, W-1]: the last W-1 positions, oldest first
+    inside = pos >= start
+    vals = x2[pos.clamp(min=0)].transpose(1, 2)  # [N, C, W-1]
+    if conv_state is None:
+        return vals.masked_fill(~inside[:, None, :], 0)
+    j = (pos - start + (W - 1)).clamp(0, W - 2)  # position start - 1 is the state's last column, W - 2
+    from_state = conv_state.to(x.dtype).gather(2, j[:, None, :].expand(N, C, W - 1))
+    return torch.where(inside[:, None, :], vals, from_state)
+
+
+def short_conv_cudnn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`short_conv` (depthwise causal conv1d without bias, then SiLU; spec 2.2 step 2) on cuDNN Frontend's
+    ``cudnn.ops.causal_conv1d`` (CuTe DSL kernels, fp32 accumulation, with their own backward for x and the filter;
+    the filter gradient accumulates with atomics unless ``torch.use_deterministic_algorithms`` is on).
+
+    Args:
+        x: ``[B, T, C]`` bf16 CUDA, channel-last (passed as its zero-copy ``[B, C, T]`` transpose, the op's layout).
+        weight: ``[C, 1, W]`` or ``[C, W]``, fp32 or bf16, W = 4.
+        cu_seqlens: ``[N+1]`` (B == 1, packed documents; validated by the caller; taken as int32 on x's device) or
+            None. conv_state: ``[N, C, W-1]`` (the last ``W-1`` inputs before each document, oldest first) or None.
+
+    Returns:
+        ``(y [B, T, C] bf16, new_conv_state [N, C, W-1] bf16)`` as :func:`short_conv`; the new state is gathered from
+        x here (:func:`conv_final_state`), not by the op.
+
+    Raises:
+        ValueError: shapes; NotImplementedError from cuDNN where its route declines (the layer then runs fla's).
+    """
+    B, T, C = x.shape
+    w = _conv_weight(weight, C).contiguous()
+    W = w.shape[1]
+    cu = None if cu_seqlens is None else torch.as_tensor(cu_seqlens).to(device=x.device, dtype=torch.int32)
+    N = B if cu is None else cu.numel() - 1
+    if conv_state is not None:
+        if tuple(conv_state.shape) != (N, C, W - 1):
+            raise ValueError(
+                f"conv_state: got shape {tuple(conv_state.shape)}, expected [N, C, W-1]=[{N}, {C}, {W - 1}]"
+            )
+        conv_state = conv_state.to(x.dtype)
+    y = _cudnn_causal_conv1d()(
+        x.contiguous().transpose(1, 2), w, activation="silu", cu_seqlens=cu, initial_states=conv_state
+    )
+    return y.transpose(1, 2), conv_final_state(x, conv_state, cu, W)
+
+
 CUDNN_KDA_HEAD_DIM = 128  # kda_hopper_cuda: K = V = 128, default scale K^-1/2
 CUDNN_KDA_PLAN_SM90 = "kda_hopper_cuda"  # the only SM90 KDA engine with a backward (NVRTC: needs CUDA headers)
 _CUDNN_KDA_OP = "cudnn.linear_attention.ops.kda"  # importing it registers torch.ops.cudnn.kimi_delta_attention_fwd
@@ -646,6 +743,38 @@ def kda_recurrence_cudnn_fused(
 _FALLBACK_WARNED: set[str] = set()
 
 
+def _warn_fallback(message: str) -> None:
+    """One warning per distinct message: a kernel that declined and the one that runs instead."""
+    if message not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(message)
+        import warnings
+
+        warnings.warn(f"KDA: {message}", stacklevel=3)
+
+
+def _short_conv_choice(layer: KimiDeltaAttention, x: torch.Tensor, states, W: int) -> tuple[str, bool]:
+    """``(kernel, forced)``: the kernel of the ``cudnn`` layer's q/k/v short convolutions, ``"cudnn"`` or ``"fla"``
+    (``kernel_choice.resolve("short_conv", layer.short_conv_kernel)``), and whether the user forced it. ``auto``:
+    ``kernel_choice.SHORT_CONV_AUTO`` where it can run (:func:`cudnn_short_conv_unavailable`; and no conv state that
+    needs a gradient, which only fla's computes), else fla.
+
+    Raises:
+        ValueError: a value outside ``kernel_choice.CHOICES["short_conv"]``.
+        RuntimeError: ``cudnn`` forced where it cannot run (the reason named).
+    """
+    choice = kernel_choice.resolve("short_conv", getattr(layer, "short_conv_kernel", None))
+    if choice == "fla":
+        return "fla", True
+    why = cudnn_short_conv_unavailable(x, W)
+    if why is None and torch.is_grad_enabled() and any(st is not None and st.requires_grad for st in states):
+        why = "a conv state requires a gradient (only fla's causal_conv1d computes one)"
+    if choice == "cudnn":
+        if why is not None:
+            raise RuntimeError(f"short_conv_kernel: got 'cudnn', but cuDNN's causal_conv1d cannot run here: {why}")
+        return "cudnn", True
+    return ("cudnn" if why is None and kernel_choice.SHORT_CONV_AUTO == "cudnn" else "fla"), False
+
+
 def _kda_prep_choice(layer: KimiDeltaAttention, x: torch.Tensor) -> str:
     """``"triton"``, ``"outside"`` or ``"in_kernel"``: where the cuDNN path computes the q/k L2 norm, the gate and the
     beta sigmoid (``kernel_choice.resolve("kda_prep", layer.kda_prep)``). ``auto``: ``outside`` (fla's functions;
@@ -679,8 +808,11 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
 
     Same math, arguments and returns as the eager layer (spec 2.2); the pieces:
 
-    * short conv + SiLU: ``fla.modules.causal_conv1d.causal_conv1d`` (Triton; fp32 accumulation, output in x.dtype,
-      resets at every ``cu_seqlens`` start); our weight ``[P, 1, W]`` is passed as ``[P, W]``.
+    * short conv + SiLU, by :func:`_short_conv_choice` (``layer.short_conv_kernel``, ``$KIMI_SHORT_CONV_KERNEL``):
+      ``fla`` (``fla.modules.causal_conv1d.causal_conv1d``, Triton) or ``cudnn`` (:func:`short_conv_cudnn`, cuDNN
+      FE's ``causal_conv1d``; a decline at the call falls back to fla under ``auto`` with one warning, and raises when
+      forced); both accumulate in fp32, output in x.dtype and reset at every ``cu_seqlens`` start; our weight
+      ``[P, 1, W]`` is passed as ``[P, W]``. Recorded in ``kernel_choice.used()["short_conv"]``.
     * the recurrence, by ``kernel_choice.resolve("kda", layer.kda_kernel)``:
 
       - ``cudnn``: where the q/k L2 norm, the gate and the beta sigmoid run is ``kernel_choice.resolve("kda_prep",
@@ -742,9 +874,26 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     if choice == "cudnn" and why is not None:
         raise RuntimeError(f"kda_kernel: got 'cudnn', but the cuDNN KDA op cannot run here: {why}")
 
+    conv_kernel, conv_forced = _short_conv_choice(layer, x, (cq, ck, cv), W)
+
     def conv(proj: nn.Linear, conv1d: ShortConvolution, state):  # -> y [B, T, P], new state [N, P, W-1]
+        nonlocal conv_kernel
+        xp = _linear(x, proj)
+        if conv_kernel == "cudnn":
+            try:
+                out = short_conv_cudnn(xp, conv1d.weight, cu, state)
+                kernel_choice.record("short_conv", "cudnn")
+                return out
+            except NotImplementedError as e:  # cuDNN's route declined: fla for this and the other two
+                if conv_forced:
+                    raise RuntimeError(
+                        f"short_conv_kernel: got 'cudnn', but cuDNN's causal_conv1d declined: {e}"
+                    ) from e
+                _warn_fallback(f"the cuDNN short conv declined ({type(e).__name__}: {e}); running fla's causal_conv1d")
+                conv_kernel = "fla"
+        kernel_choice.record("short_conv", "fla")
         y, final = causal_conv1d(
-            x=_linear(x, proj),
+            x=xp,
             weight=_conv_weight(conv1d.weight, P),
             initial_state=_fla_conv_state(state),
             output_final_state=True,
@@ -791,12 +940,7 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         except Exception as e:  # a cuDNN decline (no engine / plan for this graph)
             if choice == "cudnn":
                 raise
-            reason = f"{type(e).__name__}: {e}"
-            if reason not in _FALLBACK_WARNED:
-                _FALLBACK_WARNED.add(reason)
-                import warnings
-
-                warnings.warn(f"KDA: the cuDNN op declined ({reason}); running fla's chunk_kda", stacklevel=2)
+            _warn_fallback(f"the cuDNN op declined ({type(e).__name__}: {e}); running fla's chunk_kda")
     if o is None:
         from fla.ops.kda import chunk_kda
 
@@ -899,6 +1043,7 @@ class KimiDeltaAttention(nn.Module):
         self.kda_kernel: str | None = None  # cudnn backend: recurrence kernel (kernels_torch.kernel_choice)
         self.kda_prep: str | None = None  # cudnn backend, cuDNN kernel: where the L2 norm / gate / beta sigmoid run
         self.kda_pieces: str | None = None  # cudnn backend, cuDNN kernel: the SM90 forward's sequence split
+        self.short_conv_kernel: str | None = None  # cudnn backend: the q/k/v short convolutions (fla | cudnn)
         c = config
         H, K, D, W, R = c.kda_num_heads, c.kda_head_dim, c.hidden_size, c.short_conv_kernel_size, c.kda_gate_rank
         P = H * K

@@ -26,14 +26,20 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   random-init K3 layer's gate 95% of (16-token chunk, head) pairs stall, and the forward took 1.44 against 2.02 ms at
   8K tokens and 4.85 against 7.22 ms at 32K (H200, pass 8, ``benchmarks/results/kda_layer_pass8.json``); on a gate
   uniform in (-5, 0) cuDNN's split was faster (1.23 against 1.46 ms). The backward engine has no pieces.
+* ``short_conv`` (the ``cudnn`` KDA layer's q/k/v depthwise causal conv1d + SiLU, width 4): ``fla`` (fla-core's
+  ``causal_conv1d``, Triton) or ``cudnn`` (cuDNN Frontend's ``cudnn.ops.causal_conv1d``, CuTe DSL: bf16 activations,
+  fp32 or bf16 filter, width 4, dense or ``cu_seqlens``-packed, its own backward); ``$KIMI_SHORT_CONV_KERNEL``. ``auto``
+  takes :data:`SHORT_CONV_AUTO` where that kernel can run (else the other). The layer profile at 8K tokens (pass 10,
+  ``benchmarks/README.md``) gave fla's three convolutions 3.2 ms of 37.4, 2.4 ms of it one backward kernel at about
+  1 TB/s; ``benchmarks/short_conv.py`` times both.
 * ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
   (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops
   of ``kernels_torch.moe`` and record nothing.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
-``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` attribute, which ``kernels_torch.model.load_model`` and
+``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` / ``short_conv_kernel`` attribute, which ``kernels_torch.model.load_model`` and
 :func:`set_model_kernels` set from their arguments of the same names), then the environment variables
-``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP`` / ``KIMI_KDA_PIECES``, then ``auto`` (the fast kernel
+``KIMI_SPARSE_KERNEL`` / ``KIMI_KDA_KERNEL`` / ``KIMI_KDA_PREP`` / ``KIMI_KDA_PIECES`` / ``KIMI_SHORT_CONV_KERNEL``, then ``auto`` (the fast kernel
 where it is importable and takes the shape, else the other one). A forced kernel that cannot run raises; ``auto``
 falls back.
 
@@ -46,13 +52,24 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-__all__ = ["CHOICES", "ENV_VARS", "resolve", "check_environment", "record", "used", "reset_used", "set_model_kernels"]
+__all__ = [
+    "CHOICES",
+    "ENV_VARS",
+    "SHORT_CONV_AUTO",
+    "resolve",
+    "check_environment",
+    "record",
+    "used",
+    "reset_used",
+    "set_model_kernels",
+]
 
 CHOICES = {
     "sparse_mla_fwd": ("auto", "flash_mla", "triton"),
     "kda": ("auto", "cudnn", "fla"),
     "kda_prep": ("auto", "in_kernel", "outside", "triton"),
     "kda_pieces": ("auto", "one", "cudnn"),
+    "short_conv": ("auto", "fla", "cudnn"),
     "glu": ("auto", "triton", "torch"),
 }
 ENV_VARS = {
@@ -60,8 +77,10 @@ ENV_VARS = {
     "kda": "KIMI_KDA_KERNEL",
     "kda_prep": "KIMI_KDA_PREP",
     "kda_pieces": "KIMI_KDA_PIECES",
+    "short_conv": "KIMI_SHORT_CONV_KERNEL",
     "glu": "KIMI_GLU_KERNEL",
 }
+SHORT_CONV_AUTO = "fla"  # what ``auto`` takes for ``short_conv`` where it can run (the measured faster one)
 _USED: dict[str, Counter] = {}
 
 
@@ -114,16 +133,29 @@ def set_model_kernels(
     kda_kernel: str | None = None,
     kda_prep: str | None = None,
     kda_pieces: str | None = None,
+    short_conv_kernel: str | None = None,
 ):
     """Set the kernel choice on every layer of ``model`` (a ``torch.nn.Module``) that has one: the DSA layers'
-    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep`` and ``kda_pieces``. None leaves a choice as it
-    is (the default: environment, then auto). Returns ``model``.
+    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep``, ``kda_pieces`` and ``short_conv_kernel``. None
+    leaves a choice as it is (the default: environment, then auto). Returns ``model``.
 
     Raises:
         ValueError: a value outside :data:`CHOICES`.
     """
-    chosen = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep, "kda_pieces": kda_pieces}
-    ops = {"sparse_kernel": "sparse_mla_fwd", "kda_kernel": "kda", "kda_prep": "kda_prep", "kda_pieces": "kda_pieces"}
+    chosen = {
+        "sparse_kernel": sparse_kernel,
+        "kda_kernel": kda_kernel,
+        "kda_prep": kda_prep,
+        "kda_pieces": kda_pieces,
+        "short_conv_kernel": short_conv_kernel,
+    }
+    ops = {
+        "sparse_kernel": "sparse_mla_fwd",
+        "kda_kernel": "kda",
+        "kda_prep": "kda_prep",
+        "kda_pieces": "kda_pieces",
+        "short_conv_kernel": "short_conv",
+    }
     for attr, op in ops.items():
         if chosen[attr] is not None:
             resolve(op, chosen[attr])

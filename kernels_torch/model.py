@@ -331,6 +331,7 @@ def load_model(
     *,
     kda_prep: str | None = None,
     kda_pieces: str | None = None,
+    short_conv_kernel: str | None = None,
     check_finite: bool = True,
 ) -> KimiK3Model:
     """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`.
@@ -339,8 +340,9 @@ def load_model(
     ``sparse_kernel`` (``auto`` | ``flash_mla`` | ``triton``) and ``kda_kernel`` (``auto`` | ``cudnn`` | ``fla``) pick
     the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer, ``kda_prep`` (``auto`` |
     ``triton`` | ``outside`` | ``in_kernel``) where its cuDNN KDA op gets the q/k norms, gate and beta, ``kda_pieces``
-    (``auto`` | ``one`` | ``cudnn``) how that op's SM90 forward splits a sequence (None: ``$KIMI_SPARSE_KERNEL`` /
-    ``$KIMI_KDA_KERNEL`` / ``$KIMI_KDA_PREP`` / ``$KIMI_KDA_PIECES``, else auto; ``kernels_torch.kernel_choice``);
+    (``auto`` | ``one`` | ``cudnn``) how that op's SM90 forward splits a sequence, ``short_conv_kernel`` (``auto`` |
+    ``fla`` | ``cudnn``) the KDA layers' short convolutions (None: ``$KIMI_SPARSE_KERNEL`` / ``$KIMI_KDA_KERNEL`` /
+    ``$KIMI_KDA_PREP`` / ``$KIMI_KDA_PIECES`` / ``$KIMI_SHORT_CONV_KERNEL``, else auto; ``kernels_torch.kernel_choice``);
     other backends ignore them.
 
     Raises:
@@ -349,7 +351,13 @@ def load_model(
     from kimi.checkpoint import CheckpointReader, load_params
 
     check_backend(backend)
-    kernels = {"sparse_kernel": sparse_kernel, "kda_kernel": kda_kernel, "kda_prep": kda_prep, "kda_pieces": kda_pieces}
+    kernels = {
+        "sparse_kernel": sparse_kernel,
+        "kda_kernel": kda_kernel,
+        "kda_prep": kda_prep,
+        "kda_pieces": kda_pieces,
+        "short_conv_kernel": short_conv_kernel,
+    }
     set_model_kernels(nn.Module(), **kernels)  # validate before reading
     if backend == "cudnn":  # a bad $KIMI_* kernel variable: refused before the checkpoint is read, not after
         kernel_choice.check_environment()

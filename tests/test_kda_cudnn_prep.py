@@ -295,14 +295,18 @@ def test_pieces_threads_restore_the_launcher(monkeypatch):
     assert host.pieces_per_sequence is heuristic, "cuDNN's pieces_per_sequence left patched"
 
 
-def test_layer_refuses_a_bad_pieces_choice_instead_of_falling_back(monkeypatch):
-    """The cudnn layer with its kernel on auto: a ``kda_pieces`` outside the choices (attribute or
-    ``$KIMI_KDA_PIECES``), or a forced ``one`` where cuDNN FE has no launcher function, raises naming it; it is not
-    taken for a cuDNN decline (which falls back to fla's kernel with a warning). A good value runs the op."""
+def stub_layer(monkeypatch, T: int = 5):
+    """A tiny ``cudnn`` KDA layer (2 heads of 16; kernels on auto) that runs on the CPU: fla's short conv and gated
+    norm replaced by the eager functions (fla's calling convention), cuDNN's KDA op by :func:`fake_op` with the
+    in-kernel preparation, no SM90 launcher module. Returns ``(layer, x [1, T, D])``; fla's conv stub records its
+    calls in ``layer.fla_conv_calls``."""
     import sys
     import types
 
+    calls = []
+
     def causal_conv1d(x, weight, initial_state, output_final_state, activation, cu_seqlens, cu_seqlens_cpu):
+        calls.append(x.shape)
         y, new = tk.short_conv(x, weight, cu_seqlens_cpu, None if initial_state is None else initial_state[..., 1:])
         return y, torch.nn.functional.pad(new, (1, 0))  # fla's [N, C, W] window
 
@@ -320,10 +324,19 @@ def test_layer_refuses_a_bad_pieces_choice_instead_of_falling_back(monkeypatch):
     monkeypatch.setattr(tk, "_cudnn_plan_name", lambda device: None)
     monkeypatch.setattr(tk, "_kda_prep_choice", lambda layer, x: "in_kernel")
     monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, None)  # no launcher function
-    monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
+    for var in ("KIMI_KDA_PIECES", "KIMI_SHORT_CONV_KERNEL"):
+        monkeypatch.delenv(var, raising=False)
     cfg = load_config("tiny").replace(kda_num_heads=2, kda_head_dim=16)
     layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")  # kda_kernel None: auto
-    x = torch.randn(1, 5, cfg.hidden_size)
+    layer.fla_conv_calls = calls
+    return layer, torch.randn(1, T, cfg.hidden_size)
+
+
+def test_layer_refuses_a_bad_pieces_choice_instead_of_falling_back(monkeypatch):
+    """The cudnn layer with its kernel on auto: a ``kda_pieces`` outside the choices (attribute or
+    ``$KIMI_KDA_PIECES``), or a forced ``one`` where cuDNN FE has no launcher function, raises naming it; it is not
+    taken for a cuDNN decline (which falls back to fla's kernel with a warning). A good value runs the op."""
+    layer, x = stub_layer(monkeypatch)
     with torch.no_grad():
         kernel_choice.reset_used()
         layer(x)

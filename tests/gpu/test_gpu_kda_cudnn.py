@@ -317,15 +317,39 @@ def test_gradients_match_eager(gate, case, kernel):
     """dx and the gradient of every parameter, cudnn backend (bf16) against eager (fp32 autograd through the
     pure-torch chunk form), loss = <out, dout> with random dout; T in {1, 63, 2049, 8192} and packed documents with a
     length-1 document."""
+    _check_gradients(gate, case, kernel)
+
+
+@pytest.mark.parametrize("case", ["T63", "T2049", "packed_len1"])
+@pytest.mark.parametrize("conv", ["cudnn", "fla"])
+def test_gradients_match_eager_per_short_conv_kernel(case, conv):
+    """The same check with the layer's short convolutions forced to each kernel (``short_conv_kernel``; cuDNN FE's
+    ``causal_conv1d`` or fla's), recurrence on cuDNN where it runs; every call ran on the forced conv kernel."""
+    kernel = "cudnn" if "cudnn" in KERNELS and _cudnn_kda_why() is None else "fla"
+    if conv == "cudnn":
+        why = tk.cudnn_short_conv_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 4)
+        if why is not None:
+            pytest.skip(f"cuDNN short conv: {why}")
+    kernel_choice.reset_used()
+    _check_gradients("k3_lb_sigmoid", case, kernel, conv)
+    assert kernel_choice.used()["short_conv"] == {conv: 3}
+
+
+def _cudnn_kda_why():
+    return tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
+
+
+def _check_gradients(gate, case, kernel, conv=None):
     cfg = configs()[gate]
     B, T, cu = GRAD_CASES[case]
     out_r, dx_r, grads_r, dout = _eager_grads(cfg, gate, B, T, cu)
     fast, _ = layer_pair(cfg, seed=50, kernel=kernel)
+    fast.short_conv_kernel = conv
     x16, _ = inputs(cfg, B, T, seed=51)
     x16.requires_grad_(True)
     out, _ = fast(x16, cu_seqlens=cu)
     out.backward(dout)
-    test = f"grad[{kernel}-{gate}-{case}]"
+    test = f"grad[{kernel}-{gate}-{case}" + (f"-conv_{conv}]" if conv else "]")
     failures = []
     errs = {"out": report(test, "out", rel(out, out_r)), "x": report(test, "dx", rel(x16.grad, dx_r))}
     if errs["out"] > TOL_OUT:
