@@ -29,9 +29,13 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
 * ``short_conv`` (the ``cudnn`` KDA layer's q/k/v depthwise causal conv1d + SiLU, width 4): ``fla`` (fla-core's
   ``causal_conv1d``, Triton) or ``cudnn`` (cuDNN Frontend's ``cudnn.ops.causal_conv1d``, CuTe DSL: bf16 activations,
   fp32 or bf16 filter, width 4, dense or ``cu_seqlens``-packed, its own backward); ``$KIMI_SHORT_CONV_KERNEL``. ``auto``
-  takes :data:`SHORT_CONV_AUTO` where that kernel can run (else the other). The layer profile at 8K tokens (pass 10,
-  ``benchmarks/README.md``) gave fla's three convolutions 3.2 ms of 37.4, 2.4 ms of it one backward kernel at about
-  1 TB/s; ``benchmarks/short_conv.py`` times both.
+  takes :data:`SHORT_CONV_AUTO` (``cudnn``) where that kernel can run, else fla. The layer profile at 8K tokens
+  (pass 10a) gave fla's three convolutions 3.2 ms of 37.4, 2.4 ms of it one backward kernel at about 1 TB/s. Measured
+  on the H200 (pass 10b, ``benchmarks/results/short_conv_pass10b.json``, one ``[1, T, 12288]`` bf16 call, fp32
+  filter): fwd+bwd 0.84 against 1.97 ms at 8K, 2.38 against 4.63 ms at 32K packed; dw 1.4e-6 against 5.5e-4 of fp64.
+  In the layer (``kda_layer_pass10b.json``) 159.3 against 165.8 ms at 32K, and no difference at 8K (41.2 / 40.9).
+  cuDNN's filter gradient accumulates with atomics (bitwise reproducible only under
+  ``torch.use_deterministic_algorithms``); its forward is bitwise reproducible.
 * ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
   (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops
   of ``kernels_torch.moe`` and record nothing.
@@ -80,7 +84,7 @@ ENV_VARS = {
     "short_conv": "KIMI_SHORT_CONV_KERNEL",
     "glu": "KIMI_GLU_KERNEL",
 }
-SHORT_CONV_AUTO = "fla"  # what ``auto`` takes for ``short_conv`` where it can run (the measured faster one)
+SHORT_CONV_AUTO = "cudnn"  # what ``auto`` takes for ``short_conv`` where it can run (the measured faster one)
 _USED: dict[str, Counter] = {}
 
 
