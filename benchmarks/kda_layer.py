@@ -35,7 +35,10 @@ stall (per-chunk bound max_k sum_t g * log2(e) + 3.5 >= 0: cuDNN FE 1.32 ``kda_f
 Also: the bf16 matmul ceiling of this run and the layer's projection FLOPs (6 T x weights: fwd + bwd), hence its
 matmul floor in ms.
 Times: median of CUDA-event-timed iterations (forward, then backward of <out, dout>), rounds of ours and fla
-interleaved, after one warm-up per shape (the first chunk_kda call autotunes; shapes stay fixed per process).
+interleaved, after one warm-up per shape (the first chunk_kda call autotunes; shapes stay fixed per process), each
+iteration started from an idle GPU; "ms_fwd_bwd_back_to_back": the default layers and recurrences once more with the
+iterations issued back to back (``_timing.back_to_back_ms``, triton's ``do_bench``), as in a model step where the
+host's launch work hides behind the GPU's.
 
     python3 benchmarks/kda_layer.py --seq-lens 8192 32768 --out benchmarks/results/kda_layer.json
 """
@@ -452,6 +455,13 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
             print(f"T={T}: layer_cudnn idle {json.dumps(profile['idle'])}", flush=True)
         except Exception as e:  # noqa: BLE001  (a diagnostic: its failure is reported, not fatal)
             profile["idle_error"] = f"{type(e).__name__}: {e}"
+    # the same steps issued back to back (triton's do_bench): the host's launch work of one step overlaps the GPU work
+    # of the step before, as in a model's step; the interleaved rows start each step from an idle GPU
+    from _timing import back_to_back_ms
+
+    b2b_names = [n for n in ("layer_cudnn", "layer_fla", "rec_cudnn", "rec_chunk_kda") if n in fb_fns]
+    ms_b2b = {n: round(back_to_back_ms(fb_fns[n], rep_ms=1500), 3) for n in b2b_names}
+    print(f"T={T}: back to back {json.dumps(ms_b2b)}", flush=True)
     breakdown, gate_stats = {}, {}
     if has_cudnn:
         A_sat = A_log.detach().clamp(max=tk.A_LOG_MAX)
@@ -477,6 +487,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
         "breakdown_ms": breakdown,
         "gate_stats": gate_stats,
         "profile_layer_cudnn": profile,
+        "ms_fwd_bwd_back_to_back": ms_b2b,
         "warmup_s": round(warm_s, 1),
         "timed_iters": rounds * reps,
     }
@@ -499,6 +510,8 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
                 ms["layer_cudnn_conv_fla"] / ms["layer_cudnn_conv_cudnn"], 3
             )
         row["layer_matmul_share_of_ceiling"] = round(row["projection_floor_ms"] / ms["layer_cudnn"], 3)
+        row["rec_speedup_fwd_bwd_back_to_back"] = round(ms_b2b["rec_chunk_kda"] / ms_b2b["rec_cudnn"], 3)
+        row["layer_speedup_cudnn_vs_fla_back_to_back"] = round(ms_b2b["layer_fla"] / ms_b2b["layer_cudnn"], 3)
     return row
 
 

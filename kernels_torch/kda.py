@@ -838,6 +838,9 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
       State ``[N, H, K, V]`` fp32 in both; ``auto`` falls back to fla (with one warning naming the reason) where cuDNN
       declines; a forced ``cudnn`` that cannot run raises.
     * output norm: ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` with ``activation='sigmoid'``.
+    * the six projections of x (q, k, v, f_a, b, g or g_a) run as one :func:`kernels_torch.ops.linears.
+      shared_input_linears` node, whose backward sums x's gradients in the GEMMs (no elementwise adds); a
+      LoRA-wrapped projection (peft) makes them run one by one, as the eager layer.
 
     ``cu_seqlens`` (B == 1) may be int32 or int64 on any device. The kernel that ran is recorded in
     ``kernel_choice.used()["kda"]``.
@@ -869,6 +872,18 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         if st is not None and tuple(st.shape) != (N, P, W - 1):
             raise ValueError(f"cache.{name}: got shape {tuple(st.shape)}, expected [N, P, W-1]=[{N}, {P}, {W - 1}]")
 
+    # the projections of x first (the GPU runs them while the host picks the kernels below): q, k, v, f_a, b and the
+    # output gate's first, in one autograd node whose backward sums x's gradients inside the GEMMs
+    # (kernels_torch.ops.linears); LoRA-wrapped projections run their own forwards
+    x_projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj, layer.b_proj]
+    x_projs.append(layer.g_proj if c.use_full_rank_gate else layer.g_a_proj)
+    if any(hasattr(p, "base_layer") for p in x_projs):
+        xq, xk, xv, xf, b_logits, xg = (_linear(x, p) for p in x_projs)
+    else:
+        from kernels_torch.ops.linears import shared_input_linears
+
+        xq, xk, xv, xf, b_logits, xg = shared_input_linears(x, [p.weight for p in x_projs])
+
     choice = kernel_choice.resolve("kda", layer.kda_kernel)
     why = cudnn_kda_unavailable(x, K, K, c.gate_lower_bound) if choice != "fla" else None
     if choice == "cudnn" and why is not None:
@@ -876,9 +891,8 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
 
     conv_kernel, conv_forced = _short_conv_choice(layer, x, (cq, ck, cv), W)
 
-    def conv(proj: nn.Linear, conv1d: ShortConvolution, state):  # -> y [B, T, P], new state [N, P, W-1]
+    def conv(xp: torch.Tensor, conv1d: ShortConvolution, state):  # -> y [B, T, P], new state [N, P, W-1]
         nonlocal conv_kernel
-        xp = _linear(x, proj)
         if conv_kernel == "cudnn":
             try:
                 out = short_conv_cudnn(xp, conv1d.weight, cu, state)
@@ -903,12 +917,11 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
         )
         return y, final[..., 1:]
 
-    q, cq = conv(layer.q_proj, layer.q_conv1d, cq)
-    k, ck = conv(layer.k_proj, layer.k_conv1d, ck)
-    v, cv = conv(layer.v_proj, layer.v_conv1d, cv)
+    q, cq = conv(xq, layer.q_conv1d, cq)
+    k, ck = conv(xk, layer.k_conv1d, ck)
+    v, cv = conv(xv, layer.v_conv1d, cv)
     q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V], V = K
-    f = _linear(_linear(x, layer.f_a_proj), layer.f_b_proj).reshape(B, T, H, K)  # raw gate input; gated in fp32
-    b_logits = _linear(x, layer.b_proj)  # [B,T,H]
+    f = _linear(xf, layer.f_b_proj).reshape(B, T, H, K)  # raw gate input; gated in fp32; b_logits [B,T,H]
     lb = c.gate_lower_bound
     S0f = None if S0 is None else S0.float()
     o = S = None
@@ -963,7 +976,7 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
             cu_seqlens_cpu=cu_cpu,
         )  # o [B,T,H,V] bf16, S [N,H,K,V] fp32
         kernel_choice.record("kda", "fla")
-    gate = _linear(x, layer.g_proj) if c.use_full_rank_gate else _linear(_linear(x, layer.g_a_proj), layer.g_b_proj)
+    gate = xg if c.use_full_rank_gate else _linear(xg, layer.g_b_proj)
     y = rms_norm_gated(
         o, gate.reshape(B, T, H, K), layer.o_norm.weight, None, activation="sigmoid", eps=layer.o_norm.eps
     )

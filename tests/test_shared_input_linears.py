@@ -1,0 +1,100 @@
+"""``kernels_torch.ops.linears.shared_input_linears`` (the KDA layer's six projections of x in one autograd node)
+against one ``F.linear`` per weight under autograd: outputs, the summed input gradient and every weight gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels_torch.ops.linears import shared_input_linears
+
+TOL_FP64 = 1e-12  # same products and sums in fp64: only the summation order may differ
+TOL_BF16 = 2e-2  # bf16 outputs and bf16 running sums of dx (rounded after each GEMM, as autograd's adds)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def run(fn, x, weights, dys):
+    x = x.detach().requires_grad_(True)
+    ws = [w.detach().requires_grad_(True) for w in weights]
+    ys = fn(x, ws)
+    torch.autograd.backward(ys, dys)
+    return ys, x.grad, [w.grad for w in ws]
+
+
+def separate(x, ws):
+    return tuple(F.linear(x, w.to(x.dtype)) for w in ws)
+
+
+@pytest.mark.parametrize("T", [1, 63, 2049])
+def test_matches_separate_linears_fp64(T):
+    """Random fp64 x ``[2, T, 16]``, weights with 8, 1 and 24 outputs (one of them fp32): every output and gradient
+    matches the one-linear-per-weight autograd graph to 1e-12."""
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(2, T, 16, generator=g, dtype=torch.float64)
+    weights = [torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (8, 1)]
+    weights.append(torch.randn(24, 16, generator=g))  # fp32: cast to x's dtype, its gradient comes back in fp32
+    dys = [torch.randn(2, T, w.shape[0], generator=g, dtype=torch.float64) for w in weights]
+    ys, dx, dws = run(shared_input_linears, x, weights, dys)
+    ys_ref, dx_ref, dws_ref = run(separate, x, weights, dys)
+    for i, (y, y_ref) in enumerate(zip(ys, ys_ref)):
+        assert rel(y, y_ref) < TOL_FP64, f"y[{i}]"
+    assert rel(dx, dx_ref) < TOL_FP64, "dx"
+    for i, (dw, dw_ref) in enumerate(zip(dws, dws_ref)):
+        assert dw.dtype == weights[i].dtype, f"dW[{i}] dtype"
+        assert rel(dw, dw_ref) < TOL_FP64, f"dW[{i}]"
+
+
+def test_bf16_activations_fp32_weights():
+    """The layer's dtypes: bf16 x, fp32 weights (K != V-like uneven widths): outputs bf16, gradients at bf16 level."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 63, 32, generator=g).bfloat16()
+    weights = [torch.randn(n, 32, generator=g) / 6 for n in (48, 12, 5)]
+    dys = [torch.randn(1, 63, w.shape[0], generator=g).bfloat16() for w in weights]
+    ys, dx, dws = run(shared_input_linears, x, weights, dys)
+    ys_ref, dx_ref, dws_ref = run(separate, x, weights, dys)
+    assert all(y.dtype == torch.bfloat16 for y in ys)
+    assert rel(dx, dx_ref) < TOL_BF16, "dx"
+    for i, (dw, dw_ref) in enumerate(zip(dws, dws_ref)):
+        assert dw.dtype == torch.float32 and rel(dw, dw_ref) < TOL_BF16, f"dW[{i}]"
+
+
+def test_frozen_inputs_get_no_gradient():
+    """x without grad and a frozen weight: no gradient is computed for them, the others are exact."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    w0 = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    w1 = torch.randn(6, 16, generator=g, dtype=torch.float64).requires_grad_(True)
+    y0, y1 = shared_input_linears(x, [w0, w1])
+    (y0.sum() + (y1 * 2).sum()).backward()
+    assert w0.grad is None and x.grad is None
+    assert rel(w1.grad, 2 * x.sum(0).expand(6, 16)) < TOL_FP64
+
+
+def test_bad_weights_raise():
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="empty"):
+        shared_input_linears(x, [])
+    with pytest.raises(ValueError, match=r"weights\[1\].*\[N, 16\]"):
+        shared_input_linears(x, [torch.randn(4, 16), torch.randn(4, 15)])
+
+
+def test_cudnn_layer_wires_each_projection_to_its_use(monkeypatch):
+    """The ``cudnn`` KDA layer (run on the CPU through the stand-ins of ``test_kda_cudnn_prep.stub_layer``) takes its
+    six projections of x from one ``shared_input_linears`` node: its output equals the eager layer's on the same
+    weights (a projection wired to the wrong use, e.g. k's output as v, fails this)."""
+    from test_kda_cudnn_prep import stub_layer
+
+    import kernels_torch.kda as tk
+
+    layer, x = stub_layer(monkeypatch, T=9)
+    eager = tk.KimiDeltaAttention(layer.config, layer.layer_idx, backend="eager")
+    eager.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        for p in layer.parameters():  # fresh random weights everywhere (gate parameters included), never zeros
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        eager.load_state_dict(layer.state_dict())
+        out = layer(x)[0]
+        ref = eager(x)[0]
+    assert rel(out, ref) < 1e-5
