@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from kernels_torch import kernel_choice
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype, effective_weight
 from kernels_torch.indexer import indexer_scores
+from kernels_torch.ops.linears import headwise_matmul
 from kernels_torch.ops.sparse_mla import padded_q, wants_padded_q
 
 __all__ = [
@@ -503,7 +504,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         w = effective_weight(layer.kv_b_proj).view(H, Kn + V, L)  # W + scale * B A under LoRA
         w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
         kernel = getattr(layer, "sparse_kernel", None)
-        q_lat = torch.einsum("nhk,hkl->nhl", q_nope.reshape(N, H, Kn), w_uk)  # [N, H, L]
+        q_lat = headwise_matmul(q_nope.reshape(N, H, Kn), w_uk)  # [N, H, L]: einsum "nhk,hkl->nhl", no copies
         q_rope = q_pe.reshape(N, H, R)
         # the sparse backward runs (and reads q) when any of its inputs needs a gradient: the KV rows count too
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_rope, c_kv, k_pe))
@@ -521,7 +522,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L, kernel=kernel, return_lse=kl_aux)
         if kl_aux:
             o_lat, lse = o_lat
-        o = torch.einsum("nhl,hvl->nhv", o_lat, w_uv).view(B, T, H, V)
+        o = headwise_matmul(o_lat, w_uv.transpose(1, 2)).view(B, T, H, V)  # einsum "nhl,hvl->nhv"
         idx_global = idx
         idx = idx.view(B, T, topk)
         if B > 1:  # the B sequences ran as packed documents: key ids back to positions within each sequence

@@ -1,11 +1,12 @@
-"""``kernels_torch.ops.linears.shared_input_linears`` (the KDA layer's six projections of x in one autograd node)
-against one ``F.linear`` per weight under autograd: outputs, the summed input gradient and every weight gradient."""
+"""``kernels_torch.ops.linears``: ``shared_input_linears`` (the KDA layer's six projections of x in one autograd node)
+against one ``F.linear`` per weight under autograd (outputs, the summed input gradient, every weight gradient), and
+``headwise_matmul`` (the DSA layer's absorbed W_UK / W_UV) against ``torch.einsum``."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels_torch.ops.linears import shared_input_linears
+from kernels_torch.ops.linears import headwise_matmul, shared_input_linears
 
 TOL_FP64 = 1e-12  # same products and sums in fp64: only the summation order may differ
 TOL_BF16 = 2e-2  # bf16 outputs and bf16 running sums of dx (rounded after each GEMM, as autograd's adds)
@@ -98,3 +99,51 @@ def test_cudnn_layer_wires_each_projection_to_its_use(monkeypatch):
         out = layer(x)[0]
         ref = eager(x)[0]
     assert rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("N", [1, 63, 2049])
+def test_headwise_matmul_matches_einsum_on_strided_views(N):
+    """fp64, the layer's views: x a slice of a wider tensor (q_nope of [N, H, Kn + R]), w a transposed slice (W_UV^T
+    of kv_b_proj's [H, Kn + V, L]), I != O; output, dx and dw against einsum to 1e-12, and the output contiguous."""
+    g = torch.Generator().manual_seed(N)
+    H, Kn, R, V, L = 3, 8, 4, 6, 10
+    x_wide = torch.randn(N, H, Kn + R, generator=g, dtype=torch.float64)
+    w_full = torch.randn(H, Kn + V, L, generator=g, dtype=torch.float64)
+    dy = torch.randn(N, H, L, generator=g, dtype=torch.float64)
+    do = torch.randn(N, H, V, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (headwise_matmul, None):
+        xw = x_wide.clone().requires_grad_(True)
+        w = w_full.clone().requires_grad_(True)
+        x = xw[..., :Kn]  # [N, H, Kn], row stride H * (Kn + R)
+        if fn is None:
+            q_lat = torch.einsum("nhk,hkl->nhl", x, w[:, :Kn])
+            o = torch.einsum("nhl,hvl->nhv", q_lat, w[:, Kn:])
+        else:
+            q_lat = fn(x, w[:, :Kn])
+            o = fn(q_lat, w[:, Kn:].transpose(1, 2))
+            assert q_lat.is_contiguous() and o.is_contiguous()
+        torch.autograd.backward([q_lat, o], [dy, do])
+        grads.append((q_lat.detach(), o.detach(), xw.grad, w.grad))
+    for name, a, b in zip(("q_lat", "o", "dx", "dw"), *grads):
+        assert rel(a, b) < TOL_FP64, name
+
+
+def test_headwise_matmul_bf16_fp32_weight_and_errors():
+    """bf16 x with an fp32 w (cast for the product, its gradient fp32) at bf16 level; bad shapes and a strided last
+    axis raise, naming the shapes / the stride."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(63, 4, 16, generator=g).bfloat16().requires_grad_(True)
+    w = (torch.randn(4, 16, 8, generator=g) / 4).requires_grad_(True)
+    y = headwise_matmul(x, w)
+    dy = torch.randn(y.shape, generator=g).bfloat16()
+    y.backward(dy)
+    x2, w2 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    y2 = torch.einsum("nhi,hio->nho", x2, w2)
+    y2.backward(dy.double())
+    assert y.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert rel(y, y2) < TOL_BF16 and rel(x.grad, x2.grad) < TOL_BF16 and rel(w.grad, w2.grad) < TOL_BF16
+    with pytest.raises(ValueError, match=r"x \(63, 4, 16\) and w \(4, 15, 8\)"):
+        headwise_matmul(x, torch.randn(4, 15, 8))
+    with pytest.raises(ValueError, match="stride 2"):
+        headwise_matmul(torch.randn(5, 4, 32)[..., ::2], torch.randn(4, 16, 8))
