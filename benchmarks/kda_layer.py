@@ -300,8 +300,9 @@ def prep_sweep(l2_fb, gate_fb) -> dict:
 
 
 PROFILE_CATEGORIES = (  # kernel-name substrings (lower case) of the cuDNN layer's fwd+bwd, first match wins
+    # first: cuDNN FE's conv kernels are named kernel_cutlass_*conv1d_bul(k_bwd)* and would match the op and matmuls
+    ("short conv", ("conv",)),
     ("cuDNN KDA op", ("kda_fused", "k_prep", "k_scan", "k_bwd", "k_meta")),
-    ("short conv", ("conv",)),  # before the matmuls: cuDNN FE's conv kernels are named kernel_cutlass_*conv1d*
     ("matmuls", ("gemm", "nvjet", "cutlass", "xmma", "wgmma")),
     ("q/k L2 norm", ("l2norm", "l2_norm")),
     ("gate", ("gate_fwd", "gate_bwd", "kda_gate")),
