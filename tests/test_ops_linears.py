@@ -147,3 +147,25 @@ def test_headwise_matmul_bf16_fp32_weight_and_errors():
         headwise_matmul(x, torch.randn(4, 15, 8))
     with pytest.raises(ValueError, match="stride 2"):
         headwise_matmul(torch.randn(5, 4, 32)[..., ::2], torch.randn(4, 16, 8))
+
+
+def test_edges_unused_outputs_empty_widths_and_second_derivatives():
+    """An output outside the loss leaves its weight without a gradient (None, as ``F.linear``: an optimizer's weight
+    decay must not see a zero gradient there); 0-row weights and D = 0 work; a second derivative raises (the saved
+    weights are casts made without autograd), in both functions, instead of returning wrong numbers."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 16, generator=g).requires_grad_(True)
+    ws = [torch.randn(n, 16, generator=g).requires_grad_(True) for n in (3, 4, 0)]
+    ys = shared_input_linears(x, ws)
+    (ys[1].sum() + ys[2].sum()).backward()
+    assert ws[0].grad is None and ws[2].grad.shape == (0, 16)
+    assert rel(x.grad, ws[1].detach().sum(0).expand(5, 16)) < 1e-6
+    x0, w0 = torch.randn(7, 0).requires_grad_(True), torch.randn(3, 0).requires_grad_(True)
+    shared_input_linears(x0, [w0])[0].sum().backward()
+    assert x0.grad.shape == (7, 0) and w0.grad.shape == (3, 0)
+    x = torch.randn(4, 16, generator=g, dtype=torch.float64).requires_grad_(True)
+    w = torch.randn(3, 16, generator=g).requires_grad_(True)  # fp32 weight, fp64 x
+    for y in (shared_input_linears(x, [w])[0], headwise_matmul(x.view(4, 1, 16), w.t()[None])):
+        (gx,) = torch.autograd.grad((y**2).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            gx.pow(2).sum().backward()

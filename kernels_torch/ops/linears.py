@@ -14,7 +14,10 @@ kernel. Rounding: ``dx`` is rounded to x's dtype after each GEMM, as autograd's 
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["shared_input_linears", "headwise_matmul"]
 
@@ -25,19 +28,22 @@ class _SharedInputLinears(torch.autograd.Function):
         ws = [w.to(x.dtype) for w in weights]  # the activation dtype, as ``F.linear(x, w.to(x.dtype))``
         ctx.save_for_backward(x, *ws)
         ctx.weight_dtypes = [w.dtype for w in weights]
+        ctx.set_materialize_grads(False)  # an unused output's weight gets no gradient (None), as with F.linear
         return tuple(torch.nn.functional.linear(x, w) for w in ws)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises: the saved weights are casts made without autograd
     def backward(ctx, *dys):
         x, *ws = ctx.saved_tensors
-        x2 = x.reshape(-1, x.shape[-1])  # [M, D]
+        M = math.prod(x.shape[:-1])
+        x2 = x.reshape(M, x.shape[-1])  # [M, D]
         dx = None
         dws = []
         for i, (dy, w) in enumerate(zip(dys, ws)):
             if dy is None:
                 dws.append(None)
                 continue
-            dy2 = dy.reshape(-1, dy.shape[-1])  # [M, N_i]
+            dy2 = dy.reshape(M, w.shape[0])  # [M, N_i]
             if ctx.needs_input_grad[0]:
                 if dx is None:
                     dx = dy2 @ w  # [M, D]
@@ -62,11 +68,13 @@ def shared_input_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[
             gradients come back in each weight's own dtype).
 
     Returns:
-        ``[..., N_i]`` per weight, in ``x.dtype``.
+        ``[..., N_i]`` per weight, in ``x.dtype``. First derivatives only (a double backward raises); a weight whose
+        output takes no part in the loss gets no gradient (None).
 
     Raises:
         ValueError: an empty ``weights``, or a weight that is not 2-D with ``D`` columns (named by its position).
     """
+    weights = list(weights)
     if not weights:
         raise ValueError("weights: got an empty list, expected at least one [N, D] weight")
     D = x.shape[-1]
@@ -88,6 +96,7 @@ class _HeadwiseMatmul(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # bmm with out= has no autograd: a second derivative raises
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         dx = dw = None
@@ -111,7 +120,7 @@ def headwise_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         w: ``[H, I, O]``, any float dtype (cast to ``x.dtype``; its gradient comes back in its own dtype).
 
     Returns:
-        ``[N, H, O]`` contiguous, ``x.dtype``.
+        ``[N, H, O]`` contiguous, ``x.dtype``. First derivatives only (a double backward raises).
 
     Raises:
         ValueError: shapes that do not chain (naming both), or an x whose last axis is not contiguous.

@@ -517,10 +517,14 @@ def copy_rows_wide(dst: torch.Tensor, src: torch.Tensor) -> None:
     A copy between ``[T, H, D]`` views of different row strides (the 96 useful heads into or out of FlashMLA's
     128-head layout) is not contiguous, so torch runs it in its scalar copy kernel, one 2-byte element per thread
     step; viewed as int64 (a reinterpretation, bitwise the same copy) it moves 4 bf16 per step. Falls back to the
-    plain copy where the last axis or the strides do not divide into 8-byte words."""
+    plain copy where the last axis or the strides do not divide into 8-byte words, and for 0-d, conjugate or negated
+    views and tensors under autograd (the reinterpretation records no gradient: the FlashMLA buffers have none)."""
     w = 8 // dst.element_size() if dst.element_size() in (1, 2, 4) else 0
     ok = (
         w > 0
+        and dst.dim() > 0
+        and not (torch.is_grad_enabled() and (dst.requires_grad or src.requires_grad))
+        and not any(t.is_conj() or t.is_neg() for t in (dst, src))
         and dst.dtype == src.dtype
         and dst.shape == src.shape
         and all(t.stride(-1) == 1 and t.shape[-1] % w == 0 for t in (dst, src))
