@@ -30,14 +30,14 @@ def time_ms(fn, target_s: float = 1.0, warmup: int = 1, min_reps: int = 1, max_r
     return statistics.median(times), reps
 
 
-def back_to_back_ms(fn, rep_ms: float = 1000.0, warmup_ms: float = 100.0, grad_to_none=None) -> float:
+def back_to_back_ms(fn, rep_ms: float = 1000.0, warmup_ms: float = 100.0) -> float:
     """Median milliseconds of ``fn()`` issued back to back: ``triton.testing.do_bench`` (events around each call, no
     host sync between calls, the L2 cache flushed before each). The host's launch work for one call then overlaps the
     GPU work of the one before, as inside a model step; :func:`time_ms` instead starts each call from an idle GPU and
     so also counts the host time before its first kernel. Both are reported where they differ."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 def kernel_ms(step) -> dict[str, float]:

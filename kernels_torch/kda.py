@@ -36,6 +36,7 @@ from torch import nn
 
 from kernels_torch import kernel_choice
 from kernels_torch.common import check_activation_dtype, check_cu_seqlens, compute_dtype, rms_norm
+from kernels_torch.ops.linears import shared_input_linears
 from kimi.config import KimiConfig
 
 __all__ = [
@@ -880,8 +881,6 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     if any(hasattr(p, "base_layer") for p in x_projs):
         xq, xk, xv, xf, b_logits, xg = (_linear(x, p) for p in x_projs)
     else:
-        from kernels_torch.ops.linears import shared_input_linears
-
         xq, xk, xv, xf, b_logits, xg = shared_input_linears(x, [p.weight for p in x_projs])
 
     choice = kernel_choice.resolve("kda", layer.kda_kernel)

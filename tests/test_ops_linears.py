@@ -5,15 +5,13 @@ against one ``F.linear`` per weight under autograd (outputs, the summed input gr
 import pytest
 import torch
 import torch.nn.functional as F
+from test_kda_cudnn_prep import rel, stub_layer
 
+import kernels_torch.kda as tk
 from kernels_torch.ops.linears import headwise_matmul, shared_input_linears
 
 TOL_FP64 = 1e-12  # same products and sums in fp64: only the summation order may differ
 TOL_BF16 = 2e-2  # bf16 outputs and bf16 running sums of dx (rounded after each GEMM, as autograd's adds)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def run(fn, x, weights, dys):
@@ -85,10 +83,6 @@ def test_cudnn_layer_wires_each_projection_to_its_use(monkeypatch):
     """The ``cudnn`` KDA layer (run on the CPU through the stand-ins of ``test_kda_cudnn_prep.stub_layer``) takes its
     six projections of x from one ``shared_input_linears`` node: its output equals the eager layer's on the same
     weights (a projection wired to the wrong use, e.g. k's output as v, fails this)."""
-    from test_kda_cudnn_prep import stub_layer
-
-    import kernels_torch.kda as tk
-
     layer, x = stub_layer(monkeypatch, T=9)
     eager = tk.KimiDeltaAttention(layer.config, layer.layer_idx, backend="eager")
     eager.load_state_dict(layer.state_dict())
