@@ -1,11 +1,18 @@
 """Every notebook runs top to bottom in a real kernel (nbclient, python3), and the numbered ones are checked on what
 they computed: each ends by printing ``RESULTS {json}``, which the assertions below read back from the executed
-notebook (nothing is written beside the notebooks)."""
+notebook (written to pytest's tmp_path; nothing is written beside the notebooks).
+
+Each notebook runs in a child process under a hard time limit. A CI run once hung inside the Jupyter stack (no cell
+finished, no error, and nbclient's own cell timeout never fired) until the whole run was killed; now a hang costs
+``HANG_LIMIT_S`` and is retried once, while a notebook that fails (an error in a cell) fails at once."""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,12 +38,39 @@ def test_nbconvert_outputs_are_not_collected(tmp_path):
     assert [p.name for p in notebooks(tmp_path)] == ["explore.ipynb"]
 
 
-def execute(path: Path):
-    nb = nbformat.read(path, as_version=4)
-    nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NB_DIR)}}
-    ).execute()
-    return nb
+CELL_TIMEOUT_S = 240  # nbclient's limit per cell; the slowest cell takes ~20 s on a 2-core CPU
+HANG_LIMIT_S = 420  # the child's limit for the whole notebook; the slowest notebook takes ~26 s there
+ATTEMPTS = 2
+
+# The child: execute ``src`` with the notebooks folder as working directory and write the result to ``dst``. The
+# kernel it starts watches its parent (ipykernel's parent poller), so killing the child also ends the kernel.
+RUN_NOTEBOOK = """
+import sys
+import nbclient, nbformat
+src, dst, cwd, cell_timeout = sys.argv[1:]
+nb = nbformat.read(src, as_version=4)
+nbclient.NotebookClient(
+    nb, timeout=int(cell_timeout), kernel_name="python3", resources={"metadata": {"path": cwd}}
+).execute()
+nbformat.write(nb, dst)
+"""
+
+
+def execute(path: Path, out_dir: Path):
+    """The executed notebook. Raises AssertionError with the child's stderr when a cell fails, and fails the test
+    when every attempt hung."""
+    for attempt in range(ATTEMPTS):
+        dst = out_dir / f"{path.stem}.attempt{attempt}.ipynb"
+        argv = [sys.executable, "-c", RUN_NOTEBOOK, str(path), str(dst), str(NB_DIR), str(CELL_TIMEOUT_S)]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=HANG_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            warnings.warn(f"{path.name}: attempt {attempt + 1} hung past {HANG_LIMIT_S} s; killed", stacklevel=1)
+            continue
+        if proc.returncode != 0:
+            raise AssertionError(f"{path.name} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+        return nbformat.read(dst, as_version=4)
+    pytest.fail(f"{path.name} hung in all {ATTEMPTS} attempts ({HANG_LIMIT_S} s each)")
 
 
 def results(nb) -> dict:
@@ -109,7 +143,34 @@ def test_every_numbered_notebook_has_a_check():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook(path):
-    nb = execute(path)
+def test_notebook(path, tmp_path):
+    nb = execute(path, tmp_path)
     if path.stem in CHECKS:
         CHECKS[path.stem](results(nb))
+
+
+def _write_notebook(folder: Path, source: str) -> Path:
+    path = folder / "probe.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source)]
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.slow
+def test_hung_notebook_is_killed_and_retried(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "HANG_LIMIT_S", 10)
+    path = _write_notebook(tmp_path, "import os, time\nprint('KERNEL', os.getpid(), flush=True)\ntime.sleep(600)")
+    with (
+        pytest.warns(UserWarning, match="hung past 10 s") as record,
+        pytest.raises(pytest.fail.Exception, match="hung"),
+    ):
+        execute(path, tmp_path)
+    assert len(record) == ATTEMPTS
+
+
+@pytest.mark.slow
+def test_failing_notebook_fails_at_once_with_the_cell_error(tmp_path):
+    path = _write_notebook(tmp_path, "raise ValueError('the probe cell fails')")
+    with pytest.raises(AssertionError, match="the probe cell fails"):
+        execute(path, tmp_path)
