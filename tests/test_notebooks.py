@@ -61,14 +61,18 @@ def execute(path: Path, out_dir: Path):
     when every attempt hung."""
     for attempt in range(ATTEMPTS):
         dst = out_dir / f"{path.stem}.attempt{attempt}.ipynb"
+        log = out_dir / f"{path.stem}.attempt{attempt}.log"
         argv = [sys.executable, "-c", RUN_NOTEBOOK, str(path), str(dst), str(NB_DIR), str(CELL_TIMEOUT_S)]
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=HANG_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            warnings.warn(f"{path.name}: attempt {attempt + 1} hung past {HANG_LIMIT_S} s; killed", stacklevel=1)
-            continue
+        # The child's output goes to a file, not a pipe: the kernel inherits it, and a pipe would keep the wait open
+        # for as long as the kernel lives.
+        with log.open("w") as out:
+            try:
+                proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=HANG_LIMIT_S)
+            except subprocess.TimeoutExpired:
+                warnings.warn(f"{path.name}: attempt {attempt + 1} hung past {HANG_LIMIT_S} s; killed", stacklevel=1)
+                continue
         if proc.returncode != 0:
-            raise AssertionError(f"{path.name} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+            raise AssertionError(f"{path.name} failed (exit {proc.returncode}):\n{log.read_text()[-6000:]}")
         return nbformat.read(dst, as_version=4)
     pytest.fail(f"{path.name} hung in all {ATTEMPTS} attempts ({HANG_LIMIT_S} s each)")
 
