@@ -59,6 +59,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _timing
+from _timing import back_to_back_ms, categorise, idle_report, kernel_ms, time_ms  # noqa: E402
+
 import kernels_torch.kda as tk  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
@@ -147,7 +149,6 @@ def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg, swe
     (:func:`prep_compare`)."""
     import importlib
 
-    from _timing import time_ms
     from fla.modules.norm.l2norm import l2norm as fla_l2norm
     from fla.ops.kda.gate import fused_kda_gate
 
@@ -214,7 +215,6 @@ def prep_compare(q, k, f, A_log, dt_bias, dg, lb, sweep: bool) -> dict:
     """fla's and our (Triton) L2 norm of q and k and lower-bound gate, forward and forward+backward, the backward
     fed fixed output gradients (bf16 dq/dk for the norms, the fp32 ``dg`` for the gate) as inside the layer; the
     achieved GB/s over the minimum traffic; with ``sweep``, our kernels under a few other launch shapes."""
-    from _timing import time_ms
     from fla.modules.norm.l2norm import l2norm as fla_l2norm
     from fla.ops.kda.gate import fused_kda_gate
 
@@ -275,7 +275,6 @@ def prep_compare(q, k, f, A_log, dt_bias, dg, lb, sweep: bool) -> dict:
 
 def prep_sweep(l2_fb, gate_fb) -> dict:
     """fwd+bwd ms of our L2 norm and gate under other launch shapes (``TRITON_CONFIG`` restored after)."""
-    from _timing import time_ms
 
     from kernels_torch.ops import kda_prep as kp
 
@@ -442,24 +441,18 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
     m.kda_kernel = m.kda_prep = m.kda_pieces = m.short_conv_kernel = None
     profile = {}
     if has_cudnn:  # one profiled fwd+bwd of the default cuDNN layer: where its GPU time goes, per kernel
-        from _timing import categorise, kernel_ms, time_ms
-
         # the same step timed on its own (the interleaved rows alternate with other variants' allocations)
         profile["ms_alone"] = round(time_ms(fb_fns["layer_cudnn"], target_s=2.0, warmup=2, min_reps=10)[0], 3)
         print(f"T={T}: layer_cudnn alone {profile['ms_alone']} ms", flush=True)
         profile |= categorise(kernel_ms(fb_fns["layer_cudnn"]), PROFILE_CATEGORIES)
         print(f"T={T}: layer_cudnn profile {json.dumps(profile['ms'])}", flush=True)
         try:  # pass 9 saw the kernels add up to 6% less than the timed step: where does the GPU wait?
-            from _timing import idle_report
-
             profile["idle"] = idle_report(fb_fns["layer_cudnn"])
             print(f"T={T}: layer_cudnn idle {json.dumps(profile['idle'])}", flush=True)
         except Exception as e:  # noqa: BLE001  (a diagnostic: its failure is reported, not fatal)
             profile["idle_error"] = f"{type(e).__name__}: {e}"
     # the same steps issued back to back (triton's do_bench): the host's launch work of one step overlaps the GPU work
     # of the step before, as in a model's step; the interleaved rows start each step from an idle GPU
-    from _timing import back_to_back_ms
-
     b2b_names = [n for n in ("layer_cudnn", "layer_fla", "rec_cudnn", "rec_chunk_kda") if n in fb_fns]
     ms_b2b = {n: round(back_to_back_ms(fb_fns[n], rep_ms=1500), 3) for n in b2b_names}
     print(f"T={T}: back to back {json.dumps(ms_b2b)}", flush=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("nbclient")  # the child process runs it
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("ipykernel")
 

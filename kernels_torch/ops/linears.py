@@ -50,11 +50,8 @@ class _SharedInputLinears(torch.autograd.Function):
                     dx.addmm_(dy2, w)  # dx += dy_i W_i, summed in the GEMM's epilogue
             dws.append(dy2.t() @ x2 if ctx.needs_input_grad[1 + i] else None)  # [N_i, D]
         dws = [None if g is None else g.to(dt) for g, dt in zip(dws, ctx.weight_dtypes)]
-        if dx is not None:
-            dx = dx.reshape(x.shape)
-        elif ctx.needs_input_grad[0]:
-            dx = torch.zeros_like(x)
-        return (dx, *dws)
+        # dx is None only when x needs no gradient: autograd calls backward with at least one dy defined
+        return (None if dx is None else dx.reshape(x.shape), *dws)
 
 
 def shared_input_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
