@@ -3,15 +3,39 @@ as for ``test_gpu_hardening``'s imports). No test lives here; importing it needs
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` (Frobenius, in fp64; ``||b||`` floored at 1e-30 so an all-zero ``b`` gives a huge
-    error, never a division by zero). Detaches both."""
+    """``||a - b|| / ||b||`` (Frobenius, in fp64), detached. ``inf`` where ``a`` holds a NaN or an infinity, so a
+    check written ``not rel(a, b) <= tol`` (or ``rel(a, b) <= tol``) fails on it; ``0.0`` where ``a`` and ``b`` are
+    both exactly zero; ``inf`` where only ``b`` is (see :func:`rel_or_scaled` for references the math makes zero)."""
     a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    if not bool(torch.isfinite(a).all()):
+        return math.inf
+    num, den = float((a - b).norm()), float(b.norm())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def rel_or_scaled(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
+    """:func:`rel` where the reference ``b`` is not all zero; where it is (a gradient the math makes exactly zero,
+    e.g. a KDA gate's at T = 1 from a zero state, which only multiplies that state), ``||a|| / ||scale||``: the
+    kernel's rounding in units of the same tensor's size in a case where it is not zero (``scale``, a reference of
+    ``a``'s shape). ``inf`` for a non-finite ``a``, as :func:`rel`.
+
+    Raises:
+        ValueError: ``b`` is zero and ``scale`` is zero too (no unit to measure in)."""
+    if bool(b.detach().ne(0).any()) or not bool(torch.isfinite(a.detach()).all()):
+        return rel(a, b)
+    s = float(scale.detach().double().norm())
+    if s == 0.0:
+        raise ValueError("scale: got an all-zero tensor, expected a non-zero reference of the same quantity")
+    return float(a.detach().double().norm()) / s
 
 
 def init_layer(module: nn.Module, seed: int) -> None:

@@ -19,6 +19,7 @@ import os
 
 import pytest
 import torch
+from _helpers import rel, rel_or_scaled  # tests/gpu is on pytest's path
 
 import kernels_torch.kda as tk
 from kernels_torch import kernel_choice
@@ -68,11 +69,6 @@ def configs():
         "k3_lb_sigmoid": base,  # gate_lower_bound = -5, full-rank output gate
         "kimi_linear_softplus": base.replace(gate_lower_bound=None, use_full_rank_gate=False),
     }
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
 def report(test: str, name: str, value: float) -> float:
@@ -350,21 +346,29 @@ def _check_gradients(gate, case, kernel, conv=None):
     out, _ = fast(x16, cu_seqlens=cu)
     out.backward(dout)
     test = f"grad[{kernel}-{gate}-{case}" + (f"-conv_{conv}]" if conv else "]")
-    failures = []
+    failures = []  # every check is "not e <= tol": a NaN error fails (``e > tol`` let one pass)
     errs = {"out": report(test, "out", rel(out, out_r)), "x": report(test, "dx", rel(x16.grad, dx_r))}
-    if errs["out"] > TOL_OUT:
+    if not errs["out"] <= TOL_OUT:
         failures.append(("out", errs["out"], TOL_OUT))
-    if errs["x"] > TOL_GRAD["x"]:
+    if not errs["x"] <= TOL_GRAD["x"]:
         failures.append(("dx", errs["x"], TOL_GRAD["x"]))
     if kernel == "cudnn":  # training computes the L2 norm / gate / beta sigmoid outside the op (the SM90 backward
         # needs it); auto takes fla's functions (kda_prep='outside'; ours, 'triton': tests/gpu/test_gpu_kda_prep.py)
         assert set(kernel_choice.used().get("kda_prep", {})) == {"outside"}
+    # At T = 1 from a zero state the gate's parameters (A_log, dt_bias, f_a/f_b_proj) get an exactly zero gradient:
+    # the decay only multiplies that state. The eager reference gives 0; a kernel gives 0 (cuDNN) or rounding noise
+    # (fla's dg = q*dq - k*dk cancels in exact arithmetic only). Such a gradient is measured in units of the same
+    # gradient at T = 63 (same weights and seeds), where the decay matters.
+    scale = None
+    if any(not bool(grads_r[n].ne(0).any()) for n, _ in fast.named_parameters()):
+        scale = _eager_grads(cfg, gate, *GRAD_CASES["T63"])[2]
     for n, p in fast.named_parameters():
         assert p.grad is not None, f"{n}: no gradient through the cudnn path"
         assert p.grad.dtype == p.dtype
-        e = report(test, "d" + n, rel(p.grad, grads_r[n]))
+        e = rel(p.grad, grads_r[n]) if scale is None else rel_or_scaled(p.grad, grads_r[n], scale[n])
+        report(test, "d" + n, e)
         _, tol = _tol_for(n)
-        if e > tol:
+        if not e <= tol:
             failures.append((n, e, tol))
     ran_on(kernel)
     assert not failures, f"relative errors over tolerance: {failures}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import rel  # tests/gpu is on pytest's path
 
 import kernels_torch.kda as tk
 
@@ -31,11 +32,6 @@ CASES = {  # name -> (B, T, C, cu_seqlens, with_state)
     "packed_len1": (1, 503, 512, [0, 1, 2, 3, 503], True),
     "packed_five": (1, 2000, 1536, [0, 15, 100, 300, 1200, 2000], False),
 }
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
 def fla_conv(x, weight, cu, state):
