@@ -26,7 +26,8 @@
 #                layers 0-2 and DSA layer 3, cudnn and eager (bf16)
 #   tests_fla    all of tests/gpu on the other kernels: KDA on fla (KIMI_TEST_KDA_KERNELS=fla), DSA on Triton
 #   tests_fla_ops (not in the default STEPS): the same, only the files whose kernel those switches change (KDA layer
-#                and recurrence, DSA layer, short convolution): about 4 minutes instead of about 15
+#                and recurrence, DSA layer, short convolution): 13 minutes in pass 13, 7 of them fla's autotuning of
+#                the recurrence tests' shapes, which the carried snapshot lacked (the step saves the cache after it)
 #   tests_new    the GPU tests of hardening, generation, LoRA and gradients, distillation, fused SiTU-GLU, the Triton KDA
 #                preparation, the chunked LM loss (default kernels)
 #   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
@@ -133,7 +134,8 @@ run_step() {  # run_step NAME: one step of the list above
     save_autotune ;;
   # optional
   tests_fla_ops) KIMI_TEST_KDA_KERNELS=fla KIMI_SPARSE_KERNEL=triton step tests_fla_ops 900 "${pytest_gpu[@]}" \
-    tests/gpu/test_gpu_kda_cudnn.py tests/gpu/test_gpu_dsa_cudnn.py tests/gpu/test_gpu_short_conv.py ;;
+    tests/gpu/test_gpu_kda_cudnn.py tests/gpu/test_gpu_dsa_cudnn.py tests/gpu/test_gpu_short_conv.py
+    save_autotune ;;
   situ_glu) step situ_glu 300 python3 benchmarks/situ_glu.py --out "$dir/situ_glu.json" ;;
   indexer_topk) step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json" ;;
   profile)
