@@ -29,12 +29,12 @@ def rel_or_scaled(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> floa
     ``a``'s shape). ``inf`` for a non-finite ``a``, as :func:`rel`.
 
     Raises:
-        ValueError: ``b`` is zero and ``scale`` is zero too (no unit to measure in)."""
+        ValueError: ``b`` is zero and ``scale`` is zero or not finite (no unit to measure in)."""
     if bool(b.detach().ne(0).any()) or not bool(torch.isfinite(a.detach()).all()):
         return rel(a, b)
     s = float(scale.detach().double().norm())
-    if s == 0.0:
-        raise ValueError("scale: got an all-zero tensor, expected a non-zero reference of the same quantity")
+    if not 0.0 < s < math.inf:
+        raise ValueError(f"scale: got a tensor of norm {s}, expected a finite, non-zero reference of the same quantity")
     return float(a.detach().double().norm()) / s
 
 
