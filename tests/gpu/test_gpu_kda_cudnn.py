@@ -364,14 +364,13 @@ def _check_gradients(gate, case, kernel, conv=None):
     # (fla's dg = q*dq - k*dk cancels in exact arithmetic only). Such a gradient is measured in units of the same
     # gradient at T = 2 (same weights and seeds), where one token's decay acts on a non-zero state, against
     # TOL_ZERO_GRAD.
-    scale = None
-    if any(not bool(grads_r[n].ne(0).any()) for n, _ in fast.named_parameters()):
-        scale = _eager_grads(cfg, gate, *ONE_DECAY_STEP)[2]
+    zero_ref = {n for n, _ in fast.named_parameters() if not bool(grads_r[n].ne(0).any())}
+    scale = _eager_grads(cfg, gate, *ONE_DECAY_STEP)[2] if zero_ref else None
     for n, p in fast.named_parameters():
         assert p.grad is not None, f"{n}: no gradient through the cudnn path"
         assert p.grad.dtype == p.dtype
         _, tol = _tol_for(n)
-        if scale is not None and not bool(grads_r[n].ne(0).any()):
+        if n in zero_ref:
             e, tol = rel_or_scaled(p.grad, grads_r[n], scale[n]), TOL_ZERO_GRAD
         else:
             e = rel(p.grad, grads_r[n])
