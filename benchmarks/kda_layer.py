@@ -3,8 +3,8 @@ directly against fla's API, plus the kernel-only ``fla.ops.kda.chunk_kda`` time.
 
 K3 layer shape: hidden D = 7168, H = 96 heads, head dim 128, gate_lower_bound = -5 (safe gate), full-rank output
 gate, bf16 activations and projections, fp32 conv / A_log / dt_bias / o_norm. B = 1, T in ``--seq-lens``.
-"layer_cudnn" / "layer_fla" = ``KimiDeltaAttention(cfg, i, backend="cudnn")`` (``kernels_torch.kda._kda_layer_fast``)
-with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both also return the decode cache.
+"layer_cudnn" / "layer_fla" = ``KimiDeltaAttention(cfg, i, backend="cudnn")``
+(``kernels_torch.kda_cudnn.kda_layer_forward``) with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both also return the decode cache.
 "layer_fla_direct" = :func:`fla_layer` on the same weight tensors: the projections, ``causal_conv1d`` + SiLU,
 ``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated`` (sigmoid), ``o_proj``; no cache output.
 "rec_chunk_kda" / "rec_cudnn" = the recurrence alone as the layer runs it (chunk_kda with gate and norm fused; or fla's
@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _timing
 from _timing import back_to_back_ms, categorise, idle_report, kernel_ms, time_ms  # noqa: E402
 
 import kernels_torch.kda as tk  # noqa: E402
+import kernels_torch.kda_cudnn as kc  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
 
@@ -164,14 +165,14 @@ def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg, swe
         def run():
             for t in (*leaves, gl):
                 t.grad = None
-            tk.kda_recurrence_cudnn(*leaves[:3], gl, leaves[3], pieces=pieces)[0].backward(do)
+            kc.kda_recurrence_cudnn(*leaves[:3], gl, leaves[3], pieces=pieces)[0].backward(do)
 
         return run
 
     def op_f(g, pieces="cudnn"):
         def run():
             with torch.no_grad():
-                tk.kda_recurrence_cudnn(qn, kn, v, g, beta, pieces=pieces)
+                kc.kda_recurrence_cudnn(qn, kn, v, g, beta, pieces=pieces)
 
         return run
 
@@ -182,7 +183,7 @@ def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg, swe
         out[f"{name}_P1_fwd"] = round(time_ms(op_f(g, "one"), warmup=2)[0], 3)
         out[f"{name}_P1_fwd_bwd"] = round(time_ms(op_fb(g, "one"), warmup=2)[0], 3)
     try:
-        host = importlib.import_module(tk._CUDNN_KDA_SM90_HOST)
+        host = importlib.import_module(kc._CUDNN_KDA_SM90_HOST)
         out["pieces_per_sequence_default"] = host.pieces_per_sequence(q.shape[1], 1, q.shape[2])
     except Exception as e:  # noqa: BLE001  (reported, not fatal)
         out["pieces_error"] = f"{type(e).__name__}: {e}"
@@ -335,13 +336,13 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
 
         return fwd
 
-    has_cudnn = tk.cudnn_kda_unavailable(x, K, K) is None
+    has_cudnn = kc.cudnn_kda_unavailable(x, K, K) is None
     layers = {"layer_fla": ours_with("fla"), "layer_fla_direct": lambda: fla_layer(m, x)}
     if has_cudnn:
         layers["layer_cudnn"] = ours_with("cudnn")  # auto: fla's l2norm and fused_kda_gate, one piece per sequence
         layers["layer_cudnn_split_cudnn"] = ours_with("cudnn", None, "cudnn")  # cuDNN's own sequence split
         layers["layer_cudnn_triton"] = ours_with("cudnn", "triton")
-        if tk.cudnn_short_conv_unavailable(x, m.q_conv1d.weight.shape[-1]) is None:  # the short convs forced
+        if kc.cudnn_short_conv_unavailable(x, m.q_conv1d.weight.shape[-1]) is None:  # the short convs forced
             layers["layer_cudnn_conv_cudnn"] = ours_with("cudnn", None, None, "cudnn")  # cuDNN FE's causal_conv1d
             layers["layer_cudnn_conv_fla"] = ours_with("cudnn", None, None, "fla")  # fla's causal_conv1d
     # the recurrence alone, on tensors of the layer's shapes, each with what it needs around it inside the layer
@@ -372,18 +373,18 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
             lower_bound=cfg.gate_lower_bound,
         )[0]
 
-    def rec_cudnn(pieces=None):  # what _kda_layer_fast runs: fla l2norm x2, fused_kda_gate (fp32), the cuDNN op
+    def rec_cudnn(pieces=None):  # what kda_layer_forward runs: fla l2norm x2, fused_kda_gate (fp32), the cuDNN op
         g = fused_kda_gate(f, A_log, dt_bias, lower_bound=cfg.gate_lower_bound, output_dtype=torch.float32)
-        return tk.kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, pieces=pieces)[0]
+        return kc.kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, pieces=pieces)[0]
 
     def rec_cudnn_triton():  # the same with our Triton preparation (kda_prep='triton')
         from kernels_torch.ops.kda_prep import kda_gate_lb, l2norm_qk
 
         g = kda_gate_lb(f, A_log, dt_bias, cfg.gate_lower_bound)
-        return tk.kda_recurrence_cudnn(*l2norm_qk(q, k), v, g, beta)[0]
+        return kc.kda_recurrence_cudnn(*l2norm_qk(q, k), v, g, beta)[0]
 
     def rec_cudnn_in_kernel():  # forward only: the op normalises q/k, gates f and applies the sigmoid to beta logits
-        return tk.kda_recurrence_cudnn_fused(q, k, v, f, beta_logits, A_log, dt_bias, cfg.gate_lower_bound)[0]
+        return kc.kda_recurrence_cudnn_fused(q, k, v, f, beta_logits, A_log, dt_bias, cfg.gate_lower_bound)[0]
 
     beta_logits = torch.logit(beta.detach())  # the same beta, as the logits the fused variant takes
 

@@ -1,6 +1,7 @@
 """Quick facts of the GPU stack before the long runs (run_h200.sh step ``probe``): versions, FlashMLA's sparse forward
 on a small case (lse units, empty rows), cuDNN's KDA op signature and one small forward + backward through
-``kernels_torch.kda.kda_recurrence_cudnn`` against fla's ``chunk_kda`` (which engine cuDNN picks, first-call time).
+``kernels_torch.kda_cudnn.kda_recurrence_cudnn`` against fla's ``chunk_kda`` (which engine cuDNN picks, first-call
+time).
 
     python3 benchmarks/probe_h200.py
 """
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels_torch.kda as tk  # noqa: E402
+import kernels_torch.kda_cudnn as kc  # noqa: E402
 from kernels_torch.ops import sparse_mla as sm  # noqa: E402
 
 
@@ -58,7 +60,7 @@ def flash_mla():
 def kda():
     mod = importlib.import_module("cudnn.linear_attention.ops.kda")
     print("op schema:", torch.ops.cudnn.kimi_delta_attention_fwd.default._schema)
-    print("why not:", tk.cudnn_kda_unavailable(torch.empty(1, device="cuda"), 128, 128))
+    print("why not:", kc.cudnn_kda_unavailable(torch.empty(1, device="cuda"), 128, 128))
     T, H, K = 1024, 96, 128
     g = torch.Generator(device="cuda").manual_seed(1)
     q = tk.l2norm(torch.randn(1, T, H, K, device="cuda", generator=g)).bfloat16().requires_grad_(True)
@@ -68,7 +70,7 @@ def kda():
     beta = torch.sigmoid(torch.randn(1, T, H, device="cuda", generator=g)).requires_grad_(True)
     S0 = torch.randn(1, H, K, K, device="cuda", generator=g).requires_grad_(True)
     t0 = time.perf_counter()
-    o, S = tk.kda_recurrence_cudnn(q, k, v, gg, beta, S0)
+    o, S = kc.kda_recurrence_cudnn(q, k, v, gg, beta, S0)
     torch.cuda.synchronize()
     print(f"first forward {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "compute_dtype",
@@ -16,6 +17,8 @@ __all__ = [
     "check_activation_dtype",
     "check_token_ids",
     "effective_weight",
+    "linear",
+    "depthwise_conv_weight",
 ]
 
 
@@ -156,3 +159,27 @@ def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
             )
         w = w + layer.get_delta_weight(name).to(w.dtype)
     return w
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """``x Wᵀ`` in the activation dtype, the weight cast to ``x.dtype`` (the twin of ``reference_jax.common.linear``,
+    taking the module instead of its weight). x ``[..., in]`` -> ``[..., out]``; ``layer`` an ``nn.Linear`` without
+    bias. A LoRA-wrapped layer (peft ``LoraLayer``, whose ``.weight`` is the base weight alone) runs its own forward,
+    so its adapters apply."""
+    if hasattr(layer, "base_layer"):
+        return layer(x)
+    return F.linear(x, layer.weight.to(x.dtype))
+
+
+def depthwise_conv_weight(weight: torch.Tensor, C: int) -> torch.Tensor:
+    """A depthwise conv weight as ``[C, W]``: accepts the checkpoint's ``[C, 1, W]`` or a squeezed ``[C, W]`` (some
+    exporters drop the singleton axis; both name the same filter).
+
+    Raises:
+        ValueError: any other shape, or a channel count other than ``C``.
+    """
+    if weight.ndim == 3 and weight.shape[0] == C and weight.shape[1] == 1:
+        return weight[:, 0, :]
+    if weight.ndim == 2 and weight.shape[0] == C:
+        return weight
+    raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [C, 1, W] or [C, W] with C={C}")

@@ -27,8 +27,9 @@ import torch
 
 from kernels_torch.cache import cached_causal_mask, key_count, write_rows
 from kernels_torch.common import effective_weight
+from kernels_torch.common import linear as _linear  # the layers' projection rule (dtype, LoRA-wrapped layers)
 from kernels_torch.indexer import indexer_scores, topk_indices
-from kernels_torch.kda import KDACache, _linear, kda_gate, short_conv
+from kernels_torch.kda import KDACache, kda_gate, short_conv
 
 __all__ = ["kda_decode_fla", "gated_mla_cached"]
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi.config import KimiConfig
+from kimi.kda_gate import A_LOG_MAX, G_MIN  # the gate's saturation bounds, with their reasons
 from reference_jax.common import Linear, check_activation_dtype, check_cu_seqlens, compute_dtype, rms_norm
 
 __all__ = [
@@ -47,15 +48,6 @@ __all__ = [
 ]
 
 MODES = ("chunk", "recurrent")
-
-# Gate saturation constants (the same in reference_jax/kda.py and kernels_torch/kda.py; a test checks they agree).
-# A_LOG_MAX caps the per-head rate exp(A_log) at exp(64) = 6.2e27: finite in fp32 (which overflows past 88.7) with
-# room for the gradient |lower_bound| / 4 * rate. Past it the lower-bound gate is a step function of f + dt_bias in
-# any float format. Trained checkpoints have A_log near log(1..16).
-A_LOG_MAX = 64.0
-# G_MIN floors the softplus form: exp(-1000) is exactly 0 in fp32 and fp64 (fp64 underflows below -745), so no decay
-# changes, and g stays finite, which the chunk form's cumulative sums need (a -inf or 1e30 there gives NaN).
-G_MIN = -1000.0
 
 
 # ------------------------------------------------------------------------------------------------ small helpers

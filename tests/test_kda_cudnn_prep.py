@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels_torch.kda as tk
+import kernels_torch.kda_cudnn as kc
 from kernels_torch import kernel_choice
 from kimi.config import load_config
 
@@ -97,16 +98,16 @@ def test_fused_matches_outside_and_eager(monkeypatch, case):
     H, K, V = 3, 4, 6
     N = B if cu is None else len(cu) - 1
     seen = {}
-    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op(seen))
+    monkeypatch.setattr(kc, "_cudnn_kda_op", lambda: fake_op(seen))
     q, k, v, f, b, A_log, dt_bias, S0 = inputs(T, B, T, H, K, V, N)
     S0 = S0 if with_S0 else None
     with torch.no_grad():
-        o, S = tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0, cu, plan_name=None)
+        o, S = kc.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0, cu, plan_name=None)
     assert seen == {"l2": True, "sig": True, "safe": True, "plan": None}
     assert o.shape == (B, T, H, V) and S.shape == (N, H, K, V) and S.is_contiguous()
     # the same function with the maps computed outside (what training runs)
     g = tk.kda_gate(f, A_log, dt_bias, LB)
-    o_out, S_out = tk.kda_recurrence_cudnn(tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), S0, cu, plan_name=None)
+    o_out, S_out = kc.kda_recurrence_cudnn(tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), S0, cu, plan_name=None)
     assert seen == {"l2": False, "sig": False, "safe": False, "plan": None}
     # and the eager chunk form on our layout
     o_r, S_r = tk.kda_chunk(tk.l2norm(q), tk.l2norm(k), v, g, torch.sigmoid(b), initial_state=S0, cu_seqlens=cu)
@@ -115,20 +116,20 @@ def test_fused_matches_outside_and_eager(monkeypatch, case):
 
 
 def test_fused_refuses_gradients_and_bad_arguments(monkeypatch):
-    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op({}))
+    monkeypatch.setattr(kc, "_cudnn_kda_op", lambda: fake_op({}))
     q, k, v, f, b, A_log, dt_bias, S0 = inputs(0, 1, 5, 2, 4, 4, 1)
     with pytest.raises(RuntimeError, match="forward only"):
-        tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log.requires_grad_(True), dt_bias, LB, plan_name=None)
+        kc.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log.requires_grad_(True), dt_bias, LB, plan_name=None)
     A_log = A_log.detach()
     with torch.no_grad():
         with pytest.raises(ValueError, match="lower_bound"):
-            tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, None, plan_name=None)
+            kc.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, None, plan_name=None)
         with pytest.raises(ValueError, match="dt_bias"):
-            tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias[:-1], LB, plan_name=None)
+            kc.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias[:-1], LB, plan_name=None)
         with pytest.raises(ValueError, match="beta_logits"):
-            tk.kda_recurrence_cudnn_fused(q, k, v, f, b[..., :1], A_log, dt_bias, LB, plan_name=None)
+            kc.kda_recurrence_cudnn_fused(q, k, v, f, b[..., :1], A_log, dt_bias, LB, plan_name=None)
         with pytest.raises(ValueError, match="initial_state"):
-            tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0[..., :2], plan_name=None)
+            kc.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0[..., :2], plan_name=None)
 
 
 def test_prep_choice(monkeypatch):
@@ -139,26 +140,26 @@ def test_prep_choice(monkeypatch):
     layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")
     x = torch.randn(1, 2, cfg.hidden_size)
     assert layer.kda_prep is None
-    assert tk._kda_prep_choice(layer, x) == "outside"  # parameters require grad
+    assert kc._kda_prep_choice(layer, x) == "outside"  # parameters require grad
     with torch.no_grad():
-        assert tk._kda_prep_choice(layer, x) == "outside"
+        assert kc._kda_prep_choice(layer, x) == "outside"
     layer.requires_grad_(False)
-    assert tk._kda_prep_choice(layer, x) == "outside"
+    assert kc._kda_prep_choice(layer, x) == "outside"
     monkeypatch.setenv("KIMI_KDA_PREP", "in_kernel")
-    assert tk._kda_prep_choice(layer, x) == "in_kernel"  # no gradient needed: the forced choice holds
+    assert kc._kda_prep_choice(layer, x) == "in_kernel"  # no gradient needed: the forced choice holds
     with pytest.raises(RuntimeError, match="in_kernel"):
-        tk._kda_prep_choice(layer, x.requires_grad_(True))
+        kc._kda_prep_choice(layer, x.requires_grad_(True))
     x = x.detach()
     monkeypatch.setenv("KIMI_KDA_PREP", "outside")
     with torch.no_grad():
-        assert tk._kda_prep_choice(layer, x) == "outside"
+        assert kc._kda_prep_choice(layer, x) == "outside"
         layer.kda_prep = "in_kernel"
-        assert tk._kda_prep_choice(layer, x) == "in_kernel"
+        assert kc._kda_prep_choice(layer, x) == "in_kernel"
     with pytest.raises(RuntimeError, match="in_kernel"):
-        tk._kda_prep_choice(layer, x.requires_grad_(True))
+        kc._kda_prep_choice(layer, x.requires_grad_(True))
     layer.kda_prep = "fused"
     with pytest.raises(ValueError, match="kda_prep"):
-        tk._kda_prep_choice(layer, x)
+        kc._kda_prep_choice(layer, x)
     assert kernel_choice.resolve("kda_prep", "auto") == "auto"
 
 
@@ -169,18 +170,18 @@ def fake_cuda_host(monkeypatch, launches: list):
     import sys
     import types
 
-    host = types.ModuleType(tk._CUDNN_KDA_SM90_HOST)
+    host = types.ModuleType(kc._CUDNN_KDA_SM90_HOST)
     host.pieces_per_sequence = lambda total, n_seqs, n_heads: max(1, min(264 // (n_seqs * n_heads), -(-total // 16)))
     for name in ("cudnn", "cudnn.linear_attention", "cudnn.linear_attention.hopper"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, host)
+    monkeypatch.setitem(sys.modules, kc._CUDNN_KDA_SM90_HOST, host)
     op = fake_op({})
 
     def launching_op(q, *args, **kwargs):
         launches.append(host.pieces_per_sequence(q.shape[0], args[4].numel() - 1, q.shape[1]))
         return op(q, *args, **kwargs)
 
-    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: launching_op)
+    monkeypatch.setattr(kc, "_cudnn_kda_op", lambda: launching_op)
     return host
 
 
@@ -206,25 +207,25 @@ def test_pieces_choice_patches_the_launcher_only_inside_the_call(monkeypatch):
     launches, host, raw, args = pieces_case(monkeypatch, seed=5)
     heuristic = host.pieces_per_sequence
     q, k, v, f, b, A_log, dt_bias, S0 = raw
-    outs = {p: tk.kda_recurrence_cudnn(*args, plan_name=None, pieces=p) for p in ("auto", "one", "cudnn", None)}
+    outs = {p: kc.kda_recurrence_cudnn(*args, plan_name=None, pieces=p) for p in ("auto", "one", "cudnn", None)}
     assert launches == [1, 1, 4, 1] and host.pieces_per_sequence is heuristic
     assert kernel_choice.used()["kda_pieces"] == {"one": 3, "cudnn": 1}
     for p, (o, S) in outs.items():
         assert torch.equal(o, outs["cudnn"][0]) and torch.equal(S, outs["cudnn"][1]), p
     monkeypatch.setenv("KIMI_KDA_PIECES", "cudnn")
-    tk.kda_recurrence_cudnn(*args, plan_name=None)
+    kc.kda_recurrence_cudnn(*args, plan_name=None)
     assert launches[-1] == 4
     with torch.no_grad():  # the forward-only fused variant takes the same switch
-        tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0, plan_name=None, pieces="one")
+        kc.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, LB, S0, plan_name=None, pieces="one")
     assert launches[-1] == 1 and host.pieces_per_sequence is heuristic
     with pytest.raises(ValueError, match="initial_state"):  # an error inside the call: the launcher is restored
-        with tk.cudnn_kda_pieces("one"):
+        with kc.cudnn_kda_pieces("one"):
             assert host.pieces_per_sequence(10_000, 1, 3) == 1
-            tk.kda_recurrence_cudnn(*args[:5], S0[..., :2], plan_name=None)
+            kc.kda_recurrence_cudnn(*args[:5], S0[..., :2], plan_name=None)
     assert host.pieces_per_sequence is heuristic
     monkeypatch.setenv("KIMI_KDA_PIECES", "two")
     with pytest.raises(ValueError, match=r"\$KIMI_KDA_PIECES: got 'two'"):
-        tk.kda_recurrence_cudnn(*args, plan_name=None)
+        kc.kda_recurrence_cudnn(*args, plan_name=None)
 
 
 def test_pieces_without_the_launcher(monkeypatch):
@@ -233,15 +234,15 @@ def test_pieces_without_the_launcher(monkeypatch):
     import sys
 
     monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
-    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, None)  # import raises ImportError
-    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op({}))
+    monkeypatch.setitem(sys.modules, kc._CUDNN_KDA_SM90_HOST, None)  # import raises ImportError
+    monkeypatch.setattr(kc, "_cudnn_kda_op", lambda: fake_op({}))
     q, k, v, f, b, A_log, dt_bias, S0 = inputs(6, 1, 9, 2, 4, 4, 1)
     args = (tk.l2norm(q), tk.l2norm(k), v, tk.kda_gate(f, A_log, dt_bias, LB), torch.sigmoid(b))
     kernel_choice.reset_used()
-    tk.kda_recurrence_cudnn(*args, plan_name=None)
+    kc.kda_recurrence_cudnn(*args, plan_name=None)
     assert kernel_choice.used()["kda_pieces"] == {"cudnn": 1}
     with pytest.raises(RuntimeError, match="kda_pieces: got 'one'.*use 'cudnn'"):
-        tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")
+        kc.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")
 
 
 def test_pieces_nested_cudnn_inside_one(monkeypatch):
@@ -249,10 +250,10 @@ def test_pieces_nested_cudnn_inside_one(monkeypatch):
     records, and the outer block's patch is back after it."""
     launches, host, _, args = pieces_case(monkeypatch, seed=7)
     heuristic = host.pieces_per_sequence
-    with tk.cudnn_kda_pieces("one"):
-        tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="cudnn")
+    with kc.cudnn_kda_pieces("one"):
+        kc.kda_recurrence_cudnn(*args, plan_name=None, pieces="cudnn")
         assert host.pieces_per_sequence(10_000, 1, 3) == 1  # the outer block's patch is back
-        tk.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")
+        kc.kda_recurrence_cudnn(*args, plan_name=None, pieces="one")
     assert launches == [4, 1] and kernel_choice.used()["kda_pieces"] == {"cudnn": 1, "one": 1}
     assert host.pieces_per_sequence is heuristic
 
@@ -265,7 +266,7 @@ def test_pieces_threads_restore_the_launcher(monkeypatch):
     launches = []
     host = fake_cuda_host(monkeypatch, launches)
     heuristic = host.pieces_per_sequence
-    real_lock, waiting = tk._PIECES_LOCK, threading.Event()
+    real_lock, waiting = kc._PIECES_LOCK, threading.Event()
 
     class SignallingLock:  # the real lock; says when the second thread is about to wait on it
         def __enter__(self):
@@ -276,17 +277,17 @@ def test_pieces_threads_restore_the_launcher(monkeypatch):
         def __exit__(self, *exc):
             return real_lock.__exit__(*exc)
 
-    monkeypatch.setattr(tk, "_PIECES_LOCK", SignallingLock())
+    monkeypatch.setattr(kc, "_PIECES_LOCK", SignallingLock())
     errors = []
 
     def second():
         try:
-            with tk.cudnn_kda_pieces("one"):
+            with kc.cudnn_kda_pieces("one"):
                 assert host.pieces_per_sequence(10_000, 1, 3) == 1
         except Exception as e:  # noqa: BLE001  (reported by the assertion below)
             errors.append(e)
 
-    with tk.cudnn_kda_pieces("one"):
+    with kc.cudnn_kda_pieces("one"):
         t = threading.Thread(target=second, name="second")
         t.start()
         assert waiting.wait(10)
@@ -318,12 +319,12 @@ def stub_layer(monkeypatch, T: int = 5):
     stubs["fla.modules.norm.fused_norm_gate"] = types.SimpleNamespace(rms_norm_gated=rms_norm_gated)
     for name, mod in stubs.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op({}))
-    monkeypatch.setattr(tk, "_cudnn_missing", lambda x: [])
-    monkeypatch.setattr(tk, "cudnn_kda_unavailable", lambda *a, **k: None)
-    monkeypatch.setattr(tk, "_cudnn_plan_name", lambda device: None)
-    monkeypatch.setattr(tk, "_kda_prep_choice", lambda layer, x: "in_kernel")
-    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, None)  # no launcher function
+    monkeypatch.setattr(kc, "_cudnn_kda_op", lambda: fake_op({}))
+    monkeypatch.setattr(kc, "_cudnn_missing", lambda x: [])
+    monkeypatch.setattr(kc, "cudnn_kda_unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(kc, "_cudnn_plan_name", lambda device: None)
+    monkeypatch.setattr(kc, "_kda_prep_choice", lambda layer, x: "in_kernel")
+    monkeypatch.setitem(sys.modules, kc._CUDNN_KDA_SM90_HOST, None)  # no launcher function
     for var in ("KIMI_KDA_PIECES", "KIMI_SHORT_CONV_KERNEL"):
         monkeypatch.delenv(var, raising=False)
     cfg = load_config("tiny").replace(kda_num_heads=2, kda_head_dim=16)

@@ -3,7 +3,8 @@
 
 ``exp(A_log)`` overflows fp32 past A_log = 88.7; before the fix ``inf * 0`` gave g = NaN at ``f + dt_bias = 0`` and
 NaN gradients where the sigmoid saturates. Mutations tried (each makes a test below fail): removing the A_log cap in
-either twin; removing the G_MIN floor of the softplus form in either twin; a cap of 100 (> 88.7).
+either twin; removing the G_MIN floor of the softplus form in either twin; a cap of 100 (> 88.7) in ``kimi.kda_gate``,
+where both twins take the constants from.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kernels_torch.kda as tk
+import kernels_torch.kda_cudnn as kc
 from kernels_torch.ops import kda_prep as kp
 from kimi.config import load_config
 
@@ -210,20 +211,20 @@ def test_prep_choice_triton(monkeypatch):
     cfg = load_config("tiny")
     layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="cudnn")
     x = torch.randn(1, 2, cfg.hidden_size)
-    assert tk._kda_prep_choice(layer, x) == "outside"  # CPU x
+    assert kc._kda_prep_choice(layer, x) == "outside"  # CPU x
     layer.kda_prep = "triton"
     with pytest.raises(RuntimeError, match="'triton'.*cannot run"):
-        tk._kda_prep_choice(layer, x)
+        kc._kda_prep_choice(layer, x)
     layer.kda_prep = None
     monkeypatch.setenv("KIMI_KDA_PREP", "triton")
     with pytest.raises(RuntimeError, match="'triton'"):
-        tk._kda_prep_choice(layer, x)
+        kc._kda_prep_choice(layer, x)
 
 
 @needs_interpreter
 def test_cudnn_layer_wiring_with_triton_prep(monkeypatch):
-    """``_kda_layer_fast`` with ``kda_prep='triton'`` on the CPU: fla's conv / gated norm replaced by the eager twins,
-    cuDNN's op by ``test_kda_cudnn_prep``'s torch stand-in, so that only our kernels and the layer's wiring run
+    """``kernels_torch.kda_cudnn.kda_layer_forward`` with ``kda_prep='triton'`` on the CPU: fla's conv / gated norm
+    replaced by the eager twins, cuDNN's op by ``test_kda_cudnn_prep``'s torch stand-in, so that only our kernels and the layer's wiring run
     (fp32 x, packed documents with a length-1 one, a head past A_LOG_MAX). Output, final state, dx and every parameter
     gradient equal the eager layer's to fp32 rounding."""
     import sys
@@ -248,12 +249,12 @@ def test_cudnn_layer_wiring_with_triton_prep(monkeypatch):
     for name, mod in stubs.items():
         monkeypatch.setitem(sys.modules, name, mod)
     seen = {}
-    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op(seen))
-    monkeypatch.setattr(tk, "_cudnn_missing", lambda x: [])
-    monkeypatch.setattr(tk, "cudnn_kda_unavailable", lambda *a, **k: None)
-    monkeypatch.setattr(tk, "_cudnn_plan_name", lambda device: None)
-    monkeypatch.setattr(tk, "_kda_prep_choice", lambda layer, x: "triton")  # CPU x: auto would take fla's
-    monkeypatch.setitem(sys.modules, tk._CUDNN_KDA_SM90_HOST, None)  # no SM90 launcher: cuDNN's own split, recorded
+    monkeypatch.setattr(kc, "_cudnn_kda_op", lambda: fake_op(seen))
+    monkeypatch.setattr(kc, "_cudnn_missing", lambda x: [])
+    monkeypatch.setattr(kc, "cudnn_kda_unavailable", lambda *a, **k: None)
+    monkeypatch.setattr(kc, "_cudnn_plan_name", lambda device: None)
+    monkeypatch.setattr(kc, "_kda_prep_choice", lambda layer, x: "triton")  # CPU x: auto would take fla's
+    monkeypatch.setitem(sys.modules, kc._CUDNN_KDA_SM90_HOST, None)  # no SM90 launcher: cuDNN's own split, recorded
     monkeypatch.delenv("KIMI_KDA_PIECES", raising=False)
 
     cfg = load_config("tiny").replace(kda_num_heads=3, kda_head_dim=128)

@@ -11,6 +11,7 @@ import torch
 from layer_weights import kda_params, layer_dtypes
 
 import kernels_torch.kda as tk
+import kernels_torch.kda_cudnn as kc
 import reference_jax.kda as jk
 from kimi.config import load_config
 from kimi.layout import param_layout
@@ -386,7 +387,7 @@ def test_kda_recurrence_cudnn_layout_conversions(monkeypatch):
         o, S = tk.kda_chunk(q[None], k[None], v[None], g[None], beta[None], scale, S0, cu_seqlens.tolist())
         return o[0], S.transpose(-1, -2), torch.empty(0)
 
-    monkeypatch.setattr(tk, "_cudnn_kda_op", lambda: fake_op)
+    monkeypatch.setattr(kc, "_cudnn_kda_op", lambda: fake_op)
     gen = torch.Generator().manual_seed(3)
     B, T, H, K, V = 2, 9, 2, 4, 6
     q, k = (tk.l2norm(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)) for _ in range(2))
@@ -394,7 +395,7 @@ def test_kda_recurrence_cudnn_layout_conversions(monkeypatch):
     g = -torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
     beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
     S0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64, requires_grad=True)
-    o, S = tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, plan_name=None)
+    o, S = kc.kda_recurrence_cudnn(q, k, v, g, beta, S0, plan_name=None)
     o_r, S_r = tk.kda_chunk(q, k, v, g, beta, initial_state=S0)
     assert seen == {"N": B, "plan": None} and o.shape == (B, T, H, V) and S.shape == (B, H, K, V)
     torch.testing.assert_close(o, o_r, rtol=1e-5, atol=1e-6)
@@ -404,11 +405,11 @@ def test_kda_recurrence_cudnn_layout_conversions(monkeypatch):
     torch.testing.assert_close(dS0, dS0_r, rtol=1e-5, atol=1e-6)
     # packed documents (B = 1) with a length-1 document
     cu = [0, 1, 5, 9]
-    o, S = tk.kda_recurrence_cudnn(q[:1], k[:1], v[:1], g[:1], beta[:1], S0.detach()[:1].repeat(3, 1, 1, 1), cu, None)
+    o, S = kc.kda_recurrence_cudnn(q[:1], k[:1], v[:1], g[:1], beta[:1], S0.detach()[:1].repeat(3, 1, 1, 1), cu, None)
     o_r, S_r = tk.kda_chunk(
         q[:1], k[:1], v[:1], g[:1], beta[:1], initial_state=S0.detach()[:1].repeat(3, 1, 1, 1), cu_seqlens=cu
     )
     torch.testing.assert_close(o, o_r, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(S, S_r, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="initial_state"):
-        tk.kda_recurrence_cudnn(q, k, v, g, beta, S0[:1], plan_name=None)
+        kc.kda_recurrence_cudnn(q, k, v, g, beta, S0[:1], plan_name=None)

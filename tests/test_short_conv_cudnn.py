@@ -1,7 +1,7 @@
 """CPU checks of the ``cudnn`` KDA layer's short convolution on cuDNN Frontend's ``causal_conv1d``
-(``kernels_torch.kda.short_conv_cudnn``): the new conv state we gather ourselves (:func:`conv_final_state`) against the
-eager function, the call's wiring (layout, dtypes, states) through a torch stand-in for the op, and the layer's choice
-between fla's kernel and cuDNN's (``short_conv`` in ``kernels_torch.kernel_choice``). The kernel itself is checked
+(``kernels_torch.kda_cudnn.short_conv_cudnn``): the new conv state we gather ourselves (:func:`conv_final_state`)
+against the eager function, the call's wiring (layout, dtypes, states) through a torch stand-in for the op, and the
+layer's choice between fla's kernel and cuDNN's (``short_conv`` in ``kernels_torch.kernel_choice``). The kernel itself is checked
 against the eager function in ``tests/gpu/test_gpu_kda_cudnn.py``."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from test_kda_cudnn_prep import rel, stub_layer
 
 import kernels_torch.kda as tk
+import kernels_torch.kda_cudnn as kc
 from kernels_torch import kernel_choice
 
 TOL = 1e-12  # fp64 throughout: the stand-in and the eager function compute the same sums
@@ -47,7 +48,7 @@ def test_final_state_equals_eager(B, T, cu, with_state):
     state = torch.randn(N, C, W - 1, dtype=torch.float64) if with_state else None
     cu_t = None if cu is None else torch.tensor(cu)
     _, want = tk.short_conv(x, torch.randn(C, 1, W, dtype=torch.float64), cu_t, state)
-    got = tk.conv_final_state(x, state, cu_t, W)
+    got = kc.conv_final_state(x, state, cu_t, W)
     assert got.shape == (N, C, W - 1)
     assert torch.equal(got, want)
 
@@ -57,7 +58,7 @@ def test_short_conv_cudnn_wiring(monkeypatch, cu, with_state):
     """y, dx, dw and the new state equal the eager function's; the op gets the channel-last transpose, a contiguous
     ``[C, W]`` filter, int32 ``cu_seqlens`` and the state as given."""
     seen = []
-    monkeypatch.setattr(tk, "_cudnn_causal_conv1d", lambda: fake_cudnn_conv(seen))
+    monkeypatch.setattr(kc, "_cudnn_causal_conv1d", lambda: fake_cudnn_conv(seen))
     B = 2 if cu is None else 1
     T, C, W = 13, 6, 4
     N = B if cu is None else len(cu) - 1
@@ -65,7 +66,7 @@ def test_short_conv_cudnn_wiring(monkeypatch, cu, with_state):
     w = torch.randn(C, 1, W, dtype=torch.float64, requires_grad=True)
     state = torch.randn(N, C, W - 1, dtype=torch.float64) if with_state else None
     cu_t = None if cu is None else torch.tensor(cu)
-    y, new = tk.short_conv_cudnn(x, w, cu_t, state)
+    y, new = kc.short_conv_cudnn(x, w, cu_t, state)
     dy = torch.randn_like(y)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     y_ref, new_ref = tk.short_conv(x, w, cu_t, state)
@@ -80,12 +81,12 @@ def test_short_conv_cudnn_wiring(monkeypatch, cu, with_state):
         assert call["cu_seqlens"].dtype == torch.int32 and call["cu_seqlens"].tolist() == cu
     assert (call["state"] is None) == (not with_state)
     with pytest.raises(ValueError, match=r"conv_state: got shape \(1, 6, 2\)"):
-        tk.short_conv_cudnn(x, w, cu_t, torch.zeros(1, C, 2, dtype=torch.float64))
+        kc.short_conv_cudnn(x, w, cu_t, torch.zeros(1, C, 2, dtype=torch.float64))
 
 
 def test_unavailable_reasons():
     x = torch.randn(1, 4, 8)
-    why = tk.cudnn_short_conv_unavailable(x, 4)
+    why = kc.cudnn_short_conv_unavailable(x, 4)
     assert why is not None  # CPU (or no cuDNN FE): a reason, never None
     assert "cpu" in why or "cudnn" in why.lower()
 
@@ -96,8 +97,8 @@ def test_layer_choice(monkeypatch):
     give the same layer output (the stand-in computes the eager function)."""
     seen = []
     layer, x = stub_layer(monkeypatch, T=7)
-    monkeypatch.setattr(tk, "_cudnn_causal_conv1d", lambda: fake_cudnn_conv(seen))
-    monkeypatch.setattr(tk, "cudnn_short_conv_unavailable", lambda x, W: None)
+    monkeypatch.setattr(kc, "_cudnn_causal_conv1d", lambda: fake_cudnn_conv(seen))
+    monkeypatch.setattr(kc, "cudnn_short_conv_unavailable", lambda x, W: None)
 
     def run():
         kernel_choice.reset_used()
@@ -130,7 +131,7 @@ def test_layer_choice(monkeypatch):
         run()
     monkeypatch.delenv("KIMI_SHORT_CONV_KERNEL")
 
-    monkeypatch.setattr(tk, "cudnn_short_conv_unavailable", lambda x, W: "x is on cpu")
+    monkeypatch.setattr(kc, "cudnn_short_conv_unavailable", lambda x, W: "x is on cpu")
     assert run()[1] == {"fla": 3}  # auto: the other kernel
     layer.short_conv_kernel = "cudnn"
     with pytest.raises(RuntimeError, match="short_conv_kernel: got 'cudnn'.*x is on cpu"):
@@ -139,12 +140,12 @@ def test_layer_choice(monkeypatch):
     def declining(*args, **kwargs):
         raise NotImplementedError("the current backend cannot execute this call")
 
-    monkeypatch.setattr(tk, "cudnn_short_conv_unavailable", lambda x, W: None)
-    monkeypatch.setattr(tk, "_cudnn_causal_conv1d", lambda: declining)
+    monkeypatch.setattr(kc, "cudnn_short_conv_unavailable", lambda x, W: None)
+    monkeypatch.setattr(kc, "_cudnn_causal_conv1d", lambda: declining)
     with pytest.raises(RuntimeError, match="declined: the current backend"):
         run()
     layer.short_conv_kernel = None
-    tk._FALLBACK_WARNED.clear()
+    kc._FALLBACK_WARNED.clear()
     with pytest.warns(UserWarning, match="cuDNN short conv declined"):
         out, used = run()
     assert used == {"fla": 3} and rel(out, out_fla) < 1e-6
@@ -152,17 +153,17 @@ def test_layer_choice(monkeypatch):
 
 def test_state_needing_a_gradient_stays_on_fla(monkeypatch):
     layer, x = stub_layer(monkeypatch, T=4)
-    monkeypatch.setattr(tk, "cudnn_short_conv_unavailable", lambda x, W: None)
+    monkeypatch.setattr(kc, "cudnn_short_conv_unavailable", lambda x, W: None)
     monkeypatch.setattr(kernel_choice, "SHORT_CONV_AUTO", "cudnn")
     state = torch.randn(1, 8, 3)
-    assert tk._short_conv_choice(layer, x, (state, None, None), 4) == ("cudnn", False)
+    assert kc._short_conv_choice(layer, x, (state, None, None), 4) == ("cudnn", False)
     state.requires_grad_(True)
-    assert tk._short_conv_choice(layer, x, (state, None, None), 4) == ("fla", False)
+    assert kc._short_conv_choice(layer, x, (state, None, None), 4) == ("fla", False)
     with torch.no_grad():  # no gradient to compute: cuDNN's runs
-        assert tk._short_conv_choice(layer, x, (state, None, None), 4) == ("cudnn", False)
+        assert kc._short_conv_choice(layer, x, (state, None, None), 4) == ("cudnn", False)
     layer.short_conv_kernel = "cudnn"
     with pytest.raises(RuntimeError, match="requires a gradient"):
-        tk._short_conv_choice(layer, x, (None, state, None), 4)
+        kc._short_conv_choice(layer, x, (None, state, None), 4)
 
 
 def test_set_model_kernels_and_load_model_take_short_conv():

@@ -1,5 +1,5 @@
 """Input preparation of the KDA recurrence in Triton (issue 15): the q/k L2 norm and the lower-bound gate, each one
-launch forward and one backward, for the cuDNN KDA path (``kernels_torch.kda._kda_layer_fast`` with
+launch forward and one backward, for the cuDNN KDA path (``kernels_torch.kda_cudnn.kda_layer_forward`` with
 ``kda_prep='triton'``, opt-in). Measured on the H200 (pass 8) they are no faster than fla's ``l2norm`` and
 ``fused_kda_gate``, which the default (``auto`` = ``outside``) keeps: fwd+bwd at 8K tokens, 96 heads, norms 0.57
 against 0.77 ms, gate 0.74 against 0.73 ms, the whole layer 42.4 against 40.5 ms (run-to-run spread about 2 ms).
@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from kimi.kda_gate import A_LOG_MAX
 
 try:  # Triton is optional: the CPU CI machine has none.
     import triton
@@ -353,7 +355,7 @@ def kda_gate_lb(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, low
 
     Args:
         f: ``[..., H, K]`` raw gate input (the layer: ``[B, T, H, K]`` bf16), on CUDA (or CPU under the interpreter).
-        A_log: ``[H]`` (canonical, sliced; capped at ``kernels_torch.kda.A_LOG_MAX`` here). dt_bias: ``[H*K]``.
+        A_log: ``[H]`` (canonical, sliced; capped at ``kimi.kda_gate.A_LOG_MAX`` here). dt_bias: ``[H*K]``.
         lower_bound: ``gate_lower_bound`` (K3: -5.0), a finite negative float.
 
     Returns:
@@ -364,8 +366,6 @@ def kda_gate_lb(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, low
         ValueError: shapes, or ``lower_bound`` not a finite negative number.
         RuntimeError: Triton missing, or f not on CUDA (outside the interpreter).
     """
-    from kernels_torch.kda import A_LOG_MAX
-
     if f.ndim < 2 or not f.is_floating_point():
         raise ValueError(f"f: got shape {tuple(f.shape)}, dtype {f.dtype}, expected a floating [..., H, K] tensor")
     H, K = f.shape[-2:]

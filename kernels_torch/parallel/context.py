@@ -55,9 +55,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from kernels_torch.common import check_cu_seqlens, effective_weight, segment_ids
+from kernels_torch.common import linear as kda_linear  # the layer's own projection rule (dtype, LoRA-wrapped layers)
 from kernels_torch.indexer import indexer_scores, sparse_mask, topk_indices
 from kernels_torch.kda import KDACache, KimiDeltaAttention, kda_chunk
-from kernels_torch.kda import _linear as kda_linear  # the layer's own projection rule (dtype, LoRA-wrapped layers)
 from kernels_torch.mla import GatedMLA, mla_attention, mla_attention_absorbed
 
 __all__ = ["shard_bounds", "Shard", "make_shard", "all_gather", "gather_sequence", "ContextParallel"]

@@ -1,5 +1,5 @@
-"""GPU checks of the KDA layer under ``backend='cudnn'`` (``kernels_torch.kda._kda_layer_fast``) on both recurrence
-kernels (``kda_kernel`` = ``cudnn``: cuDNN Frontend's KDA op; ``fla``: fla-core's ``chunk_kda``) against the pure-torch
+"""GPU checks of the KDA layer under ``backend='cudnn'`` (``kernels_torch.kda_cudnn.kda_layer_forward``) on both
+recurrence kernels (``kda_kernel`` = ``cudnn``: cuDNN Frontend's KDA op; ``fla``: fla-core's ``chunk_kda``) against the pure-torch
 eager layer: forward (out, final state, conv states), packed documents, decode, the gradients of every parameter and
 of x, the recurrence alone with non-zero initial states (and its gradient), and bitwise reproducible forwards. The cuDNN
 kernel runs in three variants (``kda_prep``): ``triton`` and ``outside`` (q/k L2 norm, gate and beta sigmoid computed
@@ -22,6 +22,7 @@ import torch
 from _helpers import rel, rel_or_scaled  # tests/gpu is on pytest's path
 
 import kernels_torch.kda as tk
+import kernels_torch.kda_cudnn as kc
 from kernels_torch import kernel_choice
 from kimi.config import load_config
 from kimi.layout import param_layout
@@ -51,7 +52,7 @@ KERNELS = os.environ.get("KIMI_TEST_KDA_KERNELS", "cudnn,fla").split(",")
 def kernel(request):
     """The recurrence kernel under test; cuDNN's is skipped (with the reason) where its op cannot run."""
     if request.param == "cudnn":
-        why = tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
+        why = kc.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
         if why is not None:
             pytest.skip(f"cuDNN KDA: {why}")
     kernel_choice.reset_used()
@@ -327,7 +328,7 @@ def test_gradients_match_eager_per_short_conv_kernel(case, conv):
     ``causal_conv1d`` or fla's), recurrence on cuDNN where it runs; every call ran on the forced conv kernel."""
     kernel = "cudnn" if "cudnn" in KERNELS and _cudnn_kda_why() is None else "fla"
     if conv == "cudnn":
-        why = tk.cudnn_short_conv_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 4)
+        why = kc.cudnn_short_conv_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 4)
         if why is not None:
             pytest.skip(f"cuDNN short conv: {why}")
     kernel_choice.reset_used()
@@ -336,7 +337,7 @@ def test_gradients_match_eager_per_short_conv_kernel(case, conv):
 
 
 def _cudnn_kda_why():
-    return tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
+    return kc.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
 
 
 def _check_gradients(gate, case, kernel, conv=None):
@@ -387,7 +388,7 @@ def _check_gradients(gate, case, kernel, conv=None):
 def _recurrence(kernel, q, k, v, g, beta, S0, cu):
     """o, S of one kernel on L2-normalised bf16 q/k, bf16 v, fp32 log-space g and beta, fp32 S0 [N, H, K, V]."""
     if kernel == "cudnn":
-        return tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, cu)
+        return kc.kda_recurrence_cudnn(q, k, v, g, beta, S0, cu)
     from fla.ops.kda import chunk_kda
 
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device=DEVICE)
@@ -436,7 +437,7 @@ def test_unbounded_gate_runs_on_fla():
     """The softplus gate (gate_lower_bound None): auto runs fla (cuDNN's engine gave NaN there on the H200), and a
     forced cuDNN kernel says why it cannot run."""
     cfg = configs()["kimi_linear_softplus"]
-    if tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE), 128, 128) is not None:
+    if kc.cudnn_kda_unavailable(torch.empty(1, device=DEVICE), 128, 128) is not None:
         pytest.skip("no cuDNN KDA op here")
     fast, ref = layer_pair(cfg, seed=60, kernel="auto")
     x16, x32 = inputs(cfg, 1, 300, seed=61)
@@ -452,7 +453,7 @@ def test_unbounded_gate_runs_on_fla():
 
 
 def _cudnn_or_skip():
-    why = tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
+    why = kc.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
     if why is not None:
         pytest.skip(f"cuDNN KDA: {why}")
 
@@ -550,11 +551,11 @@ def test_recurrence_fused_matches_eager(case):
     dt_bias = rn(H * K)
     S0 = 0.5 * rn(N, H, K, K) if with_S0 else None
     with torch.no_grad():
-        o, S = tk.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, -5.0, S0, cu)
+        o, S = kc.kda_recurrence_cudnn_fused(q, k, v, f, b, A_log, dt_bias, -5.0, S0, cu)
         g = tk.kda_gate(f.double(), A_log.double(), dt_bias.double(), -5.0)
         qn, kn, beta = tk.l2norm(q.double()), tk.l2norm(k.double()), torch.sigmoid(b.double())
         o_r, S_r = tk.kda_chunk(qn, kn, v.double(), g, beta, initial_state=S0, cu_seqlens=cu)
-        o_out, S_out = tk.kda_recurrence_cudnn(
+        o_out, S_out = kc.kda_recurrence_cudnn(
             tk.l2norm(q).to(torch.bfloat16), tk.l2norm(k).to(torch.bfloat16), v, g.float(), beta.float(), S0, cu
         )
     test = f"rec_fused[{case}]"
@@ -590,8 +591,8 @@ def test_pieces_one_and_cudnn_split_match_eager(gate):
     o_r, S_r = tk.kda_chunk(q.double(), k.double(), v.double(), g.double(), beta.double(), initial_state=S0.double())
     kernel_choice.reset_used()
     for pieces in ("one", "cudnn"):
-        o, S = tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, pieces=pieces)
-        o2, S2 = tk.kda_recurrence_cudnn(q, k, v, g, beta, S0, pieces=pieces)
+        o, S = kc.kda_recurrence_cudnn(q, k, v, g, beta, S0, pieces=pieces)
+        o2, S2 = kc.kda_recurrence_cudnn(q, k, v, g, beta, S0, pieces=pieces)
         assert torch.equal(o, o2) and torch.equal(S, S2), f"{pieces}: two calls differ"
         errs = {"o": report(f"pieces[{pieces}-{gate}]", "o", rel(o, o_r)), "S": rel(S, S_r)}
         assert errs["o"] <= TOL_REC["o"] and errs["S"] <= TOL_REC["S"], f"{pieces}: {errs}"

@@ -24,6 +24,7 @@ from test_gpu_kda_cudnn import (
 )
 
 import kernels_torch.kda as tk
+import kernels_torch.kda_cudnn as kc
 from kernels_torch import kernel_choice
 from kernels_torch.ops import kda_prep as kp
 
@@ -168,7 +169,7 @@ def test_cudnn_layer_with_prep_matches_eager(case, prep):
     """The cudnn KDA layer (cuDNN's op) with our Triton preparation and with fla's: output, dx and every parameter
     gradient against eager fp32 (loss <out, dout>), with the tolerances of ``test_gpu_kda_cudnn``."""
     _triton_or_skip()
-    why = tk.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
+    why = kc.cudnn_kda_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), 128, 128)
     if why is not None:
         pytest.skip(f"cuDNN KDA: {why}")
     cfg = configs()["k3_lb_sigmoid"]

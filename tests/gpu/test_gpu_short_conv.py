@@ -1,5 +1,5 @@
 """GPU checks of KDA's short convolution (depthwise causal conv1d, width 4, + SiLU) on both kernels of the ``cudnn``
-backend: cuDNN Frontend's ``cudnn.ops.causal_conv1d`` (``kernels_torch.kda.short_conv_cudnn``) and fla-core's
+backend: cuDNN Frontend's ``cudnn.ops.causal_conv1d`` (``kernels_torch.kda_cudnn.short_conv_cudnn``) and fla-core's
 ``causal_conv1d`` as the layer calls it, against the eager function ``kernels_torch.kda.short_conv`` in fp64 on the same
 bf16 inputs: y, dx, dw and the new conv state, at T in {1, 63, 2049, 8192}, packed documents with length-1 documents,
 non-zero conv states, and bitwise reproducible forwards (activation recomputation relies on them). Spec
@@ -13,6 +13,7 @@ import torch
 from _helpers import rel  # tests/gpu is on pytest's path
 
 import kernels_torch.kda as tk
+import kernels_torch.kda_cudnn as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -35,13 +36,14 @@ CASES = {  # name -> (B, T, C, cu_seqlens, with_state)
 
 
 def fla_conv(x, weight, cu, state):
-    """fla's ``causal_conv1d`` exactly as ``_kda_layer_fast`` calls it (our state as fla's W-wide window)."""
+    """fla's ``causal_conv1d`` exactly as ``kernels_torch.kda_cudnn.kda_layer_forward`` calls it (our state as fla's
+    W-wide window)."""
     from fla.modules.causal_conv1d import causal_conv1d
 
     y, final = causal_conv1d(
         x=x,
         weight=weight[:, 0, :],
-        initial_state=tk._fla_conv_state(state),
+        initial_state=kc._fla_conv_state(state),
         output_final_state=True,
         activation="silu",
         cu_seqlens=cu,
@@ -53,10 +55,10 @@ def fla_conv(x, weight, cu, state):
 @pytest.fixture(params=["cudnn", "fla"])
 def conv(request):
     if request.param == "cudnn":
-        why = tk.cudnn_short_conv_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), W)
+        why = kc.cudnn_short_conv_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), W)
         if why is not None:
             pytest.skip(f"cuDNN short conv: {why}")
-        return lambda x, w, cu, state: tk.short_conv_cudnn(x, w, cu, state)
+        return lambda x, w, cu, state: kc.short_conv_cudnn(x, w, cu, state)
     return fla_conv
 
 
@@ -103,13 +105,13 @@ def test_forward_bitwise_reproducible(case, conv):
 def test_documents_reset():
     """The packed call differs from the whole row run as one sequence exactly at the first W-1 tokens of every later
     document (cuDNN's kernel; the reset is real and no wider than the window)."""
-    why = tk.cudnn_short_conv_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), W)
+    why = kc.cudnn_short_conv_unavailable(torch.empty(1, device=DEVICE, dtype=torch.bfloat16), W)
     if why is not None:
         pytest.skip(f"cuDNN short conv: {why}")
     x, w, _, _, cu = case_inputs("packed_five", seed=5)
     with torch.no_grad():
-        packed, _ = tk.short_conv_cudnn(x, w, cu, None)
-        whole, _ = tk.short_conv_cudnn(x, w, None, None)
+        packed, _ = kc.short_conv_cudnn(x, w, cu, None)
+        whole, _ = kc.short_conv_cudnn(x, w, None, None)
     differs = (packed != whole).any(dim=-1)[0]
     starts = cu.tolist()[1:-1]
     expected = torch.zeros_like(differs)
