@@ -55,6 +55,9 @@ __all__ = [
     "to_stored",
     "write_checkpoint",
     "save_params",
+    "normalise_layers",
+    "stored_items",
+    "write_stream",
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -104,7 +107,14 @@ def _fmt(shape: Iterable[int], dtype: str) -> str:
     return f"{list(shape)} {dtype}"
 
 
-def _normalise_layers(cfg: KimiConfig, layers: int | Iterable[int] | None) -> list[int]:
+def normalise_layers(cfg: KimiConfig, layers: int | Iterable[int] | None) -> list[int]:
+    """The sorted 0-based layer indices a ``layers`` argument names (the module docstring's convention): ``None``
+    -> all ``num_hidden_layers``, an int ``N`` -> the first N, an iterable -> its distinct indices, sorted.
+
+    Raises:
+        TypeError: a bool (``True`` is an int in Python, but never a layer count here).
+        ValueError: a count outside ``[1, num_hidden_layers]`` or an index outside ``[0, num_hidden_layers)``.
+    """
     n = cfg.num_hidden_layers
     if layers is None:
         return list(range(n))
@@ -429,7 +439,7 @@ def load_arrays(
     reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
     own = config is None
     cfg = reader.config if own else config
-    idx = _normalise_layers(cfg, layers)
+    idx = normalise_layers(cfg, layers)
     wanted = set(idx)
     expected = stored_layout(cfg, idx)
 
@@ -573,8 +583,11 @@ def pad_A_log(A_log: np.ndarray, shape: Iterable[int]) -> np.ndarray:
     raise ValueError(f"shape: got {list(shape)}, expected [S >= {H}] or [1, 1, {H}, 1] for A_log [{H}]")
 
 
-def _stored_items(name: str, t: np.ndarray, cfg: KimiConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """One canonical parameter (numpy) -> its stored array(s)."""
+def stored_items(name: str, t: np.ndarray, cfg: KimiConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """One canonical parameter -> its stored ``(name, array)`` pair(s), names without the key prefix: routed
+    experts as MXFP4 ``weight_packed`` + ``weight_scale`` when ``cfg.quant_method == "mxfp4"``, ``A_log`` ``[H]``
+    re-padded to its storage shape, anything else unchanged. ``t`` is a numpy array; so are the results.
+    The per-tensor step of :func:`to_stored`, for writers that stream (``kimi.init.init_checkpoint``)."""
     if ".experts." in name and cfg.quant_method == "mxfp4":
         base = name.removesuffix(".weight")
         packed, scale = quantize_mxfp4(t, group_size=cfg.quant_group_size)
@@ -602,12 +615,12 @@ def to_stored(
     Raises:
         CheckpointError: ``params`` does not match ``param_layout(config, layers)`` (all problems at once).
     """
-    idx = _normalise_layers(config, layers)
+    idx = normalise_layers(config, layers)
     _check_params(params, config, idx, what="to_stored: params")
     out: dict[str, Any] = {}
     for spec in param_layout(config, idx):
         t = params[spec.name]
-        for name, a in _stored_items(spec.name, to_numpy(t), config):
+        for name, a in stored_items(spec.name, to_numpy(t), config):
             out[name] = to_torch(a) if is_torch_tensor(t) else a
     return out
 
@@ -689,19 +702,26 @@ def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
     return tmp
 
 
-def _write_stream(
+def write_stream(
     path: str | os.PathLike,
     specs: list[TensorSpec],
     produce: Callable[[TensorSpec], Any],
     config: KimiConfig,
     max_shard_bytes: int,
 ) -> None:
-    """Write the tensors of ``specs`` (in order), each made by ``produce(spec)`` just before it is written.
+    """Write the tensors of ``specs`` (in order), each made by ``produce(spec)`` just before it is written: the
+    streaming core of :func:`write_checkpoint`, for writers that cannot hold every tensor at once
+    (``kimi.init.init_checkpoint``). ``specs`` is the stored layout (names without prefix); ``produce`` returns a
+    numpy array or torch tensor of exactly ``spec.shape`` and ``spec.dtype``.
 
     Every file goes to a temporary name in the target directory and is fsynced; only when all are complete are
     they ``os.replace``d to their final names, shards and ``config.json`` first, the index last (the commit point).
     An exception removes the temporary files and leaves no final-named partial file; an existing index is removed
     just before the replacements so that a stale index never points at a mix of old and new shards.
+
+    Raises:
+        ValueError: ``max_shard_bytes`` not a positive int.
+        CheckpointError: a produced tensor whose shape or dtype differs from its spec (nothing is committed).
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes: got {max_shard_bytes!r}, expected a positive integer")
@@ -785,7 +805,7 @@ def write_checkpoint(
     specs = stored_layout(config)
     found, extra = _array_meta(stored)
     _raise_problems(f"write_checkpoint {path}", _check_stored_meta(specs, found, None, extra))
-    _write_stream(path, specs, lambda s: stored[s.name], config, max_shard_bytes)
+    write_stream(path, specs, lambda s: stored[s.name], config, max_shard_bytes)
 
 
 def save_params(path: str | os.PathLike, params: Mapping[str, Any], config: KimiConfig, **kw) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from kimi.arrays import numpy_dtype, to_torch
-from kimi.checkpoint import DEFAULT_MAX_SHARD_BYTES, _normalise_layers, _stored_items, _write_stream
+from kimi.checkpoint import DEFAULT_MAX_SHARD_BYTES, normalise_layers, stored_items, write_stream
 from kimi.config import KimiConfig
 from kimi.layout import TensorSpec, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -112,7 +112,7 @@ def init_params(config: KimiConfig, seed: int = 0, layers: int | Iterable[int] |
     Returns:
         ``{name: CPU torch tensor}``.
     """
-    idx = _normalise_layers(config, layers)
+    idx = normalise_layers(config, layers)
     return {s.name: init_tensor(s, config, seed) for s in param_layout(config, idx)}
 
 
@@ -168,10 +168,10 @@ def init_checkpoint(
             if cache_src[0] != cn:  # packed and scale of one expert are adjacent in the layout: one-entry cache
                 refill(pool)
                 cache.clear()
-                cache.update(_stored_items(cn, pending.pop(cn).result(), out_cfg))
+                cache.update(stored_items(cn, pending.pop(cn).result(), out_cfg))
                 cache_src[0] = cn
                 refill(pool)
             return cache[spec.name]
 
-        _write_stream(path, specs, produce, out_cfg, max_shard_bytes)
+        write_stream(path, specs, produce, out_cfg, max_shard_bytes)
     return out_cfg

@@ -126,7 +126,8 @@ def _layer_errors(model, ref, kinds, ids, device) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from kimi_tools.compare import RunResult, _layer_local, compare_runs
+    from kimi_tools.compare import RunResult, compare_runs
+    from kimi_tools.compare import layer_local as _layer_local
 
     def to_np(t):
         t = t.detach().cpu()

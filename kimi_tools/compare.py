@@ -30,6 +30,7 @@ __all__ = [
     "Report",
     "selection_agreement",
     "rel_err",
+    "layer_local",
 ]
 
 
@@ -179,7 +180,7 @@ def run_torch(
 
     layer_rows = [_np_aux(a, to_np) for a in auxes]
     if ref is not None:
-        layer_rows = _layer_local(model, ref, to_np, device)
+        layer_rows = layer_local(model, ref, to_np, device)
     result = RunResult(
         f"torch-{backend}", to_np(logits)[0], layer_rows, time.perf_counter() - t0, kernels=kernel_choice.used()
     )
@@ -189,8 +190,19 @@ def run_torch(
     return result
 
 
-def _layer_local(model, ref: RunResult, to_np, device) -> list[dict[str, Any]]:
-    """Run each torch layer on the reference's inputs of that layer (see :func:`run_torch`)."""
+def layer_local(model, ref: RunResult, to_np, device) -> list[dict[str, Any]]:
+    """Run each torch layer on the reference's inputs of that layer, no gradients (see :func:`run_torch`).
+
+    Args:
+        model: a ``kernels_torch.model.KimiK3Model`` with at least ``len(ref.layers)`` layers.
+        ref: the reference's run; each ``ref.layers[i]`` holds layer i's ``input_blocks`` and ``input_p``
+            (numpy ``[T, D]``), cast here to the model's dtype on ``device``.
+        to_np: torch tensor -> numpy array (the caller's cast, e.g. to float32 on the CPU).
+        device: where the model lives (``"cpu"`` or ``"cuda"``).
+
+    Returns:
+        One dict per layer of its intermediates as numpy, batch axis dropped (the rows of ``RunResult.layers``).
+    """
     import torch
 
     dtype = model.model.layers[0].input_layernorm.weight.dtype
