@@ -11,8 +11,9 @@ JAX reference reads checkpoints without torch (:func:`load_arrays`, :meth:`Check
 imported only by the functions that return torch tensors (:func:`load_params`, :meth:`CheckpointReader.get`) or when
 torch tensors are handed in. Both give the same bits.
 
-* :class:`CheckpointReader` opens a directory; shapes and dtypes come from the safetensors headers (parsed here,
-  no tensor data read), tensors are read one at a time, opening only the shard that holds them.
+* :class:`CheckpointReader` opens a directory; shapes and dtypes come from the safetensors headers (through
+  ``safetensors.safe_open``, no tensor data read), tensors are read one at a time, opening only the shard that holds
+  them.
 * :func:`load_params` (torch tensors) and :func:`load_arrays` (numpy arrays) return the **canonical** parameters
   (:func:`kimi.layout.param_layout`) of the requested layers plus the global tensors, after checking every stored
   tensor of those layers against :func:`kimi.layout.stored_layout` and reporting all problems in one
@@ -151,37 +152,40 @@ def _raise_problems(what: str, problems: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------- safetensors header
 
 
-def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Parse a safetensors header: ``{key: (shape, torch dtype name)}``; no tensor data is read.
+# What safetensors' header errors mean for a shard, in the words of this module's messages (first match wins).
+_HEADER_ERRORS = (
+    ("header too small", "not a safetensors file (shorter than the 8-byte header length)"),
+    ("invalid header length", "not a safetensors file (its header length points past the end of the file)"),
+    (
+        "incomplete metadata",
+        "cannot read tensor data: the file's length does not match its header (a truncated or damaged shard)",
+    ),
+)
 
-    Format (safetensors): u64 little-endian header length N, N bytes of JSON ``{key: {dtype, shape, data_offsets}}``
-    plus an optional ``__metadata__`` entry, then the data.
+
+def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A safetensors header as ``{key: (shape, dtype name)}`` through ``safetensors.safe_open`` (its ``keys()`` and
+    ``get_slice(key).get_shape()`` / ``get_dtype()``); no tensor data is read. The ``__metadata__`` entry
+    (``metadata()``) holds free-form strings and is not needed here.
+
+    Raises:
+        CheckpointError: the file is missing, or safetensors refuses it (too short, a header length past the end,
+            a header that is not valid UTF-8 JSON of tensor entries, an unknown dtype, or data that does not cover
+            exactly what the header lists, i.e. a truncated or damaged shard), with safetensors' reason.
     """
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            size = os.fstat(f.fileno()).st_size
-            if len(head) != 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n} > file size {size})")
-            meta = json.loads(f.read(n).decode("utf-8"))
+        with safe_open(str(path), framework="numpy") as f:
+            out = {}
+            for key in f.keys():
+                info = f.get_slice(key)
+                code = info.get_dtype()
+                out[key] = (tuple(int(d) for d in info.get_shape()), _ST_TO_TORCH.get(code, f"unknown dtype {code}"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard file missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file (bad header: {e})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
-    out = {}
-    for key, info in meta.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            raise CheckpointError(f"{path}: not a safetensors file (header entry {key!r} is not an object)")
-        code = info.get("dtype")
-        dtype = _ST_TO_TORCH.get(code, f"unknown safetensors dtype {code}")
-        out[key] = (tuple(int(d) for d in info.get("shape", ())), dtype)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError for every damaged header
+        reason = str(e)
+        what = next((w for k, w in _HEADER_ERRORS if k in reason), "not a safetensors file (bad header)")
+        raise CheckpointError(f"{path}: {what}; safetensors says: {reason}") from None
     return out
 
 

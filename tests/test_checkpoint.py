@@ -395,6 +395,63 @@ def test_truncated_shard_and_nan_scale_are_named(tmp_path, cfg, params):
         load_params(tmp_path / "trunc")
 
 
+def _header_bytes(header: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", r"not a safetensors file \(shorter than the 8-byte header length\)"),
+        (b"\x07" * 7, r"not a safetensors file \(shorter than the 8-byte header length\)"),
+        (struct.pack("<Q", 10**6) + b"{}", r"not a safetensors file \(its header length points past the end"),
+        (_header_bytes(b"{abc}"), r"not a safetensors file \(bad header\).*JSON"),
+        (_header_bytes(b"[1, 2]"), r"not a safetensors file \(bad header\)"),
+        (_header_bytes(b'{"model.norm.weight": 3}'), r"not a safetensors file \(bad header\)"),
+        (_header_bytes(b"\xff\xfe{}"), r"not a safetensors file \(bad header\).*UTF-8"),
+        (
+            _header_bytes(b'{"model.norm.weight": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 1]}}') + b"\0",
+            r"not a safetensors file \(bad header\).*Q9",
+        ),
+    ],
+    ids=[
+        "empty",
+        "7-bytes",
+        "length-past-end",
+        "bad-json",
+        "not-an-object",
+        "entry-not-an-object",
+        "bad-utf8",
+        "dtype",
+    ],
+)
+def test_damaged_header_is_named(tmp_path, cfg, data, message):
+    """Every kind of damaged header (read through safetensors.safe_open) gives a CheckpointError naming the file and
+    the damage in this module's words, plus safetensors' own reason; never safetensors' raw error. Mutations killed:
+    dropping the translation table (every message becomes the generic one) or the ``except`` (a raw SafetensorError)."""
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / SINGLE_NAME).write_bytes(data)
+    with pytest.raises(CheckpointError, match=message) as e:
+        CheckpointReader(tmp_path)
+    assert str(tmp_path / SINGLE_NAME) in str(e.value) and "safetensors says:" in str(e.value)
+
+
+def test_shard_longer_or_shorter_than_its_header_is_named(tmp_path, cfg, params):
+    """A shard whose data does not cover exactly what its header lists (cut short, or with bytes appended) is named
+    when its header is first read, before any tensor data."""
+    for name, cut in (("short", lambda b: b[:-1]), ("long", lambda b: b + b"\0" * 8)):
+        save_params(tmp_path / name, params, cfg, max_shard_bytes=150_000)
+        shard = sorted((tmp_path / name).glob("model-*.safetensors"))[-1]
+        shard.write_bytes(cut(shard.read_bytes()))
+        r = CheckpointReader(tmp_path / name)  # the index alone: opening reads no shard
+        lost = next(n for n in r.keys() if r.file_of(n) == shard.name)
+        with pytest.raises(
+            CheckpointError, match=rf"{re.escape(shard.name)}: cannot read tensor data: the file's length"
+        ):
+            r.shape(lost)
+        assert not r.read_names
+
+
 @pytest.mark.parametrize("preset", ["k3", "tiny", "tiny-linear"])
 def test_slice_and_pad_A_log(preset):
     """Case 7 and 17: the stored A_log (K3 zero-padded to 128 with 96 used; Kimi-Linear [1, 1, H, 1]) <-> the
