@@ -1,7 +1,7 @@
 """DSA indexer + top-k on one GPU: ``kernels_torch.dsa_cudnn.indexer_topk_cudnn`` (cuDNN FE indexer + top-k in query-row
 chunks) against (a) a torch fp32 einsum + ``torch.topk`` over row chunks of 1024 that reads the keys up to each
 chunk's last row, (a') the same reading every key of the sequence for every chunk (the straightforward baseline of
-``shared/spec/kernels.md``; run up to ``--all-keys-max`` tokens) and (b) cuDNN's indexer over whole rows + cuDNN top-k
+``docs/kernels.md``; run up to ``--all-keys-max`` tokens) and (b) cuDNN's indexer over whole rows + cuDNN top-k
 (a quadratic [S, S] fp32 buffer plus 2 words/element of top-k scratch; skipped where it does not fit).
 
 H_I = 32, D_I = 128, k = 2048, one causal sequence of S tokens, bf16 q_I/k_I, fp32 weights. Time: median of

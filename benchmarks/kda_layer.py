@@ -1,32 +1,33 @@
 """KDA layer forward + backward on one GPU: our ``backend='cudnn'`` KimiDeltaAttention against the same layer written
 directly against fla's API, plus the kernel-only ``fla.ops.kda.chunk_kda`` time.
 
-K3 layer shape: hidden D = 7168, H = 96 heads, head dim 128, gate_lower_bound = -5 (safe gate), full-rank output
-gate, bf16 activations and projections, fp32 conv / A_log / dt_bias / o_norm. B = 1, T in ``--seq-lens``.
-"layer_cudnn" / "layer_fla" = ``KimiDeltaAttention(cfg, i, backend="cudnn")``
-(``kernels_torch.kda_cudnn.kda_layer_forward``) with ``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both also return the decode cache.
+K3 layer shape: hidden D = 7168, H = 96 heads, head dim 128, gate_lower_bound = -5 (safe gate), full-rank output gate,
+bf16 activations and projections, fp32 conv / A_log / dt_bias / o_norm. B = 1, T in ``--seq-lens``. "layer_cudnn" /
+"layer_fla" = ``KimiDeltaAttention(cfg, i, backend="cudnn")`` (``kernels_torch.kda_cudnn.kda_layer_forward``) with
+``kda_kernel="cudnn"`` (cuDNN's KDA op) / ``"fla"`` (``chunk_kda``); both also return the decode cache.
 "layer_fla_direct" = :func:`fla_layer` on the same weight tensors: the projections, ``causal_conv1d`` + SiLU,
 ``chunk_kda`` with the fused gate and q/k L2 norm, ``rms_norm_gated`` (sigmoid), ``o_proj``; no cache output.
 "rec_chunk_kda" / "rec_cudnn" = the recurrence alone as the layer runs it (chunk_kda with gate and norm fused; or fla's
-L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-layout conversions).
-"layer_cudnn" is the default (``kda_prep``, ``kda_pieces`` and ``short_conv_kernel`` auto: fla's norms and gate, one
-piece per sequence, ``kernel_choice.SHORT_CONV_AUTO``'s short convolution); "layer_cudnn_conv_cudnn" /
-"layer_cudnn_conv_fla" the same with the short convolutions forced to cuDNN FE's ``causal_conv1d`` / fla's;
-"layer_cudnn_split_cudnn" / "rec_cudnn_split_cudnn" the same with cuDNN's own sequence split (``kda_pieces='cudnn'``,
-the default before pass 9); "profile_layer_cudnn": one profiled fwd+bwd of "layer_cudnn", GPU ms per kernel category
-(``PROFILE_CATEGORIES``) and the 30 largest kernels, and under "idle" where the GPU waits during one step
-(``_timing.idle_report``: kernel time against the span, the longest gaps, and the synchronising host calls).
-Two variants of the cuDNN path (``kda_prep``): ``outside`` (the L2 norms, gate and beta sigmoid computed around the op;
-the only one with a backward on SM90, so every fwd+bwd row) and ``in_kernel`` (the op's own fusions; forward only):
-"layer_cudnn_fwd" / "layer_cudnn_in_kernel_fwd" and "rec_cudnn_fwd" / "rec_cudnn_in_kernel_fwd".
-Preparations (``kda_prep``, issue 15): "rec_cudnn" / "layer_cudnn" use fla's L2 norm and gate;
+L2 norms, ``fused_kda_gate`` and ``kda_recurrence_cudnn`` with its THD / state-layout conversions). "layer_cudnn" is the
+default (``kda_prep``, ``kda_pieces`` and ``short_conv_kernel`` auto: fla's norms and gate, one piece per sequence,
+``kernel_choice.SHORT_CONV_AUTO``'s short convolution); "layer_cudnn_conv_cudnn" / "layer_cudnn_conv_fla" the same with
+the short convolutions forced to cuDNN FE's ``causal_conv1d`` / fla's; "layer_cudnn_split_cudnn" /
+"rec_cudnn_split_cudnn" the same with cuDNN's own sequence split (``kda_pieces='cudnn'``, the default until one piece
+per sequence measured faster, ``kernels_torch.kernel_choice``); "profile_layer_cudnn": one profiled fwd+bwd of
+"layer_cudnn", GPU ms per kernel category (``PROFILE_CATEGORIES``) and the 30 largest kernels, and under "idle" where
+the GPU waits during one step (``_timing.idle_report``: kernel time against the span, the longest gaps, and the
+synchronising host calls). Two variants of the cuDNN path (``kda_prep``): ``outside`` (the L2 norms, gate and beta
+sigmoid computed around the op; the only one with a backward on SM90, so every fwd+bwd row) and ``in_kernel`` (the op's
+own fusions; forward only): "layer_cudnn_fwd" / "layer_cudnn_in_kernel_fwd" and "rec_cudnn_fwd" /
+"rec_cudnn_in_kernel_fwd". Preparations (``kda_prep``): "rec_cudnn" / "layer_cudnn" use fla's L2 norm and gate;
 "rec_cudnn_triton" / "layer_cudnn_triton" use ours (``kernels_torch.ops.kda_prep``); "layer_cudnn" is ``auto`` (ours
 where Triton imports).
 "breakdown_ms" (cuDNN only): the op alone on ready inputs with the layer's gate distribution and with g uniform in
 (-5, 0) (the distribution of the 2026-11-30 measurement), the op with one piece per sequence (cuDNN's launcher splits a
 sequence over P = 264 // (N*H) CTAs, each piece walking back until the decay bound proves the earlier state negligible:
 channels that hardly decay defeat that bound), and the pieces around it (fla l2norm of q and k, fused_kda_gate:
-"prep_l2norm_qk_*" / "prep_gate_*", the L2 norms' backward through ``.float().sum()`` as in pass 7; and "prep_{fla,triton}_{l2norm_qk,gate}_{fwd,fwd_bwd}": both
+"prep_l2norm_qk_*" / "prep_gate_*", the L2 norms' backward through ``.float().sum()`` as an earlier run timed them
+(``results/kda_layer_pass7.json``); and "prep_{fla,triton}_{l2norm_qk,gate}_{fwd,fwd_bwd}": both
 preparations with the backward fed bf16 / fp32 output gradients as inside the layer, with "prep_*_gbps": the minimum
 bytes moved (bf16 q/k/dq/dk/f/df, fp32 g/dg) over the time; "prep_triton_sweep_ms": our kernels under other launch
 shapes, ``kernels_torch.ops.kda_prep.TRITON_CONFIG``, unless ``--no-prep-sweep``);
@@ -176,7 +177,7 @@ def op_breakdown(q, k, v, f, beta, A_log, dt_bias, g_layer, g_unif, do, cfg, swe
 
         return run
 
-    # "op_*": cuDNN's own sequence split; "op_*_P1": one piece per sequence (kda_pieces='one', the default since pass 9)
+    # "op_*": cuDNN's own sequence split; "op_*_P1": one piece per sequence (kda_pieces='one', the default)
     for name, g in (("op_layer_gate", g_layer), ("op_uniform_gate", g_unif)):
         out[f"{name}_fwd"] = round(time_ms(op_f(g), warmup=2)[0], 3)
         out[f"{name}_fwd_bwd"] = round(time_ms(op_fb(g), warmup=2)[0], 3)
@@ -447,7 +448,7 @@ def bench_seq(m, cfg, T: int, rounds: int, reps: int, ceiling: float, sweep: boo
         print(f"T={T}: layer_cudnn alone {profile['ms_alone']} ms", flush=True)
         profile |= categorise(kernel_ms(fb_fns["layer_cudnn"]), PROFILE_CATEGORIES)
         print(f"T={T}: layer_cudnn profile {json.dumps(profile['ms'])}", flush=True)
-        try:  # pass 9 saw the kernels add up to 6% less than the timed step: where does the GPU wait?
+        try:  # a profile (2026-12-01) had the kernels add up to 6% less than the timed step: where does the GPU wait?
             profile["idle"] = idle_report(fb_fns["layer_cudnn"])
             print(f"T={T}: layer_cudnn idle {json.dumps(profile['idle'])}", flush=True)
         except Exception as e:  # noqa: BLE001  (a diagnostic: its failure is reported, not fatal)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Every H200 measurement of the cudnn backend in one unattended pass, in priority order, so that a short device lease
-# is spent on GPU work rather than on waiting between calls (the GPU wheels must be installed and /tmp/site/env.sh
-# sourced first: ../shared/gpu/README.md). Results go to DIR (default runs/h200): one log per step, the JSON of each
-# benchmark, status.txt (one line per step: name, exit code, seconds) and DONE at the end.
+# Every H200 measurement of the cudnn backend in one unattended pass, in priority order, so that a short device lease is
+# spent on GPU work rather than on waiting between calls (the GPU-only packages must be installed first:
+# docs/kernels.md, "Installing the GPU-only packages"; on the project's H200, source /tmp/site/env.sh). Results go to
+# DIR (default runs/h200): one log per step, the JSON of each benchmark, status.txt (one line per step: name, exit code,
+# seconds) and DONE at the end.
 #
 #   setsid nohup bash benchmarks/run_h200.sh /root/h200 > /root/h200.log 2>&1 &     # detached: survives the call
 #
@@ -26,7 +27,7 @@
 #                layers 0-2 and DSA layer 3, cudnn and eager (bf16)
 #   tests_fla    all of tests/gpu on the other kernels: KDA on fla (KIMI_TEST_KDA_KERNELS=fla), DSA on Triton
 #   tests_fla_ops (not in the default STEPS): the same, only the files whose kernel those switches change (KDA layer
-#                and recurrence, DSA layer, short convolution): 13 minutes in pass 13, 7 of them fla's autotuning of
+#                and recurrence, DSA layer, short convolution): 13 minutes on 2026-12-02, 7 of them fla's autotuning of
 #                the recurrence tests' shapes, which the carried snapshot lacked (the step saves the cache after it)
 #   tests_new    the GPU tests of hardening, generation, LoRA and gradients, distillation, fused SiTU-GLU, the Triton KDA
 #                preparation, the chunked LM loss (default kernels)

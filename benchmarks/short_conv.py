@@ -4,7 +4,7 @@ bf16 activations, fp32 filter, dense or ``cu_seqlens``-packed, with its own back
 
 Why: benchmark 3's profile of one KDA layer at 8K tokens gives the three convolutions 3.2 ms of 37.4 (fla's backward
 kernel 2.4 ms: about 1 TB/s, a third of what its bytes need), the largest part of the layer that is neither a matmul
-nor the recurrence (``benchmarks/README.md``, pass 10).
+nor the recurrence (``benchmarks/results/kda_layer_pass10b.log``).
 
 Shapes: one ``[1, T, C]`` bf16 tensor, C = H * K = 12288 (K3.1 Pro's q, k or v), T = 8192 and 32768; weight ``[C, 4]``
 fp32 (the checkpoint's dtype). The layer runs three such calls. Time: median of CUDA-event-timed calls after warm-up

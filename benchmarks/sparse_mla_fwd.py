@@ -8,7 +8,7 @@ S = 8192 and 32768, the same FlashMLA call on a query built with ``padded_q`` (t
 without autograd: read in place, no head-padding copies in or out), and FlashMLA's bare call at S <= 32768 (no wrapper, h_q = 128; ``bare_rows``: the most a 96-head
 wrapper of it can reach). Every row names the kernel (``kernel``: flash_mla / triton / torch / matmul).
 H = 96, K = 2048 random valid causal-ish indices (row t draws from [0, max(t+1, K))), d_qk = 576, d_v = 512.
-FLOPs = 2 * S * H * K * (576 + 512) (kernels.md). Times are medians over CUDA-event-timed calls after warm-up, each
+FLOPs = 2 * S * H * K * (576 + 512) (docs/kernels.md). Times are medians over CUDA-event-timed calls after warm-up, each
 call started from an idle GPU (``ms``); the padded-q and bare FlashMLA rows also give ``ms_back_to_back`` /
 ``tflops_back_to_back``: calls issued back to back (``_timing.back_to_back_ms``), the host's launch work hidden as in
 a model step.
@@ -82,9 +82,9 @@ def flops(S):
 
 def bare_rows(S, q, kv, idx, row):
     """FlashMLA's own call, no wrapper: h_q = 128 (the 96 heads plus 32 zero heads, built once outside the timing),
-    (a) every row with K valid ids (this benchmark's inputs), (b) the causal inputs of kernels.md's measurement (row t
-    keeps min(t + 1, K) ids, the rest -1). The rows give three rates: ``tflops`` counts the 96 useful heads and K ids
-    per row (the convention of every row here), ``tflops_128_heads`` the heads the kernel computes, and
+    (a) every row with K valid ids (this benchmark's inputs), (b) the causal inputs of docs/kernels.md's measurement
+    (row t keeps min(t + 1, K) ids, the rest -1). The rows give three rates: ``tflops`` counts the 96 useful heads and K
+    ids per row (the convention of every row here), ``tflops_128_heads`` the heads the kernel computes, and
     ``tflops_valid_ids`` only the ids that are valid. With (a), 0.75 x ``tflops_128_heads`` is the most any 96-head
     wrapper of this kernel can reach."""
     kwargs = {"use_legacy": True} if sm._flash_mla_arch(q.device) == "legacy" else {}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Part 4 of issue 10 on the H200: `kimi train` of the real-dimension 4-layer K3.1 model (KKKD: three KDA layers and
+# On the H200: `kimi train` of the real-dimension 4-layer K3.1 model (KKKD: three KDA layers and
 # one DSA layer, 16 routed experts of which 8 active, every other dimension real; 6.78 B parameters) on the cudnn
 # backend, 100 steps of 8,192 tokens of Tiny Shakespeare, bf16 with fp32 masters, activation recomputation per layer.
 #

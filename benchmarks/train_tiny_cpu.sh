@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Part 4 of issue 10 on a CPU: the tiny preset, 100 steps on tiny Shakespeare, then the same run resumed from its
+# Training and exact resume on a CPU: the tiny preset, 100 steps on tiny Shakespeare, then the same run resumed from its
 # step-50 checkpoint, which must reproduce steps 51-100 exactly (CPU, fp32).
 #
 #   DATA=/path/to/tinyshakespeare.txt benchmarks/train_tiny_cpu.sh [full|lora] [RUN_DIR]

@@ -1,6 +1,6 @@
 """Lightning-indexer KL distillation, PyTorch twin of ``reference_jax.distill`` (same names, arguments, letters).
 
-Spec: ``../shared/spec/architecture.md`` 4.4; ``../shared/spec/cases.md`` 29-30. The math and the choices (target =
+Spec 4.4 and 10.5 (``docs/spec.md``: teacher normalisation, gradient isolation). The math and the choices (target =
 head-summed attention over the key set the loss covers, L1-normalised, fp32, no gradient; ``L_I = sum_t KL``, summed
 over queries as DeepSeek-V3.2 writes it; the sparse stage's teacher is the per-head softmax over ``S_t``) are
 documented in the reference module. Two forms here:
@@ -12,7 +12,8 @@ documented in the reference module. Two forms here:
   chunks from the attention logits and their lse (passed in from a flash forward, or reduced per chunk), and its
   backward recomputes each chunk, so no ``[T, S, H]`` tensor ever exists (32K tokens: 96 heads x 32K x 32K x 4 B
   = 412 GB); :func:`sparse_kl_gathered` runs the sparse stage on the selected rows only (``[T, H, k]`` per chunk),
-  reusing the sparse forward's lse, which is taken over exactly ``S_t`` (case 29: never an lse over another set);
+  reusing the sparse forward's lse, which is taken over exactly ``S_t`` (an lse over another key set would
+  normalise the teacher wrongly);
   :func:`indexer_scores_at` gives the student's scores at the selected keys without the ``[T, S]`` score matrix;
   :func:`sparse_recall` gives the recall of a selection from the sparse lse and a chunked dense lse (no ``[T, S]``).
 
@@ -266,10 +267,11 @@ def warmup_kl_chunked(
         k: ``[B, S, H, K]`` per-head keys, or ``[B, S, K]`` one key shared by all heads (absorbed ``[c ‖ k_pe]``); no
             gradient is taken through q or k (the teacher).
         index_scores: ``[B, T, S]`` the indexer's scores (the student; gradient flows here).
-        scale: ``config.mla_softmax_scale`` (192^-1/2 in both MLA forms, case 15).
+        scale: ``config.mla_softmax_scale`` (192^-1/2 in both MLA forms, spec 3.3).
         cu_seqlens: ``[N+1]`` packed-document offsets (B = 1) or None.
         lse: optional ``[B, H, T]`` natural-log logsumexp of the **dense causal** attention (from a flash forward);
-            None reduces it per chunk. Never pass an lse taken over another key set (case 29).
+            None reduces it per chunk. Never pass an lse taken over another key set: the
+            teacher must sum to 1 over exactly the keys the loss covers.
         topk_indices: optional ``[B, T, k]`` int (-1 padded): also return the recall of that selection.
         chunk_bytes: bound on one chunk's fp32 logits.
 

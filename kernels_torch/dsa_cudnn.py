@@ -1,7 +1,7 @@
 """The ``cudnn`` backend of the MLA/DSA layers on SM90 (H200): indexer + top-k, sparse MLA forward and backward.
 
-Spec: ``../shared/spec/architecture.md`` 3.3 (absorbed MLA), 4.2-4.3 (indexer, selection), 9; kernel facts:
-``../shared/spec/kernels.md``. Pieces, all on CUDA, bf16 activations:
+Spec 3.3 (absorbed MLA), 4.2-4.3 (indexer, selection), 9 (``docs/spec.md``); kernel facts: ``docs/kernels.md``.
+Pieces, all on CUDA, bf16 activations:
 
 * :func:`indexer_topk_cudnn`: lightning-indexer scores with cuDNN FE ``indexer_forward_wrapper`` (bf16 q_I/k_I, fp32
   weights, fp32 accumulation, ratio 1), then ``indexer_top_k_wrapper``, in **query-row chunks** of one document:
@@ -15,15 +15,17 @@ Spec: ``../shared/spec/architecture.md`` 3.3 (absorbed MLA), 4.2-4.3 (indexer, s
 
 Footguns:
 
-* Scale constants (case 10, 15). cuDNN's indexer computes ``sm_scale * sum_j w_j * ReLU(q_j . k)``; ReLU is
-  positively homogeneous, so ``sm_scale = (H_I * D_I)^-1/2`` gives exactly our ``sum_j w_j H_I^-1/2
-  ReLU(D_I^-1/2 q_j . k)``. The MLA softmax scale stays ``config.mla_softmax_scale`` = 192^-1/2, never 576^-1/2.
+* Scale constants (they change the KL loss, not the selection; spec 4.2, 3.3). cuDNN's indexer computes ``sm_scale *
+  sum_j w_j * ReLU(q_j . k)``; ReLU is positively homogeneous, so ``sm_scale = (H_I * D_I)^-1/2`` gives exactly our
+  ``sum_j w_j H_I^-1/2 ReLU(D_I^-1/2 q_j . k)``. The MLA softmax scale stays ``config.mla_softmax_scale`` = 192^-1/2,
+  never 576^-1/2.
 * Tie-break (spec 9). The top-k kernel is run with ``tie_break=2``: among keys whose score equals the k-th one, the
   larger key index wins -- the project's canonical rule, so the selected **set** is the canonical one (exactly, when
   the fp32 scores are bitwise equal). The **slot order** is the kernel's (not score-sorted); nothing downstream
   depends on it. The radix order keeps +0 above -0 (our scores are sums starting at +0, so ReLU zeros are +0).
-* Rows with <= k visible keys select all of them (ids ascending), then ``-1`` (case 9); masked keys are never
-  selected (case 8): the indexer writes ``-inf`` above the diagonal and the top-k reads only ``seq_lens`` columns.
+* Rows with <= k visible keys select all of them (ids ascending), then ``-1`` (so DSA equals dense MLA below k; spec 9);
+  masked keys are never selected (a future key selected would leak the future): the indexer writes ``-inf`` above the
+  diagonal and the top-k reads only ``seq_lens`` columns.
 * lse is natural-log (cuDNN's backward wants that; the Triton kernel converts from base 2 itself).
 * The indexer is **frozen** under this backend: hard top-k gives it no gradient. ``GatedMLA`` sets
   ``requires_grad=False`` on its parameters and the indexer runs under ``torch.no_grad()``.
@@ -478,7 +480,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, T, B)
     H, Kn, R, V, L = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-    scale = c.mla_softmax_scale  # (Kn + R)^-1/2 in both forms (case 15)
+    scale = c.mla_softmax_scale  # (Kn + R)^-1/2 = 192^-1/2 in both forms (the same scores, spec 3.3)
     c_q, q, q_nope, q_pe, c_kv, k_pe = layer.project(x)
 
     aux: dict = {}

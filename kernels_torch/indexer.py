@@ -1,16 +1,18 @@
 """DSA lightning indexer, PyTorch twin of ``reference_jax.indexer`` (same names, arguments and shape letters).
 
-Spec: ``../shared/spec/architecture.md`` 4.1-4.3 and section 9. Notable:
+Spec 4.1-4.3 and section 9 (``docs/spec.md``). Notable:
 
 * Score ``I[t, s] = sum_j w[t, j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t, j] . k_I[s])`` in fp32 (fp64 for fp64 inputs),
-  from bf16 projections allowed. The constants do not change the selection but do change the KL loss (case 10).
+  from bf16 projections allowed. The constants do not change the selection but do change the KL loss (spec 4.2),
+  so they stay.
 * ReLU ties: keys where every head has ``q . k <= 0`` score exactly 0. ``torch.topk`` leaves the order of ties
   unspecified, so :func:`topk_indices` sorts explicitly (stable sort on the reversed key axis): higher score first,
   among equal scores the larger key index first (spec 9). Identical to the JAX reference, index for index.
-* Masked keys get ``-inf`` before selection (case 8); slots past the visible count are ``-1`` (case 9).
-* No RoPE in K3.1 (``indexer_rope == "none"``, case 11); ``"half"`` / ``"interleaved"`` rotate the leading
-  ``qk_rope_head_dim`` channels of q_I and k_I by position within the document (:func:`apply_rope`, in
-  :meth:`Indexer.projections`, so the cudnn backend gets rotated inputs too).
+* Masked keys get ``-inf`` before selection (else a row near the start selects future keys); slots past the visible
+  count are ``-1``, so a row with fewer than k visible keys attends to all of them (spec 9).
+* No RoPE in K3.1 (``indexer_rope == "none"``, a config choice, never hard-coded: spec 9); ``"half"`` /
+  ``"interleaved"`` rotate the leading ``qk_rope_head_dim`` channels of q_I and k_I by position within the document
+  (:func:`apply_rope`, in :meth:`Indexer.projections`, so the cudnn backend gets rotated inputs too).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def topk_indices(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.T
         )
     mask = mask.to(torch.bool).expand(B, T, S)
     k = min(topk, S)
-    masked = scores.masked_fill(~mask, float("-inf"))  # -inf before selection (case 8)
+    masked = scores.masked_fill(~mask, float("-inf"))  # -inf before selection: a future key must never be selected
     # torch.topk's tie order is unspecified: a *stable* descending sort on the reversed key axis keeps, among equal
     # scores, the reversed order, i.e. the larger original key index first.
     _, rev_idx = torch.sort(masked.flip(-1), dim=-1, descending=True, stable=True)

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA): the PyTorch twin of ``reference_jax/kda.py`` (spec ``architecture.md`` section 2).
+"""Kimi Delta Attention (KDA): the PyTorch twin of ``reference_jax/kda.py`` (spec section 2, ``docs/spec.md``).
 
 Same functions, argument names, shapes and dtypes as the reference: ``kda_gate``, ``l2norm``, ``short_conv``,
 ``kda_recurrent`` (the equation, one token at a time), ``kda_chunk`` (the chunked WY algorithm, pure torch),
@@ -16,7 +16,7 @@ the layer's ``kda_kernel`` attribute or ``$KIMI_KDA_KERNEL``; that module's docs
 stays the oracle of that one. ``mode="recurrent"`` (decode) stays on the pure-torch recurrence.
 
 Numerics: activations may be bf16; gates, beta, norms and the state are fp32 (fp64 for fp64 inputs). g and beta are
-never narrowed to bf16 (case 2).
+never narrowed to bf16 (a bf16 decay close to 1 rounds to 1, and the channel stops forgetting).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def kda_gate(
 
     Returns:
         g ``[B, T, H, K]`` fp32 (fp64 for fp64 ``f``): ``lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` when
-        ``lower_bound`` is set (a different function from a clamped softplus, case 1), else
+        ``lower_bound`` is set (a different function from a clamped softplus; spec 9), else
         ``-exp(A_log[h]) * softplus(f + dt_bias)`` (exact softplus, no linear threshold). ``A_log`` is capped at
         :data:`A_LOG_MAX` and the softplus form floored at :data:`G_MIN` (as the reference: finite values and
         gradients for every finite input, 0 gradients where saturated; unchanged below the caps).
@@ -239,7 +239,7 @@ def _chunk_step(q_c, k_c, v_c, g_c, b_c, S, causal, strict, eye):
     the state entering the chunk. Returns (o_c ``[B,H,C,V]``, S leaving the chunk)."""
     G = g_c.cumsum(-2)  # within-chunk cumulative log-decay, <= 0
     # Exponentiate only G_i - G_j with j <= i (masked to -inf before exp): exp(-G) alone overflows fp32 once the
-    # span passes 88, and with g >= -5 it reaches 320 over 64 tokens (spec 2.3, case 6). exp(G) = exp(G - 0).
+    # span exceeds 88, and with g >= -5 it reaches 320 over 64 tokens (spec 2.3). exp(G) = exp(G - 0).
     diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
     decay = diff.exp()  # [B,H,C,C,K]
     A_kk = torch.einsum("bhik,bhjk,bhijk->bhij", k_c, k_c, decay) * b_c[..., :, None]
@@ -439,6 +439,7 @@ class KimiDeltaAttention(nn.Module):
         v, cv = self.v_conv1d(linear(x, self.v_proj), cu_seqlens, cv)
         q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))  # v: [B,T,H,V] with V = K = head_dim
         f = linear(linear(x, self.f_a_proj), self.f_b_proj).reshape(B, T, H, K)
-        g = kda_gate(f, self.A_log, self.dt_bias, c.gate_lower_bound)  # fp32, never narrowed (case 2)
-        beta = torch.sigmoid(linear(x, self.b_proj).to(compute_dtype(x)))  # [B,T,H]: the one sigmoid on beta (case 3)
+        g = kda_gate(f, self.A_log, self.dt_bias, c.gate_lower_bound)  # fp32: a bf16 decay close to 1 rounds to 1
+        # [B,T,H]: the one sigmoid on beta (a second one in any path, often decode, breaks prefill == decode)
+        beta = torch.sigmoid(linear(x, self.b_proj).to(compute_dtype(x)))
         return l2norm(q), l2norm(k), v, g, beta, (cq, ck, cv)

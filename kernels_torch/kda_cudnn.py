@@ -677,7 +677,7 @@ def kda_layer_forward(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None)
                 from kernels_torch.ops.kda_prep import kda_gate_lb, l2norm_qk
 
                 g = kda_gate_lb(f, layer.A_log, layer.dt_bias, lb)  # fp32; A_log capped inside, as kda_gate
-                beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
+                beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta, as the eager path
                 qn, kn = l2norm_qk(q, k)  # one launch for both, bf16 out
                 o, S = kda_recurrence_cudnn(qn, kn, v, g, beta, S0f, cu, pieces=pieces)
             else:
@@ -686,7 +686,7 @@ def kda_layer_forward(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None)
 
                 A_log = layer.A_log.float().clamp(max=A_LOG_MAX)  # the eager gate's cap: finite rate, finite gradients
                 g = fused_kda_gate(f, A_log, layer.dt_bias.float(), lower_bound=lb, output_dtype=torch.float32)
-                beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta (case 3)
+                beta = torch.sigmoid(b_logits.float())  # [B,T,H] fp32: the one sigmoid on beta, as the eager path
                 o, S = kda_recurrence_cudnn(fla_l2norm(q), fla_l2norm(k), v, g, beta, S0f, cu, pieces=pieces)
             kernel_choice.record("kda", "cudnn")
             kernel_choice.record("kda_prep", prep)
@@ -702,7 +702,7 @@ def kda_layer_forward(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None)
             k,
             v,
             f,
-            torch.sigmoid(b_logits.float()),  # [B,T,H] fp32: the one sigmoid on beta (case 3)
+            torch.sigmoid(b_logits.float()),  # [B,T,H] fp32: the one sigmoid on beta, as the eager path
             scale=K**-0.5,
             initial_state=S0f,
             output_final_state=True,

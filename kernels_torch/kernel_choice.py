@@ -1,6 +1,6 @@
 """Which GPU kernel runs the two hot ops of the ``cudnn`` backend, how a user picks it, and a record of what ran.
 
-Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
+Ops and their kernels (``docs/kernels.md``, "Measured 2026-11-30"; later H200 runs: ``benchmarks/README.md``):
 
 * ``sparse_mla_fwd`` (DSA sparse MLA forward): ``flash_mla`` (FlashMLA's ``flash_mla_sparse_fwd``; SM90 legacy
   kernels, SM100 current ones; 96 heads padded to 128) or ``triton`` (ours, ``kernels_torch.ops.sparse_mla``).
@@ -10,31 +10,32 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
   ``in_kernel`` (the op's own fusions; forward only, since the SM90 backward engine takes none of them),
   ``outside`` (fla's ``l2norm`` and ``fused_kda_gate``, torch's sigmoid, each with its backward) or ``triton``
   (ours, ``kernels_torch.ops.kda_prep``: q and k normalised in one launch, the gate in one, each with a one-launch
-  backward; torch's sigmoid). ``auto`` takes ``outside``. Measured on the H200 (pass 8, benchmarks/README.md;
-  ``benchmarks/kda_layer.py`` times both side by side, fed fixed output gradients): fla's functions already run near
-  the memory bandwidth (8K tokens, 96 heads: norms 0.77 ms, gate 0.73 ms fwd+bwd; ours 0.57 and 0.74), and the layer
-  fwd+bwd with ours was no faster (42.4 against 40.5 ms at 8K, 166.9 against 163.4 at 32K; recurrence 7.22 against
-  7.30 and 26.0 against 25.7), so the library's path stays the default and ``triton`` is opt-in. (Pass 7's 1.77 and
-  1.10 ms for fla's norms and gate had timed a ``.float().sum()`` backward, not the functions.) The in-kernel
-  fusions made the op's forward slower (3.52 ms against 3.13 ms for the prepared inputs; 32K: 12.1 against 9.0;
-  benchmarks/results/kda_layer_pass7.json), so ``in_kernel`` is opt-in, for inference only.
+  backward; torch's sigmoid). ``auto`` takes ``outside``. Measured on the H200 (2026-12-01,
+  ``benchmarks/results/kda_layer_pass8.json``; ``benchmarks/kda_layer.py`` times both side by side, fed fixed output
+  gradients): fla's functions already run near the memory bandwidth (8K tokens, 96 heads: norms 0.77 ms, gate 0.73 ms
+  fwd+bwd; ours 0.57 and 0.74), and the layer fwd+bwd with ours was no faster (42.4 against 40.5 ms at 8K, 166.9 against
+  163.4 at 32K; recurrence 7.22 against 7.30 and 26.0 against 25.7), so the library's path stays the default and
+  ``triton`` is opt-in. (An earlier run's 1.77 and 1.10 ms for fla's norms and gate had timed a ``.float().sum()``
+  backward, not the functions.) The in-kernel fusions made the op's forward slower (3.52 ms against 3.13 ms for the
+  prepared inputs; 32K: 12.1 against 9.0; benchmarks/results/kda_layer_pass7.json), so ``in_kernel`` is opt-in, for
+  inference only.
 * ``kda_pieces`` (how cuDNN's SM90 KDA forward, ``kda_hopper_cuda``, splits one sequence over CTAs): ``one`` (one
   piece per (sequence, head): each CTA walks its whole sequence) or ``cudnn`` (cuDNN's launcher heuristic, ``P = 264 //
   (N * H)`` pieces capped by the 16-token chunks, so 2 for one sequence of 96 heads). A piece after the first starts
   by walking back over the earlier tokens until the decay bound proves the carried state negligible; a channel that
   hardly decays stalls that bound, and then the piece redoes its predecessors' work. ``auto`` takes ``one``: on the
   random-init K3 layer's gate 95% of (16-token chunk, head) pairs stall, and the forward took 1.44 against 2.02 ms at
-  8K tokens and 4.85 against 7.22 ms at 32K (H200, pass 8, ``benchmarks/results/kda_layer_pass8.json``); on a gate
+  8K tokens and 4.85 against 7.22 ms at 32K (H200, 2026-12-01, ``benchmarks/results/kda_layer_pass8.json``); on a gate
   uniform in (-5, 0) cuDNN's split was faster (1.23 against 1.46 ms). The backward engine has no pieces.
 * ``short_conv`` (the ``cudnn`` KDA layer's q/k/v depthwise causal conv1d + SiLU, width 4): ``fla`` (fla-core's
   ``causal_conv1d``, Triton) or ``cudnn`` (cuDNN Frontend's ``cudnn.ops.causal_conv1d``, CuTe DSL: bf16 activations,
   fp32 or bf16 filter, width 4, dense or ``cu_seqlens``-packed, its own backward); ``$KIMI_SHORT_CONV_KERNEL``. ``auto``
-  takes :data:`SHORT_CONV_AUTO` (``cudnn``) where that kernel can run, else fla. The layer profile at 8K tokens
-  (pass 10a) gave fla's three convolutions 3.2 ms of 37.4, 2.4 ms of it one backward kernel at about 1 TB/s. Measured
-  on the H200 (pass 10b, ``benchmarks/results/short_conv_pass10b.json``, one ``[1, T, 12288]`` bf16 call, fp32
-  filter): fwd+bwd 0.84 against 1.97 ms at 8K, 2.38 against 4.63 ms at 32K packed; dw 1.4e-6 against 5.5e-4 of fp64.
-  In the layer (``kda_layer_pass10b.json``) 159.3 against 165.8 ms at 32K, and no difference at 8K (41.2 / 40.9).
-  cuDNN's filter gradient accumulates with atomics (bitwise reproducible only under
+  takes :data:`SHORT_CONV_AUTO` (``cudnn``) where that kernel can run, else fla. The layer profile at 8K tokens (H200,
+  2026-12-01, ``benchmarks/results/kda_layer_pass10b.log``) gave fla's three convolutions 3.2 ms of 37.4, 2.4 ms of it
+  one backward kernel at about 1 TB/s. Measured on the H200 (2026-12-01, ``benchmarks/results/short_conv_pass10b.json``,
+  one ``[1, T, 12288]`` bf16 call, fp32 filter): fwd+bwd 0.84 against 1.97 ms at 8K, 2.38 against 4.63 ms at 32K packed;
+  dw 1.4e-6 against 5.5e-4 of fp64. In the layer (``kda_layer_pass10b.json``) 159.3 against 165.8 ms at 32K, and no
+  difference at 8K (41.2 / 40.9). cuDNN's filter gradient accumulates with atomics (bitwise reproducible only under
   ``torch.use_deterministic_algorithms``); its forward is bitwise reproducible.
 * ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
   (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops

@@ -1,6 +1,6 @@
 """Gated NoPE MLA and DSA-sparse MLA, PyTorch twin of ``reference_jax.mla`` (same names, arguments, shape letters).
 
-Spec: ``../shared/spec/architecture.md`` 3.1-3.4, 4.3, 9. Backends (one setting, same API):
+Spec 3.1-3.4, 4.3, 9 (``docs/spec.md``). Backends (one setting, same API):
 
 * ``"eager"``: explicit matmuls, fp32 logits and softmax (fp64 for fp64 inputs), dense boolean mask. The readable one.
 * ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` with the same dense boolean mask and ``scale=`` set
@@ -12,9 +12,10 @@ Spec: ``../shared/spec/architecture.md`` 3.1-3.4, 4.3, 9. Backends (one setting,
   ``index_scores`` in the aux); MLA layers without an indexer run SDPA in the expanded form. The free functions
   below take ``eager``/``sdpa`` only.
 
-Footguns: the softmax scale is ``(qk_nope + qk_rope)^-1/2`` (192^-1/2 for K3) in the expanded **and** the absorbed
-form (case 15); ``k_pe`` is never rotated (NoPE) and shared by all heads; the causal/document mask is re-applied after
-the indexer's top-k; ``g_proj`` here is MLA's output gate ``[H*V, D]``, not KDA's (case 18).
+Footguns: the softmax scale is ``(qk_nope + qk_rope)^-1/2`` (192^-1/2 for K3) in the expanded **and** the absorbed form
+(the same scores, spec 3.3: never the absorbed width's 576^-1/2); ``k_pe`` is never rotated (NoPE) and shared by all
+heads; the causal/document mask is re-applied after the indexer's top-k; ``g_proj`` here is MLA's output gate
+``[H*V, D]``; in KDA layers the same name is KDA's output gate (the layer type decides, spec 6).
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def mla_attention_absorbed(
     Args:
         q_nope: ``[B, T, H, K_nope]``; q_pe: ``[B, T, H, R]``; c_kv: ``[B, S, L]`` (after kv_a_layernorm);
         k_pe: ``[B, S, R]`` (raw); kv_b_weight: ``[H * (K_nope + V), L]`` (rows per head: W_UK then W_UV).
-        mask: ``[T, S]`` or ``[B, T, S]`` bool. scale: **still** ``(K_nope + R)^-1/2``, not ``(L + R)^-1/2`` (case 15).
+        mask: ``[T, S]`` or ``[B, T, S]`` bool. scale: **still** ``(K_nope + R)^-1/2``, not ``(L + R)^-1/2``: the
+            absorbed form computes the expanded form's scores (spec 3.3).
         backend: "eager" or "sdpa".
 
     Returns:
@@ -191,7 +193,7 @@ class GatedMLA(nn.Module):
         if kind == "kda":
             raise ValueError(
                 f"layer_idx: got {layer_idx}, a KDA layer; GatedMLA needs an 'mla' or 'dsa' layer "
-                "(g_proj means the KDA output gate there, case 18)"
+                "(g_proj means the KDA output gate there: the layer type decides what a key means)"
             )
         self.config, self.layer_idx, self.backend, self.kind = c, layer_idx, backend, kind
         self.sparse_kernel: str | None = None  # cudnn DSA: sparse forward kernel (kernels_torch.kernel_choice)
@@ -262,7 +264,7 @@ class GatedMLA(nn.Module):
             aux = {"topk_indices": topk, "index_scores": scores}
 
         mask = mask.expand(B, T, S)
-        scale = c.mla_softmax_scale  # (Kn + R)^-1/2 in both forms (case 15)
+        scale = c.mla_softmax_scale  # (Kn + R)^-1/2 = 192^-1/2 in both forms (the same scores, spec 3.3)
         if form == "expanded":
             kvb = self.kv_b_proj(keys_c_kv).view(B, S, H, Kn + V)  # 3.
             k_nope, v = kvb[..., :Kn], kvb[..., Kn:]

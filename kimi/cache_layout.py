@@ -6,7 +6,7 @@ of per-layer caches plus a position per row. This module says, once for both twi
 ``index_k`` for the DSA indexer, spec 3.2 and 4.2) and with which shapes, so that a cache built for another config
 is refused with a message naming the layer and the tensor.
 
-Shapes (axis letters of ``shared/style.md``): ``N`` rows (sequences), ``S_max`` the cache capacity in tokens.
+Shapes (axis letters of ``docs/design.md``): ``N`` rows (sequences), ``S_max`` the cache capacity in tokens.
 
 * KDA: ``conv_q``, ``conv_k``, ``conv_v`` ``[N, P, W-1]`` (``P = kda_num_heads * kda_head_dim``, ``W`` the short-conv
   width): the last ``W-1`` pre-conv projections; ``S`` ``[N, H, K, V]`` the recurrent state, K-first (fla layout).

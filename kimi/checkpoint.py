@@ -17,8 +17,9 @@ torch tensors are handed in. Both give the same bits.
 * :func:`load_params` (torch tensors) and :func:`load_arrays` (numpy arrays) return the **canonical** parameters
   (:func:`kimi.layout.param_layout`) of the requested layers plus the global tensors, after checking every stored
   tensor of those layers against :func:`kimi.layout.stored_layout` and reporting all problems in one
-  :class:`CheckpointError`. Accepted storage variants (spec 2.1, cases 7 and 17): conv weights ``[C, W]``; ``A_log`` as ``[a_log_storage]`` (K3, sliced to
-  ``[:H]``), ``[1, 1, H, 1]`` (Kimi-Linear) or ``[H]``; a DSA layer without ``indexer.k_norm.bias`` (zeros, spec 9).
+  :class:`CheckpointError`. Accepted storage variants (spec 2.1; exporters differ, so every form that names the
+  same tensor loads): conv weights ``[C, W]``; ``A_log`` as ``[a_log_storage]`` (K3, sliced to ``[:H]``),
+  ``[1, 1, H, 1]`` (Kimi-Linear) or ``[H]``; a DSA layer without ``indexer.k_norm.bias`` (zeros, spec 9).
   MXFP4 experts are dequantised to ``experts.{E}.w{1,2,3}.weight`` in the config dtype.
 * :func:`to_stored` is the inverse; :func:`write_checkpoint` writes atomically (temporary names, fsync,
   ``os.replace``; the index is written last and is the commit point); :func:`save_params` = both. All three take
@@ -348,10 +349,10 @@ def _accepted_variant(spec: TensorSpec, shape: tuple[int, ...], cfg: KimiConfig)
     """True when ``shape`` is an accepted storage variant of ``spec`` (same dtype still required)."""
     n = spec.name
     if n.endswith(("_conv1d.weight",)) and len(spec.shape) == 3 and spec.shape[1] == 1:
-        return shape == (spec.shape[0], spec.shape[2])  # [C, W] (vLLM accepts it too; case 17)
+        return shape == (spec.shape[0], spec.shape[2])  # [C, W]: some exporters squeeze the axis; vLLM accepts it too
     if n.endswith(".self_attn.A_log"):
         H = cfg.kda_num_heads
-        return shape in ((cfg.a_log_storage,), (1, 1, H, 1), (H,))  # spec 2.1, case 7
+        return shape in ((cfg.a_log_storage,), (1, 1, H, 1), (H,))  # K3 padded, Kimi-Linear 4-D, plain (spec 2.1)
     return False
 
 
@@ -544,7 +545,7 @@ def _check_params(params: Mapping[str, Any], cfg: KimiConfig, idx: list[int], wh
 
 
 def slice_A_log(A_log: np.ndarray, num_heads: int) -> np.ndarray:
-    """Canonical ``A_log`` ``[H]`` (fp32) from the stored one (spec 2.1; cases 7 and 17): K3's zero-padded
+    """Canonical ``A_log`` ``[H]`` (fp32) from the stored one (spec 2.1: each form an exporter writes): K3's zero-padded
     ``[a_log_storage]`` (128 stored, 96 used), Kimi-Linear's ``[1, 1, H, 1]`` or a plain ``[H]``. A view, no copy.
 
     Raises:
@@ -597,7 +598,7 @@ def stored_items(name: str, t: np.ndarray, cfg: KimiConfig) -> Iterator[tuple[st
         packed, scale = quantize_mxfp4(t, group_size=cfg.quant_group_size)
         yield base + ".weight_packed", packed
         yield base + ".weight_scale", scale
-    elif name.endswith(".self_attn.A_log"):  # re-pad with zeros to a_log_storage (spec 2.1, case 7)
+    elif name.endswith(".self_attn.A_log"):  # re-padded with zeros to a_log_storage, as K3's readers expect (spec 2.1)
         H = cfg.kda_num_heads
         yield name, pad_A_log(t, (1, 1, H, 1) if cfg.is_kimi_linear else (cfg.a_log_storage,))
     else:

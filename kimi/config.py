@@ -1,7 +1,7 @@
 """Kimi K3 / K3.1 Pro / Kimi-Linear text-model configuration, read from the checkpoint's own ``config.json``.
 
 One frozen dataclass, :class:`KimiConfig`, mirrors the published ``text_config`` field for field (names kept,
-see ``../shared/spec/architecture.md`` section 1). Three ``config.json`` forms are accepted by
+see ``docs/spec.md`` section 1). Three ``config.json`` forms are accepted by
 :meth:`KimiConfig.from_dict`:
 
 * the top-level multimodal form (``KimiK3ForConditionalGeneration`` / ``KimiK31ForConditionalGeneration``) with a

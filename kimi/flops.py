@@ -65,7 +65,7 @@ def estimate_flops(cfg: KimiConfig, seq_len: int, *, backward: bool = True) -> d
         ValueError: ``seq_len`` < 1.
 
     Source: the counting conventions of nanochat ``GPT.estimate_flops`` and FlashMLA's sparse FLOPs
-    ``2 * S_q * H * k * (d_qk + d_v)`` (spec/kernels.md); see the module docstring for each term.
+    ``2 * S_q * H * k * (d_qk + d_v)`` (docs/kernels.md); see the module docstring for each term.
     """
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"estimate_flops: seq_len={seq_len!r}, expected an integer >= 1 (tokens per document)")

@@ -2,8 +2,8 @@
 
 The gate (docs/spec.md section 2.2 step 5) is ``g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` with a lower bound
 ``lb`` (K3) or ``g = -exp(A_log[h]) * softplus(f + dt_bias)`` without (Kimi-Linear). Public sources leave two limits
-open; both paths take them from here, so the JAX reference, the torch twin and the GPU preparation kernels
-(``kernels_torch.ops.kda_prep``, the cuDNN op's ``a_log``) saturate at the same place:
+open (docs/spec.md section 9, "Gate saturation"); both paths take them from here, so the JAX reference, the torch twin
+and the GPU preparation kernels (``kernels_torch.ops.kda_prep``, the cuDNN op's ``a_log``) saturate at the same place:
 
 * :data:`A_LOG_MAX` caps the per-head rate ``exp(A_log)`` at ``exp(64) = 6.2e27``: finite in fp32 (which overflows
   past ``exp(88.7)``) with room for the gradient ``|lb| / 4 * rate``. Past it the lower-bound gate is a step function

@@ -11,12 +11,13 @@ The two stages of DeepSeek-V3.2 (spec 4.4; the math is in ``reference_jax.distil
 * ``--stage sparse`` (:class:`SparseStage`): the model runs sparse (top-``index_topk``); the LM loss trains every
   parameter except the indexers (hard top-k gives them no gradient anyway) and the router's
   ``e_score_correction_bias``; the KL over the selected set, from the indexer re-run on the **detached** layer input,
-  trains the indexers only (case 30). The loss returned is ``lm + kl`` (disjoint parameter sets, so each part moves
-  only its own). On ``eager``/``sdpa`` the KL is the dense twin (``[B, H, T, S]`` logits, CPU sizes); on ``cudnn``
-  it is :func:`kernels_torch.distill.sparse_kl_gathered` on the sparse forward's own absorbed queries, latent rows,
-  selection and natural-log lse (the layer's ``sparse_kl_aux``), in query-row chunks of the selected keys only, with
-  the indexer scored at the selected keys only (:func:`kernels_torch.distill.indexer_scores_at`); the recall comes
-  from that lse and a chunked dense lse (:func:`kernels_torch.distill.sparse_recall`).
+  trains the indexers only (the LM loss alone trains the model). The loss returned is ``lm + kl`` (disjoint parameter
+  sets, so each part moves only its own). On ``eager``/``sdpa`` the KL is the dense twin (``[B, H, T, S]`` logits, CPU
+  sizes); on ``cudnn`` it is :func:`kernels_torch.distill.sparse_kl_gathered` on the sparse forward's own absorbed
+  queries, latent rows, selection and natural-log lse (the layer's ``sparse_kl_aux``), in query-row chunks of the
+  selected keys only, with the indexer scored at the selected keys only
+  (:func:`kernels_torch.distill.indexer_scores_at`); the recall comes from that lse and a chunked dense lse
+  (:func:`kernels_torch.distill.sparse_recall`).
 
 The cudnn backend freezes the indexers (hard top-k); both stages unfreeze them in :meth:`WarmupStage.prepare` /
 :meth:`SparseStage.prepare`, which ``kimi train`` calls before choosing the trainable set.
@@ -180,7 +181,7 @@ def layer_terms(
     mask = causal_document_mask(T, cu_seqlens, device=x.device)
     with torch.no_grad():
         q, k, c_q = kd.mla_queries_keys(attn, x)
-    # the indexer re-run on the detached input (case 30), positions per document as in its forward
+    # the indexer re-run on the detached input (its KL must not reach the model), per-document positions as forward
     q_I, k_I, w = attn.indexer.projections(x, c_q, cu_seqlens)
     scores = indexer_scores(q_I, k_I, w)  # [B, T, S]
     if stage == "sparse":

@@ -7,7 +7,7 @@ On disk: peft's format, ``adapter_config.json`` + ``adapter_model.safetensors`` 
 ``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight``, so ``peft.PeftModel.from_pretrained`` loads
 an adapter onto a :class:`kernels_torch.model.KimiK3Model` directly.
 
-Footguns handled here (issue 10):
+Footguns handled here:
 
 * A wrapped layer's ``.weight`` is the base weight alone. MLA's absorbed form (the ``cudnn`` backend's DSA layers,
   and ``mla_form="absorbed"``) uses ``kv_b_proj``'s weight split into W_UK / W_UV instead of calling the layer; it
@@ -60,7 +60,7 @@ _ADAPTER = "default"  # peft's default adapter name (stripped in the saved keys,
 
 # Module-name suffixes (peft's ``target_modules`` list rule). MLA: q_proj (no q-LoRA) or q_a_proj/q_b_proj,
 # kv_a_proj_with_mqa, kv_b_proj (absorbed form handled), o_proj. KDA: q_proj, k_proj, v_proj, o_proj.
-# Not the gates (MLA's and KDA's g_proj mean different things, case 18), never the indexer (wq_b, wk, weights_proj).
+# Not the gates (MLA's and KDA's g_proj mean different things), never the indexer (wq_b, wk, weights_proj).
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",
     "q_a_proj",

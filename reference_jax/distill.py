@@ -1,7 +1,7 @@
 """Lightning-indexer KL distillation (DeepSeek-V3.2's two stages): the dense, readable reference.
 
-Spec: ``../shared/spec/architecture.md`` 4.4 (indexer training losses), 4.2 (scores: the constants matter here,
-case 10); ``../shared/spec/cases.md`` 29 (teacher normalisation) and 30 (gradient isolation). Notable:
+Spec 4.4 (indexer training losses), 4.2 (scores: the constants matter here, since the KL compares their softmax),
+10.5 (teacher normalisation, gradient isolation); all in ``docs/spec.md``. Notable:
 
 * **Target.** ``p[t, s] = sum_h softmax_h(scale * q_h[t] . k_h[s])`` over the key set the loss covers, divided by its
   row sum (L1 normalisation; each head's row sums to 1, so this is the head mean). Computed in fp32 (fp64 for fp64
@@ -148,7 +148,8 @@ def sparse_loss(
 
     The teacher is the sparse attention itself: a per-head softmax over ``S_t`` (= ``mask & selected``), summed over
     heads and L1-normalised; the student's softmax also runs over ``S_t`` only. The caller passes indexer scores
-    computed from a **detached** layer input (case 30), so this loss reaches only the indexer's parameters.
+    computed from a **detached** layer input (the LM loss alone trains the model), so this loss reaches only the
+    indexer's parameters.
 
     Args:
         q, k: as in :func:`warmup_loss`. index_scores: ``[B, T, S]``. mask: ``[T, S]`` or ``[B, T, S]`` causal &

@@ -1,18 +1,19 @@
 """DSA lightning indexer (Kimi K3.1 Pro, DeepSeek-V3.2 math without RoPE): scores, canonical top-k, sparse mask.
 
-Spec: ``../shared/spec/architecture.md`` section 4 (4.1 weights, 4.2 scoring, 4.3 selection) and section 9
-(tie-break, rows with fewer visible keys than k). Notable:
+Spec section 4 (4.1 weights, 4.2 scoring, 4.3 selection) and section 9 (``docs/spec.md``:
+tie-break, rows with fewer visible keys than k). Notable:
 
 * Score ``I[t, s] = sum_j w[t, j] * HI^-1/2 * ReLU(KI^-1/2 * q_I[t, j] . k_I[s])``, accumulated in fp32 (fp64 for fp64
   inputs). Both constants are positive, so they never change the selection, but they do change the KL training loss
-  (case 10): keep them.
+  (spec 4.4): keep them.
 * ReLU ties: a key for which every head has ``q . k <= 0`` scores exactly 0, so exact ties are common. The order is
   canonical (spec 9): higher score first, among equal scores the larger key index first.
-* Masked keys (future, other document) are set to ``-inf`` **before** selection (case 8); slots past the number of
-  visible keys are ``-1`` (case 9). Callers must still re-apply the causal mask to the attention (see ``mla.py``).
-* No RoPE in K3.1 (``indexer_rope == "none"``, case 11). ``"half"`` / ``"interleaved"`` rotate the leading
-  ``qk_rope_head_dim`` channels of q_I and k_I (after ``k_norm``) by the token's position inside its document, as
-  DeepSeek-V3.2's indexer (:func:`apply_rope`). No Hadamard rotation: it is orthonormal and an fp32 oracle must not
+* Masked keys (future, other document) are set to ``-inf`` **before** selection (else a row near the start selects
+  future keys); slots past the number of visible keys are ``-1`` (spec 9). Callers must still re-apply the causal mask
+  to the attention (see ``mla.py``).
+* No RoPE in K3.1 (``indexer_rope == "none"``, a config choice: spec 9). ``"half"`` / ``"interleaved"`` rotate the
+  leading ``qk_rope_head_dim`` channels of q_I and k_I (after ``k_norm``) by the token's position inside its document,
+  as DeepSeek-V3.2's indexer (:func:`apply_rope`). No Hadamard rotation: it is orthonormal and an fp32 oracle must not
   add tie noise (spec 4.2).
 """
 
@@ -97,8 +98,8 @@ def topk_indices(scores: jax.Array, mask: jax.Array, topk: int) -> jax.Array:
         )
     mask = jnp.broadcast_to(mask, (B, T, S))
     k = min(topk, S)
-    # Masked keys get -inf *before* selection (case 8). "+ 0.0" makes -0.0 equal +0.0 here, whatever the caller
-    # passes: lax.top_k orders -0.0 below +0.0, while the tie rule (spec 9) sees one score.
+    # Masked keys get -inf *before* selection (a future key must never be selected). "+ 0.0" makes -0.0 equal +0.0 here,
+    # whatever the caller passes: lax.top_k orders -0.0 below +0.0, while the tie rule (spec 9) sees one score.
     masked = jnp.where(mask, _canonical_zero(scores), -jnp.inf)
     # lax.top_k puts the lower index first among ties; run it on the reversed key axis so that the larger original
     # key index wins ties (canonical order, spec 9), then map positions back.

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA): the dense JAX reference (spec ``architecture.md`` section 2; cases.md 1-7).
+"""Kimi Delta Attention (KDA): the dense JAX reference (spec section 2 and its pitfalls 10.1, ``docs/spec.md``).
 
 What is here, top to bottom:
 
@@ -66,7 +66,7 @@ def kda_gate(f: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: fl
         g ``[B, T, H, K]`` in fp32 (fp64 for fp64 ``f``):
         ``lb * sigmoid(exp(A_log[h]) * (f + dt_bias))`` in ``(lb, 0)`` when ``lower_bound`` is set, else
         ``-exp(A_log[h]) * softplus(f + dt_bias)``. The lower-bound form replaces the activation; it is not a clamp of
-        the softplus form (case 1).
+        the softplus form (spec 9).
 
         Saturation: ``A_log`` is capped at :data:`A_LOG_MAX` (rate ``exp(64) = 6.2e27``) and the softplus form is
         floored at :data:`G_MIN` (-1000, where ``exp(g)`` is exactly 0 in fp32 and fp64), so every finite input gives
@@ -103,7 +103,8 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def _conv_weight(weight: jax.Array, C: int) -> jax.Array:
-    """Depthwise conv weight as ``[C, W]``; accepts the checkpoint's ``[C, 1, W]`` or a squeezed ``[C, W]`` (case 17)."""
+    """Depthwise conv weight as ``[C, W]``; accepts the checkpoint's ``[C, 1, W]`` or a squeezed ``[C, W]`` (exporters
+    differ)."""
     if weight.ndim == 3 and weight.shape[0] == C and weight.shape[1] == 1:
         return weight[:, 0, :]
     if weight.ndim == 2 and weight.shape[0] == C:
@@ -292,7 +293,7 @@ def _chunk_step(S, q_c, k_c, v_c, g_c, b_c):
     strict = i[:, None] > i[None, :]  # j < i
     G = jnp.cumsum(g_c, axis=-2)  # within-chunk cumulative log-decay, <= 0 and decreasing
     # Only differences G_i - G_j with j <= i are exponentiated (<= 0, so <= 1): the span of G over a chunk can
-    # reach 64 * 5 = 320 > 88, and exp(-G) alone would overflow fp32 (spec 2.3, case 6). The j > i entries are
+    # reach 64 * 5 = 320 > 88, and exp(-G) alone would overflow fp32 (spec 2.3). The j > i entries are
     # masked to -inf *before* exp. exp(G) below is exp(G_i - G_start) with G_start = 0, also a difference.
     diff = jnp.where(causal[:, :, None], G[..., :, None, :] - G[..., None, :, :], -jnp.inf)  # [B,H,C,C,K]
     decay = jnp.exp(diff)
@@ -483,7 +484,7 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K), self.A_log, self.dt_bias, c.gate_lower_bound)
         beta = jax.nn.sigmoid(
             self.b_proj(x).astype(compute_dtype(x))
-        )  # [B,T,H]: the one and only sigmoid on beta (case 3)
+        )  # [B,T,H]: the one and only sigmoid on beta (twice breaks prefill == decode)
         recurrence = kda_chunk if mode == "chunk" else kda_recurrent
         o, S = recurrence(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu_seqlens)  # o [B,T,H,V]
         gate = self.g_proj(x) if c.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))

@@ -1,14 +1,15 @@
 """Gated MLA with NoPE (Kimi K3) and its DSA-sparse variant (K3.1 Pro): the dense-mask reference.
 
-Spec: ``../shared/spec/architecture.md`` 3.1-3.4 (MLA), 4.3 (how the indexer's top-k feeds the attention), 9.
+Spec 3.1-3.4 (MLA), 4.3 (how the indexer's top-k feeds the attention), 9 (``docs/spec.md``).
 Notable:
 
 * **NoPE**: the 64-dim (``qk_rope_head_dim``) ``k_pe`` is never rotated and never normalised; one ``k_pe`` per token is
   broadcast to all heads. ``q_pe`` is just the last ``qk_rope_head_dim`` columns of each query head.
 * **Softmax scale** is ``(qk_nope + qk_rope)^-1/2`` (192^-1/2 for K3) in the expanded *and* the absorbed form, never
-  ``(kv_lora_rank + qk_rope)^-1/2`` (case 15).
+  ``(kv_lora_rank + qk_rope)^-1/2``: the absorbed form computes the same scores (spec 3.3).
 * **Output gate** ``o * sigmoid(g_proj(x))`` reads the same normalised layer input x as ``q_a_proj``. In MLA layers
-  ``g_proj`` is this ``[H*V, D]`` output gate; in KDA layers a tensor with the same name is KDA's output gate (case 18).
+  ``g_proj`` is this ``[H*V, D]`` output gate; in KDA layers a tensor with the same name is KDA's output gate
+  (the layer type decides what a key means, spec 6).
 * **DSA**: attention mask = causal & same document & selected. The causal mask is re-applied after selection (spec 4.3:
   a dense top-k may return masked slots); with T <= index_topk every visible key is selected and the layer equals dense
   causal MLA exactly.
@@ -118,7 +119,8 @@ def mla_attention_absorbed(
         c_kv: ``[B, S, L]`` the latent after ``kv_a_layernorm``; k_pe: ``[B, S, R]`` (raw, not rotated).
         kv_b_weight: ``kv_b_proj.weight`` ``[H * (K_nope + V), L]``.
         mask: ``[T, S]`` or ``[B, T, S]`` bool, True = attend.
-        scale: **still** ``(K_nope + R)^-1/2`` (192^-1/2), not ``(L + R)^-1/2`` (case 15).
+        scale: **still** ``(K_nope + R)^-1/2`` (192^-1/2), not ``(L + R)^-1/2``: the absorbed form
+            computes the expanded form's scores (spec 3.3).
 
     Returns:
         ``o`` ``[B, T, H, V]`` in ``c_kv.dtype``; rows with no visible key are 0.
@@ -191,7 +193,7 @@ class GatedMLA(nn.Module):
         if kind == "kda":
             raise ValueError(
                 f"layer_idx: got {self.layer_idx}, a KDA layer; GatedMLA needs an 'mla' or 'dsa' layer "
-                "(g_proj means the KDA output gate there, case 18)"
+                "(g_proj means the KDA output gate there: the layer type decides what a key means)"
             )
         check_activation_dtype(x, "GatedMLA")
         if form not in _FORMS:
@@ -243,7 +245,7 @@ class GatedMLA(nn.Module):
             aux = {"topk_indices": topk, "index_scores": scores}
 
         mask = jnp.broadcast_to(mask, (B, T, S))
-        scale = c.mla_softmax_scale  # (Kn + R)^-1/2 in both forms (case 15)
+        scale = c.mla_softmax_scale  # (Kn + R)^-1/2 = 192^-1/2 in both forms (the same scores, spec 3.3)
         if form == "expanded":
             kvb = linear(keys_c_kv, w_kv_b).reshape(B, S, H, Kn + V)  # 3. [B, S, H, Kn+V]
             k_nope, v = kvb[..., :Kn], kvb[..., Kn:]

@@ -1,8 +1,9 @@
-"""Input preparation of the KDA recurrence in Triton (issue 15): the q/k L2 norm and the lower-bound gate, each one
-launch forward and one backward, for the cuDNN KDA path (``kernels_torch.kda_cudnn.kda_layer_forward`` with
-``kda_prep='triton'``, opt-in). Measured on the H200 (pass 8) they are no faster than fla's ``l2norm`` and
-``fused_kda_gate``, which the default (``auto`` = ``outside``) keeps: fwd+bwd at 8K tokens, 96 heads, norms 0.57
-against 0.77 ms, gate 0.74 against 0.73 ms, the whole layer 42.4 against 40.5 ms (run-to-run spread about 2 ms).
+"""Input preparation of the KDA recurrence in Triton: the q/k L2 norm and the lower-bound gate, each one launch forward
+and one backward, for the cuDNN KDA path (``kernels_torch.kda_cudnn.kda_layer_forward`` with ``kda_prep='triton'``,
+opt-in). Measured on the H200 (2026-12-01, ``benchmarks/results/kda_layer_pass8.json``) they are no faster than fla's
+``l2norm`` and ``fused_kda_gate``, which the default (``auto`` = ``outside``) keeps: fwd+bwd at 8K tokens, 96 heads,
+norms 0.57 against 0.77 ms, gate 0.74 against 0.73 ms, the whole layer 42.4 against 40.5 ms (run-to-run spread about 2
+ms).
 
 Notable:
 * :func:`l2norm_qk` normalises q **and** k in one launch (grid axis 1 picks the tensor) and computes both gradients in

@@ -1,14 +1,15 @@
-"""Projections without the elementwise traffic around them (plain torch; issues 9 and 15).
+"""Projections without the elementwise traffic around them (plain torch).
 
 * :func:`shared_input_linears`: several projections of one input, with the input gradient summed inside the GEMMs.
 * :func:`headwise_matmul`: one matrix per head (MLA's absorbed ``W_UK`` / ``W_UV``) on strided views, no copies.
 
-Why the first: a layer that feeds one activation ``x`` to n projections (KDA: q, k, v, the gate's ``f_a``, beta's ``b``, the output
-gate's ``g_a``) gets n gradients for ``x`` in the backward, and autograd adds them with n - 1 elementwise kernels,
-each reading two ``[T, D]`` tensors and writing one (pass 10 profile of the KDA layer: 0.40 ms at 8K tokens, 1.61 ms
-at 32K). :func:`shared_input_linears` computes the same outputs and gradients, but accumulates ``dx`` in the GEMMs'
-epilogue (``dx.addmm_(dy_i, W_i)``, beta = 1), which costs one extra read of ``dx`` inside each GEMM and no separate
-kernel. Rounding: ``dx`` is rounded to x's dtype after each GEMM, as autograd's running sum of bf16 gradients is.
+Why the first: a layer that feeds one activation ``x`` to n projections (KDA: q, k, v, the gate's ``f_a``, beta's ``b``,
+the output gate's ``g_a``) gets n gradients for ``x`` in the backward, and autograd adds them with n - 1 elementwise
+kernels, each reading two ``[T, D]`` tensors and writing one (the KDA layer's profile on the H200, 2026-12-01: 0.40 ms
+at 8K tokens, 1.61 ms at 32K; benchmarks/README.md). :func:`shared_input_linears` computes the same outputs and
+gradients, but accumulates ``dx`` in the GEMMs' epilogue (``dx.addmm_(dy_i, W_i)``, beta = 1), which costs one extra
+read of ``dx`` inside each GEMM and no separate kernel. Rounding: ``dx`` is rounded to x's dtype after each GEMM, as
+autograd's running sum of bf16 gradients is.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def headwise_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``einsum("nhi,hio->nho", x, w)`` (one matrix per head: MLA's absorbed ``W_UK`` / ``W_UV``, spec 3.3) without
     moving a byte: forward and backward are head-batched ``torch.bmm`` calls on ``[H, N, *]`` transposed views, which
     cuBLAS reads and writes with their strides. ``torch.einsum`` permutes x (and its gradient) to ``[H, N, *]`` with
-    strided copies instead: 39 ms of copy kernels in one DSA layer's fwd+bwd at 64K tokens on the H200 (pass 11).
+    strided copies instead: 39 ms of copy kernels in one DSA layer's fwd+bwd at 64K tokens on the H200 (profiled
+    2026-12-01, ``benchmarks/results/dsa_vs_dense_layer_pass11.log``).
 
     Args:
         x: ``[N, H, I]``; its last axis contiguous (any row and head strides, e.g. a slice of a wider tensor).

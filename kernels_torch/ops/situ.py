@@ -177,7 +177,7 @@ if triton is not None:
     def _situ_glu_fwd_kernel(
         a_ptr, b_ptr, out_ptr, n, beta, linear_beta, SITU: tl.constexpr, HAS_LB: tl.constexpr, BLOCK: tl.constexpr
     ):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: N·I can pass 2^31
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: N·I can exceed 2^31
         mask = offs < n
         af = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         bf = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -19,7 +19,7 @@ Notable:
   Each call records the kernel that ran (``kernel_choice.used()``).
   :func:`sparse_mla_fwd_reference` is the readable fp32 oracle (CPU or GPU).
 
-Shapes (axis letters of ``shared/style.md``): ``T`` = S_q query tokens, ``S`` = S_kv key tokens, ``H`` heads,
+Shapes (axis letters of ``docs/design.md``): ``T`` = S_q query tokens, ``S`` = S_kv key tokens, ``H`` heads,
 ``K`` selected keys per token (topk), ``D`` = d_qk = 576, ``V`` = d_v = 512.
 """
 
@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 from kernels_torch import kernel_choice
 
-try:  # FlashMLA is optional (the sgl-flash-mla wheel of ../shared/gpu/; see shared/spec/kernels.md).
+try:  # FlashMLA is optional (the sgl-flash-mla wheel, installed with --no-deps; docs/kernels.md).
     from flash_mla import flash_mla_sparse_fwd as _flash_mla_sparse_fwd
 except Exception:  # ImportError, or a broken build raising at import
     _flash_mla_sparse_fwd = None
@@ -569,7 +569,7 @@ def _padded_parent(q: torch.Tensor, H_pad: int) -> torch.Tensor | None:
 def flash_mla_takes(q: torch.Tensor) -> str | None:
     """Why FlashMLA cannot run ``q`` [T, H, D] here (a reason string), or None when it can."""
     if _flash_mla_sparse_fwd is None:
-        return "no flash_mla module with flash_mla_sparse_fwd imports (install sgl-flash-mla: ../shared/gpu/)"
+        return "no flash_mla module with flash_mla_sparse_fwd imports (pip install --no-deps sgl-flash-mla)"
     if _flash_mla_arch(q.device) is None:
         cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
         return f"device {q.device} (capability {cap}) is neither SM90 nor SM100"
@@ -685,7 +685,7 @@ def wants_padded_q(H: int, device: torch.device, backend: str | None = "auto") -
 
 
 def sparse_mla_fwd(q, kv, indices, sm_scale, topk_length=None, d_v=D_V, *, backend="auto"):
-    """Sparse MLA forward with the FlashMLA ``flash_mla_sparse_fwd`` contract (spec 4.3, kernels.md).
+    """Sparse MLA forward with the FlashMLA ``flash_mla_sparse_fwd`` contract (spec 4.3, docs/kernels.md).
 
     Args:
         q: ``[T, H, 576]`` bf16, CUDA (absorbed queries: 512 latent + 64 rope). Built with :func:`padded_q`, FlashMLA
