@@ -455,8 +455,8 @@ def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
 @pytest.mark.parametrize("bad_step", [1, 3])
 def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_path, capsys, monkeypatch, bad_step):
     """A non-finite loss at step N: one ``kimi: error:`` line naming the step and the loss; the folder keeps
-    step-(N-1)/ (saved then, with the data position and RNG of before step N), its model, the metrics up to N-1 and
-    diverged.json; ``--resume`` then gives run A's numbers exactly (the folder was an unusable run.json +
+    step-(N-1)/ (saved then, with the data position and RNG of before step N), the metrics up to N-1 and
+    diverged.json, and no model (none is written before --steps); ``--resume`` then gives run A's numbers exactly (the folder was an unusable run.json +
     metrics.jsonl, refused by --resume and by a fresh run alike)."""
 
     class Diverges(LMStage):  # the loss of the bad_step-th training step is NaN, evaluation stays clean
@@ -477,13 +477,11 @@ def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"kimi: error: step {bad_step}: the loss is nan (gradient norm nan), not finite"), err
     assert f"keeps step-{good}/" in err[0], err
+    # no model: the export is written when a run reaches --steps, and a diverged run is a stopped one
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json",
         "diverged.json",
         "loss.png",
         "metrics.jsonl",
-        "model.safetensors",
-        "model.safetensors.index.json",
         "run.json",
         f"step-{good}",
     ]
@@ -511,7 +509,7 @@ def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_
 def test_resume_mismatch_names_nested_keys_with_both_values():
     """``_diff`` on nested checkpoint configs: the path of each differing leaf with both values, long lists by item,
     a dict against None shown short, absent keys said so (the message dumped whole dicts and lists)."""
-    from kimi_tools.train import _diff
+    from kimi_tools.train.args import diff_json as _diff
 
     layers = list(range(1, 70))
     run = {
@@ -534,7 +532,7 @@ def test_resume_mismatch_names_nested_keys_with_both_values():
 def test_resume_mismatch_names_the_flags_as_typed(tmp_path):
     """The settings part of the refusal names flags a user can type: ``--no-shuffle`` (given or not), not the
     ``shuffle`` field's ``--shuffle``, which ``kimi train`` does not have."""
-    from kimi_tools.train import _check_out
+    from kimi_tools.train.checkpoint import check_out as _check_out
 
     args = {**SMALL, "shuffle": True, "lora_targets": None}
     was = {"config": {}, "args": {**args, "shuffle": False}}
@@ -545,7 +543,7 @@ def test_resume_mismatch_names_the_flags_as_typed(tmp_path):
 
 
 def test_no_save_refusal_names_only_the_flags_given():
-    from kimi_tools.train import _resolve
+    from kimi_tools.train.args import resolve as _resolve
 
     with pytest.raises(ValueError) as e:
         _resolve(TrainArgs(out="x", save=False, stop_after=3, **SMALL))
@@ -612,7 +610,7 @@ def test_lora_adapters_that_get_no_gradient_stop_the_run(tmp_path, monkeypatch):
 def test_default_warmup_fits_short_runs_and_finished_runs_are_not_resumed(tmp_path):
     """The default warm-up is min(10, steps // 10), so a 2-step run needs no --warmup-steps; --resume of a run that
     already reached --steps is refused with one line instead of training nothing (it printed 'loss nan')."""
-    from kimi_tools.train import TrainArgs, _resolve
+    from kimi_tools.train.args import resolve as _resolve
 
     assert _resolve(TrainArgs(data=["x"], out="o", steps=2)).warmup_steps == 0
     assert _resolve(TrainArgs(data=["x"], out="o", steps=100)).warmup_steps == 10

@@ -69,6 +69,7 @@ def parallelize(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     gradient_divide_factor: float | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), then FSDP2 over the flattened
     ``(dp, cp)`` ranks: one ``fully_shard`` per ``model.model.layers[i]`` and one for the root.
@@ -81,6 +82,9 @@ def parallelize(
         gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
             rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
             global batch (``kimi_tools.parallel``).
+        ignored_params: parameters FSDP2 leaves whole on every rank (``fully_shard(ignored_params=)``): not sharded,
+            their gradients not reduced (the caller all-reduces them); for parameters used outside their module's
+            forward, where FSDP2 has not gathered them (the indexer re-run of ``kimi_tools.distill``).
 
     Returns:
         The :class:`ContextParallel` to call ``shard`` on before each forward, or None when ``cp == 1``.
@@ -98,9 +102,12 @@ def parallelize(
     if any(p.dtype == torch.float64 for p in model.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = dict(mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if ignored_params:
+        kw["ignored_params"] = set(ignored_params)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     # cp ranks hold parts of one gradient (sum), dp ranks replicas (mean): divide by dp, not by dp x cp
     factor = float(dp) if gradient_divide_factor is None else float(gradient_divide_factor)
     for m in [*model.model.layers, model]:
