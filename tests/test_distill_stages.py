@@ -132,3 +132,32 @@ def test_kimi_train_stage_writes_kl_and_recall(tmp_path, stage):
     for r in recs[1:]:
         assert r["kl"] >= 0 and 0 < r["indexer_recall"] <= 1 and r["lm_loss"] > 0
     assert "eval_kl" in recs[0] and "eval_indexer_recall" in recs[0]
+
+
+def test_sparse_stage_warns_when_it_would_run_dense(setup):
+    """Every query sees at most min(seq_len, longest document) keys; at or below index_topk (64 in tiny) the top-k
+    keeps them all, so the sparse stage is the dense one: a UserWarning says so. Above it, no warning."""
+    import warnings
+
+    import numpy as np
+
+    cfg, _, _ = setup
+    st = SparseStage(cfg)
+    with pytest.warns(UserWarning, match=r"every query sees at most 64 keys .* <= index_topk 64"):
+        st.check_data([np.zeros(500, np.int64)], seq_len=64)
+    with pytest.warns(UserWarning, match="at most 40 keys"):
+        st.check_data([np.zeros(40, np.int64)] * 3, seq_len=256)  # short documents
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st.check_data([np.zeros(40, np.int64), np.zeros(65, np.int64)], seq_len=96)
+
+
+def test_stages_refuse_context_parallelism_and_keep_indexers_whole(setup):
+    """Both stages: --cp > 1 refused with the reason (the teacher needs every causal key; CP splits them), --cp 1
+    accepted at any dp; the indexer parameters, and only they, stay whole under FSDP2."""
+    cfg, params, _ = setup
+    for st in (WarmupStage(cfg), SparseStage(cfg)):
+        with pytest.raises(ValueError, match=rf"--stage {st.name} with --cp 2: the distillation's teacher"):
+            st.check_parallel(1, 2)
+        st.check_parallel(4, 1)
+        assert {n for n in params if st.replicated(n)} == {n for n in params if ".indexer." in n}

@@ -452,7 +452,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
                     bar.update(1)
                     stop_now, due = par.any_rank(stops.requested, self._save_due())
-                    if a.save and (due or stop_now or self.step == stop):
+                    if a.save and (due or self.step == stop):
                         self.save()
                     if a.save and self.step == a.steps:
                         export(self.model, self.out, par, self.lora_settings, a.checkpoint, self.base_fingerprint)
@@ -496,8 +496,14 @@ class Trainer:
             + "".join(f"; {c}" for c in self.conversions)
             + f"\n  data: {self.num_docs} documents, {self.num_tokens:,} tokens ({self.tokenizer.name}); eval "
             f"{sum(b.num_tokens for b in self.evals):,} tokens; {a.batch_tokens:,} tokens per step "
-            f"({self.accum} x {self.rows} rows of {a.seq_len}); resume state every "
-            + (f"{a.save_every} steps" if isinstance(a.save_every, int) else str(a.save_every))
+            f"({self.accum} x {self.rows} rows of {a.seq_len}); "
+            + (
+                "no resume state (--no-save)"
+                if not a.save
+                else "resume state at the end and on Ctrl-C"
+                if (self._save_steps, self._save_minutes) == (0, 0.0)
+                else f"resume state every {a.save_every}" + (" steps" if self._save_steps else "")
+            )
             + (f"\n  resumed from {self.out}/step-{self.start}" if a.resume else ""),
             flush=True,
         )
