@@ -56,7 +56,7 @@ def build_model(a: TrainArgs, cfg: KimiConfig) -> nn.Module:
     ``--layers N`` gives the first N layers of the whole model)."""
     import torch
 
-    from kernels_torch.model import KimiK3Model, cast_model, load_model
+    from kernels_torch.model import load_model, model_from_params
 
     dtype = getattr(torch, a.dtype)
     if a.checkpoint is not None:
@@ -65,10 +65,7 @@ def build_model(a: TrainArgs, cfg: KimiConfig) -> nn.Module:
     from kimi.init import init_params
 
     params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
-    with torch.device("meta"):
-        model = KimiK3Model(cfg, backend=a.backend)
-    model.load_state_dict(params, strict=True, assign=True)
-    return cast_model(model.to(a.device), dtype)
+    return model_from_params(cfg, params, a.backend, dtype, a.device)
 
 
 # A model converter rewrites the built model in place before it is sharded and its optimizer built (torchtitan's
