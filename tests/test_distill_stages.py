@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_torch.model import KimiK3Model
+from kernels_torch.model import model_from_params
 from kimi.config import load_config
 from kimi.init import init_params
 from kimi_tools.data import Batch
@@ -28,9 +28,7 @@ def setup():
 
 
 def fresh(cfg, params, backend="eager"):
-    m = KimiK3Model(cfg, backend=backend)
-    m.load_state_dict(params)
-    return m
+    return model_from_params(cfg, params, backend)
 
 
 def grads(model) -> dict[str, torch.Tensor]:

@@ -141,7 +141,7 @@ def test_split_tail_holds_out_the_last_tokens():
 
 @pytest.fixture(scope="module")
 def tiny4():
-    from kernels_torch.model import KimiK3Model
+    from kernels_torch.model import model_from_params
     from kimi.config import load_config
     from kimi.init import init_params
 
@@ -149,9 +149,7 @@ def tiny4():
     cfg = full.truncated(4)  # KKKD: KDA, MoE and one DSA layer
 
     def make(backend):
-        m = KimiK3Model(cfg, backend=backend)
-        m.load_state_dict(init_params(full, seed=1, layers=4))
-        return m
+        return model_from_params(cfg, init_params(full, seed=1, layers=4), backend)
 
     return cfg, make
 
@@ -272,7 +270,9 @@ def test_output_loads_in_both_paths(runs):
     jmodel, tree, cfg = load_jax(out)
     assert cfg.num_hidden_layers == 2
     jax_params = from_tree(tree)  # numpy arrays
-    torch_params = load_torch(out, backend="sdpa").state_dict()
+    from kernels_torch.params import canonical_state_dict
+
+    torch_params = canonical_state_dict(load_torch(out, backend="sdpa"))  # the checkpoint's names (experts split)
     assert jax_params.keys() == torch_params.keys()
     assert all(torch.equal(to_torch(jax_params[k]), torch_params[k]) for k in jax_params)
     name = "model.layers.1.self_attn.q_proj.weight"
@@ -755,7 +755,10 @@ def test_weight_decay_spares_vectors(tmp_path):
     names = sorted(_trainable_names(tmp_path / "wd0.0"))
     a = _dcp_tensors(tmp_path / "wd0.0" / "step-1", names)
     b = _dcp_tensors(tmp_path / "wd0.5" / "step-1", names)
-    initial = init_params(load_config("tiny"), seed=0, layers=2)
+    from kernels_torch.model import model_from_params
+
+    cfg = load_config("tiny")
+    initial = model_from_params(cfg.truncated(2), init_params(cfg, seed=0, layers=2)).state_dict()  # torch names
     moved = [n for n in names if not torch.equal(a[n], initial[n].float())]  # (layer 0's AttnRes mix gets no grad)
     vectors = [n for n in moved if a[n].ndim == 1]
     for must in ("A_log", "dt_bias", "input_layernorm.weight", "model.norm.weight"):
