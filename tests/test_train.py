@@ -602,6 +602,9 @@ def test_lora_run_resumes_exactly_and_writes_the_adapter(tmp_path):
     assert a.eval_losses[4] != a.eval_losses[0]  # the adapters change the function (the benchmark: loss falls)
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert files == ["adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "run.json", "step-4"]
+    assert lora.adapter_base_fingerprint(tmp_path / "a") == lora.base_fingerprint(base)  # kimi lora merge checks it
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "a").iterdir() if p.is_file()}
+    assert len(set(modes.values())) == 1, modes  # the adapter file as every other (it was 0600)
     wa = load_file(tmp_path / "a" / "adapter_model.safetensors")
     wb = load_file(tmp_path / "b" / "adapter_model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
