@@ -35,8 +35,10 @@ What runs in FP8 (:data:`FP8_LINEARS`, by the module that owns the projection; n
   for LoRA (the six input gradients are then summed by autograd: about 0.4 ms at 8K tokens, pass 10's profile).
 * Dense MLP and shared experts (``DenseMLP``): ``gate_proj``, ``up_proj``, ``down_proj``.
 * Latent MoE (``KimiMoE``): ``routed_expert_down_proj``, ``routed_expert_up_proj``.
-* Routed experts: a ``GroupedExperts`` module (parameters ``w1``, ``w3`` ``[E, I, Dl]``, ``w2`` ``[E, Dl, I]``) by
-  ``quantize_``; per-expert ``RoutedExpert`` modules (``w1``, ``w3``, ``w2``) as ``Float8Linear`` each.
+* Routed experts (``kernels_torch.moe.GroupedExperts``: ``w1``, ``w3`` ``[E, I, Dl]``, ``w2`` ``[E, Dl, I]``) by
+  ``quantize_``, where they run the ``grouped_mm`` kernel (the ``cudnn`` backend's default, or ``moe_kernel=
+  "grouped_mm"``): the ``loop`` kernel indexes one expert's weight per ``F.linear``, which the wrapper hands back as a
+  plain tensor, so experts on the loop are left as they are and listed in ``skipped``.
 
 Everything else stays as it is: ``lm_head``, the router ``gate``, the norms, the AttnRes projections, the KDA short
 convolutions and recurrence, the DSA indexer (its ``wq_b``, ``wk``, ``weights_proj``; it reads ``q_a_proj``'s FP8
@@ -105,7 +107,6 @@ FP8_LINEARS: dict[str, tuple[str, ...]] = {
     ),
     "DenseMLP": ("gate_proj", "up_proj", "down_proj"),
     "KimiMoE": ("routed_expert_down_proj", "routed_expert_up_proj"),
-    "RoutedExpert": ("w1", "w3", "w2"),
 }
 GROUPED_EXPERTS = "GroupedExperts"  # the stacked routed experts (kernels_torch.moe): w1, w3 [E, I, Dl], w2 [E, Dl, I]
 # fnmatch globs on qualified module names: the KDA gate and beta projections stay bf16 unless exclude says otherwise
@@ -125,7 +126,7 @@ class FP8Conversion:
     ``linears``: qualified names of the projections that became ``Float8Linear``; ``grouped_experts``: the
     ``GroupedExperts`` modules whose weights torchao wraps (FP8 rowwise grouped GEMMs); ``skipped``: ``(name,
     reason)`` for candidates left as they are (excluded by a pattern, a width not a multiple of 16, a DSA layer's
-    absorbed ``kv_b_proj``, grouped experts under ``emulate``)."""
+    absorbed ``kv_b_proj``, grouped experts under ``emulate`` or on the ``loop`` kernel)."""
 
     recipe: str
     grouped_recipe: str | None
@@ -356,6 +357,8 @@ def convert_model_to_fp8(
             skipped.append((name, "excluded"))
         elif emulate:
             skipped.append((name, "grouped experts under emulate"))
+        elif _expert_kernel(module) != "grouped_mm":
+            skipped.append((name, "grouped experts on the loop kernel"))
         else:
             _check_grouped(name, module)
             grouped_done.append(name)
@@ -382,6 +385,17 @@ def convert_model_to_fp8(
     )
     model.fp8 = record
     return record
+
+
+def _expert_kernel(module: nn.Module) -> str:
+    """The kernel a ``GroupedExperts`` module will run on a CUDA bf16 batch: its ``moe_kernel`` (or
+    ``$KIMI_MOE_KERNEL``) when set to one, else the ``auto`` rule (``grouped_mm`` on the ``cudnn`` backend)."""
+    from kernels_torch import kernel_choice
+
+    chosen = kernel_choice.resolve("moe", getattr(module, "moe_kernel", None))
+    if chosen != "auto":
+        return chosen
+    return "grouped_mm" if getattr(module, "backend", "cudnn") == "cudnn" else "loop"
 
 
 def _check_grouped(name: str, module: nn.Module) -> None:

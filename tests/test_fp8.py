@@ -107,7 +107,7 @@ def test_conversion_selects_the_documented_projections_only(tmp_path):
     rec = fp8.convert_model_to_fp8(model, "tensorwise", emulate=True)
     assert model.fp8 is rec and rec.recipe == "tensorwise" and fp8.fp8_record(model)["linears"] == len(rec.linears)
     converted = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
-    assert converted == set(rec.linears) and len(converted) > 100
+    assert converted == set(rec.linears) and len(converted) > 50
     owners = {type(m).__name__: m for m in model.modules()}
     for name in converted:
         leaf = name.rsplit(".", 1)[1]
@@ -237,36 +237,28 @@ def test_one_fp8_projection_errors_are_fp8_sized(recipe, T):
 # ---------------------------------------------------------------------------------------------- grouped experts
 
 
-class GroupedExperts(nn.Module):
-    """Stand-in for ``kernels_torch.moe.GroupedExperts`` (the lead's module, not on main yet): the same parameters
-    (``w1``, ``w3`` [E, I, Dl], ``w2`` [E, Dl, I], nn.Linear orientation), the same ``align`` and the same grouped
-    calls ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)`` on expert-sorted rows, each expert's rows
-    padded to a multiple of ``align``. ``forward(x [rows, Dl], offsets [E] int32) -> [rows, Dl]``."""
-
-    def __init__(self, E: int, I: int, Dl: int, align: int = 8):
-        super().__init__()
-        g = torch.Generator().manual_seed(E * I)
-        self.w1 = nn.Parameter(torch.randn(E, I, Dl, generator=g) / Dl**0.5)
-        self.w3 = nn.Parameter(torch.randn(E, I, Dl, generator=g) / Dl**0.5)
-        self.w2 = nn.Parameter(torch.randn(E, Dl, I, generator=g) / I**0.5)
-        self.align = align
-
-    def forward(self, x, offsets):
-        a = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
-        b = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(nn.functional.silu(a) * b, self.w2.transpose(-2, -1), offs=offsets)
-
-
 class Holder(nn.Module):
     def __init__(self, experts):
         super().__init__()
         self.experts = experts
 
 
+def grouped_experts(E: int = 4, I: int = 32, Dl: int = 48, backend: str = "cudnn", seed: int = 0) -> Holder:
+    """A ``kernels_torch.moe.GroupedExperts`` of E experts (I, Dl widths; on the ``grouped_mm`` kernel, which also
+    runs on the CPU) with fresh random weights, inside a holder module (the conversion walks a model)."""
+    from kernels_torch.moe import GroupedExperts
+
+    cfg = load_config("tiny").replace(quant_method=None, moe_intermediate_size=I)
+    torch.manual_seed(seed)
+    experts = GroupedExperts(cfg, Dl, backend=backend, num_experts=E)
+    experts.moe_kernel = "grouped_mm" if backend == "cudnn" else None
+    return Holder(experts)
+
+
 def fp8_grouped_checker(monkeypatch):
     """Replace torchao's dispatch to its FP8 grouped GEMM (``_quantize_then_scaled_grouped_mm``, which the weight
     wrapper calls for ``torch._grouped_mm``) by a check of the preconditions its FP8 forward asserts, then the plain
-    product. Returns the list of calls it saw."""
+    product; the device check passes (an SM90 stand-in). Returns the list of calls it saw."""
     import torchao.prototype.moe_training.tensor as wrapper_module
 
     seen = []
@@ -289,49 +281,54 @@ def fp8_grouped_checker(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("align,want", [(8, 16), (24, 48), (32, 32)])
+@pytest.mark.parametrize("align,want", [(1, 16), (24, 48), (32, 32)])
 def test_grouped_experts_reach_torchaos_fp8_grouped_gemm(monkeypatch, align, want):
     """The conversion wraps the GroupedExperts weights in torchao's Float8TrainingWeightWrapperTensor and raises
     ``align`` to a multiple of 16; the module's three torch._grouped_mm calls then go to torchao's FP8 grouped GEMM
-    with its preconditions met (row-major x, per-expert column-major weights, int32 offsets, 16-row groups), forward
-    and backward give what the plain module gives, and the parameter names are unchanged."""
+    with its preconditions met (row-major x, per-expert column-major weights, int32 offsets, 16-row groups: experts
+    routed 0, 1 and many rows), forward and backward give what the plain module gives, and the parameter names are
+    unchanged."""
     from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
 
     seen = fp8_grouped_checker(monkeypatch)
-    E, I, Dl = 4, 32, 48
-    model, ref = Holder(GroupedExperts(E, I, Dl, align)), Holder(GroupedExperts(E, I, Dl, align))
+    E, I, Dl, N, k = 4, 32, 48, 21, 2
+    model, ref = grouped_experts(E, I, Dl), grouped_experts(E, I, Dl)
+    model.experts.align = ref.experts.align = align
     rec = fp8.convert_model_to_fp8(model, "tensorwise", device="cpu")
     assert rec.grouped_experts == ("experts",) and rec.grouped_recipe == "fp8_rowwise" and rec.linears == ()
     assert model.experts.align == want
     assert all(isinstance(p, Float8TrainingWeightWrapperTensor) for p in model.experts.parameters())
     assert list(model.state_dict()) == list(ref.state_dict())
-    counts = torch.tensor([1, 0, 37, 5])  # rows routed to each expert, then padded to align rows
-    padded = (counts + want - 1) // want * want
-    offsets = torch.cumsum(padded, 0).to(torch.int32)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(int(padded.sum()), Dl, generator=g)
-    dy = torch.randn(int(padded.sum()), Dl, generator=g)
-    xs = [x.clone().requires_grad_(True) for _ in range(2)]
-    outs = [m.experts(xi, offsets) for m, xi in zip((model, ref), xs)]
+    ids = torch.stack([torch.full((N,), 2), torch.randint(0, 2, (N,), generator=g) * 3], 1)  # expert 1: no row
+    ids[0, 1] = 0 if int((ids[:, 1] == 0).sum()) != 1 else 3
+    weights = torch.rand(N, k, generator=g)
+    z = torch.randn(N, Dl, generator=g)
+    dr = torch.randn(N, Dl, generator=g)
+    zs = [z.clone().requires_grad_(True) for _ in range(2)]
+    outs = [m.experts(zi, ids, weights) for m, zi in zip((model, ref), zs)]
     for o in outs:
-        o.backward(dy)
-    assert seen[:3] == [((len(x), Dl), (E, Dl, I))] * 2 + [((len(x), I), (E, I, Dl))]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(xs[0].grad, xs[1].grad)
-    for k in ("w1", "w3", "w2"):
-        assert torch.equal(getattr(model.experts, k).grad, getattr(ref.experts, k).grad), k
+        o.backward(dr)
+    assert len(seen) == 3 and [s[1] for s in seen] == [(E, Dl, I), (E, Dl, I), (E, I, Dl)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(zs[0].grad, zs[1].grad)
+    for key in ("w1", "w3", "w2"):
+        assert torch.equal(getattr(model.experts, key).grad, getattr(ref.experts, key).grad), key
 
 
-def test_grouped_experts_contract_errors(monkeypatch):
-    """Widths that are not multiples of 16, and parameters of the wrong shapes, are refused naming the module;
-    under emulation the grouped experts are left as they are and listed."""
+def test_grouped_experts_left_as_they_are_where_fp8_cannot_reach_them(monkeypatch):
+    """Widths that are not multiples of 16 and parameters of the wrong shapes are refused naming the module; experts
+    on the loop kernel (eager backend: one F.linear per expert on an indexed, unwrapped weight) and under emulation
+    are left as they are and listed with the reason."""
     fp8_grouped_checker(monkeypatch)
     with pytest.raises(ValueError, match=r"experts: expert widths I=24, Dl=48, expected multiples of 16"):
-        fp8.convert_model_to_fp8(Holder(GroupedExperts(2, 24, 48)), "rowwise", device="cpu")
-    bad = GroupedExperts(2, 32, 48)
-    bad.w2 = nn.Parameter(torch.randn(2, 32, 48))
+        fp8.convert_model_to_fp8(grouped_experts(2, 24, 48), "rowwise", device="cpu")
+    bad = grouped_experts(2, 32, 48)
+    bad.experts.w2 = nn.Parameter(torch.randn(2, 32, 48))
     with pytest.raises(ValueError, match=r"experts: got w1 \(2, 32, 48\), w3 \(2, 32, 48\), w2 \(2, 32, 48\)"):
-        fp8.convert_model_to_fp8(Holder(bad), "rowwise", device="cpu")
-    rec = fp8.convert_model_to_fp8(Holder(GroupedExperts(2, 32, 48)), "rowwise", emulate=True)
+        fp8.convert_model_to_fp8(bad, "rowwise", device="cpu")
+    rec = fp8.convert_model_to_fp8(grouped_experts(2, 32, 48, backend="eager"), "rowwise", device="cpu")
+    assert rec.grouped_experts == () and dict(rec.skipped) == {"experts": "grouped experts on the loop kernel"}
+    rec = fp8.convert_model_to_fp8(grouped_experts(2, 32, 48), "rowwise", emulate=True)
     assert rec.grouped_experts == () and dict(rec.skipped) == {"experts": "grouped experts under emulate"}
 
 
