@@ -27,12 +27,13 @@ What runs in FP8 (:data:`FP8_LINEARS`, by the module that owns the projection; n
   ``kernels_torch.ops.linears.headwise_matmul``, spec 3.3), which no FP8 linear reaches.
 * KDA (``KimiDeltaAttention``): ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj`` (or ``g_a_proj`` / ``g_b_proj``),
   ``o_proj``. The gate's low-rank ``f_a_proj`` / ``f_b_proj`` and beta's ``b_proj`` are candidates but excluded by
-  default (:data:`DEFAULT_EXCLUDE`): at K3.1's widths they are 4% of the layer's projection FLOPs (rank 128 and 96
-  outputs against 12,288), below the size where the cast overhead pays, and they feed ``exp`` / ``sigmoid`` gates
+  default (:data:`DEFAULT_EXCLUDE`): at K3.1's widths they are 0.7% of the layer's projection FLOPs (rank 128 and
+  96 outputs against 12,288), below the size where the cast overhead pays, and they feed ``exp`` / ``sigmoid`` gates
   that compound through the recurrence. On the ``cudnn`` backend the six projections of x otherwise run as one
   ``kernels_torch.ops.linears.shared_input_linears`` node that reads their ``.weight`` directly (no module forward,
   so no FP8); a converted projection makes the layer run them one by one through their modules instead, as it does
-  for LoRA (the six input gradients are then summed by autograd: about 0.4 ms at 8K tokens, pass 10's profile).
+  for LoRA (the six input gradients are then summed by autograd's elementwise adds: about 0.4 ms at 8K tokens on
+  the H200).
 * Dense MLP and shared experts (``DenseMLP``): ``gate_proj``, ``up_proj``, ``down_proj``.
 * Latent MoE (``KimiMoE``): ``routed_expert_down_proj``, ``routed_expert_up_proj``.
 * Routed experts (``kernels_torch.moe.GroupedExperts``: ``w1``, ``w3`` ``[E, I, Dl]``, ``w2`` ``[E, Dl, I]``) by
@@ -52,7 +53,20 @@ itself (or a view, slice or ``.to()`` of it: those keep the wrapper; ``torch.cat
 parameters, indexing one expert, or ``.contiguous()`` after the transpose lose it), ``x`` ``[rows, in]`` bf16 and
 row-major, ``in`` and ``out`` multiples of 16, ``offsets`` int32 cumulative row ends, and every expert's row count a
 multiple of 16 (torchao's padding option is refused by its FP8 forward): :func:`convert_model_to_fp8` raises the
-module's ``align`` to a multiple of :data:`FP8_ALIGN`. The output is bf16.
+module's ``align`` to a multiple of :data:`FP8_ALIGN`. Rows of a group that hold no token must be finite (zero):
+the weight gradient's per-group column scales read them. The output is bf16.
+
+The casts run as eager kernels (no ``torch.compile``): torchao's dense casts are several elementwise passes each;
+``benchmarks/fp8_gemm.py --compile`` measures what compiling each ``Float8Linear`` would save. Its grouped casts are
+fused Triton kernels already.
+
+Why torchao and not Transformer Engine (PyPI, December 2026): ``transformer-engine-torch`` 2.20.2 is published as a
+source distribution only (498 kB), whose build downloads a wheel made for the exact torch version from GitHub or
+else compiles its CUDA extension against the installed torch; its core wheel ``transformer-engine-cu13`` 2.20.2 is
+276.5 MB. The H200 machine has no package index and takes 64 MiB per call, so neither installs there; and TE's FP8
+runs through its own ``te.Linear`` / ``te.GroupedLinear`` modules, which would replace this model's modules. torchao
+0.18.0 is one 3.4 MB ``abi3`` wheel with no declared dependencies, Python and Triton over torch's own
+``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` (``benchmarks/fp8_wheels.sh``).
 """
 
 from __future__ import annotations
@@ -281,8 +295,8 @@ def convert_model_to_fp8(
     """Run the model's projections and grouped experts in FP8 (torchao), in place; record it as ``model.fp8``.
 
     Call it on a :class:`kernels_torch.model.KimiK3Model` (or any module holding its layer modules) after the model
-    is built and cast, after LoRA is applied, and before ``torch.utils.checkpoint`` wrappers and FSDP2's
-    ``fully_shard``. Parameter names, shapes and dtypes are unchanged (``state_dict`` keys stay the checkpoint's);
+    is built and cast, after LoRA is applied (peft wraps plain ``nn.Linear`` only) and after expert parallelism has
+    sliced the experts, and before ``torch.utils.checkpoint`` wrappers and FSDP2's ``fully_shard``. Parameter names, shapes and dtypes are unchanged (``state_dict`` keys stay the checkpoint's);
     the projections listed in the module docstring become torchao ``Float8Linear`` modules holding the same
     ``weight`` parameter; the ``GroupedExperts`` weights become torchao's ``Float8TrainingWeightWrapperTensor``
     (same values) and the module's ``align`` is raised to a multiple of :data:`FP8_ALIGN`.
@@ -412,7 +426,8 @@ def _check_grouped(name: str, module: nn.Module) -> None:
     E, I, Dl = shapes["w1"]
     if shapes["w3"] != (E, I, Dl) or shapes["w2"] != (E, Dl, I):
         raise ValueError(
-            f"{name}: got w1 {shapes['w1']}, w3 {shapes['w3']}, w2 {shapes['w2']}, expected [E, I, Dl] x2 and [E, Dl, I]"
+            f"{name}: got w1 {shapes['w1']}, w3 {shapes['w3']}, w2 {shapes['w2']}, expected w1, w3 [E, I, Dl] and "
+            "w2 [E, Dl, I]"
         )
     if I % FP8_ALIGN or Dl % FP8_ALIGN:
         raise ValueError(f"{name}: expert widths I={I}, Dl={Dl}, expected multiples of {FP8_ALIGN} for FP8")
