@@ -27,7 +27,7 @@ from kernels_torch.moe import DenseMLP, KimiMoE
 from kernels_torch.params import canonical_state_dict, load_canonical
 from kimi.config import KimiConfig
 
-__all__ = ["BACKENDS", "DecoderLayer", "KimiK3Model", "load_model", "save_model", "cast_model"]
+__all__ = ["BACKENDS", "DecoderLayer", "KimiK3Model", "load_model", "model_from_params", "save_model", "cast_model"]
 
 BACKENDS = ("eager", "sdpa", "cudnn")
 
@@ -381,12 +381,29 @@ def load_model(
     config = reader.config if layers is None else reader.config.truncated(layers)
     stream = iter_arrays(reader, config, layers=range(config.num_hidden_layers), check_finite=check_finite)
     first = next(stream, None)  # the layout check runs here, before anything is allocated
+    pairs = itertools.chain([first] if first is not None else [], stream)
+    return set_model_kernels(model_from_params(config, pairs, backend, dtype, device), **kernels)
+
+
+def model_from_params(
+    config: KimiConfig,
+    params,
+    backend: str = "eager",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> KimiK3Model:
+    """A :class:`KimiK3Model` on ``device`` in ``dtype`` (:func:`cast_model`'s rule) holding the canonical parameters
+    ``params`` (``{name: tensor or numpy array}`` as ``kimi.checkpoint.load_params`` / ``kimi.init.init_params`` give
+    them, or an iterable of ``(name, tensor)`` pairs), copied in one at a time (routed experts into their stacks).
+
+    Raises:
+        ValueError: an unknown backend; the errors of :func:`kernels_torch.params.load_canonical` (missing,
+            unexpected or misshaped tensors)."""
+    check_backend(backend)
     with torch.device("meta"):
         model = cast_model(KimiK3Model(config, backend=backend), dtype)
     model.to_empty(device=device)
-    load_canonical(model, itertools.chain([first] if first is not None else [], stream), strict=True)
-    set_model_kernels(model, **kernels)
-    return model
+    return load_canonical(model, params, strict=True)
 
 
 def cast_model(model: KimiK3Model, dtype: torch.dtype) -> KimiK3Model:
