@@ -8,7 +8,9 @@ tie tolerance from the row's k-th selected score (so near-ties at the selection 
 under rounding, are not failures). End: logits relative error, cosine and top-1 agreement.
 
 The reference always runs in fp32 (it is the oracle); the torch path runs in the requested dtype, and the
-tolerances are chosen by that dtype (:data:`TOLERANCES`).
+tolerances are chosen by that dtype (:data:`TOLERANCES`). An FP8 run (``run_torch(..., convert=...)`` with
+``kernels_torch.fp8.convert_model_to_fp8``; ``kimi compare --fp8 RECIPE``) runs bf16 activations around FP8 GEMMs and
+is judged by :data:`TOLERANCES_FP8`; :func:`format_fp8_side_by_side` sets its rows beside the bf16 run's.
 """
 
 from __future__ import annotations
