@@ -332,6 +332,30 @@ def test_grouped_experts_left_as_they_are_where_fp8_cannot_reach_them(monkeypatc
     assert rec.grouped_experts == () and dict(rec.skipped) == {"experts": "grouped experts under emulate"}
 
 
+def test_converted_cudnn_model_exports_the_checkpoint_layout(monkeypatch, tmp_path):
+    """The tiny model on the cudnn backend (grouped experts on the grouped_mm kernel), converted with its experts
+    wrapped: save_model writes what the unconverted model writes (the trainer's export), names and values."""
+    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+
+    from kernels_torch.model import load_model, save_model
+
+    fp8_grouped_checker(monkeypatch)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(KimiK3Model(load_config("tiny"), backend="cudnn"))
+    rec = fp8.convert_model_to_fp8(models[0], "rowwise", device="cpu")
+    moe_layers = [i for i in range(load_config("tiny").num_hidden_layers) if load_config("tiny").is_moe_layer(i)]
+    assert rec.grouped_experts == tuple(f"model.layers.{i}.block_sparse_moe.experts" for i in moe_layers)
+    assert isinstance(
+        models[0].model.layers[moe_layers[0]].block_sparse_moe.experts.w2, Float8TrainingWeightWrapperTensor
+    )
+    for m, d in zip(models, ("fp8", "plain")):
+        save_model(m, tmp_path / d)
+    a, b = (load_model(tmp_path / d, dtype=torch.float32).state_dict() for d in ("fp8", "plain"))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ---------------------------------------------------------------------------------------------- kimi compare --fp8
 
 
