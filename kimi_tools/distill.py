@@ -215,8 +215,8 @@ def model_recall(model: nn.Module, input_ids: torch.Tensor, cu_seqlens=None, den
 
 
 def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
-    """The mean next-token NLL of ``batch``, from the model's chunked loss path (``forward(..., labels=)``)."""
-    return model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels) / max(batch.num_targets, 1)
+    """The mean next-token NLL of ``batch``, from the model's chunked loss path (``KimiK3Model.loss``)."""
+    return model.loss(batch.input_ids, batch.labels, batch.cu_seqlens) / max(batch.num_targets, 1)
 
 
 def _unfreeze_indexers(model: nn.Module) -> None:

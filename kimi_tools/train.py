@@ -242,7 +242,7 @@ class Stage(Protocol):
 
 class LMStage:
     """Next-token cross-entropy over the batch's targets (``labels != -100``), in fp32, computed by the model's
-    ``forward(..., labels=)`` without materialising the logits (``kernels_torch.loss.linear_cross_entropy``).
+    ``KimiK3Model.loss`` without materialising the logits (``kernels_torch.loss.linear_cross_entropy``).
 
     Trains everything except the DSA indexer (``*.indexer.*``: hard top-k, no LM-loss gradient) and the router's
     ``e_score_correction_bias`` (not a gradient-trained parameter).
@@ -257,7 +257,7 @@ class LMStage:
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         # the summed NLL inside the model's forward, in row chunks: the [T, vocab] logits never exist at once
         # (kernels_torch.loss.linear_cross_entropy; = F.cross_entropy of the logits: tests/test_linear_cross_entropy.py)
-        total = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
+        total = model.loss(batch.input_ids, batch.labels, batch.cu_seqlens)
         return total / max(batch.num_targets, 1), {}
 
 
