@@ -126,18 +126,7 @@ def gated_mla_cached(layer, x: torch.Tensor, cache, cache_pos: torch.Tensor, len
     w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
     aux: dict = {}
     if layer.kind != "dsa":
-        from kernels_torch.mla import mla_attention_absorbed
-
-        o = mla_attention_absorbed(
-            q_nope,
-            q_pe,
-            cache.c_kv[:, :S],
-            cache.k_pe[:, :S],
-            effective_weight(layer.kv_b_proj),
-            mask,
-            scale,
-            backend="sdpa",
-        )
+        o = _absorbed_sdpa(q_nope, q_pe, cache.c_kv[:, :S], cache.k_pe[:, :S], w_uk, w_uv, mask, scale)
     else:
         _refuse_indexer_rope(c)
         q_I, k_I, weights = layer.indexer.projections(x, c_q)
@@ -162,6 +151,23 @@ def gated_mla_cached(layer, x: torch.Tensor, cache, cache_pos: torch.Tensor, len
         aux = {"topk_indices": idx, "index_scores": None}
     out = layer.gate_and_project_out(o, x)
     return (out, aux, cache) if return_aux else (out, cache)
+
+
+def _absorbed_sdpa(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, mask, scale):
+    """Dense absorbed MLA (spec 3.3) on SDPA, as ``kernels_torch.mla.mla_attention_absorbed(backend="sdpa")``:
+    q_nope ``[N, T, H, Kn]``, q_pe ``[N, T, H, R]``, c_kv ``[N, S, L]``, k_pe ``[N, S, R]``, w_uk ``[H, Kn, L]``,
+    w_uv ``[H, V, L]``, mask ``[N, T, S]`` -> ``[N, T, H, V]`` in c_kv's dtype; rows with no visible key give 0."""
+    H = q_nope.shape[2]
+    dt = q_nope.dtype
+    q_lat = torch.einsum("nthk,hkl->nhtl", q_nope, w_uk.to(dt))  # [N, H, T, L]
+    q_abs = torch.cat([q_lat, q_pe.to(dt).transpose(1, 2)], dim=-1)  # [N, H, T, L+R]
+    k_abs = torch.cat([c_kv.to(dt), k_pe.to(dt)], dim=-1)[:, None].expand(-1, H, -1, -1)  # one shared KV head
+    m = mask[:, None]  # [N, 1, T, S]
+    empty = ~m.any(-1, keepdim=True)  # a row with no key: let it see everything, then zero it (some SDPA give NaN)
+    o = F.scaled_dot_product_attention(
+        q_abs, k_abs, c_kv.to(dt)[:, None].expand(-1, H, -1, -1), attn_mask=m | empty, scale=scale
+    ).masked_fill(empty, 0.0)  # [N, H, T, L]
+    return torch.einsum("nhtl,hvl->nthv", o.to(w_uv.dtype), w_uv).to(c_kv.dtype)
 
 
 def _refuse_indexer_rope(c) -> None:
@@ -267,7 +273,6 @@ def gated_mla_decode_static(layer, x: torch.Tensor, cache, pos: torch.Tensor, la
         ``[N, 1, D]`` in x's dtype.
     """
     from kernels_torch.dsa_cudnn import sparse_mla
-    from kernels_torch.mla import mla_attention_absorbed
 
     c = layer.config
     N, T, _ = x.shape
@@ -281,12 +286,12 @@ def gated_mla_decode_static(layer, x: torch.Tensor, cache, pos: torch.Tensor, la
         write_token(cache.c_kv, c_kv, pos)
         write_token(cache.k_pe, k_pe, pos)
     mask = cached_causal_mask(pos, T, S, device=x.device)  # [N, 1, S]
-    w = effective_weight(layer.kv_b_proj)
+    w = effective_weight(layer.kv_b_proj).view(H, Kn + V, L)
+    w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
     if layer.kind != "dsa":
-        o = mla_attention_absorbed(q_nope, q_pe, cache.c_kv, cache.k_pe, w, mask, scale, backend="sdpa")
+        o = _absorbed_sdpa(q_nope, q_pe, cache.c_kv, cache.k_pe, w_uk, w_uv, mask, scale)
         return layer.gate_and_project_out(o, x)
     _refuse_indexer_rope(c)
-    w_uk, w_uv = w.view(H, Kn + V, L)[:, :Kn], w.view(H, Kn + V, L)[:, Kn:]  # [H, Kn, L], [H, V, L]
     q_I, k_I, weights = layer.indexer.projections(x, c_q)
     write_token(cache.index_k, k_I, pos)
     idx = topk_indices(indexer_scores(q_I, cache.index_k, weights), mask, c.index_topk)  # [N, 1, k] int32, -1 last

@@ -264,7 +264,20 @@ def test_torch_bad_use_is_refused(tmodel, tiny_ckpt):
             tmodel.step(torch.from_numpy(ids_for(2, 9, 41)), cache)
     with pytest.raises(ValueError, match="lengths"):
         tmodel.step(ids, tcache.init_cache(cfg, 2, 16), [8, 0])
-    with pytest.raises(ValueError, match="cache: given with cu_seqlens"), pytest.warns(DeprecationWarning, match="step"):
+    with pytest.raises(ValueError, match=r"lengths: got \[9, 8\], expected \[B\]=2 integers in \[1, T=8\]"):
+        tmodel.step(ids, tcache.init_cache(cfg, 2, 16), [9, 8])  # more tokens than the call has columns
+    top = ids.clone()
+    top[1, 3] = cfg.vocab_size - 1  # the last id: fine
+    with torch.no_grad():
+        tmodel.step(top, tcache.init_cache(cfg, 2, 16))
+    top[1, 3] = cfg.vocab_size  # one past: named, not the embedding's IndexError (a device assert on CUDA)
+    for call in (lambda: tmodel.step(top, tcache.init_cache(cfg, 2, 16)), lambda: tmodel(top)):
+        with pytest.raises(ValueError, match=rf"input_ids: got ids in \[\d+, {cfg.vocab_size}\], expected ids in"):
+            call()
+    with (
+        pytest.raises(ValueError, match="cache: given with cu_seqlens"),
+        pytest.warns(DeprecationWarning, match="step"),
+    ):
         tmodel(ids[:1], cache=tcache.init_cache(cfg, 1, 16), cu_seqlens=torch.tensor([0, 3, 8]))  # the old alias
     with pytest.raises(ValueError, match="snapshot_at: got 9"):
         tcache.prefill(tmodel, ids, tcache.init_cache(cfg, 2, 16), snapshot_at=[9])
@@ -292,8 +305,12 @@ def test_jax_bad_use_is_refused(tiny_ckpt):
         run(jcache.init_cache(cfg, 1, 16))
     with pytest.raises(ValueError, match="past its end"):
         run(jcache.init_cache(cfg, 2, 7))
-    with pytest.raises(ValueError, match="lengths"):
+    with pytest.raises(ValueError, match=r"lengths: got \[9, 1\], expected \[B\]=2 integers in \[1, T=8\]"):
         run(jcache.init_cache(cfg, 2, 16), lengths=np.array([9, 1]))
+    top = ids.copy()
+    top[1, 3] = cfg.vocab_size  # the same message as the torch twin's
+    with pytest.raises(ValueError, match=rf"input_ids: got ids in \[\d+, {cfg.vocab_size}\], expected ids in"):
+        model.apply({"params": params}, top, jcache.init_cache(cfg, 2, 16), method="step")
     with pytest.raises(ValueError, match="snapshot_at: got 0"):
         jcache.prefill(model, params, ids, jcache.init_cache(cfg, 2, 16), snapshot_at=[0])
     empty = jcache.init_cache(cfg, 2, 16)
