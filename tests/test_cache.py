@@ -376,3 +376,56 @@ def test_prefix_copy_under_autograd(tmodel):
         for x, y in zip(a, b):
             assert (x is None and y is None) or (not x.requires_grad and torch.equal(x, y) and x is not y)
     assert int(snaps[12].pos[0]) == 12
+
+
+# ---------------------------------------------------------------------------------------------- import layering
+
+CACHE_MODULES = {
+    "kernels_torch.kv_cache",
+    "kernels_torch.cache",
+    "kernels_torch.decode",
+    "kernels_torch.decode_cudnn",
+    "kernels_torch.model",
+    "reference_jax.kv_cache",
+    "reference_jax.cache",
+    "reference_jax.model",
+}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every import of the four packages, module to module, function-level (lazy) imports included (AST)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {}
+    for pkg in ("kimi", "reference_jax", "kernels_torch", "kimi_tools"):
+        for f in (root / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            files[name] = f
+    graph = {}
+    for name, f in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def test_cache_primitives_are_a_leaf_and_no_cycle_runs_through_the_cache():
+    """The layers import the cache primitives from the leaf (``kv_cache``, which imports no project module), never
+    the model-level cache that imports them; no import cycle, lazy imports included, passes through a cache or
+    decode module of either twin."""
+    graph = _import_graph()
+    assert graph["kernels_torch.kv_cache"] == set() and graph["reference_jax.kv_cache"] == set()
+    for layer in ("kernels_torch.mla", "kernels_torch.indexer", "kernels_torch.decode_cudnn", "reference_jax.mla"):
+        assert not graph[layer] & {"kernels_torch.cache", "reference_jax.cache", "kernels_torch.decode"}, layer
+
+    def reaches(a, b, seen=()):
+        return b in graph[a] or any(reaches(n, b, (*seen, a)) for n in graph[a] if n not in seen)
+
+    cyclic = sorted(m for m in CACHE_MODULES if reaches(m, m))
+    assert cyclic == [], f"import cycles through {cyclic}"
