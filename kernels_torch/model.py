@@ -304,11 +304,11 @@ class KimiK3Model(nn.Module):
     def _deprecated_call(self, input_ids, cu_seqlens, mla_form, return_aux, on_layer, kw):
         """``forward``'s old keywords (``labels``, ``loss_chunk_size``, ``cache``, ``lengths``, ``attention_mask``),
         mapped onto :meth:`loss`, :meth:`padded` and :meth:`step` with a ``DeprecationWarning``."""
-        kw = dict(kw)
-        labels, chunk = kw.pop("labels", None), kw.pop("loss_chunk_size", None)
-        cache, lengths, mask = kw.pop("cache", None), kw.pop("lengths", None), kw.pop("attention_mask", None)
-        if kw:
-            raise TypeError(f"forward() got unexpected keyword arguments {sorted(kw)}")
+        unknown = sorted(set(kw) - {"labels", "loss_chunk_size", "cache", "lengths", "attention_mask"})
+        if unknown:
+            raise TypeError(f"forward() got unexpected keyword arguments {unknown}")
+        labels, chunk = kw.get("labels"), kw.get("loss_chunk_size")
+        cache, lengths, mask = kw.get("cache"), kw.get("lengths"), kw.get("attention_mask")
         aux = return_aux or None
         if labels is not None:
             name, method, clash = "labels", "loss", {"cache": cache, "lengths": lengths, "attention_mask": mask}
@@ -319,11 +319,13 @@ class KimiK3Model(nn.Module):
         elif cache is not None:
             name, method = "cache", "step"
             clash = {"cu_seqlens": cu_seqlens, "on_layer": on_layer, "loss_chunk_size": chunk}
+        elif lengths is None and chunk is None:  # the old keywords given as None: the plain call
+            return self(input_ids, cu_seqlens, mla_form, return_aux, on_layer)
         else:
-            name, method, clash = "lengths" if lengths is not None else "loss_chunk_size", "forward", {}
+            name, method = "lengths" if lengths is not None else "loss_chunk_size", "forward"
             clash = {"lengths (without a cache)": lengths, "loss_chunk_size (without labels)": chunk}
         warnings.warn(
-            f"KimiK3Model.forward({name}=...) is deprecated: call KimiK3Model.{method} instead", DeprecationWarning, 3
+            f"KimiK3Model.forward({name}=...) is deprecated: call KimiK3Model.{method} instead", DeprecationWarning, 5
         )
         refused = [k for k, v in clash.items() if v is not None]
         if refused:

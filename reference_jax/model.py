@@ -282,6 +282,8 @@ class KimiK3Model(nn.Module):
             clash = {"cache": cache, "lengths": lengths, "cu_seqlens": cu_seqlens, "return_aux": return_aux or None}
         elif cache is not None:
             name, method, clash = "cache", "step", {"cu_seqlens": cu_seqlens, "on_layer": on_layer}
+        elif lengths is None:  # the old keywords given as None: the plain call
+            return self(input_ids, cu_seqlens, mla_form, return_aux, on_layer)
         else:
             name, method, clash = "lengths", "step", {"lengths (without a cache)": lengths}
         warnings.warn(f"KimiK3Model({name}=...) is deprecated: use method={method!r}", DeprecationWarning, 3)
