@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kernels_torch import cache as tcache
+from kernels_torch import kernel_choice
 from kernels_torch.decode import DecodeCache, Decoder, sample_device
 from kernels_torch.model import KimiK3Model
 from kernels_torch.model import load_model as load_torch
@@ -123,11 +124,15 @@ class _HostReads(TorchFunctionMode):
 
 @torch.no_grad()
 def test_step_position_is_a_device_tensor_and_nothing_is_read_on_the_host():
-    # dense MLPs only: the eager MoE loop finds each expert's tokens with nonzero (the cudnn backend's grouped
-    # experts do not); everything else is the tiny preset's KKKD
-    cfg = load_config("tiny").truncated(LAYERS).replace(first_k_dense_replace=LAYERS)
+    # the MoE layers on the grouped experts (the cudnn backend's default; the eager loop finds each expert's tokens
+    # with nonzero, a host read)
+    from kernels_torch.moe import GroupedExperts
+
     torch.manual_seed(0)
-    model = KimiK3Model(cfg).eval()
+    model = KimiK3Model(load_config("tiny").truncated(LAYERS)).eval()
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.moe_kernel = "grouped_mm"
     dec = Decoder(model, 2, 64, mode="static")
     dec.prefill(_prompts([9, 30], seed=1), [9, 30])
     assert isinstance(dec.cache.pos, torch.Tensor) and dec.cache.pos.dtype == torch.int64
@@ -136,6 +141,7 @@ def test_step_position_is_a_device_tensor_and_nothing_is_read_on_the_host():
         for _ in range(3):
             tok, _ = dec.step(tok)
     assert reads.calls == [], reads.calls
+    assert kernel_choice.used()["moe"].get("grouped_mm", 0) >= 3 * 3  # three MoE layers, three steps
     assert dec.cache.pos.tolist() == [12, 33]  # one step serves rows at different positions
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels_torch.model import KimiK3Model
+from kernels_torch.params import load_canonical
 from kimi.config import load_config
 from kimi.init import init_params
 from kimi_tools.data import Batch
@@ -29,7 +30,7 @@ def setup():
 
 def fresh(cfg, params, backend="eager"):
     m = KimiK3Model(cfg, backend=backend)
-    m.load_state_dict(params)
+    load_canonical(m, params)  # the routed experts into their stacks
     return m
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kernels_torch.loss import default_chunk_size, linear_cross_entropy
 from kernels_torch.model import KimiK3Model, cast_model
+from kernels_torch.params import load_canonical
 from kimi.config import load_config
 from kimi.init import init_params
 
@@ -124,7 +125,7 @@ def _model(dtype, tie=False, layers=4):
     if tie:
         cfg = cfg.replace(tie_word_embeddings=True)
     model = KimiK3Model(cfg, backend="eager")
-    model.load_state_dict(init_params(cfg if tie else full, seed=3, layers=layers))
+    load_canonical(model, init_params(cfg if tie else full, seed=3, layers=layers))  # routed experts into the stacks
     return cast_model(model, dtype)
 
 
