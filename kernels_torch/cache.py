@@ -17,6 +17,9 @@ Notable (spec 2.4 for KDA, 3.2 and 4.2 for MLA/DSA; shapes in ``kimi.cache_layou
 * KDA layers run the chunk form for ``T > 1`` and the recurrent form for ``T == 1`` (decode; on ``cudnn`` fla's
   ``fused_recurrent_kda``, see ``kernels_torch.decode_cudnn``); rows of different lengths run as packed documents.
 
+The static-shape decode step (positions on the device, one CUDA graph per batch size) builds on this cache:
+``kernels_torch.decode``.
+
 Errors name the field: a cache built for another config (``config_id`` differs), of another batch size, with a
 layer of the wrong kind or shape, or a write past ``max_len``.
 """

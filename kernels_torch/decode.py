@@ -478,7 +478,8 @@ class Decoder:
 
     def _compiled_step(self, tokens, u):
         if self._compiled is None:
-            for t in [*self.cache.tensors(), self._nonfinite]:
+            views = [t for entry in self.cache.layers for t in entry if t is not None]  # c_kv / k_pe views too
+            for t in [*self.cache.tensors(), *views, self._nonfinite]:
                 torch._dynamo.mark_static_address(t)
             self._compiled = torch.compile(self._step_fn, mode="reduce-overhead", dynamic=False)
         torch.compiler.cudagraph_mark_step_begin()
