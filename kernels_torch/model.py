@@ -19,7 +19,7 @@ from torch import nn
 from kernels_torch import kernel_choice
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.cache import check_cache, kda_step
-from kernels_torch.common import RMSNorm, check_cu_seqlens, check_token_ids, compute_dtype
+from kernels_torch.common import RMSNorm, check_cu_seqlens, check_range_async, check_token_ids, compute_dtype
 from kernels_torch.decode import StaticStep, static_attention
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.kernel_choice import set_model_kernels
@@ -242,7 +242,9 @@ class KimiK3Model(nn.Module):
             raise ValueError(f"labels: got {got}, expected [B, T] = {list(input_ids.shape)} int64 (-100: no target)")
         V = self.config.vocab_size
         bad = (labels != -100) & ((labels < 0) | (labels >= V))
-        if bool(bad.any()):  # before the backbone runs
+        if labels.device.type != "cpu":  # no host sync in a training step: a device-side assertion
+            check_range_async(~bad, f"labels: expected ids in [0, {V}) or -100 (no target)")
+        elif bool(bad.any()):  # before the backbone runs
             raise ValueError(f"labels: got {int(labels[bad][0])}, expected ids in [0, {V}) or -100 (no target)")
         if isinstance(chunk_size, bool) or not (
             chunk_size is None or (isinstance(chunk_size, int) and chunk_size >= 1)
