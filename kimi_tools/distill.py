@@ -244,8 +244,8 @@ def gathered(module: nn.Module) -> Iterator[None]:
 
 
 def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
-    """The mean next-token NLL of ``batch``, from the model's chunked loss path (``forward(..., labels=)``)."""
-    return model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels) / max(batch.num_targets, 1)
+    """The mean next-token NLL of ``batch``, from the model's chunked loss path (``KimiK3Model.loss``)."""
+    return model.loss(batch.input_ids, batch.labels, batch.cu_seqlens) / max(batch.num_targets, 1)
 
 
 def _unfreeze_indexers(model: nn.Module) -> None:

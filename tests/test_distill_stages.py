@@ -70,7 +70,7 @@ def test_sparse_stage_isolates_gradients(setup):
     m.zero_grad(set_to_none=True)
     with capture_dsa_inputs(m) as seen:  # the stage's LM term: the model's chunked loss (= F.cross_entropy of the
         # logits to fp32 rounding, tests/test_linear_cross_entropy.py; that rounding, ~4e-6 on dt_bias, is above rtol)
-        lm = m(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels) / batch.num_targets
+        lm = m.loss(batch.input_ids, batch.labels, batch.cu_seqlens) / batch.num_targets
     lm.backward()
     lm_grads = grads(m)
     assert not any(".indexer." in n for n in lm_grads)  # hard top-k: no LM gradient into the indexer

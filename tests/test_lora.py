@@ -293,7 +293,7 @@ def test_lora_on_the_generation_cache_path(cfg, form):
         logits, cache, _ = tcache.prefill(model, ids[:, :17], tcache.init_cache(model.config, 1, 24, torch.float64))
         steps = [logits]
         for t in range(17, 24):
-            step, cache = model(ids[:, t : t + 1], cache=cache, mla_form=form)
+            step, cache = model.step(ids[:, t : t + 1], cache, mla_form=form)
             steps.append(step)
     assert _rel(torch.cat(steps, dim=1), free) <= MERGE_OUT_REL * 100
     assert _rel(free, base) > 1e-2

@@ -14,7 +14,7 @@ Under ``torchrun``::
     mesh = init_mesh(dp=1, cp=2, device_type="cuda")     # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
     cp = parallelize(model, mesh)                         # FSDP2 + CP; returns the ContextParallel (None if cp=1)
     ids, cu = cp.shard(input_ids, cu_seqlens)             # the same global row on every cp rank
-    loss = model(ids, cu, labels=cp.shard_like(labels)) / n_tokens  # summed NLL, lm_head gathered, no logits
+    loss = model.loss(ids, cp.shard_like(labels), cu) / n_tokens  # summed NLL, lm_head gathered, no logits
     save_checkpoint(path, model, optimizer)               # DCP: loads on any other world size
     sd = full_state_dict(model)                           # rank 0: full tensors for kernels_torch.model.save_model
 """
@@ -89,7 +89,7 @@ def parallelize(
     Returns:
         The :class:`ContextParallel` to call ``shard`` on before each forward, or None when ``cp == 1``.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # The routed experts are stacked (one [E, out, in] tensor per projection), so every rank's backward gives each
     # stack a gradient (zeros for experts it routed nothing to) and the reduce-scatters agree in size on every rank.
@@ -105,6 +105,8 @@ def parallelize(
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    if hasattr(model, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
+        register_fsdp_forward_method(model, "loss")
     # cp ranks hold parts of one gradient (sum), dp ranks replicas (mean): divide by dp, not by dp x cp
     factor = float(dp) if gradient_divide_factor is None else float(gradient_divide_factor)
     for m in [*model.model.layers, model]:

@@ -62,7 +62,7 @@ class LMStage:
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         # the summed NLL inside the model's forward, in row chunks: the [T, vocab] logits never exist at once
         # (kernels_torch.loss.linear_cross_entropy; = F.cross_entropy of the logits: tests/test_linear_cross_entropy.py)
-        total = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
+        total = model.loss(batch.input_ids, batch.labels, batch.cu_seqlens)
         return total / max(batch.num_targets, 1), {}
 
 
