@@ -6,7 +6,7 @@ is left out of the mean. Computed in fp32 (fp64 for fp64 logits), natural log.
 
 :func:`linear_cross_entropy` is a torch-only speed path with no JAX twin: the summed cross-entropy of
 ``hidden @ weight.T`` computed in row chunks, so the ``[N, vocab]`` logits never exist at once (what
-``KimiK3Model.forward(..., labels=)`` and ``kimi train`` use). It equals the dense ``F.cross_entropy`` of the
+``KimiK3Model.loss`` and ``kimi train`` use). It equals the dense ``F.cross_entropy`` of the
 model's logits, which the reference computes.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_torch.common import compute_dtype, segment_ids
+from kernels_torch.common import check_range_async, compute_dtype, segment_ids
 
 __all__ = ["next_token_targets", "lm_loss", "linear_cross_entropy", "default_chunk_size"]
 
@@ -168,7 +168,9 @@ def _check_linear_ce(hidden, weight, labels, ignore_index, chunk_size) -> None:
         raise ValueError(f"chunk_size: got {chunk_size!r}, expected a positive int or None")
     V = weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
-    if N and bool(bad.any()):
+    if labels.device.type != "cpu":  # no host sync in a training step: a device-side assertion
+        check_range_async(~bad, f"labels: expected ids in [0, {V}) or ignore_index={ignore_index}")
+    elif N and bool(bad.any()):
         value = int(labels[bad][0])
         raise ValueError(f"labels: got {value}, expected ids in [0, {V}) or ignore_index={ignore_index}")
 

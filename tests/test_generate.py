@@ -155,3 +155,19 @@ def test_cli_generate_streams_text_and_stats(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "a", "--max-new-tokens", "2", "--temperature", "-1"])
     assert e.value.code == 2 and "--temperature: got -1.0" in capsys.readouterr().err
+
+
+def test_cli_generate_decode_switch(capsys):
+    """``--decode static`` streams the same greedy text as the default (``loop`` on eager); ``--decode`` other than
+    loop with ``--backend jax`` is one error line, before any model is built."""
+    args = ["generate", "--preset", "tiny", "--layers", "4", "--prompt", "Alice", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    want, err = capsys.readouterr()
+    assert "decode loop" in err
+    assert main([*args, "--decode", "static"]) == 0
+    got, err = capsys.readouterr()
+    assert got == want and "decode static" in err
+    assert main([*args, "--backend", "jax", "--decode", "graph"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "kimi: error: --decode: got 'graph' with --backend jax, expected loop (or auto)"
+    ]

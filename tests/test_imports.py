@@ -4,8 +4,7 @@ no private name (``_x``) imported from another module of ours; ``kernels_torch.o
 every import points down the layering ``kimi`` <- ``reference_jax``, ``kernels_torch`` <- ``kimi_tools``. And
 ``reference_jax`` (with ``kimi``) imports without torch, in a child process where torch cannot be imported.
 
-Known exceptions are edges in files this change leaves to their owners; each names the owner, who removes it with
-the fix. Mutations killed: a lazy ``from kernels_torch.kda_cudnn import ...`` back into ``kernels_torch.kda`` from
+Known exceptions are edges in files left to their owners; each names the owner, who removes it with the fix. Mutations killed: a lazy ``from kernels_torch.kda_cudnn import ...`` back into ``kernels_torch.kda`` from
 inside ``kda_cudnn`` (cycle); ``kimi/init.py`` importing a private helper of ``kimi.checkpoint``
 (``_write_tensor_data``, private name); ``kernels_torch.ops.kda_prep`` importing ``A_LOG_MAX`` from ``kernels_torch.kda`` (ops -> layer, and a cycle through
 ``kda_cudnn``); a module-level ``import torch`` in ``reference_jax/sharding.py`` (no-torch check).
@@ -27,12 +26,6 @@ OPS_MAY_IMPORT = ("kernels_torch.common", "kernels_torch.kernel_choice")  # help
 
 # (importer, imported) edges left to their owners; the checks ignore exactly these edges.
 KNOWN_CYCLE_EDGES = {
-    # Owner: the decode helper (kernels_torch/cache.py becomes a leaf module for the cache primitives; the cudnn
-    # cache path then imports that leaf, not kernels_torch.cache). Cycle: cache -> decode_cudnn -> cache.
-    ("kernels_torch.cache", "kernels_torch.decode_cudnn"),
-    # Owner: the decode helper (decode_cudnn.py). gated_mla_cached imports mla_attention_absorbed from the layer
-    # module that dispatches to it. Cycle: mla -> decode_cudnn -> mla.
-    ("kernels_torch.decode_cudnn", "kernels_torch.mla"),
     # Owner: the lead (kernels_torch/moe.py). The SiTU op's torch twin imports moe.situ, and moe imports the op.
     # Cycle: moe -> ops.situ -> moe; also an op importing a layer module.
     ("kernels_torch.ops.situ", "kernels_torch.moe"),

@@ -14,7 +14,7 @@ Under ``torchrun``::
     mesh = init_mesh(dp=1, cp=2, device_type="cuda")     # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
     cp = parallelize(model, mesh)                         # FSDP2 + CP; returns the ContextParallel (None if cp=1)
     ids, cu = cp.shard(input_ids, cu_seqlens)             # the same global row on every cp rank
-    loss = model(ids, cu, labels=cp.shard_like(labels)) / n_tokens  # summed NLL, lm_head gathered, no logits
+    loss = model.loss(ids, cp.shard_like(labels), cu) / n_tokens  # summed NLL, lm_head gathered, no logits
     save_checkpoint(path, model, optimizer)               # DCP: loads on any other world size
     sd = full_state_dict(model)                           # rank 0: full tensors for kernels_torch.model.save_model
 """
@@ -69,6 +69,7 @@ def parallelize(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     gradient_divide_factor: float | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), then FSDP2 over the flattened
     ``(dp, cp)`` ranks: one ``fully_shard`` per ``model.model.layers[i]`` and one for the root.
@@ -81,26 +82,31 @@ def parallelize(
         gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
             rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
             global batch (``kimi_tools.parallel``).
+        ignored_params: parameters FSDP2 leaves whole on every rank (``fully_shard(ignored_params=)``): not sharded,
+            their gradients not reduced (the caller all-reduces them); for parameters used outside their module's
+            forward, where FSDP2 has not gathered them (the indexer re-run of ``kimi_tools.distill``).
 
     Returns:
         The :class:`ContextParallel` to call ``shard`` on before each forward, or None when ``cp == 1``.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    from kernels_torch.moe import KimiMoE
-
+    # The routed experts are stacked (one [E, out, in] tensor per projection), so every rank's backward gives each
+    # stack a gradient (zeros for experts it routed nothing to) and the reduce-scatters agree in size on every rank.
     dp, cp = mesh["dp"].size(), mesh["cp"].size()
-    for m in model.modules():
-        if isinstance(m, KimiMoE):
-            m.register_forward_hook(_touch_experts)
     ctx = ContextParallel(model, _own_cp_group(mesh)) if cp > 1 else None
     shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if dp * cp > 1 else mesh
     if any(p.dtype == torch.float64 for p in model.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = dict(mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if ignored_params:
+        kw["ignored_params"] = set(ignored_params)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    if hasattr(model, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
+        register_fsdp_forward_method(model, "loss")
     # cp ranks hold parts of one gradient (sum), dp ranks replicas (mean): divide by dp, not by dp x cp
     factor = float(dp) if gradient_divide_factor is None else float(gradient_divide_factor)
     for m in [*model.model.layers, model]:
@@ -108,16 +114,6 @@ def parallelize(
         if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions: sum, then divide
             m.set_force_sum_reduction_for_comms(True)
     return ctx
-
-
-def _touch_experts(moe: nn.Module, args, out):
-    """Forward hook of a ``KimiMoE``: add ``0 x`` one entry of every routed expert's weights to the output, so each
-    expert has a gradient on every rank. FSDP2 reduce-scatters only the parameters that have one, and an expert that
-    received no token of this rank's shard has none: without this the ranks' reduce-scatters differ in size (seen:
-    115988 vs 109844 elements). An expert that no rank routed to gets a zero gradient instead of None (AdamW's weight
-    decay then still applies to it, unlike a single-process step)."""
-    zero = sum(p.reshape(-1)[0] for p in moe.experts.parameters() if p.requires_grad) * 0.0
-    return (out[0] + zero, out[1]) if isinstance(out, tuple) else out + zero
 
 
 def _own_cp_group(mesh: DeviceMesh):
@@ -181,13 +177,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_safetensors(model: nn.Module, path: str | Path) -> None:
-    """The HF safetensors checkpoint of a sharded model (``kernels_torch.model.save_model``'s layout and dtypes),
-    written by rank 0; a collective."""
+    """The HF safetensors checkpoint of a sharded model (``kernels_torch.model.save_model``'s layout and dtypes: the
+    stacked routed experts split into the checkpoint's per-expert tensors), written by rank 0; a collective."""
+    from kernels_torch.params import canonical_state_dict
     from kimi.checkpoint import save_params
     from kimi.layout import param_layout
 
     sd = full_state_dict(model)
     if dist.get_rank() == 0:
         dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(model.config)}
-        save_params(path, {k: v.detach().to("cpu", dtypes[k]) for k, v in sd.items()}, model.config)
+        canonical = canonical_state_dict(model, sd)
+        save_params(path, {k: v.detach().to("cpu", dtypes[k]) for k, v in canonical.items()}, model.config)
     dist.barrier()
