@@ -188,7 +188,7 @@ def test_recompute_gives_the_same_loss_and_grads(tiny4):
         calls = []  # feed_forward runs: once per layer, twice where the backward recomputes it
         for layer in model.model.layers:
             ff = layer.feed_forward
-            layer.feed_forward = lambda h, ff=ff: calls.append(1) or ff(h)
+            layer.feed_forward = lambda h, *a, ff=ff, **k: calls.append(1) or ff(h, *a, **k)
         if mode:
             recompute_layers(model, mode)
         loss, _ = LMStage(cfg, None).loss(model, batch)
