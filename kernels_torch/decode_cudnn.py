@@ -16,7 +16,7 @@ Pieces (spec 2.2 and 2.4 for KDA; 3.3, 4.2, 4.3 and 9 for MLA/DSA):
   FP8 KV cache, and this cache is bf16, so decode rows go through the same sparse kernel as prefill. Decode gathers only
   the selected rows (``[N*T*k, 576]``); long prefill chunks hand the kernel each sequence's rows once with global ids
   (whichever is fewer rows). MLA layers without an indexer attend densely in the absorbed form with SDPA.
-  The softmax scale stays ``config.mla_softmax_scale`` (192^-1/2), never 576^-1/2 (case 15).
+  The softmax scale stays ``config.mla_softmax_scale`` (192^-1/2), never 576^-1/2: the absorbed form multiplies the same q.k products (spec 3.3).
 
 Static-shape decode (``kernels_torch.decode``: one token per row, positions on the device, capturable):
 
@@ -41,21 +41,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_torch.common import effective_weight
+from kernels_torch.common import effective_weight, linear
 from kernels_torch.indexer import indexer_scores, topk_indices
 from kernels_torch.kda import KDACache, kda_gate, short_conv
 from kernels_torch.kv_cache import cached_causal_mask, key_count, write_rows, write_token
 from kimi.kda_gate import A_LOG_MAX, G_MIN
 
 __all__ = ["kda_decode_fla", "gated_mla_cached", "kda_decode_inplace", "gated_mla_decode_static"]
-
-
-def _linear(x: torch.Tensor, layer) -> torch.Tensor:
-    """``x Wᵀ`` in the activation dtype (the weight follows ``x.dtype``), as the KDA layer projects; a LoRA-wrapped
-    layer (peft ``LoraLayer``, whose ``.weight`` is the base weight alone) runs its own forward."""
-    if hasattr(layer, "base_layer"):
-        return layer(x)
-    return F.linear(x, layer.weight.to(x.dtype))
 
 
 def kda_decode_fla(layer, x: torch.Tensor, cache: KDACache) -> tuple[torch.Tensor, KDACache]:
@@ -78,13 +70,17 @@ def kda_decode_fla(layer, x: torch.Tensor, cache: KDACache) -> tuple[torch.Tenso
     if T != 1:
         raise ValueError(f"x: got {T} tokens, expected 1 (decode); longer calls run the chunk path")
     H, K = c.kda_num_heads, c.kda_head_dim
-    q, cq = short_conv(_linear(x, layer.q_proj), layer.q_conv1d.weight, None, cache.conv_q)  # [N, 1, P]
-    k, ck = short_conv(_linear(x, layer.k_proj), layer.k_conv1d.weight, None, cache.conv_k)
-    v, cv = short_conv(_linear(x, layer.v_proj), layer.v_conv1d.weight, None, cache.conv_v)
+    q, cq = short_conv(linear(x, layer.q_proj), layer.q_conv1d.weight, None, cache.conv_q)  # [N, 1, P]
+    k, ck = short_conv(linear(x, layer.k_proj), layer.k_conv1d.weight, None, cache.conv_k)
+    v, cv = short_conv(linear(x, layer.v_proj), layer.v_conv1d.weight, None, cache.conv_v)
     q, k, v = (t.reshape(N, 1, H, K) for t in (q, k, v))  # v: [N, 1, H, V], V = K
-    f = _linear(_linear(x, layer.f_a_proj), layer.f_b_proj).reshape(N, 1, H, K)
-    g = kda_gate(f, layer.A_log, layer.dt_bias, c.gate_lower_bound)  # fp32 (case 2)
-    beta = torch.sigmoid(_linear(x, layer.b_proj).float())  # [N, 1, H]: the one sigmoid on beta (case 3)
+    f = linear(linear(x, layer.f_a_proj), layer.f_b_proj).reshape(N, 1, H, K)
+    g = kda_gate(
+        f, layer.A_log, layer.dt_bias, c.gate_lower_bound
+    )  # fp32: a bf16 decay stops slowly decaying channels from forgetting (spec 10)
+    beta = torch.sigmoid(
+        linear(x, layer.b_proj).float()
+    )  # [N, 1, H]: the one sigmoid on beta (applied twice in some decode paths)
     o, S = fused_recurrent_kda(
         q=q,
         k=k,
@@ -96,9 +92,9 @@ def kda_decode_fla(layer, x: torch.Tensor, cache: KDACache) -> tuple[torch.Tenso
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )  # o [N, 1, H, V], S [N, H, K, V] fp32
-    gate = _linear(x, layer.g_proj) if c.use_full_rank_gate else _linear(_linear(x, layer.g_a_proj), layer.g_b_proj)
+    gate = linear(x, layer.g_proj) if c.use_full_rank_gate else linear(linear(x, layer.g_a_proj), layer.g_b_proj)
     y = layer.o_norm(o, gate.reshape(N, 1, H, K)).to(x.dtype).reshape(N, 1, H * K)
-    return _linear(y, layer.o_proj), KDACache(cq, ck, cv, S)
+    return linear(y, layer.o_proj), KDACache(cq, ck, cv, S)
 
 
 def gated_mla_cached(layer, x: torch.Tensor, cache, cache_pos: torch.Tensor, lengths: torch.Tensor, return_aux=False):
@@ -117,7 +113,7 @@ def gated_mla_cached(layer, x: torch.Tensor, cache, cache_pos: torch.Tensor, len
     c = layer.config
     N, T, _ = x.shape
     H, Kn, V, L = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    scale = c.mla_softmax_scale  # (Kn + R)^-1/2 (case 15)
+    scale = c.mla_softmax_scale  # (Kn + R)^-1/2 in both MLA forms (spec 3.3)
     c_q, q, q_nope, q_pe, c_kv, k_pe = layer.project(x)
     write_rows(cache.c_kv, c_kv, cache_pos, lengths)
     write_rows(cache.k_pe, k_pe, cache_pos, lengths)
@@ -182,9 +178,9 @@ def _refuse_indexer_rope(c) -> None:
 def _kda_projections(layer, x: torch.Tensor):
     """The raw projections of one KDA decode token, ``[N, P]`` (``b``: ``[N, H]``), in the activation dtype."""
     c = layer.config
-    f = _linear(_linear(x, layer.f_a_proj), layer.f_b_proj)
-    gate = _linear(x, layer.g_proj) if c.use_full_rank_gate else _linear(_linear(x, layer.g_a_proj), layer.g_b_proj)
-    raw = (_linear(x, layer.q_proj), _linear(x, layer.k_proj), _linear(x, layer.v_proj), f, _linear(x, layer.b_proj))
+    f = linear(linear(x, layer.f_a_proj), layer.f_b_proj)
+    gate = linear(x, layer.g_proj) if c.use_full_rank_gate else linear(linear(x, layer.g_a_proj), layer.g_b_proj)
+    raw = (linear(x, layer.q_proj), linear(x, layer.k_proj), linear(x, layer.v_proj), f, linear(x, layer.b_proj))
     return [t[:, 0] for t in raw] + [gate[:, 0]]
 
 
@@ -231,7 +227,7 @@ def kda_decode_inplace(layer, x: torch.Tensor, cache: KDACache, kernel: str = "a
             G_MIN,
         )
         y = kda_decode_triton(q_raw, k_raw, v_raw, f, b, gate, cache[:3], weights, cache.S)  # [N, P]
-        return _linear(y[:, None], layer.o_proj)
+        return linear(y[:, None], layer.o_proj)
     if kernel != "fla":
         raise ValueError(f"kernel: got {kernel!r}, expected 'auto', 'triton', 'fla' or 'torch'")
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -259,7 +255,7 @@ def kda_decode_inplace(layer, x: torch.Tensor, cache: KDACache, kernel: str = "a
         lower_bound=c.gate_lower_bound,
     )  # o [N, 1, H, V] in v's dtype; S updated in place
     y = layer.o_norm(o, gate.reshape(N, 1, H, K)).to(x.dtype).reshape(N, 1, H * K)
-    return _linear(y, layer.o_proj)
+    return linear(y, layer.o_proj)
 
 
 def gated_mla_decode_static(layer, x: torch.Tensor, cache, pos: torch.Tensor, latent: torch.Tensor | None):

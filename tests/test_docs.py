@@ -18,14 +18,7 @@ BANNED = re.compile(
 )
 CITED = re.compile(r"\bspec(?: section)? ([0-9]+(?:\.[0-9]+)?)|docs/spec\.md``? section ([0-9]+(?:\.[0-9]+)?)")
 
-# Lines left to their owners (they remove an entry with the fix). Owner: the decode helper (decode_cudnn.py, where this
-# change touched only import lines).
-KNOWN = {
-    ("kernels_torch/decode_cudnn.py", "never 576^-1/2 (case 15)"),
-    ("kernels_torch/decode_cudnn.py", "# fp32 (case 2)"),
-    ("kernels_torch/decode_cudnn.py", "the one sigmoid on beta (case 3)"),
-    ("kernels_torch/decode_cudnn.py", "# (Kn + R)^-1/2 (case 15)"),
-}
+KNOWN: set[tuple[str, str]] = set()  # (file, line text) left to their owners; none left
 
 
 def _files():

@@ -29,6 +29,7 @@ import os
 import torch
 
 from kernels_torch import kernel_choice
+from kernels_torch.activations import situ
 from kernels_torch.common import compute_dtype
 
 try:  # Triton is optional: the CPU CI machine has none; the torch kernel works without it.
@@ -115,9 +116,7 @@ def _gate_up_torch(af, bf, hidden_act, beta, linear_beta):
 
 
 def _forward_torch(a, b, hidden_act, beta, linear_beta):
-    if hidden_act == "situ":  # the plain op itself: bitwise the same output (lazy import: moe imports this module)
-        from kernels_torch.moe import situ
-
+    if hidden_act == "situ":  # the plain op itself: bitwise the same output
         return situ(a, b, beta, linear_beta)
     cd = compute_dtype(a, b)
     af, bf = a.to(cd), b.to(cd)
