@@ -100,6 +100,15 @@ run_step() {  # run_step NAME: one step of the list above
   tests_fp8) step tests_fp8 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_fp8.py ;;
   # shellcheck disable=SC2086
   fp8_gemm) step fp8_gemm 600 python3 benchmarks/fp8_gemm.py ${FP8_GEMM_ARGS:-} --out "$dir/fp8_gemm.json" ;;
+  # benchmark 5 at one density each (bf16, and FP8 through torchao's rowwise recipe: fp8_wheels first)
+  train_step_e16 | train_step_e112 | train_step_e112_fp8)
+    local e=16 k=8 extra=""
+    case $1 in *e112*) e=112 k=16 ;; esac
+    case $1 in *_fp8) extra="--fp8 rowwise" ;; esac
+    # shellcheck disable=SC2086
+    step "$1" 900 python3 benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \
+      ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --backends cudnn} \
+      --out "$dir/$1.json" ;;
   init112)
     step init112 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT112" --force \
       --set num_experts=112 --set num_experts_per_token=16 &

@@ -19,6 +19,6 @@ kimi() { python3 -m kimi_tools.cli "$@"; }
 text="${TMPDIR:-/tmp}/alice_x3.txt"
 for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
 for T in ${LENGTHS:-4096 8192}; do
-  kimi compare --checkpoint "$ck" --text "$text" --tokens "$T" --reference eager --backends eager,sdpa,cudnn \
+  kimi compare --checkpoint "$ck" --text "$text" --tokens "$T" --reference eager --backends "${BACKENDS:-eager,sdpa,cudnn}" \
     --dtype bfloat16 --device cuda --json "$out/compare_T$T.json" --quiet 2>&1 | tee "$out/compare_T$T.txt" || true
 done
