@@ -17,7 +17,7 @@ from torch import nn
 from kernels_torch import kernel_choice
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.cache import check_cache, kda_step
-from kernels_torch.common import RMSNorm, check_token_ids, compute_dtype
+from kernels_torch.common import RMSNorm, check_cu_seqlens, check_token_ids, compute_dtype
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.kernel_choice import set_model_kernels
 from kernels_torch.mla import GatedMLA
@@ -309,8 +309,12 @@ def _check_attention_mask(attention_mask, shape, cu_seqlens, return_aux) -> torc
 
 
 def _warn_past_max_positions(T: int, cu_seqlens, max_positions: int) -> None:
-    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``."""
-    longest = T if cu_seqlens is None else int(torch.as_tensor(cu_seqlens).diff().max())
+    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``.
+
+    Raises:
+        ValueError: invalid ``cu_seqlens`` (``check_cu_seqlens``), before its lengths are read.
+    """
+    longest = T if cu_seqlens is None else int(check_cu_seqlens(cu_seqlens, T).diff().max())
     if longest > max_positions:
         warnings.warn(
             f"sequence length {longest} exceeds config.max_position_embeddings={max_positions}: computed anyway "
