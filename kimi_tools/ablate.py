@@ -252,6 +252,7 @@ def _error_heatmap(fig, ax, cells, prefix: str, title: str, extra: str | None = 
         ax.axvline(len(layers) - 0.5, color="white", linewidth=3)  # the end-to-end column apart from the layers
     ax.set_xticks(range(len(cols)), [str(i) for i in layers] + (["logits"] if extra else []))
     ax.set_yticks(range(len(cells)), [r["cell"] for r in cells], fontsize=7)
+    ax.set_ylabel("cell")
     ax.set_xlabel("layer" + (" (and the logits, end to end)" if extra else ""))
     ax.set_title(f"{title} (grey: exactly 0)", fontsize=9)
 

@@ -24,15 +24,19 @@ def _floats(values) -> list[float | None]:
     return [None if m else float(v) for v, m in zip(a.data, np.ma.getmaskarray(a))]
 
 
-def figure_facts(fig) -> dict[str, Any]:
+def figure_facts(fig, max_values: int = 4096) -> dict[str, Any]:
     """The content of ``fig`` (a ``matplotlib.figure.Figure``), JSON-ready.
+
+    Args:
+        fig: the figure. max_values: an image with more pixels than this is summarised without its ``values``.
 
     Returns:
         ``{"suptitle": str, "axes": [...]}``, one entry per axes (colorbars included) with ``title``, ``xlabel``,
         ``ylabel``, ``xscale``, ``yscale``, ``xlim``, ``ylim``, ``xticklabels``, ``yticklabels``, ``legend`` (entry
         texts), ``lines`` (``label``, ``x``, ``y``, ``linestyle``, ``marker``; data coordinates, None for masked or
-        non-finite points), ``bars`` (rectangle heights), ``images`` (``shape`` and ``values``, None where masked)
-        and ``texts`` (the strings drawn with ``ax.text`` / ``ax.annotate``).
+        non-finite points), ``bars`` (rectangle heights), ``images`` (``shape``; ``masked``: the count of blank
+        pixels, masked or not finite; ``min`` / ``max`` of the drawn ones; ``values``, None where blank, for images
+        of at most ``max_values`` pixels) and ``texts`` (the strings drawn with ``ax.text`` / ``ax.annotate``).
     """
     from matplotlib.patches import Rectangle
 
@@ -63,14 +67,28 @@ def figure_facts(fig) -> dict[str, Any]:
                     for line in ax.get_lines()
                 ],
                 "bars": [_floats([p.get_height()])[0] for p in ax.patches if isinstance(p, Rectangle)],
-                "images": [
-                    {"shape": list(im.get_array().shape), "values": _nested(im.get_array())} for im in ax.get_images()
-                ],
+                "images": [_image(im.get_array(), max_values) for im in ax.get_images()],
                 "texts": [t.get_text() for t in ax.texts],
             }
         )
     suptitle = fig.get_suptitle() if hasattr(fig, "get_suptitle") else ""
     return {"suptitle": suptitle, "axes": axes}
+
+
+def _image(a, max_values: int) -> dict[str, Any]:
+    import numpy as np
+
+    a = np.ma.masked_invalid(np.ma.asarray(a, dtype=np.float64))
+    drawn = a.compressed()
+    out = {
+        "shape": list(a.shape),
+        "masked": int(np.ma.count_masked(a)),
+        "min": float(drawn.min()) if drawn.size else None,
+        "max": float(drawn.max()) if drawn.size else None,
+    }
+    if a.size <= max_values:
+        out["values"] = _nested(a)
+    return out
 
 
 def _nested(a) -> list:
