@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, write_atomic
+from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, set_item_error, write_atomic
 
 __all__ = ["parse_grid", "cell_config", "run_grid", "ablate_figure", "add_parser", "cmd_ablate", "UNCHANGED"]
 
@@ -74,7 +74,7 @@ def parse_grid(sets: list[str], fields: set[str]) -> list[dict[str, tuple[str, A
     for item in sets:
         key, sep, values = item.partition("=")
         if not sep or key not in fields:
-            raise CliError(f"--set: got {item!r}, expected key=v1,v2,... with key one of the config fields")
+            raise set_item_error(item, fields, "key=v1,v2,...")
         if key in seen:
             raise CliError(f"--set: {key} given twice; list its values once (e.g. {key}=a,b)")
         seen.add(key)

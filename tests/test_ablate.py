@@ -30,6 +30,7 @@ def test_parse_grid():
     for bad, msg in [
         (["index_topk"], "expected key=v1"),
         (["nope=1"], "config fields"),
+        (["index_top_k=1"], r"did you mean index_topk\?.*valid keys: gate_lower_bound, index_topk, num_experts\)"),
         (["index_topk="], "at least one value"),
         (["gate_lower_bound=dense"], "index_topk only"),
         (["index_topk=1", "index_topk=2"], "twice"),
