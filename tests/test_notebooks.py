@@ -1,6 +1,9 @@
 """Every notebook runs top to bottom in a real kernel (nbclient, python3), and the numbered ones are checked on what
 they computed: each ends by printing ``RESULTS {json}``, which the assertions below read back from the executed
-notebook (written to pytest's tmp_path; nothing is written beside the notebooks).
+notebook (written to pytest's tmp_path; nothing is written beside the notebooks). ``RESULTS["figure"]`` is the
+notebook's figure read back (``kimi_tools.plots.figure_facts``): the checks assert on what a reader sees (the
+plotted values, legends, axis labels and limits, blank pixels where nothing was measured), and every numbered
+notebook must show its figure inline and leave no ``kimi-*`` folder in the kernel's temporary folder.
 
 Each notebook runs in a child process under a hard time limit. A CI run once hung inside the Jupyter stack (no cell
 finished, no error, and nbclient's own cell timeout never fired) until the whole run was killed; now a hang costs
