@@ -38,6 +38,13 @@
 #   tests_kernels (not in the default STEPS): the GPU tests of the fused SiTU-GLU, the Triton KDA preparation and
 #                the chunked LM loss, one step
 #   situ_glu (not in the default STEPS): benchmarks/situ_glu.py, the fused SiTU-GLU against the plain ops
+#   fp8_wheels   install torchao from .whl/ (benchmarks/fp8_wheels.sh downloads it; carry .whl) into /tmp/site
+#   tests_moe    tests/gpu/test_gpu_moe_grouped.py: grouped experts vs the loop, Triton gather-sums, no host sync
+#   moe_layer    benchmarks/moe_layer.py: one MoE layer at K3.1's expert shapes, loop vs grouped vs bare GEMMs
+#   tests_fp8    tests/gpu/test_gpu_fp8.py (torchao installed by fp8_wheels)
+#   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16
+#   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background)
+#   validate112  validate_k31_4layers.sh on that checkpoint
 #   indexer_topk, profile (not in the default STEPS): benchmark 2; Nsight Compute counters of the Triton sparse
 #                forward and the indexer's kernel breakdown (ncu reads counters on Firecracker machines only)
 set -uo pipefail
@@ -49,7 +56,7 @@ work=$(mktemp -d)/repo
 cp -r "$src" "$work" && cd "$work" || exit 1
 export PYTHONPATH="$work${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
-export CKPT=${CKPT:-/tmp/k31-4layers}
+export CKPT=${CKPT:-/tmp/k31-4layers} CKPT112=${CKPT112:-/tmp/k31-4layers-e112}
 [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda/include ] && export CUDA_HOME=/usr/local/cuda
 t0=$(date +%s)
 echo "start $(date -u +%FT%TZ) commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader 2>/dev/null)" > "$dir/status.txt"
@@ -83,6 +90,20 @@ run_step() {  # run_step NAME: one step of the list above
       --set num_experts=16 --set num_experts_per_token=8 &
     init_pid=$! ;;
   probe) step probe 300 python3 benchmarks/probe_h200.py ;;
+  fp8_wheels) step fp8_wheels 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl ;;
+  tests_moe) step tests_moe 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_moe_grouped.py ;;
+  # shellcheck disable=SC2086
+  moe_layer) step moe_layer 600 python3 benchmarks/moe_layer.py ${MOE_ARGS:-} --out "$dir/moe_layer.json" ;;
+  tests_fp8) step tests_fp8 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_fp8.py ;;
+  # shellcheck disable=SC2086
+  fp8_gemm) step fp8_gemm 600 python3 benchmarks/fp8_gemm.py ${FP8_GEMM_ARGS:-} --out "$dir/fp8_gemm.json" ;;
+  init112)
+    step init112 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT112" --force \
+      --set num_experts=112 --set num_experts_per_token=16 &
+    init112_pid=$! ;;
+  validate112) [ -n "${init112_pid:-}" ] && wait "$init112_pid"; init112_pid=
+    OUT=$dir/v112 CKPT=$CKPT112 step validate112 1200 bash benchmarks/validate_k31_4layers.sh ;;
   tests_main) KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 "${pytest_gpu[@]}" \
     tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64" ;;
   tests_new) step tests_new 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_hardening.py tests/gpu/test_gpu_generate.py \

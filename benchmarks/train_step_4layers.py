@@ -25,9 +25,16 @@ Model FLOPs utilisation: ``kimi.flops.estimate_flops(cfg, T)`` (model FLOPs of t
 config, no recomputation) over the step time and the bf16 matmul ceiling measured at the start of the same run
 (8192^3). Every row records the GPU kernels that ran (``kernels``: sparse forward and KDA recurrence).
 
-Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "rows": [...]}``, rows with ``seq_len``, ``backend``,
-``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``kernels``, ``status``, and prints a table with the cudnn/sdpa speed-up. A backend that runs out
-of memory is reported as ``status: "oom"``.
+``--fp8 RECIPE`` (``tensorwise`` or ``rowwise``) converts each model with ``kernels_torch.fp8.convert_model_to_fp8``
+right after it is built (torchao: the projections, shared experts and grouped experts in FP8; the row's ``fp8`` holds
+the conversion record); MFU stays counted against the bf16 ceiling (comparable with the bf16 rows), and
+``mfu_fp8_ceiling`` beside it is counted against the FP8 ``torch._scaled_mm`` ceiling of that recipe measured at the
+start of the same run (``benchmarks/fp8_gemm.py``'s ``ceilings``, 8192^3).
+
+Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "fp8_matmul_ceiling_tflops", "rows": [...]}``, rows
+with ``seq_len``, ``backend``, ``fp8``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
+``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``mfu_fp8_ceiling``, ``kernels``, ``status``, and prints a
+table with the cudnn/sdpa speed-up. A backend that runs out of memory is reported as ``status: "oom"``.
 """
 
 from __future__ import annotations
@@ -138,6 +145,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--experts-per-token", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fp8", choices=["tensorwise", "rowwise"], help="FP8 matmuls (kernels_torch.fp8) in every row")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
     args = ap.parse_args()
     cfg = (
@@ -149,6 +157,12 @@ def main() -> int:
     plan = [(T, False) for T in args.seq_lens] + [(T, True) for T in args.recompute_seq_lens]
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s", flush=True)
+    fp8_ceiling = None
+    if args.fp8:
+        from fp8_gemm import ceilings  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+        fp8_ceiling = ceilings()[f"fp8_{args.fp8}"]
+        print(f"fp8 {args.fp8} matmul ceiling {fp8_ceiling:.1f} TFLOP/s", flush=True)
     rows = []
     for T, recompute in plan:
         for backend in args.backends:
@@ -165,11 +179,16 @@ def main() -> int:
                 "experts": args.experts,
                 "experts_per_token": args.experts_per_token,
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                "fp8": args.fp8,
             }
             t0 = time.perf_counter()
             model = None
             try:
                 model = build(cfg, backend)
+                if args.fp8:  # before the recompute wrappers, as kimi train would
+                    from kernels_torch.fp8 import convert_model_to_fp8
+
+                    row["fp8"] = convert_model_to_fp8(model, args.fp8).to_dict()
                 if recompute:
                     recompute_layers(model, args.recompute_mode)  # kimi train's --recompute-mode
                 kernel_choice.reset_used()
@@ -178,6 +197,7 @@ def main() -> int:
                 tf, detail = model_tflop(cfg, T)
                 row.update(model_tflop=tf, flops_detail=detail)
                 row["mfu"] = tf / (ms * 1e-3) / ceiling if tf else None
+                row["mfu_fp8_ceiling"] = tf / (ms * 1e-3) / fp8_ceiling if tf and fp8_ceiling else None
             except torch.OutOfMemoryError:
                 row.update(ms=None, tokens_per_s=None, status="oom")
             except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking
@@ -195,6 +215,7 @@ def main() -> int:
                         "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d"),
                         "matmul_ceiling_tflops": ceiling,
+                        "fp8_matmul_ceiling_tflops": fp8_ceiling,
                         "rows": rows,
                     },
                     indent=1,
@@ -202,15 +223,16 @@ def main() -> int:
             )
     print(
         f"\nloss: {args.loss}\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} "
-        f"{'peak GiB':>9} {'MFU':>6} status"
+        f"{'peak GiB':>9} {'MFU':>6} {'MFU/fp8':>7} status"
     )
     for r in rows:
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        mfu8 = f"{r['mfu_fp8_ceiling']:.1%}" if r.get("mfu_fp8_ceiling") else "-"
         print(
             f"{r['seq_len']:>8} {str(r['recompute']):>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
-            f"{mfu:>6} {r['status'][:60]}"
+            f"{mfu:>6} {mfu8:>7} {r['status'][:60]}"
         )
     for T, recompute in plan:
         by = {r["backend"]: r for r in rows if (r["seq_len"], bool(r["recompute"])) == (T, recompute) and r["ms"]}

@@ -15,6 +15,7 @@ __all__ = [
     "TOKEN_ID_DTYPES",
     "check_activation_dtype",
     "check_token_ids",
+    "check_range_async",
     "effective_weight",
 ]
 
@@ -105,11 +106,12 @@ def check_activation_dtype(x: torch.Tensor, where: str, name: str = "x") -> None
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Token ids ``[B, T]`` int32/int64 in ``[0, vocab_size)``.
+    """Token ids ``[B, T]`` int32/int64 in ``[0, vocab_size)``. The range is checked on the host for CPU ids and by a
+    device-side assertion for accelerator ids (:func:`check_range_async`: no host sync in the step).
 
     Raises:
-        ValueError: a wrong shape, a dtype other than int32/int64 (uint8, bool, float ... are refused), or ids out of
-            range; the message names ``input_ids``, the value and what was expected.
+        ValueError: a wrong shape, a dtype other than int32/int64 (uint8, bool, float ... are refused), or (CPU ids)
+            ids out of range; the message names ``input_ids``, the value and what was expected.
     """
     if input_ids.ndim != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids: got shape {tuple(input_ids.shape)}, expected [B, T] with B, T >= 1")
@@ -117,9 +119,20 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(
             f"input_ids: got dtype {input_ids.dtype}, expected integer token ids ({_names(TOKEN_ID_DTYPES)})"
         )
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {vocab_size})")
+    if input_ids.device.type == "cpu":
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"input_ids: got ids in [{lo}, {hi}], expected ids in [0, {vocab_size})")
+        return
+    check_range_async((input_ids >= 0) & (input_ids < vocab_size), f"input_ids: expected ids in [0, {vocab_size})")
+
+
+def check_range_async(ok: torch.Tensor, message: str) -> None:
+    """The device-side form of a value check on an accelerator tensor: ``torch._assert_async(ok.all(), message)``,
+    no host sync (a training or decode step stays free of them); a failing check stops the program at the next
+    synchronisation with a device-side assertion carrying ``message``. On the CPU checks raise ``ValueError`` at once
+    (reading a CPU tensor costs no sync), which is what the callers do there."""
+    torch._assert_async(ok.all(), message)
 
 
 def effective_weight(layer: torch.nn.Module) -> torch.Tensor:

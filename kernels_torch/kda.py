@@ -841,7 +841,9 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
     * output norm: ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` with ``activation='sigmoid'``.
     * the six projections of x (q, k, v, f_a, b, g or g_a) run as one :func:`kernels_torch.ops.linears.
       shared_input_linears` node, whose backward sums x's gradients in the GEMMs (no elementwise adds); a
-      LoRA-wrapped projection (peft) makes them run one by one, as the eager layer.
+      projection that is not a plain ``nn.Linear`` (LoRA-wrapped by peft, or torchao's FP8 ``Float8Linear``, which
+      the node's reading of ``.weight`` would bypass) makes them run one by one through their modules, as the eager
+      layer.
 
     ``cu_seqlens`` (B == 1) may be int32 or int64 on any device. The kernel that ran is recorded in
     ``kernel_choice.used()["kda"]``.
@@ -875,10 +877,10 @@ def _kda_layer_fast(layer: KimiDeltaAttention, x: torch.Tensor, cu_seqlens, cach
 
     # the projections of x first (the GPU runs them while the host picks the kernels below): q, k, v, f_a, b and the
     # output gate's first, in one autograd node whose backward sums x's gradients inside the GEMMs
-    # (kernels_torch.ops.linears); LoRA-wrapped projections run their own forwards
+    # (kernels_torch.ops.linears); LoRA-wrapped and FP8 projections run their own forwards
     x_projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj, layer.b_proj]
     x_projs.append(layer.g_proj if c.use_full_rank_gate else layer.g_a_proj)
-    if any(hasattr(p, "base_layer") for p in x_projs):
+    if any(type(p) is not nn.Linear for p in x_projs):  # LoRA (peft) or FP8 (torchao's Float8Linear): own forwards
         xq, xk, xv, xf, b_logits, xg = (_linear(x, p) for p in x_projs)
     else:
         xq, xk, xv, xf, b_logits, xg = shared_input_linears(x, [p.weight for p in x_projs])
@@ -1020,8 +1022,10 @@ class GatedRMSNorm(nn.Module):
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """``x Wᵀ`` in the activation dtype (as ``reference_jax.common.linear``): the weight follows ``x.dtype``.
-    A LoRA-wrapped layer (peft ``LoraLayer``, whose ``.weight`` is the base weight alone) runs its own forward."""
-    if hasattr(layer, "base_layer"):
+    A layer that is not a plain ``nn.Linear`` runs its own forward: a LoRA-wrapped one (peft ``LoraLayer``, whose
+    ``.weight`` is the base weight alone) and torchao's ``Float8Linear`` (``kernels_torch.fp8``: its forward runs the
+    FP8 GEMMs; ``F.linear`` on its ``.weight`` would silently run bf16)."""
+    if type(layer) is not nn.Linear:
         return layer(x)
     return F.linear(x, layer.weight.to(x.dtype))
 

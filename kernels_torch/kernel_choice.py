@@ -39,6 +39,12 @@ Ops and their kernels (``../shared/spec/kernels.md``, "Measured 2026-11-30"):
 * ``glu`` (the ``cudnn`` backend's fused SiTU/SiLU-GLU, ``kernels_torch.ops.situ``): ``triton`` (CUDA) or ``torch``
   (the recompute-in-backward twin; CPU, fp64); ``$KIMI_GLU_KERNEL``. The eager and sdpa backends run the plain ops
   of ``kernels_torch.moe`` and record nothing.
+* ``moe`` (the routed experts of every MoE layer, ``kernels_torch.moe.GroupedExperts``): ``grouped_mm`` (the pairs
+  sorted by expert on the device, ``torch._grouped_mm`` per projection, the Triton gather-sums of
+  ``kernels_torch.ops.moe_grouped``; no host sync) or ``loop`` (one Python iteration per expert over its tokens: the
+  readable twin of the reference, with a host sync per expert); ``$KIMI_MOE_KERNEL``. ``auto`` takes ``grouped_mm``
+  on the ``cudnn`` backend where ``torch._grouped_mm`` takes the dtype and shapes, else ``loop``; the ``eager`` and
+  ``sdpa`` backends run ``loop`` unless asked.
 
 Choice, strongest first: an explicit argument (``sparse_mla_fwd(backend=...)``, a layer's ``sparse_kernel`` /
 ``kda_kernel`` / ``kda_prep`` / ``kda_pieces`` / ``short_conv_kernel`` attribute, which ``kernels_torch.model.load_model`` and
@@ -75,6 +81,7 @@ CHOICES = {
     "kda_pieces": ("auto", "one", "cudnn"),
     "short_conv": ("auto", "fla", "cudnn"),
     "glu": ("auto", "triton", "torch"),
+    "moe": ("auto", "grouped_mm", "loop"),
 }
 ENV_VARS = {
     "sparse_mla_fwd": "KIMI_SPARSE_KERNEL",
@@ -83,6 +90,7 @@ ENV_VARS = {
     "kda_pieces": "KIMI_KDA_PIECES",
     "short_conv": "KIMI_SHORT_CONV_KERNEL",
     "glu": "KIMI_GLU_KERNEL",
+    "moe": "KIMI_MOE_KERNEL",
 }
 SHORT_CONV_AUTO = "cudnn"  # what ``auto`` takes for ``short_conv`` where it can run (the measured faster one)
 _USED: dict[str, Counter] = {}
@@ -138,10 +146,12 @@ def set_model_kernels(
     kda_prep: str | None = None,
     kda_pieces: str | None = None,
     short_conv_kernel: str | None = None,
+    moe_kernel: str | None = None,
 ):
     """Set the kernel choice on every layer of ``model`` (a ``torch.nn.Module``) that has one: the DSA layers'
-    ``sparse_kernel`` and the KDA layers' ``kda_kernel``, ``kda_prep``, ``kda_pieces`` and ``short_conv_kernel``. None
-    leaves a choice as it is (the default: environment, then auto). Returns ``model``.
+    ``sparse_kernel``, the KDA layers' ``kda_kernel``, ``kda_prep``, ``kda_pieces`` and ``short_conv_kernel``, and the
+    MoE layers' routed experts' ``moe_kernel``. None leaves a choice as it is (the default: environment, then auto).
+    Returns ``model``.
 
     Raises:
         ValueError: a value outside :data:`CHOICES`.
@@ -152,6 +162,7 @@ def set_model_kernels(
         "kda_prep": kda_prep,
         "kda_pieces": kda_pieces,
         "short_conv_kernel": short_conv_kernel,
+        "moe_kernel": moe_kernel,
     }
     ops = {
         "sparse_kernel": "sparse_mla_fwd",
@@ -159,6 +170,7 @@ def set_model_kernels(
         "kda_prep": "kda_prep",
         "kda_pieces": "kda_pieces",
         "short_conv_kernel": "short_conv",
+        "moe_kernel": "moe",
     }
     for attr, op in ops.items():
         if chosen[attr] is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_torch.common import compute_dtype, segment_ids
+from kernels_torch.common import check_range_async, compute_dtype, segment_ids
 
 __all__ = ["next_token_targets", "lm_loss", "linear_cross_entropy", "default_chunk_size"]
 
@@ -168,7 +168,9 @@ def _check_linear_ce(hidden, weight, labels, ignore_index, chunk_size) -> None:
         raise ValueError(f"chunk_size: got {chunk_size!r}, expected a positive int or None")
     V = weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))
-    if N and bool(bad.any()):
+    if labels.device.type != "cpu":  # no host sync in a training step: a device-side assertion
+        check_range_async(~bad, f"labels: expected ids in [0, {V}) or ignore_index={ignore_index}")
+    elif N and bool(bad.any()):
         value = int(labels[bad][0])
         raise ValueError(f"labels: got {value}, expected ids in [0, {V}) or ignore_index={ignore_index}")
 

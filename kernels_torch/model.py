@@ -1,12 +1,14 @@
 """The whole Kimi K3 / K3.1 Pro text model on the PyTorch path: the twin of ``reference_jax.model``.
 
 Same recurrence (Block AttnRes, spec 5.4), same per-layer intermediates with ``return_aux=True``; ``state_dict``
-keys are the canonical checkpoint names (``model.*``, ``lm_head.weight``) without the ``language_model.`` prefix.
+keys are the checkpoint names (``model.*``, ``lm_head.weight``) without the ``language_model.`` prefix, except that
+each MoE layer's routed experts are stacked (``kimi.layout.stacked_layout``; ``kernels_torch.params`` maps them).
 The attention backend (``eager``, ``sdpa``, ``cudnn``) is one setting for the whole model.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 
@@ -17,14 +19,15 @@ from torch import nn
 from kernels_torch import kernel_choice
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.cache import check_cache, kda_step
-from kernels_torch.common import RMSNorm, check_cu_seqlens, check_token_ids, compute_dtype
+from kernels_torch.common import RMSNorm, check_cu_seqlens, check_range_async, check_token_ids, compute_dtype
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.kernel_choice import set_model_kernels
 from kernels_torch.mla import GatedMLA
 from kernels_torch.moe import DenseMLP, KimiMoE
+from kernels_torch.params import canonical_state_dict, load_canonical
 from kimi.config import KimiConfig
 
-__all__ = ["BACKENDS", "DecoderLayer", "KimiK3Model", "load_model", "save_model", "cast_model"]
+__all__ = ["BACKENDS", "DecoderLayer", "KimiK3Model", "load_model", "model_from_params", "save_model", "cast_model"]
 
 BACKENDS = ("eager", "sdpa", "cudnn")
 
@@ -260,7 +263,9 @@ class KimiK3Model(nn.Module):
             raise ValueError(f"labels: got {got}, expected [B, T] = {list(input_ids.shape)} int64 (-100: no target)")
         V = self.config.vocab_size
         bad = (labels != -100) & ((labels < 0) | (labels >= V))
-        if bool(bad.any()):  # before the backbone runs
+        if labels.device.type != "cpu":  # no host sync in a training step: a device-side assertion
+            check_range_async(~bad, f"labels: expected ids in [0, {V}) or -100 (no target)")
+        elif bool(bad.any()):  # before the backbone runs
             raise ValueError(f"labels: got {int(labels[bad][0])}, expected ids in [0, {V}) or -100 (no target)")
         if isinstance(chunk_size, bool) or not (
             chunk_size is None or (isinstance(chunk_size, int) and chunk_size >= 1)
@@ -336,23 +341,30 @@ def load_model(
     kda_prep: str | None = None,
     kda_pieces: str | None = None,
     short_conv_kernel: str | None = None,
+    moe_kernel: str | None = None,
     check_finite: bool = True,
 ) -> KimiK3Model:
-    """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`.
+    """Read a checkpoint directory lazily (only the first ``layers`` layers when given) into a :class:`KimiK3Model`
+    built on ``device`` in ``dtype`` (the tensors the checkpoint keeps in fp32 stay fp32: :func:`cast_model`).
     ``check_finite=False`` skips the NaN/inf scan of the weights (``kimi.checkpoint.load_params``) for speed.
+
+    The weights stream in: the model is allocated once, then each checkpoint tensor is read (MXFP4 experts
+    dequantised), copied into its place (a routed expert into its slice of the layer's stacked ``experts.w*``) and
+    dropped, so loading holds the model plus one tensor of the checkpoint, never a second copy of a layer.
 
     ``sparse_kernel`` (``auto`` | ``flash_mla`` | ``triton``) and ``kda_kernel`` (``auto`` | ``cudnn`` | ``fla``) pick
     the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer, ``kda_prep`` (``auto`` |
     ``triton`` | ``outside`` | ``in_kernel``) where its cuDNN KDA op gets the q/k norms, gate and beta, ``kda_pieces``
     (``auto`` | ``one`` | ``cudnn``) how that op's SM90 forward splits a sequence, ``short_conv_kernel`` (``auto`` |
-    ``fla`` | ``cudnn``) the KDA layers' short convolutions (None: ``$KIMI_SPARSE_KERNEL`` / ``$KIMI_KDA_KERNEL`` /
-    ``$KIMI_KDA_PREP`` / ``$KIMI_KDA_PIECES`` / ``$KIMI_SHORT_CONV_KERNEL``, else auto; ``kernels_torch.kernel_choice``);
-    other backends ignore them.
+    ``fla`` | ``cudnn``) the KDA layers' short convolutions, ``moe_kernel`` (``auto`` | ``grouped_mm`` | ``loop``) the
+    routed experts of every backend (None: ``$KIMI_SPARSE_KERNEL`` / ``$KIMI_KDA_KERNEL`` / ``$KIMI_KDA_PREP`` /
+    ``$KIMI_KDA_PIECES`` / ``$KIMI_SHORT_CONV_KERNEL`` / ``$KIMI_MOE_KERNEL``, else auto; ``kernels_torch.kernel_choice``);
+    other backends ignore the first five.
 
     Raises:
         kimi.checkpoint.CheckpointError, kimi.config.ConfigError, ValueError (backend, kernel choice).
     """
-    from kimi.checkpoint import CheckpointReader, load_params
+    from kimi.checkpoint import CheckpointReader, iter_arrays
 
     check_backend(backend)
     kernels = {
@@ -361,6 +373,7 @@ def load_model(
         "kda_prep": kda_prep,
         "kda_pieces": kda_pieces,
         "short_conv_kernel": short_conv_kernel,
+        "moe_kernel": moe_kernel,
     }
     set_model_kernels(nn.Module(), **kernels)  # validate before reading
     if backend == "cudnn":  # a bad $KIMI_* kernel variable: refused before the checkpoint is read, not after
@@ -372,12 +385,31 @@ def load_model(
         )
     reader = CheckpointReader(checkpoint)
     config = reader.config if layers is None else reader.config.truncated(layers)
-    params = load_params(reader, config, layers=range(config.num_hidden_layers), check_finite=check_finite)
+    stream = iter_arrays(reader, config, layers=range(config.num_hidden_layers), check_finite=check_finite)
+    first = next(stream, None)  # the layout check runs here, before anything is allocated
+    pairs = itertools.chain([first] if first is not None else [], stream)
+    return set_model_kernels(model_from_params(config, pairs, backend, dtype, device), **kernels)
+
+
+def model_from_params(
+    config: KimiConfig,
+    params,
+    backend: str = "eager",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> KimiK3Model:
+    """A :class:`KimiK3Model` on ``device`` in ``dtype`` (:func:`cast_model`'s rule) holding the canonical parameters
+    ``params`` (``{name: tensor or numpy array}`` as ``kimi.checkpoint.load_params`` / ``kimi.init.init_params`` give
+    them, or an iterable of ``(name, tensor)`` pairs), copied in one at a time (routed experts into their stacks).
+
+    Raises:
+        ValueError: an unknown backend; the errors of :func:`kernels_torch.params.load_canonical` (missing,
+            unexpected or misshaped tensors)."""
+    check_backend(backend)
     with torch.device("meta"):
-        model = KimiK3Model(config, backend=backend)
-    model.load_state_dict(params, strict=True, assign=True)
-    set_model_kernels(model, **kernels)
-    return cast_model(model.to(device), dtype)
+        model = cast_model(KimiK3Model(config, backend=backend), dtype)
+    model.to_empty(device=device)
+    return load_canonical(model, params, strict=True)
 
 
 def cast_model(model: KimiK3Model, dtype: torch.dtype) -> KimiK3Model:
@@ -394,10 +426,11 @@ def cast_model(model: KimiK3Model, dtype: torch.dtype) -> KimiK3Model:
 
 def save_model(model: KimiK3Model, path: str | Path) -> None:
     """Write the model's weights as a checkpoint in the real layout: each tensor cast to its stored dtype
-    (exact when the weights came from a checkpoint), experts re-quantised to MXFP4 when the config says so."""
+    (exact when the weights came from a checkpoint), the stacked routed experts split into the checkpoint's
+    per-expert tensors (``kernels_torch.params.canonical_state_dict``), re-quantised to MXFP4 when the config says so."""
     from kimi.checkpoint import save_params
     from kimi.layout import param_layout
 
     dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(model.config)}
-    sd = {k: v.detach().to("cpu", dtypes[k]) for k, v in model.state_dict().items()}
+    sd = {k: v.detach().to("cpu", dtypes[k]) for k, v in canonical_state_dict(model).items()}
     save_params(path, sd, model.config)

@@ -6,30 +6,59 @@ Same names, arguments and numerics as the reference:
 * :func:`route` runs the router in fp32 from the full-width x; the ``e_score_correction_bias`` chooses experts
   only; DeepSeek-V3 grouped top-k; ties go to the lower expert index (a stable descending sort, because
   ``torch.topk`` does not promise any order among equal values);
-* :class:`KimiMoE` differs from the reference only in *how* it runs the experts: each expert sees just the tokens
-  routed to it (gather, expert, weighted ``index_add_``), in expert order, with each expert output rounded to the
-  activation dtype, weighted by the fp32 router weight and summed in fp32, as the reference's dense loop.
+* :class:`KimiMoE` differs from the reference only in *how* it runs the experts (:class:`GroupedExperts`): each
+  expert sees just the tokens routed to it, with each expert output rounded to the activation dtype, weighted by the
+  fp32 router weight and summed in fp32, as the reference's dense loop. Two kernels (``kernels_torch.kernel_choice``,
+  op ``moe``): ``loop``, one Python iteration per expert (gather, expert, weighted ``index_add_`` in expert order; the
+  readable twin), and ``grouped_mm``, the pairs sorted by expert on the device and one ``torch._grouped_mm`` per
+  projection over all experts (``kernels_torch.ops.moe_grouped``; no host sync; summed in slot order).
+
+The routed experts are held **stacked**, one ``[E, out, in]`` parameter per projection (``experts.w1``, ``experts.w3``,
+``experts.w2``), as grouped GEMMs, FSDP2 and DCP want them; slice ``e`` is the checkpoint's ``experts.{e}.w1.weight``
+(``kimi.layout.stacked_expert_name``), and ``kernels_torch.model`` maps the per-expert checkpoint keys to the stacks
+when it loads and back when it saves.
 
 The MLP modules take the model's ``backend``: ``cudnn`` runs the activation as the fused, memory-lean
 ``kernels_torch.ops.situ.glu_act_fused`` (saves only a and b; Triton on CUDA), ``eager`` / ``sdpa`` the plain ops
 below (the dense references). The choice is the plain attribute ``fused_glu`` (not in ``state_dict()``).
 
-``state_dict()`` keys equal the canonical names relative to ``mlp.`` / ``block_sparse_moe.`` (``kimi.layout``).
+``state_dict()`` keys equal the names of ``kimi.layout.stacked_layout`` relative to ``mlp.`` / ``block_sparse_moe.``.
 Note: ``gate.e_score_correction_bias`` is fp32 in the checkpoint; ``module.to(torch.bfloat16)`` would round it, so
 cast the model with care (the router upcasts whatever it gets).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels_torch import kernel_choice
 from kernels_torch.common import RMSNorm, check_activation_dtype, compute_dtype
+from kernels_torch.ops.moe_grouped import (
+    combine_rows,
+    expert_layout,
+    grouped_mm,
+    grouped_mm_supported,
+    permute_rows,
+    unpermute_rows,
+)
 from kernels_torch.ops.situ import glu_act_fused
 from kimi.config import KimiConfig
 
-__all__ = ["situ", "glu_act", "topk_ids", "route", "selection_scores", "DenseMLP", "RoutedExpert", "MoEGate", "KimiMoE"]
+__all__ = [
+    "situ",
+    "glu_act",
+    "topk_ids",
+    "route",
+    "selection_scores",
+    "DenseMLP",
+    "GroupedExperts",
+    "MoEGate",
+    "KimiMoE",
+]
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -199,21 +228,112 @@ class DenseMLP(nn.Module):
         return self.down_proj(_act(self, self.gate_proj(x), self.up_proj(x)))
 
 
-class RoutedExpert(nn.Module):
-    """One routed expert ``w2 · act(w1 z, w3 z)`` (spec 5.3 step 5); ``hidden_size`` = latent width (or D).
-    ``backend='cudnn'`` sets ``fused_glu`` (the fused activation)."""
+class GroupedExperts(nn.Module):
+    """The routed experts of one MoE layer (spec 5.3 step 5), each projection stacked over experts:
+    ``E_e(z) = w2[e] · act(w1[e] z, w3[e] z)``.
 
-    def __init__(self, config: KimiConfig, hidden_size: int, backend: str = "eager"):
+    Parameters (``nn.Linear`` orientation ``[out, in]`` per expert, slice ``e`` = the checkpoint's
+    ``experts.{e}.w*.weight``): ``w1`` ``[E, I, Dl]`` (gate), ``w3`` ``[E, I, Dl]`` (up), ``w2`` ``[E, Dl, I]`` (down);
+    ``Dl`` the latent width (or D), ``I`` = ``moe_intermediate_size``. Under expert parallelism a rank holds only its
+    experts: ``expert_ids`` is the ``range`` of global ids its rows stand for (``range(E)`` otherwise).
+
+    Attributes (plain, not in ``state_dict()``):
+        moe_kernel: ``"auto"`` | ``"grouped_mm"`` | ``"loop"`` or None (``$KIMI_MOE_KERNEL``, else auto); see
+            ``kernels_torch.kernel_choice``. ``auto`` is ``grouped_mm`` on the ``cudnn`` backend where
+            ``torch._grouped_mm`` takes the dtype and widths, else ``loop``.
+        fused_glu: the fused activation (``cudnn`` backend). align: rows per group start of the grouped buffer
+            (1; FP8 grouped GEMMs want 16).
+    """
+
+    def __init__(self, config: KimiConfig, hidden_size: int, backend: str = "eager", num_experts: int | None = None):
         super().__init__()
         self.config = config
+        self.backend = backend
         self.fused_glu = backend == "cudnn"
-        I = config.moe_intermediate_size
-        self.w1 = nn.Linear(hidden_size, I, bias=False)  # gate
-        self.w3 = nn.Linear(hidden_size, I, bias=False)  # up
-        self.w2 = nn.Linear(I, hidden_size, bias=False)  # down
+        self.moe_kernel: str | None = None
+        self.align = 1
+        E = config.num_experts if num_experts is None else num_experts
+        I, Dl = config.moe_intermediate_size, hidden_size
+        self.expert_ids = range(E)
+        self.w1 = nn.Parameter(torch.empty(E, I, Dl))
+        self.w3 = nn.Parameter(torch.empty(E, I, Dl))
+        self.w2 = nn.Parameter(torch.empty(E, Dl, I))
+        self.reset_parameters()
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.w2(_act(self, self.w1(z), self.w3(z)))
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init per expert: U(-1/sqrt(in), 1/sqrt(in))."""
+        with torch.no_grad():
+            for w in (self.w1, self.w3, self.w2):
+                if w.device.type != "meta":
+                    bound = 1.0 / math.sqrt(w.shape[-1])
+                    w.uniform_(-bound, bound)
+
+    @property
+    def num_experts(self) -> int:
+        """Experts held here (all of the layer's, or this rank's under expert parallelism)."""
+        return self.w1.shape[0]
+
+    def kernel(self, z: torch.Tensor) -> str:
+        """The kernel this call runs (``"grouped_mm"`` or ``"loop"``), from :attr:`moe_kernel` and the inputs.
+
+        Raises:
+            ValueError: a bad ``moe_kernel`` / ``$KIMI_MOE_KERNEL``, or ``grouped_mm`` forced where it cannot run."""
+        chosen = kernel_choice.resolve("moe", self.moe_kernel)
+        if chosen == "loop":
+            return "loop"
+        why = grouped_mm_supported(z, self.w1)
+        if chosen == "grouped_mm":
+            if why is not None:
+                raise ValueError(f"moe_kernel='grouped_mm' cannot run: {why}")
+            return "grouped_mm"
+        return "grouped_mm" if self.backend == "cudnn" and why is None else "loop"
+
+    def mlp_grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Every expert on its group of rows: ``x`` ``[R, Dl]`` grouped by expert, ``offsets`` ``[E]`` int32
+        cumulative row ends -> ``[R, Dl]`` in ``x.dtype`` (three ``torch._grouped_mm`` and the activation)."""
+        h = grouped_mm(x, self.w1, offsets, kernel="grouped_mm")  # [R, I]
+        g = grouped_mm(x, self.w3, offsets, kernel="grouped_mm")
+        return grouped_mm(_act(self, h, g), self.w2, offsets, kernel="grouped_mm")  # [R, Dl]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on rows ``x`` ``[n, Dl]`` -> ``[n, Dl]`` in ``x.dtype`` (the loop's body)."""
+        return F.linear(_act(self, F.linear(x, self.w1[e]), F.linear(x, self.w3[e])), self.w2[e])
+
+    def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``r = sum_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6): each expert output in z's dtype, weighted and summed
+        in fp32 (fp64 for fp64 z); ``loop`` sums in expert order, ``grouped_mm`` in slot order.
+
+        ``z`` ``[N, Dl]``, ``ids`` ``[N, k]`` int64 local expert ids in ``[0, num_experts)``, ``weights`` ``[N, k]``
+        fp32 -> ``[N, Dl]`` fp32 (fp64). Records the kernel that ran (``kernel_choice.used()``, op ``moe``)."""
+        run = self.kernel(z)
+        kernel_choice.record("moe", run)
+        if run == "grouped_mm":
+            layout = expert_layout(ids, self.num_experts, self.align)
+            y = self.mlp_grouped(permute_rows(z, layout), layout.offsets)  # [R, Dl] in z's dtype
+            return combine_rows(y, weights, layout)
+        r = torch.zeros(z.shape, dtype=compute_dtype(z), device=z.device)  # [N, Dl]
+        for e in range(self.num_experts):
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
+            if tok.numel() == 0:
+                continue
+            out = self.expert(e, z[tok])  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
+            r.index_add_(0, tok, out.to(r.dtype) * weights[tok, slot, None].to(r.dtype))
+        return r
+
+    def rows_forward(self, x: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """Each row through its own expert, no weighting: ``x`` ``[R, Dl]``, ``expert_of_row`` ``[R]`` int64 local
+        ids -> ``[R, Dl]`` in ``x.dtype``, row order kept (expert parallelism's received rows)."""
+        run = self.kernel(x)
+        kernel_choice.record("moe", run)
+        if run == "grouped_mm":
+            layout = expert_layout(expert_of_row[:, None], self.num_experts, self.align)
+            return unpermute_rows(self.mlp_grouped(permute_rows(x, layout), layout.offsets), layout)
+        out = x * 0  # [R, Dl], downstream of x even with no row at all (expert parallelism's backward all-to-all)
+        for e in range(self.num_experts):
+            (rows,) = torch.nonzero(expert_of_row == e, as_tuple=True)
+            if rows.numel():
+                out = out.index_copy(0, rows, self.expert(e, x[rows]))
+        return out
 
 
 class MoEGate(nn.Module):
@@ -234,13 +354,13 @@ class MoEGate(nn.Module):
 class KimiMoE(nn.Module):
     """The (latent) MoE layer ``block_sparse_moe`` (spec 5.3 steps 1-9); twin of ``reference_jax.moe.KimiMoE``.
 
-    Submodules (checkpoint names): ``gate``, ``experts`` (``nn.ModuleList`` of E :class:`RoutedExpert`),
+    Submodules (checkpoint names): ``gate``, ``experts`` (:class:`GroupedExperts`, stacked ``w1``/``w3``/``w2``),
     ``routed_expert_down_proj`` / ``routed_expert_norm`` (only with ``latent_moe_use_norm``) /
     ``routed_expert_up_proj`` (latent MoE only), ``shared_experts`` (absent when ``num_shared_experts == 0``).
 
     ``forward(x, return_aux=False)``: x ``[B, T, D]`` -> ``[B, T, D]`` in x's dtype (and, with ``return_aux``,
     ``{"expert_ids", "expert_scores"}`` as the JAX twin). ``backend='cudnn'`` gives the experts and shared experts
-    the fused activation (``fused_glu``).
+    the fused activation (``fused_glu``) and the grouped experts (``experts.moe_kernel``).
     """
 
     def __init__(self, config: KimiConfig, backend: str = "eager"):
@@ -249,7 +369,7 @@ class KimiMoE(nn.Module):
         D = c.hidden_size
         Dl = c.routed_expert_hidden_size or D
         self.gate = MoEGate(c)
-        self.experts = nn.ModuleList(RoutedExpert(c, Dl, backend) for _ in range(c.num_experts))
+        self.experts = GroupedExperts(c, Dl, backend)
         if c.has_latent_moe:
             self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
             if c.latent_moe_use_norm:
@@ -259,19 +379,10 @@ class KimiMoE(nn.Module):
             self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size, backend)
 
     def routed_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``r = Σ_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6): per expert, only its tokens; expert order; each expert
-        output in z's dtype, weighted and summed in fp32 (fp64 for fp64 z).
-
-        ``z`` ``[N, Dl]``, ``ids`` ``[N, k]`` int64, ``weights`` ``[N, k]`` fp32 -> ``[N, Dl]`` fp32 (fp64).
+        """``r = Σ_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6) through :class:`GroupedExperts`: ``z`` ``[N, Dl]``,
+        ``ids`` ``[N, k]`` int64, ``weights`` ``[N, k]`` fp32 -> ``[N, Dl]`` fp32 (fp64 for fp64 z).
         ``kernels_torch.parallel.expert`` replaces this method on the instance (expert parallelism)."""
-        r = torch.zeros(z.shape, dtype=compute_dtype(z), device=z.device)  # [N, Dl]
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
-            if tok.numel() == 0:
-                continue
-            out = expert(z[tok])  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
-            r.index_add_(0, tok, out.to(r.dtype) * weights[tok, slot, None].to(r.dtype))
-        return r
+        return self.experts(z, ids, weights)
 
     def forward(self, x: torch.Tensor, return_aux: bool = False):
         c = self.config

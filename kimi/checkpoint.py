@@ -50,6 +50,7 @@ __all__ = [
     "load_params",
     "nonfinite_tensors",
     "load_arrays",
+    "iter_arrays",
     "slice_A_log",
     "pad_A_log",
     "to_stored",
@@ -427,8 +428,30 @@ def load_arrays(
             ``check_finite``, every tensor holding NaN or inf, by name with counts (all in one error).
     """
     reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
-    own = config is None
-    cfg = reader.config if own else config
+    cfg = reader.config if config is None else config
+    out = dict(iter_arrays(reader, cfg, layers, check_finite=check_finite))
+    _check_params(out, cfg, _normalise_layers(cfg, layers), what="load_params result")  # internal consistency
+    return out
+
+
+def iter_arrays(
+    source: str | os.PathLike | CheckpointReader,
+    config: KimiConfig | None = None,
+    layers: int | Iterable[int] | None = None,
+    *,
+    check_finite: bool = True,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """:func:`load_arrays` one tensor at a time: ``(name, array)`` in ``param_layout(config, layers)`` order, each
+    read (and dequantised) just before it is yielded, so a consumer that copies each array into its place and drops
+    it holds at most one tensor of the checkpoint at a time (``kernels_torch.model.load_model`` streams a layer's
+    routed experts into their stacked parameters this way). Same arguments and checks as :func:`load_arrays`.
+
+    Raises:
+        CheckpointError: the layout problems of :func:`load_arrays` before the first tensor is yielded (a generator:
+            at the first ``next``); with ``check_finite``, the non-finite tensors after the last one.
+    """
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    cfg = reader.config if config is None else config
     idx = _normalise_layers(cfg, layers)
     wanted = set(idx)
     expected = stored_layout(cfg, idx)
@@ -452,36 +475,42 @@ def load_arrays(
     where = f"{reader.path} (layers {idx if len(idx) < 20 else f'{idx[0]}..{idx[-1]}'} + globals)"
     _raise_problems(where, _check_stored_meta(expected, found, cfg, extra))
 
-    out: dict[str, np.ndarray] = {}
+    nonfinite: list[str] = []
     for spec in param_layout(cfg, idx):
-        n = spec.name
-        if ".experts." in n and cfg.quant_method == "mxfp4":
-            base = n.removesuffix(".weight")
-            try:
-                out[n] = dequantize_mxfp4(
-                    reader.get_array(base + ".weight_packed"),
-                    reader.get_array(base + ".weight_scale"),
-                    dtype=cfg.dtype,
-                    group_size=cfg.quant_group_size,
-                )
-            except ValueError as e:
-                raise CheckpointError(f"{reader.path}: {base}.weight_scale / .weight_packed: {e}") from None
-        elif n.endswith(".self_attn.A_log"):
-            try:
-                out[n] = slice_A_log(reader.get_array(n), cfg.kda_num_heads).copy()
-            except ValueError as e:
-                raise CheckpointError(f"{reader.path}: {n}: {e}") from None
-        elif n.endswith("_conv1d.weight"):
-            out[n] = reader.get_array(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
-        elif _optional(spec) and n not in reader:
-            out[n] = np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype))  # spec 9: absent bias = 0
-        else:
-            out[n] = reader.get_array(n)
-    _check_params(out, cfg, idx, what="load_params result")  # internal consistency (cheap: metadata only)
-    if check_finite:
+        a = _read_canonical(reader, cfg, spec)
+        if check_finite:
+            nonfinite += nonfinite_tensors({spec.name: a})
+        yield spec.name, a
+    if nonfinite:
         where = f"{reader.path}: non-finite weights (load_params(..., check_finite=False) skips this check)"
-        _raise_problems(where, nonfinite_tensors(out))
-    return out
+        _raise_problems(where, nonfinite)
+
+
+def _read_canonical(reader: CheckpointReader, cfg: KimiConfig, spec: TensorSpec) -> np.ndarray:
+    """One canonical parameter from its stored tensor(s): MXFP4 experts dequantised, ``A_log`` sliced (a copy),
+    conv weights reshaped to ``[C, 1, W]``, an absent optional tensor as zeros (spec 9)."""
+    n = spec.name
+    if ".experts." in n and cfg.quant_method == "mxfp4":
+        base = n.removesuffix(".weight")
+        try:
+            return dequantize_mxfp4(
+                reader.get_array(base + ".weight_packed"),
+                reader.get_array(base + ".weight_scale"),
+                dtype=cfg.dtype,
+                group_size=cfg.quant_group_size,
+            )
+        except ValueError as e:
+            raise CheckpointError(f"{reader.path}: {base}.weight_scale / .weight_packed: {e}") from None
+    if n.endswith(".self_attn.A_log"):
+        try:
+            return slice_A_log(reader.get_array(n), cfg.kda_num_heads).copy()
+        except ValueError as e:
+            raise CheckpointError(f"{reader.path}: {n}: {e}") from None
+    if n.endswith("_conv1d.weight"):
+        return reader.get_array(n).reshape(spec.shape)  # [C, W] -> [C, 1, W]
+    if _optional(spec) and n not in reader:
+        return np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype))  # spec 9: absent bias = 0
+    return reader.get_array(n)
 
 
 def nonfinite_tensors(params: Mapping[str, Any]) -> list[str]:

@@ -8,7 +8,12 @@ Two views of the same model:
   (Kimi-Linear), ``indexer.k_norm.bias`` present.
 * :func:`param_layout` -- the **canonical parameters** both model paths hold after loading: experts dequantised to
   ``experts.{E}.w{1,2,3}.weight`` in the model dtype, ``A_log`` as ``[H]`` fp32, ``indexer.k_norm.bias`` always
-  present. These names are the ``state_dict`` keys of the torch path and the leaves of the JAX parameter tree.
+  present. These names are the leaves of the JAX parameter tree and the names a checkpoint is exchanged in.
+* :func:`stacked_layout` -- the same parameters as the torch path holds them (its ``state_dict`` keys): each MoE
+  layer's routed experts stacked into three ``[E, out, in]`` tensors ``experts.w1`` / ``experts.w3`` / ``experts.w2``
+  (torchtitan's ``GroupedExperts`` layout, so grouped GEMMs, FSDP2 and DCP see one tensor per projection), slice
+  ``e`` of ``experts.w1`` being the checkpoint's ``experts.{e}.w1.weight``. :func:`stacked_expert_name` and
+  :func:`expert_param_name` map one naming to the other.
 
 Parameter counts (:func:`param_counts`) are computed from :func:`param_layout`, never typed in.
 """
@@ -16,11 +21,24 @@ Parameter counts (:func:`param_counts`) are computed from :func:`param_layout`, 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from kimi.config import KimiConfig
 
-__all__ = ["TensorSpec", "stored_layout", "param_layout", "param_counts", "layer_of", "LayerPlan", "layer_plan"]
+__all__ = [
+    "TensorSpec",
+    "stored_layout",
+    "param_layout",
+    "stacked_layout",
+    "stacked_expert_name",
+    "expert_param_name",
+    "EXPERT_PROJECTIONS",
+    "param_counts",
+    "layer_of",
+    "LayerPlan",
+    "layer_plan",
+]
 
 BF16, F32, U8 = "bfloat16", "float32", "uint8"
 
@@ -168,6 +186,45 @@ def param_layout(c: KimiConfig, layers: range | list[int] | None = None) -> list
     """Canonical parameters held by both model paths (experts dequantised, A_log as [H])."""
     idx = range(c.num_hidden_layers) if layers is None else layers
     return _global_specs(c) + [s for i in idx for s in _layer_specs(c, i, stored=False)]
+
+
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate [I, Dl], up [I, Dl], down [Dl, I] per expert (spec 5.3 step 5)
+_EXPERT_PARAM = re.compile(r"^(?P<pre>(?:.+\.)?experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+_STACKED_PARAM = re.compile(r"^(?P<pre>(?:.+\.)?experts)\.(?P<w>w[123])$")
+
+
+def stacked_expert_name(name: str) -> tuple[str, int] | None:
+    """``(stacked name, expert id)`` of a canonical per-expert name, ``None`` for any other name:
+    ``"model.layers.3.block_sparse_moe.experts.7.w1.weight"`` -> ``("model.layers.3.block_sparse_moe.experts.w1", 7)``.
+    Works on relative names too (``"experts.7.w2.weight"`` -> ``("experts.w2", 7)``)."""
+    m = _EXPERT_PARAM.match(name)
+    return None if m is None else (f"{m['pre']}.{m['w']}", int(m["e"]))
+
+
+def expert_param_name(stacked: str, expert: int) -> str:
+    """The canonical per-expert name of slice ``expert`` of a stacked name: the inverse of
+    :func:`stacked_expert_name` (``"experts.w1", 7`` -> ``"experts.7.w1.weight"``).
+
+    Raises:
+        ValueError: ``stacked`` is not a stacked expert name (``...experts.w1`` / ``w2`` / ``w3``)."""
+    m = _STACKED_PARAM.match(stacked)
+    if m is None:
+        raise ValueError(f"stacked: got {stacked!r}, expected a stacked expert name ending in experts.w1/w2/w3")
+    return f"{m['pre']}.{expert}.{m['w']}.weight"
+
+
+def stacked_layout(c: KimiConfig, layers: range | list[int] | None = None) -> list[TensorSpec]:
+    """:func:`param_layout` with each MoE layer's routed experts stacked: ``...experts.w1`` / ``w3`` ``[E, I, Dl]``
+    and ``...experts.w2`` ``[E, Dl, I]`` in the model dtype, in place of the ``3 E`` per-expert tensors (where the
+    layer's expert 0 stood). The torch path's ``state_dict`` keys and shapes."""
+    out: list[TensorSpec] = []
+    for s in param_layout(c, layers):
+        hit = stacked_expert_name(s.name)
+        if hit is None:
+            out.append(s)
+        elif hit[1] == 0:
+            out.append(TensorSpec(hit[0], (c.num_experts, *s.shape), s.dtype, s.layer))
+    return out
 
 
 def param_counts(c: KimiConfig) -> dict[str, int]:

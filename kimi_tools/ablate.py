@@ -100,12 +100,9 @@ def cell_config(base, cell: dict[str, tuple[str, Any]]):
 def _build(cfg, params, backend: str, device: str):
     import torch
 
-    from kernels_torch.model import KimiK3Model
+    from kernels_torch.model import model_from_params
 
-    with torch.device("meta"):
-        model = KimiK3Model(cfg, backend=backend)
-    model.load_state_dict(params, strict=True, assign=True)
-    return model.to(device).float().eval()
+    return model_from_params(cfg, params, backend, torch.float32, device).eval()
 
 
 def _eval(model, rows, device: str) -> tuple[float, float | None]:

@@ -5,7 +5,7 @@
     kimi forward [--preset NAME | --checkpoint DIR] [--layers N] [--tokens N] [--seed N] [--backend jax|eager|sdpa]
     kimi compare [--preset NAME | --checkpoint DIR] [--layers N] [--text FILE] [--tokens N] [--backends eager,sdpa]
                  [--dtype float32|bfloat16] [--json FILE] [--against FILE.safetensors [--path jax|eager|sdpa]]
-                 [--grad [--documents N] [--dtype float64]]
+                 [--grad [--documents N] [--dtype float64]] [--fp8 tensorwise|rowwise]
     kimi lora merge --checkpoint BASE --adapter DIR --out DIR
     kimi logits  [--preset NAME | --checkpoint DIR] [--layers N] [--backend jax|eager|sdpa] (--text FILE | --ids FILE)
                  --out FILE.safetensors [--hidden] [--tokens N]
@@ -203,10 +203,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """
     import contextlib
 
-    from kimi_tools.compare import TOLERANCES, compare_runs, first_nonfinite, format_table, run_reference, run_torch
+    from kimi_tools.compare import (
+        TOLERANCES,
+        TOLERANCES_FP8,
+        compare_runs,
+        first_nonfinite,
+        format_fp8_side_by_side,
+        format_table,
+        run_reference,
+        run_torch,
+    )
 
+    if args.fp8 is not None:
+        _check_fp8_args(args)  # before anything is loaded: a CPU or a pre-Ada GPU is refused here
+    args.dtype = args.dtype or "float32"
     if args.dtype == "float64" and not args.grad:
         raise CliError("--dtype: float64 is for --grad only (the forward comparison runs float32 or bfloat16)")
+    if args.backends is None:
+        args.backends = "cudnn" if args.fp8 else "eager,sdpa"
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     known = ("eager", "sdpa", "cudnn")
     for b in backends:
@@ -240,9 +254,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         kinds = [cfg.layer_type(i) for i in range(n)]
         # index_topk only means something when a DSA layer runs (a config without one does not even store it).
         topk = f"index_topk {cfg.index_topk}" if "dsa" in kinds else "no DSA layer"
+        fp8_note = f"; fp8 {args.fp8} beside each (kernels_torch.fp8)" if args.fp8 else ""
         print(
             f"kimi compare: {source}; {n} layers ({''.join(k[0].upper() for k in kinds)}); {len(ids)} tokens "
-            f"({tok_name}); {topk}; backends {','.join(backends)}; dtype {args.dtype}",
+            f"({tok_name}); {topk}; backends {','.join(backends)}; dtype {args.dtype}{fp8_note}",
             flush=True,
         )
         if args.reference == "jax":
@@ -258,12 +273,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 on_layer=Progress("eager-fp32", n, args.quiet),
             )
             ref.name = "torch-eager fp32"
-        reports, runs = [], [ref]
+        reports, runs, pairs = [], [ref], []
         for b in backends:
             other = _run_path(b, ckpt, ids, args, n, ref=ref)
             reports.append(compare_runs(ref, other, kinds, dtype=args.dtype, tol=TOLERANCES[args.dtype]))
             runs.append(other)
+            if args.fp8:  # the same backend with its projections and experts in FP8, against the same oracle
+                fp8_run = _run_path(b, ckpt, ids, args, n, ref=ref, convert=_fp8_converter(args.fp8))
+                reports.append(compare_runs(ref, fp8_run, kinds, dtype=args.dtype, tol=TOLERANCES_FP8))
+                runs.append(fp8_run)
+                pairs.append((reports[-2], reports[-1]))
     print(format_table(reports))
+    for bf16_rep, fp8_rep in pairs:
+        print(format_fp8_side_by_side(bf16_rep, fp8_rep))
     nonfinite = {run.name: first_nonfinite(run, kinds) for run in runs}
     for name, where in nonfinite.items():
         if where is not None:
@@ -277,6 +299,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "num_layers": n,
             "index_topk": cfg.index_topk if "dsa" in kinds else None,
             "dtype": args.dtype,
+            "fp8": args.fp8,
             "reports": [r.to_dict() for r in reports],
             "first_nonfinite": nonfinite,
         }
@@ -290,24 +313,64 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_path(path: str, ckpt: Path, ids, args: argparse.Namespace, n: int, ref=None):
+def _run_path(path: str, ckpt: Path, ids, args: argparse.Namespace, n: int, ref=None, convert=None):
     """One path on ``ids`` with a progress bar: the JAX reference (``path == "jax"``) or a torch backend in
-    ``args.dtype`` on ``args.device`` (``ref``: the reference run whose per-layer inputs the torch layers take, as
-    ``run_torch``). Returns a ``kimi_tools.compare.RunResult``."""
+    ``args.dtype`` on ``args.device`` (``ref``: the reference run whose per-layer inputs the torch layers take;
+    ``convert``: applied to the loaded model first, as ``run_torch``). Returns a ``kimi_tools.compare.RunResult``."""
     from kimi_tools.compare import run_reference, run_torch
 
     if path == "jax":
         return run_reference(ckpt, ids, layers=args.layers, on_layer=Progress("jax", n, args.quiet))
+    label = f"torch-{path}" + ("" if convert is None else " fp8")
     return run_torch(
         ckpt,
         ids,
         layers=args.layers,
         backend=path,
         dtype=args.dtype,
-        on_layer=Progress(f"torch-{path}", n, args.quiet),
+        on_layer=Progress(label, n, args.quiet),
         device=args.device,
         ref=ref,
+        convert=convert,
     )
+
+
+def _check_fp8_args(args: argparse.Namespace) -> None:
+    """``kimi compare --fp8 RECIPE``: a known recipe, the forward comparison only, bf16 activations (the default
+    under ``--fp8``), and a device that runs FP8 (:func:`_fp8_device_check`).
+
+    Raises:
+        ValueError: an unknown recipe; FP8UnsupportedError (a ValueError) for a device that cannot run FP8.
+        CliError: ``--fp8`` with ``--grad`` or ``--against``, or with ``--dtype`` other than bfloat16.
+    """
+    from kernels_torch.fp8 import check_recipe
+
+    check_recipe(args.fp8)
+    if args.grad or args.against:
+        raise CliError("--fp8: compares the forward against the oracle; it does not combine with --grad or --against")
+    if args.dtype not in (None, "bfloat16"):
+        raise CliError(f"--fp8: runs bf16 activations around the FP8 GEMMs, got --dtype {args.dtype} (use bfloat16)")
+    args.dtype = "bfloat16"
+    _fp8_device_check(args.device or "cuda")
+
+
+def _fp8_device_check(device: str) -> None:
+    """Refuse FP8 on ``device`` (``kernels_torch.fp8.check_fp8_supported``: CUDA of compute capability >= 8.9, with
+    torchao installed). Grouped experts need 9.0 or 10.0: that is checked when a model that has them is converted."""
+    from kernels_torch.fp8 import _torchao, check_fp8_supported
+
+    check_fp8_supported(device)
+    _torchao()
+
+
+def _fp8_converter(recipe: str):
+    """The ``convert`` callable of an FP8 run: ``kernels_torch.fp8.convert_model_to_fp8`` with ``recipe`` and the
+    default exclusions."""
+    import functools
+
+    from kernels_torch.fp8 import convert_model_to_fp8
+
+    return functools.partial(convert_model_to_fp8, recipe=recipe)
 
 
 def _compare_against(args: argparse.Namespace, ckpt: Path, cfg: KimiConfig) -> int:
@@ -461,8 +524,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text", metavar="FILE", help="UTF-8 text (default: the bundled Alice chapter)")
     src.add_argument("--ids", metavar="FILE", help="a JSON list of token ids instead of text")
     p.add_argument("--tokens", type=positive_int, default=256, help="use the first N tokens (default 256)")
-    p.add_argument("--backends", default="eager,sdpa", help="comma-separated torch backends (default eager,sdpa)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32", help="torch dtype")
+    p.add_argument(
+        "--backends", help="comma-separated torch backends (default eager,sdpa; cudnn with --fp8)", default=None
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float64"],
+        help="torch dtype (default float32; bfloat16 with --fp8)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--grad", action="store_true", help="compare LM-loss gradients per parameter instead (jax.grad)")
     p.add_argument("--documents", type=positive_int, default=2, help="with --grad: packed documents (default 2)")
@@ -476,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random-init seed when no --checkpoint is given")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda when available)")
+    p.add_argument(
+        "--fp8",
+        metavar="RECIPE",
+        help="also run each backend with its projections and experts in FP8 (torchao; tensorwise or rowwise; "
+        "CUDA of compute capability >= 8.9), against the same oracle with the FP8 tolerances",
+    )
     p.add_argument(
         "--reference",
         choices=["jax", "eager"],

@@ -8,7 +8,9 @@ tie tolerance from the row's k-th selected score (so near-ties at the selection 
 under rounding, are not failures). End: logits relative error, cosine and top-1 agreement.
 
 The reference always runs in fp32 (it is the oracle); the torch path runs in the requested dtype, and the
-tolerances are chosen by that dtype (:data:`TOLERANCES`).
+tolerances are chosen by that dtype (:data:`TOLERANCES`). An FP8 run (``run_torch(..., convert=...)`` with
+``kernels_torch.fp8.convert_model_to_fp8``; ``kimi compare --fp8 RECIPE``) runs bf16 activations around FP8 GEMMs and
+is judged by :data:`TOLERANCES_FP8`; :func:`format_fp8_side_by_side` sets its rows beside the bf16 run's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 __all__ = [
     "Tolerances",
     "TOLERANCES",
+    "TOLERANCES_FP8",
     "RunResult",
     "run_reference",
     "run_torch",
@@ -30,6 +33,7 @@ __all__ = [
     "Report",
     "selection_agreement",
     "rel_err",
+    "format_fp8_side_by_side",
 ]
 
 
@@ -77,6 +81,29 @@ TOLERANCES = {
     ),
 }
 
+# FP8 (``kimi compare --fp8 RECIPE``, ``kernels_torch.fp8``): bf16 activations, and the projections' and experts'
+# GEMMs round their inputs to e4m3 (3 mantissa bits: unit roundoff 2^-4, against bf16's 2^-8), so one such GEMM's
+# output is off by about 3.7% (rel; torchao's emulation on the CPU, either recipe) where bf16's is 0.3%. A layer
+# chains two to five of them (KDA: q/k/v through the recurrence, the output gate, o_proj). Measured with torchao's
+# emulation on the CPU (tiny preset, random init, 256 tokens, eager, layer-local rows, both recipes), FP8 against the
+# fp32 oracle was 9-12x bf16's error in every row: attention 0.054-0.114, MLP / MoE 0.077-0.115, residual
+# 0.039-0.115; logits rel 0.44, cosine 0.903, top-1 0.53-0.54 (bf16: 0.19, 0.982, 0.887). The bounds below leave about
+# 2x on the rows and less on the logits of that random-init model, which amplifies rounding through its routing and
+# top-k flips (the layer rows are the sharp check). The DSA selection reads the indexer's input c_q from the FP8
+# q_a_proj: near-ties twice as wide as bf16's left no row differing beyond them (at bf16's width, 1-3 of 256 did),
+# and one MoE row of 256 changed its experts beyond ties. First bounds, from the format and the emulation: the H200
+# run of the 4-layer real-dimension checkpoint at 4K and 8K (kimi compare --fp8) confirms or tightens them.
+TOLERANCES_FP8 = Tolerances(
+    attn_rel=0.25,
+    mlp_rel=0.25,
+    residual_rel=0.25,
+    logits_rel=0.6,
+    logits_cos_min=0.85,
+    top1_min=0.4,
+    tie_rel=0.1,
+    selection_disagree_max=0.02,
+)
+
 
 @dataclass
 class RunResult:
@@ -87,6 +114,7 @@ class RunResult:
     layers: list[dict[str, np.ndarray]]
     seconds: float = 0.0
     kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # torch cudnn: {op: {kernel: calls}} that ran
+    fp8: dict[str, Any] | None = None  # the model's FP8 conversion (kernels_torch.fp8.FP8Conversion.to_dict), if any
 
 
 def first_nonfinite(run: RunResult, kinds: list[str] | None = None) -> str | None:
@@ -150,9 +178,12 @@ def run_torch(
     on_layer: Callable[[int], None] | None = None,
     device: str | None = None,
     ref: RunResult | None = None,
+    convert: Callable[[Any], Any] | None = None,
 ) -> RunResult:
     """One torch backend in ``dtype`` on ``ids`` [T]; ``device`` defaults to CUDA when available (always for
-    ``cudnn``), else the CPU.
+    ``cudnn``), else the CPU. ``convert`` (e.g. ``kernels_torch.fp8.convert_model_to_fp8`` with its recipe) is
+    applied to the loaded model before anything runs; a model it leaves with an FP8 record (``model.fp8``) is named
+    ``torch-{backend} fp8-{recipe}`` and carries the record in ``RunResult.fp8``.
 
     The logits always come from an end-to-end run. With ``ref`` (the reference's run, which carries each layer's
     inputs), the per-layer intermediates are **layer-local**: layer i of this backend is fed the reference's inputs
@@ -170,6 +201,9 @@ def run_torch(
     if device is None:
         device = "cuda" if backend == "cudnn" or torch.cuda.is_available() else "cpu"
     model = load_model(checkpoint, layers=layers, backend=backend, dtype=getattr(torch, dtype), device=device)
+    if convert is not None:
+        convert(model)
+    fp8 = getattr(model, "fp8", None)
     with torch.no_grad():
         logits, auxes = model(torch.as_tensor(np.asarray(ids), device=device)[None], return_aux=True, on_layer=on_layer)
 
@@ -181,7 +215,12 @@ def run_torch(
     if ref is not None:
         layer_rows = _layer_local(model, ref, to_np, device)
     result = RunResult(
-        f"torch-{backend}", to_np(logits)[0], layer_rows, time.perf_counter() - t0, kernels=kernel_choice.used()
+        f"torch-{backend}" + ("" if fp8 is None else f" fp8-{fp8.recipe}"),
+        to_np(logits)[0],
+        layer_rows,
+        time.perf_counter() - t0,
+        kernels=kernel_choice.used(),
+        fp8=None if fp8 is None else fp8.to_dict(),
     )
     del model, logits, auxes
     if device == "cuda":
@@ -281,6 +320,7 @@ class Report:
     # tolerances.logits_rel, times TIE_FLIP_LOGITS_FACTOR when such flips occurred and every layer passed.
     tie_flipped_rows: int = 0
     logits_rel_bound: float | None = None
+    fp8: dict[str, Any] | None = None  # the torch run's FP8 conversion record (RunResult.fp8), if any
 
     @property
     def passed(self) -> bool:
@@ -378,6 +418,7 @@ def compare_runs(
         other.kernels,
         int(flipped.sum()),
         bound,
+        other.fp8,
     )
 
 
@@ -412,6 +453,15 @@ def format_table(reports: list[Report]) -> str:
                 f"{rep.tie_flipped_rows} rows' keys or experts flipped at near-ties, which moves every later row in "
                 "a full run; the layer rows, fed the same inputs, all passed"
             )
+        if rep.fp8:
+            f = rep.fp8
+            kept = ", ".join(f"{reason} {n}" for reason, n in f["skipped"].items()) or "none"
+            lines.append(
+                f"fp8: {f['linears']} projections ({f['recipe']}) and {f['grouped_experts']} grouped experts "
+                f"({f['grouped_recipe'] or '-'}) in FP8, torchao {f['torchao']}"
+                + (" (emulated)" if f["emulate"] else "")
+                + f"; candidates left as they are: {kept}"
+            )
         if rep.kernels:
             lines.append(
                 "kernels: "
@@ -423,7 +473,7 @@ def format_table(reports: list[Report]) -> str:
             "rows whose keys or experts differ"
         )
         lines.append(
-            f"tolerances ({rep.dtype}): attn/mlp/resid rel <= {t.attn_rel:.0e}/{t.mlp_rel:.0e}/"
+            f"tolerances ({'fp8 ' + rep.fp8['recipe'] if rep.fp8 else rep.dtype}): attn/mlp/resid rel <= {t.attn_rel:.0e}/{t.mlp_rel:.0e}/"
             f"{t.residual_rel:.0e}, logits rel <= {t.logits_rel:.0e}, cosine >= {t.logits_cos_min}, "
             f"top-1 >= {t.top1_min}, near-tie = within {t.tie_rel:.0e} x max|score| of the k-th, rows "
             f"differing beyond ties <= {t.selection_disagree_max:.0%}"
@@ -433,3 +483,29 @@ def format_table(reports: list[Report]) -> str:
             lines.append(f"first divergent layer: {first}" if first is not None else "layers agree; logits differ")
         lines.append("")
     return "\n".join(lines)
+
+
+def format_fp8_side_by_side(bf16: Report, fp8: Report) -> str:
+    """Per layer, the bf16 run's and the FP8 run's layer-local relative errors (attention, MLP, residual) side by side
+    with their ratio, then both runs' logits rel, cosine and top-1; both reports against the same reference."""
+    lines = [
+        f"== {bf16.backend} vs {fp8.backend} (both against {bf16.reference}) ==",
+        f"{'layer':>5} {'kind':>4} | {'attn bf16':>9} {'fp8':>9} {'x':>5} | {'mlp bf16':>9} {'fp8':>9} {'x':>5} | "
+        f"{'resid bf16':>10} {'fp8':>9} {'x':>5}",
+    ]
+
+    def ratio(a: float, b: float) -> str:
+        return f"{b / a:5.1f}" if a > 0 else "    -"
+
+    for a, b in zip(bf16.layers, fp8.layers):
+        lines.append(
+            f"{a.layer:>5} {a.kind:>4} | {a.attn_rel:9.2e} {b.attn_rel:9.2e} {ratio(a.attn_rel, b.attn_rel)} | "
+            f"{a.mlp_rel:9.2e} {b.mlp_rel:9.2e} {ratio(a.mlp_rel, b.mlp_rel)} | "
+            f"{a.residual_rel:10.2e} {b.residual_rel:9.2e} {ratio(a.residual_rel, b.residual_rel)}"
+        )
+    for rep in (bf16, fp8):
+        lines.append(
+            f"logits {rep.backend}: rel {rep.logits_rel:.2e}  cosine {rep.logits_cos:.6f}  top-1 {rep.top1:.4f}  -> "
+            + ("PASS" if rep.passed else "FAIL")
+        )
+    return "\n".join(lines) + "\n"

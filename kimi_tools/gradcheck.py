@@ -126,6 +126,7 @@ def torch_grads(
 
     from kernels_torch.loss import lm_loss
     from kernels_torch.model import load_model
+    from kernels_torch.params import canonical_state_dict
 
     t0 = time.perf_counter()
     if device is None:
@@ -137,9 +138,10 @@ def torch_grads(
     cu = None if cu_seqlens is None else torch.as_tensor(np.asarray(cu_seqlens), dtype=torch.int64, device=device)
     loss = lm_loss(model(x, cu_seqlens=cu), x, cu)
     loss.backward()
+    stacked = {n: p.grad for n, p in model.named_parameters()}  # routed experts stacked: split to canonical names
     grads = {
-        n: None if p.grad is None else p.grad.detach().to("cpu", torch.float64).numpy()
-        for n, p in model.named_parameters()
+        n: None if g is None else g.detach().to("cpu", torch.float64).numpy()
+        for n, g in canonical_state_dict(model, stacked).items()
     }
     return GradRun(f"torch-{backend} ({dtype})", float(loss.detach()), grads, time.perf_counter() - t0)
 

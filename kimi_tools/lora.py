@@ -16,8 +16,9 @@ Footguns handled here (issue 10):
 * LoRA dropout acts on the layer's input, which the absorbed form never forms: dropout on ``kv_b_proj`` is refused
   under ``cudnn`` (and raises at forward time under ``mla_form="absorbed"`` in training mode). DoRA is refused.
 * The DSA indexer is frozen (no LM-loss gradient through hard top-k) and never gets adapters; nor do layers whose
-  weight is read directly rather than called (AttnRes ``*_res_proj``, ``lm_head``, the MoE router ``gate``), nor
-  MXFP4-stored routed experts (a merge would re-quantise them).
+  weight is read directly rather than called (AttnRes ``*_res_proj``, ``lm_head``, the MoE router ``gate``), nor the
+  routed experts: they are stacked ``[E, out, in]`` banks run as grouped GEMMs (``kernels_torch.moe.GroupedExperts``),
+  not ``nn.Linear`` layers, and in the real checkpoint MXFP4 (a merge would re-quantise them).
 
 The wrapped model's ``state_dict`` keys are peft's (``...q_proj.base_layer.weight``, ``...lora_A.default.weight``);
 :func:`merge_lora` folds the adapters in and gives back the canonical names (``kernels_torch.model.save_model``).
@@ -74,7 +75,6 @@ DEFAULT_TARGETS: tuple[str, ...] = (
 
 # Linear layers whose weight the model reads directly (never calls): an adapter there would be silently skipped.
 _READ_DIRECTLY = re.compile(r"(^|.*\.)(self_attention_res_proj|mlp_res_proj|output_attn_res_proj)$|^lm_head$")
-_ROUTED_EXPERT = re.compile(r".*\.block_sparse_moe\.experts\.\d+\.w[123]$")
 
 
 @dataclass(frozen=True)
@@ -180,15 +180,26 @@ def resolve_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
 
     Raises:
         ValueError: a target matching an indexer module (the indexer is frozen and never gets adapters), a layer
-            whose weight is read directly (``*_res_proj``, ``lm_head``: an adapter would be skipped), a routed
-            expert stored in MXFP4, a module that is not an ``nn.Linear``, a non-default pattern that matches
+            whose weight is read directly (``*_res_proj``, ``lm_head``: an adapter would be skipped), the routed
+            experts (``w1``/``w2``/``w3``, not offered), a module that is not an ``nn.Linear``, a non-default pattern that matches
             nothing, or no module at all.
     """
     from torch import nn
 
+    from kernels_torch.moe import GroupedExperts
+
     names, hit = [], dict.fromkeys(settings.targets, 0)
-    quantised = getattr(getattr(model, "config", None), "quant_method", None) is not None
     for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for t in settings.targets:
+                named = [f"{name}.{w}" for w in ("w1", "w3", "w2") if _matches(f"{name}.{w}", t)]
+                if named or _matches(name, t):
+                    raise ValueError(
+                        f"lora targets: {t!r} matches the routed experts {(named or [name])[0]!r}: LoRA on routed "
+                        "experts is not offered (stacked [E, out, in] banks run as grouped GEMMs, MXFP4 in the real "
+                        "checkpoint); target the attention projections or the shared experts instead"
+                    )
+            continue
         pats = [t for t in settings.targets if _matches(name, t)]
         if not pats:
             continue
@@ -203,11 +214,6 @@ def resolve_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
             raise ValueError(
                 f"lora targets: {pats[0]!r} matches {name!r}, whose weight the model reads directly (not called as a "
                 "layer): an adapter there would be silently skipped"
-            )
-        if quantised and _ROUTED_EXPERT.fullmatch(name):
-            raise ValueError(
-                f"lora targets: {pats[0]!r} matches the routed expert {name!r}, stored in MXFP4: a merged adapter would "
-                "be re-quantised; target the attention projections or the shared experts instead"
             )
         if type(module) is not nn.Linear:
             raise ValueError(

@@ -513,7 +513,7 @@ def _load_config(a: TrainArgs) -> KimiConfig:
 def _build_model(a: TrainArgs, cfg: KimiConfig):
     import torch
 
-    from kernels_torch.model import KimiK3Model, cast_model, load_model
+    from kernels_torch.model import load_model, model_from_params
 
     dtype = getattr(torch, a.dtype)
     if a.checkpoint is not None:
@@ -523,10 +523,7 @@ def _build_model(a: TrainArgs, cfg: KimiConfig):
 
     # the full preset's config sets the residual-output scale, so --layers N gives the first N layers of the model
     params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
-    with torch.device("meta"):
-        model = KimiK3Model(cfg, backend=a.backend)
-    model.load_state_dict(params, strict=True, assign=True)
-    return cast_model(model.to(a.device), dtype)
+    return model_from_params(cfg, params, a.backend, dtype, a.device)
 
 
 def _read_data(a: TrainArgs, cfg: KimiConfig):

@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 
 from kernels_torch.model import load_model as load_torch
 from kernels_torch.model import save_model as save_torch
+from kernels_torch.params import canonical_state_dict
 from kimi.checkpoint import load_params
+from kimi.layout import stacked_layout
 from reference_jax.model import load_model as load_jax_model
 from reference_jax.model import load_params_tree, save_params_tree
 from reference_jax.params import path_to_name, restore_orbax, save_orbax
@@ -61,8 +63,10 @@ def test_orbax_roundtrip(tiny_ckpt, tmp_path):
 def test_canonical_params_equal_in_both_paths(tiny_ckpt):
     params = load_params(tiny_ckpt)
     tm = load_torch(tiny_ckpt, dtype=torch.bfloat16)
-    sd = tm.state_dict()
+    sd = canonical_state_dict(tm)  # the routed experts' stacks split into the checkpoint's per-expert tensors
     assert sd.keys() == params.keys()
+    stacked = {s.name: s.shape for s in stacked_layout(tm.config)}
+    assert {k: tuple(v.shape) for k, v in tm.state_dict().items()} == stacked
     for k, v in params.items():
         assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
 

@@ -35,6 +35,7 @@ TOL = {
 }
 TOL_LOGITS, TOL_MODEL_GRAD = 1e-12, 1e-12  # the 3-layer model, fp64
 _EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
+_STACK = re.compile(r"(^|\.)experts\.w[123]$")  # the stacked routed experts (E rows; a rank holds E / world)
 
 
 # ------------------------------------------------------------------------------------------------ no processes
@@ -63,18 +64,21 @@ def _check(name: str, got, want, tol: float, errors: list[str]) -> None:
 
 
 def _tol_key(name: str) -> str:
-    if _EXPERT.search(name):
+    if _EXPERT.search(name) or _STACK.search(name):
         return "expert.grad"
     return "router.grad" if name.startswith("gate.") else "param.grad"
 
 
-def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None):
-    """One MoE layer: single-process reference on all ranks' tokens vs EP on this rank's tokens."""
+def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None, moe_kernel=None):
+    """One MoE layer: single-process reference on all ranks' tokens vs EP on this rank's tokens (the local experts on
+    ``moe_kernel``; the reference always runs the readable loop)."""
     from kernels_torch.moe import KimiMoE
     from kernels_torch.parallel.expert import shard_experts
+    from kernels_torch.params import canonical_state_dict
 
     torch.manual_seed(0)
     ref = KimiMoE(cfg).to(dtype)
+    ref.experts.moe_kernel = "loop"
     with torch.no_grad():
         for p in ref.parameters():  # every weight random, also the norm (ones at init)
             p.add_(0.05 * torch.randn_like(p))
@@ -90,25 +94,42 @@ def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None):
     lo = sum(xs[j].shape[0] * xs[j].shape[1] for j in range(rank))
     hi = lo + xs[rank].shape[0] * xs[rank].shape[1]
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    lo_e, hi_e = rank * cfg.num_experts // world, (rank + 1) * cfg.num_experts // world
+    ref_grads = {n: g[lo_e:hi_e] if _STACK.search(n) else g for n, g in ref_grads.items()}  # this rank's experts
 
     # expert parallel: a fresh layer, sharded, loaded from the full state dict by slicing
     torch.manual_seed(123)
     moe = KimiMoE(cfg).to(dtype)
+    moe.experts.moe_kernel = moe_kernel
     ep = shard_experts(moe)
-    ep.load_full_state_dict(ref.state_dict())
-    El = cfg.num_experts // world
-    want_keys = {k for k in ref.state_dict() if not _EXPERT.search(k) or int(_EXPERT.search(k).group(2)) // El == rank}
-    if set(moe.state_dict()) != want_keys:
-        errors.append(f"{tag}: state_dict keys {sorted(set(moe.state_dict()) ^ want_keys)} differ from the slice")
     full = ref.state_dict()
-    for bad, what in (({k: v for k, v in full.items() if k != "gate.weight"}, "Missing"), ({**full, "w9": 0}, "Unexp")):
+    ep.load_full_state_dict(full)
+    El = cfg.num_experts // world
+    if set(moe.state_dict()) != set(full) or moe.experts.expert_ids != range(lo_e, hi_e):
+        errors.append(f"{tag}: state_dict keys {sorted(set(moe.state_dict()) ^ set(full))} or expert ids differ")
+    for w in ("w1", "w3", "w2"):  # this rank's rows of each stack, exactly
+        if not torch.equal(moe.state_dict()[f"experts.{w}"], full[f"experts.{w}"][lo_e:hi_e]):
+            errors.append(f"{tag}: experts.{w} is not rows [{lo_e}, {hi_e}) of the full stack")
+    canon = canonical_state_dict(moe)  # global expert ids, as the checkpoint names them
+    want_canon = {
+        k for k in canonical_state_dict(ref) if not _EXPERT.search(k) or int(_EXPERT.search(k).group(2)) // El == rank
+    }
+    if set(canon) != want_canon:
+        errors.append(f"{tag}: canonical keys {sorted(set(canon) ^ want_canon)} differ from this rank's slice")
+    # the canonical (per-expert) form of the full state dict loads the same weights
+    moe2 = KimiMoE(cfg).to(dtype)
+    ep2 = shard_experts(moe2)
+    ep2.load_full_state_dict(canonical_state_dict(ref))
+    if any(not torch.equal(a, b) for a, b in zip(moe.state_dict().values(), moe2.state_dict().values())):
+        errors.append(f"{tag}: loading the canonical full state dict gave other weights than the stacked one")
+    for bad, what in (({k: v for k, v in full.items() if k != "gate.weight"}, "missing"), ({**full, "w9": 0}, "unexp")):
         try:
             ep.load_full_state_dict(bad)
-            errors.append(f"{tag}: load_full_state_dict accepted a state dict with a key {what.lower()}...")
-        except RuntimeError as e:
+            errors.append(f"{tag}: load_full_state_dict accepted a state dict with a key {what}...")
+        except ValueError as e:
             if what not in str(e):
                 errors.append(f"{tag}: load_full_state_dict: unclear error {e}")
-    stray = next(k for k in full if _EXPERT.search(k)).replace(".0.", f".{cfg.num_experts}.", 1)  # one id too far
+    stray = f"experts.{cfg.num_experts}.w1.weight"  # one id too far
     try:
         ep.load_full_state_dict({**full, stray: 0})
         errors.append(f"{tag}: load_full_state_dict dropped {stray} (an expert id past num_experts) silently")
@@ -127,7 +148,7 @@ def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None):
         errors.append(f"{tag}: expert_ids differ from the single-process router")
     for n, p in moe.named_parameters():
         gr = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        if not _EXPERT.search(n):  # replicated: each rank holds its tokens' part
+        if not _STACK.search(n):  # replicated: each rank holds its tokens' part
             dist.all_reduce(gr)
         _check(f"{tag} {n}.grad", gr, ref_grads[n], tol[_tol_key(n)], errors)
     if moe.gate.e_score_correction_bias.grad is not None:
@@ -148,18 +169,20 @@ def _model_case(cfg, world, rank, errors):
     logits_r = [ref(i) for i in ids]
     sum((lg * R).sum() for lg, R in zip(logits_r, Rs)).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    lo_e, hi_e = rank * cfg.num_experts // world, (rank + 1) * cfg.num_experts // world
+    ref_grads = {n: g[lo_e:hi_e] if _STACK.search(n) else g for n, g in ref_grads.items()}
 
     with torch.device("meta"):
         model = KimiK3Model(cfg).double()
     ep = shard_experts(model)
     model.to_empty(device="cpu")
-    ep.load_full_state_dict(ref.state_dict(), assign=True)
+    ep.load_full_state_dict(ref.state_dict())
     logits = model(ids[rank])
     (logits * Rs[rank]).sum().backward()
     _check("model logits", logits, logits_r[rank], TOL_LOGITS, errors)
     for n, p in model.named_parameters():
         gr = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        if not _EXPERT.search(n):
+        if not _STACK.search(n):
             dist.all_reduce(gr)
         _check(f"model {n}.grad", gr, ref_grads[n], TOL_MODEL_GRAD, errors)
 
@@ -200,6 +223,8 @@ def _worker(rank: int, world: int, port: int) -> None:
             quant_method=None,
         )
         _moe_case(linear, torch.float32, world, rank, errors, "kimi-linear fp32")
+        # the local experts on the grouped GEMMs (torch._grouped_mm runs fp32 on a CPU), starved experts included
+        _moe_case(linear, torch.float32, world, rank, errors, "grouped_mm fp32", bias=bias, moe_kernel="grouped_mm")
         grouped = tiny.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)
         _moe_case(grouped, torch.float64, world, rank, errors, "grouped 4x2")
 
@@ -231,7 +256,8 @@ def _worker(rank: int, world: int, port: int) -> None:
             shard_experts(model)
             errors.append("a model holding an expert-parallel MoE was sharded again")
         except ValueError:
-            if not isinstance(model[0].experts, nn.ModuleList) or model[0].routed_experts.__self__ is not model[0]:
+            first_ok = model[0].experts.expert_ids == range(E) and model[0].experts.num_experts == E
+            if not first_ok or model[0].routed_experts.__self__ is not model[0]:
                 errors.append("a refused shard_experts left the first MoE layer sharded")
         if errors:
             raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))

@@ -54,7 +54,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         errors = []
 
         # one process: loss, gradients, one AdamW step
-        # weight_decay 0: an expert no rank routes to gets a zero gradient under FSDP (fsdp._touch_experts), None here
         opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
         loss_r = _loss(ref(ids, torch.tensor(CU)), labels, T)
         loss_r.backward()
@@ -135,3 +134,60 @@ def test_fsdp_cp_step_dcp_and_export(tmp_path):
         for k in a:
             assert rel(a[k].double(), b[k].double()) <= 1e-6 or torch.equal(a[k], b[k]), k
     assert CheckpointReader(tmp_path / "hf_fsdp").config.num_hidden_layers == 5
+
+
+# ------------------------------------------------------------------------------------------------ DCP resharding
+
+
+def _reshard_cfg():
+    # 2 routed experts: on 3 ranks FSDP2 gives the stacked banks' rows as 1, 1, 0: the last rank holds no expert
+    return load_config("tiny").replace(num_experts=2, num_experts_per_token=1).truncated(3)
+
+
+def _reshard_worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.model import KimiK3Model
+        from kernels_torch.parallel.fsdp import (
+            full_state_dict,
+            init_mesh,
+            load_checkpoint,
+            parallelize,
+            save_checkpoint,
+        )
+
+        torch.manual_seed(0 if mode == "save" else 5)  # the loading run starts from other weights
+        model = KimiK3Model(_reshard_cfg()).double()
+        parallelize(model, init_mesh(dp=world, cp=1))
+        if mode == "save":
+            save_checkpoint(f"{out}/dcp", model)
+        else:
+            load_checkpoint(f"{out}/dcp", model)
+            sd = full_state_dict(model)
+            if rank == 0:
+                torch.save(sd, f"{out}/loaded_{world}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_dcp_reshards_stacked_experts(tmp_path):
+    """A DCP checkpoint written by 2 FSDP2 ranks loads on 3 (and 1) bitwise, stacked expert banks included, with a rank
+    that holds no expert row (no hang)."""
+    from kernels_torch.model import KimiK3Model
+    from kernels_torch.parallel.fsdp import load_checkpoint
+
+    mp.spawn(_reshard_worker, args=(2, free_port(), str(tmp_path), "save"), nprocs=2, join=True)
+    mp.spawn(_reshard_worker, args=(3, free_port(), str(tmp_path), "load"), nprocs=3, join=True)
+    torch.manual_seed(0)
+    want = KimiK3Model(_reshard_cfg()).double().state_dict()
+    got = torch.load(tmp_path / "loaded_3.pt")
+    assert set(got) == set(want) and "model.layers.1.block_sparse_moe.experts.w1" in got
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    torch.manual_seed(7)
+    one = KimiK3Model(_reshard_cfg()).double()  # world size 1, no process group
+    load_checkpoint(tmp_path / "dcp", one)
+    for k, v in one.state_dict().items():
+        assert torch.equal(v, want[k]), k

@@ -215,7 +215,8 @@ def test_refusals(cfg, tmp_path):
         ((r".*_proj",), "indexer|reads directly"),
         (("lm_head",), "reads directly"),
         (("self_attention_res_proj",), "reads directly"),
-        (("w1",), "MXFP4"),
+        (("w1",), "routed experts"),
+        ((r".*experts\.w2",), "routed experts"),
         (("gate",), "nn.Linear"),
         (("q_prj",), "matches no module"),
     ):

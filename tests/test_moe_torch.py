@@ -11,7 +11,9 @@ import torch
 from layer_weights import layer_shapes, mlp_params
 
 from kernels_torch import moe as T
+from kernels_torch.params import canonical_state_dict, load_canonical
 from kimi.config import PRESETS
+from kimi.layout import stacked_layout
 from reference_jax import moe as J
 from reference_jax.params import name_to_path
 
@@ -54,10 +56,10 @@ def jax_tree(flat: dict, dtype) -> dict:
 
 
 def torch_module(module: torch.nn.Module, flat: dict, dtype) -> torch.nn.Module:
-    assert set(module.state_dict()) == set(flat)
+    """``module`` in ``dtype`` holding the canonical (per-expert) weights ``flat``: routed experts into their stacks."""
+    assert set(canonical_state_dict(module)) == set(flat)
     module = module.to(dtype)
-    module.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64)).to(dtype) for k, v in flat.items()})
-    return module
+    return load_canonical(module, {k: torch.from_numpy(np.asarray(v, np.float64)).to(dtype) for k, v in flat.items()})
 
 
 def bf16_exact(a: np.ndarray) -> np.ndarray:
@@ -147,9 +149,16 @@ def test_route_bias_selects_only_and_renormalises():
 @pytest.mark.parametrize("name", list(CONFIGS), ids=list(CONFIGS))
 def test_state_dict_keys_match_layout(name):
     cfg = CONFIGS[name]
-    sd = T.KimiMoE(cfg).state_dict()
-    assert {k: tuple(v.shape) for k, v in sd.items()} == layer_shapes(cfg, 1, "block_sparse_moe.")
+    moe = T.KimiMoE(cfg)
+    canonical = canonical_state_dict(moe)
+    assert {k: tuple(v.shape) for k, v in canonical.items()} == layer_shapes(cfg, 1, "block_sparse_moe.")
+    pre = "model.layers.1.block_sparse_moe."
+    stacked = {s.name[len(pre) :]: s.shape for s in stacked_layout(cfg, [1]) if s.name.startswith(pre)}
+    sd = moe.state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == stacked
     assert sd["gate.e_score_correction_bias"].dtype == torch.float32
+    e = cfg.num_experts - 1  # a canonical expert tensor is a view of its slice of the stack
+    assert canonical[f"experts.{e}.w2.weight"].data_ptr() == sd["experts.w2"][e].data_ptr()
     sd = T.DenseMLP(cfg, cfg.intermediate_size).state_dict()
     assert {k: tuple(v.shape) for k, v in sd.items()} == layer_shapes(cfg, 0, "mlp.")
 

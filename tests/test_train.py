@@ -142,6 +142,7 @@ def test_split_tail_holds_out_the_last_tokens():
 @pytest.fixture(scope="module")
 def tiny4():
     from kernels_torch.model import KimiK3Model
+    from kernels_torch.params import load_canonical
     from kimi.config import load_config
     from kimi.init import init_params
 
@@ -149,9 +150,7 @@ def tiny4():
     cfg = full.truncated(4)  # KKKD: KDA, MoE and one DSA layer
 
     def make(backend):
-        m = KimiK3Model(cfg, backend=backend)
-        m.load_state_dict(init_params(full, seed=1, layers=4))
-        return m
+        return load_canonical(KimiK3Model(cfg, backend=backend), init_params(full, seed=1, layers=4))
 
     return cfg, make
 
@@ -264,6 +263,7 @@ def test_output_loads_in_both_paths(runs):
     import torch.distributed.checkpoint as dcp
 
     from kernels_torch.model import load_model as load_torch
+    from kernels_torch.params import canonical_state_dict
     from kimi.arrays import to_torch
     from reference_jax.model import load_model as load_jax
     from reference_jax.params import from_tree
@@ -272,7 +272,7 @@ def test_output_loads_in_both_paths(runs):
     jmodel, tree, cfg = load_jax(out)
     assert cfg.num_hidden_layers == 2
     jax_params = from_tree(tree)  # numpy arrays
-    torch_params = load_torch(out, backend="sdpa").state_dict()
+    torch_params = canonical_state_dict(load_torch(out, backend="sdpa"))  # experts under the checkpoint's names
     assert jax_params.keys() == torch_params.keys()
     assert all(torch.equal(to_torch(jax_params[k]), torch_params[k]) for k in jax_params)
     name = "model.layers.1.self_attn.q_proj.weight"

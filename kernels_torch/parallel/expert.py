@@ -13,8 +13,10 @@ replaced, on the instance, by (``docs/scaling.md`` section 2):
    they are grouped by owner rank; one small ``all_to_all_single`` of the per-expert counts ``[E]`` int64 tells
    every rank how many rows it receives from each source for each of its experts; then ``all_to_all_single`` of the
    latent rows ``z`` ``[N k, Dl]`` (the latent MoE dispatches in ``Dl``, not ``D``) with those split sizes.
-3. *experts*: the owner regroups the received rows by expert (source order within an expert) and runs each of its
-   experts once on its rows; outputs in the activation dtype (the rounding ``KimiMoE`` applies).
+3. *experts*: the owner runs each received row through its local expert with the layer's own
+   :meth:`kernels_torch.moe.GroupedExperts.rows_forward` (the grouped GEMMs, or the readable loop, as the layer's
+   ``moe_kernel`` picks: the same path as one process); outputs in the activation dtype (the rounding ``KimiMoE``
+   applies).
 4. *combine*: the reverse ``all_to_all_single`` returns every output row to its token's rank, in the order it was
    sent; there the rows are weighted by the fp32 router weights and summed per token in fp32 (``index_add_`` in
    expert order, as ``KimiMoE.routed_experts``; on CUDA ``index_add_`` with repeated indices does not fix the order
@@ -35,9 +37,12 @@ Use::
     ep.load_full_state_dict(full_sd)        # a full (single-process) state dict, sliced to this rank's experts
     loss.backward()                         # then sum the replicated parameters' gradients over the group
 
+The all-to-alls' split sizes are host integers, so the dispatch reads the per-expert counts on the host once per
+layer call (the one host sync of an expert-parallel MoE; the single-process grouped path has none).
+
 Not implemented: capacity limits / token dropping (this is dropless, variable counts), overlap of the all-to-alls
-with compute, grouped GEMM for the local experts (a loop over experts, as ``KimiMoE``), a reader that fetches only
-the local experts from a checkpoint directory (``load_full_state_dict`` takes full tensors).
+with compute, a reader that fetches only the local experts from a checkpoint directory (``load_full_state_dict``
+takes full tensors; ``kernels_torch.params.load_canonical`` streams canonical pairs and skips other ranks' experts).
 """
 
 from __future__ import annotations
@@ -53,10 +58,13 @@ from torch import nn
 
 from kernels_torch.common import compute_dtype
 from kernels_torch.moe import KimiMoE
+from kernels_torch.params import load_canonical
+from kimi.layout import EXPERT_PROJECTIONS
 
 __all__ = ["experts_per_rank", "all_to_all", "ExpertParallel", "shard_experts"]
 
-_EXPERT_KEY = re.compile(r"(^|\.)experts\.(\d+)\.")
+_EXPERT_KEY = re.compile(r"(^|\.)experts\.(\d+)\.")  # a canonical per-expert name
+_STACK_KEY = re.compile(r"(^|\.)experts\.w[123]$")  # a stacked name (kimi.layout.stacked_layout)
 
 
 def experts_per_rank(num_experts: int, world: int) -> int:
@@ -105,20 +113,10 @@ def _routed_experts_ep(moe: KimiMoE, ep: ExpertParallel, z: torch.Tensor, ids: t
     recv_splits = recv_counts.view(world, El).sum(1).tolist()
     recv = all_to_all(z[tok], recv_splits, send_splits, ep.group)  # [R, Dl]: source-major, expert within source
 
-    # 3. the local experts, each on its rows (expert-major, source order within an expert)
+    # 3. the local experts, each row through its own (grouped GEMMs or the loop, as the layer's moe_kernel picks)
     local = torch.arange(El).repeat(world)  # [world El]: local expert of each (source, expert) block
     row_expert = torch.repeat_interleave(local, recv_counts).to(z.device)  # [R]
-    perm = torch.sort(row_expert, stable=True).indices  # [R]
-    grouped = recv[perm]
-    per_expert = recv_counts.view(world, El).sum(0).tolist()
-    outs, start = [], 0
-    for e_local, n in enumerate(per_expert):
-        if n:
-            outs.append(ep.local_expert(moe, e_local)(grouped[start : start + n]))  # [n, Dl] in z's dtype
-        start += n
-    # (no rows at all: the empty `grouped` itself, so the combine stays downstream of the dispatch on every rank)
-    y_grouped = torch.cat(outs) if outs else grouped
-    y = y_grouped[torch.argsort(perm)]  # back to the received order
+    y = moe.experts.rows_forward(recv, row_expert)  # [R, Dl] in z's dtype, in the received order
 
     # 4. combine: the reverse all-to-all, then the weighted fp32 sum per token in expert order
     back = all_to_all(y, send_splits, recv_splits, ep.group)  # [N k, Dl] in `order`
@@ -130,11 +128,12 @@ class ExpertParallel:
     """Expert parallelism of every :class:`kernels_torch.moe.KimiMoE` inside ``model`` (a
     :class:`kernels_torch.model.KimiK3Model`, or a bare ``KimiMoE``) over a process group.
 
-    Attaching keeps only this rank's experts: ``moe.experts`` becomes an ``nn.ModuleDict`` keyed by the **global**
-    expert id (``"8"``, ``"9"``, ...), so ``state_dict()`` keys stay the checkpoint's names
-    (``...block_sparse_moe.experts.8.w1.weight``) and the other ranks' experts are freed; ``moe.routed_experts`` is
-    replaced on the instance by the all-to-all version (module docstring). Build the model on the ``meta`` device,
-    attach, then ``to_empty`` and :meth:`load_full_state_dict`, to never hold all experts at once.
+    Attaching keeps only this rank's experts: each layer's stacked ``experts.w1`` / ``w3`` / ``w2`` becomes its slice
+    ``[E / world, ...]`` of this rank's experts (``experts.expert_ids`` the range of their global ids, so
+    ``kernels_torch.params.canonical_state_dict`` names them ``...experts.8.w1.weight`` as the checkpoint does) and the
+    other ranks' experts are freed; ``moe.routed_experts`` is replaced on the instance by the all-to-all version
+    (module docstring). Build the model on the ``meta`` device, attach, then ``to_empty`` and
+    :meth:`load_full_state_dict`, to never hold all experts at once.
 
     Args:
         model: the module holding the MoE layers. group: the EP process group (default: the world group).
@@ -167,32 +166,35 @@ class ExpertParallel:
         self.experts_per_rank = experts_per_rank(self.num_experts, self.world)
         self.local_experts = range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
         for m in self._layers:  # every layer checked before any is changed: a refusal leaves the model as it was
-            if isinstance(m.experts, nn.ModuleDict):
+            if m.experts.expert_ids != range(m.experts.num_experts):
                 raise ValueError("ExpertParallel: an MoE layer is already expert-parallel (its experts are sharded)")
-            if len(m.experts) != self._layers[0].config.num_experts:
+            if m.experts.num_experts != self.num_experts:
                 raise ValueError(
-                    f"num_experts: an MoE layer holds {len(m.experts)} experts, expected "
-                    f"{self._layers[0].config.num_experts} (the first layer's config) in every layer"
+                    f"num_experts: an MoE layer holds {m.experts.num_experts} experts, expected "
+                    f"{self.num_experts} (the first layer's config) in every layer"
                 )
+        lo, hi = self.local_experts.start, self.local_experts.stop
         for m in self._layers:
-            m.experts = nn.ModuleDict({str(e): m.experts[e] for e in self.local_experts})
+            for w in EXPERT_PROJECTIONS:
+                old = getattr(m.experts, w)
+                setattr(m.experts, w, nn.Parameter(old.detach()[lo:hi].clone(), requires_grad=old.requires_grad))
+            m.experts.expert_ids = self.local_experts
             m.routed_experts = functools.partial(_routed_experts_ep, m, self)
 
     def owner(self, expert: int) -> int:
         """The EP rank that owns global expert id ``expert``."""
         return expert // self.experts_per_rank
 
-    def local_expert(self, moe: KimiMoE, e_local: int) -> nn.Module:
-        """This rank's ``e_local``-th expert of ``moe`` (global id ``local_experts[e_local]``)."""
-        return moe.experts[str(self.local_experts[e_local])]
-
     def shard_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The entries of a full (single-process) state dict that this rank keeps: everything but the routed experts
-        of other ranks (keys ``...experts.<id>....`` with ``id`` outside :attr:`local_experts`).
+        """The entries of a full (single-process) state dict that this rank keeps: stacked expert tensors
+        (``...experts.w1``, ``[E, ...]``) sliced to this rank's rows; per-expert canonical keys
+        (``...experts.<id>.w1.weight``) kept only for :attr:`local_experts`; everything else as it is.
 
         Raises:
-            ValueError: an expert id outside ``[0, num_experts)``."""
+            ValueError: a canonical expert id outside ``[0, num_experts)``, or a stack whose first axis is not
+                ``num_experts``."""
         out = {}
+        lo, hi = self.local_experts.start, self.local_experts.stop
         for name, t in state_dict.items():
             m = _EXPERT_KEY.search(name)
             if m is not None and not 0 <= int(m.group(2)) < self.num_experts:
@@ -200,20 +202,27 @@ class ExpertParallel:
                     f"state_dict: {name!r} names expert {m.group(2)}, expected an id in [0, {self.num_experts}) "
                     "(num_experts): a checkpoint of another model?"
                 )
-            if m is None or int(m.group(2)) in self.local_experts:
+            if _STACK_KEY.search(name):
+                if t.shape[0] != self.num_experts:
+                    raise ValueError(
+                        f"state_dict: {name!r} stacks {t.shape[0]} experts, expected {self.num_experts} (num_experts)"
+                    )
+                out[name] = t[lo:hi]
+            elif m is None or int(m.group(2)) in self.local_experts:
                 out[name] = t
         return out
 
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], assign: bool = False):
-        """Load a full (single-process, all experts) state dict into the sharded model: sliced by
-        :meth:`shard_state_dict`, then ``model.load_state_dict(..., strict=True)`` (``assign=True`` after
-        ``to_empty`` from ``meta``).
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]):
+        """Load a full (single-process, all experts) state dict into the sharded, materialised model (after
+        ``to_empty`` from ``meta``): the single-process model's own ``state_dict()`` (stacked experts) or its
+        canonical form (per-expert keys), sliced by :meth:`shard_state_dict`, then copied in by
+        ``kernels_torch.params.load_canonical`` (strict).
 
         Raises:
-            RuntimeError: a key missing from ``state_dict``, or a key that is neither the model's nor another
-                rank's expert (``load_state_dict``'s strict check).
+            ValueError: a key missing from ``state_dict``, a key that is neither the model's nor another rank's expert,
+                or a misshaped tensor (all listed).
         """
-        return self.model.load_state_dict(self.shard_state_dict(state_dict), strict=True, assign=assign)
+        return load_canonical(self.model, self.shard_state_dict(state_dict), strict=True)
 
 
 def shard_experts(model: nn.Module, group=None) -> ExpertParallel:

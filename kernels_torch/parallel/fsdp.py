@@ -87,12 +87,9 @@ def parallelize(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from kernels_torch.moe import KimiMoE
-
+    # The routed experts are stacked (one [E, out, in] tensor per projection), so every rank's backward gives each
+    # stack a gradient (zeros for experts it routed nothing to) and the reduce-scatters agree in size on every rank.
     dp, cp = mesh["dp"].size(), mesh["cp"].size()
-    for m in model.modules():
-        if isinstance(m, KimiMoE):
-            m.register_forward_hook(_touch_experts)
     ctx = ContextParallel(model, _own_cp_group(mesh)) if cp > 1 else None
     shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if dp * cp > 1 else mesh
     if any(p.dtype == torch.float64 for p in model.parameters()):
@@ -108,16 +105,6 @@ def parallelize(
         if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions: sum, then divide
             m.set_force_sum_reduction_for_comms(True)
     return ctx
-
-
-def _touch_experts(moe: nn.Module, args, out):
-    """Forward hook of a ``KimiMoE``: add ``0 x`` one entry of every routed expert's weights to the output, so each
-    expert has a gradient on every rank. FSDP2 reduce-scatters only the parameters that have one, and an expert that
-    received no token of this rank's shard has none: without this the ranks' reduce-scatters differ in size (seen:
-    115988 vs 109844 elements). An expert that no rank routed to gets a zero gradient instead of None (AdamW's weight
-    decay then still applies to it, unlike a single-process step)."""
-    zero = sum(p.reshape(-1)[0] for p in moe.experts.parameters() if p.requires_grad) * 0.0
-    return (out[0] + zero, out[1]) if isinstance(out, tuple) else out + zero
 
 
 def _own_cp_group(mesh: DeviceMesh):
@@ -181,13 +168,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_safetensors(model: nn.Module, path: str | Path) -> None:
-    """The HF safetensors checkpoint of a sharded model (``kernels_torch.model.save_model``'s layout and dtypes),
-    written by rank 0; a collective."""
+    """The HF safetensors checkpoint of a sharded model (``kernels_torch.model.save_model``'s layout and dtypes: the
+    stacked routed experts split into the checkpoint's per-expert tensors), written by rank 0; a collective."""
+    from kernels_torch.params import canonical_state_dict
     from kimi.checkpoint import save_params
     from kimi.layout import param_layout
 
     sd = full_state_dict(model)
     if dist.get_rank() == 0:
         dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(model.config)}
-        save_params(path, {k: v.detach().to("cpu", dtypes[k]) for k, v in sd.items()}, model.config)
+        canonical = canonical_state_dict(model, sd)
+        save_params(path, {k: v.detach().to("cpu", dtypes[k]) for k, v in canonical.items()}, model.config)
     dist.barrier()
