@@ -32,7 +32,8 @@
 #                preparation, the chunked LM loss (default kernels)
 #   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
 #                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
-#   generate_decode  benchmarks/generate_decode.py: prefill and decode tokens/s with a 32K context, cudnn and sdpa
+#   generate_decode  benchmarks/generate_decode.py: prefill tokens/s and decode against the copy-probe roofline with a
+#                32K context, 16 experts top-8 and 112 top-16, batch 1 and 8, loop / static / captured step
 #   short_conv (not in the default STEPS): benchmarks/short_conv.py, fla's causal_conv1d against cuDNN FE's
 #   tests_conv (not in the default STEPS): the GPU tests of the short convolution kernels (op and layer gradients)
 #   tests_kernels (not in the default STEPS): the GPU tests of the fused SiTU-GLU, the Triton KDA preparation and
@@ -116,7 +117,7 @@ run_step() {  # run_step NAME: one step of the list above
   tests_conv) step tests_conv 900 "${pytest_gpu[@]}" tests/gpu/test_gpu_short_conv.py \
     tests/gpu/test_gpu_kda_cudnn.py -k "${CONV_TESTS_K:-short_conv and not fla}" ;;
   short_conv) step short_conv 600 python3 benchmarks/short_conv.py --out "$dir/short_conv.json" ;;
-  tests_gen) step tests_gen 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py ;;
+  tests_gen) step tests_gen 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py tests/gpu/test_gpu_generate_captured.py ;;
   tests_distill) step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py ;;
   tests_lora) step tests_lora 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_lora_grad.py -k "not jax_grad" ;;
   tests_jaxgrad) step tests_jaxgrad 200 "${pytest_gpu[@]}" -o faulthandler_timeout=120 \
@@ -148,8 +149,7 @@ run_step() {  # run_step NAME: one step of the list above
   train_full | train_lora)
     wait_init
     step "$1" 600 bash benchmarks/train_4layers_h200.sh "${1#train_}" "$dir/$1" ;;
-  generate_decode) step generate_decode 600 python3 benchmarks/generate_decode.py --context 32768 --batches 1 8 \
-    --backends cudnn,sdpa --out "$dir/generate_decode.json" ;;
+  generate_decode) step generate_decode 600 python3 benchmarks/generate_decode.py --out "$dir/generate_decode.json" ;;
   tests_fla)  # everything again on the other kernels: fla's KDA, the Triton sparse forward in the DSA layer
     KIMI_TEST_KDA_KERNELS=fla KIMI_SPARSE_KERNEL=triton step tests_fla 1200 "${pytest_gpu[@]}" tests/gpu
     save_autotune ;;

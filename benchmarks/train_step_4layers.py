@@ -4,7 +4,7 @@ The model is `k3.1-pro` truncated to 4 layers (KDA, KDA, KDA, DSA: the real firs
 shrunk so the MoE fits (``--experts``, default 16 of which 8 are active per token; every other dimension is real),
 random weights drawn directly on the GPU (the numbers do not depend on the values), bf16 parameters with the
 fp32 ones kept fp32 as in the checkpoint. Loss (``--loss``, recorded in every row): ``chunked`` (default) is the
-model's own ``forward(ids, labels=)``, the summed NLL of random targets by ``kernels_torch.loss.linear_cross_entropy``
+model's own ``loss(ids, labels)``, the summed NLL of random targets by ``kernels_torch.loss.linear_cross_entropy``
 (``--loss-chunk-size`` rows at a time, default 1 GiB of fp32 logits per chunk: the [T, 163840] logits never exist),
 divided by T; ``full`` is the old path, ``F.cross_entropy`` of the whole bf16 logits (PyTorch's log-softmax
 accumulates in fp32). One step = forward + backward of that loss; timed with CUDA events after two warm-up steps,
@@ -94,7 +94,7 @@ def step_time(model: KimiK3Model, T: int, repeats: int, loss_kind: str = "chunke
 
     def step():
         if loss_kind == "chunked":  # the summed NLL inside the forward, logits never materialised
-            loss = model(ids, labels=target[None], loss_chunk_size=chunk_size) / T
+            loss = model.loss(ids, target[None], chunk_size=chunk_size) / T
         else:  # the whole [T, vocab] bf16 logits, then their cross-entropy
             logits = model(ids)
             loss = torch.nn.functional.cross_entropy(logits[0], target)

@@ -6,7 +6,7 @@ Notable (spec 2.4 for KDA, 3.2 and 4.2 for MLA/DSA; shapes in ``kimi.cache_layou
   ``conv_v``, ``S``) for KDA layers, an :class:`MLACache` (``c_kv``, ``k_pe`` and, on DSA layers, ``index_k``,
   preallocated to ``max_len`` rows, as nanochat's ``KVCache``) for MLA layers, and ``pos`` ``[N]`` int64 (CPU): how
   many tokens row ``n`` holds.
-* A call ``model(input_ids [N, T], cache=cache, lengths=None)`` gives row ``n`` ``lengths[n]`` new tokens (default
+* A call ``model.step(input_ids [N, T], cache, lengths=None)`` gives row ``n`` ``lengths[n]`` new tokens (default
   T; the rest is right padding whose logits are garbage and which is written nowhere) and returns
   ``(logits, cache)``. Query ``t`` of row ``n`` sits at position ``pos[n] + t`` and sees keys ``s <= pos[n] + t``.
   Attention and the indexer span ``max(pos + lengths)`` keys (the reference spans the whole capacity, masked).
@@ -16,6 +16,9 @@ Notable (spec 2.4 for KDA, 3.2 and 4.2 for MLA/DSA; shapes in ``kimi.cache_layou
   copy taken when the cache held exactly p tokens.
 * KDA layers run the chunk form for ``T > 1`` and the recurrent form for ``T == 1`` (decode; on ``cudnn`` fla's
   ``fused_recurrent_kda``, see ``kernels_torch.decode_cudnn``); rows of different lengths run as packed documents.
+
+The static-shape decode step (positions on the device, one CUDA graph per batch size) builds on this cache:
+``kernels_torch.decode``.
 
 Errors name the field: a cache built for another config (``config_id`` differs), of another batch size, with a
 layer of the wrong kind or shape, or a write past ``max_len``.
@@ -29,6 +32,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from kernels_torch.kda import KDACache
+from kernels_torch.kv_cache import MLACache, cached_causal_mask, key_count, write_rows
 from kimi.cache_layout import check_capacity, chunk_bounds, config_id, layer_cache_shapes
 from kimi.config import KimiConfig
 
@@ -44,16 +48,6 @@ __all__ = [
     "kda_step",
     "prefill",
 ]
-
-
-class MLACache(NamedTuple):
-    """Cache of one MLA layer: ``c_kv`` ``[N, S_max, L]`` (``kv_a_layernorm`` output), ``k_pe`` ``[N, S_max, R]``
-    (raw, never rotated: NoPE), ``index_k`` ``[N, S_max, KI]`` (DSA layers; None otherwise), in the activation dtype.
-    Rows at or past a row's position are not read."""
-
-    c_kv: torch.Tensor
-    k_pe: torch.Tensor
-    index_k: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,31 +111,6 @@ def init_cache(
         else:
             layers.append(MLACache(*(torch.zeros(s, dtype=dtype, device=device) for s in shapes.values())))
     return ModelCache(layers, torch.zeros(batch, dtype=torch.int64), int(max_len), config_id(config))
-
-
-def write_rows(buf: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """In place: ``buf[n, pos[n] + t] = new[n, t]`` for ``t < lengths[n]`` (padding columns are not written).
-
-    buf ``[N, S_max, F]``, new ``[N, T, F]``, pos and lengths ``[N]`` int64 (capacity checked by the caller).
-    Returns ``buf``."""
-    N, T = new.shape[:2]
-    t = torch.arange(T)[None, :]
-    valid = t < lengths[:, None]  # [N, T]
-    rows = torch.arange(N)[:, None].expand(N, T)[valid].to(buf.device)
-    cols = (pos[:, None] + t)[valid].to(buf.device)
-    buf[rows, cols] = new[valid.to(new.device)].to(buf.dtype)
-    return buf
-
-
-def key_count(pos: torch.Tensor, lengths: torch.Tensor) -> int:
-    """Keys a cached attention call spans: ``max(pos + lengths)`` (the longest row after the write)."""
-    return int((pos + lengths).max())
-
-
-def cached_causal_mask(pos: torch.Tensor, T: int, S: int, device=None) -> torch.Tensor:
-    """``[N, T, S]`` bool: query ``t`` of row ``n`` (position ``pos[n] + t``) sees key ``s`` iff ``s <= pos[n] + t``."""
-    q_pos = pos.to(device)[:, None, None] + torch.arange(T, device=device)[None, :, None]  # [N, T, 1]
-    return torch.arange(S, device=device)[None, None, :] <= q_pos
 
 
 class CacheStep(NamedTuple):
@@ -247,7 +216,7 @@ def prefill(model, input_ids: torch.Tensor, cache: ModelCache, chunk_size: int |
     logits, snapshots = [], {}
     wanted = {int(t) for t in snapshot_at}
     for a, b in chunk_bounds(input_ids.shape[1], chunk_size, snapshot_at):
-        out, cache = model(input_ids[:, a:b], cache=cache)
+        out, cache = model.step(input_ids[:, a:b], cache)
         logits.append(out)
         if b in wanted:
             snapshots[b] = cache.copy()

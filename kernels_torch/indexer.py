@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels_torch.cache import cached_causal_mask, key_count, write_rows
 from kernels_torch.common import causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
+from kernels_torch.kv_cache import cached_causal_mask, key_count, write_rows
 from kimi.config import KimiConfig
 from kimi.rope import INDEXER_ROPE_THETA, ROPE_STYLES, check_rope_args, document_positions, rope_tables
 

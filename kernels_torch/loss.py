@@ -6,7 +6,7 @@ is left out of the mean. Computed in fp32 (fp64 for fp64 logits), natural log.
 
 :func:`linear_cross_entropy` is a torch-only speed path with no JAX twin: the summed cross-entropy of
 ``hidden @ weight.T`` computed in row chunks, so the ``[N, vocab]`` logits never exist at once (what
-``KimiK3Model.forward(..., labels=)`` and ``kimi train`` use). It equals the dense ``F.cross_entropy`` of the
+``KimiK3Model.loss`` and ``kimi train`` use). It equals the dense ``F.cross_entropy`` of the
 model's logits, which the reference computes.
 """
 

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels_torch.cache import MLACache, cached_causal_mask, key_count, write_rows
 from kernels_torch.common import (
     RMSNorm,
     causal_document_mask,
@@ -33,6 +32,7 @@ from kernels_torch.common import (
     effective_weight,
 )
 from kernels_torch.indexer import Indexer, sparse_mask
+from kernels_torch.kv_cache import MLACache, cached_causal_mask, key_count, write_rows
 from kimi.config import KimiConfig
 
 __all__ = ["BACKENDS", "mla_attention", "mla_attention_absorbed", "GatedMLA"]

@@ -20,6 +20,7 @@ from kernels_torch import kernel_choice
 from kernels_torch.attn_res import attn_res_mix
 from kernels_torch.cache import check_cache, kda_step
 from kernels_torch.common import RMSNorm, check_cu_seqlens, check_range_async, check_token_ids, compute_dtype
+from kernels_torch.decode import StaticStep, static_attention
 from kernels_torch.kda import KimiDeltaAttention
 from kernels_torch.kernel_choice import set_model_kernels
 from kernels_torch.mla import GatedMLA
@@ -74,6 +75,8 @@ class DecoderLayer(nn.Module):
     def attention(self, h, cu_seqlens=None, mla_form="expanded", step=None):
         """Twin of ``reference_jax.model.DecoderLayer.attention``: ``h`` [B, T, D] -> (out [B, T, D], aux)."""
         x = self.input_layernorm(h)
+        if isinstance(step, StaticStep):  # a static-shape decode token (kernels_torch.decode): cache written in place
+            return static_attention(self.self_attn, x, step.layers[self.layer_idx], step), {}
         if step is not None:  # a cached call (kernels_torch.cache): the layer's new cache goes into aux["cache"]
             layer_cache = step.layers[self.layer_idx]
             if self.config.layer_type(self.layer_idx) == "kda":
@@ -88,12 +91,15 @@ class DecoderLayer(nn.Module):
             return out, {}
         return self.self_attn(x, cu_seqlens=cu_seqlens, form=mla_form, return_aux=True)
 
-    def feed_forward(self, h):
-        """Twin of ``reference_jax.model.DecoderLayer.feed_forward``: ``h`` [B, T, D] -> (out [B, T, D], aux)."""
+    def feed_forward(self, h, return_aux=True):
+        """Twin of ``reference_jax.model.DecoderLayer.feed_forward``: ``h`` [B, T, D] -> (out [B, T, D], aux); aux
+        is empty without ``return_aux`` (the MoE then skips its selection scores)."""
         x = self.post_attention_layernorm(h)
-        if self.config.is_moe_layer(self.layer_idx):
+        if not self.config.is_moe_layer(self.layer_idx):
+            return self.mlp(x), {}
+        if return_aux:
             return self.block_sparse_moe(x, return_aux=True)  # (out, {"expert_ids", "expert_scores"})
-        return self.mlp(x), {}
+        return self.block_sparse_moe(x), {}
 
     def mix(self, which: str, sources):
         """AttnRes depth mix with this layer's ``{which}_res_norm`` / ``{which}_res_proj`` (which: self_attention or
@@ -104,10 +110,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, blocks, p, cu_seqlens=None, mla_form="expanded", step=None):
         c, i = self.config, self.layer_idx
+        want_aux = not isinstance(step, StaticStep)
         if not c.has_attn_res:
             a, aux = self.attention(p, cu_seqlens, mla_form, step)
             p = p + a
-            m, mlp_aux = self.feed_forward(p)
+            m, mlp_aux = self.feed_forward(p, want_aux)
             p = p + m
             return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
         h = self.mix("self_attention", blocks + [p]) if blocks else p
@@ -116,7 +123,7 @@ class DecoderLayer(nn.Module):
             blocks = blocks + [p]
         a, aux = self.attention(h, cu_seqlens, mla_form, step)
         p = a if restart else p + a
-        m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]))
+        m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]), want_aux)
         p = p + m
         return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
 
@@ -155,44 +162,33 @@ class _Backbone(nn.Module):
 
 
 class KimiK3Model(nn.Module):
-    """``KimiK3ForCausalLM`` on the torch path.
+    """``KimiK3ForCausalLM`` on the torch path. Four calls, each with one return shape (twins of
+    ``reference_jax.model.KimiK3Model``'s):
 
-    ``forward(input_ids [B, T] int32/int64, cu_seqlens=None, mla_form="expanded", return_aux=False,
-    attention_mask=None, labels=None, loss_chunk_size=None)`` -> logits [B, T, vocab] in the parameters' dtype (and
-    per-layer aux dicts with ``return_aux``); with ``labels``, the summed loss instead (see Loss).
+    * ``model(input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None)``: logits
+      ``[B, T, vocab]`` in the parameters' dtype; with ``return_aux`` ``(logits, auxes)``, one dict of per-layer
+      intermediates per layer (``kimi_tools.compare``). ``input_ids`` ``[B, T]`` int32/int64; ``cu_seqlens``
+      ``[N+1]`` packs documents into one row (B = 1); ``on_layer(i)`` is called after layer ``i``.
+    * :meth:`loss` ``(input_ids, labels, cu_seqlens=None, ...)``: the summed next-token NLL, a scalar.
+    * :meth:`step` ``(input_ids, cache, lengths=None, ...)``: one cached call (prefill chunk or decode token),
+      ``(logits, cache)``.
+    * :meth:`padded` ``(input_ids, attention_mask, ...)``: a padded batch, logits with 0 at the pads.
+
+    The keywords ``labels=``, ``loss_chunk_size=``, ``cache=``, ``lengths=`` and ``attention_mask=`` of ``forward``
+    are deprecated aliases of these methods (a ``DeprecationWarning``, same result).
 
     Padding: every row is one sequence starting at its first token. **Right** padding is safe (attention is causal and
     KDA runs forward, so pads after a row's tokens never reach them). **Left** padding is not: the pads enter the KDA
     state, the conv window and the attention of the real tokens and change their logits (rel ~0.35 on the tiny
-    preset). For padded batches pass ``attention_mask`` [B, T] (bool or 0/1, 1 = real token): the masked tokens are
-    dropped and the rows run as packed documents (``cu_seqlens``), so each row's logits at its real positions equal
-    that row run alone, whatever the padding side; logits at padded positions are 0. Not combinable with
-    ``cu_seqlens`` or ``return_aux`` (refused). The same holds in ``reference_jax.model.KimiK3Model``.
-
-    Loss: ``labels=`` ``[B, T]`` int64 (the target id of each position, ``-100`` for none; ``kimi_tools.data``'s
-    convention) returns instead of logits the **summed** next-token NLL over the positions with a target, a scalar
-    in nats, fp32 (fp64 for fp64 weights); divide by ``(labels != -100).sum()`` for the mean. The logits are never
-    materialised: :func:`kernels_torch.loss.linear_cross_entropy` runs ``loss_chunk_size`` rows at a time (None: 1 GiB
-    of fp32 logits per chunk) inside this forward, so FSDP2's gathered ``lm_head`` is the one used; its value and
-    gradients equal ``F.cross_entropy(logits.float(), labels, reduction="sum")`` on the logits path. Tied embeddings
-    use the embedding weight; an ``lm_head`` that is not a plain ``nn.Linear`` takes the logits path (same value).
-    Combinable with ``cu_seqlens``, ``mla_form`` and ``on_layer``; ``cache``, ``lengths``, ``attention_mask`` and
-    ``return_aux`` are refused.
+    preset); use :meth:`padded`.
 
     Length: a sequence (a row, a packed document, or a masked row's real tokens) longer than
     ``config.max_position_embeddings`` is computed (the model is NoPE, nothing breaks) but gives a UserWarning: it
     is outside the length the checkpoint declares.
 
-    Generation: ``cache=`` a ``kernels_torch.cache.ModelCache`` (``init_cache``) with ``lengths=`` ``[B]`` new tokens
-    per row (default all T; the rest of a row is right padding) returns ``(logits, cache)`` (``(logits, auxes,
-    cache)`` with ``return_aux``); the cache is updated **in place**. See ``kernels_torch.cache``.
-
     Raises:
         ValueError: an unknown ``backend``; ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are
-            refused) or outside [0, vocab_size); invalid ``cu_seqlens``; an ``attention_mask`` that is not [B, T] of
-            0/1 (or bool), has no real token at all, or comes with ``cu_seqlens`` or ``return_aux``; ``labels`` not
-            ``[B, T]`` int64, with an id outside [0, vocab_size) other than -100, or given with ``cache``,
-            ``lengths``, ``attention_mask`` or ``return_aux``; ``loss_chunk_size`` not a positive int (or None).
+            refused) or outside [0, vocab_size); invalid ``cu_seqlens``; and per method, see there.
     """
 
     def __init__(self, config: KimiConfig, backend: str = "eager"):
@@ -205,59 +201,42 @@ class KimiK3Model(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(
-        self,
-        input_ids,
-        cu_seqlens=None,
-        mla_form="expanded",
-        return_aux=False,
-        on_layer=None,
-        cache=None,
-        lengths=None,
-        attention_mask=None,
-        labels=None,
-        loss_chunk_size=None,
-    ):
+    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False, on_layer=None, **deprecated):
+        if deprecated:
+            return self._deprecated_call(input_ids, cu_seqlens, mla_form, return_aux, on_layer, deprecated)
         check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
-        if labels is not None:
-            given = {"cache": cache, "lengths": lengths, "attention_mask": attention_mask, "return_aux": return_aux}
-            return self._forward_loss(input_ids, labels, cu_seqlens, mla_form, on_layer, loss_chunk_size, given)
-        if attention_mask is not None:
-            if cache is not None or lengths is not None:
-                raise ValueError(
-                    "attention_mask: given with cache/lengths, expected one of them (a padded batch without a cache, "
-                    "or the cache's own per-row lengths)"
-                )
-            return self._forward_padded(input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer)
-        if cache is None:
-            _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
-        if cache is not None:
-            w = self.model.embed_tokens.weight  # the activation dtype and device
-            step = check_cache(
-                cache, self.config, *input_ids.shape, lengths, cu_seqlens, dtype=w.dtype, device=w.device
-            )
-        else:
-            step = None
-        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer, step)
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = h @ w.t()
-        if cache is not None:  # in place: the new layer caches and positions
-            cache.layers = [aux.pop("cache") for aux in auxes]
-            cache.pos = cache.pos + step.lengths
-            return (logits, auxes, cache) if return_aux else (logits, cache)
+        _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
+        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer, None)
+        logits = self.logits(h)
         return (logits, auxes) if return_aux else logits
 
-    def _forward_loss(self, input_ids, labels, cu_seqlens, mla_form, on_layer, chunk_size, given):
-        """The summed next-token NLL (``labels=``): the backbone, then :func:`kernels_torch.loss.linear_cross_entropy`
-        on the final hidden states and the output weight, inside this forward (FSDP2's unsharded ``lm_head``)."""
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` (or the tied embedding) on final hidden states ``h`` ``[..., D]`` -> ``[..., vocab]``."""
+        return h @ self.output_weight().t()
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[vocab, D]`` weight of the logits: the embedding when tied, else ``lm_head.weight``."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def loss(self, input_ids, labels, cu_seqlens=None, *, mla_form="expanded", on_layer=None, chunk_size=None):
+        """The **summed** next-token NLL over the positions with a target: a scalar in nats, fp32 (fp64 for fp64
+        weights); divide by ``(labels != -100).sum()`` for the mean.
+
+        ``labels`` ``[B, T]`` int64: the target id of each position, ``-100`` for none (``kimi_tools.data``'s
+        convention). The logits are never materialised: :func:`kernels_torch.loss.linear_cross_entropy` runs
+        ``chunk_size`` rows at a time (None: 1 GiB of fp32 logits per chunk). Its value and gradients equal
+        ``F.cross_entropy(logits.float(), labels, reduction="sum")`` on the logits path. Tied embeddings use the
+        embedding weight; an ``lm_head`` that is not a plain ``nn.Linear`` takes the logits path (same value).
+        Under FSDP2 this method is registered as a forward method (``kernels_torch.parallel.fsdp.parallelize``), so
+        the gathered ``lm_head`` is the one used.
+
+        Raises:
+            ValueError: as ``forward``; ``labels`` not ``[B, T]`` int64 or with an id outside [0, vocab_size) other
+                than -100; ``chunk_size`` not a positive int (or None). All before the backbone runs.
+        """
         from kernels_torch.loss import linear_cross_entropy
 
-        refused = [k for k, v in given.items() if v is not None and v is not False]
-        if refused:
-            raise ValueError(
-                f"labels: given with {', '.join(refused)}, expected none of them (the loss path returns one scalar; "
-                "pack padded rows with cu_seqlens and mark their pads -100 in labels)"
-            )
+        check_token_ids(input_ids, self.config.vocab_size)
         if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.shape != input_ids.shape:
             got = f"shape {tuple(labels.shape)} dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else labels
             raise ValueError(f"labels: got {got}, expected [B, T] = {list(input_ids.shape)} int64 (-100: no target)")
@@ -274,16 +253,51 @@ class KimiK3Model(nn.Module):
         _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
         h, _ = self.model(input_ids, cu_seqlens, mla_form, on_layer, None)  # [B, T, D]
         head = None if self.config.tie_word_embeddings else self.lm_head
-        w = self.model.embed_tokens.weight if head is None else head.weight  # [vocab, D]
+        w = self.output_weight()  # [vocab, D]
         h, y = h.reshape(-1, h.shape[-1]), labels.to(h.device).reshape(-1)  # [B*T, D], [B*T]
         if head is not None and type(head) is not nn.Linear:  # e.g. a wrapped lm_head: the dense path, same value
             logits = h @ w.t()
             return F.cross_entropy(logits.to(compute_dtype(logits)), y, ignore_index=-100, reduction="sum")
         return linear_cross_entropy(h, w, y, ignore_index=-100, chunk_size=chunk_size)
 
-    def _forward_padded(self, input_ids, attention_mask, cu_seqlens, mla_form, return_aux, on_layer):
-        """Drop the masked tokens, run the rows as packed documents, scatter the logits back (0 at pads)."""
-        mask = _check_attention_mask(attention_mask, input_ids.shape, cu_seqlens, return_aux)
+    def step(self, input_ids, cache, lengths=None, *, mla_form="expanded", return_aux=False):
+        """One cached call (a prefill chunk or a decode token): row ``n`` of ``input_ids`` ``[B, T]`` holds
+        ``lengths[n]`` new tokens (default all T; the rest is right padding, whose logits are garbage and which is
+        written nowhere). ``cache``: a ``kernels_torch.cache.ModelCache`` (``init_cache``), updated **in place** and
+        returned. See ``kernels_torch.cache`` (and ``kernels_torch.decode`` for the static-shape, capturable decode
+        step).
+
+        Returns:
+            ``(logits [B, T, vocab], cache)``, or ``(logits, auxes, cache)`` with ``return_aux``.
+
+        Raises:
+            ValueError: as ``forward``; the errors of ``kernels_torch.cache.check_cache`` (a cache of another
+                config, batch, dtype or device, ``lengths`` outside ``[1, T]``, a write past ``max_len``).
+        """
+        check_token_ids(input_ids, self.config.vocab_size)
+        w = self.model.embed_tokens.weight  # the activation dtype and device
+        step = check_cache(cache, self.config, *input_ids.shape, lengths, None, dtype=w.dtype, device=w.device)
+        h, auxes = self.model(input_ids, None, mla_form, None, step)
+        logits = self.logits(h)
+        cache.layers = [aux.pop("cache") for aux in auxes]  # in place: the new layer caches and positions
+        cache.pos = cache.pos + step.lengths
+        return (logits, auxes, cache) if return_aux else (logits, cache)
+
+    def padded(self, input_ids, attention_mask, *, mla_form="expanded", on_layer=None):
+        """A padded batch: ``attention_mask`` ``[B, T]`` (bool or 0/1, 1 = real token). The masked tokens are
+        dropped and the rows run as packed documents (``cu_seqlens``), so each row's logits at its real positions
+        equal that row run alone, whatever the padding side; logits at padded positions are 0. The same holds in
+        ``reference_jax.model.KimiK3Model.padded``.
+
+        Returns:
+            logits ``[B, T, vocab]``.
+
+        Raises:
+            ValueError: as ``forward``; an ``attention_mask`` that is not [B, T] of 0/1 (or bool) or has no real
+                token at all.
+        """
+        check_token_ids(input_ids, self.config.vocab_size)
+        mask = _check_attention_mask(attention_mask, input_ids.shape)
         lengths = mask.sum(1).tolist()  # real tokens per row
         cu = torch.tensor([0] + [n for n in lengths if n]).cumsum(0)  # empty rows are no document
         packed = input_ids[mask.to(input_ids.device)][None]  # [1, N]: row 0's real tokens, then row 1's, ...
@@ -292,21 +306,49 @@ class KimiK3Model(nn.Module):
         out[mask.to(out.device)] = logits[0]
         return out
 
+    def _deprecated_call(self, input_ids, cu_seqlens, mla_form, return_aux, on_layer, kw):
+        """``forward``'s old keywords (``labels``, ``loss_chunk_size``, ``cache``, ``lengths``, ``attention_mask``),
+        mapped onto :meth:`loss`, :meth:`padded` and :meth:`step` with a ``DeprecationWarning``."""
+        unknown = sorted(set(kw) - {"labels", "loss_chunk_size", "cache", "lengths", "attention_mask"})
+        if unknown:
+            raise TypeError(f"forward() got unexpected keyword arguments {unknown}")
+        labels, chunk = kw.get("labels"), kw.get("loss_chunk_size")
+        cache, lengths, mask = kw.get("cache"), kw.get("lengths"), kw.get("attention_mask")
+        aux = return_aux or None
+        if labels is not None:
+            name, method, clash = "labels", "loss", {"cache": cache, "lengths": lengths, "attention_mask": mask}
+            clash["return_aux"] = aux
+        elif mask is not None:
+            name, method, clash = "attention_mask", "padded", {"cache": cache, "lengths": lengths}
+            clash.update(cu_seqlens=cu_seqlens, return_aux=aux, loss_chunk_size=chunk)
+        elif cache is not None:
+            name, method = "cache", "step"
+            clash = {"cu_seqlens": cu_seqlens, "on_layer": on_layer, "loss_chunk_size": chunk}
+        elif lengths is None and chunk is None:  # the old keywords given as None: the plain call
+            return self(input_ids, cu_seqlens, mla_form, return_aux, on_layer)
+        else:
+            name, method = "lengths" if lengths is not None else "loss_chunk_size", "forward"
+            clash = {"lengths (without a cache)": lengths, "loss_chunk_size (without labels)": chunk}
+        warnings.warn(
+            f"KimiK3Model.forward({name}=...) is deprecated: call KimiK3Model.{method} instead", DeprecationWarning, 5
+        )
+        refused = [k for k, v in clash.items() if v is not None]
+        if refused:
+            raise ValueError(f"{name}: given with {', '.join(refused)}, expected none of them (KimiK3Model.{method})")
+        if labels is not None:
+            return self.loss(input_ids, labels, cu_seqlens, mla_form=mla_form, on_layer=on_layer, chunk_size=chunk)
+        if mask is not None:
+            return self.padded(input_ids, mask, mla_form=mla_form, on_layer=on_layer)
+        return self.step(input_ids, cache, lengths, mla_form=mla_form, return_aux=return_aux)
 
-def _check_attention_mask(attention_mask, shape, cu_seqlens, return_aux) -> torch.Tensor:
+
+def _check_attention_mask(attention_mask, shape) -> torch.Tensor:
     """``attention_mask`` as a CPU bool ``[B, T]``; ValueError for what the padded forward cannot honour."""
     m = torch.as_tensor(attention_mask)
     if tuple(m.shape) != tuple(shape):
         raise ValueError(f"attention_mask: got shape {tuple(m.shape)}, expected [B, T]={list(shape)} like input_ids")
     if m.is_floating_point() or m.is_complex() or bool(((m != 0) & (m != 1)).any()):
         raise ValueError(f"attention_mask: got dtype {m.dtype} with values outside {{0, 1}}; expected bool or 0/1 ints")
-    if cu_seqlens is not None:
-        raise ValueError("attention_mask: given with cu_seqlens, expected one of them (a padded batch or packed rows)")
-    if return_aux:
-        raise ValueError(
-            "attention_mask: given with return_aux=True, expected return_aux=False (the per-layer "
-            "intermediates would be in the packed layout; pack the rows with cu_seqlens yourself)"
-        )
     m = m.to("cpu", torch.bool)
     if not bool(m.any()):
         raise ValueError("attention_mask: got no real token (all zeros), expected at least one 1")
@@ -314,12 +356,9 @@ def _check_attention_mask(attention_mask, shape, cu_seqlens, return_aux) -> torc
 
 
 def _warn_past_max_positions(T: int, cu_seqlens, max_positions: int) -> None:
-    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``.
-
-    Raises:
-        ValueError: invalid ``cu_seqlens`` (``check_cu_seqlens``), before its lengths are read.
-    """
-    longest = T if cu_seqlens is None else int(check_cu_seqlens(cu_seqlens, T).diff().max())
+    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``; the
+    offsets are validated first (``check_cu_seqlens``), so a bad ``cu_seqlens`` gives its ValueError here."""
+    longest = T if cu_seqlens is None else int(check_cu_seqlens(torch.as_tensor(cu_seqlens).cpu(), T).diff().max())
     if longest > max_positions:
         warnings.warn(
             f"sequence length {longest} exceeds config.max_position_embeddings={max_positions}: computed anyway "

@@ -295,9 +295,17 @@ class GroupedExperts(nn.Module):
         g = grouped_mm(x, self.w3, offsets, kernel="grouped_mm")
         return grouped_mm(_act(self, h, g), self.w2, offsets, kernel="grouped_mm")  # [R, Dl]
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert ``e`` on rows ``x`` ``[n, Dl]`` -> ``[n, Dl]`` in ``x.dtype`` (the loop's body)."""
-        return F.linear(_act(self, F.linear(x, self.w1[e]), F.linear(x, self.w3[e])), self.w2[e])
+    def expert(self, e: int, x: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        """Local expert ``e`` on rows ``x`` ``[n, Dl]`` -> ``[n, Dl]`` in ``x.dtype`` (the loop's body).
+        ``weights``: the stacks already split by :meth:`per_expert` (one backward node for all experts)."""
+        w1, w3, w2 = (self.w1[e], self.w3[e], self.w2[e]) if weights is None else (w[e] for w in weights)
+        return F.linear(_act(self, F.linear(x, w1), F.linear(x, w3)), w2)
+
+    def per_expert(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """``(w1, w3, w2)``, each stack unbound into its experts' ``[out, in]`` views. The loop takes these once per call:
+        indexing ``w1[e]`` in each iteration would give every expert a backward that writes a whole-stack gradient
+        (E of them: 13 s for 448 real-size experts on an H200), where unbinding stacks the slices' gradients once."""
+        return self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``r = sum_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6): each expert output in z's dtype, weighted and summed
@@ -312,11 +320,12 @@ class GroupedExperts(nn.Module):
             y = self.mlp_grouped(permute_rows(z, layout), layout.offsets)  # [R, Dl] in z's dtype
             return combine_rows(y, weights, layout)
         r = torch.zeros(z.shape, dtype=compute_dtype(z), device=z.device)  # [N, Dl]
+        ws = self.per_expert()
         for e in range(self.num_experts):
             tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
             if tok.numel() == 0:
                 continue
-            out = self.expert(e, z[tok])  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
+            out = self.expert(e, z[tok], ws)  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
             r.index_add_(0, tok, out.to(r.dtype) * weights[tok, slot, None].to(r.dtype))
         return r
 
@@ -329,10 +338,11 @@ class GroupedExperts(nn.Module):
             layout = expert_layout(expert_of_row[:, None], self.num_experts, self.align)
             return unpermute_rows(self.mlp_grouped(permute_rows(x, layout), layout.offsets), layout)
         out = x * 0  # [R, Dl], downstream of x even with no row at all (expert parallelism's backward all-to-all)
+        ws = self.per_expert()
         for e in range(self.num_experts):
             (rows,) = torch.nonzero(expert_of_row == e, as_tuple=True)
             if rows.numel():
-                out = out.index_copy(0, rows, self.expert(e, x[rows]))
+                out = out.index_copy(0, rows, self.expert(e, x[rows], ws))
         return out
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "materialise_checkpoint",
     "token_ids",
     "write_atomic",
+    "copy_tokenizer",
 ]
 
 
@@ -181,10 +182,18 @@ def token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
     return np.asarray(ids, dtype=np.int64), tok_name
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync, then rename over it."""
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never a part.
+
+    The bytes go to a temporary file beside ``path`` opened as ``open(path, "wb")`` would (mode ``0o666`` less the
+    umask: 0644 under the usual umask 022, where ``tempfile`` and safetensors' own ``save_file`` create 0600
+    files: serialise to bytes first, e.g. ``safetensors.torch.save``), are fsynced, and the file is renamed over
+    ``path`` (``os.replace``, atomic on POSIX). The parent folder is created if needed. On an error the temporary
+    file is removed and ``path`` is untouched.
+    """
     import os
 
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -196,3 +205,21 @@ def write_atomic(path: Path, data: bytes) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(src: str | Path | None, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files of checkpoint folder ``src`` (``tiktoken.model``, ``tokenizer*`` files,
+    ``special_tokens_map.json``: what :func:`kimi.tokenizer.load_tokenizer` and HF tools read) into ``dst``, each
+    with :func:`write_atomic`, so a derived checkpoint (a fine-tuned or merged model) tokenises as its base does.
+    ``src`` None (a random-init preset: the byte-level tokenizer) copies nothing. Returns the names copied."""
+    if src is None:
+        return []
+    copied = []
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in TOKENIZER_FILES):
+            write_atomic(Path(dst) / f.name, f.read_bytes())
+            copied.append(f.name)
+    return copied

@@ -11,7 +11,8 @@ The two stages of DeepSeek-V3.2 (spec 4.4; the math is in ``reference_jax.distil
 * ``--stage sparse`` (:class:`SparseStage`): the model runs sparse (top-``index_topk``); the LM loss trains every
   parameter except the indexers (hard top-k gives them no gradient anyway) and the router's
   ``e_score_correction_bias``; the KL over the selected set, from the indexer re-run on the **detached** layer input,
-  trains the indexers only (case 30). The loss returned is ``lm + kl`` (disjoint parameter sets, so each part moves
+  trains the indexers only (DeepSeek-V3.2: the indexer's input is detached, so the KL moves nothing but the
+  indexer). The loss returned is ``lm + kl`` (disjoint parameter sets, so each part moves
   only its own). On ``eager``/``sdpa`` the KL is the dense twin (``[B, H, T, S]`` logits, CPU sizes); on ``cudnn``
   it is :func:`kernels_torch.distill.sparse_kl_gathered` on the sparse forward's own absorbed queries, latent rows,
   selection and natural-log lse (the layer's ``sparse_kl_aux``), in query-row chunks of the selected keys only, with
@@ -29,11 +30,21 @@ KL per query and DSA layer), ``indexer_recall`` (share of the dense head-summed 
 
 The layer inputs are captured with forward hooks on the DSA ``GatedMLA`` modules (:func:`capture_dsa_inputs`); the
 model's code is not changed.
+
+Parallel layouts: under ``torchrun`` with FSDP2 (``--cp 1``) both stages equal one process. The indexers stay whole
+on every rank (:meth:`_IndexerStage.replicated`: their re-run happens outside the layer's forward, where FSDP2 has
+not gathered them; ``kimi train`` all-reduces their gradients), and the teacher's queries and keys are computed
+with the layer's weights gathered (``FSDPModule.unshard``, under ``no_grad``). Context parallelism (``--cp > 1``) is
+refused: the teacher distribution ``p_t`` is the attention of query t over **every** causal key of its document,
+and the KL normalises over all of them, while under CP each rank holds only its shard's keys (the CP forward also
+selects with the layer's own ``index_topk``, so the warm-up's dense view would not hold); the KL would be computed
+over the wrong key set without an error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +55,7 @@ from kernels_torch import distill as kd
 from kernels_torch.common import causal_document_mask
 from kernels_torch.indexer import indexer_scores, sparse_mask, topk_indices
 from kimi.config import KimiConfig
+from kimi_tools.data import IGNORE_INDEX  # noqa: F401 - re-exported: labels without a target
 
 __all__ = [
     "dsa_layers",
@@ -51,13 +63,13 @@ __all__ = [
     "dense_selection",
     "layer_terms",
     "model_recall",
+    "gathered",
     "WarmupStage",
     "SparseStage",
     "IGNORE_INDEX",
     "DENSE_TOPK",
 ]
 
-IGNORE_INDEX = -100  # labels without a target (kimi_tools.data's convention)
 DENSE_TOPK = 2**31 - 1  # an index_topk that selects every visible key: the DSA layer equals dense MLA (spec 9)
 
 
@@ -180,7 +192,7 @@ def layer_terms(
     mask = causal_document_mask(T, cu_seqlens, device=x.device)
     with torch.no_grad():
         q, k, c_q = kd.mla_queries_keys(attn, x)
-    # the indexer re-run on the detached input (case 30), positions per document as in its forward
+    # the indexer re-run on the detached input (the KL trains the indexer alone), positions per document as in its forward
     q_I, k_I, w = attn.indexer.projections(x, c_q, cu_seqlens)
     scores = indexer_scores(q_I, k_I, w)  # [B, T, S]
     if stage == "sparse":
@@ -214,9 +226,26 @@ def model_recall(model: nn.Module, input_ids: torch.Tensor, cu_seqlens=None, den
     return out
 
 
+@contextlib.contextmanager
+def gathered(module: nn.Module) -> Iterator[None]:
+    """Within the block, an FSDP2-sharded ``module`` (``fully_shard``) holds its whole parameters (``unshard()``,
+    a collective: every rank enters the block in the same order), so code outside its forward can use them (the
+    teacher's queries and keys); ``reshard()`` on exit. Any other module: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
+
 def _lm_loss(model: nn.Module, batch) -> torch.Tensor:
-    """The mean next-token NLL of ``batch``, from the model's chunked loss path (``forward(..., labels=)``)."""
-    return model(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels) / max(batch.num_targets, 1)
+    """The mean next-token NLL of ``batch``, from the model's chunked loss path (``KimiK3Model.loss``)."""
+    return model.loss(batch.input_ids, batch.labels, batch.cu_seqlens) / max(batch.num_targets, 1)
 
 
 def _unfreeze_indexers(model: nn.Module) -> None:
@@ -241,6 +270,31 @@ class _IndexerStage:
         """Unfreeze the ``cudnn`` backend's indexers (``kimi train`` calls this before choosing the trainable set)."""
         _unfreeze_indexers(model)
 
+    def replicated(self, name: str) -> bool:
+        """The DSA indexers stay whole on every rank under FSDP2 (module docstring, parallel layouts)."""
+        return ".indexer." in name
+
+    def check_parallel(self, dp: int, cp: int) -> None:
+        """Refuse context parallelism (module docstring, parallel layouts)."""
+        if cp > 1:
+            raise ValueError(
+                f"--stage {self.name} with --cp {cp}: the distillation's teacher is each query's attention over every "
+                "causal key of its document, which context parallelism splits across ranks (each rank holds its own "
+                "shard's keys); run it with --cp 1 (FSDP2 alone shards the weights over the torchrun ranks)"
+            )
+
+    def _terms(self, model: nn.Module, seen: dict, stage: str) -> list[dict[str, torch.Tensor]]:
+        """Each DSA layer's :func:`layer_terms` from its captured forward, its weights gathered under FSDP2."""
+        terms = []
+        for i, attn in dsa_layers(model).items():
+            s = seen[i]
+            with gathered(model.model.layers[i]):
+                if stage == "warmup":
+                    terms.append(layer_terms(attn, s["x"], s["cu_seqlens"], "warmup"))
+                else:
+                    terms.append(layer_terms(attn, s["x"], s["cu_seqlens"], "sparse", s["topk_indices"], s["forward"]))
+        return terms
+
 
 class WarmupStage(_IndexerStage):
     """``--stage indexer-warmup``: dense forward, only ``*.indexer.*`` trains, loss = KL over every causal key."""
@@ -253,7 +307,7 @@ class WarmupStage(_IndexerStage):
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
         with capture_dsa_inputs(model) as seen, dense_selection(model), torch.no_grad():
             lm = _lm_loss(model, batch)
-        terms = [layer_terms(a, seen[i]["x"], seen[i]["cu_seqlens"], "warmup") for i, a in dsa_layers(model).items()]
+        terms = self._terms(model, seen, "warmup")
         kl_sum = sum(t["kl_sum"] for t in terms)
         metrics = {
             "kl": float(torch.stack([t["kl"].mean() for t in terms]).mean()),
@@ -268,17 +322,27 @@ class SparseStage(_IndexerStage):
 
     name = "sparse"
 
+    def check_data(self, docs, seq_len: int) -> None:
+        """Warn (``UserWarning``) when no query of the run can see more than ``index_topk`` keys: the longest causal
+        span is ``min(seq_len, longest document)`` tokens, and when it is ``<= index_topk`` the top-k selects every
+        visible key, so the sparse forward is the dense one and the sparse KL equals the warm-up's."""
+        longest = min(seq_len, max((len(d) for d in docs), default=0))
+        if longest <= self.config.index_topk:
+            warnings.warn(
+                f"--stage sparse: every query sees at most {longest} keys (min(--seq-len {seq_len}, the longest "
+                f"document)) <= index_topk {self.config.index_topk}, so the top-k keeps every key: the model runs "
+                "dense and the sparse KL is the dense warm-up's; use a --seq-len above index_topk and longer documents",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def trainable(self, name: str) -> bool:
         return not name.endswith("e_score_correction_bias")
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
         with capture_dsa_inputs(model) as seen:
             lm = _lm_loss(model, batch)
-        terms = [
-            layer_terms(a, s["x"], s["cu_seqlens"], "sparse", s["topk_indices"], s["forward"])
-            for i, a in dsa_layers(model).items()
-            for s in (seen[i],)
-        ]
+        terms = self._terms(model, seen, "sparse")
         kl_sum = sum(t["kl_sum"] for t in terms)
         metrics = {
             "kl": float(torch.stack([t["kl"].mean() for t in terms]).mean()),

@@ -2,14 +2,26 @@
 
     kimi generate [--checkpoint DIR | --preset NAME] (--prompt TEXT | --prompt-file FILE) --max-new-tokens N
                   [--temperature T] [--top-p P] [--seed S] [--backend jax|eager|sdpa|cudnn] [--layers N]
-                  [--chunk-size C] [--device cpu|cuda]
+                  [--chunk-size C] [--device cpu|cuda] [--decode auto|graph|compile|static|loop]
 
-Notable (nanochat's ``engine.py``, fla's cache):
+Notable (nanochat's ``engine.py``, gpt-fast, fla's cache):
 
 * One prefill of each prompt into a model-level cache (``reference_jax.cache`` / ``kernels_torch.cache``; prompts of
   different lengths share one call through per-row ``lengths``), optionally in chunks of ``chunk_size`` tokens, then
-  one decode call per new token. Logits come back to the host in fp32 and the sampler is plain numpy, so the same
-  logits give the same tokens on every backend.
+  one decode step per new token, in one of two ways (``decode=``):
+  - ``"loop"``: one cached model call per token (``KimiK3Model.step``; JAX: ``method="step"`` under ``jax.jit``);
+    logits come back to the host in fp32 and the sampler is plain numpy (:func:`sample`), so the same logits give
+    the same tokens on every backend.
+  - ``"graph"`` / ``"compile"`` / ``"static"`` (torch path): the static-shape step of ``kernels_torch.decode``
+    (``Decoder``: cache preallocated to prompt + ``max_new_tokens``, positions on the device), captured in one CUDA
+    graph per batch size (``graph``), compiled with ``torch.compile(mode="reduce-overhead")`` (``compile``), or run
+    eagerly (``static``, any device), with the sampler on the device inside the step
+    (``kernels_torch.decode.sample_device``: the same semantics as :func:`sample`, from one uniform draw per row
+    and step of a ``torch.Generator`` seeded with ``seed``; the draws differ from numpy's, so sampled tokens differ
+    from ``loop``'s, greedy ones do not). The host reads the new tokens once per step while it streams
+    (``on_token``), every ``SYNC_EVERY`` steps to look for ``stop_token``, and once at the end otherwise.
+  - ``"auto"`` (default): ``graph`` for a torch model on the ``cudnn`` backend on CUDA, else ``loop``. A
+    ``kernels_torch.decode.Decoder`` can be passed instead, to keep its captured graphs across calls.
 * Sampling: ``temperature == 0`` is greedy (argmax; ties to the lowest id). Otherwise softmax of ``logits /
   temperature``, cut to the smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling, Holtzman et
   al. 2020; the most likely token is always kept), drawn with ``numpy.random.default_rng(seed)``: one seeded
@@ -19,7 +31,7 @@ Notable (nanochat's ``engine.py``, fla's cache):
 * The command streams the decoded text of the prompt's continuation to standard output as tokens arrive (UTF-8
   decoded incrementally, so a multi-byte character prints once complete); timings go to standard error:
   prefill tokens/s (prompt tokens over the prefill's wall time) and decode tokens/s (new tokens over the decode loop's
-  wall time, the first call's compilation included on the JAX path).
+  wall time, the first call's compilation included on the JAX path, the graph capture on ``graph``).
 """
 
 from __future__ import annotations
@@ -38,7 +50,10 @@ import numpy as np
 
 from kimi_tools.common import CliError, add_source, materialise_checkpoint, positive_int
 
-__all__ = ["GenerateResult", "generate", "sample", "add_parser", "cmd_generate"]
+__all__ = ["GenerateResult", "generate", "sample", "add_parser", "cmd_generate", "DECODE_MODES", "SYNC_EVERY"]
+
+DECODE_MODES = ("auto", "graph", "compile", "static", "loop")
+SYNC_EVERY = 16  # static decode, not streaming, with a stop token: read the new tokens every this many steps
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -103,7 +118,7 @@ class _TorchRunner:
     def __call__(self, ids: np.ndarray, cache, lengths=None):
         torch = self.torch
         with torch.no_grad():
-            logits, cache = self.model(torch.as_tensor(ids, device=self.param.device), cache=cache, lengths=lengths)
+            logits, cache = self.model.step(torch.as_tensor(ids, device=self.param.device), cache, lengths)
         return logits.float().cpu().numpy(), cache
 
 
@@ -117,7 +132,8 @@ class _JaxRunner:
         self.dtype = jax.tree.leaves(params)[0].dtype
 
         def call(p, ids, cache, lengths=None):
-            return model.apply({"params": p}, ids, cache=cache, lengths=None if lengths is None else np.array(lengths))
+            n = None if lengths is None else np.array(lengths)
+            return model.apply({"params": p}, ids, cache, n, method="step")
 
         self.call = jax.jit(call, static_argnames="lengths")
 
@@ -153,6 +169,7 @@ def generate(
     chunk_size: int | None = None,
     stop_token: int | None = -1,
     on_token: Callable[[int, int], None] | None = None,
+    decode="auto",
 ) -> GenerateResult:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -165,13 +182,18 @@ def generate(
         stop_token: a row stops after producing it; -1 (default) = the config's ``eos_token_id`` if inside the
             vocabulary, None = never.
         on_token: ``on_token(row, token_id)`` called for each new token as soon as it is sampled (streaming).
+        decode: :data:`DECODE_MODES` (see the module docstring; ``"auto"``: ``graph`` on the ``cudnn`` backend on
+            CUDA, else ``loop``), or a ``kernels_torch.decode.Decoder`` of this batch size and at least prompt +
+            ``max_new_tokens`` tokens (reset and reused, graphs included).
 
     Returns:
         :class:`GenerateResult` (new tokens per row and timings).
 
     Raises:
         ValueError: empty prompts, ids outside the vocabulary, ``max_new_tokens`` < 1, bad sampling arguments,
-            ``chunk_size`` with prompts of different lengths.
+            ``chunk_size`` with prompts of different lengths, an unknown ``decode`` (or one other than ``loop`` on
+            the JAX path, or a CUDA mode off CUDA), a ``Decoder`` of another batch size or too small, NaN or
+            infinite logits (static decode: found when the tokens are read).
     """
     rows = [list(prompts)] if prompts and np.isscalar(prompts[0]) else [list(p) for p in prompts]
     if not rows or any(len(r) == 0 for r in rows):
@@ -188,7 +210,7 @@ def generate(
     lengths = [len(r) for r in rows]
     if chunk_size is not None and len(set(lengths)) > 1:
         raise ValueError(f"chunk_size: prompts of different lengths {lengths} are prefilled in one call; drop it")
-    runner = _JaxRunner(model, params) if params is not None else _TorchRunner(model)
+    mode = _decode_mode(model, params, decode)
     B, T = len(rows), max(lengths)
     if T + max_new_tokens > cfg.max_position_embeddings:  # the same policy as the cache-free forward: warn, compute
         warnings.warn(
@@ -197,11 +219,74 @@ def generate(
             "length it was trained for",
             stacklevel=2,
         )
-    cache = runner.init_cache(B, T + max_new_tokens)
     ids = np.zeros((B, T), np.int64)  # right padding with id 0: never attended to, never cached
     for b, r in enumerate(rows):
         ids[b, : len(r)] = r
+    sampling = dict(temperature=temperature, top_p=top_p, seed=seed)
+    emit = _Emitter(B, stop_token, on_token)
+    if mode == "loop":
+        t_prefill, t_decode = _loop_decode(model, params, ids, lengths, max_new_tokens, chunk_size, emit, **sampling)
+    else:
+        t_prefill, t_decode = _static_decode(model, mode, ids, lengths, max_new_tokens, chunk_size, emit, **sampling)
+    n_new = sum(len(o) for o in emit.out)
+    stats = {
+        "prefill_tokens": sum(lengths),
+        "prefill_s": t_prefill,
+        "prefill_tok_s": sum(lengths) / max(t_prefill, 1e-9),
+        "decode_tokens": n_new,
+        "decode_s": t_decode,
+        "decode_tok_s": n_new / max(t_decode, 1e-9),
+    }
+    return GenerateResult(emit.out, stats)
 
+
+def _decode_mode(model, params, decode):
+    """``decode`` resolved: a mode of :data:`DECODE_MODES` other than auto, or the ``Decoder`` given."""
+    if not isinstance(decode, str):
+        from kernels_torch.decode import Decoder
+
+        if params is not None or not isinstance(decode, Decoder):
+            raise ValueError(
+                f"decode: got {type(decode).__name__}, expected one of {list(DECODE_MODES)} or a "
+                "kernels_torch.decode.Decoder (torch path)"
+            )
+        return decode
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode: got {decode!r}, expected one of {list(DECODE_MODES)}")
+    if params is not None:  # the JAX reference: one jitted cached call per token
+        if decode not in ("auto", "loop"):
+            raise ValueError(f"decode: got {decode!r} with the JAX model, expected 'loop' (or 'auto')")
+        return "loop"
+    if decode != "auto":
+        return decode
+    on_cuda = next(model.parameters()).is_cuda
+    return "graph" if getattr(model, "backend", None) == "cudnn" and on_cuda else "loop"
+
+
+class _Emitter:
+    """The new tokens of each row as they are read: appended, streamed (``on_token``), stopped at ``stop_token``."""
+
+    def __init__(self, B: int, stop_token, on_token):
+        self.out: list[list[int]] = [[] for _ in range(B)]
+        self.done = [False] * B
+        self.stop_token, self.on_token = stop_token, on_token
+
+    def __call__(self, tokens) -> bool:
+        """One step's tokens ``[B]`` (ints); returns whether every row is done."""
+        for b, tok in enumerate(tokens):
+            if not self.done[b]:
+                self.out[b].append(int(tok))
+                if self.on_token is not None:
+                    self.on_token(b, int(tok))
+                self.done[b] = self.stop_token is not None and int(tok) == self.stop_token
+        return all(self.done)
+
+
+def _loop_decode(model, params, ids, lengths, max_new_tokens, chunk_size, emit, *, temperature, top_p, seed):
+    """One cached model call per token, numpy sampling. Returns (prefill seconds, decode seconds)."""
+    runner = _JaxRunner(model, params) if params is not None else _TorchRunner(model)
+    B, T = ids.shape
+    cache = runner.init_cache(B, T + max_new_tokens)
     t0 = time.perf_counter()
     if chunk_size is None:
         logits, cache = runner(ids, cache, None if len(set(lengths)) == 1 else lengths)
@@ -211,34 +296,66 @@ def generate(
             logits, cache = runner(ids[:, a : a + chunk_size], cache)
         last = logits[:, -1]
     t_prefill = time.perf_counter() - t0
-
     rng = np.random.default_rng(seed)
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = np.zeros(B, bool)
     t0 = time.perf_counter()
     for step in range(max_new_tokens):
         nxt = sample(last, temperature, top_p, rng)
-        for b in range(B):
-            if not done[b]:
-                out[b].append(int(nxt[b]))
-                if on_token is not None:
-                    on_token(b, int(nxt[b]))
-                done[b] = stop_token is not None and int(nxt[b]) == stop_token
-        if done.all() or step == max_new_tokens - 1:
+        if emit(nxt) or step == max_new_tokens - 1:
             break
         logits, cache = runner(nxt[:, None], cache)  # finished rows keep decoding; their tokens are dropped
         last = logits[:, 0]
-    t_decode = time.perf_counter() - t0
-    n_new = sum(len(o) for o in out)
-    stats = {
-        "prefill_tokens": sum(lengths),
-        "prefill_s": t_prefill,
-        "prefill_tok_s": sum(lengths) / max(t_prefill, 1e-9),
-        "decode_tokens": n_new,
-        "decode_s": t_decode,
-        "decode_tok_s": n_new / max(t_decode, 1e-9),
-    }
-    return GenerateResult(out, stats)
+    return t_prefill, time.perf_counter() - t0
+
+
+def _static_decode(model, mode, ids, lengths, max_new_tokens, chunk_size, emit, *, temperature, top_p, seed):
+    """The static-shape step of ``kernels_torch.decode`` (captured, compiled or eager), the sampler on the device;
+    the host reads the tokens once a step when streaming, every :data:`SYNC_EVERY` steps for a stop token, else once.
+    Returns (prefill seconds, decode seconds)."""
+    import torch
+
+    from kernels_torch.decode import Decoder
+
+    B, T = ids.shape
+    need = T + max_new_tokens
+    if isinstance(mode, Decoder):
+        dec = mode
+        if dec.batch != B or dec.max_len < need - 1:
+            raise ValueError(
+                f"decode: a Decoder of {dec.batch} rows and max_len {dec.max_len}, expected {B} rows and max_len >= "
+                f"{need - 1} (prompt {T} + max_new_tokens {max_new_tokens} - 1)"
+            )
+        dec.set_sampler(temperature, top_p)
+    else:
+        dec = Decoder(model, B, need, mode=mode, temperature=temperature, top_p=top_p)
+    dev = dec.cache.pos.device
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    with torch.no_grad():
+        dec.reset()
+        x = torch.as_tensor(ids, device=dev)
+        t0 = time.perf_counter()
+        last = dec.prefill(x, None if len(set(lengths)) == 1 else lengths, chunk_size)
+        sync()
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        u = torch.rand(max_new_tokens, B, device=dev, generator=torch.Generator(dev).manual_seed(seed))
+        every = 1 if emit.on_token is not None else (SYNC_EVERY if emit.stop_token is not None else max_new_tokens)
+        out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=dev)
+        nxt, read = dec.sample(last, u[0]), 0
+        for step in range(max_new_tokens):
+            out[:, step] = nxt
+            final = step == max_new_tokens - 1
+            if (step + 1) % every == 0 or final:
+                block = dec.read_tokens(out[:, read : step + 1])  # the one host read: [B, steps] ints
+                read = step + 1
+                if any(emit([row[j] for row in block]) for j in range(len(block[0]))) or final:
+                    break
+            nxt, _ = dec.step(nxt, u[step + 1])  # finished rows keep decoding; their tokens are dropped
+        sync()
+    return t_prefill, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -279,6 +396,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=positive_int, help="run the first N layers (then norm and lm_head)")
     p.add_argument("--chunk-size", type=positive_int, help="prefill in chunks of C tokens (default: one call)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="torch device (default: cuda for cudnn, else cpu)")
+    p.add_argument(
+        "--decode",
+        choices=DECODE_MODES,
+        default="auto",
+        help="decode step: graph = the static-shape step in one CUDA graph (the default on cudnn), compile = "
+        "torch.compile reduce-overhead, static = that step uncaptured, loop = one cached model call a token with "
+        "numpy sampling (the default elsewhere and the only one on jax)",
+    )
     p.set_defaults(func=cmd_generate)
     return p
 
@@ -325,6 +450,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not text:
         got = "an empty prompt" if args.prompt_file is None else f"an empty file {args.prompt_file}"
         raise CliError(f"{flag}: got {got}, expected some text")
+    if args.backend == "jax" and args.decode not in ("auto", "loop"):
+        raise CliError(f"--decode: got {args.decode!r} with --backend jax, expected loop (or auto)")
     with contextlib.ExitStack() as stack:
         ckpt, desc = materialise_checkpoint(args, stack)
         if args.backend == "jax":
@@ -356,7 +483,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(decoder.decode(tok.token_bytes(token)))
             sys.stdout.flush()
 
-        print(f"[{desc}, backend {args.backend}, {tok.name}, {len(ids)} prompt tokens]", file=sys.stderr)
+        mode = _decode_mode(model, params, args.decode)
+        print(
+            f"[{desc}, backend {args.backend}, decode {mode}, {tok.name}, {len(ids)} prompt tokens]",
+            file=sys.stderr,
+        )
         sys.stdout.write(text)
         sys.stdout.flush()
         res = generate(
@@ -369,6 +500,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             chunk_size=args.chunk_size,
             on_token=on_token,
+            decode=mode,
         )
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         sys.stdout.flush()

@@ -7,7 +7,7 @@ On disk: peft's format, ``adapter_config.json`` + ``adapter_model.safetensors`` 
 ``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight``, so ``peft.PeftModel.from_pretrained`` loads
 an adapter onto a :class:`kernels_torch.model.KimiK3Model` directly.
 
-Footguns handled here (issue 10):
+Footguns handled here:
 
 * A wrapped layer's ``.weight`` is the base weight alone. MLA's absorbed form (the ``cudnn`` backend's DSA layers,
   and ``mla_form="absorbed"``) uses ``kv_b_proj``'s weight split into W_UK / W_UV instead of calling the layer; it
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,8 @@ __all__ = [
     "lora_modules",
     "adapters_without_gradient",
     "save_adapter",
+    "base_fingerprint",
+    "adapter_base_fingerprint",
     "load_adapter",
     "merge_lora",
     "add_parser",
@@ -61,7 +62,7 @@ _ADAPTER = "default"  # peft's default adapter name (stripped in the saved keys,
 
 # Module-name suffixes (peft's ``target_modules`` list rule). MLA: q_proj (no q-LoRA) or q_a_proj/q_b_proj,
 # kv_a_proj_with_mqa, kv_b_proj (absorbed form handled), o_proj. KDA: q_proj, k_proj, v_proj, o_proj.
-# Not the gates (MLA's and KDA's g_proj mean different things, case 18), never the indexer (wq_b, wk, weights_proj).
+# Not the gates (MLA's g_proj is an output gate, KDA's the forget-gate projection: different roles), never the indexer (wq_b, wk, weights_proj).
 DEFAULT_TARGETS: tuple[str, ...] = (
     "q_proj",
     "q_a_proj",
@@ -290,31 +291,88 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {_KEY_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
-def _fsync_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+def base_fingerprint(checkpoint: str | Path) -> str:
+    """A fingerprint of a base checkpoint folder: ``"sha256:<hex>"`` over its config (``KimiConfig.to_dict()``) and,
+    for every tensor in name order, its name, dtype, shape and a sample of its stored bytes (the first 64 values of
+    its first and of its last innermost row: ``t[0, ..., 0, :64]`` and ``t[-1, ..., -1, :64]``), read through
+    ``safetensors.safe_open`` slices, so a trillion-parameter checkpoint costs one small read per tensor.
+
+    It tells apart bases of the same shapes that differ where training or another initialisation changes them (every
+    value of a trained tensor moves); it does not see a single edited value outside the sample.
+
+    Raises:
+        kimi.checkpoint.CheckpointError: not a checkpoint folder, a missing or unreadable shard.
+    """
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    from kimi.checkpoint import CheckpointError, CheckpointReader
+
+    reader = CheckpointReader(checkpoint)
+    h = hashlib.sha256(json.dumps(reader.config.to_dict(), sort_keys=True).encode())
+    prefix = reader.config.key_prefix
+    by_file: dict[str, list[str]] = {}
+    for name in sorted(reader.keys()):
+        by_file.setdefault(reader.file_of(name), []).append(name)
+    for file in sorted(by_file):
+        try:
+            with safe_open(str(reader.path / file), framework="pt") as f:
+                for name in by_file[file]:
+                    sl = f.get_slice(prefix + name)
+                    shape = list(sl.get_shape())
+                    h.update(f"{name}|{sl.get_dtype()}|{shape}|".encode())
+                    if not shape or 0 in shape:
+                        parts = [f.get_tensor(prefix + name)] if not shape else []
+                    else:
+                        k = min(64, shape[-1])
+                        first = tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, k),)
+                        last = tuple(slice(n - 1, n) for n in shape[:-1]) + (slice(shape[-1] - k, shape[-1]),)
+                        parts = [sl[first], sl[last]]
+                    for t in parts:
+                        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{reader.path / file}: cannot read it for the base fingerprint ({e})") from None
+    return "sha256:" + h.hexdigest()
+
+
+FINGERPRINT_KEY = "kimi_base_fingerprint"  # in adapter_model.safetensors' metadata, beside peft's "format": "pt"
+
+
+def adapter_base_fingerprint(adapter_dir: str | Path) -> str | None:
+    """The base fingerprint an adapter folder records (:func:`save_adapter`), or None (an adapter trained on a
+    random-init preset, or written by another tool)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(adapter_dir) / ADAPTER_WEIGHTS), framework="pt") as f:
+        return (f.metadata() or {}).get(FINGERPRINT_KEY)
 
 
 def save_adapter(
-    model: nn.Module, settings: LoraSettings, out_dir: str | Path, base_checkpoint: str | Path | None = None
+    model: nn.Module,
+    settings: LoraSettings,
+    out_dir: str | Path,
+    base_checkpoint: str | Path | None = None,
+    base_fingerprint: str | None = None,
 ) -> Path:
     """Write the adapter in peft's format: ``adapter_model.safetensors`` then ``adapter_config.json`` (each file
-    atomic: temp + fsync + rename; the config last, so a folder with a config always has its weights).
+    atomic, mode 0644 under the usual umask: :func:`kimi_tools.common.write_atomic`; the config last, so a folder
+    with a config always has its weights).
 
     ``adapter_config.json`` is peft's ``LoraConfig.to_dict()`` with ``target_modules`` the wrapped module names and
-    ``base_model_name_or_path`` the base checkpoint (when given). Returns ``out_dir``.
+    ``base_model_name_or_path`` the base checkpoint (when given). ``base_fingerprint`` (:func:`base_fingerprint` of
+    the base) goes into the safetensors metadata beside peft's ``format`` (key :data:`FINGERPRINT_KEY`), where
+    ``kimi lora merge`` checks it. Returns ``out_dir``.
 
     Raises:
         ValueError: ``model`` has no adapter, or it was wrapped with other settings than ``settings``.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from kimi_tools.common import write_atomic
 
     cfg = _settings_of(model)
     if (cfg.r, float(cfg.lora_alpha), bool(cfg.use_rslora)) != (
@@ -328,15 +386,16 @@ def save_adapter(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = adapter_state_dict(model)
-    _fsync_write(out / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    meta = {"format": "pt"}
+    if base_fingerprint is not None:
+        meta[FINGERPRINT_KEY] = base_fingerprint
+    write_atomic(out / ADAPTER_WEIGHTS, save(adapter_state_dict(model), metadata=meta))
     d = cfg.to_dict()
     d = {k: (sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in d.items()}
     d["target_modules"] = sorted(lora_modules(model))
     d["inference_mode"] = True
     d["base_model_name_or_path"] = None if base_checkpoint is None else str(base_checkpoint)
-    text = json.dumps(d, indent=2, sort_keys=True)
-    _fsync_write(out / ADAPTER_CONFIG, lambda p: Path(p).write_text(text, encoding="utf-8"))
+    write_atomic(out / ADAPTER_CONFIG, json.dumps(d, indent=2, sort_keys=True).encode())
     return out
 
 
@@ -436,22 +495,34 @@ def _load_checked(model: nn.Module, adapter_dir: str | Path, settings) -> None:
 
 
 def merge_lora(model: nn.Module) -> list[str]:
-    """Fold every adapter into its base weight (``W <- W + scale * B A``, peft's ``merge(safe_merge=True)``) and put
-    the plain ``nn.Linear`` back, so the ``state_dict`` has the canonical names again. In place; returns the merged
-    module names. Parameters stay frozen (``requires_grad=False``).
+    """Fold every adapter into its base weight and put the plain ``nn.Linear`` back, so the ``state_dict`` has the
+    canonical names again. In place; returns the merged module names. Parameters stay frozen.
+
+    ``W <- round(W + scale * B A)``, the sum formed in fp32 (fp64 for an fp64 ``W``) from the stored ``W``, ``A``
+    and ``B`` and rounded once to ``W``'s dtype, so a bf16 base gets ``bf16(fp32(W) + fp32(dW))`` (adding in bf16
+    would round twice); ``scale`` is :attr:`LoraSettings.scale` of the model's adapter (alpha / r, alpha / sqrt(r)
+    under rsLoRA), the scale peft's forward applies.
 
     Raises:
-        ValueError: a merge that gives non-finite weights (peft's safe_merge check).
+        ValueError: a merge that gives non-finite weights (naming the module), or a model without an adapter.
     """
+    import torch
+
+    cfg = _settings_of(model)
+    scale = LoraSettings(rank=int(cfg.r), alpha=float(cfg.lora_alpha), use_rslora=bool(cfg.use_rslora)).scale
     merged = []
     for name, layer in lora_modules(model).items():
-        try:
-            layer.merge(safe_merge=True, adapter_names=[_ADAPTER])
-        except ValueError as e:
-            raise ValueError(f"merge: {name}: {e}") from None
+        base = layer.get_base_layer()
+        A, B = layer.lora_A[_ADAPTER].weight, layer.lora_B[_ADAPTER].weight  # [r, in], [out, r]
+        with torch.no_grad():
+            acc = torch.float64 if base.weight.dtype == torch.float64 else torch.float32
+            w = base.weight.to(acc) + (B.to(acc) @ A.to(acc)) * scale  # [out, in]
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"merge: {name}: W + scale * B A is not finite (the adapter holds inf or NaN?)")
+            base.weight.copy_(w.to(base.weight.dtype))
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer.get_base_layer())
+        setattr(parent, child, base)
         merged.append(name)
     if hasattr(model, "peft_config"):
         del model.peft_config
@@ -472,6 +543,11 @@ def add_parser(subparsers) -> None:
     m.add_argument("--adapter", required=True, metavar="DIR", help="a peft LoRA adapter folder")
     m.add_argument("--out", required=True, metavar="DIR", help="the merged checkpoint directory (new or empty)")
     m.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    m.add_argument(
+        "--force-base",
+        action="store_true",
+        help="merge even when the base fingerprint the adapter records is not --checkpoint's",
+    )
     p.set_defaults(func=cmd_lora)
 
 
@@ -479,7 +555,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
     import torch
 
     from kernels_torch.model import load_model, save_model
-    from kimi_tools.common import CliError
+    from kimi_tools.common import CliError, copy_tokenizer
 
     out = Path(args.out)
     for name, src in (("--checkpoint", args.checkpoint), ("--adapter", args.adapter)):
@@ -494,21 +570,26 @@ def cmd_lora(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CliError(str(e)) from None
     read_adapter_config(args.adapter)  # a bad adapter folder fails before the base model is read
+    recorded, actual = adapter_base_fingerprint(args.adapter), base_fingerprint(args.checkpoint)
+    if recorded is not None and recorded != actual and not args.force_base:
+        raise CliError(
+            f"--checkpoint: {args.checkpoint} is not the base {args.adapter} was trained on (base fingerprint "
+            f"{actual[:19]}..., the adapter records {recorded[:19]}...: another model of the same shapes?); merge "
+            "onto its own base, or pass --force-base to merge anyway"
+        )
     model = load_model(args.checkpoint, backend="eager", dtype=torch.float32)
     names = load_adapter(model, args.adapter)
     merge_lora(model)
     save_model(model, out)
-    _copy_tokenizer(Path(args.checkpoint), out)
+    copy_tokenizer(Path(args.checkpoint), out)
+    if recorded is None:
+        check = "; the adapter records no base fingerprint, so the base was not checked"
+    elif recorded != actual:
+        check = "; the base fingerprint differs from the adapter's (--force-base)"
+    else:
+        check = ""
     print(
-        f"kimi lora merge: {len(names)} adapters from {args.adapter} folded into the weights of {args.checkpoint}; wrote {out}"
+        f"kimi lora merge: {len(names)} adapters from {args.adapter} folded into the weights of {args.checkpoint}; "
+        f"wrote {out}{check}"
     )
     return 0
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    """Tokenizer files beside the weights travel with the merged checkpoint (each copy atomic)."""
-    import shutil
-
-    for f in sorted(src.iterdir()):
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "tiktoken.model")):
-            _fsync_write(dst / f.name, lambda p, f=f: shutil.copyfile(f, p))

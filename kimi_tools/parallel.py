@@ -3,10 +3,15 @@
 ``torchrun --nproc-per-node N -m kimi_tools.cli train ... --cp C`` runs the same loop on N processes: FSDP2 of the
 decoder layers over all ranks and context parallelism over groups of ``C`` ranks (``kernels_torch.parallel``: a
 ``(dp = N / C, cp = C)`` mesh). Every rank reads the same data in the same order (the loader state stays one state);
-the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups, and inside a group each rank takes
-its contiguous shard of the row. Losses are weighted by the step's global target count, so the gradient is the sum
-of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone writes ``run.json``, metrics, the
+the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so ``accum`` must be a multiple of
+``dp``: every rank runs the same number of forwards, which FSDP2's collectives need), and inside a group each rank
+takes its contiguous shard of the row. Losses are weighted by the step's global target count, so the gradient is the
+sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone writes ``run.json``, metrics, the
 safetensors export and the plot; all ranks write their shards of the DCP ``step-N/`` folder.
+
+A stage may keep some parameters whole on every rank (``stage.replicated(name)``: the distillation stages' DSA
+indexers, which they re-run outside the layer's forward, where FSDP2 has not gathered them): FSDP2 ignores them
+and :meth:`TrainParallel.reduce_replicated` sums their gradients over all ranks after the backward.
 
 Without ``torchrun`` (no ``WORLD_SIZE`` > 1) :class:`TrainParallel` is a no-op and ``--cp`` must be 1.
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +37,7 @@ class TrainParallel:
 
     Raises:
         ValueError: ``--cp`` that does not divide the world size, ``--cp`` > 1 without torchrun, bf16 parameters or
-            LoRA under torchrun.
+            LoRA under torchrun, a step's micro-batch count that is not a multiple of the ``dp`` size.
     """
 
     def __init__(self, cp: int, device: str):
@@ -43,6 +49,7 @@ class TrainParallel:
             raise ValueError(f"--cp: got {cp} in one process, expected a launch under torchrun with a multiple of {cp}")
         self.cp_size, self.dp_size, self.device = cp, world // cp, device
         self.rank, self.mesh, self.ctx = 0, None, None
+        self.replicated: list[nn.Parameter] = []
         if self.enabled:
             from kernels_torch.parallel.fsdp import init_mesh
 
@@ -53,8 +60,18 @@ class TrainParallel:
     def is_writer(self) -> bool:
         return self.rank == 0
 
-    def setup(self, model: nn.Module, lora: bool) -> None:
-        """FSDP2 + CP on the model (before the optimizer is built: ``fully_shard`` replaces the parameters)."""
+    def check_accum(self, accum: int, micro_batch_tokens: int) -> None:
+        """Refuse a step whose ``accum`` micro-batches cannot be dealt evenly to the ``dp`` groups."""
+        if accum % self.dp_size:
+            raise ValueError(
+                f"--batch-tokens: {accum} micro-batch(es) of {micro_batch_tokens} tokens per step cannot be dealt "
+                f"evenly to the {self.dp_size} data-parallel groups (world {self.dp_size * self.cp_size} / --cp "
+                f"{self.cp_size}); expected --batch-tokens a multiple of {self.dp_size * micro_batch_tokens}"
+            )
+
+    def setup(self, model: nn.Module, lora: bool, replicated: Callable[[str], bool] | None = None) -> None:
+        """FSDP2 + CP on the model (before the optimizer is built: ``fully_shard`` replaces the parameters);
+        ``replicated(name)``: trainable parameters FSDP2 leaves whole (module docstring)."""
         if not self.enabled:
             return
         if lora:
@@ -68,7 +85,9 @@ class TrainParallel:
             )
         from kernels_torch.parallel.fsdp import parallelize
 
-        self.ctx = parallelize(model, self.mesh, gradient_divide_factor=1.0)
+        if replicated is not None:
+            self.replicated = [p for n, p in model.named_parameters() if replicated(n)]
+        self.ctx = parallelize(model, self.mesh, gradient_divide_factor=1.0, ignored_params=set(self.replicated))
 
     def local(self, batches: list) -> list:
         """This ``dp`` group's micro-batches of a step."""
@@ -77,8 +96,9 @@ class TrainParallel:
         return batches[self.mesh["dp"].get_local_rank() :: self.dp_size]
 
     def loss(self, stage, model: nn.Module, batch):
-        """``stage.loss`` on this rank's shard of ``batch``, rescaled so the ``cp`` ranks' losses sum to the
-        batch's mean loss (``stage.loss`` divides by the targets it sees)."""
+        """``stage.loss`` on this rank's shard of ``batch``, rescaled (the loss and each metric) by the shard's share
+        of the batch's targets, so that the ``cp`` ranks' values sum to the batch's mean (``stage.loss`` divides by
+        the targets it sees)."""
         if self.ctx is None:
             return stage.loss(model, batch)
         from kimi_tools.data import Batch
@@ -86,22 +106,44 @@ class TrainParallel:
         ids, cu = self.ctx.shard(batch.input_ids, batch.cu_seqlens)
         part = Batch(ids, self.ctx.shard_like(batch.labels), cu)
         loss, metrics = stage.loss(model, part)
-        return loss * (part.num_targets / max(batch.num_targets, 1)), metrics
+        share = part.num_targets / max(batch.num_targets, 1)
+        return loss * share, {k: v * share for k, v in metrics.items()}
 
-    def _sum(self, x: float, group) -> float:
-        if not self.enabled:
-            return x
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+    def reduce_replicated(self) -> None:
+        """Sum the gradients of the replicated parameters over all ranks (each rank's loss is weighted by the global
+        target count, as FSDP's reduce-scatter with divide factor 1 sums the sharded ones)."""
+        for p in self.replicated:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+
+    def _sum(self, xs: list[float], group) -> list[float]:
+        if not self.enabled or not xs:
+            return xs
+        t = torch.tensor(xs, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=group)
-        return float(t[0])
+        return t.tolist()
 
     def sum_all(self, x: float) -> float:
         """Sum over every rank (a step's loss: disjoint micro-batches and shards)."""
-        return self._sum(x, None)
+        return self._sum([x], None)[0]
 
-    def sum_cp(self, x: float) -> float:
+    def sum_all_dict(self, d: dict[str, float]) -> dict[str, float]:
+        """:meth:`sum_all` of every value (one collective; every rank must hold the same keys)."""
+        keys = sorted(d)
+        return dict(zip(keys, self._sum([d[k] for k in keys], None)))
+
+    def sum_cp(self, xs: list[float]) -> list[float]:
         """Sum over this rank's ``cp`` group (the eval loss: every dp group evaluates every batch)."""
-        return x if self.mesh is None else self._sum(x, self.mesh["cp"].get_group())
+        return xs if self.mesh is None else self._sum(xs, self.mesh["cp"].get_group())
+
+    def any_rank(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag OR-ed over all ranks (a stop signal or a save one rank's clock asks for), so that every rank
+        takes the same branch."""
+        if not self.enabled:
+            return flags
+        t = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return tuple(bool(v) for v in t.tolist())
 
     def barrier(self) -> None:
         if self.enabled:

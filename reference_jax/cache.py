@@ -35,6 +35,7 @@ from flax import struct
 from kimi.cache_layout import check_capacity, chunk_bounds, config_id, layer_cache_shapes
 from kimi.config import KimiConfig
 from reference_jax.kda import KDACache
+from reference_jax.kv_cache import MLACache, cached_causal_mask, write_rows
 
 __all__ = [
     "MLACache",
@@ -47,16 +48,6 @@ __all__ = [
     "kda_step",
     "prefill",
 ]
-
-
-class MLACache(NamedTuple):
-    """Cache of one MLA layer: ``c_kv`` ``[N, S_max, L]`` (``kv_a_layernorm`` output), ``k_pe`` ``[N, S_max, R]``
-    (raw, never rotated: NoPE), ``index_k`` ``[N, S_max, KI]`` (DSA layers; None otherwise). All in the activation
-    dtype; rows at or past a row's position are not read."""
-
-    c_kv: jax.Array
-    k_pe: jax.Array
-    index_k: jax.Array | None = None
 
 
 @struct.dataclass
@@ -111,23 +102,6 @@ def init_cache(config: KimiConfig, batch: int, max_len: int, dtype=jnp.float32) 
         else:
             layers.append(MLACache(*(jnp.zeros(s, dtype) for s in shapes.values())))
     return ModelCache(tuple(layers), jnp.zeros(batch, jnp.int32), int(max_len), config_id(config))
-
-
-def write_rows(buf: jax.Array, new: jax.Array, pos, lengths) -> jax.Array:
-    """``buf[n, pos[n] + t] = new[n, t]`` for ``t < lengths[n]``; the padding columns are dropped.
-
-    buf ``[N, S_max, F]``, new ``[N, T, F]``, pos and lengths ``[N]`` ints (capacity checked by the caller).
-    Returns the updated buffer (same shape and dtype)."""
-    N, T = new.shape[:2]
-    t = jnp.arange(T)[None, :]
-    idx = jnp.where(t < jnp.asarray(lengths)[:, None], jnp.asarray(pos)[:, None] + t, buf.shape[1])  # pad -> dropped
-    return buf.at[jnp.arange(N)[:, None], idx].set(new.astype(buf.dtype), mode="drop")
-
-
-def cached_causal_mask(pos, T: int, S: int) -> jax.Array:
-    """``[N, T, S]`` bool: query ``t`` of row ``n`` (position ``pos[n] + t``) sees key ``s`` iff ``s <= pos[n] + t``."""
-    q_pos = jnp.asarray(pos)[:, None, None] + jnp.arange(T)[None, :, None]  # [N, T, 1]
-    return jnp.arange(S)[None, None, :] <= q_pos
 
 
 class CacheStep(NamedTuple):
@@ -208,7 +182,7 @@ def prefill(model, params, input_ids, cache: ModelCache, chunk_size: int | None 
     if apply is None:
 
         def apply(p, ids, c):
-            return model.apply({"params": p}, ids, cache=c)
+            return model.apply({"params": p}, ids, c, method="step")
 
     ids = np.asarray(input_ids)
     logits, snapshots = [], {}

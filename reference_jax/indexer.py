@@ -25,8 +25,8 @@ import numpy as np
 
 from kimi.config import KimiConfig
 from kimi.rope import INDEXER_ROPE_THETA, check_rope_args, document_positions, rope_tables
-from reference_jax.cache import cached_causal_mask, write_rows
 from reference_jax.common import Linear, causal_document_mask, check_activation_dtype, check_cu_seqlens, compute_dtype
+from reference_jax.kv_cache import cached_causal_mask, write_rows
 
 __all__ = [
     "indexer_scores",

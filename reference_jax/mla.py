@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
-from reference_jax.cache import MLACache, cached_causal_mask, write_rows
 from reference_jax.common import (
     Linear,
     RMSNorm,
@@ -34,6 +33,7 @@ from reference_jax.common import (
     linear,
 )
 from reference_jax.indexer import Indexer, sparse_mask
+from reference_jax.kv_cache import MLACache, cached_causal_mask, write_rows
 
 __all__ = ["mla_attention", "mla_attention_absorbed", "GatedMLA"]
 

@@ -166,27 +166,27 @@ class _Embedding(nn.Module):
 
 
 class KimiK3Model(nn.Module):
-    """``KimiK3ForCausalLM``: ``logits = model(input_ids)``; params ``model.*`` and ``lm_head.weight``.
+    """``KimiK3ForCausalLM``: ``logits = model(input_ids)``; params ``model.*`` and ``lm_head.weight``. Four calls,
+    each with one return shape (twins of ``kernels_torch.model.KimiK3Model``'s):
 
-    Call: ``model.apply({"params": tree}, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False,
-    attention_mask=None)`` with ``input_ids`` [B, T] int32/int64. Returns logits [B, T, vocab] in the parameters'
-    dtype (fp32 by default), and with ``return_aux`` also a list (one dict per layer, see module docstring).
+    * ``model.apply({"params": tree}, input_ids, cu_seqlens=None, mla_form="expanded", return_aux=False,
+      on_layer=None)``: logits ``[B, T, vocab]`` in the parameters' dtype (fp32 by default); with ``return_aux``
+      ``(logits, auxes)``, one dict per layer (see the module docstring). ``input_ids`` ``[B, T]`` int32/int64.
+    * ``method="loss"``: ``(input_ids, labels, cu_seqlens=None, ...)`` -> the summed next-token NLL, a scalar.
+    * ``method="step"``: ``(input_ids, cache, lengths=None, ...)`` -> ``(logits, new_cache)``: one cached call, see
+      ``reference_jax.cache``.
+    * ``method="padded"``: ``(input_ids, attention_mask, ...)`` -> logits with 0 at the pads.
+
+    ``cache=``, ``lengths=`` and ``attention_mask=`` in the plain call are deprecated aliases of ``step`` and
+    ``padded`` (a ``DeprecationWarning``, same result).
 
     Padding: each row is one sequence from its first token. Right padding is safe (causal attention, forward KDA);
-    left padding changes the real tokens' logits (the pads enter the KDA state, the conv window and the attention).
-    For padded batches pass ``attention_mask`` [B, T] (bool or 0/1, concrete): masked tokens are dropped and the rows
-    run as packed documents, so each row's real logits equal that row run alone; logits at pads are 0. Refused with
-    ``cu_seqlens`` or ``return_aux``. A sequence longer than ``config.max_position_embeddings`` runs with a
-    UserWarning. Same contract as ``kernels_torch.model.KimiK3Model``.
-
-    Generation: ``cache=`` a ``reference_jax.cache.ModelCache`` (``init_cache``) with ``lengths=`` ``[B]`` new tokens
-    per row (default all T; the rest of a row is right padding) returns ``(logits, new_cache)`` (``(logits, auxes,
-    new_cache)`` with ``return_aux``); see ``reference_jax.cache`` for the semantics.
+    left padding changes the real tokens' logits (the pads enter the KDA state, the conv window and the attention):
+    use ``padded``. A sequence longer than ``config.max_position_embeddings`` runs with a UserWarning.
 
     Raises:
         ValueError: ``input_ids`` not ``[B, T]`` int32/int64 (uint8, bool and floats are refused), ids outside
-            [0, vocab_size), invalid ``cu_seqlens`` (from the layers), or an ``attention_mask`` that is not [B, T]
-            of 0/1, has no real token, or comes with ``cu_seqlens`` / ``return_aux``.
+            [0, vocab_size), invalid ``cu_seqlens`` (from the layers); and per method, see there.
     """
 
     config: KimiConfig
@@ -197,44 +197,105 @@ class KimiK3Model(nn.Module):
             self.lm_head = Linear(self.config.vocab_size, self.config.hidden_size)
 
     def __call__(
-        self,
-        input_ids,
-        cu_seqlens=None,
-        mla_form: str = "expanded",
-        return_aux: bool = False,
-        on_layer=None,
-        cache=None,
-        lengths=None,
-        attention_mask=None,
+        self, input_ids, cu_seqlens=None, mla_form: str = "expanded", return_aux: bool = False, on_layer=None, **kw
     ):
+        if kw:
+            return self._deprecated_call(input_ids, cu_seqlens, mla_form, return_aux, on_layer, kw)
         ids = check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
-        if attention_mask is not None:  # padded batch: drop the pads, run the rows as packed documents
-            if cache is not None or lengths is not None:
-                raise ValueError(
-                    "attention_mask: given with cache/lengths, expected one of them (a padded batch without a cache, "
-                    "or the cache's own per-row lengths)"
-                )
-            mask = _check_attention_mask(attention_mask, ids.shape, cu_seqlens, return_aux)
-            n_real = mask.sum(1)
-            cu = np.concatenate([[0], np.cumsum(n_real[n_real > 0])])  # empty rows are no document
-            logits = self(ids[mask][None], cu_seqlens=cu, mla_form=mla_form, on_layer=on_layer)  # [1, N, vocab]
-            return jnp.zeros((*ids.shape, logits.shape[-1]), logits.dtype).at[mask].set(logits[0])
-        if cache is None:
-            _warn_past_max_positions(ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
-        step = None if cache is None else check_cache(cache, self.config, *ids.shape, lengths, cu_seqlens)
-        h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer, step)
-        if self.config.tie_word_embeddings:
-            logits = h @ self.model.embed_tokens.variables["params"]["weight"].T
-        else:
-            logits = self.lm_head(h)
-        if cache is not None:
-            new_layers = tuple(aux.pop("cache") for aux in auxes)
-            cache = cache.replace(layers=new_layers, pos=cache.pos + jnp.asarray(step.lengths, jnp.int32))
-            return (logits, auxes, cache) if return_aux else (logits, cache)
+        _warn_past_max_positions(ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
+        h, auxes = self.model(ids, cu_seqlens, mla_form, on_layer, None)
+        logits = self._logits(h)
         return (logits, auxes) if return_aux else logits
 
+    def _logits(self, h: jax.Array) -> jax.Array:
+        if self.config.tie_word_embeddings:
+            return h @ self.model.embed_tokens.variables["params"]["weight"].T
+        return self.lm_head(h)
 
-def _check_attention_mask(attention_mask, shape, cu_seqlens, return_aux) -> np.ndarray:
+    def loss(self, input_ids, labels, cu_seqlens=None, mla_form: str = "expanded", on_layer=None):
+        """The **summed** next-token NLL over the positions with a target (``labels`` ``[B, T]`` ints, ``-100`` for
+        none): ``logsumexp(logits) - logits[label]`` in fp32 (fp64 for fp64 params), nats; twin of
+        ``kernels_torch.model.KimiK3Model.loss`` (which never forms the logits; this one does).
+
+        Raises:
+            ValueError: as the plain call; ``labels`` not ``[B, T]`` integers or (when concrete) an id outside
+                [0, vocab_size) other than -100.
+        """
+        ids = check_token_ids(input_ids, self.config.vocab_size)
+        y = jnp.asarray(labels)
+        if y.shape != ids.shape or not jnp.issubdtype(y.dtype, jnp.integer):
+            raise ValueError(f"labels: got shape {y.shape} dtype {y.dtype}, expected [B, T] = {list(ids.shape)} ints")
+        V = self.config.vocab_size
+        if not isinstance(labels, jax.core.Tracer):
+            bad = np.asarray((y != -100) & ((y < 0) | (y >= V)))
+            if bad.any():
+                raise ValueError(f"labels: got {int(np.asarray(y)[bad][0])}, expected ids in [0, {V}) or -100")
+        logits = self(ids, cu_seqlens, mla_form, on_layer=on_layer)
+        x = logits.astype(jnp.float64 if logits.dtype == jnp.float64 else jnp.float32)
+        safe = jnp.where(y == -100, 0, y).astype(jnp.int32)
+        nll = jax.nn.logsumexp(x, axis=-1) - jnp.take_along_axis(x, safe[..., None], axis=-1)[..., 0]
+        return jnp.where(y == -100, 0.0, nll).sum()
+
+    def step(self, input_ids, cache, lengths=None, mla_form: str = "expanded", return_aux: bool = False):
+        """One cached call: row ``n`` of ``input_ids`` ``[B, T]`` holds ``lengths[n]`` new tokens (default all T;
+        the rest is right padding). ``cache``: a ``reference_jax.cache.ModelCache`` (``init_cache``); JAX arrays are
+        values, so the updated cache is returned (the torch twin updates its cache in place and returns it too).
+
+        Returns:
+            ``(logits [B, T, vocab], new_cache)``, or ``(logits, auxes, new_cache)`` with ``return_aux``.
+
+        Raises:
+            ValueError: as the plain call; the errors of ``reference_jax.cache.check_cache``.
+        """
+        ids = check_token_ids(input_ids, self.config.vocab_size)
+        step = check_cache(cache, self.config, *ids.shape, lengths, None)
+        h, auxes = self.model(ids, None, mla_form, None, step)
+        logits = self._logits(h)
+        new_layers = tuple(aux.pop("cache") for aux in auxes)
+        cache = cache.replace(layers=new_layers, pos=cache.pos + jnp.asarray(step.lengths, jnp.int32))
+        return (logits, auxes, cache) if return_aux else (logits, cache)
+
+    def padded(self, input_ids, attention_mask, mla_form: str = "expanded", on_layer=None):
+        """A padded batch, ``attention_mask`` ``[B, T]`` (bool or 0/1, concrete; 1 = real token): the masked tokens
+        are dropped and the rows run as packed documents, so each row's real logits equal that row run alone;
+        logits at pads are 0. Twin of ``kernels_torch.model.KimiK3Model.padded``.
+
+        Raises:
+            ValueError: as the plain call; an ``attention_mask`` that is traced, not [B, T] of 0/1, or has no real
+                token.
+        """
+        ids = check_token_ids(input_ids, self.config.vocab_size)
+        mask = _check_attention_mask(attention_mask, ids.shape)
+        n_real = mask.sum(1)
+        cu = np.concatenate([[0], np.cumsum(n_real[n_real > 0])])  # empty rows are no document
+        logits = self(ids[mask][None], cu_seqlens=cu, mla_form=mla_form, on_layer=on_layer)  # [1, N, vocab]
+        return jnp.zeros((*ids.shape, logits.shape[-1]), logits.dtype).at[mask].set(logits[0])
+
+    def _deprecated_call(self, input_ids, cu_seqlens, mla_form, return_aux, on_layer, kw):
+        """The old keywords ``cache``, ``lengths``, ``attention_mask`` mapped onto ``step`` and ``padded``."""
+        kw = dict(kw)
+        cache, lengths, mask = kw.pop("cache", None), kw.pop("lengths", None), kw.pop("attention_mask", None)
+        if kw:
+            raise TypeError(f"__call__() got unexpected keyword arguments {sorted(kw)}")
+        if mask is not None:
+            name, method = "attention_mask", "padded"
+            clash = {"cache": cache, "lengths": lengths, "cu_seqlens": cu_seqlens, "return_aux": return_aux or None}
+        elif cache is not None:
+            name, method, clash = "cache", "step", {"cu_seqlens": cu_seqlens, "on_layer": on_layer}
+        elif lengths is None:  # the old keywords given as None: the plain call
+            return self(input_ids, cu_seqlens, mla_form, return_aux, on_layer)
+        else:
+            name, method, clash = "lengths", "step", {"lengths (without a cache)": lengths}
+        warnings.warn(f"KimiK3Model({name}=...) is deprecated: use method={method!r}", DeprecationWarning, 3)
+        refused = [k for k, v in clash.items() if v is not None]
+        if refused:
+            raise ValueError(f"{name}: given with {', '.join(refused)}, expected none of them (KimiK3Model.{method})")
+        if mask is not None:
+            return self.padded(input_ids, mask, mla_form, on_layer)
+        return self.step(input_ids, cache, lengths, mla_form, return_aux)
+
+
+def _check_attention_mask(attention_mask, shape) -> np.ndarray:
     """``attention_mask`` as a numpy bool ``[B, T]``; ValueError for what the padded forward cannot honour (twin of
     ``kernels_torch.model._check_attention_mask``)."""
     if isinstance(attention_mask, jax.core.Tracer):
@@ -244,13 +305,6 @@ def _check_attention_mask(attention_mask, shape, cu_seqlens, return_aux) -> np.n
         raise ValueError(f"attention_mask: got shape {m.shape}, expected [B, T]={list(shape)} like input_ids")
     if m.dtype.kind not in "biu" or np.any((m != 0) & (m != 1)):
         raise ValueError(f"attention_mask: got dtype {m.dtype} with values outside {{0, 1}}; expected bool or 0/1 ints")
-    if cu_seqlens is not None:
-        raise ValueError("attention_mask: given with cu_seqlens, expected one of them (a padded batch or packed rows)")
-    if return_aux:
-        raise ValueError(
-            "attention_mask: given with return_aux=True, expected return_aux=False (the per-layer "
-            "intermediates would be in the packed layout; pack the rows with cu_seqlens yourself)"
-        )
     m = m.astype(bool)
     if not m.any():
         raise ValueError("attention_mask: got no real token (all zeros), expected at least one 1")

@@ -8,7 +8,7 @@ What is checked (fla's ``test_modeling_base`` prefill-then-decode, nanochat's en
 * decoding token by token equals the cache-free forward's logits at every position (teacher forcing), 70 steps past
   a 130-token prompt, so the indexer's top-k runs over a growing cache; JAX and torch agree on logits and caches;
 * prefix caching: a copy taken at position 128 of a 130-token prompt (mid-chunk) resumes like a cold prefill;
-* batches: rows of different lengths (right padding, ``lengths=``) each with its own position, against
+* batches: rows of different lengths (right padding, ``lengths``) each with its own position, against
   per-sequence cache-free forwards; ``rows()`` replicates a batch-1 prefill;
 * bad use: another config, another batch size, a write past ``max_len``, bad ``lengths``, a snapshot past the end.
 """
@@ -80,11 +80,11 @@ def test_torch_chunked_prefill_equals_one_prefill(tmodel, T, split):
     assert sum(sizes) == T
     with torch.no_grad():
         free = tmodel(ids)
-        one, one_cache = tmodel(ids, cache=tcache.init_cache(tmodel.config, 2, 160))
+        one, one_cache = tmodel.step(ids, tcache.init_cache(tmodel.config, 2, 160))
         assert rel(one, free) <= TOL["logits"], "one cached prefill vs the cache-free forward"
         cache, outs, a = tcache.init_cache(tmodel.config, 2, 160), [], 0
         for n in sizes:
-            out, cache = tmodel(ids[:, a : a + n], cache=cache)
+            out, cache = tmodel.step(ids[:, a : a + n], cache)
             outs.append(out)
             a += n
     assert rel(torch.cat(outs, 1), one) <= TOL["logits"]
@@ -105,7 +105,7 @@ def test_torch_decode_teacher_forcing(tiny_ckpt, backend, form):
         logits, cache, _ = tcache.prefill(model, ids[:, :130], tcache.init_cache(model.config, 2, 200), 64)
         assert rel(logits, free[:, :130]) <= TOL["logits"]
         for t in range(130, 200):
-            step, cache = model(ids[:, t : t + 1], cache=cache, mla_form=form)
+            step, cache = model.step(ids[:, t : t + 1], cache, mla_form=form)
             assert rel(step[:, 0], free[:, t]) <= TOL["logits"], f"position {t}"
     assert cache.pos.tolist() == [200, 200]
 
@@ -116,7 +116,7 @@ def jax_model(tiny_ckpt):
     model, params, cfg = load_jax(tiny_ckpt, layers=LAYERS)
 
     def call(p, i, c, lengths=None):
-        return model.apply({"params": p}, i, cache=c, lengths=None if lengths is None else np.array(lengths))
+        return model.apply({"params": p}, i, c, None if lengths is None else np.array(lengths), method="step")
 
     return model, params, cfg, jax.jit(call, static_argnames="lengths")
 
@@ -147,7 +147,7 @@ def test_jax_prefill_decode_prefix_and_torch_agree(jax_model, tmodel):
         tlogits, tc, _ = tcache.prefill(tmodel, tids[:, :130], tcache.init_cache(tmodel.config, 2, 200), 64)
         assert rel(tlogits, logits) <= TOL_JAX_TORCH["logits"]
         for t in range(130, 200):
-            tstep, tc = tmodel(tids[:, t : t + 1], cache=tc)
+            tstep, tc = tmodel.step(tids[:, t : t + 1], tc)
     assert rel(tstep[:, 0], step[:, 0]) <= TOL_JAX_TORCH["logits"]
     assert_caches_close(tc, cache, TOL_JAX_TORCH, what="torch vs jax after 70 steps")
 
@@ -168,10 +168,10 @@ def test_torch_prefix_cache_mid_chunk(tmodel):
         _, cold128, _ = tcache.prefill(tmodel, ids[:, :128], tcache.init_cache(tmodel.config, 1, 140))
         assert_caches_close(snaps[128], cold128, what="snapshot at 128 vs cold prefill of 128")
         resumed = snaps[128].copy()
-        out, resumed = tmodel(ids[:, 128:130], cache=resumed)
+        out, resumed = tmodel.step(ids[:, 128:130], resumed)
         assert rel(out, free[:, 128:130]) <= TOL["logits"]
         for t in range(130, 136):
-            out, resumed = tmodel(ids[:, t : t + 1], cache=resumed)
+            out, resumed = tmodel.step(ids[:, t : t + 1], resumed)
             assert rel(out[:, 0], free[:, t]) <= TOL["logits"], f"position {t}"
     assert snaps[128].pos.tolist() == [128] and cache.pos.tolist() == [130]  # copies are independent
     assert_caches_close(snaps[128], cold128, what="snapshot after resuming from a copy of it")
@@ -191,21 +191,21 @@ def test_torch_batch_rows_of_different_lengths(tmodel):
         batch = torch.zeros(3, 130, dtype=torch.int64)  # padding id 0: any valid id, never read
         for b, (s, n) in enumerate(zip(seqs, lens)):
             batch[b, :n] = torch.from_numpy(s[:n])
-        out, cache = tmodel(batch, cache=cache, lengths=lens)
+        out, cache = tmodel.step(batch, cache, lens)
         for b, n in enumerate(lens):
             assert rel(out[b, :n], free[b][:n]) <= TOL["logits"], f"prefill row {b}"
         more = [3, 1, 2]
         step = torch.zeros(3, 3, dtype=torch.int64)
         for b, (s, n, m) in enumerate(zip(seqs, lens, more)):
             step[b, :m] = torch.from_numpy(s[n : n + m])
-        out, cache = tmodel(step, cache=cache, lengths=more)
+        out, cache = tmodel.step(step, cache, more)
         for b, (n, m) in enumerate(zip(lens, more)):
             assert rel(out[b, :m], free[b][n : n + m]) <= TOL["logits"], f"second call row {b}"
         pos = [n + m for n, m in zip(lens, more)]
         assert cache.pos.tolist() == pos
         for _ in range(3):
             nxt = torch.tensor([[int(s[p])] for s, p in zip(seqs, pos)])
-            out, cache = tmodel(nxt, cache=cache)
+            out, cache = tmodel.step(nxt, cache)
             for b, p in enumerate(pos):
                 assert rel(out[b, 0], free[b][p]) <= TOL["logits"], f"decode row {b} position {p}"
             pos = [p + 1 for p in pos]
@@ -216,10 +216,10 @@ def test_torch_rows_replicate_a_prefill(tmodel):
     prompt = ids_for(1, 80, 20)
     conts = ids_for(3, 4, 21)
     with torch.no_grad():
-        _, cache = tmodel(torch.from_numpy(prompt), cache=tcache.init_cache(tmodel.config, 1, 90))
+        _, cache = tmodel.step(torch.from_numpy(prompt), tcache.init_cache(tmodel.config, 1, 90))
         rows = cache.rows([0, 0, 0])
         for t in range(4):
-            out, rows = tmodel(torch.from_numpy(conts[:, t : t + 1]), cache=rows)
+            out, rows = tmodel.step(torch.from_numpy(conts[:, t : t + 1]), rows)
         for b in range(3):
             full = tmodel(torch.from_numpy(np.concatenate([prompt[0], conts[b]]))[None])
             assert rel(out[b, 0], full[0, -1]) <= TOL["logits"], f"row {b}"
@@ -252,39 +252,52 @@ def test_torch_bad_use_is_refused(tmodel, tiny_ckpt):
     cfg = tmodel.config
     ids = torch.from_numpy(ids_for(2, 8, 40))
     with pytest.raises(ValueError, match="another config"):
-        tmodel(ids, cache=tcache.init_cache(cfg.truncated(3), 2, 16))
+        tmodel.step(ids, tcache.init_cache(cfg.truncated(3), 2, 16))
     with pytest.raises(ValueError, match="holds 3 rows, input_ids has batch 2"):
-        tmodel(ids, cache=tcache.init_cache(cfg, 3, 16))
+        tmodel.step(ids, tcache.init_cache(cfg, 3, 16))
     with pytest.raises(ValueError, match="past its end"):
-        tmodel(ids, cache=tcache.init_cache(cfg, 2, 7))
+        tmodel.step(ids, tcache.init_cache(cfg, 2, 7))
     cache = tcache.init_cache(cfg, 2, 16)
     with torch.no_grad():
-        tmodel(ids, cache=cache)
+        tmodel.step(ids, cache)
         with pytest.raises(ValueError, match="row 0 holds 8 tokens and would get 9 more"):
-            tmodel(torch.from_numpy(ids_for(2, 9, 41)), cache=cache)
+            tmodel.step(torch.from_numpy(ids_for(2, 9, 41)), cache)
     with pytest.raises(ValueError, match="lengths"):
-        tmodel(ids, cache=tcache.init_cache(cfg, 2, 16), lengths=[8, 0])
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        tmodel(ids[:1], cache=tcache.init_cache(cfg, 1, 16), cu_seqlens=torch.tensor([0, 3, 8]))
+        tmodel.step(ids, tcache.init_cache(cfg, 2, 16), [8, 0])
+    with pytest.raises(ValueError, match=r"lengths: got \[9, 8\], expected \[B\]=2 integers in \[1, T=8\]"):
+        tmodel.step(ids, tcache.init_cache(cfg, 2, 16), [9, 8])  # more tokens than the call has columns
+    top = ids.clone()
+    top[1, 3] = cfg.vocab_size - 1  # the last id: fine
+    with torch.no_grad():
+        tmodel.step(top, tcache.init_cache(cfg, 2, 16))
+    top[1, 3] = cfg.vocab_size  # one past: named, not the embedding's IndexError (a device assert on CUDA)
+    for call in (lambda: tmodel.step(top, tcache.init_cache(cfg, 2, 16)), lambda: tmodel(top)):
+        with pytest.raises(ValueError, match=rf"input_ids: got ids in \[\d+, {cfg.vocab_size}\], expected ids in"):
+            call()
+    with (
+        pytest.raises(ValueError, match="cache: given with cu_seqlens"),
+        pytest.warns(DeprecationWarning, match="step"),
+    ):
+        tmodel(ids[:1], cache=tcache.init_cache(cfg, 1, 16), cu_seqlens=torch.tensor([0, 3, 8]))  # the old alias
     with pytest.raises(ValueError, match="snapshot_at: got 9"):
         tcache.prefill(tmodel, ids, tcache.init_cache(cfg, 2, 16), snapshot_at=[9])
     broken = tcache.init_cache(cfg, 2, 16)
     broken.layers[3] = broken.layers[0]  # a KDA entry where the DSA layer's is expected
     with pytest.raises(ValueError, match="layer 3"):
-        tmodel(ids, cache=broken)
+        tmodel.step(ids, broken)
     with pytest.raises(ValueError, match="idx"):
         cache.rows([2])
     # a cache of another dtype than the model's activations: named, not torch's "m1 and m2" deep inside a layer
     with pytest.raises(ValueError, match=r"layer 3 c_kv is torch.float64 .* expected torch.float32"):
-        tmodel(ids, cache=tcache.init_cache(cfg, 2, 16, dtype=torch.float64))
+        tmodel.step(ids, tcache.init_cache(cfg, 2, 16, dtype=torch.float64))
 
 
 def test_jax_bad_use_is_refused(tiny_ckpt):
     model, params, cfg = load_jax(tiny_ckpt, layers=LAYERS)
     ids = ids_for(2, 8, 40)
 
-    def run(cache, **kw):
-        return model.apply({"params": params}, ids, cache=cache, **kw)
+    def run(cache, lengths=None):
+        return model.apply({"params": params}, ids, cache, lengths, method="step")
 
     with pytest.raises(ValueError, match="another config"):
         run(jcache.init_cache(cfg.truncated(3), 2, 16))
@@ -292,8 +305,12 @@ def test_jax_bad_use_is_refused(tiny_ckpt):
         run(jcache.init_cache(cfg, 1, 16))
     with pytest.raises(ValueError, match="past its end"):
         run(jcache.init_cache(cfg, 2, 7))
-    with pytest.raises(ValueError, match="lengths"):
+    with pytest.raises(ValueError, match=r"lengths: got \[9, 1\], expected \[B\]=2 integers in \[1, T=8\]"):
         run(jcache.init_cache(cfg, 2, 16), lengths=np.array([9, 1]))
+    top = ids.copy()
+    top[1, 3] = cfg.vocab_size  # the same message as the torch twin's
+    with pytest.raises(ValueError, match=rf"input_ids: got ids in \[\d+, {cfg.vocab_size}\], expected ids in"):
+        model.apply({"params": params}, top, jcache.init_cache(cfg, 2, 16), method="step")
     with pytest.raises(ValueError, match="snapshot_at: got 0"):
         jcache.prefill(model, params, ids, jcache.init_cache(cfg, 2, 16), snapshot_at=[0])
     empty = jcache.init_cache(cfg, 2, 16)
@@ -359,3 +376,56 @@ def test_prefix_copy_under_autograd(tmodel):
         for x, y in zip(a, b):
             assert (x is None and y is None) or (not x.requires_grad and torch.equal(x, y) and x is not y)
     assert int(snaps[12].pos[0]) == 12
+
+
+# ---------------------------------------------------------------------------------------------- import layering
+
+CACHE_MODULES = {
+    "kernels_torch.kv_cache",
+    "kernels_torch.cache",
+    "kernels_torch.decode",
+    "kernels_torch.decode_cudnn",
+    "kernels_torch.model",
+    "reference_jax.kv_cache",
+    "reference_jax.cache",
+    "reference_jax.model",
+}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every import of the four packages, module to module, function-level (lazy) imports included (AST)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {}
+    for pkg in ("kimi", "reference_jax", "kernels_torch", "kimi_tools"):
+        for f in (root / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            files[name] = f
+    graph = {}
+    for name, f in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def test_cache_primitives_are_a_leaf_and_no_cycle_runs_through_the_cache():
+    """The layers import the cache primitives from the leaf (``kv_cache``, which imports no project module), never
+    the model-level cache that imports them; no import cycle, lazy imports included, passes through a cache or
+    decode module of either twin."""
+    graph = _import_graph()
+    assert graph["kernels_torch.kv_cache"] == set() and graph["reference_jax.kv_cache"] == set()
+    for layer in ("kernels_torch.mla", "kernels_torch.indexer", "kernels_torch.decode_cudnn", "reference_jax.mla"):
+        assert not graph[layer] & {"kernels_torch.cache", "reference_jax.cache", "kernels_torch.decode"}, layer
+
+    def reaches(a, b, seen=()):
+        return b in graph[a] or any(reaches(n, b, (*seen, a)) for n in graph[a] if n not in seen)
+
+    cyclic = sorted(m for m in CACHE_MODULES if reaches(m, m))
+    assert cyclic == [], f"import cycles through {cyclic}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_torch.model import KimiK3Model
+from kernels_torch.model import model_from_params
 from kimi.config import load_config
 from kimi.init import init_params
 from kimi_tools.data import Batch
@@ -28,9 +28,7 @@ def setup():
 
 
 def fresh(cfg, params, backend="eager"):
-    m = KimiK3Model(cfg, backend=backend)
-    m.load_state_dict(params)
-    return m
+    return model_from_params(cfg, params, backend)
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -72,7 +70,7 @@ def test_sparse_stage_isolates_gradients(setup):
     m.zero_grad(set_to_none=True)
     with capture_dsa_inputs(m) as seen:  # the stage's LM term: the model's chunked loss (= F.cross_entropy of the
         # logits to fp32 rounding, tests/test_linear_cross_entropy.py; that rounding, ~4e-6 on dt_bias, is above rtol)
-        lm = m(batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels) / batch.num_targets
+        lm = m.loss(batch.input_ids, batch.labels, batch.cu_seqlens) / batch.num_targets
     lm.backward()
     lm_grads = grads(m)
     assert not any(".indexer." in n for n in lm_grads)  # hard top-k: no LM gradient into the indexer
@@ -132,3 +130,32 @@ def test_kimi_train_stage_writes_kl_and_recall(tmp_path, stage):
     for r in recs[1:]:
         assert r["kl"] >= 0 and 0 < r["indexer_recall"] <= 1 and r["lm_loss"] > 0
     assert "eval_kl" in recs[0] and "eval_indexer_recall" in recs[0]
+
+
+def test_sparse_stage_warns_when_it_would_run_dense(setup):
+    """Every query sees at most min(seq_len, longest document) keys; at or below index_topk (64 in tiny) the top-k
+    keeps them all, so the sparse stage is the dense one: a UserWarning says so. Above it, no warning."""
+    import warnings
+
+    import numpy as np
+
+    cfg, _, _ = setup
+    st = SparseStage(cfg)
+    with pytest.warns(UserWarning, match=r"every query sees at most 64 keys .* <= index_topk 64"):
+        st.check_data([np.zeros(500, np.int64)], seq_len=64)
+    with pytest.warns(UserWarning, match="at most 40 keys"):
+        st.check_data([np.zeros(40, np.int64)] * 3, seq_len=256)  # short documents
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st.check_data([np.zeros(40, np.int64), np.zeros(65, np.int64)], seq_len=96)
+
+
+def test_stages_refuse_context_parallelism_and_keep_indexers_whole(setup):
+    """Both stages: --cp > 1 refused with the reason (the teacher needs every causal key; CP splits them), --cp 1
+    accepted at any dp; the indexer parameters, and only they, stay whole under FSDP2."""
+    cfg, params, _ = setup
+    for st in (WarmupStage(cfg), SparseStage(cfg)):
+        with pytest.raises(ValueError, match=rf"--stage {st.name} with --cp 2: the distillation's teacher"):
+            st.check_parallel(1, 2)
+        st.check_parallel(4, 1)
+        assert {n for n in params if st.replicated(n)} == {n for n in params if ".indexer." in n}

@@ -171,3 +171,19 @@ def test_cli_generate_on_an_adapter_folder_says_to_merge(capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a LoRA adapter folder" in err[0], err
     assert f"kimi lora merge --checkpoint /ckpts/base --adapter {tmp_path} --out MERGED" in err[0], err
+
+
+def test_cli_generate_decode_switch(capsys):
+    """``--decode static`` streams the same greedy text as the default (``loop`` on eager); ``--decode`` other than
+    loop with ``--backend jax`` is one error line, before any model is built."""
+    args = ["generate", "--preset", "tiny", "--layers", "4", "--prompt", "Alice", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    want, err = capsys.readouterr()
+    assert "decode loop" in err
+    assert main([*args, "--decode", "static"]) == 0
+    got, err = capsys.readouterr()
+    assert got == want and "decode static" in err
+    assert main([*args, "--backend", "jax", "--decode", "graph"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "kimi: error: --decode: got 'graph' with --backend jax, expected loop (or auto)"
+    ]

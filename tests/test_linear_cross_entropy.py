@@ -1,5 +1,5 @@
 """``kernels_torch.loss.linear_cross_entropy`` (the LM loss without the ``[N, vocab]`` logits) and the model's
-``forward(..., labels=)``: value and gradients against the full-logits path ``F.cross_entropy((h @ w.t()).float())``.
+``KimiK3Model.loss``: value and gradients against the full-logits path ``F.cross_entropy((h @ w.t()).float())``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kernels_torch.loss import default_chunk_size, linear_cross_entropy
 from kernels_torch.model import KimiK3Model, cast_model
+from kernels_torch.params import load_canonical
 from kimi.config import load_config
 from kimi.init import init_params
 
@@ -124,7 +125,7 @@ def _model(dtype, tie=False, layers=4):
     if tie:
         cfg = cfg.replace(tie_word_embeddings=True)
     model = KimiK3Model(cfg, backend="eager")
-    model.load_state_dict(init_params(cfg if tie else full, seed=3, layers=layers))
+    load_canonical(model, init_params(cfg if tie else full, seed=3, layers=layers))  # routed experts into the stacks
     return cast_model(model, dtype)
 
 
@@ -147,7 +148,7 @@ def _both_paths(model, ids, cu, labels, chunk):
                 x.to(torch.promote_types(x.dtype, torch.float32)), labels.reshape(-1), reduction="sum"
             )
         else:
-            loss = model(ids, cu_seqlens=cu, labels=labels, loss_chunk_size=chunk)
+            loss = model.loss(ids, labels, cu, chunk_size=chunk)
         loss.backward()
         out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     return out
@@ -182,27 +183,29 @@ def test_model_labels_batched_rows_and_refusals():
     with torch.no_grad():
         logits = model(ids)
         want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
-        got = model(ids, labels=labels, loss_chunk_size=4)
-    assert rel(got, want) <= MODEL_TOL[torch.float64]
-    for kw, match in [
+        got = model.loss(ids, labels, chunk_size=4)
+        with pytest.warns(DeprecationWarning, match="KimiK3Model.loss"):  # the old keyword: same value
+            old = model(ids, labels=labels, loss_chunk_size=4)
+    assert rel(got, want) <= MODEL_TOL[torch.float64] and rel(old, got) == 0.0
+    for kw, match in [  # the old keyword's combinations that the loss cannot honour
         (dict(return_aux=True), "labels: given with return_aux"),
         (dict(attention_mask=torch.ones(2, 9)), "labels: given with attention_mask"),
         (dict(lengths=torch.tensor([9, 9])), "labels: given with lengths"),
     ]:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match), pytest.warns(DeprecationWarning):
             model(ids, labels=labels, **kw)
     with pytest.raises(ValueError, match=r"labels: got shape \(1, 9\) dtype torch.int64, expected \[B, T\] = \[2, 9\]"):
-        model(ids, labels=labels[:1])
+        model.loss(ids, labels[:1])
     with pytest.raises(ValueError, match=r"labels: got .*int32"):
-        model(ids, labels=labels.int())
-    ran = []  # a bad loss_chunk_size is named as the model's argument, before the backbone runs
+        model.loss(ids, labels.int())
+    ran = []  # a bad chunk_size is named, before the backbone runs
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match=rf"loss_chunk_size: got {bad!r}, expected a positive int"):
-            model(ids, labels=labels, loss_chunk_size=bad, on_layer=ran.append)
+            model.loss(ids, labels, chunk_size=bad, on_layer=ran.append)
     assert ran == []
     labels[0, 3] = model.config.vocab_size
     with pytest.raises(ValueError, match=rf"labels: got {model.config.vocab_size}, expected ids in \[0, 512\)"):
-        model(ids, labels=labels)
+        model.loss(ids, labels)
 
 
 def test_a_wrapped_lm_head_takes_the_logits_path():
@@ -215,9 +218,9 @@ def test_a_wrapped_lm_head_takes_the_logits_path():
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
     labels = _labels(ids, torch.tensor([0, 12]))
     with torch.no_grad():
-        want = model(ids, labels=labels)
+        want = model.loss(ids, labels)
         head = Wrapped(model.config.hidden_size, model.config.vocab_size, bias=False, dtype=torch.float64)
         head.weight.copy_(model.lm_head.weight)
         model.lm_head = head
-        got = model(ids, labels=labels)
+        got = model.loss(ids, labels)
     assert rel(got, want) <= MODEL_TOL[torch.float64]

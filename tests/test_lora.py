@@ -293,7 +293,7 @@ def test_lora_on_the_generation_cache_path(cfg, form):
         logits, cache, _ = tcache.prefill(model, ids[:, :17], tcache.init_cache(model.config, 1, 24, torch.float64))
         steps = [logits]
         for t in range(17, 24):
-            step, cache = model(ids[:, t : t + 1], cache=cache, mla_form=form)
+            step, cache = model.step(ids[:, t : t + 1], cache, mla_form=form)
             steps.append(step)
     assert _rel(torch.cat(steps, dim=1), free) <= MERGE_OUT_REL * 100
     assert _rel(free, base) > 1e-2
@@ -353,3 +353,80 @@ def test_adapter_of_another_rank_or_model_names_the_tensor_and_shapes(cfg, tmp_p
     with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa\.lora_B\.weight' has shape \[24, 2\], expected \[40, 2\] "
                        r"\(lora_B \[out, r\]; an adapter trained for a model with other layer sizes\)"):  # fmt: skip
         load_adapter(_model(cfg, dtype=torch.float32), tmp_path / "other")
+
+
+def test_merge_scale_follows_rslora(cfg):
+    """rsLoRA scales the update by alpha / sqrt(r), not alpha / r: the merge (which reads ``LoraSettings.scale``)
+    gives the unmerged model's logits for both rules (r = 4, so the two scales differ by 2x)."""
+    ids = _ids(cfg, seed=5)
+    for rslora in (False, True):
+        model = _model(cfg)
+        apply_lora(model, LoraSettings(rank=4, alpha=3.0, use_rslora=rslora))
+        _randomise_adapters(model, seed=6)
+        s = next(iter(lora_modules(model).values())).scaling["default"]
+        assert s == pytest.approx(3.0 / (2.0 if rslora else 4.0))  # peft's forward scale
+        assert LoraSettings(rank=4, alpha=3.0, use_rslora=rslora).scale == pytest.approx(s)
+        with torch.no_grad():
+            unmerged = model(ids, cu_seqlens=CU)
+            merge_lora(model)
+            merged = model(ids, cu_seqlens=CU)
+        assert _rel(merged, unmerged) <= MERGE_OUT_REL, rslora
+
+
+def test_merge_on_a_bf16_model_adds_in_fp32_and_rounds_once(cfg):
+    """A bf16 base: each merged weight is bf16(fp32(W) + fp32(s B A)) exactly, the contract ``kimi lora merge`` meets
+    by loading in fp32; adding in bf16 (round W + round(s B A)) differs in some elements, which this checks too."""
+    model = _model(cfg, dtype=torch.bfloat16)
+    settings = LoraSettings(rank=4, alpha=8.0)
+    apply_lora(model, settings)
+    _randomise_adapters(model, seed=8)
+    want, bf16_add = {}, 0
+    for name, layer in lora_modules(model).items():
+        W = layer.get_base_layer().weight
+        A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert W.dtype == A.dtype == B.dtype == torch.bfloat16
+        want[name] = (W.float() + (B.float() @ A.float()) * settings.scale).to(torch.bfloat16)
+        bf16_add += int((W + (B @ A) * settings.scale != want[name]).sum())
+    assert bf16_add > 0  # the two roundings differ somewhere on these sizes: the check below can fail
+    merge_lora(model)
+    for name, w in want.items():
+        got = model.get_submodule(name).weight
+        assert got.dtype == torch.bfloat16 and torch.equal(got, w), name
+
+
+def test_merge_refuses_another_base_unless_forced(cfg, tmp_path, capsys):
+    """The adapter records its base's fingerprint (safetensors metadata, beside peft's "format"); ``kimi lora merge``
+    onto another base of the same shapes (another init seed) is refused with one line naming --force-base, and
+    merges with it. The adapter files are written 0644 like every other file (safetensors' own writer makes 0600)."""
+    import os
+    import stat
+
+    from kimi.init import init_checkpoint
+    from kimi_tools.cli import main
+    from kimi_tools.lora import adapter_base_fingerprint, base_fingerprint
+
+    init_checkpoint(tmp_path / "base", cfg, seed=0)
+    init_checkpoint(tmp_path / "other", cfg, seed=7)
+    fp = base_fingerprint(tmp_path / "base")
+    assert fp.startswith("sha256:") and fp == base_fingerprint(tmp_path / "base")
+    assert base_fingerprint(tmp_path / "other") != fp  # same config and shapes, other values
+    settings = LoraSettings(rank=2, alpha=4.0)
+    model = load_model(tmp_path / "base", dtype=torch.float32)
+    apply_lora(model, settings)
+    _randomise_adapters(model, seed=3)
+    old = os.umask(0o022)
+    try:
+        save_adapter(model, settings, tmp_path / "adapter", base_checkpoint=tmp_path / "base", base_fingerprint=fp)
+    finally:
+        os.umask(old)
+    for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        assert stat.S_IMODE((tmp_path / "adapter" / f).stat().st_mode) == 0o644, f
+    assert adapter_base_fingerprint(tmp_path / "adapter") == fp
+    args = ["lora", "merge", "--adapter", str(tmp_path / "adapter")]
+    assert main([*args, "--checkpoint", str(tmp_path / "other"), "--out", str(tmp_path / "m1")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not the base" in err[0] and "--force-base" in err[0], err
+    assert not (tmp_path / "m1").exists()
+    assert main([*args, "--checkpoint", str(tmp_path / "other"), "--out", str(tmp_path / "m1"), "--force-base"]) == 0
+    assert "differs from the adapter's (--force-base)" in capsys.readouterr().out
+    assert main([*args, "--checkpoint", str(tmp_path / "base"), "--out", str(tmp_path / "m2")]) == 0

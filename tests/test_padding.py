@@ -58,7 +58,7 @@ def test_torch_padded_batch_equals_rows_alone(ckpt):
     model = load_torch(ckpt)
     rows, ids, mask = _batch(model.config.vocab_size)
     with torch.no_grad():
-        out = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).numpy()
+        out = model.padded(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         no_mask = model(torch.from_numpy(ids)).numpy()
         for r, row in enumerate(rows[:4]):  # row 4 has no token: all its logits are 0
             alone = model(torch.from_numpy(row)[None])[0].numpy()
@@ -74,10 +74,10 @@ def test_jax_padded_batch_equals_rows_alone_and_torch(ckpt):
     all four layers costs minutes): the padded batch equals torch's, whose rows equal each row alone (above)."""
     model, tree, cfg = load_jax(ckpt, layers=1)
     rows, ids, mask = _batch(cfg.vocab_size)
-    out = np.asarray(model.apply({"params": tree}, jnp.asarray(ids), attention_mask=mask))
+    out = np.asarray(model.apply({"params": tree}, jnp.asarray(ids), mask, method="padded"))
     assert not out[~mask].any()
     with torch.no_grad():
-        t = load_torch(ckpt, layers=1)(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).numpy()
+        t = load_torch(ckpt, layers=1).padded(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
     assert rel(out[mask], t[mask]) <= TOL_FP32
 
 
@@ -86,20 +86,28 @@ def test_attention_mask_refusals(ckpt):
     ids = torch.ones(2, 4, dtype=torch.int64)
     ok = torch.ones(2, 4, dtype=torch.bool)
     cases = [
-        (dict(attention_mask=ok[:, :3]), "attention_mask: got shape"),
-        (dict(attention_mask=ok.long() * 2), "values outside"),
-        (dict(attention_mask=ok.float()), "values outside"),
-        (dict(attention_mask=torch.zeros(2, 4, dtype=torch.bool)), "no real token"),
+        (ok[:, :3], "attention_mask: got shape"),
+        (ok.long() * 2, "values outside"),
+        (ok.float(), "values outside"),
+        (torch.zeros(2, 4, dtype=torch.bool), "no real token"),
+    ]
+    old_keyword = [  # the deprecated forward(attention_mask=) alias: what the padded call cannot honour
         (dict(attention_mask=ok, cu_seqlens=torch.tensor([0, 4])), "given with cu_seqlens"),
         (dict(attention_mask=ok, return_aux=True), "given with return_aux"),
     ]
-    for kw, msg in cases:
+    for mask, msg in cases:
         with pytest.raises(ValueError, match=msg):
+            model.padded(ids, mask)
+    for kw, msg in old_keyword:
+        with pytest.raises(ValueError, match=msg), pytest.warns(DeprecationWarning, match="padded"):
             model(ids, **kw)
     jmodel, tree, _ = load_jax(ckpt, layers=1)  # every refusal comes before the layers run
-    for kw, msg in cases:
-        kw = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    for mask, msg in cases:
         with pytest.raises(ValueError, match=msg):
+            jmodel.apply({"params": tree}, ids.numpy(), mask.numpy(), method="padded")
+    for kw, msg in old_keyword:
+        kw = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        with pytest.raises(ValueError, match=msg), pytest.warns(DeprecationWarning, match="padded"):
             jmodel.apply({"params": tree}, ids.numpy(), **kw)
 
 
@@ -114,7 +122,7 @@ def test_max_position_embeddings_warns(ckpt):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             model(ids, cu_seqlens=torch.tensor([0, 4, 8]))  # documents of 4: fine
-            model(ids, attention_mask=torch.arange(8)[None] >= 2)  # 6 real tokens: fine
+            model.padded(ids, torch.arange(8)[None] >= 2)  # 6 real tokens: fine
     from reference_jax.model import _warn_past_max_positions  # the JAX model's check (running it costs ~10 s)
 
     with pytest.warns(UserWarning, match="sequence length 7 exceeds config.max_position_embeddings=6"):

@@ -141,8 +141,7 @@ def test_split_tail_holds_out_the_last_tokens():
 
 @pytest.fixture(scope="module")
 def tiny4():
-    from kernels_torch.model import KimiK3Model
-    from kernels_torch.params import load_canonical
+    from kernels_torch.model import model_from_params
     from kimi.config import load_config
     from kimi.init import init_params
 
@@ -150,7 +149,7 @@ def tiny4():
     cfg = full.truncated(4)  # KKKD: KDA, MoE and one DSA layer
 
     def make(backend):
-        return load_canonical(KimiK3Model(cfg, backend=backend), init_params(full, seed=1, layers=4))
+        return model_from_params(cfg, init_params(full, seed=1, layers=4), backend)
 
     return cfg, make
 
@@ -189,7 +188,7 @@ def test_recompute_gives_the_same_loss_and_grads(tiny4):
         calls = []  # feed_forward runs: once per layer, twice where the backward recomputes it
         for layer in model.model.layers:
             ff = layer.feed_forward
-            layer.feed_forward = lambda h, ff=ff: calls.append(1) or ff(h)
+            layer.feed_forward = lambda h, *a, ff=ff, **k: calls.append(1) or ff(h, *a, **k)
         if mode:
             recompute_layers(model, mode)
         loss, _ = LMStage(cfg, None).loss(model, batch)
@@ -263,7 +262,6 @@ def test_output_loads_in_both_paths(runs):
     import torch.distributed.checkpoint as dcp
 
     from kernels_torch.model import load_model as load_torch
-    from kernels_torch.params import canonical_state_dict
     from kimi.arrays import to_torch
     from reference_jax.model import load_model as load_jax
     from reference_jax.params import from_tree
@@ -272,7 +270,9 @@ def test_output_loads_in_both_paths(runs):
     jmodel, tree, cfg = load_jax(out)
     assert cfg.num_hidden_layers == 2
     jax_params = from_tree(tree)  # numpy arrays
-    torch_params = canonical_state_dict(load_torch(out, backend="sdpa"))  # experts under the checkpoint's names
+    from kernels_torch.params import canonical_state_dict
+
+    torch_params = canonical_state_dict(load_torch(out, backend="sdpa"))  # the checkpoint's names (experts split)
     assert jax_params.keys() == torch_params.keys()
     assert all(torch.equal(to_torch(jax_params[k]), torch_params[k]) for k in jax_params)
     name = "model.layers.1.self_attn.q_proj.weight"
@@ -313,10 +313,35 @@ def test_bf16_masters_frozen_parts_and_optimizer(tmp_path):
     assert CheckpointReader(tmp_path / "r").dtype("model.layers.0.self_attn.q_proj.weight") == "bfloat16"
 
 
+def short_documents(path: Path, n_words: int = 3000, seed: int = 0) -> Path:
+    """A JSONL file of many short documents (1 to 12 words of the bundled text each): packed rows then hold several
+    document ends, so the target count differs from one micro-batch (and one context-parallel shard) to the next."""
+    rng = np.random.default_rng(seed)
+    words = DEFAULT_TEXT.read_text(encoding="utf-8").split()[:n_words]
+    lines, i = [], 0
+    while i < len(words):
+        n = int(rng.integers(1, 13))
+        lines.append(json.dumps({"text": " ".join(words[i : i + n])}))
+        i += n
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-    kw = {**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "batch_tokens": 64, "plot": False}
+    """4 micro-batches of 16 tokens = one of 64 (loss and gradient norm), on short documents whose micro-batches
+    hold different target counts: each is weighted by its share of the step's targets, not by 1/4."""
+    data = short_documents(tmp_path / "docs.jsonl")
+    kw = {**SMALL, "data": [str(data)], "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "batch_tokens": 64}
+    kw["plot"] = False
     one = train(TrainArgs(out=str(tmp_path / "one"), **{**kw, "micro_batch_tokens": 64}, peak_tflops=0.5))
     acc = train(TrainArgs(out=str(tmp_path / "acc"), **{**kw, "micro_batch_tokens": 16}))  # 4 micro-batches
+    from kimi.tokenizer import load_tokenizer
+    from kimi_tools.data import tokenize_documents
+
+    docs, _ = split_tail(tokenize_documents(read_documents([data]), load_tokenizer(None, 512).encode), 0.05)
+    loader = PackedLoader(docs, seq_len=16, rows=1, seed=0)
+    counts = {loader.next_batch().num_targets for _ in range(4)}  # the first step's four micro-batches
+    assert len(counts) > 1, counts  # 1/4 each would then be a different weighting
     a, b = one.records[1], acc.records[1]
     from kimi.config import load_config
     from kimi.flops import estimate_flops
@@ -455,8 +480,8 @@ def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
 @pytest.mark.parametrize("bad_step", [1, 3])
 def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_path, capsys, monkeypatch, bad_step):
     """A non-finite loss at step N: one ``kimi: error:`` line naming the step and the loss; the folder keeps
-    step-(N-1)/ (saved then, with the data position and RNG of before step N), its model, the metrics up to N-1 and
-    diverged.json; ``--resume`` then gives run A's numbers exactly (the folder was an unusable run.json +
+    step-(N-1)/ (saved then, with the data position and RNG of before step N), the metrics up to N-1 and
+    diverged.json, and no model (none is written before --steps); ``--resume`` then gives run A's numbers exactly (the folder was an unusable run.json +
     metrics.jsonl, refused by --resume and by a fresh run alike)."""
 
     class Diverges(LMStage):  # the loss of the bad_step-th training step is NaN, evaluation stays clean
@@ -477,13 +502,11 @@ def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"kimi: error: step {bad_step}: the loss is nan (gradient norm nan), not finite"), err
     assert f"keeps step-{good}/" in err[0], err
+    # no model: the export is written when a run reaches --steps, and a diverged run is a stopped one
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json",
         "diverged.json",
         "loss.png",
         "metrics.jsonl",
-        "model.safetensors",
-        "model.safetensors.index.json",
         "run.json",
         f"step-{good}",
     ]
@@ -511,7 +534,7 @@ def test_divergence_stops_with_one_line_and_leaves_a_resumable_folder(runs, tmp_
 def test_resume_mismatch_names_nested_keys_with_both_values():
     """``_diff`` on nested checkpoint configs: the path of each differing leaf with both values, long lists by item,
     a dict against None shown short, absent keys said so (the message dumped whole dicts and lists)."""
-    from kimi_tools.train import _diff
+    from kimi_tools.train.args import diff_json as _diff
 
     layers = list(range(1, 70))
     run = {
@@ -534,7 +557,7 @@ def test_resume_mismatch_names_nested_keys_with_both_values():
 def test_resume_mismatch_names_the_flags_as_typed(tmp_path):
     """The settings part of the refusal names flags a user can type: ``--no-shuffle`` (given or not), not the
     ``shuffle`` field's ``--shuffle``, which ``kimi train`` does not have."""
-    from kimi_tools.train import _check_out
+    from kimi_tools.train.checkpoint import check_out as _check_out
 
     args = {**SMALL, "shuffle": True, "lora_targets": None}
     was = {"config": {}, "args": {**args, "shuffle": False}}
@@ -545,7 +568,7 @@ def test_resume_mismatch_names_the_flags_as_typed(tmp_path):
 
 
 def test_no_save_refusal_names_only_the_flags_given():
-    from kimi_tools.train import _resolve
+    from kimi_tools.train.args import resolve as _resolve
 
     with pytest.raises(ValueError) as e:
         _resolve(TrainArgs(out="x", save=False, stop_after=3, **SMALL))
@@ -579,6 +602,9 @@ def test_lora_run_resumes_exactly_and_writes_the_adapter(tmp_path):
     assert a.eval_losses[4] != a.eval_losses[0]  # the adapters change the function (the benchmark: loss falls)
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert files == ["adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "run.json", "step-4"]
+    assert lora.adapter_base_fingerprint(tmp_path / "a") == lora.base_fingerprint(base)  # kimi lora merge checks it
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "a").iterdir() if p.is_file()}
+    assert len(set(modes.values())) == 1, modes  # the adapter file as every other (it was 0600)
     wa = load_file(tmp_path / "a" / "adapter_model.safetensors")
     wb = load_file(tmp_path / "b" / "adapter_model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -612,7 +638,7 @@ def test_lora_adapters_that_get_no_gradient_stop_the_run(tmp_path, monkeypatch):
 def test_default_warmup_fits_short_runs_and_finished_runs_are_not_resumed(tmp_path):
     """The default warm-up is min(10, steps // 10), so a 2-step run needs no --warmup-steps; --resume of a run that
     already reached --steps is refused with one line instead of training nothing (it printed 'loss nan')."""
-    from kimi_tools.train import TrainArgs, _resolve
+    from kimi_tools.train.args import resolve as _resolve
 
     assert _resolve(TrainArgs(data=["x"], out="o", steps=2)).warmup_steps == 0
     assert _resolve(TrainArgs(data=["x"], out="o", steps=100)).warmup_steps == 10
@@ -623,3 +649,332 @@ def test_default_warmup_fits_short_runs_and_finished_runs_are_not_resumed(tmp_pa
             "--steps", "2", "--seq-len", "16", "--eval-tokens", "32", "--quiet"]  # fmt: skip
     assert main(args) == 0
     assert main([*args, "--resume"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- the step's parts
+
+
+def _dcp_tensors(step_dir: Path, names) -> dict[str, torch.Tensor]:
+    """The fp32 masters ``weights.<name>`` of a ``step-N/`` resume state."""
+    import torch.distributed.checkpoint as dcp
+
+    from kimi_tools.train.checkpoint import Checkpointer
+
+    meta = _dcp_keys(step_dir)
+    state = {"weights": {n: torch.empty(meta[f"weights.{n}"].size, dtype=torch.float32) for n in names}}
+    Checkpointer(step_dir.parent).damage(int(step_dir.name.removeprefix("step-")))  # (complete: checked below)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, checkpoint_id=str(step_dir))
+    return state["weights"]
+
+
+def test_bf16_export_is_the_fp32_masters_rounded(tmp_path):
+    """bf16 training (the cudnn default): after 2 steps every trained bf16 weight of the export differs from the
+    initial weight and equals its fp32 master (in step-2/) rounded to bf16, so the updates reached the model."""
+    from kernels_torch.model import load_model
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    kw = {**SMALL, "steps": 2, "warmup_steps": 0, "eval_tokens": 16, "eval_every": 0, "dtype": "bfloat16"}
+    train(TrainArgs(out=str(tmp_path / "r"), plot=False, **kw))
+    export = load_model(tmp_path / "r", dtype=torch.bfloat16).state_dict()  # the stored values (bf16 or fp32)
+    initial = init_params(load_config("tiny"), seed=0, layers=2)
+    from kimi.checkpoint import CheckpointReader
+
+    stored = CheckpointReader(tmp_path / "r")  # bf16 on disk (routed experts are re-quantised to MXFP4: not these)
+    names = [k for k in _trainable_names(tmp_path / "r") if k in stored and stored.dtype(k) == "bfloat16"]
+    assert len(names) > 20, names
+    masters = _dcp_tensors(tmp_path / "r" / "step-2", names)
+    moved = [n for n in names if not torch.equal(masters[n], initial[n].float())]  # (some get no gradient)
+    assert len(moved) > 20, moved
+    for n in names:
+        assert torch.equal(export[n], masters[n].to(torch.bfloat16)), f"{n}: the export is not the master rounded"
+    for n in moved:
+        assert not torch.equal(export[n], initial[n].to(torch.bfloat16)), f"{n}: the export holds the initial weight"
+
+
+def _trainable_names(run: Path) -> set[str]:
+    step = max(p for p in run.glob("step-*"))
+    return {k.removeprefix("weights.") for k in _dcp_keys(step) if k.startswith("weights.")}
+
+
+def test_every_step_applies_the_schedule(tmp_path):
+    """With warm-up 3 of 6 steps, step k applies lr x lr_multiplier(k - 1) (recorded, read from the optimizer at
+    its step), and AdamW's first update, |dW| = lr for gradients well above eps, has that size too: a schedule wired
+    one step ahead (step 1 at lr_multiplier(1)) fails both."""
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    kw = {**SMALL, "steps": 6, "warmup_steps": 3, "eval_every": 0, "eval_tokens": 16, "grad_clip": 0.0}
+    res = train(TrainArgs(out=str(tmp_path / "r"), save_every=1, keep=10, plot=False, **kw))
+    want = [SMALL["lr"] * lr_multiplier(k - 1, warmup_steps=3, total_steps=6, min_lr_ratio=0.1) for k in range(1, 7)]
+    got = [r["lr"] for r in res.records[1:]]
+    assert got == pytest.approx(want, rel=1e-12), (got, want)
+    assert got[0] < got[1] < got[2] == SMALL["lr"] > got[4] > got[5]  # the warm-up, the peak, the decay
+    name = "model.layers.1.self_attn.q_proj.weight"
+    w0 = init_params(load_config("tiny"), seed=0, layers=2)[name].float()
+    w1 = _dcp_tensors(tmp_path / "r" / "step-1", [name])[name]
+    step = (w1 - w0).abs().flatten()
+    moved = step[step > 0]
+    assert moved.numel() > 0.9 * step.numel()
+    assert float(moved.median()) == pytest.approx(want[0], rel=1e-3)  # the lr step 1 applied
+
+
+def test_evaluation_runs_in_eval_mode(tmp_path):
+    """Two evaluations at the same weights agree with LoRA dropout 0.5 (the adapters non-zero), and the model is
+    back in train mode afterwards; in train mode the same evaluation is not reproducible (dropout draws)."""
+    from kimi.config import load_config
+    from kimi.init import init_checkpoint
+    from kimi_tools import lora
+    from kimi_tools.train import Trainer
+
+    init_checkpoint(tmp_path / "base", load_config("tiny"), seed=0, layers=2)
+    kw = {**SMALL, "layers": None, "checkpoint": str(tmp_path / "base"), "eval_tokens": 64}
+    t = Trainer(TrainArgs(out=str(tmp_path / "r"), lora_rank=4, lora_dropout=0.5, **kw))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in lora.lora_modules(t.model).values():
+            w = layer.lora_B["default"].weight
+            w.copy_(torch.randn(w.shape, generator=g) * 0.5)
+    t.model.train()
+    first, second = t.evaluate(), t.evaluate()
+    assert first == second and t.model.training
+    with torch.no_grad():  # what evaluation in train mode would give: dropout makes two passes differ
+        b = t.evals[0]
+        a1, a2 = (float(t.stage.loss(t.model, b)[0]) for _ in range(2))
+    assert a1 != a2
+    assert not (tmp_path / "r").exists()  # building a Trainer writes nothing
+
+
+def test_weight_decay_spares_vectors(tmp_path):
+    """One step with --weight-decay 0.5 against one without, from the same init and data: the vectors (norm weights,
+    A_log, dt_bias, conv-free 1-D tensors) come out identical, the matrices decayed."""
+    kw = {**SMALL, "steps": 1, "warmup_steps": 0, "eval_tokens": 16, "plot": False}
+    for wd in (0.0, 0.5):
+        train(TrainArgs(out=str(tmp_path / f"wd{wd}"), weight_decay=wd, **kw))
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    names = sorted(_trainable_names(tmp_path / "wd0.0"))
+    a = _dcp_tensors(tmp_path / "wd0.0" / "step-1", names)
+    b = _dcp_tensors(tmp_path / "wd0.5" / "step-1", names)
+    from kernels_torch.model import model_from_params
+
+    cfg = load_config("tiny")
+    initial = model_from_params(cfg.truncated(2), init_params(cfg, seed=0, layers=2)).state_dict()  # torch names
+    moved = [n for n in names if not torch.equal(a[n], initial[n].float())]  # (layer 0's AttnRes mix gets no grad)
+    vectors = [n for n in moved if a[n].ndim == 1]
+    for must in ("A_log", "dt_bias", "input_layernorm.weight", "model.norm.weight"):
+        assert any(must in n for n in vectors), must
+    assert len(moved) - len(vectors) > 20
+    for n in moved:
+        if a[n].ndim == 1:
+            assert torch.equal(a[n], b[n]), f"{n}: a vector was decayed"
+        else:
+            assert not torch.equal(a[n], b[n]), f"{n}: a matrix was not decayed"
+
+
+def test_parser_is_the_dataclass(tmp_path):
+    """``kimi train``'s flags are TrainArgs' fields: the CLI form of SMALL parses to TrainArgs(**SMALL), every field
+    has its flag, and a run-control field is outside the fingerprint while a numbers field is in it."""
+    import dataclasses
+
+    from kimi_tools.cli import build_parser
+    from kimi_tools.train.args import args_from_namespace, fingerprint, run_control_fields
+    from kimi_tools.train.weights import load_run_config
+
+    ns = build_parser().parse_args(["train", *_small_argv(tmp_path / "o"), "--no-shuffle", "--save-every", "5min"])
+    got = args_from_namespace(ns)
+    assert got == TrainArgs(out=str(tmp_path / "o"), shuffle=False, save_every="5min", **SMALL)
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for f in dataclasses.fields(TrainArgs):
+        flag = ("--no-" if f.default is True else "--") + f.name.replace("_", "-")
+        assert flag in help_text, flag
+    assert {"out", "resume", "restart", "save_every", "quiet", "cp"} <= set(run_control_fields())
+    assert "lr" not in run_control_fields()
+    a = TrainArgs(out="o", **SMALL)
+    cfg = load_run_config(dataclasses.replace(a, preset="tiny"))
+    base = fingerprint(a, cfg)[0]
+    assert fingerprint(dataclasses.replace(a, out="elsewhere", save_every=3), cfg)[0] == base
+    assert fingerprint(dataclasses.replace(a, lr=1e-3), cfg)[0] != base
+
+
+@pytest.mark.parametrize(
+    "value, want", [(None, (0, 10.0)), (0, (0, 0.0)), (5, (5, 0.0)), ("7", (7, 0.0)), ("2.5min", (0, 2.5))]
+)
+def test_save_every_steps_or_minutes(value, want):
+    from kimi_tools.train.args import parse_save_every
+
+    assert parse_save_every(value) == want
+
+
+@pytest.mark.parametrize("value", [-1, "5s", "1.5", "min", True])
+def test_save_every_rejects(value):
+    from kimi_tools.train.args import parse_save_every
+
+    with pytest.raises(ValueError, match="--save-every: got"):
+        parse_save_every(value)
+
+
+def test_periodic_saves_by_minutes(tmp_path):
+    """``--save-every Nmin`` saves when N minutes have passed since the last save (here every step), keeping the
+    latest --keep; the model is written at the last step only."""
+    kw = {**SMALL, "steps": 3, "eval_every": 0, "eval_tokens": 16, "plot": False}
+    train(TrainArgs(out=str(tmp_path / "r"), save_every="0.0001min", keep=5, **kw))
+    assert sorted(p.name for p in (tmp_path / "r").glob("step-*")) == ["step-1", "step-2", "step-3"]
+
+
+def test_stop_after_summary_and_no_model_before_the_end(tmp_path, capsys):
+    """--stop-after before the first --eval-every step: the summary names the one evaluation and the next one (it
+    read 'eval loss X (step 0) -> X (step 0)'); the folder holds the resume state and no model until --steps."""
+    out = tmp_path / "r"
+    argv = [a for a in _small_argv(out) if a != "--quiet"] + ["--eval-every", "4", "--no-plot", "--stop-after", "2"]
+    assert main(["train", *argv]) == 0
+    text = capsys.readouterr().out
+    assert "(step 0) ->" not in text, text
+    assert "(step 0; the next evaluation is at step 4)" in text and "step 2/6 (--stop-after)" in text, text
+    assert "the model is written at step 6" in text
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json", "step-2"]
+    assert main(["train", *argv[:-3], "--resume"]) == 0  # without --stop-after 2
+    assert "model.safetensors" in {p.name for p in out.iterdir()}
+    assert "eval loss" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- crash safety
+
+
+def test_a_run_without_a_saved_step_restarts_with_one_flag(tmp_path, capsys):
+    """A folder with run.json but no step-N (a crash before the first save): --resume and a plain rerun are refused,
+    both naming --restart; --restart deletes the run's own files and starts again. --restart refuses a folder that
+    is not a run, or that holds a file no run writes (nothing deleted)."""
+    out = tmp_path / "r"
+    argv = _small_argv(out) + ["--steps", "2", "--no-plot"]
+    assert main(["train", *argv, "--no-save"]) == 0  # run.json and metrics, no step-N: as a crash leaves it
+    (out / ".step-3.tmp-99").mkdir()  # a save cut short
+    rc, err = _cli(argv + ["--resume"], capsys)
+    assert rc == 2 and "no complete step-N resume state" in err[0] and "--restart" in err[0], err
+    rc, err = _cli(argv, capsys)
+    assert rc == 2 and "--restart" in err[0] and "--resume" in err[0], err
+    rc, err = _cli(argv + ["--resume", "--restart"], capsys)
+    assert rc == 2 and "got both" in err[0], err
+    (out / "notes.txt").write_text("mine")
+    rc, err = _cli(argv + ["--restart"], capsys)
+    assert rc == 2 and "'notes.txt'" in err[0] and "nothing was deleted" in err[0], err
+    assert (out / ".step-3.tmp-99").exists()
+    (out / "notes.txt").unlink()
+    rc, err = _cli(argv + ["--restart"], capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "metrics.jsonl", "model.safetensors", "model.safetensors.index.json", "run.json", "step-2",
+    ]  # fmt: skip
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.txt").write_text("x")
+    rc, err = _cli(_small_argv(other) + ["--restart"], capsys)
+    assert rc == 2 and "no kimi train run; refusing to delete it" in err[0], err
+    assert (other / "data.txt").exists()
+
+
+def test_a_damaged_step_is_named_and_the_previous_one_offered(tmp_path, capsys):
+    """A truncated ``step-N/*.distcp`` (a save cut short by a full disk): --resume names the file, says the step is
+    damaged and offers the previous complete step; removing it resumes from there, and the run ends as one that was
+    never interrupted. A step whose .metadata is garbage is named too."""
+    out = tmp_path / "r"
+    base = _small_argv(out) + ["--steps", "4", "--eval-every", "0", "--no-plot", "--save-every", "1", "--keep", "3"]
+    assert main(["train", *base, "--stop-after", "3"]) == 0
+    shard = next((out / "step-3").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    rc, err = _cli(base + ["--resume"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert f"{out / 'step-3'} is damaged: {shard.name} holds 100 bytes where its .metadata needs" in err[0], err
+    assert "the previous complete step is step-2" in err[0] and "--resume" in err[0], err
+    (out / "step-2" / ".metadata").write_bytes(b"not a pickle")
+    rc, err = _cli(base + ["--resume"], capsys)
+    assert rc == 2 and "the previous complete step is step-1" in err[0], err
+    import shutil
+
+    for s in (2, 3):
+        shutil.rmtree(out / f"step-{s}")
+    assert main(["train", *base, "--resume"]) == 0
+    whole = tmp_path / "whole"
+    assert main(["train", *_small_argv(whole), "--steps", "4", "--eval-every", "0", "--no-plot"]) == 0
+    got = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(got) == _numbers(want)
+
+
+def test_stop_request_first_signal_asks_second_interrupts():
+    """In-process: the first SIGINT inside StopRequest only sets the flag (and calls on_first once), SIGTERM too;
+    a second SIGINT raises KeyboardInterrupt; the handlers are restored on exit."""
+    import os
+    import signal
+
+    from kimi_tools.train.interrupt import StopRequest
+
+    before = signal.getsignal(signal.SIGINT)
+    seen = []
+    with StopRequest(on_first=seen.append) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.signum == signal.SIGTERM and seen == ["SIGTERM"]
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM: still the first request
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before and seen == ["SIGTERM"]
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_real_signal_saves_and_exits_with_one_line(tmp_path, sig, code):
+    """``kimi train`` in a child process, sent a real signal after its first steps: the step in flight finishes,
+    its resume state is saved, the child prints one line (how to resume) and exits 128 + signum, no traceback; the
+    folder has no model; --resume then continues from that step to the end, the records contiguous."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "r"
+    argv = _small_argv(out) + ["--steps", "500", "--eval-every", "0", "--no-plot", "--layers", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kimi_tools.cli", "train", *argv],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and child.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:  # steps 0, 1, 2 logged
+            break
+        time.sleep(0.05)
+    assert child.poll() is None, child.communicate()
+    os.kill(child.pid, getattr(signal, sig))
+    stdout, stderr = child.communicate(timeout=240)
+    assert child.returncode == code, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    last = steps[-1]
+    assert steps == list(range(last + 1)) and 2 <= last < 500
+    assert lines[0] == (
+        f"kimi train: stopped by {sig} after step {last} of 500; its resume state is {out}/step-{last} (no model "
+        "is written until step 500); to continue, run the same command with --resume"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json", f"step-{last}"]
+    res = train(TrainArgs(out=str(out), resume=True, stop_after=last + 1, **{**SMALL, "steps": 500, "layers": 1,
+                          "eval_every": 0, "plot": False}))  # fmt: skip
+    assert res.start_step == last and res.step == last + 1
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(last + 2))
+
+
+def test_micro_batches_must_deal_evenly_to_data_parallel_groups():
+    """Under torchrun every rank runs the same number of forwards (FSDP2's collectives): a step of 3 micro-batches
+    for 2 dp groups is refused naming --batch-tokens and the multiple it needs."""
+    from kimi_tools.parallel import TrainParallel
+
+    par = TrainParallel(1, "cpu")
+    par.check_accum(3, 16)  # one process: anything goes
+    par.dp_size, par.cp_size = 2, 2  # as under torchrun --nproc-per-node 4 --cp 2
+    par.check_accum(4, 16)
+    with pytest.raises(ValueError, match=r"--batch-tokens: 3 micro-batch\(es\) of 16 tokens .* multiple of 32"):
+        par.check_accum(3, 16)

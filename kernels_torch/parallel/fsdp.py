@@ -14,7 +14,7 @@ Under ``torchrun``::
     mesh = init_mesh(dp=1, cp=2, device_type="cuda")     # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
     cp = parallelize(model, mesh)                         # FSDP2 + CP; returns the ContextParallel (None if cp=1)
     ids, cu = cp.shard(input_ids, cu_seqlens)             # the same global row on every cp rank
-    loss = model(ids, cu, labels=cp.shard_like(labels)) / n_tokens  # summed NLL, lm_head gathered, no logits
+    loss = model.loss(ids, cp.shard_like(labels), cu) / n_tokens  # summed NLL, lm_head gathered, no logits
     save_checkpoint(path, model, optimizer)               # DCP: loads on any other world size
     sd = full_state_dict(model)                           # rank 0: full tensors for kernels_torch.model.save_model
 """
@@ -69,6 +69,7 @@ def parallelize(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     gradient_divide_factor: float | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), then FSDP2 over the flattened
     ``(dp, cp)`` ranks: one ``fully_shard`` per ``model.model.layers[i]`` and one for the root.
@@ -81,11 +82,14 @@ def parallelize(
         gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
             rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
             global batch (``kimi_tools.parallel``).
+        ignored_params: parameters FSDP2 leaves whole on every rank (``fully_shard(ignored_params=)``): not sharded,
+            their gradients not reduced (the caller all-reduces them); for parameters used outside their module's
+            forward, where FSDP2 has not gathered them (the indexer re-run of ``kimi_tools.distill``).
 
     Returns:
         The :class:`ContextParallel` to call ``shard`` on before each forward, or None when ``cp == 1``.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # The routed experts are stacked (one [E, out, in] tensor per projection), so every rank's backward gives each
     # stack a gradient (zeros for experts it routed nothing to) and the reduce-scatters agree in size on every rank.
@@ -95,9 +99,14 @@ def parallelize(
     if any(p.dtype == torch.float64 for p in model.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = dict(mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if ignored_params:
+        kw["ignored_params"] = set(ignored_params)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    if hasattr(model, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
+        register_fsdp_forward_method(model, "loss")
     # cp ranks hold parts of one gradient (sum), dp ranks replicas (mean): divide by dp, not by dp x cp
     factor = float(dp) if gradient_divide_factor is None else float(gradient_divide_factor)
     for m in [*model.model.layers, model]:

@@ -225,7 +225,7 @@ def test_tiny_model_fp8_lm_loss_and_backward():
         g = torch.Generator(device="cuda").manual_seed(5)
         ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda", generator=g)
         labels = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda", generator=g)
-        loss = model(ids, labels=labels) / 512
+        loss = model.loss(ids, labels) / 512
         loss.backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         losses.append(float(loss))

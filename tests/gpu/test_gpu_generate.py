@@ -120,7 +120,7 @@ def _cached_vs_free_cosine(model, ids, prompt_len):
     logits, cache, _ = tc.prefill(model, ids[:, :prompt_len], cache, 64)
     steps = [logits.float()]
     for t in range(prompt_len, T):
-        out, cache = model(ids[:, t : t + 1], cache=cache)
+        out, cache = model.step(ids[:, t : t + 1], cache)
         steps.append(out.float())
     return torch.nn.functional.cosine_similarity(torch.cat(steps, 1), free, dim=-1)
 

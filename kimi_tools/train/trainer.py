@@ -1,0 +1,552 @@
+"""The training loop: :class:`Trainer`, one object that owns the run's components and is itself the run's
+``Stateful`` training state (step, tokens seen, RNG), as torchtitan's ``Trainer`` is.
+
+``Trainer(args)`` checks everything and builds the components, writing nothing: the data (loader and eval batches),
+the stage, the model (built, prepared, LoRA, frozen, converted, sharded), the fp32 masters, AdamW and the schedule,
+the checkpointer and the metrics log. :meth:`Trainer.run` opens the run folder (``run.json``, or the resume state),
+evaluates at step 0, and loops over :meth:`Trainer.train_step` until ``--stop-after`` or ``--steps``, saving the
+resume state on schedule (``--save-every``), on the last step and when a SIGINT / SIGTERM asks it to stop
+(:mod:`kimi_tools.train.interrupt`); it writes the model only when the run reaches ``--steps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kimi_tools.common import write_atomic
+from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, resolve
+from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
+from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
+from kimi_tools.train.metrics import RECORD_KEYS, MetricsLog, peak_mem_bytes, plot_losses
+from kimi_tools.train.schedule import build_scheduler
+from kimi_tools.train.stages import make_stage
+from kimi_tools.train.weights import (
+    MasterWeights,
+    OptimizerState,
+    build_model,
+    build_optimizer,
+    clip_grad_norm,
+    convert_model,
+    freeze,
+    load_run_config,
+    recompute_layers,
+)
+
+if TYPE_CHECKING:
+    from kimi.config import KimiConfig
+
+__all__ = ["Trainer", "TrainResult", "train", "read_data"]
+
+
+@dataclass
+class TrainResult:
+    """What a run did: ``records`` are the metrics.jsonl records of this process (``step`` 0 first on a fresh run);
+    ``eval_losses`` maps step -> eval loss over the whole run (earlier records read back on resume)."""
+
+    out: Path
+    start_step: int
+    step: int
+    tokens_seen: int
+    records: list[dict[str, Any]]
+    eval_losses: dict[int, float]
+    trainable_params: int
+    total_params: int
+    wall_s: float
+
+    @property
+    def final_loss(self) -> float | None:
+        losses = [r["loss"] for r in self.records if r.get("loss") is not None]
+        return losses[-1] if losses else None
+
+
+def read_data(a: TrainArgs, cfg: KimiConfig):
+    """``(tokenizer, train_docs, eval_docs)``: ``--data`` tokenised with the checkpoint's tokenizer, the eval
+    documents from ``--eval-data`` or the held-out tail of ``--data``.
+
+    Raises:
+        ValueError: unreadable data, no trainable target on either side, a token id outside the vocabulary.
+    """
+    from kimi.tokenizer import load_tokenizer
+    from kimi_tools.data import num_targets, read_documents, split_tail, tokenize_documents
+
+    tok = load_tokenizer(a.checkpoint, cfg.vocab_size)
+    docs = tokenize_documents(read_documents(a.data, "--data"), tok.encode)
+    if a.eval_data:
+        eval_docs = tokenize_documents(read_documents(a.eval_data, "--eval-data"), tok.encode)
+        where = "--eval-data"
+    else:
+        docs, eval_docs = split_tail(docs, a.eval_fraction)
+        where = f"the held-out {a.eval_fraction:g} of --data"
+    if num_targets(docs) == 0:
+        raise ValueError("--data: no document has two tokens or more after the held-out split: nothing to predict")
+    if num_targets(eval_docs) == 0:
+        raise ValueError(
+            f"--eval-data: {where} has no document of two tokens or more (pass --eval-data or a larger --eval-fraction)"
+        )
+    for d in (*docs, *eval_docs):
+        if d.size and (d.min() < 0 or d.max() >= cfg.vocab_size):
+            raise ValueError(f"data: token id {int(d.max())} outside [0, {cfg.vocab_size}) of the model's vocabulary")
+    return tok, docs, eval_docs
+
+
+def _lora_settings(a: TrainArgs):
+    from kimi_tools import lora
+
+    kw = {"dropout": a.lora_dropout}
+    if a.lora_targets:
+        kw["targets"] = tuple(a.lora_targets)
+    settings = lora.LoraSettings(a.lora_rank, a.lora_alpha, **kw)
+    lora.check_lora_supported(settings, a.backend)
+    return settings
+
+
+class Trainer:
+    """One training run (module docstring). Attributes are its components: ``args`` (resolved), ``config``,
+    ``par`` (:class:`kimi_tools.parallel.TrainParallel`), ``loader`` and ``evals``, ``stage``, ``model``, ``masters``
+    (:class:`~kimi_tools.train.weights.MasterWeights`), ``optimizer``, ``scheduler``, ``checkpointer``, ``metrics``;
+    its own state is ``step`` and ``tokens_seen`` (plus the RNG, in :meth:`state_dict`).
+
+    Raises (constructor; nothing is written before they are checked):
+        ValueError (also ConfigError, CheckpointError): a bad argument, data, model source, LoRA option, parallel
+            layout or output folder.
+    """
+
+    def __init__(self, args: TrainArgs):
+        import torch
+
+        from kimi_tools.data import PackedLoader, eval_batches
+        from kimi_tools.parallel import TrainParallel
+
+        self.t_start = time.perf_counter()
+        a = self.args = resolve(args)
+        self.lora_settings = _lora_settings(a) if a.lora_rank is not None else None
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here"
+            )
+        self.config = cfg = load_run_config(a)
+        self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
+        self.par = par = TrainParallel(a.cp, a.device)  # torchrun: FSDP2 + context parallelism; else a no-op
+        self.out = Path(a.out)
+        check_out(a, self.fingerprint, self.fingerprint_of)
+        par.barrier()  # every rank has checked --out before rank 0 writes into it
+
+        # ---- data and objective
+        self.tokenizer, docs, eval_docs = read_data(a, cfg)
+        self.rows = a.micro_batch_tokens // a.seq_len
+        self.accum = a.batch_tokens // a.micro_batch_tokens
+        par.check_accum(self.accum, a.micro_batch_tokens)
+        self.num_docs, self.num_tokens = len(docs), sum(map(len, docs))
+        self.loader = PackedLoader(docs, a.seq_len, rows=self.rows, seed=a.seed, shuffle=a.shuffle)
+        self.evals = eval_batches(eval_docs, a.seq_len, self.rows, a.eval_tokens)
+        self.stage = stage = make_stage(a.stage, cfg, a)
+        if hasattr(stage, "check_parallel"):
+            stage.check_parallel(par.dp_size, par.cp_size)
+        if hasattr(stage, "check_data"):
+            stage.check_data(docs, a.seq_len)
+
+        # ---- model: build, prepare, LoRA, trainable set, conversion, sharding; then masters and optimizer
+        torch.manual_seed(a.seed)
+        self.model = model = build_model(a, cfg)
+        self.base_fingerprint = None
+        if self.lora_settings is not None and a.checkpoint is not None:
+            from kimi_tools.lora import base_fingerprint
+
+            self.base_fingerprint = base_fingerprint(a.checkpoint)
+        if hasattr(stage, "prepare"):  # e.g. the distillation stages unfreeze the cudnn backend's indexers
+            stage.prepare(model)
+        if self.lora_settings is not None:
+            from kimi_tools import lora
+
+            lora.apply_lora(model, self.lora_settings)
+        freeze(model, stage, a.freeze)
+        self.conversions = convert_model(model, a)
+        par.setup(model, lora=self.lora_settings is not None, replicated=getattr(stage, "replicated", None))
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("--freeze/--stage: no parameter is left to train")
+        self.masters = MasterWeights(model)
+        self.optimizer = build_optimizer(self.masters, a)
+        self.scheduler = build_scheduler(
+            self.optimizer, warmup_steps=a.warmup_steps, total_steps=a.steps, min_lr_ratio=a.min_lr_ratio
+        )
+        if a.recompute:
+            recompute_layers(model, a.recompute_mode)
+        self.flops_per_token = None
+        if a.peak_tflops is not None:
+            from kimi.flops import estimate_flops
+
+            self.flops_per_token = estimate_flops(cfg, a.seq_len, backward=True)["flops_per_token"]
+
+        # ---- state
+        self.step, self.tokens_seen, self.start = 0, 0, 0
+        self.checkpointer = Checkpointer(self.out, a.keep, par)
+        self.metrics = MetricsLog(self.out / METRICS, writer=par.is_writer)
+        self.trainable_params = self.masters.numel
+        self.total_params = sum(p.numel() for p in model.parameters())
+        self._save_steps, self._save_minutes = parse_save_every(a.save_every)
+        self._last_save = time.monotonic()
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``train_state`` entry of a resume state: step, tokens seen, the CPU (and CUDA) RNG."""
+        import torch
+
+        d = {"step": self.step, "tokens_seen": self.tokens_seen, "rng_cpu": torch.get_rng_state()}
+        if self.args.device == "cuda":
+            d["rng_cuda"] = torch.cuda.get_rng_state()
+        return d
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        import torch
+
+        self.step, self.tokens_seen = int(d["step"]), int(d["tokens_seen"])
+        torch.set_rng_state(d["rng_cpu"])
+        if self.args.device == "cuda":
+            torch.cuda.set_rng_state(d["rng_cuda"].cpu())
+
+    def states(self) -> dict[str, Any]:
+        """The named ``Stateful``s of a ``step-N/`` folder (torchtitan's names): trainable weights (the fp32
+        masters), AdamW, the schedule, the data position, this object."""
+        return {
+            "weights": self.masters,
+            "optimizer": OptimizerState(self.masters.module, self.optimizer),
+            "lr_scheduler": self.scheduler,
+            "dataloader": self.loader,
+            "train_state": self,
+        }
+
+    def save(self) -> Path:
+        """Write the resume state ``step-{step}/`` (the latest ``--keep`` are kept)."""
+        path = self.checkpointer.save(self.step, self.states())
+        self._last_save = time.monotonic()
+        return path
+
+    def _save_due(self) -> bool:
+        """``--save-every``: N steps, or N minutes since the last save."""
+        if self._save_steps and self.step % self._save_steps == 0:
+            return True
+        return bool(self._save_minutes) and time.monotonic() - self._last_save >= 60 * self._save_minutes
+
+    # ------------------------------------------------------------------------------------------ opening the run
+
+    def _open(self) -> None:
+        """A fresh run writes ``run.json`` and an empty ``metrics.jsonl`` (``--restart`` first deletes the earlier
+        run); ``--resume`` loads the latest complete step and the records up to it."""
+        a, par, out = self.args, self.par, self.out
+        if a.resume:
+            self._load_latest()
+        else:
+            if a.restart and par.is_writer:
+                restart(out)
+            par.barrier()
+            if par.is_writer:
+                out.mkdir(parents=True, exist_ok=True)
+                run = {
+                    "fingerprint": self.fingerprint,
+                    "fingerprint_of": self.fingerprint_of,
+                    "args": asdict(a),
+                    "tokenizer": self.tokenizer.name,
+                    "trainable_params": self.trainable_params,
+                    "total_params": self.total_params,
+                }
+                if self.conversions:
+                    run["conversions"] = self.conversions
+                write_atomic(out / RUN_JSON, json.dumps(run, indent=1).encode())
+                self.metrics.start()
+        self.start = self.step
+        if a.resume and self.start >= (a.stop_after or a.steps):
+            if self.start < a.steps:  # stopped early by --stop-after, and asked to stop there again
+                raise ValueError(
+                    f"--resume: the run in {out} stopped at step {self.start} of {a.steps}, and --stop-after "
+                    f"{a.stop_after} ends there too; drop --stop-after (or give a later step) to continue it"
+                )
+            raise ValueError(
+                f"--resume: the run in {out} already finished step {self.start} of {a.steps}; nothing to train (its "
+                f"model and metrics are there; choose another --out for a new run)"
+            )
+
+    def _load_latest(self) -> None:
+        a, out = self.args, self.out
+        start = self.checkpointer.steps()[-1]
+        held = self.checkpointer.load(start, self.states())  # ValueError naming a damaged step and the one before
+        weights = self.masters.state_dict()
+        missing = [f"weights.{n}" for n in weights if f"weights.{n}" not in held]
+        missing += [f"train_state.{k}" for k in ("step", "tokens_seen", "rng_cpu") if f"train_state.{k}" not in held]
+        if missing:
+            raise ValueError(
+                f"--resume: {out}/step-{start} lacks {', '.join(missing[:4])} (not a checkpoint of this run)"
+            )
+        params = dict(zip(self.masters.names, self.masters.masters))
+        for n, m in params.items():  # no AdamW state saved: the parameter never had a gradient; nor now
+            if m in self.optimizer.state and f"optimizer.state.{n}.step" not in held:
+                del self.optimizer.state[m]
+        if start == 0:  # step-0 (saved before the first step) holds the placeholder state that DCP's
+            self.optimizer.state.clear()  # get_optimizer_state_dict makes with a zero-lr step: a fresh run has none
+        if self.step != start:
+            raise ValueError(f"--resume: {out}/step-{start} holds step {self.step}, expected {start}")
+        if a.stop_after is not None and a.stop_after < start:
+            raise ValueError(f"--stop-after: got {a.stop_after}, but the run in {out} is at step {start} already")
+        self.metrics.resume(start)
+        if self.par.is_writer:
+            (out / DIVERGED).unlink(missing_ok=True)  # continuing: a new divergence writes it again
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def evaluate(self) -> tuple[float, dict[str, float]]:
+        """The stage's loss over the eval batches, in eval mode (no dropout) and without gradients, weighted by
+        target count: ``(loss, {"eval_<metric>": value})``. The model's train/eval mode is restored."""
+        import torch
+
+        model, par, stage = self.model, self.par, self.stage
+        was_training = model.training
+        model.eval()
+        total, n, extra = 0.0, 0, {}
+        try:
+            with torch.no_grad():
+                for b in self.evals:
+                    loss, m = par.loss(stage, model, b.to(self.args.device))
+                    k = b.num_targets
+                    total, n = total + float(loss) * k, n + k
+                    for key, v in m.items():
+                        extra[key] = extra.get(key, 0.0) + float(v) * k
+        finally:
+            model.train(was_training)
+        keys = sorted(extra)
+        sums = par.sum_cp([total, *(extra[k] for k in keys)])  # context parallel: each rank holds its shard's share
+        return sums[0] / max(n, 1), {f"eval_{k}": v / max(n, 1) for k, v in zip(keys, sums[1:])}
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step (``accum`` micro-batches, each weighted by its share of the step's targets); returns
+        its record (appended to the metrics). Raises ValueError after saving the state before it when the loss or
+        the gradient norm is not finite (nothing is updated then)."""
+        import torch
+
+        a, par, model, stage = self.args, self.par, self.model, self.stage
+        step = self.step + 1
+        cuda = a.device == "cuda"
+        t0 = time.perf_counter()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        before = (self.loader.state_dict(), self.state_dict())  # what step-(step-1) holds, if this step diverges
+        batches = [self.loader.next_batch() for _ in range(self.accum)]
+        n_tgt = sum(b.num_targets for b in batches)
+        step_loss, extra = 0.0, {}
+        for b in par.local(batches):  # torchrun: this dp group's micro-batches
+            w = b.num_targets / n_tgt if n_tgt else 0.0
+            loss, m = par.loss(stage, model, b.to(a.device))
+            (loss * w).backward()
+            step_loss += float(loss.detach()) * w
+            for key, v in m.items():
+                extra[key] = extra.get(key, 0.0) + float(v) * w
+        par.reduce_replicated()
+        step_loss = par.sum_all(step_loss)
+        extra = par.sum_all_dict(extra)
+        if self.lora_settings is not None and step == self.start + 1:  # LoRA is never silently skipped (vLLM's bug)
+            from kimi_tools import lora
+
+            skipped = lora.adapters_without_gradient(model)
+            if skipped:
+                raise ValueError(
+                    f"LoRA: the adapters of {', '.join(skipped[:4])} got no gradient on backend {a.backend} "
+                    "(a code path reads the base weight around them); refusing to train"
+                )
+        self.masters.grads_to_masters()
+        grad_norm = clip_grad_norm(self.masters.masters, a.grad_clip if a.grad_clip > 0 else math.inf)
+        if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+            self._diverged(step, step_loss, grad_norm, before)
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step applies
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.masters.to_model()  # masters down to the model (a no-op in fp32)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        n_tok = sum(b.num_tokens for b in batches)
+        self.step, self.tokens_seen = step, self.tokens_seen + n_tok
+        tps = n_tok / dt
+        rec = {
+            "step": step,
+            "loss": step_loss,
+            "eval_loss": None,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "mfu": None if self.flops_per_token is None else self.flops_per_token * tps / (a.peak_tflops * 1e12),
+            "peak_mem_bytes": peak_mem_bytes(a.device),
+            **extra,
+        }
+        if step == a.steps or (a.eval_every and step % a.eval_every == 0):
+            rec["eval_loss"], ev_extra = self.evaluate()
+            rec.update(ev_extra)
+        self.metrics.append(rec)
+        return rec
+
+    def _diverged(self, step: int, loss: float, grad_norm: float, before) -> None:
+        """Nothing has been updated yet (the optimizer steps after the check), so the model, AdamW and the schedule
+        are those of step - 1: put the data position and RNG back too and save them as step-(step - 1), the folder
+        then being what ``--stop-after step-1`` leaves, plus ``diverged.json``. Raises ValueError."""
+        a, par, out = self.args, self.par, self.out
+        self.optimizer.zero_grad(set_to_none=True)
+        self.masters.zero_grad()
+        self.loader.load_state_dict(before[0])
+        self.load_state_dict(before[1])
+        good = step - 1
+        if a.save and good not in self.checkpointer.steps():
+            self.save()
+        if par.is_writer:
+            note = {"step": step, "loss": loss, "grad_norm": grad_norm, "last_good_step": good}
+            write_atomic(out / DIVERGED, json.dumps(note).encode())
+            if a.plot:
+                plot_losses(out / "loss.png", self.metrics.history)
+        par.close()
+        kept = (
+            f"step-{good}/ (the run up to step {good}: --resume continues from it), "
+            if a.save
+            else "no weights (--no-save) but "
+        )
+        raise ValueError(
+            f"step {step}: the loss is {loss} (gradient norm {grad_norm}), not finite: training stopped; "
+            f"{out} keeps {kept}metrics.jsonl and {DIVERGED}; for another try, a lower --lr in a new --out"
+        )
+
+    # ------------------------------------------------------------------------------------------ the run
+
+    def run(self) -> TrainResult:
+        """Open the run folder, train to ``--stop-after`` or ``--steps``, save and export (module docstring).
+
+        Raises:
+            ValueError: a resume that cannot continue (damaged or mismatched state), a diverged step.
+            TrainInterrupted: a SIGINT / SIGTERM stopped the run after a finished step (resume state saved).
+        """
+        from tqdm.auto import tqdm
+
+        a, par = self.args, self.par
+        self._open()
+        stop = a.stop_after or a.steps
+        self._print_header()
+        self.model.train()
+        quiet_signals = a.quiet or not par.is_writer
+        with StopRequest(on_first=lambda name: note(name, quiet_signals)) as stops:
+            if self.start == 0 and not self.metrics.history:  # (a resume from step-0 has its record)
+                ev, ev_extra = self.evaluate()
+                self.metrics.append({"step": 0, **dict.fromkeys(RECORD_KEYS[1:]), "eval_loss": ev, **ev_extra})
+            bar = tqdm(
+                total=stop, initial=self.start, desc="train", unit="step", disable=a.quiet or not par.is_writer,
+                file=sys.stderr,
+            )  # fmt: skip
+            with contextlib.closing(bar):
+                (stop_now,) = par.any_rank(stops.requested)  # a signal during the step-0 evaluation
+                while not stop_now and self.step < stop:
+                    rec = self.train_step()
+                    if rec["eval_loss"] is not None and not a.quiet and par.is_writer:
+                        bar.write(f"step {self.step}: eval loss {rec['eval_loss']:.4f}")
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
+                    bar.update(1)
+                    stop_now, due = par.any_rank(stops.requested, self._save_due())
+                    if a.save and (due or self.step == stop):
+                        self.save()
+                    if a.save and self.step == a.steps:
+                        export(self.model, self.out, par, self.lora_settings, a.checkpoint, self.base_fingerprint)
+            if stop_now and self.step < stop:
+                if a.save and self.step not in self.checkpointer.steps():
+                    self.save()
+                if a.plot and par.is_writer:
+                    plot_losses(self.out / "loss.png", self.metrics.history)
+                par.close()
+                raise TrainInterrupted(self.step, a.steps, self.out, saved=a.save, signum=stops.signum)
+        if a.plot and par.is_writer:
+            plot_losses(self.out / "loss.png", self.metrics.history)
+        result = TrainResult(
+            out=self.out,
+            start_step=self.start,
+            step=self.step,
+            tokens_seen=self.tokens_seen,
+            records=self.metrics.records,
+            eval_losses=self.metrics.eval_losses(),
+            trainable_params=self.trainable_params,
+            total_params=self.total_params,
+            wall_s=time.perf_counter() - self.t_start,
+        )
+        if not a.quiet and par.is_writer:
+            print(self._summary(result), flush=True)
+        par.close()
+        return result
+
+    def _print_header(self) -> None:
+        a, cfg = self.args, self.config
+        if a.quiet or not self.par.is_writer:
+            return
+        source = f"checkpoint {a.checkpoint}" if a.checkpoint else f"preset {a.preset} (random init, seed {a.seed})"
+        print(
+            f"kimi train: {source}, {cfg.num_hidden_layers} layers, {self.trainable_params:,} of "
+            f"{self.total_params:,} parameters trained"
+            + (f" (LoRA rank {a.lora_rank})" if self.lora_settings is not None else "")
+            + (f"; stage {a.stage}" if a.stage != "lm" else "")
+            + f"; backend {a.backend}, {a.dtype}, {a.device}"
+            + (f", recompute ({a.recompute_mode})" if a.recompute else "")
+            + "".join(f"; {c}" for c in self.conversions)
+            + f"\n  data: {self.num_docs} documents, {self.num_tokens:,} tokens ({self.tokenizer.name}); eval "
+            f"{sum(b.num_tokens for b in self.evals):,} tokens; {a.batch_tokens:,} tokens per step "
+            f"({self.accum} x {self.rows} rows of {a.seq_len}); "
+            + (
+                "no resume state (--no-save)"
+                if not a.save
+                else "resume state at the end and on Ctrl-C"
+                if (self._save_steps, self._save_minutes) == (0, 0.0)
+                else f"resume state every {a.save_every}" + (" steps" if self._save_steps else "")
+            )
+            + (f"\n  resumed from {self.out}/step-{self.start}" if a.resume else ""),
+            flush=True,
+        )
+
+    def _summary(self, result: TrainResult) -> str:
+        """The closing lines: losses, where the eval loss went, and what was written."""
+        a = self.args
+        evals = result.eval_losses
+        first, last = min(evals), max(evals)
+        if first == last:  # one evaluation only (e.g. --stop-after before the first --eval-every step)
+            nxt = min(a.steps, (last // a.eval_every + 1) * a.eval_every) if a.eval_every else a.steps
+            ev = f"eval loss {evals[first]:.4f} (step {first}; the next evaluation is at step {nxt})"
+        else:
+            ev = f"eval loss {evals[first]:.4f} (step {first}) -> {evals[last]:.4f} (step {last})"
+        loss = result.final_loss if result.final_loss is not None else float("nan")
+        head = f"step {result.step}/{a.steps}" + (" (--stop-after)" if result.step < a.steps else "")
+        if not a.save:
+            what = "no weights or resume state (--no-save)"
+        elif result.step < a.steps:
+            what = (
+                f"step-{result.step}/ (resume state; the model is written at step {a.steps}: run the same command "
+                "with --resume and without --stop-after)"
+            )
+        else:
+            kind = (
+                "adapter (adapter_config.json, adapter_model.safetensors)"
+                if self.lora_settings
+                else "model (safetensors)"
+            )
+            what = f"{kind}, step-{result.step}/ (resume state)"
+        return (
+            f"{head}: loss {loss:.4f}; {ev}; {result.tokens_seen:,} tokens in {result.wall_s:.0f} s"
+            f"\nwrote {self.out}: {what}, metrics.jsonl" + (", loss.png" if a.plot else "")
+        )
+
+
+def train(args: TrainArgs) -> TrainResult:
+    """Run (or resume) a training run: ``Trainer(args).run()``; see :mod:`kimi_tools.train`.
+
+    Raises:
+        ValueError (also ConfigError, CheckpointError): a bad argument, data, model source, LoRA option or output
+            folder, before anything is written; a damaged resume state; a non-finite loss or gradient norm during
+            training (after the last good step is saved).
+        TrainInterrupted: SIGINT / SIGTERM: the step finished, its resume state saved (``KeyboardInterrupt``).
+    """
+    return Trainer(args).run()

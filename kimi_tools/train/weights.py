@@ -1,0 +1,258 @@
+"""The model side of a run: build it, convert it, choose what trains, fp32 masters, AdamW, gradient clipping.
+
+Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model` (``--checkpoint`` through
+``kernels_torch.model.load_model``, or a ``--preset`` random init), the stage's ``prepare``, LoRA
+(``kimi_tools.lora.apply_lora``), :func:`freeze` (the stage's trainable set and ``--freeze``), :func:`convert_model`
+(the model-conversion hook: :data:`CONVERTERS`), then FSDP2 (``kimi_tools.parallel``), :class:`MasterWeights` and
+:func:`build_optimizer`. Parameters stay in the checkpoint's dtypes (``A_log``, ``dt_bias``, conv weights,
+``o_norm`` in fp32); in bf16 the optimizer steps fp32 master copies of the trainable parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from kimi.config import KimiConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from kimi_tools.train.args import TrainArgs
+
+__all__ = [
+    "load_run_config",
+    "build_model",
+    "CONVERTERS",
+    "convert_model",
+    "freeze",
+    "recompute_layers",
+    "MasterWeights",
+    "OptimizerState",
+    "decays",
+    "build_optimizer",
+    "clip_grad_norm",
+]
+
+
+def load_run_config(a: TrainArgs) -> KimiConfig:
+    """The model config of the run: ``--checkpoint``'s ``config.json`` or ``--preset``, cut to ``--layers``."""
+    from kimi.config import load_config
+
+    cfg = load_config(a.preset) if a.checkpoint is None else KimiConfig.from_json(Path(a.checkpoint))
+    if a.layers is not None:
+        cfg = cfg.truncated(a.layers)
+    return cfg
+
+
+def build_model(a: TrainArgs, cfg: KimiConfig) -> nn.Module:
+    """The :class:`kernels_torch.model.KimiK3Model` to train, on ``a.device`` in ``a.dtype`` (fp32 kept where the
+    checkpoint keeps it): ``--checkpoint`` read by ``kernels_torch.model.load_model``, or ``--preset`` from
+    :func:`kimi.init.init_params` (``--seed``; the full preset's config sets the residual-output scale, so
+    ``--layers N`` gives the first N layers of the whole model)."""
+    import torch
+
+    from kernels_torch.model import load_model, model_from_params
+
+    dtype = getattr(torch, a.dtype)
+    if a.checkpoint is not None:
+        return load_model(a.checkpoint, layers=a.layers, backend=a.backend, dtype=dtype, device=a.device)
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
+    return model_from_params(cfg, params, a.backend, dtype, a.device)
+
+
+# A model converter rewrites the built model in place before it is sharded and its optimizer built (torchtitan's
+# ``model.converters``: float8 training swaps the nn.Linear layers it handles), e.g. ``--fp8 RECIPE``. It is called
+# as ``converter(model, args)`` on the model as it will train (LoRA wrapped, trainable set chosen) and returns a
+# short description of what it did for the run's header, or None when ``args`` do not ask for it. It must keep
+# every parameter's name and ``requires_grad``; the settings it reads are TrainArgs fields, so run.json records them.
+CONVERTERS: list[Callable[[Any, Any], str | None]] = []
+
+
+def convert_model(model: nn.Module, args: TrainArgs) -> list[str]:
+    """Apply every :data:`CONVERTERS` entry to ``model`` in order; returns the descriptions of those that acted."""
+    done = []
+    for converter in CONVERTERS:
+        what = converter(model, args)
+        if what:
+            done.append(what)
+    return done
+
+
+def freeze(model: nn.Module, stage, patterns: list[str]) -> None:
+    """``requires_grad=False`` on every parameter the stage does not train or a ``--freeze`` glob matches
+    (``fnmatch`` on the canonical name); a parameter frozen already stays frozen.
+
+    Raises:
+        ValueError: a pattern that matches no parameter name.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+            raise ValueError(f"--freeze: {pat!r} matches no parameter name (e.g. {names[0]!r}; globs: * ?)")
+    for n, p in model.named_parameters():
+        if p.requires_grad and (not stage.trainable(n) or any(fnmatch.fnmatchcase(n, pat) for pat in patterns)):
+            p.requires_grad_(False)
+
+
+def recompute_layers(model: nn.Module, mode: str = "layer") -> None:
+    """Activation recomputation (``torch.utils.checkpoint``, non-reentrant) on every decoder layer of ``model``:
+    ``layer`` wraps the whole layer (it keeps only its inputs for the backward; its forward runs twice); ``mlp`` only
+    its MLP / MoE block (``DecoderLayer.feed_forward``: the attention keeps its activations; the block's forward runs
+    twice). On the H200, 4 real-dimension layers at 32K tokens (benchmark 5): ``layer`` 63 GiB and 44.6% MFU, ``mlp``
+    120 GiB and 52.0%, none out of memory. Gradients are the same either way (the same ops, recomputed in order).
+
+    Raises:
+        ValueError: ``mode`` not in :data:`kimi_tools.train.args.RECOMPUTE_MODES`.
+    """
+    import torch.utils.checkpoint
+
+    from kimi_tools.train.args import RECOMPUTE_MODES
+
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"--recompute-mode: got {mode!r}, expected one of {list(RECOMPUTE_MODES)}")
+    for layer in model.model.layers:
+        name = "forward" if mode == "layer" else "feed_forward"
+        fn = getattr(layer, name)
+        setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False))
+
+
+class MasterWeights:
+    """The parameters the optimizer steps, and the ``weights`` entry of a ``step-N/`` resume state (a DCP
+    ``Stateful``).
+
+    When every trainable parameter of ``model`` is fp32 the masters are those parameters themselves. Otherwise
+    :attr:`module` is a copy of the module tree holding fp32 copies of the trainable parameters under the same names
+    (frozen ones empty): :meth:`grads_to_masters` moves the gradients up (fp32), the optimizer steps the masters,
+    :meth:`to_model` rounds them back into the model (the model's weights are then the masters rounded once, which
+    is what the export holds). ``state_dict`` maps each trainable name to its fp32 master (DCP loads into those
+    tensors in place; ``load_state_dict`` then copies them into the model).
+    """
+
+    def __init__(self, model: nn.Module):
+        import torch
+        from torch import nn
+
+        self.model = model
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if all(p.dtype == torch.float32 for _, p in trainable):
+            self.module = model
+        else:
+            memo: dict[int, Any] = {}
+            for p in model.parameters():
+                memo[id(p)] = (
+                    nn.Parameter(p.detach().float().clone())
+                    if p.requires_grad
+                    else nn.Parameter(torch.empty(0, device=p.device), requires_grad=False)
+                )
+            self.module = copy.deepcopy(model, memo)
+        params = dict(self.module.named_parameters())
+        self.names = [n for n, _ in trainable]
+        self.pairs = [(p, params[n]) for n, p in trainable]  # (model parameter, its fp32 master; the same in fp32)
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [m for _, m in self.pairs]
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel() for m in self.masters)
+
+    def grads_to_masters(self) -> None:
+        """The model's gradients, in fp32, become the masters' (a no-op when they are the same tensors)."""
+        for p, m in self.pairs:
+            if p is not m:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+
+    def zero_grad(self) -> None:
+        for p, m in self.pairs:
+            p.grad = m.grad = None
+
+    def to_model(self) -> None:
+        """Round the masters into the model's parameters (a no-op when they are the same tensors)."""
+        import torch
+
+        with torch.no_grad():
+            for p, m in self.pairs:
+                if p is not m:
+                    p.copy_(m)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: m.detach() for n, (_, m) in zip(self.names, self.pairs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.to_model()  # DCP has loaded the masters in place (state holds the tensors of state_dict())
+
+
+class OptimizerState:
+    """The ``optimizer`` entry of a resume state: ``torch.distributed.checkpoint.state_dict``'s optimizer state of
+    ``optimizer`` over ``module`` (FQN keys, so it loads on another world size)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer):
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state)
+
+
+def decays(p: torch.Tensor) -> bool:
+    """Whether AdamW's weight decay applies to ``p``: matrices (and conv filters) yes; vectors (norm weights and
+    biases, ``A_log``, ``dt_bias``) no (nanoGPT's rule: decay 2-D and above)."""
+    return p.ndim >= 2
+
+
+def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` over the masters: ``--weight-decay`` on :func:`decays` tensors, 0 on the others;
+    fused on CUDA (one kernel, no foreach temporaries)."""
+    import torch
+
+    decay = [m for m in masters.masters if decays(m)]
+    no_decay = [m for m in masters.masters if not decays(m)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(a.beta1, a.beta2),
+        fused=a.device == "cuda" or None,
+    )
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip the gradients of ``params`` to a total L2 norm of ``max_norm`` (``inf``: none) and return the norm before
+    clipping (``torch.nn.utils.clip_grad_norm_``). Under FSDP2 some parameters can be sharded ``DTensor``s and others
+    plain tensors (those a stage keeps whole on every rank); their norms are taken apart and combined."""
+    import torch
+
+    grads = [p for p in params if p.grad is not None]
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()
+    sharded = [p for p in grads if isinstance(p, DTensor)]
+    plain = [p for p in grads if not isinstance(p, DTensor)]
+    if not sharded or not plain:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    norms = []
+    for group in (sharded, plain):
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+    coef = max_norm / (total + 1e-6)  # clip_grad_norm_'s coefficient, as a number (a DTensor takes no plain tensor)
+    if coef < 1.0:
+        for p in grads:
+            p.grad.mul_(coef)
+    return total
