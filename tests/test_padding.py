@@ -165,7 +165,7 @@ def test_degenerate_cu_seqlens_refused_before_the_length_warning(ckpt):
             with pytest.raises(ValueError, match=f"^cu_seqlens: got .*{msg}"):
                 model(ids, cu_seqlens=_cu(spec, "torch"))
         with pytest.raises(ValueError, match="^cu_seqlens: got .*length >= 2"):
-            model(ids, cu_seqlens=torch.tensor([0]), labels=ids)
+            model.loss(ids, ids, cu_seqlens=torch.tensor([0]))
     jmodel, tree, _ = load_jax(ckpt, layers=1)
     for spec, msg in BAD_CU:
         with pytest.raises(ValueError, match=f"^cu_seqlens: got .*{msg}"):
