@@ -237,17 +237,27 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(D, HI, bias=False)
 
     def projections(
-        self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None
+        self, x: torch.Tensor, c_q: torch.Tensor, cu_seqlens=None, positions=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q_I`` ``[B, T, HI, KI]``, ``k_I`` ``[B, T, KI]`` (both in x's dtype; RoPE applied when
         ``config.indexer_rope`` is set, by position within each ``cu_seqlens`` document) and ``weights`` ``[B, T, HI]``
-        (fp32, fp64 for fp64 x; unscaled) -- the inputs of :func:`indexer_scores` (also used by the cudnn backend)."""
+        (fp32, fp64 for fp64 x; unscaled) -- the inputs of :func:`indexer_scores` (also used by the cudnn backend).
+
+        ``positions``: the RoPE position of every token, ``[T]`` int (numpy or a CPU tensor), in place of the ones
+        ``cu_seqlens`` gives: a slice of a longer row (a context-parallel shard) passes its global positions.
+
+        Raises:
+            ValueError: both ``cu_seqlens`` and ``positions`` given; ``positions`` not ``[T]``.
+        """
         B, T, D = x.shape
         HI, KI = self.config.index_n_heads, self.config.index_head_dim
+        if positions is not None and cu_seqlens is not None:
+            raise ValueError("positions: given with cu_seqlens, expected one of them (positions already place tokens)")
         q_I = self.wq_b(c_q).view(B, T, HI, KI)  # [B, T, HI, KI]
         k_I = self.k_norm(self.wk(x))  # [B, T, KI]
         if self.config.indexer_rope != "none":  # DeepSeek-V3.2 style: the leading qk_rope_head_dim dims, after k_norm
-            pos = rope_positions(T, cu_seqlens)  # [T], restarting at every document
+            # [T], restarting at every document
+            pos = rope_positions(T, cu_seqlens) if positions is None else np.asarray(positions, dtype=np.int64)
             q_I = apply_rope(q_I, pos, self.config.qk_rope_head_dim, self.config.indexer_rope)
             k_I = apply_rope(k_I, pos, self.config.qk_rope_head_dim, self.config.indexer_rope)
         dt = compute_dtype(x)  # weights_proj in fp32 (fp64 for fp64 x)

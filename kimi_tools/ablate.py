@@ -20,9 +20,13 @@ With ``--train-steps N`` each cell is instead trained N steps from the same chec
 (:func:`kimi_tools.train.train`, ``--stage``, on ``--data``; the run folders under ``DIR/runs/``), and ``eval_loss`` is
 that run's final held-out loss (``eval_lm_loss`` for distillation stages), recall measured on the trained weights.
 
+Every grid also runs the cell without overrides, ``(unchanged)`` (first; in ``--train-steps`` mode the unchanged
+config trained the same way): the baseline the other cells are read against.
+
 Output in ``--out``: ``ablate.csv`` and ``ablate.json`` (one row per finished cell, rewritten atomically after each
-cell), ``ablate.png`` (eval loss and recall per cell). A re-run skips the cells whose row is present (same cell key,
-mode and text). Progress: a tqdm bar over the cells on stderr.
+cell), ``ablate.png`` (:func:`ablate_figure`: eval loss and recall per cell against the unchanged model's, on an
+axis zoomed to the data, and the per-layer errors, cells x layers). A re-run skips the cells whose row is present
+(same cell key, mode and text). Progress: a tqdm bar over the cells on stderr.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, write_atomic
+from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, set_item_error, write_atomic
 
-__all__ = ["parse_grid", "cell_config", "run_grid", "add_parser", "cmd_ablate"]
+__all__ = ["parse_grid", "cell_config", "run_grid", "ablate_figure", "add_parser", "cmd_ablate", "UNCHANGED"]
 
 
 def _value(key: str, word: str) -> Any:
@@ -70,7 +74,7 @@ def parse_grid(sets: list[str], fields: set[str]) -> list[dict[str, tuple[str, A
     for item in sets:
         key, sep, values = item.partition("=")
         if not sep or key not in fields:
-            raise CliError(f"--set: got {item!r}, expected key=v1,v2,... with key one of the config fields")
+            raise set_item_error(item, fields, "key=v1,v2,...")
         if key in seen:
             raise CliError(f"--set: {key} given twice; list its values once (e.g. {key}=a,b)")
         seen.add(key)
@@ -81,8 +85,11 @@ def parse_grid(sets: list[str], fields: set[str]) -> list[dict[str, tuple[str, A
     return [{k: (w, v) for k, w, v in combo} for combo in itertools.product(*axes)]
 
 
+UNCHANGED = "(unchanged)"  # the key of the cell without overrides: the baseline every grid also measures
+
+
 def cell_key(cell: dict[str, tuple[str, Any]]) -> str:
-    return ",".join(f"{k}={w}" for k, (w, _) in cell.items()) or "(unchanged)"
+    return ",".join(f"{k}={w}" for k, (w, _) in cell.items()) or UNCHANGED
 
 
 def cell_config(base, cell: dict[str, tuple[str, Any]]):
@@ -156,28 +163,148 @@ def _write(out: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(out / "ablate.json", json.dumps(rows, indent=1).encode())
 
 
+def _overrides(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """The cell's ``(key, word)`` pairs, read back from its key ``k1=w1,k2=w2`` (words hold no comma)."""
+    if row["cell"] == UNCHANGED:
+        return []
+    return [tuple(item.partition("=")[::2]) for item in row["cell"].split(",")]  # type: ignore[misc]
+
+
+def _digits(values: list[float]) -> int:
+    """Decimals that tell the values apart: 4, more when they differ by less than 1e-3 (at most 8)."""
+    span = max(values) - min(values) if values else 0.0
+    return 4 if span == 0 or span >= 1e-3 else min(8, 2 + math.ceil(-math.log10(span)))
+
+
+def _dot_panel(ax, cells, metric: str, base_row, label: str, zoom: bool) -> None:
+    """One marker per cell: x = the last override key's words, one series per combination of the other keys;
+    value labels; the unchanged model as a dashed line. ``zoom``: the y axis spans the data (not from 0)."""
+    keys: list[str] = []
+    for r in cells:
+        keys += [k for k, _ in _overrides(r) if k not in keys]
+    words = lambda r: dict(_overrides(r)) or {"cell": r["cell"]}  # noqa: E731
+    keys = keys or ["cell"]  # no override anywhere: one point per row, named by its cell
+    last = keys[-1]
+    xs: list[str] = []
+    series: dict[tuple, list] = {}
+    for r in cells:
+        w = words(r)
+        x = w.get(last, "(base)")
+        xs += [x] if x not in xs else []
+        series.setdefault(tuple(w.get(k, "(base)") for k in keys[:-1]), []).append((x, r[metric]))
+    vals = [v for pts in series.values() for _, v in pts if v is not None]
+    base = None if base_row is None else base_row.get(metric)
+    nd = _digits(vals + ([base] if base is not None else [])) if metric == "eval_loss" else 3
+    n = len(series)
+    width = 0.6 / max(n, 1) if n > 1 else 0.0
+    markers = "osD^vPX*"
+    for j, (combo, pts) in enumerate(series.items()):
+        name = ", ".join(f"{k}={w}" for k, w in zip(keys[:-1], combo)) or None
+        px = [xs.index(x) + (j - (n - 1) / 2) * width for x, v in pts if v is not None]
+        py = [v for _, v in pts if v is not None]
+        ax.plot(px, py, marker=markers[j % len(markers)], linestyle="none", color=f"C{j % 10}", label=name)
+        for x_, y_ in zip(px, py):
+            ax.annotate(f"{y_:.{nd}f}", (x_, y_), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    if base is not None:
+        ax.axhline(base, color="0.35", linestyle="--", linewidth=1, label=f"unchanged model {base:.{nd}f}")
+    ax.set_xticks(range(len(xs)), xs)
+    ax.set_xlim(-0.5, len(xs) - 0.5)
+    ax.set_xlabel(last)
+    if zoom and vals:
+        both = vals + ([base] if base is not None else [])
+        lo, hi = min(both), max(both)
+        pad = (hi - lo) * 0.15 if hi > lo else max(abs(hi) * 1e-3, 1e-6)
+        ax.set_ylim(lo - pad, hi + 2 * pad)  # room for the labels above the markers
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        label += ", zoomed: not from 0"
+    else:
+        ax.set_ylim(0, 1.1)
+    ax.set_ylabel(label)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def _error_heatmap(fig, ax, cells, prefix: str, title: str, extra: str | None = None) -> None:
+    """Cells x layers of ``{prefix}.{i}`` (plus the ``extra`` column), log colour; exact zeros drawn as '0' on grey
+    (a log scale has no zero)."""
+    import matplotlib as mpl
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    layers = sorted({int(c.split(".")[1]) for r in cells for c in r if c.startswith(prefix + ".")})
+    cols = [f"{prefix}.{i}" for i in layers] + ([extra] if extra else [])
+    M = np.array([[np.nan if r.get(c) is None else float(r[c]) for c in cols] for r in cells])
+    pos = M[np.isfinite(M) & (M > 0)]
+    masked = np.ma.masked_where(~(np.isfinite(M) & (M > 0)), M)
+    cmap = mpl.colormaps["viridis"].with_extremes(bad="0.88")  # grey: exactly 0 (or not measured)
+    norm = LogNorm(vmin=pos.min(), vmax=max(pos.max(), pos.min() * 1.0001)) if pos.size else None
+    im = ax.imshow(masked, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+    if pos.size:
+        fig.colorbar(im, ax=ax, label="relative error (log scale)")
+    if M.size <= 240:
+        for (i, j), v in np.ndenumerate(M):
+            txt = "-" if not np.isfinite(v) else "0" if v == 0 else f"{v:.1e}"
+            dark = norm is not None and v > 0 and norm(v) < 0.6
+            ax.text(j, i, txt, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    if extra:
+        ax.axvline(len(layers) - 0.5, color="white", linewidth=3)  # the end-to-end column apart from the layers
+    ax.set_xticks(range(len(cols)), [str(i) for i in layers] + (["logits"] if extra else []))
+    ax.set_yticks(range(len(cells)), [r["cell"] for r in cells], fontsize=7)
+    ax.set_ylabel("cell")
+    ax.set_xlabel("layer" + (" (and the logits, end to end)" if extra else ""))
+    ax.set_title(f"{title} (grey: exactly 0)", fontsize=9)
+
+
+def ablate_figure(rows: list[dict[str, Any]]):
+    """The figure ``kimi ablate`` writes (``ablate.png``), a ``matplotlib.figure.Figure`` built without pyplot.
+
+    Args:
+        rows: rows of one mode, text and token count (as ``run_grid`` returns them); the ``(unchanged)`` row, when
+            present, is the baseline.
+
+    Top: eval loss per cell (markers; x = the last ``--set`` key's values, one series per combination of the
+    others, i.e. the grid drawn as a grid), the axis zoomed to the data, value labels, the unchanged model as a
+    dashed line; indexer recall the same way on a 0-1 axis (when the model has DSA layers). Bottom (eval mode):
+    the per-layer errors of the CSV, cells x layers on a log colour scale, exact zeros as '0' on grey: the
+    attention output (``attn_rel.i``) and the layer's residual output (``residual_rel.i``, with ``logits_rel``).
+    """
+    from matplotlib.figure import Figure
+
+    base_row = next((r for r in rows if r["cell"] == UNCHANGED), None)
+    cells = [r for r in rows if r["cell"] != UNCHANGED]
+    if not cells:  # only the unchanged model: draw it as its own cell
+        cells, base_row = rows, None
+    has_recall = any(r.get("indexer_recall") is not None for r in rows)
+    has_layers = any(c.startswith("attn_rel.") for r in cells for c in r)
+    h_heat = 1.2 + 0.3 * len(cells)
+    fig = Figure(figsize=(13, 3.8 + (h_heat if has_layers else 0.0)), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[3.8, h_heat]) if has_layers else (fig, None)
+    ax_top = top.subplots(1, 2 if has_recall else 1, squeeze=False)[0]
+    _dot_panel(ax_top[0], cells, "eval_loss", base_row, "eval loss, nats/token", zoom=True)
+    ax_top[0].set_title("held-out loss per cell", fontsize=10)
+    if has_recall:
+        _dot_panel(ax_top[1], cells, "indexer_recall", base_row, "indexer recall", zoom=False)
+        ax_top[1].set_title("indexer recall (share of the dense attention mass selected)", fontsize=10)
+    if bottom is not None:
+        ax_b = bottom.subplots(1, 2)
+        _error_heatmap(bottom, ax_b[0], cells, "attn_rel", "attention output vs the unchanged model, per layer")
+        _error_heatmap(
+            bottom, ax_b[1], cells, "residual_rel", "layer output (residual) vs the unchanged model", "logits_rel"
+        )
+    r0 = rows[0]
+    fig.suptitle(
+        f"kimi ablate ({r0['mode']}): {r0['tokens']} tokens of {r0['text']}; each layer fed the unchanged "
+        "model's inputs"
+        if has_layers
+        else f"kimi ablate ({r0['mode']}): {r0['tokens']} tokens of {r0['text']}"
+    )
+    return fig
+
+
 def _plot(out: Path, rows: list[dict[str, Any]]) -> None:
-    import matplotlib
+    from kimi_tools.plots import save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["cell"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(rows) + 4), 4))
-    axes[0].bar(range(len(rows)), [r["eval_loss"] for r in rows], color="C0")
-    axes[0].set_ylabel("eval loss (nats/token)")
-    rec = [r["indexer_recall"] if r["indexer_recall"] is not None else math.nan for r in rows]
-    axes[1].bar(range(len(rows)), rec, color="C1")
-    axes[1].set_ylabel("indexer recall")
-    axes[1].set_ylim(0, 1.05)
-    for ax in axes:
-        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
-    fig.suptitle("kimi ablate")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    write_atomic(out / "ablate.png", buf.getvalue())
+    save_png(ablate_figure(rows), out / "ablate.png")
 
 
 def run_grid(
@@ -217,7 +344,7 @@ def run_grid(
     reader = CheckpointReader(checkpoint)
     base = reader.config
     fields = set(base.__dataclass_fields__) - {"raw"}
-    cells = parse_grid(sets, fields)
+    cells = [{}] + parse_grid(sets, fields)  # the unchanged model first: the baseline of the plot
     for cell in cells:  # validate every override before any work
         cell_config(base, cell)
     text = Path(text or DEFAULT_TEXT)
@@ -263,8 +390,9 @@ def run_grid(
             row.update(_layer_errors(model, ref, kinds, ids[:seq_len], device))
         done.append(row)
         _write(out, done)  # one row per finished cell, never a half-written file
-    if done:
-        _plot(out, done)
+    this_run = [r for r in done if (r["mode"], r["text"], r["tokens"]) == (mode, text.name, len(ids))]
+    if this_run:
+        _plot(out, this_run)  # earlier rows of another mode or text stay in the CSV, not in this figure
     return done
 
 
@@ -276,7 +404,7 @@ def _train_cell(checkpoint, cfg, cell, out: Path, steps: int, kwargs: dict[str, 
 
     if not kwargs.get("data"):
         raise CliError("--train-steps: needs --data (the training text)")
-    run_dir = out / "runs" / cell_key(cell).replace("/", "_").replace(",", "__")
+    run_dir = out / "runs" / (cell_key(cell) if cell else "unchanged").replace("/", "_").replace(",", "__")
     src = Path(checkpoint).resolve()
     with tempfile.TemporaryDirectory(prefix="kimi-ablate-") as tmp:
         for f in src.iterdir():

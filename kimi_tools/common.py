@@ -21,6 +21,7 @@ __all__ = [
     "positive_int",
     "add_source",
     "apply_overrides",
+    "set_item_error",
     "DEFAULT_TEXT",
     "Progress",
     "materialise_checkpoint",
@@ -64,16 +65,35 @@ def add_source(p: argparse.ArgumentParser, config_file: bool = True) -> None:
     g.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory (config.json + safetensors)")
 
 
+def set_item_error(item: str, fields, form: str) -> CliError:
+    """The one-line error for a ``--set`` item without ``=`` or with a key that is no config field: the close
+    matches of the key (``difflib``) and the valid keys."""
+    import difflib
+
+    key, sep, _ = item.partition("=")
+    if not sep:
+        return CliError(f"--set: got {item!r}, expected {form} (e.g. num_experts=16)")
+    close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return CliError(
+        f"--set: got {item!r}, expected {form} with key one of the config fields{hint} "
+        f"(valid keys: {', '.join(sorted(fields))})"
+    )
+
+
 def apply_overrides(cfg: KimiConfig, sets: Sequence[str]) -> KimiConfig:
-    """``--set key=value``: override KimiConfig fields (value parsed as JSON, else a string)."""
+    """``--set key=value``: override KimiConfig fields (value parsed as JSON, else a string).
+
+    Raises:
+        CliError: an item without ``=`` or an unknown key (naming the close matches and the valid keys).
+        ConfigError: a value the config refuses.
+    """
     fields = {f.name for f in cfg.__dataclass_fields__.values()} - {"raw"}
     changes: dict[str, Any] = {}
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
-            raise CliError(
-                f"--set: got {item!r}, expected key=value with key one of the config fields (e.g. num_experts=16)"
-            )
+            raise set_item_error(item, fields, "key=value")
         try:
             v = json.loads(value)
         except json.JSONDecodeError:
@@ -126,7 +146,8 @@ def materialise_checkpoint(args: argparse.Namespace, stack) -> tuple[Path, str]:
 
 
 def token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
-    """Token ids [T] from --ids (JSON list) or --text (default: the bundled text), cut to --tokens."""
+    """Token ids [T] from --ids (JSON list) or --text (default: the bundled text), cut to --tokens; returns
+    ``(ids, description)``, the description naming the file read (or the bundled default) and the tokenizer."""
     import numpy as np
 
     from kimi.tokenizer import load_tokenizer, read_text
@@ -145,7 +166,8 @@ def token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
         if not Path(path).is_file():
             raise CliError(f"--text: no file at {path}")
         ids = tok.encode(read_text(path))
-        tok_name = tok.name
+        source = f"text {path}" if args.text else f"the bundled text {DEFAULT_TEXT.name}"
+        tok_name = f"{source}, {tok.name}"  # headers name what was read
     short = args.tokens is not None and args.tokens > len(ids)
     if args.tokens is not None:
         ids = ids[: args.tokens]

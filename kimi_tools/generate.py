@@ -408,12 +408,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _refuse_adapter_folder(checkpoint) -> None:
+    """A LoRA adapter folder (peft's ``adapter_config.json``) is not a checkpoint: say how to merge it first."""
+    import json
+
+    from kimi_tools.lora import ADAPTER_CONFIG
+
+    if checkpoint is None or not (Path(checkpoint) / ADAPTER_CONFIG).is_file():
+        return
+    try:
+        base = json.loads((Path(checkpoint) / ADAPTER_CONFIG).read_text(encoding="utf-8")).get(
+            "base_model_name_or_path"
+        )
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        base = None
+    raise CliError(
+        f"--checkpoint: {checkpoint} is a LoRA adapter folder ({ADAPTER_CONFIG}), not a checkpoint; merge it into "
+        f"its base first: kimi lora merge --checkpoint {base or 'BASE'} --adapter {checkpoint} --out MERGED, then "
+        "kimi generate --checkpoint MERGED"
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """``kimi generate``: load, prefill, decode; text to stdout as it comes, statistics to stderr."""
     import contextlib
 
     from kimi.tokenizer import load_tokenizer
 
+    _refuse_adapter_folder(args.checkpoint)
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
@@ -424,8 +446,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise CliError(f"--prompt-file: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     else:
         text = args.prompt
+    flag = "--prompt" if args.prompt_file is None else "--prompt-file"  # the errors name the flag that was given
     if not text:
-        raise CliError("--prompt: got an empty prompt, expected some text")
+        got = "an empty prompt" if args.prompt_file is None else f"an empty file {args.prompt_file}"
+        raise CliError(f"{flag}: got {got}, expected some text")
     if args.backend == "jax" and args.decode not in ("auto", "loop"):
         raise CliError(f"--decode: got {args.decode!r} with --backend jax, expected loop (or auto)")
     with contextlib.ExitStack() as stack:
@@ -452,7 +476,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tok = load_tokenizer(ckpt, cfg.vocab_size)
         ids = tok.encode(text)
         if not ids:
-            raise CliError("--prompt: the text encodes to no tokens")
+            raise CliError(f"{flag}: the text encodes to no tokens")
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
         def on_token(row: int, token: int) -> None:

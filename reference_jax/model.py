@@ -28,7 +28,7 @@ import numpy as np
 from kimi.config import KimiConfig
 from reference_jax.attn_res import attn_res_mix
 from reference_jax.cache import check_cache, kda_step
-from reference_jax.common import Linear, RMSNorm, Weight, check_token_ids
+from reference_jax.common import Linear, RMSNorm, Weight, check_cu_seqlens, check_token_ids
 from reference_jax.kda import KimiDeltaAttention
 from reference_jax.mla import GatedMLA
 from reference_jax.moe import DenseMLP, KimiMoE
@@ -312,8 +312,15 @@ def _check_attention_mask(attention_mask, shape) -> np.ndarray:
 
 
 def _warn_past_max_positions(T: int, cu_seqlens, max_positions: int) -> None:
-    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``."""
-    longest = T if cu_seqlens is None or isinstance(cu_seqlens, jax.core.Tracer) else int(np.diff(cu_seqlens).max())
+    """UserWarning when the longest sequence (row, or packed document) exceeds ``max_position_embeddings``.
+
+    Raises:
+        ValueError: invalid ``cu_seqlens`` (``check_cu_seqlens``), before its lengths are read.
+    """
+    if cu_seqlens is None or isinstance(cu_seqlens, jax.core.Tracer):  # a traced one: the layers refuse it
+        longest = T
+    else:
+        longest = int(np.diff(check_cu_seqlens(cu_seqlens, T)).max())
     if longest > max_positions:
         warnings.warn(
             f"sequence length {longest} exceeds config.max_position_embeddings={max_positions}: computed anyway "

@@ -13,6 +13,7 @@ from kimi.init import init_checkpoint
 from kimi_tools.cli import main
 from kimi_tools.common import CliError
 from kimi_tools.distill import DENSE_TOPK
+from kimi_tools.plots import figure_facts
 
 FIELDS = {"index_topk", "gate_lower_bound", "num_experts"}
 
@@ -29,6 +30,7 @@ def test_parse_grid():
     for bad, msg in [
         (["index_topk"], "expected key=v1"),
         (["nope=1"], "config fields"),
+        (["index_top_k=1"], r"did you mean index_topk\?.*valid keys: gate_lower_bound, index_topk, num_experts\)"),
         (["index_topk="], "at least one value"),
         (["gate_lower_bound=dense"], "index_topk only"),
         (["index_topk=1", "index_topk=2"], "twice"),
@@ -47,8 +49,9 @@ def ckpt(tmp_path_factory):
 def test_grid_rows_errors_and_skip(ckpt, tmp_path, monkeypatch, capsys):
     out = tmp_path / "abl"
     rows = ab.run_grid(ckpt, ["index_topk=8,dense"], out, tokens=48, seq_len=48, quiet=True)
-    assert [r["cell"] for r in rows] == ["index_topk=8", "index_topk=dense"]
-    small, dense = rows
+    assert [r["cell"] for r in rows] == ["(unchanged)", "index_topk=8", "index_topk=dense"]
+    base, small, dense = rows
+    assert all(base[f"attn_rel.{i}"] == 0.0 for i in range(4)) and base["logits_rel"] == 0.0
     assert dense["indexer_recall"] == pytest.approx(1.0)  # every visible key selected
     assert 0.0 < small["indexer_recall"] < 1.0
     # T = 48 <= the preset's top-64: the checkpoint is already dense, so 'dense' changes nothing anywhere ...
@@ -57,16 +60,20 @@ def test_grid_rows_errors_and_skip(ckpt, tmp_path, monkeypatch, capsys):
     assert small["attn_rel.3"] > 1e-3 and all(small[f"attn_rel.{i}"] == 0.0 for i in range(3))
     for name in ("ablate.csv", "ablate.json", "ablate.png"):
         assert (out / name).stat().st_size > 0
-    assert (out / "ablate.csv").read_text().count("\n") == 3
+    assert (out / "ablate.csv").read_text().count("\n") == 4
+    # the PNG draws these rows: the loss panel's markers are the cells' eval losses, its dashed line the baseline
+    loss_ax = figure_facts(ab.ablate_figure(rows))["axes"][0]
+    assert loss_ax["lines"][0]["y"] == [small["eval_loss"], dense["eval_loss"]]
+    assert loss_ax["lines"][1]["y"] == [base["eval_loss"], base["eval_loss"]]
     # a re-run with one more value computes only the new cell
     built = []
     orig = ab._build
     monkeypatch.setattr(ab, "_build", lambda cfg, *a: built.append(cfg.index_topk) or orig(cfg, *a))
     capsys.readouterr()
     rows = ab.run_grid(ckpt, ["index_topk=8,dense,16"], out, tokens=48, seq_len=48, quiet=False)
-    assert built == [16] and len(rows) == 3
-    assert "2 of 3 cells already in" in capsys.readouterr().err  # the user is told which cells were skipped
-    assert json.loads((out / "ablate.json").read_text())[2]["cell"] == "index_topk=16"
+    assert built == [16] and len(rows) == 4
+    assert "3 of 4 cells already in" in capsys.readouterr().err  # the user is told which cells were skipped
+    assert json.loads((out / "ablate.json").read_text())[3]["cell"] == "index_topk=16"
 
 
 def test_cli_errors_are_one_line(ckpt, tmp_path, capsys):
@@ -75,3 +82,62 @@ def test_cli_errors_are_one_line(ckpt, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("kimi: error:") and "index_topk" in err[0]
     assert main(["ablate", "--checkpoint", str(ckpt), "--out", str(tmp_path)]) == 2
     assert "--set" in capsys.readouterr().err
+
+
+def _row(cell, loss, recall=None, attn=(), resid=(), logits=None):
+    r = {
+        "cell": cell,
+        "mode": "eval",
+        "text": "alice_ch1.txt",
+        "tokens": 48,
+        "eval_loss": loss,
+        "indexer_recall": recall,
+    }
+    for i, (a, b) in enumerate(zip(attn, resid)):
+        r[f"attn_rel.{i}"], r[f"residual_rel.{i}"] = a, b
+    if logits is not None:
+        r["logits_rel"] = logits
+    return r
+
+
+def test_ablate_figure_draws_the_grid_as_a_grid():
+    """A 2 x 3 grid whose losses differ by 0.007 (as on a real checkpoint): one marker series per value of the first
+    key (legend) over the second key's values (x), the loss axis zoomed to the data (not from 0) with the unchanged
+    model as a dashed line, a value label per marker, and the per-layer errors as cells x layers with exact zeros
+    drawn as '0' (masked on the log colour scale), not as a small number."""
+    losses = {("8", "-5"): 2.5686, ("8", "none"): 2.5701, ("8", "-2"): 2.5756,
+              ("dense", "-5"): 2.5690, ("dense", "none"): 2.5712, ("dense", "-2"): 2.5731}  # fmt: skip
+    rows = [_row("(unchanged)", 2.5700, 0.9, (0.0, 0.0), (0.0, 0.0), 0.0)]
+    for (k, g), loss in losses.items():
+        rows.append(_row(f"index_topk={k},gate_lower_bound={g}", loss, 1.0 if k == "dense" else 0.5,
+                         (0.0 if g == "-5" else 0.3, 0.02), (0.0, 0.01), 0.04))  # fmt: skip
+    facts = figure_facts(ab.ablate_figure(rows))
+    loss_ax, recall_ax, attn_ax, resid_ax = (a for a in facts["axes"] if a["ylabel"] != "relative error (log scale)")
+    assert loss_ax["xlabel"] == "gate_lower_bound" and loss_ax["xticklabels"] == ["-5", "none", "-2"]
+    assert loss_ax["legend"][:2] == ["index_topk=8", "index_topk=dense"]
+    series = [ln for ln in loss_ax["lines"] if ln["label"].startswith("index_topk")]
+    assert [ln["y"] for ln in series] == [[2.5686, 2.5701, 2.5756], [2.5690, 2.5712, 2.5731]]
+    baseline = [ln for ln in loss_ax["lines"] if ln["label"].startswith("unchanged model")]
+    assert len(baseline) == 1 and baseline[0]["y"] == [2.57, 2.57] and baseline[0]["linestyle"] == "--"
+    lo, hi = loss_ax["ylim"]
+    assert 2.55 < lo < 2.5686 and 2.5756 < hi < 2.59  # zoomed: the 0.007 spread fills the panel
+    assert {"2.5686", "2.5756", "2.5712"} <= set(loss_ax["texts"])  # value labels
+    assert recall_ax["ylim"][0] == 0.0 and [ln["y"] for ln in recall_ax["lines"][:2]] == [[0.5] * 3, [1.0] * 3]
+    attn = attn_ax["images"][0]["values"]  # rows = the six cells, columns = layers 0, 1
+    assert attn_ax["yticklabels"][0] == "index_topk=8,gate_lower_bound=-5" and attn_ax["xticklabels"] == ["0", "1"]
+    assert attn[0] == [None, 0.02] and attn[1] == [0.3, 0.02]  # exact zero: masked (grey), not a 1e-9 value
+    assert attn_ax["texts"][:4] == ["0", "2.0e-02", "3.0e-01", "2.0e-02"]
+    assert resid_ax["xticklabels"] == ["0", "1", "logits"] and resid_ax["images"][0]["values"][0] == [None, 0.01, 0.04]
+
+
+def test_run_grid_leaves_the_pyplot_backend_alone(ckpt, tmp_path):
+    """The PNG is rendered without pyplot: a notebook's inline backend survives ``run_grid``."""
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        ab.run_grid(ckpt, ["gate_lower_bound=-3"], tmp_path, tokens=16, seq_len=16, quiet=True)
+        assert matplotlib.get_backend() == "svg" and (tmp_path / "ablate.png").stat().st_size > 0
+    finally:
+        matplotlib.use(before)

@@ -51,6 +51,10 @@ def test_init_layers_and_set(tmp_path):
     assert_clean_error(r, "not empty")
     r = kimi("init", "--preset", "tiny", "--out", tmp_path / "x", "--set", "bogus=1", check=False)
     assert_clean_error(r, "--set")
+    # a misspelt key: the close match and the valid keys, in one line
+    r = kimi("init", "--preset", "tiny", "--out", tmp_path / "x", "--set", "num_expert=4", check=False)
+    assert_clean_error(r, "did you mean num_experts")
+    assert "valid keys: activation_situ_beta" in r.stderr and "vocab_size)" in r.stderr, r.stderr
 
 
 @pytest.mark.slow
@@ -160,8 +164,21 @@ def test_compare_header_and_short_text_note(tmp_path):
     header = r.stdout.splitlines()[0]
     assert "no DSA layer" in header and "2048" not in header and "index_topk" not in header, header
     assert "byte-level tokenizer" in header and "fallback" not in header, header
+    assert f"text {text}" in header, header  # the header names the text it read
     assert "64 tokens" in header and "PASS" in r.stdout
     assert "--tokens 100000 is more than the 64 tokens of the input; running on 64" in r.stderr, r.stderr
+
+
+def test_compare_header_names_the_bundled_default_text(tiny_ckpt):
+    """Without --text the description (the header's text part) names the bundled default, not only the tokenizer."""
+    from argparse import Namespace
+
+    from kimi.config import KimiConfig
+    from kimi_tools.common import DEFAULT_TEXT, token_ids
+
+    cfg = KimiConfig.from_json(tiny_ckpt / "config.json")
+    ids, desc = token_ids(Namespace(text=None, ids=None, tokens=8), tiny_ckpt, cfg)
+    assert len(ids) == 8 and desc.startswith(f"the bundled text {DEFAULT_TEXT.name}, "), desc
 
 
 def test_forward_names_what_it_ran(tiny_ckpt):

@@ -5,7 +5,9 @@ single-rank reference itself from the same seed. fp64 throughout, so the toleran
 (summary-and-merge, the all-gathers), not rounding. The packed row: T = 45 tokens (not a multiple of world x chunk
 size 64), documents [0, 3) (shorter than a shard), [3, 12), [12, 40) (crosses the shard boundaries; at world 4 rank
 2 is carried through, and rank 1 starts exactly at a document start), [40, 45). Also: shards of 1-2 tokens (shorter
-than the conv window), batch rows without cu_seqlens, the absorbed MLA form.
+than the conv window), batch rows without cu_seqlens, the absorbed MLA form, the indexer's RoPE (``indexer_rope``
+"half" and "interleaved": positions are global), and at world 4 ``cu_seqlens = [0, 16, 30, 45]`` (middle ranks
+that carry a document in and start a new one).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from kimi.config import load_config
 
 T = 45
 CU = [0, 3, 12, 40, 45]
+# at world 4 (shards 0-12, 12-23, 23-34, 34-45) ranks 1 and 2 continue a document and start one; rank 3 is carried
+# through: a carry-in that starts a document resets the state (its summary's A is zero)
+CU_CARRY_AND_START = [0, 16, 30, 45]
 # named tolerances (relative error, fp64)
 TOL = {"out": 1e-10, "x.grad": 1e-9, "param.grad": 1e-9, "logits": 1e-10, "index_scores": 1e-10}
 
@@ -43,6 +48,8 @@ def test_make_shard_geometry():
     assert (s.carry_in, s.carry_through, s.local_cu_seqlens.tolist()) == (False, False, [0, 11])
     s = make_shard(T, torch.tensor(CU), 3, 4)  # 34..45: continues [12, 40), then [40, 45) starts inside
     assert (s.carry_in, s.carry_through, s.local_cu_seqlens.tolist(), s.last_doc_start) == (True, False, [0, 6, 11], 6)
+    s = make_shard(T, torch.tensor(CU_CARRY_AND_START), 1, 4)  # 12..23: continues [0, 16), then [16, 30) starts
+    assert (s.carry_in, s.carry_through, s.local_cu_seqlens.tolist(), s.last_doc_start) == (True, False, [0, 4, 11], 4)
     with pytest.raises(ValueError, match="cu_seqlens"):
         make_shard(T, torch.tensor([0, 50]), 0, 2)
 
@@ -148,6 +155,13 @@ def _worker(rank: int, world: int, port: int) -> None:
         w_sc = torch.randn(1, T, T, generator=g, dtype=torch.float64)  # a loss on index_scores: indexer grads
         _layer_case(dsa, x, CU, errors, "dsa packed", aux_weight=w_sc)
         _layer_case(dsa, x, CU, errors, "dsa packed absorbed", form="absorbed")
+        if world == 2:  # indexer RoPE at global positions: rank 1 starts inside the document [12, 40), at its 11th
+            for style in ("half", "interleaved"):
+                torch.manual_seed(3)
+                dsa_rope = GatedMLA(cfg.replace(indexer_rope=style), 3).double()
+                _layer_case(dsa_rope, x, CU, errors, f"dsa indexer_rope={style}", aux_weight=w_sc)
+        if world == 4:  # ranks 1 and 2 carry a document in and start a new one: their summaries must not be affine
+            _layer_case(kda, x, CU_CARRY_AND_START, errors, "kda carry-in and start")
 
         # the whole model: 5 layers of the tiny preset (KDA 0-2, DSA 3, KDA 4; dense then MoE; AttnRes writes 0, 4)
         torch.manual_seed(2)

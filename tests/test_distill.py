@@ -129,6 +129,24 @@ def test_sparse_target_is_per_head_softmax_over_selected_set():
     assert rel_err(kl, kl_np) < TOL_ORACLE_FP64
 
 
+def test_teacher_gets_no_gradient_in_both_stages():
+    """The attention is the teacher (``stop_gradient``): ``jax.grad`` of either stage's loss with respect to q and k
+    is exactly zero, while the gradient to the scores is not (mutation: the target without ``stop_gradient``)."""
+    B, T, H, K, topk, scale = 1, 20, 2, 4, 6, 0.5
+    q, k, scores = rand_inputs(B, T, H, K, seed=4)
+    with jax.enable_x64(True):
+        mask = causal_document_mask(T, np.array([0, 7, T]))
+        sel = sparse_mask(topk_indices(jnp.asarray(scores), mask, topk), T)
+        losses = {
+            "warmup": lambda q, k, s: jd.warmup_loss(q, k, s, mask, scale)[0],
+            "sparse": lambda q, k, s: jd.sparse_loss(q, k, s, mask, sel, scale)[0],
+        }
+        for stage, f in losses.items():
+            gq, gk, gs = jax.grad(f, argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(scores))
+            assert not np.asarray(gq).any() and not np.asarray(gk).any(), stage
+            assert np.abs(np.asarray(gs)).max() > 1e-3, stage  # the student does learn
+
+
 # ------------------------------------------------------------------------------------------ torch twin vs reference
 
 
@@ -229,6 +247,21 @@ def test_warmup_chunked_matches_dense(T, dtype, chunk_bytes, packed):
     _, kl_shared_dense = td.warmup_loss(q, k_shared[:, :, None].expand(B, T, H, K), scores, mask, scale)
     kl_shared, _ = td.warmup_kl_chunked(q, k_shared, scores, scale, cu, chunk_bytes=chunk_bytes)
     assert rel_err(kl_shared, kl_shared_dense) < tol
+
+
+def test_warmup_chunked_backward_scales_by_the_upstream_gradient():
+    """``(kl * w).sum()`` with random per-row ``w``: the chunked backward multiplies by ``dkl`` (mutation: the
+    gradient of ``kl.sum()`` whatever the upstream), equal to the dense form's autograd."""
+    B, T, H, K, scale = 2, 37, 3, 5, 0.4
+    q, k, scores = (torch.from_numpy(a) for a in rand_inputs(B, T, H, K, seed=5))
+    w = torch.from_numpy(np.random.default_rng(6).standard_normal((B, T)))  # signs and sizes differ per row
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    s1 = scores.clone().requires_grad_(True)
+    (td.warmup_loss(q, k, s1, mask, scale)[1] * w).sum().backward()
+    s2 = scores.clone().requires_grad_(True)
+    kl, _ = td.warmup_kl_chunked(q, k, s2, scale, chunk_bytes=B * H * T * 8 * 5)  # 5 rows a chunk
+    (kl * w).sum().backward()
+    assert rel_err(s2.grad, s1.grad) < TOL_CHUNKED_FP64
 
 
 @pytest.mark.parametrize("T", [1, 63, 130])

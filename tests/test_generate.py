@@ -1,6 +1,7 @@
 """``kimi_tools.generate``: greedy tokens equal on jax, eager and sdpa and equal to the cache-free greedy oracle
 (nanochat's engine-vs-``GPT.generate`` test), seeded sampling, batches of different lengths, the command line."""
 
+import json
 import math
 
 import numpy as np
@@ -152,9 +153,24 @@ def test_cli_generate_streams_text_and_stats(capsys, tmp_path):
     ]
     assert main(["generate", "--prompt-file", str(tmp_path / "none"), "--max-new-tokens", "2"]) == 2
     assert "no file at" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("")  # the error names the flag that was given
+    assert main(["generate", "--prompt-file", str(tmp_path / "empty.txt"), "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"kimi: error: --prompt-file: got an empty file {tmp_path / 'empty.txt'}, expected some text"
+    ]
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "a", "--max-new-tokens", "2", "--temperature", "-1"])
     assert e.value.code == 2 and "--temperature: got -1.0" in capsys.readouterr().err
+
+
+def test_cli_generate_on_an_adapter_folder_says_to_merge(capsys, tmp_path):
+    """A LoRA adapter folder is not a checkpoint: one line naming ``kimi lora merge`` with the recorded base."""
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/ckpts/base"}))
+    argv = ["generate", "--checkpoint", str(tmp_path), "--prompt", "a", "--max-new-tokens", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a LoRA adapter folder" in err[0], err
+    assert f"kimi lora merge --checkpoint /ckpts/base --adapter {tmp_path} --out MERGED" in err[0], err
 
 
 def test_cli_generate_decode_switch(capsys):

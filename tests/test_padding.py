@@ -6,7 +6,8 @@ not refuse; the model is NoPE and computes any length, but the checkpoint does n
 
 Mutations tried (each fails a test here): ignoring ``attention_mask`` in either model (the left-padded row's logits
 move); packing with ``cu`` built from all rows including empty ones (cu_seqlens refuses an empty document); scattering
-the packed logits back in column-major order; dropping the warning.
+the packed logits back in column-major order; dropping the warning; reading the document lengths before
+validating ``cu_seqlens`` (torch: ``max()``'s RuntimeError; JAX: numpy's zero-size error).
 """
 
 from __future__ import annotations
@@ -129,3 +130,43 @@ def test_max_position_embeddings_warns(ckpt):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_past_max_positions(8, np.array([0, 4, 8]), 6)
+
+
+BAD_CU = [  # (cu_seqlens for T = 8, the project's message)
+    ([0], "length >= 2"),
+    ([], "length >= 2"),
+    ("empty int", "length >= 2"),
+    ([0, 5, 3, 8], "strictly increasing"),
+    ([0, 4, 4, 8], "strictly increasing"),
+    ([1, 8], "start at 0 and end at T=8"),
+    ([0, 4], "start at 0 and end at T=8"),
+    ("float", "integer"),
+    ("bool", "integer"),
+]
+
+
+def _cu(spec, lib):
+    if spec == "empty int":
+        return torch.zeros(0, dtype=torch.int64) if lib == "torch" else np.zeros(0, np.int64)
+    if spec in ("float", "bool"):
+        vals = [0.0, 8.0] if spec == "float" else [False, True]
+        return torch.tensor(vals) if lib == "torch" else np.array(vals)
+    return torch.tensor(spec, dtype=torch.int64) if lib == "torch" else np.array(spec, np.int64)
+
+
+def test_degenerate_cu_seqlens_refused_before_the_length_warning(ckpt):
+    """The long-sequence check reads the document lengths: it validates ``cu_seqlens`` first, so a degenerate one
+    gets the project's ValueError (not ``max()``'s RuntimeError, nor numpy's zero-size reduction error), also on
+    the loss path."""
+    model = load_torch(ckpt, layers=1)
+    ids = torch.ones(1, 8, dtype=torch.int64)
+    with torch.no_grad():
+        for spec, msg in BAD_CU:
+            with pytest.raises(ValueError, match=f"^cu_seqlens: got .*{msg}"):
+                model(ids, cu_seqlens=_cu(spec, "torch"))
+        with pytest.raises(ValueError, match="^cu_seqlens: got .*length >= 2"):
+            model.loss(ids, ids, cu_seqlens=torch.tensor([0]))
+    jmodel, tree, _ = load_jax(ckpt, layers=1)
+    for spec, msg in BAD_CU:
+        with pytest.raises(ValueError, match=f"^cu_seqlens: got .*{msg}"):
+            jmodel.apply({"params": tree}, ids.numpy(), cu_seqlens=_cu(spec, "jax"))

@@ -20,9 +20,10 @@ all the math; ``kernels_torch.model`` holds no process-group code):
 
   Backward: the two all-gathers (:func:`all_gather`) reduce-scatter, i.e. sum the gradients of every rank and
   return each rank its own part, so state and window gradients reach the ranks that produced them.
-* **MLA / DSA** (spec 3-4): each rank projects its own queries and keys, all-gathers the normalised latent ``c_kv``,
-  the shared rope key ``k_pe`` and the indexer key ``k_I`` of every token (``L + R + KI`` values a token: 576 + 128
-  for K3.1), and attends with the global causal/document geometry: query rows ``[start, stop)`` against keys
+* **MLA / DSA** (spec 3-4): each rank projects its own queries and keys (the indexer's RoPE, when
+  ``indexer_rope`` is set, at the tokens' global positions in their documents), all-gathers the normalised latent
+  ``c_kv``, the shared rope key ``k_pe`` and the indexer key ``k_I`` of every token (``L + R + KI`` values a token:
+  576 + 128 for K3.1), and attends with the global causal/document geometry: query rows ``[start, stop)`` against keys
   ``[0, T)``, ``topk_indices`` in global key ids. Backward: the gather's reduce-scatter of the latent gradients.
 
 Use::
@@ -56,7 +57,7 @@ from torch import nn
 
 from kernels_torch.common import check_cu_seqlens, effective_weight, segment_ids
 from kernels_torch.common import linear as kda_linear  # the layer's own projection rule (dtype, LoRA-wrapped layers)
-from kernels_torch.indexer import indexer_scores, sparse_mask, topk_indices
+from kernels_torch.indexer import indexer_scores, rope_positions, sparse_mask, topk_indices
 from kernels_torch.kda import KDACache, KimiDeltaAttention, kda_chunk
 from kernels_torch.mla import GatedMLA, mla_attention, mla_attention_absorbed
 
@@ -273,7 +274,9 @@ def _mla_forward(layer: GatedMLA, cp: ContextParallel, x, cu_seqlens=None, form=
     c_q, q, q_nope, q_pe, c_kv, k_pe = layer.project(x)
     rows = [c_kv, k_pe]
     if layer.kind == "dsa":
-        q_I, k_I, weights = layer.indexer.projections(x, c_q)
+        # RoPE (indexer_rope) by global position in the document: a shard does not restart at 0
+        positions = rope_positions(T, shard.cu_seqlens)[shard.start : shard.stop]
+        q_I, k_I, weights = layer.indexer.projections(x, c_q, positions=positions)
         rows.append(k_I)
     dt = rows[0].dtype
     keys = gather_sequence(torch.cat([r.to(dt) for r in rows], dim=-1), shard, cp.group)  # [B, T, L+R(+KI)]
