@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels_torch.common import check_range_async, compute_dtype, segment_ids
+from kimi.tokenizer import IGNORE_INDEX
 
 __all__ = ["next_token_targets", "lm_loss", "linear_cross_entropy", "default_chunk_size"]
 
@@ -91,7 +92,7 @@ def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of the logits ``hidden @ weight.T`` without materialising them: equal to

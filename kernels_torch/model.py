@@ -27,6 +27,7 @@ from kernels_torch.mla import GatedMLA
 from kernels_torch.moe import DenseMLP, KimiMoE
 from kernels_torch.params import canonical_state_dict, load_canonical
 from kimi.config import KimiConfig
+from kimi.tokenizer import IGNORE_INDEX
 
 __all__ = ["BACKENDS", "DecoderLayer", "KimiK3Model", "load_model", "model_from_params", "save_model", "cast_model"]
 
@@ -241,7 +242,7 @@ class KimiK3Model(nn.Module):
             got = f"shape {tuple(labels.shape)} dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else labels
             raise ValueError(f"labels: got {got}, expected [B, T] = {list(input_ids.shape)} int64 (-100: no target)")
         V = self.config.vocab_size
-        bad = (labels != -100) & ((labels < 0) | (labels >= V))
+        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= V))
         if labels.device.type != "cpu":  # no host sync in a training step: a device-side assertion
             check_range_async(~bad, f"labels: expected ids in [0, {V}) or -100 (no target)")
         elif bool(bad.any()):  # before the backbone runs
@@ -257,8 +258,8 @@ class KimiK3Model(nn.Module):
         h, y = h.reshape(-1, h.shape[-1]), labels.to(h.device).reshape(-1)  # [B*T, D], [B*T]
         if head is not None and type(head) is not nn.Linear:  # e.g. a wrapped lm_head: the dense path, same value
             logits = h @ w.t()
-            return F.cross_entropy(logits.to(compute_dtype(logits)), y, ignore_index=-100, reduction="sum")
-        return linear_cross_entropy(h, w, y, ignore_index=-100, chunk_size=chunk_size)
+            return F.cross_entropy(logits.to(compute_dtype(logits)), y, ignore_index=IGNORE_INDEX, reduction="sum")
+        return linear_cross_entropy(h, w, y, ignore_index=IGNORE_INDEX, chunk_size=chunk_size)
 
     def step(self, input_ids, cache, lengths=None, *, mla_form="expanded", return_aux=False):
         """One cached call (a prefill chunk or a decode token): row ``n`` of ``input_ids`` ``[B, T]`` holds

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Tokenizer", "load_tokenizer", "read_text", "KIMI_PAT_STR"]
+__all__ = ["Tokenizer", "load_tokenizer", "read_text", "KIMI_PAT_STR", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # a label with no next-token target (torch.nn.functional.cross_entropy's default ignore_index)
 
 # Kimi's pre-tokenisation regex (tokenization_kimi.py): Han runs first, then cased letter runs with English
 # contractions, numbers in groups of up to three, punctuation runs, newlines, spaces.

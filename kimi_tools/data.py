@@ -26,6 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kimi.tokenizer import IGNORE_INDEX
+
 __all__ = [
     "IGNORE_INDEX",
     "TEXT_SUFFIXES",
@@ -37,7 +39,6 @@ __all__ = [
     "eval_batches",
 ]
 
-IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 
 
