@@ -108,3 +108,19 @@ def test_logits_bound_after_near_tie_flips():
     rep = compare_runs(ref, other(2 * TIE_FLIP_LOGITS_FACTOR * tol, flipped), ["dsa"], "float32")
     assert not rep.passed and rep.tie_flipped_rows == 1
     assert "flipped at near-ties" in format_table([compare_runs(ref, other(3 * tol, flipped), ["dsa"], "float32")])
+
+
+def test_run_torch_records_the_moe_kernel(tmp_path):
+    """``kimi compare --json`` carries ``RunResult.kernels``: the routed experts' kernel is among them (the loop on the
+    eager backend), so a report says which MoE path produced its numbers."""
+    import numpy as np
+
+    from kimi.config import load_config
+    from kimi.init import init_checkpoint
+    from kimi_tools.compare import run_torch
+
+    cfg = load_config("tiny").truncated(2)  # layer 1 is a MoE layer
+    init_checkpoint(tmp_path, cfg, seed=0)
+    ids = np.random.default_rng(0).integers(0, 256, 24)
+    run = run_torch(tmp_path, ids, backend="eager", dtype="float32", device="cpu")
+    assert run.kernels.get("moe") == {"loop": 1}
