@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels_torch.model import load_model  # noqa: E402
+from kimi.checkpoint import write_atomic  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi.init import init_checkpoint  # noqa: E402
-from kimi_tools.common import write_atomic  # noqa: E402
 from kimi_tools.distill import DENSE_TOPK, capture_dsa_inputs, dense_selection, dsa_layers, layer_terms  # noqa: E402
 from kimi_tools.train import TrainArgs, train  # noqa: E402
 

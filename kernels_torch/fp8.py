@@ -44,7 +44,8 @@ What runs in FP8 (:data:`FP8_LINEARS`, by the module that owns the projection; n
 Everything else stays as it is: ``lm_head``, the router ``gate``, the norms, the AttnRes projections, the KDA short
 convolutions and recurrence, the DSA indexer (its ``wq_b``, ``wk``, ``weights_proj``; it reads ``q_a_proj``'s FP8
 output ``c_q``) and the sparse attention. A LoRA-wrapped projection (peft) converts its frozen ``base_layer``; the
-adapters stay in the activation dtype. A projection whose width is not a multiple of 16 (``torch._scaled_mm``'s
+adapters stay in the activation dtype. A converted projection pads its tokens with zero rows to a multiple of 16
+when their count is not one (the weight gradient's FP8 GEMM reduces over them; exact: see :func:`_pad_rows`). A projection whose width is not a multiple of 16 (``torch._scaled_mm``'s
 requirement) is left as it is and listed in the record's ``skipped``.
 
 The grouped experts' contract (what ``torchao``'s ``Float8TrainingWeightWrapperTensor`` intercepts and asserts):
@@ -365,6 +366,10 @@ def convert_model_to_fp8(
         missing = sorted(chosen_set - converted)
         if missing:  # torchao's traversal missed a module we selected: never run part of the model silently in bf16
             raise RuntimeError(f"torchao did not convert {len(missing)} selected projections, e.g. {missing[0]}")
+        for name in chosen:
+            module = model.get_submodule(name)
+            module.register_forward_pre_hook(_pad_rows)
+            module.register_forward_hook(_unpad_rows)
 
     grouped_done: list[str] = []
     for name, module in grouped:
@@ -400,6 +405,29 @@ def convert_model_to_fp8(
     )
     model.fp8 = record
     return record
+
+
+def _pad_rows(module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook of each converted projection: its input ``[..., in]`` as ``[M, in]`` rows padded with zero
+    rows to a multiple of :data:`FP8_ALIGN` when the token count ``M`` is not one. The weight gradient's FP8 GEMM
+    (``grad_out^T @ x``) reduces over the tokens, and ``torch._scaled_mm`` needs that inner size a multiple of 16
+    (T = 1, 63, 2049 otherwise fail). Zero rows are exact: their outputs are cut off by :func:`_unpad_rows`, their
+    gradients are zero, no per-tensor or per-row amax changes. Aligned inputs pass untouched (no copy)."""
+    (x,) = args
+    rows = x.shape[:-1].numel()
+    pad = -rows % FP8_ALIGN
+    module._fp8_rows = None if pad == 0 else x.shape[:-1]
+    if pad == 0:
+        return None
+    return (torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad)),)
+
+
+def _unpad_rows(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Forward hook paired with :func:`_pad_rows`: the output's first ``M`` rows in the input's leading shape."""
+    shape, module._fp8_rows = getattr(module, "_fp8_rows", None), None
+    if shape is None:
+        return None
+    return out[: shape.numel()].reshape(*shape, out.shape[-1])
 
 
 def _expert_kernel(module: nn.Module) -> str:

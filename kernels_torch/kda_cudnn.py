@@ -111,6 +111,8 @@ def cudnn_short_conv_unavailable(x: torch.Tensor, W: int) -> str | None:
     decline at the call with ``NotImplementedError``, e.g. without the CUTLASS DSL or on an unlisted device)."""
     if importlib.util.find_spec("cudnn") is None:
         return "nvidia-cudnn-frontend is not importable"
+    if importlib.util.find_spec("cutlass") is None:  # the CuTe DSL route imports it at the first call
+        return "the CUTLASS DSL (nvidia-cutlass-dsl, module cutlass) that its CuTe DSL route needs is not importable"
     try:
         _cudnn_causal_conv1d()
     except Exception as e:  # ImportError / AttributeError (another cuDNN FE version), or a broken install
@@ -212,6 +214,8 @@ def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int, lower_bound: float | 
     output is NaN (measured on the H200, 2026-11-30), so that gate runs on fla."""
     if importlib.util.find_spec("cudnn") is None:
         return "nvidia-cudnn-frontend is not importable"
+    if importlib.util.find_spec("cutlass") is None:  # the CuTe DSL route imports it at the first call
+        return "the CUTLASS DSL (nvidia-cutlass-dsl, module cutlass) that its CuTe DSL route needs is not importable"
     try:
         importlib.import_module(_CUDNN_KDA_OP)
     except Exception as e:  # ImportError, or a broken install raising at import
@@ -640,7 +644,7 @@ def kda_layer_forward(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None)
                 out = short_conv_cudnn(xp, conv1d.weight, cu, state)
                 kernel_choice.record("short_conv", "cudnn")
                 return out
-            except NotImplementedError as e:  # cuDNN's route declined: fla for this and the other two
+            except (NotImplementedError, ImportError) as e:  # cuDNN's route declined (or a part of it is missing)
                 if conv_forced:
                     raise RuntimeError(
                         f"short_conv_kernel: got 'cudnn', but cuDNN's causal_conv1d declined: {e}"

@@ -57,6 +57,7 @@ __all__ = [
     "pad_A_log",
     "to_stored",
     "write_checkpoint",
+    "write_atomic",
     "save_params",
     "normalise_layers",
     "stored_items",
@@ -728,12 +729,36 @@ def _tmp_name(path: Path, final: str) -> Path:
 
 
 def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
+    """``data`` written and fsynced to a fresh temporary file in folder ``path`` (named after ``final``), opened as
+    ``open(..., "wb")`` would (mode ``0o666`` less the umask); the caller renames it into place."""
     tmp = _tmp_name(path, final)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return tmp
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never a part: the project's
+    one single-file atomic write (a checkpoint's several files are committed by :func:`write_stream`, the index last).
+
+    The bytes go to a temporary file beside ``path`` created as ``open(path, "wb")`` would (0644 under the usual
+    umask 022, where ``tempfile`` and safetensors' own ``save_file`` create 0600 files: serialise to bytes first,
+    e.g. ``safetensors.torch.save``), are fsynced, and the file is renamed over ``path`` (``os.replace``, atomic on
+    POSIX). The parent folder is created if needed. On an error the temporary file is removed and ``path`` is
+    untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = None
+    try:
+        tmp = _write_bytes_tmp(path.parent, path.name, data)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp is not None and tmp.exists():
+            tmp.unlink()
 
 
 def write_stream(

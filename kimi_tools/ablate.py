@@ -42,7 +42,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, set_item_error, write_atomic
+from kimi.checkpoint import write_atomic
+from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, set_item_error
 
 __all__ = ["parse_grid", "cell_config", "run_grid", "ablate_figure", "add_parser", "cmd_ablate", "UNCHANGED"]
 

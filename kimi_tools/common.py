@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from kimi.checkpoint import write_atomic
 from kimi.config import PRESETS, KimiConfig, load_config
 
 __all__ = [
@@ -26,7 +27,6 @@ __all__ = [
     "Progress",
     "materialise_checkpoint",
     "token_ids",
-    "write_atomic",
     "copy_tokenizer",
 ]
 
@@ -180,31 +180,6 @@ def token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):
             file=sys.stderr,
         )
     return np.asarray(ids, dtype=np.int64), tok_name
-
-
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never a part.
-
-    The bytes go to a temporary file beside ``path`` opened as ``open(path, "wb")`` would (mode ``0o666`` less the
-    umask: 0644 under the usual umask 022, where ``tempfile`` and safetensors' own ``save_file`` create 0600
-    files: serialise to bytes first, e.g. ``safetensors.torch.save``), are fsynced, and the file is renamed over
-    ``path`` (``os.replace``, atomic on POSIX). The parent folder is created if needed. On an error the temporary
-    file is removed and ``path`` is untouched.
-    """
-    import os
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")

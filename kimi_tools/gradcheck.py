@@ -291,7 +291,7 @@ def run_grad_compare(
         if not reports[-1]["passed"]:
             failed.append(other.name)
     if json_path is not None:
-        from kimi_tools.common import write_atomic
+        from kimi.checkpoint import write_atomic
 
         doc = {"tokens": int(len(ids)), "cu_seqlens": cu.tolist(), "dtype": dtype, "reports": reports}
         write_atomic(Path(json_path), json.dumps(doc, indent=1, default=float).encode())

@@ -360,7 +360,7 @@ def save_adapter(
     base_fingerprint: str | None = None,
 ) -> Path:
     """Write the adapter in peft's format: ``adapter_model.safetensors`` then ``adapter_config.json`` (each file
-    atomic, mode 0644 under the usual umask: :func:`kimi_tools.common.write_atomic`; the config last, so a folder
+    atomic, mode 0644 under the usual umask: :func:`kimi.checkpoint.write_atomic`; the config last, so a folder
     with a config always has its weights).
 
     ``adapter_config.json`` is peft's ``LoraConfig.to_dict()`` with ``target_modules`` the wrapped module names and
@@ -373,7 +373,7 @@ def save_adapter(
     """
     from safetensors.torch import save
 
-    from kimi_tools.common import write_atomic
+    from kimi.checkpoint import write_atomic
 
     cfg = _settings_of(model)
     if (cfg.r, float(cfg.lora_alpha), bool(cfg.use_rslora)) != (

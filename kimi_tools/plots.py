@@ -101,12 +101,12 @@ def _nested(a) -> list:
 
 
 def save_png(fig, path: str | Path, dpi: int = 100) -> None:
-    """Write ``fig`` as a PNG, atomically (``kimi_tools.common.write_atomic``), without touching pyplot's backend.
+    """Write ``fig`` as a PNG, atomically (``kimi.checkpoint.write_atomic``), without touching pyplot's backend.
 
     Raises:
         OSError: the folder is not writable.
     """
-    from kimi_tools.common import write_atomic
+    from kimi.checkpoint import write_atomic
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)

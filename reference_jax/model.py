@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi.config import KimiConfig
+from kimi.tokenizer import IGNORE_INDEX
 from reference_jax.attn_res import attn_res_mix
 from reference_jax.cache import check_cache, kda_step
 from reference_jax.common import Linear, RMSNorm, Weight, check_cu_seqlens, check_token_ids
@@ -227,14 +228,16 @@ class KimiK3Model(nn.Module):
             raise ValueError(f"labels: got shape {y.shape} dtype {y.dtype}, expected [B, T] = {list(ids.shape)} ints")
         V = self.config.vocab_size
         if not isinstance(labels, jax.core.Tracer):
-            bad = np.asarray((y != -100) & ((y < 0) | (y >= V)))
+            bad = np.asarray((y != IGNORE_INDEX) & ((y < 0) | (y >= V)))
             if bad.any():
-                raise ValueError(f"labels: got {int(np.asarray(y)[bad][0])}, expected ids in [0, {V}) or -100")
+                raise ValueError(
+                    f"labels: got {int(np.asarray(y)[bad][0])}, expected ids in [0, {V}) or {IGNORE_INDEX}"
+                )
         logits = self(ids, cu_seqlens, mla_form, on_layer=on_layer)
         x = logits.astype(jnp.float64 if logits.dtype == jnp.float64 else jnp.float32)
-        safe = jnp.where(y == -100, 0, y).astype(jnp.int32)
+        safe = jnp.where(y == IGNORE_INDEX, 0, y).astype(jnp.int32)
         nll = jax.nn.logsumexp(x, axis=-1) - jnp.take_along_axis(x, safe[..., None], axis=-1)[..., 0]
-        return jnp.where(y == -100, 0.0, nll).sum()
+        return jnp.where(y == IGNORE_INDEX, 0.0, nll).sum()
 
     def step(self, input_ids, cache, lengths=None, mla_form: str = "expanded", return_aux: bool = False):
         """One cached call: row ``n`` of ``input_ids`` ``[B, T]`` holds ``lengths[n]`` new tokens (default all T;

@@ -17,10 +17,27 @@ def pytest_configure(config):
     """
     import os
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of pytest-xdist's `-n N` worker processes
+        _one_thread_per_worker()
     if "JAX_PLATFORMS" not in os.environ:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
+
+
+def _one_thread_per_worker() -> None:
+    """Under ``pytest -n N`` the N workers share the cores: each runs torch (and the processes its tests start: the
+    ``kimi`` command line, torchrun ranks, notebook kernels) on one thread. With the default of one thread per core
+    in every worker, OpenMP's spinning threads oversubscribe the machine: a notebook that takes 11 s alone took 120 s
+    beside another worker on a 2-core machine. The variables are set in the worker's environment only (tests that
+    compare numbers run both sides in the same setting), never in a user's shell."""
+    import os
+
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

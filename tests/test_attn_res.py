@@ -6,16 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel
 
 from reference_jax.attn_res import attn_res_mix, attn_res_weights
 
 TOL_FP64 = 1e-12  # reference vs numpy, fp64
 TOL_SUM = 1e-6  # softmax weights sum to 1 (fp32)
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def np_mix(V, n, p, eps):
@@ -53,8 +49,8 @@ def test_matches_hand_computation_fp64(M):
         out = attn_res_mix([jnp.asarray(v) for v in V], jnp.asarray(n), jnp.asarray(p))
         pi = attn_res_weights(jnp.asarray(V), jnp.asarray(n), jnp.asarray(p))
         assert out.dtype == jnp.float64 and out.shape == V.shape[1:]
-    assert rel_err(out, want) <= TOL_FP64
-    assert rel_err(pi, want_pi) <= TOL_FP64
+    assert rel(out, want) <= TOL_FP64
+    assert rel(pi, want_pi) <= TOL_FP64
     # the depth softmax is not flat here (no hidden 1/sqrt(D) would keep it so): the test has teeth
     assert float(np.asarray(pi).max()) > 0.5
 
@@ -68,7 +64,7 @@ def test_weights_are_a_softmax_over_depth():
     assert np.all(pi >= 0) and np.abs(pi.sum(0) - 1).max() <= TOL_SUM
     # equal sources: a convex combination returns the source
     same = jnp.asarray(np.stack([V[0]] * 3), jnp.float32)
-    assert rel_err(attn_res_mix(same, jnp.asarray(n, jnp.float32), jnp.asarray(p, jnp.float32)), V[0]) <= 1e-6
+    assert rel(attn_res_mix(same, jnp.asarray(n, jnp.float32), jnp.asarray(p, jnp.float32)), V[0]) <= 1e-6
 
 
 def test_scale_changes_the_value_not_the_key():
@@ -84,12 +80,12 @@ def test_scale_changes_the_value_not_the_key():
         out_scaled = attn_res_mix(jnp.asarray(W), *args, eps=0.0)
         # with the default eps the key is invariant up to eps / mean(v²)
         pi_eps = attn_res_weights(jnp.asarray(W), *args)
-    assert rel_err(pi_scaled, pi) <= TOL_FP64  # the key is RMS-normalised: scale-free
-    assert rel_err(pi_eps, pi) <= 1e-5
+    assert rel(pi_scaled, pi) <= TOL_FP64  # the key is RMS-normalised: scale-free
+    assert rel(pi_eps, pi) <= 1e-5
     pi = np.asarray(pi)
     # the value is raw: out moves by (c - 1) * pi_1 * v_1
-    assert rel_err(out_scaled, np.asarray(out) + (c - 1) * pi[1][..., None] * V[1]) <= TOL_FP64
-    assert rel_err(out_scaled, out) > 0.1
+    assert rel(out_scaled, np.asarray(out) + (c - 1) * pi[1][..., None] * V[1]) <= TOL_FP64
+    assert rel(out_scaled, out) > 0.1
 
 
 def test_bf16_is_fp32_math_rounded_once():

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch import attn_res as T_ar
 from reference_jax import attn_res as J_ar
@@ -14,12 +15,6 @@ from reference_jax import attn_res as J_ar
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
 DTYPES = {"fp32": (torch.float32, jnp.float32, TOL_FP32), "fp64": (torch.float64, jnp.float64, TOL_FP64)}
-
-
-def rel_err(a, b) -> float:
-    a = a.detach().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, np.float64)
-    b = b.detach().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
@@ -36,7 +31,7 @@ def test_attn_res_mix_matches_jax(M, dt):
     got = T_ar.attn_res_mix(Vt, torch.from_numpy(n).to(tdt), torch.nn.Parameter(torch.from_numpy(p).to(tdt)))
     got_pi = T_ar.attn_res_weights(torch.stack(Vt), torch.from_numpy(n).to(tdt), torch.from_numpy(p).to(tdt))
     assert got.dtype == tdt and got.shape == V.shape[1:]
-    assert rel_err(got, want) <= tol and rel_err(got_pi, want_pi) <= tol
+    assert rel(got, want) <= tol and rel(got_pi, want_pi) <= tol
     if M == 1:
         assert torch.equal(got, Vt[0])
 

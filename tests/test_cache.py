@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch import cache as tcache
 from kernels_torch.model import load_model as load_torch
@@ -30,11 +31,6 @@ LAYERS = 4  # KKKD
 TOL = {"logits": 1e-5, "conv_q": 1e-5, "conv_k": 1e-5, "conv_v": 1e-5, "S": 1e-5, "c_kv": 1e-5, "k_pe": 1e-5}
 TOL["index_k"] = 1e-5
 TOL_JAX_TORCH = dict.fromkeys(TOL, 2e-05)  # the two twins in fp32 (tests/test_model.py: logits 1e-5)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def ids_for(B, T, seed):

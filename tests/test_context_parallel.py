@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from distributed_helpers import free_port, rel
+from helpers import rel, spawn
 
 from kernels_torch.parallel.context import make_shard, shard_bounds
 from kimi.config import load_config
@@ -188,4 +187,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_equals_one_rank(world):
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+    spawn(_worker, world)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 from layer_weights import mla_params
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -29,11 +30,6 @@ TOL_CHUNKED_FP64 = 1e-10  # chunked / gathered vs dense torch
 TOL_CHUNKED_FP32 = 1e-5
 DSA = 3  # a DSA layer of the tiny preset
 STAGES = ("warmup", "sparse")
-
-
-def rel_err(a, b) -> float:
-    a, b = (np.asarray(t.detach().double() if isinstance(t, torch.Tensor) else t, np.float64) for t in (a, b))
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def rand_inputs(B, T, H, K, seed, HI=3, KI=8):
@@ -83,15 +79,15 @@ def test_reference_matches_numpy_oracle(T):
         (loss, kl), grad = jax.jit(
             jax.value_and_grad(lambda q, k, s, m: jd.warmup_loss(q, k, s, m, scale), argnums=2, has_aux=True)
         )(*args)
-    assert rel_err(target, target_np) < TOL_ORACLE_FP64
-    assert rel_err(kl, kl_np) < TOL_ORACLE_FP64
+    assert rel(target, target_np) < TOL_ORACLE_FP64
+    assert rel(kl, kl_np) < TOL_ORACLE_FP64
     assert abs(float(loss) - kl_np.sum()) <= TOL_ORACLE_FP64 * max(1.0, kl_np.sum())  # summed over queries
     g = np.asarray(grad)
     assert np.all(np.isfinite(g)) and np.all(g[1, T // 2] == 0)
     # d/dI KL(p || softmax(I)) = softmax(I) - p on visible keys, 0 elsewhere
     soft = np.where(mask, np.exp(scores - np.where(mask, scores, -np.inf).max(-1, keepdims=True)), 0)
     soft = soft / np.where(soft.sum(-1, keepdims=True) > 0, soft.sum(-1, keepdims=True), 1)
-    assert rel_err(g, soft - target_np) < TOL_ORACLE_FP64
+    assert rel(g, soft - target_np) < TOL_ORACLE_FP64
 
 
 def test_kl_is_zero_when_student_equals_teacher_and_recall_is_one_when_all_selected():
@@ -126,7 +122,7 @@ def test_sparse_target_is_per_head_softmax_over_selected_set():
 
         sel, kl = run(jnp.asarray(q), jnp.asarray(k), jnp.asarray(scores))
     _, kl_np = oracle(q, k, scores, np.asarray(sel) & np.asarray(mask)[None], 0.5)
-    assert rel_err(kl, kl_np) < TOL_ORACLE_FP64
+    assert rel(kl, kl_np) < TOL_ORACLE_FP64
 
 
 def test_teacher_gets_no_gradient_in_both_stages():
@@ -190,7 +186,7 @@ def test_torch_twin_matches_reference_through_the_layer_fp64(T):
             return jd.sparse_loss(q, k, scores, mask, sparse_mask(topk, T), scale)[0]
 
         jres = {st: jax.jit(jax.value_and_grad(lambda ip, st=st: jloss(ip, st)))(tree["indexer"]) for st in STAGES}
-    assert rel_err(tq, q) < TOL_TWIN_FP64 and rel_err(tk, k) < TOL_TWIN_FP64
+    assert rel(tq, q) < TOL_TWIN_FP64 and rel(tk, k) < TOL_TWIN_FP64
 
     for stage in STAGES:
         layer.zero_grad(set_to_none=True)
@@ -206,7 +202,7 @@ def test_torch_twin_matches_reference_through_the_layer_fp64(T):
             mod, leaf = name.rsplit(".", 1)
             g_t = layer.indexer.get_parameter(name).grad
             assert g_t is not None, (stage, name)
-            assert rel_err(g_t, j_grads[mod][leaf]) < TOL_TWIN_FP64, (stage, name)
+            assert rel(g_t, j_grads[mod][leaf]) < TOL_TWIN_FP64, (stage, name)
         # gradient isolation (case 30): no other parameter of the layer received a gradient from the KL
         others = [n for n, prm in layer.named_parameters() if not n.startswith("indexer.") and prm.grad is not None]
         assert others == [], stage
@@ -236,17 +232,17 @@ def test_warmup_chunked_matches_dense(T, dtype, chunk_bytes, packed):
     kl, rec = td.warmup_kl_chunked(q, k, s2, scale, cu, topk_indices=idx, chunk_bytes=chunk_bytes)
     kl.sum().backward()
     tol = TOL_CHUNKED_FP64 if dtype == torch.float64 else TOL_CHUNKED_FP32
-    assert rel_err(kl, kl_dense) < tol
-    assert rel_err(s2.grad, s1.grad) < tol
-    assert rel_err(rec, rec_dense) < tol
+    assert rel(kl, kl_dense) < tol
+    assert rel(s2.grad, s1.grad) < tol
+    assert rel(rec, rec_dense) < tol
     # the same with an lse handed in (as from a flash forward), and with one key shared by every head (absorbed form)
     lse = torch.logsumexp((torch.einsum("bthk,bshk->bhts", q, k) * scale).masked_fill(~mask, float("-inf")), -1)
     kl_lse, _ = td.warmup_kl_chunked(q, k, scores, scale, cu, lse=lse, chunk_bytes=chunk_bytes)
-    assert rel_err(kl_lse, kl_dense) < tol
+    assert rel(kl_lse, kl_dense) < tol
     k_shared = k[:, :, 0]
     _, kl_shared_dense = td.warmup_loss(q, k_shared[:, :, None].expand(B, T, H, K), scores, mask, scale)
     kl_shared, _ = td.warmup_kl_chunked(q, k_shared, scores, scale, cu, chunk_bytes=chunk_bytes)
-    assert rel_err(kl_shared, kl_shared_dense) < tol
+    assert rel(kl_shared, kl_shared_dense) < tol
 
 
 def test_warmup_chunked_backward_scales_by_the_upstream_gradient():
@@ -261,7 +257,7 @@ def test_warmup_chunked_backward_scales_by_the_upstream_gradient():
     s2 = scores.clone().requires_grad_(True)
     kl, _ = td.warmup_kl_chunked(q, k, s2, scale, chunk_bytes=B * H * T * 8 * 5)  # 5 rows a chunk
     (kl * w).sum().backward()
-    assert rel_err(s2.grad, s1.grad) < TOL_CHUNKED_FP64
+    assert rel(s2.grad, s1.grad) < TOL_CHUNKED_FP64
 
 
 @pytest.mark.parametrize("T", [1, 63, 130])
@@ -291,9 +287,9 @@ def test_sparse_gathered_matches_dense(T):
     lse = torch.logsumexp(logits.masked_fill(~sel, float("-inf")), -1).T  # [T, H]: the sparse forward's lse
     for given in (None, lse):
         kl = td.sparse_kl_gathered(q, kv, idx[0], at[0], scale, lse=given, rows=19)
-        assert rel_err(kl, kl_dense[0]) < TOL_CHUNKED_FP64
+        assert rel(kl, kl_dense[0]) < TOL_CHUNKED_FP64
     kl.sum().backward()
-    assert rel_err(w2.grad, w1.grad) < TOL_CHUNKED_FP64
+    assert rel(w2.grad, w1.grad) < TOL_CHUNKED_FP64
 
 
 class _Sizes(TorchDispatchMode):

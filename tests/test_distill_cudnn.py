@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import rel
 
 import kernels_torch.dsa_cudnn as dc
 import kernels_torch.indexer as ti
 import kernels_torch.mla as tm
 from kernels_torch import distill as kd
 from kernels_torch.common import causal_document_mask
-from kernels_torch.model import KimiK3Model
+from kernels_torch.model import model_from_params
 from kimi.config import load_config
 from kimi.init import init_params
 from kimi_tools.data import Batch
@@ -34,10 +35,6 @@ DSA = 3  # a DSA layer of the tiny preset
 TOL_LOSS = 1e-10  # fp64: cudnn layer code (gathered KL, sparse lse) vs the eager stage (dense twins)
 TOL_GRAD = 1e-9  # every parameter gradient, same comparison
 TOL_RECALL = 1e-10  # sparse_recall (lse_S - lse_dense) vs the dense target's mass on the selected keys
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
 def _indexer_topk_torch(q_I, k_I, weights, topk, cu_seqlens=None, chunk_rows=None, **_):
@@ -63,9 +60,7 @@ def _models():
     params = init_params(cfg, seed=0)
     out = []
     for backend in ("eager", "cudnn"):
-        m = KimiK3Model(cfg, backend="eager")
-        m.load_state_dict(params)
-        m = m.double()
+        m = model_from_params(cfg, params, backend="eager", dtype=torch.float64)
         if backend == "cudnn":
             for attn in dsa_layers(m).values():
                 attn.backend = "cudnn"
@@ -103,7 +98,7 @@ def test_cudnn_stage_matches_eager_stage(cudnn_code, stage_cls):
         assert met_f[key] == pytest.approx(met_e[key], rel=TOL_LOSS, abs=1e-14), (key, met_f[key], met_e[key])
     ge, gf = _grads(eager), _grads(fast)
     assert set(ge) == set(gf) and any(".indexer." in n for n in gf)
-    bad = {n: rel_err(gf[n], ge[n]) for n in ge if not rel_err(gf[n], ge[n]) <= TOL_GRAD}
+    bad = {n: rel(gf[n], ge[n]) for n in ge if not rel(gf[n], ge[n]) <= TOL_GRAD}
     assert not bad, bad
 
 
@@ -132,9 +127,9 @@ def test_cudnn_layer_hands_the_sparse_forward_to_layer_terms(cudnn_code, B, cu):
     terms["kl_sum"].backward()
     ref = layer_terms(eager, x, cu_t, "sparse", aux["topk_indices"])
     ref["kl_sum"].backward()
-    errs = {"kl": rel_err(terms["kl"], ref["kl"]), "recall": rel_err(terms["recall"], ref["recall"])}
+    errs = {"kl": rel(terms["kl"], ref["kl"]), "recall": rel(terms["recall"], ref["recall"])}
     for (n, p), (_, p_e) in zip(fast.indexer.named_parameters(), eager.indexer.named_parameters()):
-        errs[n] = rel_err(p.grad, p_e.grad)
+        errs[n] = rel(p.grad, p_e.grad)
     assert errs["kl"] <= TOL_LOSS and errs["recall"] <= TOL_RECALL, errs
     assert all(v <= TOL_GRAD for v in errs.values()), errs
     with pytest.raises(ValueError, match="missing .*lse"):
@@ -155,7 +150,7 @@ def test_sparse_recall_matches_dense_target_mass(N, cu, chunk):
     got = kd.sparse_recall(q, kv, lse, 0.2, cu_t, chunk_bytes=chunk)
     target = kd.attention_target(q[None], kv[None, :, None].expand(1, N, H, D), mask, 0.2)
     ref = kd.indexer_recall(target, ti.sparse_mask(idx[None], N))[0]
-    assert rel_err(got, ref) <= TOL_RECALL, rel_err(got, ref)
+    assert rel(got, ref) <= TOL_RECALL, rel(got, ref)
 
 
 def test_capture_flag_and_dense_selection_on_cudnn(cudnn_code):
@@ -170,4 +165,4 @@ def test_capture_flag_and_dense_selection_on_cudnn(cudnn_code):
     assert all(seen[i]["topk_indices"] is None and "lse" not in seen[i]["forward"] for i in dsa_layers(fast))
     with dense_selection(eager), torch.no_grad():
         ref = eager(batch.input_ids, cu_seqlens=batch.cu_seqlens)
-    assert rel_err(out, ref) <= TOL_LOSS
+    assert rel(out, ref) <= TOL_LOSS

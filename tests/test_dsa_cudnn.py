@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import rel
 
 import kernels_torch.dsa_cudnn as dc
 import kernels_torch.indexer as ti
@@ -20,10 +21,6 @@ from kimi.config import load_config
 
 DSA = 3  # a DSA layer of the tiny preset
 TOL_FP64 = 1e-12  # torch twins vs references, fp64
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
 def _has_cuda_and_extra() -> bool:
@@ -125,7 +122,7 @@ def test_chunked_scores_twin_matches_indexer_scores(T, cu, chunk):
     got = got.masked_fill(~mask, float("-inf"))
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     fin = torch.isfinite(ref)
-    assert rel_err(got[fin], ref[fin]) < 1e-6  # the twin scores in fp32
+    assert rel(got[fin], ref[fin]) < 1e-6  # the twin scores in fp32
     assert all(r <= chunk for r, _ in shapes)
 
 
@@ -142,7 +139,7 @@ def test_sparse_mla_torch_twin_matches_reference(T, H, K, S):
     out = dc._sparse_mla_torch(q, kv, idx, tlen, 0.3, V, rows_per_chunk=16)
     ref, _, _ = sparse_mla_fwd_reference(q, kv, idx, 0.3, tlen, d_v=V)
     assert not torch.isnan(out).any() and bool((out[0] == 0).all())
-    assert rel_err(out, ref) < TOL_FP64
+    assert rel(out, ref) < TOL_FP64
 
 
 def _indexer_topk_torch(q_I, k_I, weights, topk, cu_seqlens=None, chunk_rows=None, **_):
@@ -247,7 +244,7 @@ def test_cudnn_layer_code_matches_eager_with_torch_kernels(monkeypatch, B, T, cu
     ids = aux["topk_indices"].long()  # slots ascending, -1 last (sort_topk_slots: a reproducible sparse forward)
     keyed = torch.where(ids < 0, torch.iinfo(torch.int64).max, ids)
     assert bool((keyed[..., 1:] >= keyed[..., :-1]).all())
-    err = rel_err(out.detach(), out_e.detach())
+    err = rel(out.detach(), out_e.detach())
     assert err <= TOL_WIRING, err
 
 
@@ -280,4 +277,4 @@ def test_padded_query_layout_only_when_nothing_needs_the_sparse_backward(monkeyp
     layer.requires_grad_(True)
     out_all = layer(x)
     assert layouts == ["padded", "contiguous", "contiguous"]
-    assert rel_err(out_kv.detach(), out_inf) <= TOL_FP64 and rel_err(out_all.detach(), out_inf) <= TOL_FP64
+    assert rel(out_kv.detach(), out_inf) <= TOL_FP64 and rel(out_all.detach(), out_inf) <= TOL_FP64

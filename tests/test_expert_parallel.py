@@ -20,8 +20,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from distributed_helpers import free_port, rel
+from helpers import rel, spawn
 from torch import nn
 
 from kernels_torch.parallel.expert import experts_per_rank
@@ -268,4 +267,4 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_equals_one_process(world):
-    mp.spawn(_worker, args=(world, free_port()), nprocs=world, join=True)
+    spawn(_worker, world)

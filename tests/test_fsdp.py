@@ -10,9 +10,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from distributed_helpers import free_port, rel
+from helpers import rel, spawn
 
 from kimi.config import load_config
 
@@ -111,7 +110,7 @@ def test_fsdp_cp_step_dcp_and_export(tmp_path):
 
     from kimi.checkpoint import CheckpointReader
 
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, 2, str(tmp_path))
 
     # the DCP folder written by 2 ranks loads in this process (world size 1) and gives the same logits
     model, ids, _ = _setup()
@@ -178,8 +177,8 @@ def test_dcp_reshards_stacked_experts(tmp_path):
     from kernels_torch.model import KimiK3Model
     from kernels_torch.parallel.fsdp import load_checkpoint
 
-    mp.spawn(_reshard_worker, args=(2, free_port(), str(tmp_path), "save"), nprocs=2, join=True)
-    mp.spawn(_reshard_worker, args=(3, free_port(), str(tmp_path), "load"), nprocs=3, join=True)
+    spawn(_reshard_worker, 2, str(tmp_path), "save")
+    spawn(_reshard_worker, 3, str(tmp_path), "load")
     torch.manual_seed(0)
     want = KimiK3Model(_reshard_cfg()).double().state_dict()
     got = torch.load(tmp_path / "loaded_3.pt")

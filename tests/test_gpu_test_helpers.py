@@ -16,7 +16,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
-from _helpers import init_layer, rel, rel_or_scaled  # noqa: E402
+from _helpers import init_layer, rel_or_scaled  # noqa: E402
+from helpers import rel
 
 import kernels_torch.kda as tk  # noqa: E402
 from kimi.config import load_config  # noqa: E402

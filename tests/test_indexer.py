@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel
 from layer_weights import mla_params
 
 from kimi.config import load_config
@@ -22,11 +23,6 @@ TOL_SCORES_FP32 = 1e-5
 TOL_PACKED_FP64 = 1e-12  # packed vs separate documents
 
 LAYER = 3  # a DSA layer of the tiny preset
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def canonical_topk_np(scores: np.ndarray, mask: np.ndarray, k: int) -> np.ndarray:
@@ -80,11 +76,11 @@ def test_scores_formula(dtype):
         with jax.enable_x64(True):
             got = indexer_scores(*(jnp.asarray(a, jnp.float64) for a in (q, k, w)))
             assert got.dtype == jnp.float64
-            assert rel_err(got, want) <= TOL_SCORES_FP64
+            assert rel(got, want) <= TOL_SCORES_FP64
     else:
         got = indexer_scores(*(jnp.asarray(a, jnp.float32) for a in (q, k, w)))
         assert got.dtype == jnp.float32 and got.shape == (B, T, S)
-        assert rel_err(got, want) <= TOL_SCORES_FP32
+        assert rel(got, want) <= TOL_SCORES_FP32
 
 
 def test_scores_bf16_inputs_accumulate_in_fp32():
@@ -94,7 +90,7 @@ def test_scores_bf16_inputs_accumulate_in_fp32():
     got = indexer_scores(qb, kb, jnp.asarray(w, jnp.float32))
     assert got.dtype == jnp.float32
     want = scores_np(np.asarray(qb.astype(jnp.float32)), np.asarray(kb.astype(jnp.float32)), w)
-    assert rel_err(got, want) <= TOL_SCORES_FP32
+    assert rel(got, want) <= TOL_SCORES_FP32
 
 
 def test_scale_constants_case10():
@@ -262,7 +258,7 @@ def test_indexer_module_matches_formula_fp64(T):
         idx, scores = Indexer(cfg).apply(to_tree(p, jnp.float64), jnp.asarray(x), jnp.asarray(c_q))
         assert scores.dtype == jnp.float64
     want = indexer_np(p, x, c_q, cfg)
-    assert rel_err(scores, want) <= TOL_SCORES_FP64
+    assert rel(scores, want) <= TOL_SCORES_FP64
     assert np.array_equal(
         np.asarray(idx)[0], canonical_topk_np(want[0], np.tril(np.ones((T, T), bool)), cfg.index_topk)
     )
@@ -299,7 +295,7 @@ def test_indexer_packed_equals_separate():
         for a, b in zip(cu[:-1], cu[1:]):
             sidx, sscores = Indexer(cfg).apply(tree, jnp.asarray(x[:, a:b]), jnp.asarray(c_q[:, a:b]))
             sidx, sscores = np.asarray(sidx)[0], np.asarray(sscores)[0]
-            assert rel_err(scores[a:b, a:b], sscores) <= TOL_PACKED_FP64
+            assert rel(scores[a:b, a:b], sscores) <= TOL_PACKED_FP64
             w = sidx.shape[1]
             assert np.array_equal(idx[a:b, :w], np.where(sidx >= 0, sidx + a, -1))
             assert np.all(idx[a:b, w:] == -1)
@@ -317,7 +313,7 @@ def test_indexer_rope_is_a_config_choice_case11(rope):
     tree = jax.jit(Indexer(cfg).init)(jax.random.PRNGKey(0), x, c_q)
     s_none = np.asarray(jax.jit(Indexer(cfg).apply)(tree, x, c_q)[1])
     s_rope = np.asarray(jax.jit(Indexer(cfg.replace(indexer_rope=rope)).apply)(tree, x, c_q)[1])
-    assert rel_err(s_rope, s_none) > 1e-3  # rotated q_I, k_I: other scores
+    assert rel(s_rope, s_none) > 1e-3  # rotated q_I, k_I: other scores
     with pytest.raises(ValueError, match="rope_dim"):
         jax.eval_shape(Indexer(cfg.replace(indexer_rope=rope, qk_rope_head_dim=7)).apply, tree, x, c_q)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 from layer_weights import mla_params
 
 import kernels_torch.indexer as ti
@@ -31,11 +32,6 @@ TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
 TOL_PACKED_FP64 = 1e-12  # packed vs separate documents
 STYLES = ["half", "interleaved"]
-
-
-def rel_err(a, b) -> float:
-    a, b = (np.asarray(t.detach().double() if isinstance(t, torch.Tensor) else t, np.float64) for t in (a, b))
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def rope_by_hand(x: np.ndarray, pos: np.ndarray, R: int, style: str, theta: float = 10000.0) -> np.ndarray:
@@ -62,7 +58,7 @@ def test_apply_rope_matches_hand_rotation(style, shape):
     with jax.enable_x64(True):
         got_j = np.asarray(ji.apply_rope(jnp.asarray(x), rope_pos, R, style))
     got_t = ti.apply_rope(torch.from_numpy(x), rope_pos, R, style).numpy()
-    assert rel_err(got_j, want) <= TOL_HAND_FP64 and rel_err(got_t, want) <= TOL_HAND_FP64
+    assert rel(got_j, want) <= TOL_HAND_FP64 and rel(got_t, want) <= TOL_HAND_FP64
     assert np.array_equal(got_t[..., R:], x[..., R:])
     # position 0 is the identity; a rotation keeps each pair's norm
     assert np.array_equal(got_t[:, 0], x[:, 0])
@@ -73,7 +69,7 @@ def test_styles_differ_and_positions_restart():
     x = np.random.default_rng(1).standard_normal((1, 6, 8))
     h = ti.apply_rope(torch.from_numpy(x), np.arange(6), 8, "half")
     i = ti.apply_rope(torch.from_numpy(x), np.arange(6), 8, "interleaved")
-    assert rel_err(h, i) > 1e-2
+    assert rel(h, i) > 1e-2
     assert ti.rope_positions(6, torch.tensor([0, 2, 6])).tolist() == [0, 1, 0, 1, 2, 3]
     assert ji.rope_positions(6, np.array([0, 2, 6])).tolist() == [0, 1, 0, 1, 2, 3]
     with pytest.raises(ValueError, match="indexer_rope"):
@@ -102,13 +98,13 @@ def test_indexer_torch_matches_jax(style, dtype):
             {"params": to_tree(p, jdt)}, jnp.asarray(x, jdt), jnp.asarray(c_q, jdt)
         )
         s_j, idx_j = np.asarray(s_j), np.asarray(idx_j)
-    assert rel_err(s_t, s_j) <= tol
+    assert rel(s_t, s_j) <= tol
     # the rotation is really on: the same weights without RoPE give other scores
     cfg0 = cfg.replace(indexer_rope="none")
     m0 = ti.Indexer(cfg0).to(tdt)
     m0.load_state_dict(m.state_dict())
     with torch.no_grad():
-        assert rel_err(m0(torch.from_numpy(x).to(tdt), torch.from_numpy(c_q).to(tdt))[1], s_t) > 1e-2
+        assert rel(m0(torch.from_numpy(x).to(tdt), torch.from_numpy(c_q).to(tdt))[1], s_t) > 1e-2
     if dtype == "fp64":  # selections agree index for index when the scores agree to 1e-10
         assert np.array_equal(idx_t.numpy(), idx_j)
 
@@ -127,7 +123,7 @@ def test_indexer_packed_equals_separate_fp64(style):
         _, s = m(torch.from_numpy(x), torch.from_numpy(c_q), cu_seqlens=torch.tensor(cu))
         for a, b in zip(cu[:-1], cu[1:]):
             _, s_doc = m(torch.from_numpy(x[:, a:b]), torch.from_numpy(c_q[:, a:b]))
-            assert rel_err(s[:, a:b, a:b], s_doc) <= TOL_PACKED_FP64
+            assert rel(s[:, a:b, a:b], s_doc) <= TOL_PACKED_FP64
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -148,4 +144,4 @@ def test_dsa_layer_with_rope_torch_matches_jax(style):
         )
         out_j, idx_j = np.asarray(out_j), np.asarray(aux_j["topk_indices"])
     assert np.array_equal(aux_t["topk_indices"].numpy(), idx_j)
-    assert rel_err(out_t, out_j) <= TOL_FP64
+    assert rel(out_t, out_j) <= TOL_FP64

@@ -8,17 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 
 import kernels_torch.indexer as ti
 import reference_jax.indexer as ji
 
 TOL_FP32 = 1e-5  # torch vs JAX, fp32
 TOL_FP64 = 1e-10  # torch vs JAX, fp64
-
-
-def rel_err(a, b) -> float:
-    a, b = (np.asarray(t.detach().double() if isinstance(t, torch.Tensor) else t, np.float64) for t in (a, b))
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def tie_heavy_inputs(T: int, seed: int, frac_positive: float = 0.1):
@@ -49,7 +45,7 @@ def test_indexer_scores_and_topk_match_jax(dtype):
         # select from the *same* scores in both frameworks: the top-k rule itself must agree index for index
         mask = np.tril(np.ones((T, T), bool))
         i_j = np.asarray(ji.topk_indices(jnp.asarray(s_j), jnp.asarray(mask), k))
-    assert s_t.dtype == tdt and rel_err(s_t, s_j) <= tol
+    assert s_t.dtype == tdt and rel(s_t, s_j) <= tol
     i_t = ti.topk_indices(torch.from_numpy(np.array(s_j)), torch.from_numpy(mask), k)
     assert i_t.dtype == torch.int32 and np.array_equal(i_t.numpy(), i_j)
     assert np.array_equal(ti.sparse_mask(i_t, T).numpy(), np.asarray(ji.sparse_mask(jnp.asarray(i_j), T)))
@@ -82,13 +78,13 @@ def test_indexer_scores_row_chunks_and_gradients(T, S, chunk_bytes, values):
         assert (logits == 0).float().mean() > 0.1
     ref = torch.einsum("btj,btjs->bts", w * HI**-0.5, torch.relu(logits))
     out = ti.indexer_scores(q, k, w, chunk_bytes=chunk_bytes)
-    assert rel_err(out, ref) <= TOL_CHUNKED_FP64
+    assert rel(out, ref) <= TOL_CHUNKED_FP64
     for name, got, want in zip(
         ("dq_I", "dk_I", "dweights"),
         torch.autograd.grad((out * dy).sum(), (q, k, w)),
         torch.autograd.grad((ref * dy).sum(), (q, k, w)),
     ):
-        assert rel_err(got, want) <= TOL_CHUNKED_FP64, name
+        assert rel(got, want) <= TOL_CHUNKED_FP64, name
 
 
 def test_indexer_scores_memory_is_one_chunk():

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel
 from layer_weights import kda_params
 
 from kimi.config import load_config
@@ -36,11 +37,6 @@ TOL_PACKED = 1e-6  # case 5: packed vs separate (see test_packed_equals_separate
 LB = -5.0
 
 CASE5_CU = [[0, 15], [0, 1, 2, 3, 503], [0, 256, 500, 1000], [0, 15, 100, 300, 1200, 2000]]
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def np_l2norm(x):

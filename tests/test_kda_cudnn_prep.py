@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import rel
 
 import kernels_torch.kda as tk
 import kernels_torch.kda_cudnn as kc
@@ -18,11 +19,6 @@ from kimi.config import load_config
 
 TOL = 1e-6  # fp64 inputs; f and beta reach the op as fp32 (what the kernel reads), so ~1e-7 relative differences
 LB = -5.0
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
 def fake_op(seen: dict):

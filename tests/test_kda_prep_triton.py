@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from helpers import rel
 
 import kernels_torch.kda as tk
 import kernels_torch.kda_cudnn as kc
@@ -57,11 +58,6 @@ TOL_LAYER = 1e-5  # the whole layer in fp32 (measured <= 1.2e-6, on dA_log)
 LB = -5.0
 # The interpreter evaluates exp(-a * x) in numpy: at saturation it overflows to inf on purpose (sigmoid -> 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-300))
 
 
 def qk_inputs(B, T, H, K, dtype, seed):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 from layer_weights import kda_params, layer_dtypes
 
 import kernels_torch.kda as tk
@@ -21,12 +22,6 @@ TOL_FP64 = 1e-10  # torch vs JAX, fp64
 TOL_BF16 = 3e-2  # bf16 torch module vs fp32 torch module
 LB = -5.0
 PREFIX = "model.layers.{i}.self_attn."
-
-
-def rel(a, b) -> float:
-    a = a.detach().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, np.float64)
-    b = b.detach().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 DTYPES = {"fp32": (torch.float32, np.float32, TOL_FP32), "fp64": (torch.float64, np.float64, TOL_FP64)}

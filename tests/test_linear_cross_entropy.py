@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel
 
 from kernels_torch.loss import default_chunk_size, linear_cross_entropy
 from kernels_torch.model import KimiK3Model, cast_model
@@ -21,11 +22,6 @@ TOL = {
     torch.bfloat16: {"loss": 1e-5, "dhidden": 1e-2, "dweight": 1e-2},  # the loss is reduced in fp32 in both
 }
 MODEL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # loss and every parameter gradient, through the model
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _inputs(N, D, V, dtype, ignored=(), seed=0):

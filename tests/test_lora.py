@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch.loss import lm_loss
 from kernels_torch.model import KimiK3Model, load_model
@@ -41,11 +42,6 @@ MERGED_CKPT_SAME_REL = 1e-4  # JAX vs torch, both on the merged checkpoint (fp32
 
 T = 37  # awkward length; two packed documents
 CU = torch.tensor([0, 13, T])
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _two_layers():
@@ -114,7 +110,7 @@ def test_merged_equals_unmerged_and_no_adapter_is_skipped(cfg, backend, form):
         p.requires_grad_(True)  # the base weights too, to compare dL/dW with the merged model's
     out = model(ids, cu_seqlens=CU, mla_form=form)
     lm_loss(out, ids, CU).backward()
-    assert _rel(out.detach(), base) > 1e-2  # the adapters change the output
+    assert rel(out.detach(), base) > 1e-2  # the adapters change the output
 
     layers = lora_modules(model)
     assert adapters_without_gradient(model) == []
@@ -132,7 +128,7 @@ def test_merged_equals_unmerged_and_no_adapter_is_skipped(cfg, backend, form):
         p.requires_grad_(True)
     out_m = merged(ids, cu_seqlens=CU, mla_form=form)
     lm_loss(out_m, ids, CU).backward()
-    assert _rel(out.detach(), out_m.detach()) <= MERGE_OUT_REL
+    assert rel(out.detach(), out_m.detach()) <= MERGE_OUT_REL
 
     grads_m = {n: p.grad for n, p in merged.named_parameters()}
     for n, p in model.named_parameters():
@@ -141,12 +137,12 @@ def test_merged_equals_unmerged_and_no_adapter_is_skipped(cfg, backend, form):
         key = n.replace(".base_layer.", ".")
         assert (p.grad is None) == (grads_m[key] is None), key
         if p.grad is not None:
-            assert _rel(p.grad, grads_m[key]) <= MERGE_GRAD_REL, key
+            assert rel(p.grad, grads_m[key]) <= MERGE_GRAD_REL, key
     for name, layer in layers.items():
         G = grads_m[name + ".weight"]  # [out, in]
         A, B, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
-        assert _rel(B.grad, s * G @ A.detach().T) <= MERGE_GRAD_REL, name
-        assert _rel(A.grad, s * B.detach().T @ G) <= MERGE_GRAD_REL, name
+        assert rel(B.grad, s * G @ A.detach().T) <= MERGE_GRAD_REL, name
+        assert rel(A.grad, s * B.detach().T @ G) <= MERGE_GRAD_REL, name
 
 
 def test_peft_loads_our_adapter_and_we_load_peft_s(cfg, tmp_path):
@@ -176,7 +172,7 @@ def test_peft_loads_our_adapter_and_we_load_peft_s(cfg, tmp_path):
 
     peft_model = PeftModel.from_pretrained(_model(cfg, dtype=torch.float32), str(tmp_path / "a"))
     with torch.no_grad():
-        assert _rel(peft_model(ids, cu_seqlens=CU), expect) <= PEFT_OUT_REL
+        assert rel(peft_model(ids, cu_seqlens=CU), expect) <= PEFT_OUT_REL
 
     theirs = get_peft_model(
         _model(cfg, dtype=torch.float32),
@@ -188,7 +184,7 @@ def test_peft_loads_our_adapter_and_we_load_peft_s(cfg, tmp_path):
     mine = _model(cfg, dtype=torch.float32)
     load_adapter(mine, tmp_path / "b")
     with torch.no_grad():
-        assert _rel(mine(ids, cu_seqlens=CU), expect_b) <= PEFT_OUT_REL
+        assert rel(mine(ids, cu_seqlens=CU), expect_b) <= PEFT_OUT_REL
 
 
 def test_refusals(cfg, tmp_path):
@@ -270,10 +266,10 @@ def test_lora_merge_cli_gives_a_checkpoint_the_reference_loads(cfg, tmp_path, ca
         ref = torch.from_numpy(np.asarray(jm.apply({"params": tree}, ids.numpy()), np.float64))
     with torch.no_grad():
         merged_torch = load_model(tmp_path / "merged", dtype=torch.float32)(ids).double()
-    assert _rel(ref, merged_torch) <= MERGED_CKPT_SAME_REL
-    assert _rel(ref, unmerged) <= MERGED_CKPT_REL
+    assert rel(ref, merged_torch) <= MERGED_CKPT_SAME_REL
+    assert rel(ref, unmerged) <= MERGED_CKPT_REL
     base_logits = load_model(tmp_path / "base", dtype=torch.float32)(ids).detach().double()
-    assert _rel(base_logits, unmerged) > 10 * MERGED_CKPT_REL  # the adapter's effect is far above the bf16 rounding
+    assert rel(base_logits, unmerged) > 10 * MERGED_CKPT_REL  # the adapter's effect is far above the bf16 rounding
 
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
@@ -295,8 +291,8 @@ def test_lora_on_the_generation_cache_path(cfg, form):
         for t in range(17, 24):
             step, cache = model.step(ids[:, t : t + 1], cache, mla_form=form)
             steps.append(step)
-    assert _rel(torch.cat(steps, dim=1), free) <= MERGE_OUT_REL * 100
-    assert _rel(free, base) > 1e-2
+    assert rel(torch.cat(steps, dim=1), free) <= MERGE_OUT_REL * 100
+    assert rel(free, base) > 1e-2
 
 
 def test_merge_refuses_to_write_over_its_inputs(tmp_path, capsys):
@@ -370,7 +366,7 @@ def test_merge_scale_follows_rslora(cfg):
             unmerged = model(ids, cu_seqlens=CU)
             merge_lora(model)
             merged = model(ids, cu_seqlens=CU)
-        assert _rel(merged, unmerged) <= MERGE_OUT_REL, rslora
+        assert rel(merged, unmerged) <= MERGE_OUT_REL, rslora
 
 
 def test_merge_on_a_bf16_model_adds_in_fp32_and_rounds_once(cfg):

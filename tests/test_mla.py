@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel
 from layer_weights import mla_params
 
 from kimi.config import load_config
@@ -23,11 +24,6 @@ TOL_SPEC_FP64 = 1e-10  # module vs the numpy transcription of spec 3.2
 TOL_PACKED_FP64 = 1e-12  # packed vs separate documents
 
 DSA, KDA = 3, 0  # layers of the tiny preset
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def to_tree(flat: dict, dtype) -> dict:
@@ -115,12 +111,12 @@ def test_absorbed_equals_expanded_functions(dtype):
             j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], jnp.asarray(a["mask"]), a["scale"]
         )
         assert o_exp.dtype == dt and o_exp.shape == (2, 9, 3, 12)
-        assert rel_err(o_abs, o_exp) <= tol
+        assert rel(o_abs, o_exp) <= tol
         # the scale is a real argument: (L + R)^-1/2 (the latent width) would be a different function (case 15)
         o_wrong = mla_attention_absorbed(
             j["q_nope"], j["q_pe"], j["c_kv"], j["k_pe"], j["w"], jnp.asarray(a["mask"]), (20 + 8) ** -0.5
         )
-        assert rel_err(o_wrong, o_exp) > 1e-2
+        assert rel(o_wrong, o_exp) > 1e-2
 
 
 def test_attention_matches_numpy_and_empty_rows_give_zero():
@@ -140,7 +136,7 @@ def test_attention_matches_numpy_and_empty_rows_give_zero():
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p = np.nan_to_num(p / p.sum(-1, keepdims=True))
     want = np.einsum("bhts,bshv->bthv", p, a["v"])
-    assert rel_err(o, want) <= TOL_SPEC_FP64
+    assert rel(o, want) <= TOL_SPEC_FP64
 
 
 def test_fully_masked_fp32_no_nan():
@@ -179,13 +175,13 @@ def test_layer_matches_spec_and_forms_agree(kind, T):
         mask = mask & sparse_mask_np(np.asarray(aux["topk_indices"]), T)
     else:
         assert aux == {}
-    assert rel_err(out, gated_mla_np(p, x, cfg, mask)) <= TOL_SPEC_FP64
-    assert rel_err(out_abs, out) <= TOL_FORMS_FP64
+    assert rel(out, gated_mla_np(p, x, cfg, mask)) <= TOL_SPEC_FP64
+    assert rel(out_abs, out) <= TOL_FORMS_FP64
     o32 = run_layer(cfg, DSA, p, x, jnp.float32)
     o32_abs = run_layer(cfg, DSA, p, x, jnp.float32, form="absorbed")
     assert o32.dtype == jnp.float32
-    assert rel_err(o32_abs, o32) <= TOL_FORMS_FP32
-    assert rel_err(o32, out) <= TOL_FORMS_FP32
+    assert rel(o32_abs, o32) <= TOL_FORMS_FP32
+    assert rel(o32, out) <= TOL_FORMS_FP32
 
 
 @pytest.mark.parametrize(
@@ -224,7 +220,7 @@ def test_dsa_long_sequence_is_sparse_and_causal(T):
     assert all(len(set(r[r >= 0].tolist())) == (r >= 0).sum() for r in idx)  # no duplicates
     out, dense = np.asarray(out)[0], np.asarray(dense)[0]
     assert np.array_equal(out[:k], dense[:k])  # rows that see <= k keys are dense
-    assert rel_err(out[k:], dense[k:]) > 1e-3  # the others really are sparse
+    assert rel(out[k:], dense[k:]) > 1e-3  # the others really are sparse
 
 
 @pytest.mark.parametrize(
@@ -243,7 +239,7 @@ def test_packed_documents_equal_separate_runs(kind, form):
         packed = np.asarray(packed)
         for a, b in zip(cu[:-1], cu[1:]):
             sep = np.asarray(run_layer(cfg, DSA, p, x[:, a:b], jnp.float64, form=form))
-            assert rel_err(packed[:, a:b], sep) <= TOL_PACKED_FP64
+            assert rel(packed[:, a:b], sep) <= TOL_PACKED_FP64
     if kind == "dsa":
         idx = np.asarray(aux["topk_indices"])[0]
         doc = np.searchsorted(cu[1:], np.arange(200), side="right")
@@ -282,8 +278,8 @@ def test_kimi_linear_config(T):
     with jax.enable_x64(True):
         out = run_layer(cfg, DSA, p, x, jnp.float64)
         out_abs = run_layer(cfg, DSA, p, x, jnp.float64, form="absorbed")
-    assert rel_err(out, gated_mla_np(p, x, cfg, np.tril(np.ones((T, T), bool))[None])) <= TOL_SPEC_FP64
-    assert rel_err(out_abs, out) <= TOL_FORMS_FP64
+    assert rel(out, gated_mla_np(p, x, cfg, np.tril(np.ones((T, T), bool))[None])) <= TOL_SPEC_FP64
+    assert rel(out_abs, out) <= TOL_FORMS_FP64
 
 
 def test_output_gate_is_mla_gate_case18():
@@ -313,7 +309,7 @@ def test_output_gate_is_mla_gate_case18():
             xx,
             jnp.float64,
         )
-    assert rel_err(gated0, 0.5 * np.asarray(ungated)) <= TOL_SPEC_FP64
+    assert rel(gated0, 0.5 * np.asarray(ungated)) <= TOL_SPEC_FP64
 
 
 def test_bad_arguments():

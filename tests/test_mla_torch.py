@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 from layer_weights import mla_params
 
 import kernels_torch.mla as tm
@@ -26,11 +27,6 @@ TOL_BF16 = 3e-2  # bf16 activations vs fp32
 
 DSA = 3  # a DSA layer of the tiny preset
 BACKENDS = ["eager", "sdpa"]
-
-
-def rel_err(a, b) -> float:
-    a, b = (np.asarray(t.detach().double() if isinstance(t, torch.Tensor) else t, np.float64) for t in (a, b))
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def jax_layer(cfg, p: dict, x: np.ndarray, dtype, cu_seqlens=None, **kw):
@@ -90,7 +86,7 @@ def test_attention_functions_match_jax(dtype, backend):
         t["q_nope"], t["q_pe"], t["c_kv"], t["k_pe"], t["w"], t["mask"], scale, backend=backend
     )
     assert o_t.dtype == tdt and o_t.shape == (2, 9, 3, 12)
-    assert rel_err(o_t, o_j) <= tol and rel_err(oa_t, oa_j) <= tol
+    assert rel(o_t, o_j) <= tol and rel(oa_t, oa_j) <= tol
     for o in (o_t, oa_t):  # the fully masked row: 0, not NaN
         assert bool(torch.isfinite(o).all()) and bool((o[1, 3] == 0).all())
 
@@ -134,9 +130,9 @@ def test_gated_mla_eager_matches_jax_fp32(T):
         o_t, aux_t = m(torch.from_numpy(x).float(), return_aux=True)
         o_ta = m(torch.from_numpy(x).float(), form="absorbed")
     assert np.array_equal(aux_t["topk_indices"].numpy(), np.asarray(aux_j["topk_indices"]))
-    assert rel_err(aux_t["index_scores"], aux_j["index_scores"]) <= TOL_FP32
-    assert o_t.dtype == torch.float32 and rel_err(o_t, o_j) <= TOL_FP32
-    assert rel_err(o_ta, o_j) <= TOL_FP32
+    assert rel(aux_t["index_scores"], aux_j["index_scores"]) <= TOL_FP32
+    assert o_t.dtype == torch.float32 and rel(o_t, o_j) <= TOL_FP32
+    assert rel(o_ta, o_j) <= TOL_FP32
 
 
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
@@ -151,7 +147,7 @@ def test_gated_mla_eager_matches_jax_fp64(form):
         o_j, idx_j = np.asarray(o_j), np.asarray(aux_j["topk_indices"])
     with torch.no_grad():
         o_t, aux_t = torch_layer(cfg, p, torch.float64)(torch.from_numpy(x), form=form, return_aux=True)
-    assert o_t.dtype == torch.float64 and rel_err(o_t, o_j) <= TOL_FP64
+    assert o_t.dtype == torch.float64 and rel(o_t, o_j) <= TOL_FP64
     assert np.array_equal(aux_t["topk_indices"].numpy(), idx_j)
 
 
@@ -165,7 +161,7 @@ def test_sdpa_matches_eager(form, T):
     with torch.no_grad():
         o_e = torch_layer(cfg, p, torch.float32, "eager")(x, form=form)
         o_s = torch_layer(cfg, p, torch.float32, "sdpa")(x, form=form)
-    assert rel_err(o_s, o_e) <= TOL_SDPA_FP32
+    assert rel(o_s, o_e) <= TOL_SDPA_FP32
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -180,7 +176,7 @@ def test_packed_documents_equal_separate_runs(form, backend):
     with torch.no_grad():
         packed, aux = m(x, cu_seqlens=cu, form=form, return_aux=True)
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            assert rel_err(packed[:, a:b], m(x[:, a:b], form=form)) <= TOL_PACKED_FP64
+            assert rel(packed[:, a:b], m(x[:, a:b], form=form)) <= TOL_PACKED_FP64
     idx = aux["topk_indices"][0]
     doc = torch.searchsorted(cu[1:], torch.arange(200), right=True)
     rows = torch.arange(200)[:, None].expand_as(idx)
@@ -200,8 +196,8 @@ def test_kimi_linear_config_matches_jax(T):
             m = torch_layer(cfg, p, torch.float32, backend)
             o_t, aux = m(torch.from_numpy(x).float(), return_aux=True)
             assert aux == {} and not hasattr(m, "indexer") and not hasattr(m, "g_proj")
-            assert rel_err(o_t, o_j) <= TOL_FP32
-            assert rel_err(m(torch.from_numpy(x).float(), form="absorbed"), o_j) <= TOL_FP32
+            assert rel(o_t, o_j) <= TOL_FP32
+            assert rel(m(torch.from_numpy(x).float(), form="absorbed"), o_j) <= TOL_FP32
 
 
 def test_state_dict_keys_match_layout():
@@ -236,4 +232,4 @@ def test_bf16_activations(backend):
         ref = torch_layer(cfg, p, torch.float32, "eager")(x)
         o, aux = torch_layer(cfg, p, torch.bfloat16, backend)(x.bfloat16(), return_aux=True)
     assert o.dtype == torch.bfloat16 and aux["index_scores"].dtype == torch.float32
-    assert bool(torch.isfinite(o).all()) and rel_err(o, ref) <= TOL_BF16
+    assert bool(torch.isfinite(o).all()) and rel(o, ref) <= TOL_BF16

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch.model import load_model as load_torch
 from kimi.checkpoint import CheckpointReader
@@ -15,11 +16,6 @@ TOL_FP32 = {"logits": 1e-5}  # torch fp32 vs JAX fp32, whole tiny model
 TOL_BF16 = {
     "logits": 0.3
 }  # torch bf16 vs JAX fp32 end to end: routing/top-k flips at near-ties (see kimi_tools.compare)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def ids_for(T, vocab, seed):

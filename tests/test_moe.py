@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel
 from layer_weights import layer_shapes, mlp_params
 
 from kimi.config import PRESETS, ConfigError
@@ -41,11 +42,6 @@ CONFIGS = {
     ),
     "grouped-4x2": GROUPED,
 }
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 # ---------------------------------------------------------------------------------------------- numpy oracles
@@ -135,9 +131,9 @@ def test_situ_matches_formula_fp64(linear_beta):
     with jax.enable_x64(True):
         got = situ(jnp.asarray(a), jnp.asarray(b), 4.0, linear_beta)
         assert got.dtype == jnp.float64
-        assert rel_err(got, np_situ(a, b, 4.0, linear_beta)) <= TOL_SITU_FP64
+        assert rel(got, np_situ(a, b, 4.0, linear_beta)) <= TOL_SITU_FP64
         # the caps are active: SiTU is not the plain SiLU-GLU here
-        assert rel_err(got, a * np_sigmoid(a) * b) > 0.05
+        assert rel(got, a * np_sigmoid(a) * b) > 0.05
 
 
 def test_situ_caps_for_large_inputs():
@@ -180,8 +176,8 @@ def test_glu_act_picks_situ_or_silu():
     with jax.enable_x64(True):
         for cfg in (TINY, KIMI_LINEAR):
             got = glu_act(jnp.asarray(a), jnp.asarray(b), cfg)
-            assert rel_err(got, np_act(a, b, cfg)) <= TOL_SITU_FP64
-    assert rel_err(glu_act(jnp.asarray(a), jnp.asarray(b), KIMI_LINEAR), a * np_sigmoid(a) * b) <= 1e-6
+            assert rel(got, np_act(a, b, cfg)) <= TOL_SITU_FP64
+    assert rel(glu_act(jnp.asarray(a), jnp.asarray(b), KIMI_LINEAR), a * np_sigmoid(a) * b) <= 1e-6
 
 
 def test_kimi_linear_style_config_validates():
@@ -220,7 +216,7 @@ def test_route_matches_numpy_fp64(name):
     for n in range(x.shape[0]):
         want_ids, want_w = np_route_token(x[n], W, bias, cfg)
         np.testing.assert_array_equal(np.asarray(ids[n]), want_ids)
-        assert rel_err(w[n], want_w) <= TOL_FP64
+        assert rel(w[n], want_w) <= TOL_FP64
 
 
 def test_route_bias_selects_but_does_not_weight():
@@ -236,7 +232,7 @@ def test_route_bias_selects_but_does_not_weight():
     assert np.any(np.asarray(ids0) != ids)
     # the weights are the *uncorrected* scores of the chosen experts, renormalised
     sel = np.take_along_axis(s, ids, axis=-1)
-    assert rel_err(w, sel / sel.sum(-1, keepdims=True)) <= 1e-6
+    assert rel(w, sel / sel.sum(-1, keepdims=True)) <= 1e-6
     batched = route(jnp.asarray(x[None], jnp.float32), jnp.asarray(W, jnp.float32), jnp.asarray(bias), cfg)
     assert batched[0].shape == (1, x.shape[0], cfg.num_experts_per_token)
 
@@ -284,7 +280,7 @@ def test_topk_ties_lower_index_first():
     W = jnp.asarray([[0.5], [1.0], [0.5], [1.0], [1.0], [0.25]])
     ids, w = route(jnp.asarray([[2.0], [-2.0]]), W, jnp.zeros(6), cfg)
     np.testing.assert_array_equal(ids, [[1, 3, 4], [5, 0, 2]])
-    assert rel_err(w.sum(-1), np.ones(2)) <= TOL_SUM
+    assert rel(w.sum(-1), np.ones(2)) <= TOL_SUM
 
 
 def test_route_rejects_impossible_grouping_and_shapes():
@@ -324,7 +320,7 @@ def test_dense_mlp_matches_numpy_fp64(name, B, T):
         y = DenseMLP(cfg, cfg.intermediate_size).apply({"params": to_tree(P, jnp.float64)}, jnp.asarray(x))
         assert y.dtype == jnp.float64 and y.shape == x.shape
     want = np.stack([[np_glu_mlp(P, "", x[b, t], cfg) for t in range(T)] for b in range(B)])
-    assert rel_err(y, want) <= TOL_FP64
+    assert rel(y, want) <= TOL_FP64
 
 
 @pytest.mark.parametrize(
@@ -340,7 +336,7 @@ def test_moe_matches_per_token_loop_fp64(name, B, T):
     with jax.enable_x64(True):
         y = KimiMoE(cfg).apply({"params": to_tree(P, jnp.float64)}, jnp.asarray(x))
         assert y.dtype == jnp.float64 and y.shape == x.shape
-    assert rel_err(y, np_moe(P, x, cfg)) <= TOL_FP64
+    assert rel(y, np_moe(P, x, cfg)) <= TOL_FP64
 
 
 def test_moe_bf16_close_to_fp32():
@@ -353,7 +349,7 @@ def test_moe_bf16_close_to_fp32():
     y16 = moe.apply({"params": to_tree(P, jnp.bfloat16)}, x)
     y32 = moe.apply({"params": to_tree(P, jnp.float32)}, x.astype(jnp.float32))
     assert y16.dtype == jnp.bfloat16
-    assert rel_err(y16.astype(jnp.float32), y32) <= 3e-2
+    assert rel(y16.astype(jnp.float32), y32) <= 3e-2
 
 
 def test_moe_rejects_bad_input_shape():

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch import kernel_choice
 from kernels_torch.moe import GroupedExperts, KimiMoE
@@ -36,11 +37,6 @@ CONFIGS = {
     ),
     "grouped-16x4-top4": TINY.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2),
 }
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _moe(cfg, dtype=torch.float32, seed=0, starve=()):
@@ -78,7 +74,7 @@ def test_expert_layout(N, k, E, align):
     ids[:, 0] = torch.where(ids[:, 0] == 0, 1, ids[:, 0])  # expert 0 gets fewer rows; some experts none at small N
     lay = G.expert_layout(ids, E, align)
     P = N * k
-    assert lay.rows == P + (E * (align - 1) if align > 1 else 0)
+    assert lay.rows == (P if align == 1 else -(-(P + E * (align - 1)) // align) * align) and lay.rows % align == 0
     rows = lay.row_of_pair
     assert rows.shape == (P,) and len(set(rows.tolist())) == P and int(rows.min()) >= 0 and int(rows.max()) < lay.rows
     ends = lay.offsets.long().tolist()

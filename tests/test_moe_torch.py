@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 from layer_weights import layer_shapes, mlp_params
 
 from kernels_torch import moe as T
@@ -36,12 +37,6 @@ CONFIGS = {
     "grouped-4x2": TINY.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2),
 }
 DTYPES = {"fp32": (torch.float32, jnp.float32, TOL_FP32), "fp64": (torch.float64, jnp.float64, TOL_FP64)}
-
-
-def rel_err(a, b) -> float:
-    a = a.detach().double().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, np.float64)
-    b = b.detach().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def jax_tree(flat: dict, dtype) -> dict:
@@ -79,11 +74,11 @@ def test_glu_act_matches_jax(name, dt):
     with jax.enable_x64(True):
         want = J.glu_act(jnp.asarray(a, jdt), jnp.asarray(b, jdt), cfg)
     got = T.glu_act(torch.from_numpy(a).to(tdt), torch.from_numpy(b).to(tdt), cfg)
-    assert got.dtype == tdt and rel_err(got, want) <= tol
+    assert got.dtype == tdt and rel(got, want) <= tol
     for lb in (25.0, None):
         with jax.enable_x64(True):
             want = J.situ(jnp.asarray(a, jdt), jnp.asarray(b, jdt), 4.0, lb)
-        assert rel_err(T.situ(torch.from_numpy(a).to(tdt), torch.from_numpy(b).to(tdt), 4.0, lb), want) <= tol
+        assert rel(T.situ(torch.from_numpy(a).to(tdt), torch.from_numpy(b).to(tdt), 4.0, lb), want) <= tol
 
 
 def test_situ_bf16_rounds_once_and_errors():
@@ -126,7 +121,7 @@ def test_route_matches_jax(name, dt):
     ids_t, w_t = T.route(torch.from_numpy(x).to(tdt), torch.from_numpy(W).to(tdt), torch.from_numpy(bias).to(tdt), cfg)
     assert ids_t.dtype == torch.int64 and w_t.dtype == tdt
     np.testing.assert_array_equal(ids_t.numpy(), np.asarray(ids_j))
-    assert rel_err(w_t, w_j) <= tol
+    assert rel(w_t, w_j) <= tol
 
 
 def test_route_bias_selects_only_and_renormalises():
@@ -139,7 +134,7 @@ def test_route_bias_selects_only_and_renormalises():
     ids, w = T.route(x, W, bias, cfg)
     assert bool((ids[:, 0] == 6).all())
     s = torch.sigmoid(x @ W.T).gather(-1, ids)
-    assert rel_err(w, 2.446 * s / s.sum(-1, keepdim=True)) <= 1e-6
+    assert rel(w, 2.446 * s / s.sum(-1, keepdim=True)) <= 1e-6
     assert float((w.sum(-1) / 2.446 - 1).abs().max()) <= 1e-6
 
 
@@ -173,7 +168,7 @@ def test_dense_mlp_matches_jax(name, dt):
     with jax.enable_x64(True):
         want = J.DenseMLP(cfg, cfg.intermediate_size).apply({"params": jax_tree(P, jdt)}, jnp.asarray(x, jdt))
     got = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), P, tdt)(torch.from_numpy(x).to(tdt))
-    assert got.dtype == tdt and rel_err(got, want) <= tol
+    assert got.dtype == tdt and rel(got, want) <= tol
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
@@ -187,7 +182,7 @@ def test_moe_matches_jax(name, dt):
         want = J.KimiMoE(cfg).apply({"params": jax_tree(P, jdt)}, jnp.asarray(x, jdt))
     got = torch_module(T.KimiMoE(cfg), P, tdt)(torch.from_numpy(x).to(tdt))
     assert got.dtype == tdt and got.shape == x.shape
-    assert rel_err(got, want) <= tol
+    assert rel(got, want) <= tol
 
 
 def test_moe_bf16_close_to_fp32_and_to_jax_bf16():
@@ -201,11 +196,11 @@ def test_moe_bf16_close_to_fp32_and_to_jax_bf16():
     y32 = torch_module(T.KimiMoE(cfg), P, torch.float32)(torch.from_numpy(x).float())
     y16 = torch_module(T.KimiMoE(cfg), P, torch.bfloat16)(torch.from_numpy(x).bfloat16())
     assert y16.dtype == torch.bfloat16
-    assert rel_err(y16, y32) <= TOL_BF16
+    assert rel(y16, y32) <= TOL_BF16
     j16 = J.KimiMoE(cfg).apply({"params": jax_tree(P, jnp.bfloat16)}, jnp.asarray(x, jnp.bfloat16))
-    assert rel_err(y16, np.asarray(j16.astype(jnp.float32))) <= TOL_BF16
+    assert rel(y16, np.asarray(j16.astype(jnp.float32))) <= TOL_BF16
     # dense MLP too
     Pm = {k: bf16_exact(v) for k, v in mlp_params(layer_shapes(cfg, 0, "mlp."), np.random.default_rng(10)).items()}
     m32 = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), Pm, torch.float32)(torch.from_numpy(x).float())
     m16 = torch_module(T.DenseMLP(cfg, cfg.intermediate_size), Pm, torch.bfloat16)(torch.from_numpy(x).bfloat16())
-    assert rel_err(m16, m32) <= TOL_BF16
+    assert rel(m16, m32) <= TOL_BF16

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch.model import load_model as load_torch
 from kimi.config import load_config
@@ -27,11 +28,6 @@ from reference_jax.model import load_model as load_jax
 LAYERS = 4  # tiny: K K K D (KDA, KDA, KDA, DSA), dense MLP then latent MoE, AttnRes
 TOL_FP32 = 1e-5  # a row's logits from the padded batch vs the row alone
 LEFT_PAD_MIN = 1e-2  # left padding without a mask moves the real tokens' logits by at least this (rel)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel
 from layer_weights import kda_params, mla_params, mlp_params
 from layer_weights import layer_shapes as shapes_of
 
@@ -48,11 +49,6 @@ TOL_STATE = 1e-5  # slow-decay recurrence on the captured fp32 inputs vs fp64 (f
 BF16_ROUNDING = 1e-3  # what a bf16 rounding of an fp32 intermediate costs at least (rel), for the sanity checks
 KDA, DSA, MOE = 0, 3, 1  # tiny preset layers
 bf16 = torch.bfloat16
-
-
-def rel(a, b) -> float:
-    a, b = (np.asarray(t.detach().double().cpu() if isinstance(t, torch.Tensor) else t, np.float64) for t in (a, b))
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def jnp_bf16(a):

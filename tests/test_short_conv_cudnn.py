@@ -150,6 +150,25 @@ def test_layer_choice(monkeypatch):
         out, used = run()
     assert used == {"fla": 3} and rel(out, out_fla) < 1e-6
 
+    def missing_dsl(*args, **kwargs):  # what the route raises where nvidia-cutlass-dsl is not installed
+        raise ModuleNotFoundError("No module named 'cutlass'")
+
+    monkeypatch.setattr(kc, "_cudnn_causal_conv1d", lambda: missing_dsl)
+    kc._FALLBACK_WARNED.clear()
+    with pytest.warns(UserWarning, match="No module named 'cutlass'"):
+        out, used = run()
+    assert used == {"fla": 3} and rel(out, out_fla) < 1e-6
+    layer.short_conv_kernel = "cudnn"
+    with pytest.raises(RuntimeError, match="declined: No module named 'cutlass'"):
+        run()
+
+
+def test_missing_cutlass_dsl_is_a_reason(monkeypatch):
+    """Without the CUTLASS DSL cuDNN's causal_conv1d cannot run: auto picks fla before any call."""
+    monkeypatch.setattr(kc.importlib.util, "find_spec", lambda name: None if name == "cutlass" else object())
+    why = kc.cudnn_short_conv_unavailable(torch.randn(1, 4, 8), 4)
+    assert why is not None and "CUTLASS DSL" in why, why
+
 
 def test_state_needing_a_gradient_stays_on_fla(monkeypatch):
     layer, x = stub_layer(monkeypatch, T=4)

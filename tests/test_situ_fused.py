@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch import kernel_choice
 from kernels_torch.moe import DenseMLP, KimiMoE, glu_act, situ
@@ -26,11 +27,6 @@ TOL_MODULE = 1e-5  # a fused (torch kernel) fp32 module vs the plain module: out
 
 SIZES = [(1, 5), (63, 48), (7, 100)]  # N = 1, 63; I not a power of 2
 IDS = [f"N{n}_I{i}" for n, i in SIZES]
-
-
-def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.detach().double(), y.detach().double()
-    return float((x - y).norm() / y.norm().clamp_min(1e-300))
 
 
 def inputs(n, i, dtype=torch.float32, seed=0, scale=3.0):
@@ -74,9 +70,9 @@ def test_torch_kernel_matches_plain_fp32(act, lb, n, i):
     out0, da0, db0 = plain(a, b, dout, act, lb)
     out1, da1, db1 = fused(a, b, dout, act, lb)
     assert out1.dtype == da1.dtype == db1.dtype == torch.float32
-    assert rel_err(out1, out0) <= TOL_OUT_FP32
-    assert rel_err(da1, da0) <= TOL_GRAD_FP32, "da"
-    assert rel_err(db1, db0) <= TOL_GRAD_FP32, "db"
+    assert rel(out1, out0) <= TOL_OUT_FP32
+    assert rel(da1, da0) <= TOL_GRAD_FP32, "da"
+    assert rel(db1, db0) <= TOL_GRAD_FP32, "db"
 
 
 @pytest.mark.parametrize("act,lb", CASES, ids=CASE_IDS)
@@ -86,8 +82,8 @@ def test_torch_kernel_matches_plain_bf16(act, lb):
     out1, da1, db1 = fused(a, b, dout, act, lb)
     assert out1.dtype == da1.dtype == db1.dtype == torch.bfloat16
     assert torch.equal(out1, out0)  # same fp32 ops, one rounding: bitwise
-    assert rel_err(da1, da0) <= TOL_GRAD_BF16, "da"
-    assert rel_err(db1, db0) <= TOL_GRAD_BF16, "db"
+    assert rel(da1, da0) <= TOL_GRAD_BF16, "da"
+    assert rel(db1, db0) <= TOL_GRAD_BF16, "db"
 
 
 def test_glu_act_fused_matches_glu_act_with_config():
@@ -154,7 +150,7 @@ def test_backward_only_for_inputs_that_need_it():
     S.situ_glu(a, b, kernel="torch").backward(dout)
     assert a.grad is not None and b.grad is None
     _, da0, _ = plain(a.detach(), b, dout)
-    assert rel_err(a.grad, da0) <= TOL_GRAD_FP32
+    assert rel(a.grad, da0) <= TOL_GRAD_FP32
 
 
 def test_bad_input_errors():
@@ -209,10 +205,10 @@ def test_cudnn_backend_modules_use_fused_and_keep_keys():
         y0, y1 = m0(x), m1(x)
         g = torch.randn_like(y0)
         y0.backward(g), y1.backward(g)
-        assert rel_err(y1, y0) <= TOL_MODULE
+        assert rel(y1, y0) <= TOL_MODULE
         for (name, p0), p1 in zip(m0.named_parameters(), m1.parameters(), strict=True):
             if p0.grad is not None and p0.grad.norm() > 0:
-                assert rel_err(p1.grad, p0.grad) <= TOL_MODULE, name
+                assert rel(p1.grad, p0.grad) <= TOL_MODULE, name
     assert sum(kernel_choice.used()["glu"].values()) > 1  # the fused path ran (torch on CPU; Triton if interpreting)
 
 
@@ -231,9 +227,9 @@ def test_triton_interpreter_matches_torch_fp32(act, lb, n, i):
     a, b, dout = inputs(n, i, seed=4)
     out0, da0, db0 = fused(a, b, dout, act, lb, kernel="torch")
     out1, da1, db1 = fused(a, b, dout, act, lb, kernel="triton")
-    assert rel_err(out1, out0) <= TOL_TRITON_OUT_FP32
-    assert rel_err(da1, da0) <= TOL_TRITON_GRAD_FP32, "da"
-    assert rel_err(db1, db0) <= TOL_TRITON_GRAD_FP32, "db"
+    assert rel(out1, out0) <= TOL_TRITON_OUT_FP32
+    assert rel(da1, da0) <= TOL_TRITON_GRAD_FP32, "da"
+    assert rel(db1, db0) <= TOL_TRITON_GRAD_FP32, "db"
 
 
 def within_one_bf16_ulp(x: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -271,7 +267,7 @@ def test_triton_interpreter_extreme_inputs(act, lb):
     out1, da1, db1 = fused(a, b, torch.ones_like(a), act, lb, kernel="triton")
     for name, x, y in (("out", out1, out0), ("da", da1, da0), ("db", db1, db0)):
         assert torch.isfinite(x).all(), name
-        assert rel_err(x, y) <= TOL_TRITON_GRAD_FP32, name
+        assert rel(x, y) <= TOL_TRITON_GRAD_FP32, name
 
 
 @needs_interpreter
@@ -284,6 +280,6 @@ def test_triton_interpreter_non_contiguous_and_records(monkeypatch):
     out1, da1, db1 = fused(at, bt, dout.t(), kernel="auto")  # auto under the interpreter: Triton
     assert kernel_choice.used()["glu"] == {"torch": 1, "triton": 1}
     for name, x, y in (("out", out1, out0), ("da", da1, da0), ("db", db1, db0)):
-        assert x.shape == y.shape and rel_err(x, y) <= TOL_TRITON_GRAD_FP32, name
+        assert x.shape == y.shape and rel(x, y) <= TOL_TRITON_GRAD_FP32, name
     with pytest.raises(ValueError, match="expected one dtype"):
         S.situ_glu(a, b.double(), kernel="triton")

@@ -409,6 +409,8 @@ def _small_argv(out):
         (lambda argv, tmp: argv + ["--no-save", "--stop-after", "3"], "--no-save: a run that saves nothing"),
         (lambda argv, tmp: argv + ["--stage", "sparse", "--lora-rank", "2"], "LoRA freezes every base weight"),
         (lambda argv, tmp: argv + ["--recompute-mode", "mlp"], "--recompute-mode: got 'mlp' without --recompute"),
+        (lambda argv, tmp: argv + ["--fp8", "rowwise"], "--fp8: got --dtype float32, expected bfloat16"),
+        (lambda argv, tmp: argv + ["--fp8", "rowwise", "--dtype", "bfloat16"], "--fp8: FP8 matmuls need a CUDA GPU"),
     ],
     ids=[
         "seq-len",
@@ -422,6 +424,8 @@ def _small_argv(out):
         "no-save-stop",
         "stage-lora",
         "recompute-mode-alone",
+        "fp8-fp32",
+        "fp8-cpu",
     ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
@@ -978,3 +982,31 @@ def test_micro_batches_must_deal_evenly_to_data_parallel_groups():
     par.check_accum(4, 16)
     with pytest.raises(ValueError, match=r"--batch-tokens: 3 micro-batch\(es\) of 16 tokens .* multiple of 32"):
         par.check_accum(3, 16)
+
+
+def test_fp8_run_converts_records_and_exports_the_checkpoint_layout(tmp_path, monkeypatch):
+    """``--fp8 RECIPE`` converts the model before the optimizer is built (torchao's emulation here: FP8 rounding on
+    the CPU; the device check stubbed), records it in run.json's ``conversions`` and every metrics record, trains
+    (finite losses that differ from the bf16 run's: the FP8 casts ran) and exports the checkpoint's names."""
+    import functools
+
+    import kernels_torch.fp8 as fp8
+    from kimi.checkpoint import CheckpointReader
+    from kimi_tools.train.args import FP8_RECIPES
+
+    assert FP8_RECIPES == fp8.FP8_RECIPES
+    monkeypatch.setattr(fp8, "check_fp8_supported", lambda device, grouped=False: (9, 0))
+    monkeypatch.setattr(fp8, "convert_model_to_fp8", functools.partial(fp8.convert_model_to_fp8, emulate=True))
+    kw = {**SMALL, "steps": 2, "warmup_steps": 0, "eval_every": 0, "dtype": "bfloat16", "plot": False}
+    plain = train(TrainArgs(out=str(tmp_path / "bf16"), **kw))
+    res = train(TrainArgs(out=str(tmp_path / "fp8"), fp8="rowwise", **kw))
+    run = json.loads((tmp_path / "fp8" / "run.json").read_text())
+    assert run["args"]["fp8"] == "rowwise"
+    assert len(run["conversions"]) == 1 and run["conversions"][0].startswith("fp8 rowwise: "), run["conversions"]
+    n_proj = int(run["conversions"][0].split(": ")[1].split()[0])
+    assert n_proj >= 10, run["conversions"]
+    recs = [json.loads(line) for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("fp8") for r in recs if r["step"] > 0] == ["rowwise", "rowwise"]
+    losses = [r["loss"] for r in res.records if r["step"] > 0]
+    assert all(math.isfinite(x) for x in losses) and losses != [r["loss"] for r in plain.records if r["step"] > 0]
+    assert set(CheckpointReader(tmp_path / "fp8").keys()) == set(CheckpointReader(tmp_path / "bf16").keys())

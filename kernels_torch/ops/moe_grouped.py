@@ -7,8 +7,9 @@ The data flow for ``N`` tokens with ``k`` picks each (``P = N k`` pairs; pair ``
 1. :func:`expert_layout`: a stable sort of the ``P`` expert ids gives each pair its row in the grouped buffer (rows of
    expert 0 first, token order within an expert); ``offsets [E]`` int32 are the cumulative row ends that
    ``torch._grouped_mm`` takes. With ``align > 1`` each expert's group starts at a multiple of ``align`` rows (what
-   FP8 grouped GEMMs ask for); the buffer then has the static ``R = P + E (align - 1)`` rows, and rows that hold no
-   pair are zero on input and never read on output.
+   FP8 grouped GEMMs ask for); the buffer then has the static ``R = P + E (align - 1)`` rows rounded up to a multiple
+   of ``align`` (FP8's weight-gradient GEMM reads the rows transposed, ``[*, R]``: a row stride of 16 bytes), and rows
+   that hold no pair are zero on input and never read on output.
 2. :func:`permute_rows`: ``x[row(p)] = z[p // k]``. Its backward is a gather-sum over each token's ``k`` rows in fp32
    (deterministic, unlike an ``index_add_`` of bf16 rows with atomics).
 3. :func:`grouped_mm` three times with the activation between (in ``kernels_torch.moe``).
@@ -100,7 +101,9 @@ def expert_layout(ids: torch.Tensor, num_experts: int, align: int = 1) -> Expert
         padded = (counts + align - 1) // align * align  # [E]
         ends = torch.cumsum(padded, 0)  # [E]
         group_start = ends - padded
-        R = P + num_experts * (align - 1)
+        # the buffer's rows: room for every group's padding, itself a multiple of align (FP8's grouped GEMM reads
+        # the permuted rows transposed, [*, R], whose row stride in bytes must be a multiple of 16)
+        R = (P + num_experts * (align - 1) + align - 1) // align * align
         row_sorted = group_start[sorted_ids] + torch.arange(P, device=ids.device) - starts[:-1][sorted_ids]  # [P]
     row_of_pair = torch.empty_like(row_sorted).scatter_(0, order, row_sorted)  # [P]: inverse of the sort
     return ExpertLayout(row_of_pair, order, ends.to(torch.int32), R, k, align)

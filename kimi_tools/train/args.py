@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 RECOMPUTE_MODES = ("layer", "mlp")
+FP8_RECIPES = ("tensorwise", "rowwise")  # kernels_torch.fp8.FP8_RECIPES, spelled here so parsing needs no torch
 DEFAULT_SAVE_EVERY = "10min"  # resume state every 10 minutes of training unless --save-every says otherwise
 
 
@@ -187,6 +188,15 @@ class TrainArgs:
         default=None, metadata=arg("device (default cuda on cudnn, else cpu)", choices=("cpu", "cuda"))
     )
     recompute: bool = field(default=False, metadata=arg("recompute activations in the backward (see --recompute-mode)"))
+    fp8: str | None = field(
+        default=None,
+        metadata=arg(
+            "FP8 matmuls (torchao, kernels_torch/fp8.py) for the attention and KDA projections, the shared and the "
+            "grouped routed experts, by recipe; bf16 activations, fp32 masters; a CUDA GPU of compute capability 8.9+",
+            choices=FP8_RECIPES,
+            metavar="RECIPE",
+        ),
+    )
     recompute_mode: str = field(
         default="layer",
         metadata=arg(
@@ -351,6 +361,17 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"--device: got {a.device!r}, expected cpu or cuda")
     if a.backend == "cudnn" and (a.device != "cuda" or a.dtype != "bfloat16"):
         raise ValueError(f"--backend cudnn: runs on cuda in bfloat16, got --device {a.device} --dtype {a.dtype}")
+    if a.fp8 is not None:
+        if a.fp8 not in FP8_RECIPES:
+            raise ValueError(f"--fp8: got {a.fp8!r}, expected one of {list(FP8_RECIPES)}")
+        if a.dtype != "bfloat16":
+            raise ValueError(
+                f"--fp8: got --dtype {a.dtype}, expected bfloat16 (FP8 GEMMs take and give bf16 activations; the "
+                "master weights and AdamW state stay fp32)"
+            )
+        from kernels_torch.fp8 import check_fp8_supported
+
+        check_fp8_supported(a.device)  # FP8UnsupportedError (a ValueError) naming the device and its capability
     for name in ("steps", "seq_len", "eval_tokens", "keep"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(a, name)}, expected a positive integer")

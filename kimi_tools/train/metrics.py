@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kimi_tools.common import write_atomic
+from kimi.checkpoint import write_atomic
 
 __all__ = ["RECORD_KEYS", "MetricsLog", "plot_losses", "peak_mem_bytes"]
 

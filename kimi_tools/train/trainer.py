@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_tools.common import write_atomic
+from kimi.checkpoint import write_atomic
 from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, resolve
 from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
 from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
@@ -382,6 +382,7 @@ class Trainer:
             "tokens_per_s": tps,
             "mfu": None if self.flops_per_token is None else self.flops_per_token * tps / (a.peak_tflops * 1e12),
             "peak_mem_bytes": peak_mem_bytes(a.device),
+            **({"fp8": a.fp8} if a.fp8 else {}),
             **extra,
         }
         if step == a.steps or (a.eval_every and step % a.eval_every == 0):

@@ -73,7 +73,26 @@ def build_model(a: TrainArgs, cfg: KimiConfig) -> nn.Module:
 # as ``converter(model, args)`` on the model as it will train (LoRA wrapped, trainable set chosen) and returns a
 # short description of what it did for the run's header, or None when ``args`` do not ask for it. It must keep
 # every parameter's name and ``requires_grad``; the settings it reads are TrainArgs fields, so run.json records them.
-CONVERTERS: list[Callable[[Any, Any], str | None]] = []
+
+
+def fp8_converter(model: nn.Module, args: TrainArgs) -> str | None:
+    """``--fp8 RECIPE``: :func:`kernels_torch.fp8.convert_model_to_fp8` on the model (the LoRA-wrapped projections'
+    frozen base layers included; names and ``requires_grad`` unchanged). Returns what it converted, for the header
+    and ``run.json``'s ``conversions``.
+
+    Raises:
+        FP8UnsupportedError: (a ValueError) the device cannot run FP8 or torchao is missing.
+    """
+    if args.fp8 is None:
+        return None
+    from kernels_torch.fp8 import convert_model_to_fp8
+
+    rec = convert_model_to_fp8(model, args.fp8, device=args.device)
+    experts = f", {len(rec.grouped_experts)} grouped experts ({rec.grouped_recipe})" if rec.grouped_experts else ""
+    return f"fp8 {rec.recipe}: {len(rec.linears)} projections{experts}, torchao {rec.torchao_version}"
+
+
+CONVERTERS: list[Callable[[Any, Any], str | None]] = [fp8_converter]
 
 
 def convert_model(model: nn.Module, args: TrainArgs) -> list[str]:

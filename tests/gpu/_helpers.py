@@ -1,25 +1,13 @@
-"""Helpers shared by the GPU tests (``from _helpers import rel, init_layer``: pytest puts ``tests/gpu`` on the path,
-as for ``test_gpu_hardening``'s imports). No test lives here; importing it needs no GPU."""
+"""Helpers shared by the GPU tests (``from _helpers import init_layer, rel_or_scaled``: pytest puts ``tests/gpu`` on
+the path; ``rel`` itself is ``tests/helpers.py``'s). No test lives here; importing it needs no GPU."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from helpers import rel
 from torch import nn
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` (Frobenius, in fp64), detached. ``inf`` where ``a`` holds a NaN or an infinity, so a
-    check written ``not rel(a, b) <= tol`` (or ``rel(a, b) <= tol``) fails on it; ``0.0`` where ``a`` and ``b`` are
-    both exactly zero; ``inf`` where only ``b`` is (see :func:`rel_or_scaled` for references the math makes zero)."""
-    a, b = a.detach().double(), b.detach().double()
-    if not bool(torch.isfinite(a).all()):
-        return math.inf
-    num, den = float((a - b).norm()), float(b.norm())
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
 
 
 def rel_or_scaled(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:

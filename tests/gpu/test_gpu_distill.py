@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import rel
 
 from kernels_torch import distill as kd
 
@@ -77,11 +78,6 @@ TOL_DENSE_OUT = 2e-2  # the dense (warm-up) cudnn layer output vs the eager dens
 T_STAGE, CU_STAGE = 3000, [0, 1100, 3000]  # > index_topk = 2048 in the second document: the selection restricts
 
 
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _stage_layers(seed):
     """(cudnn bf16 layer with its indexer unfrozen, eager fp32 layer with the same bf16-rounded weights), layer 3 of
     K3.1 (a DSA layer) with hidden_size 1024, and the config."""
@@ -105,7 +101,7 @@ def _indexer_grad_errors(fast, ref) -> dict[str, float]:
     out = {}
     for (n, p), (n_r, p_r) in zip(fast.indexer.named_parameters(), ref.indexer.named_parameters()):
         assert n == n_r and p.grad is not None and p_r.grad is not None, f"indexer.{n}: no gradient"
-        out[f"indexer.{n}"] = _rel(p.grad, p_r.grad)
+        out[f"indexer.{n}"] = rel(p.grad, p_r.grad)
     return out
 
 
@@ -150,10 +146,10 @@ def test_cudnn_sparse_stage_layer_matches_eager_fp32():
         recomputed = kd.sparse_kl_gathered(*args)  # lse reduced again in fp32 over the same bf16 rows and slots
         wrong = kd.sparse_kl_gathered(*args, lse=aux["lse"].roll(1, 0))  # a neighbour row's lse
     errs = {
-        "lse": _rel(aux["lse"], lse_ref),
-        "kl(lse) vs kl(recomputed lse)": _rel(right, recomputed),
-        "kl(neighbour lse) vs kl(lse)": _rel(wrong, right),
-        "kl": _rel(terms["kl"], terms_r["kl"]),
+        "lse": rel(aux["lse"], lse_ref),
+        "kl(lse) vs kl(recomputed lse)": rel(right, recomputed),
+        "kl(neighbour lse) vs kl(lse)": rel(wrong, right),
+        "kl": rel(terms["kl"], terms_r["kl"]),
         "recall": abs(float(terms["recall"].mean() - terms_r["recall"].mean())),
         **_indexer_grad_errors(fast, ref),
     }
@@ -193,8 +189,8 @@ def test_cudnn_warmup_stage_layer_matches_eager_fp32():
     terms_r = layer_terms(ref, x.float(), cu, "warmup")
     terms_r["kl_sum"].backward()
     errs = {
-        "dense out": _rel(out, out_r),
-        "kl": _rel(terms["kl"], terms_r["kl"]),
+        "dense out": rel(out, out_r),
+        "kl": rel(terms["kl"], terms_r["kl"]),
         "recall": abs(float(terms["recall"].mean() - terms_r["recall"].mean())),
         **_indexer_grad_errors(fast, ref),
     }

@@ -22,7 +22,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import rel  # tests/gpu is on pytest's path
+from helpers import rel
 from torch import nn
 
 import kernels_torch.fp8 as fp8

@@ -16,7 +16,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from _helpers import init_layer, rel  # noqa: E402
+from _helpers import init_layer  # noqa: E402
+from helpers import rel  # noqa: E402
 
 import kernels_torch.cache as tc  # noqa: E402
 import kernels_torch.kda as tk  # noqa: E402

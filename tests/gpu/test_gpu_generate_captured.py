@@ -27,7 +27,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from _helpers import rel  # noqa: E402
+from helpers import rel  # noqa: E402
 
 import kernels_torch.cache as tc  # noqa: E402
 from kernels_torch.decode import Decoder, sample_device  # noqa: E402

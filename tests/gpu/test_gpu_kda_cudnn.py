@@ -19,7 +19,8 @@ import os
 
 import pytest
 import torch
-from _helpers import rel, rel_or_scaled  # tests/gpu is on pytest's path
+from _helpers import rel_or_scaled  # tests/gpu is on pytest's path
+from helpers import rel
 
 import kernels_torch.kda as tk
 import kernels_torch.kda_cudnn as kc

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -14,11 +15,6 @@ from kernels_torch.loss import default_chunk_size, linear_cross_entropy  # noqa:
 
 TOL = {"loss": 1e-4, "dhidden": 1e-2, "dweight": 1e-2}  # bf16: one rounding of dlogits / of each chunk's dW apart
 N, D, V = 4096, 1024, 163840
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
 
 
 def _inputs():

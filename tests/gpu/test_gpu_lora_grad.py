@@ -19,7 +19,8 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from _helpers import init_layer, rel  # noqa: E402
+from _helpers import init_layer  # noqa: E402
+from helpers import rel  # noqa: E402
 
 import kernels_torch.mla as tm  # noqa: E402
 from kimi.config import load_config  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import rel  # tests/gpu is on pytest's path
+from helpers import rel
 
 import kernels_torch.kda as tk
 import kernels_torch.kda_cudnn as kc

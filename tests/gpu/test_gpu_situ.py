@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import init_layer, rel
+from _helpers import init_layer
+from helpers import rel
 
 from kernels_torch import kernel_choice
 from kernels_torch.moe import DenseMLP, KimiMoE
