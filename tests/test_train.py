@@ -1010,3 +1010,21 @@ def test_fp8_run_converts_records_and_exports_the_checkpoint_layout(tmp_path, mo
     losses = [r["loss"] for r in res.records if r["step"] > 0]
     assert all(math.isfinite(x) for x in losses) and losses != [r["loss"] for r in plain.records if r["step"] > 0]
     assert set(CheckpointReader(tmp_path / "fp8").keys()) == set(CheckpointReader(tmp_path / "bf16").keys())
+
+
+def test_a_field_added_off_by_default_keeps_earlier_fingerprints():
+    """A run written before ``--fp8`` existed (its run.json has no ``fp8``) still resumes: at its default the field is
+    left out of the hash; set, it changes the fingerprint."""
+    import dataclasses
+    import hashlib
+
+    from kimi.config import load_config
+    from kimi_tools.train.args import fingerprint, resolve
+
+    cfg = load_config("tiny")
+    a = resolve(TrainArgs(out="o", **SMALL))
+    fp, body = fingerprint(a, cfg)
+    assert "fp8" not in body["args"]
+    older = {**body, "args": {k: v for k, v in body["args"].items() if k != "fp8"}}
+    assert fp == hashlib.sha256(json.dumps(older, sort_keys=True).encode()).hexdigest()
+    assert fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0] != fp

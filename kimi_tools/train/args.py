@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 RECOMPUTE_MODES = ("layer", "mlp")
+# Fields added after runs were written, whose default (None) is the behaviour from before them: left out of the
+# fingerprint at that default, so a run written before they existed still resumes.
+ADDED_OFF_BY_DEFAULT = ("fp8",)
 FP8_RECIPES = ("tensorwise", "rowwise")  # kernels_torch.fp8.FP8_RECIPES, spelled here so parsing needs no torch
 DEFAULT_SAVE_EVERY = "10min"  # resume state every 10 minutes of training unless --save-every says otherwise
 
@@ -455,7 +458,11 @@ def fingerprint(args: TrainArgs, config: KimiConfig) -> tuple[str, dict]:
     """``(sha256 hex, body)``: the hash of the model config and of the arguments that change the numbers (every
     field but :func:`run_control_fields`); ``body`` is what was hashed (``run.json``'s ``fingerprint_of``)."""
     control = set(run_control_fields())
-    relevant = {k: v for k, v in dataclasses.asdict(args).items() if k not in control}
+    relevant = {
+        k: v
+        for k, v in dataclasses.asdict(args).items()
+        if k not in control and not (k in ADDED_OFF_BY_DEFAULT and v is None)
+    }
     body = {"args": relevant, "config": config.to_dict()}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(), body
 
