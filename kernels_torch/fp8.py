@@ -45,8 +45,9 @@ Everything else stays as it is: ``lm_head``, the router ``gate``, the norms, the
 convolutions and recurrence, the DSA indexer (its ``wq_b``, ``wk``, ``weights_proj``; it reads ``q_a_proj``'s FP8
 output ``c_q``) and the sparse attention. A LoRA-wrapped projection (peft) converts its frozen ``base_layer``; the
 adapters stay in the activation dtype. A converted projection pads its tokens with zero rows to a multiple of 16
-when their count is not one (the weight gradient's FP8 GEMM reduces over them; exact: see :func:`_pad_rows`). A projection whose width is not a multiple of 16 (``torch._scaled_mm``'s
-requirement) is left as it is and listed in the record's ``skipped``.
+when their count is not one (the weight gradient's FP8 GEMM reduces over them; exact: see :func:`_pad_rows`). A
+projection whose width is not a multiple of 16 (``torch._scaled_mm``'s requirement) is left as it is and listed in
+the record's ``skipped``.
 
 The grouped experts' contract (what ``torchao``'s ``Float8TrainingWeightWrapperTensor`` intercepts and asserts):
 the forward calls exactly ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)`` with ``w`` the parameter

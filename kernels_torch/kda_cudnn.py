@@ -214,8 +214,6 @@ def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int, lower_bound: float | 
     output is NaN (measured on the H200, 2026-11-30), so that gate runs on fla."""
     if importlib.util.find_spec("cudnn") is None:
         return "nvidia-cudnn-frontend is not importable"
-    if importlib.util.find_spec("cutlass") is None:  # the CuTe DSL route imports it at the first call
-        return "the CUTLASS DSL (nvidia-cutlass-dsl, module cutlass) that its CuTe DSL route needs is not importable"
     try:
         importlib.import_module(_CUDNN_KDA_OP)
     except Exception as e:  # ImportError, or a broken install raising at import

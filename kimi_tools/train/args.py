@@ -191,15 +191,6 @@ class TrainArgs:
         default=None, metadata=arg("device (default cuda on cudnn, else cpu)", choices=("cpu", "cuda"))
     )
     recompute: bool = field(default=False, metadata=arg("recompute activations in the backward (see --recompute-mode)"))
-    fp8: str | None = field(
-        default=None,
-        metadata=arg(
-            "FP8 matmuls (torchao, kernels_torch/fp8.py) for the attention and KDA projections, the shared and the "
-            "grouped routed experts, by recipe; bf16 activations, fp32 masters; a CUDA GPU of compute capability 8.9+",
-            choices=FP8_RECIPES,
-            metavar="RECIPE",
-        ),
-    )
     recompute_mode: str = field(
         default="layer",
         metadata=arg(
@@ -207,6 +198,15 @@ class TrainArgs:
             "the same numbers either way",
             numbers=False,
             choices=RECOMPUTE_MODES,
+        ),
+    )
+    fp8: str | None = field(
+        default=None,
+        metadata=arg(
+            "FP8 matmuls (torchao, kernels_torch/fp8.py) for the attention and KDA projections, the shared and the "
+            "grouped routed experts, by recipe; bf16 activations, fp32 masters; a CUDA GPU of compute capability 8.9+",
+            choices=FP8_RECIPES,
+            metavar="RECIPE",
         ),
     )
     freeze: list[str] = field(
@@ -365,8 +365,10 @@ def resolve(args: TrainArgs) -> TrainArgs:
     if a.backend == "cudnn" and (a.device != "cuda" or a.dtype != "bfloat16"):
         raise ValueError(f"--backend cudnn: runs on cuda in bfloat16, got --device {a.device} --dtype {a.dtype}")
     if a.fp8 is not None:
-        if a.fp8 not in FP8_RECIPES:
-            raise ValueError(f"--fp8: got {a.fp8!r}, expected one of {list(FP8_RECIPES)}")
+        from kernels_torch.fp8 import FP8_RECIPES as recipes  # the library's list (the field's choices spell it)
+
+        if a.fp8 not in recipes:
+            raise ValueError(f"--fp8: got {a.fp8!r}, expected one of {list(recipes)}")
         if a.dtype != "bfloat16":
             raise ValueError(
                 f"--fp8: got --dtype {a.dtype}, expected bfloat16 (FP8 GEMMs take and give bf16 activations; the "
