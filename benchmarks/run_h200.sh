@@ -11,7 +11,9 @@
 # (fla's first call then takes about 30 s instead of about 5.5 minutes; TRITON_AUTOTUNE_TGZ=other.tgz, or "" for none),
 # and CUDA_HOME defaults to /usr/local/cuda (cuDNN's SM90 KDA engine compiles with NVRTC and needs the CUDA headers).
 #
-# Steps (STEPS="..." picks a subset and runs it in the order given; GPU-timed steps never share the GPU):
+# Steps (STEPS="..." picks a subset and runs it in the order given; GPU-timed steps never share the GPU). A word
+# "a,b+c" runs lanes side by side (split by '+'; a lane's steps, split by ',', in order) after init has finished: for
+# correctness steps that fit the GPU together, never for timed ones.
 #   init         kimi init of the 4-layer real-dimension checkpoint (16 experts, random; CPU, in the background)
 #   probe        benchmarks/probe_h200.py: versions, FlashMLA and cuDNN KDA on small cases
 #   tests_main   tests/gpu/test_gpu_sparse_mla.py (both sparse kernels) and test_gpu_kda_cudnn.py (KDA kernels in
@@ -31,7 +33,7 @@
 #                the recurrence tests' shapes, which the carried snapshot lacked (the step saves the cache after it)
 #   tests_new    the GPU tests of hardening, generation, LoRA and gradients, distillation, fused SiTU-GLU, the Triton KDA
 #                preparation, the chunked LM loss (default kernels)
-#   train_full, train_lora   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
+#   train_full, train_lora, train_fp8   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
 #                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
 #   generate_decode  benchmarks/generate_decode.py: prefill tokens/s and decode against the copy-probe roofline with a
 #                32K context, 16 experts top-8 and 112 top-16, batch 1 and 8, loop / static / captured step
@@ -47,6 +49,8 @@
 #   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16
 #   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background)
 #   validate112  validate_k31_4layers.sh on that checkpoint
+#   compare_fp8  kimi compare --fp8 rowwise of the 4-layer checkpoint at 4K and 8K: cudnn bf16 and cudnn FP8 against the
+#                fp32 eager oracle, per layer (torchao installed by fp8_wheels)
 #   indexer_topk, profile (not in the default STEPS): benchmark 2; Nsight Compute counters of the Triton sparse
 #                forward and the indexer's kernel breakdown (ncu reads counters on Firecracker machines only)
 set -uo pipefail
@@ -83,7 +87,8 @@ dsa_vs_dense_layer jax_oracle train_full train_lora generate_decode tests_fla"
 # -v: the log names each test as it runs; faulthandler_timeout: a test past 240 s dumps every thread's stack
 pytest_gpu=(python3 -m pytest -m gpu -v -rfE -s -p no:cacheprovider --durations=15 -o faulthandler_timeout=240)
 init_pid=
-wait_init() { [ -n "$init_pid" ] && wait "$init_pid"; init_pid=; }  # the steps that read $CKPT
+wait_pid() { while [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; do sleep 5; done; }  # also from a lane's subshell
+wait_init() { wait_pid "$init_pid"; init_pid=; }  # the steps that read $CKPT
 
 run_step() {  # run_step NAME: one step of the list above
   case $1 in
@@ -101,7 +106,7 @@ run_step() {  # run_step NAME: one step of the list above
   # shellcheck disable=SC2086
   fp8_gemm) step fp8_gemm 600 python3 benchmarks/fp8_gemm.py ${FP8_GEMM_ARGS:-} --out "$dir/fp8_gemm.json" ;;
   # benchmark 5 at one density each (bf16, and FP8 through torchao's rowwise recipe: fp8_wheels first)
-  train_step_e16 | train_step_e112 | train_step_e112_fp8)
+  train_step_e16 | train_step_e112 | train_step_e16_fp8 | train_step_e112_fp8)
     local e=16 k=8 extra=""
     case $1 in *e112*) e=112 k=16 ;; esac
     case $1 in *_fp8) extra="--fp8 rowwise" ;; esac
@@ -113,7 +118,7 @@ run_step() {  # run_step NAME: one step of the list above
     step init112 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT112" --force \
       --set num_experts=112 --set num_experts_per_token=16 &
     init112_pid=$! ;;
-  validate112) [ -n "${init112_pid:-}" ] && wait "$init112_pid"; init112_pid=
+  validate112) wait_pid "${init112_pid:-}"; init112_pid=
     OUT=$dir/v112 CKPT=$CKPT112 step validate112 1200 bash benchmarks/validate_k31_4layers.sh ;;
   tests_main) KIMI_TEST_KDA_KERNELS=${KDA_TEST_KERNELS:-cudnn} step tests_main 1200 "${pytest_gpu[@]}" \
     tests/gpu/test_gpu_sparse_mla.py tests/gpu/test_gpu_kda_cudnn.py -k "not cu_seqlens_int32_and_int64" ;;
@@ -156,7 +161,16 @@ run_step() {  # run_step NAME: one step of the list above
     step jax_oracle 900 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens 2049 \
       --reference jax --backends cudnn,eager --dtype bfloat16 --device cuda --json "$dir/jax_oracle_T2049.json" \
       --quiet ;;
-  train_full | train_lora)
+  compare_fp8)
+    wait_init
+    text="${TMPDIR:-/tmp}/alice_x3.txt"
+    for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
+    for T in ${LENGTHS:-4096 8192}; do
+      step "compare_fp8_T$T" 600 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens "$T" \
+        --reference eager --backends cudnn --fp8 rowwise --dtype bfloat16 --device cuda \
+        --json "$dir/compare_fp8_T$T.json"
+    done ;;
+  train_full | train_lora | train_fp8)
     wait_init
     step "$1" 600 bash benchmarks/train_4layers_h200.sh "${1#train_}" "$dir/$1" ;;
   generate_decode) step generate_decode 600 python3 benchmarks/generate_decode.py --out "$dir/generate_decode.json" ;;
@@ -183,8 +197,22 @@ run_step() {  # run_step NAME: one step of the list above
   esac
 }
 
+run_lanes() {  # run_lanes "a,b+c": lanes split by '+' run side by side, the steps of a lane (split by ',') in order
+  wait_init
+  local lane pids=()
+  IFS='+' read -ra lanes <<< "$1"
+  for lane in "${lanes[@]}"; do
+    ( IFS=',' read -ra steps <<< "$lane"; for s in "${steps[@]}"; do run_step "$s"; done ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+}
+
 for name in ${STEPS:-$default_steps}; do  # in the order given
-  run_step "$name"
+  case $name in
+  *[+,]*) run_lanes "$name" ;;
+  *) run_step "$name" ;;
+  esac
 done
 wait_init
 echo "done at $(( $(date +%s) - t0 ))s" >> "$dir/status.txt"

@@ -3,7 +3,7 @@
 # one DSA layer, 16 routed experts of which 8 active, every other dimension real; 6.78 B parameters) on the cudnn
 # backend, 100 steps of 8,192 tokens of Tiny Shakespeare, bf16 with fp32 masters, activation recomputation per layer.
 #
-#   DATA=/path/to/tinyshakespeare.txt CKPT=/tmp/k31-4layers benchmarks/train_4layers_h200.sh [full|lora] [OUT_DIR]
+#   DATA=/path/to/tinyshakespeare.txt CKPT=/tmp/k31-4layers benchmarks/train_4layers_h200.sh [full|lora|fp8] [OUT_DIR]
 #
 # CKPT must hold the checkpoint (run_h200.sh's `init` step writes it: kimi init --preset k3.1-pro --layers 4
 # --set num_experts=16 --set num_experts_per_token=8).
@@ -14,6 +14,8 @@
 #   would not fit the machine's disk beside the checkpoint; the run writes metrics.jsonl and loss.png only.
 # lora: rank 16 adapters on the default targets (MLA and KDA projections, kv_b_proj in absorbed form), saved in peft's
 #   format with the resume state.
+# fp8: as full, with --fp8 rowwise (kernels_torch.fp8: torchao's rowwise recipe on the projections, shared and routed
+#   experts; needs torchao), from the same checkpoint and seed, so that its curve sits beside full's.
 # MFU: model FLOPs (kimi.flops.estimate_flops, no recomputation counted) over the bf16 matmul ceiling measured at
 # the start of this script (8192^3), as in benchmark 5. Writes OUT_DIR/{metrics.jsonl, loss.png, stdout.txt,
 # command.txt, summary.json}.
@@ -47,8 +49,9 @@ ARGS=(--checkpoint "$CKPT" --data "$DATA" --steps 100 --seq-len 8192 --warmup-st
       --eval-tokens 32768 --backend cudnn --recompute --seed 0 --peak-tflops "$PEAK")
 case "$MODE" in
   full) ARGS+=(--lr 1e-4 --freeze "model.embed_tokens.*" "lm_head.*" --no-save) ;;
+  fp8) ARGS+=(--lr 1e-4 --freeze "model.embed_tokens.*" "lm_head.*" --no-save --fp8 rowwise) ;;
   lora) ARGS+=(--lora-rank 16 --lr 1e-3) ;;
-  *) echo "usage: $0 [full|lora] [OUT_DIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 [full|lora|fp8] [OUT_DIR]" >&2; exit 2 ;;
 esac
 echo "python3 -m kimi_tools.cli train ${ARGS[*]} --out $RUN" > "$OUT/command.txt"
 python3 -m kimi_tools.cli train "${ARGS[@]}" --out "$RUN" 2>&1 | tr '\r' '\n' | grep -v '^train: *[0-9]*%' \

@@ -14,9 +14,34 @@ from typing import Any
 
 from kimi.checkpoint import write_atomic
 
-__all__ = ["RECORD_KEYS", "MetricsLog", "plot_losses", "peak_mem_bytes"]
+__all__ = [
+    "RECORD_KEYS",
+    "MetricsLog",
+    "plot_losses",
+    "plot_runs",
+    "read_records",
+    "compare_eval_losses",
+    "peak_mem_bytes",
+]
 
 RECORD_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes")
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a line torn by a crash is skipped).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+    """
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
 
 
 class MetricsLog:
@@ -36,15 +61,8 @@ class MetricsLog:
     def resume(self, step: int) -> None:
         """Read back the records up to ``step`` (a line torn by a crash is skipped: the resume state says where to
         restart) and rewrite the file with exactly those, so the records after ``step`` are not repeated."""
-        self.history = []
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
-                    self.history.append(rec)
+        records = read_records(self.path) if self.path.is_file() else []
+        self.history = [r for r in records if r["step"] <= step]
         if self.writer:
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.history).encode())
 
@@ -62,6 +80,18 @@ class MetricsLog:
 
 def plot_losses(path: str | Path, records: list[dict]) -> None:
     """``loss.png``: the train loss per step and the eval losses, written atomically (matplotlib, Agg)."""
+    plot_runs(path, {"": records})
+
+
+def plot_runs(path: str | Path, runs: dict[str, list[dict]]) -> None:
+    """One PNG of several runs' curves (``{label: metrics.jsonl records}``): each run's train loss per step (a thin
+    line) and its eval losses (markers), in one colour per run, written atomically (matplotlib, Agg).
+
+    Raises:
+        ValueError: ``runs`` is empty.
+    """
+    if not runs:
+        raise ValueError("runs: got none, expected {label: records} for at least one run")
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -69,12 +99,15 @@ def plot_losses(path: str | Path, records: list[dict]) -> None:
 
     fig = Figure(figsize=(7, 4), dpi=120)
     ax = fig.add_subplot()
-    tr = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
-    ev = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
-    if tr:
-        ax.plot(*zip(*tr), label="train loss", lw=1)
-    if ev:
-        ax.plot(*zip(*ev), "o-", label="eval loss", ms=3)
+    for i, (label, records) in enumerate(runs.items()):
+        colour = f"C{i}"
+        prefix = f"{label}: " if label else ""
+        tr = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+        ev = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+        if tr:
+            ax.plot(*zip(*tr), color=colour, label=f"{prefix}train loss", lw=1, alpha=0.7 if label else 1.0)
+        if ev:
+            ax.plot(*zip(*ev), "o-" if i == 0 else "s--", color=colour, label=f"{prefix}eval loss", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
@@ -82,6 +115,29 @@ def plot_losses(path: str | Path, records: list[dict]) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     write_atomic(Path(path), buf.getvalue())
+
+
+def compare_eval_losses(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """Runs' eval losses side by side (``{label: metrics.jsonl records}``, the first is the baseline): ``eval_loss``
+    ``{label: {step: loss}}``, ``shared_eval_steps`` (the steps every run evaluated), and ``rel_diff_from_baseline``
+    ``{label: {step: |loss - baseline| / baseline}}`` for the other runs at those steps.
+
+    Raises:
+        ValueError: ``runs`` is empty, or a run has no eval loss.
+    """
+    if not runs:
+        raise ValueError("runs: got none, expected {label: records} for at least one run")
+    evals = {
+        label: {r["step"]: r["eval_loss"] for r in recs if r.get("eval_loss") is not None}
+        for label, recs in runs.items()
+    }
+    empty = [label for label, e in evals.items() if not e]
+    if empty:
+        raise ValueError(f"runs: {empty} have no eval_loss record, expected at least one each")
+    base, *others = evals
+    shared = sorted(set.intersection(*(set(e) for e in evals.values())))
+    rel = {o: {s: abs(evals[o][s] - evals[base][s]) / abs(evals[base][s]) for s in shared} for o in others}
+    return {"eval_loss": evals, "baseline": base, "shared_eval_steps": shared, "rel_diff_from_baseline": rel}
 
 
 def peak_mem_bytes(device: str) -> int:

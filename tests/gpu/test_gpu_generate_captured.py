@@ -32,6 +32,7 @@ from helpers import rel  # noqa: E402
 import kernels_torch.cache as tc  # noqa: E402
 from kernels_torch.decode import Decoder, sample_device  # noqa: E402
 from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
+from kernels_torch.moe import MoEGate, selection_scores  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
 STEPS = 64
@@ -72,29 +73,95 @@ def _prompts(lengths, seed):
     return ids
 
 
+class _RouterLog:
+    """Forward hooks on every ``MoEGate``: while ``on``, each call's picked experts ``[N, k]`` (sorted) and the gap
+    between the k-th and (k+1)-th selection score per row (how near a tie the pick was). Hooks run in eager calls
+    only (not in a graph's replay): record the static step, which the captured one equals."""
+
+    def __init__(self, model):
+        self.on, self.calls = False, []
+        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, MoEGate)]
+
+    def _hook(self, gate, args, out):
+        if self.on:
+            k = gate.config.num_experts_per_token
+            x = args[0].reshape(-1, args[0].shape[-1])
+            s = selection_scores(x, gate.weight, gate.e_score_correction_bias, gate.config).float()
+            top = s.topk(min(k + 1, s.shape[-1]), dim=-1).values
+            self.calls.append((out[0].reshape(-1, k).sort(-1).values, top[:, k - 1] - top[:, -1]))
+
+    def per_step(self, steps):
+        """[steps] of [(ids, gap) per MoE layer]."""
+        n = len(self.calls) // steps
+        return [self.calls[t * n : (t + 1) * n] for t in range(steps)]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 @torch.no_grad()
-def _decode(dec, ids, lengths, steps):
+def _decode(dec, ids, lengths, steps, log=None):
     """Greedy: (tokens [steps][B], logits [steps] of [B, V] fp32) of the decoder's steps."""
     last = dec.prefill(ids, lengths if len(set(lengths)) > 1 else None)
     nxt = dec.sample(last, torch.zeros(len(lengths), device="cuda"))
     toks, outs = [], []
     for _ in range(steps):
         toks.append(nxt.tolist())
+        if log is not None:
+            log.on = True
         nxt, logits = dec.step(nxt)
+        if log is not None:
+            log.on = False
         outs.append(logits.clone())
     return toks, outs, last
 
 
 @torch.no_grad()
-def _cached_path(model, ids, lengths, toks, steps):
+def _cached_path(model, ids, lengths, toks, steps, dtype=torch.bfloat16, log=None):
     """Today's cached path teacher-forced on ``toks``: the logits [steps] of [B, V] fp32 after each fed token."""
-    cache = tc.init_cache(model.config, len(lengths), max(lengths) + steps + 1, torch.bfloat16, "cuda")
+    cache = tc.init_cache(model.config, len(lengths), max(lengths) + steps + 1, dtype, "cuda")
     _, cache = model.step(ids, cache, lengths if len(set(lengths)) > 1 else None)
     outs = []
     for t in range(steps):
+        if log is not None:
+            log.on = True
         logits, cache = model.step(torch.tensor(toks[t], device="cuda")[:, None], cache)
+        if log is not None:
+            log.on = False
         outs.append(logits[:, 0].float())
     return outs
+
+
+def _router_diffs(a, b, steps):
+    """Per step: (rows x MoE layers whose expert sets differ between logs a and b, the smallest gap among them)."""
+    out = []
+    for ca, cb in zip(a.per_step(steps), b.per_step(steps)):
+        n, gap = 0, float("inf")
+        for (ia, ga), (ib, gb) in zip(ca, cb):
+            differ = (ia != ib).any(-1)
+            n += int(differ.sum())
+            if differ.any():
+                gap = min(gap, float(torch.minimum(ga, gb)[differ].min()))
+        out.append((n, gap))
+    return out
+
+
+@torch.no_grad()
+def _fp32_oracle(model, ids, lengths, toks, steps):
+    """The eager backend in fp32 on the same (bf16-exact) weights, teacher-forced on ``toks`` one row at a time (the
+    dense-mask attention of a 3,000-token prompt fits that way): logits [steps] of [B, V] fp32."""
+    ref = KimiK3Model(model.config, backend="eager").cuda()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    rows = [
+        _cached_path(ref, ids[b : b + 1, :n], [n], [[toks[t][b]] for t in range(steps)], steps, torch.float32)
+        for b, n in enumerate(lengths)
+    ]
+    return [torch.cat([r[t] for r in rows]) for t in range(steps)]
+
+
+def _worst(errs, n=4):
+    return ", ".join(f"step {t}: {e:.3f}" for e, t in sorted(((e, t) for t, e in enumerate(errs)), reverse=True)[:n])
 
 
 @pytest.mark.parametrize("B", [1, 8])
@@ -102,16 +169,33 @@ def test_captured_greedy_equals_uncaptured(model, B):
     lengths = LENGTHS[B]
     ids = _prompts(lengths, B)
     max_len = max(lengths) + STEPS + 1
-    static_toks, static_logits, _ = _decode(Decoder(model, B, max_len, mode="static"), ids, lengths, STEPS)
+    static_log = _RouterLog(model)
+    static_toks, static_logits, _ = _decode(Decoder(model, B, max_len, mode="static"), ids, lengths, STEPS, static_log)
+    static_log.remove()
     dec = Decoder(model, B, max_len, mode="graph")
     toks, logits, _ = _decode(dec, ids, lengths, STEPS)
     errs = [rel(a, b) for a, b in zip(logits, static_logits)]
     print(f"B={B}: captured vs static, logits rel max {max(errs):.2e}")
     assert toks == static_toks
     assert max(errs) <= TOL_CAPTURED
-    loop = _cached_path(model, ids, lengths, toks, STEPS)
+    loop_log = _RouterLog(model)
+    loop = _cached_path(model, ids, lengths, toks, STEPS, log=loop_log)
+    loop_log.remove()
     loop_errs = [rel(a, b) for a, b in zip(logits, loop)]
     print(f"B={B}: captured vs cached path, logits rel mean {sum(loop_errs) / STEPS:.2e} max {max(loop_errs):.2e}")
+    # which of the two bf16 paths leaves the fp32 eager oracle where they disagree (printed before the asserts)
+    oracle = _fp32_oracle(model, ids, lengths, toks, STEPS)
+    for name, got in (("captured", logits), ("cached path", loop)):
+        e = [rel(a, b) for a, b in zip(got, oracle)]
+        print(f"B={B}: {name} vs fp32 eager, logits rel mean {sum(e) / STEPS:.2e}; worst {_worst(e)}")
+    print(f"B={B}: captured vs cached path, worst {_worst(loop_errs)}")
+    routers = _router_diffs(static_log, loop_log, STEPS)
+    for t in sorted(range(STEPS), key=lambda t: -loop_errs[t])[:6]:
+        n, gap = routers[t]
+        print(
+            f"B={B}: step {t}: logits rel {loop_errs[t]:.3f}; expert sets differ in {n} (row, layer) pairs, gap {gap:.2e}"
+        )
+    print(f"B={B}: steps with a differing expert set: {sum(n > 0 for n, _ in routers)} of {STEPS}")
     assert max(loop_errs) <= TOL_LOOP_LOGITS
     for t in range(STEPS - 1):  # the pick after step t is toks[t + 1]; the cached path's own pick is its argmax
         top2 = loop[t].topk(2, dim=-1).values
