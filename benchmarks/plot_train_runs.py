@@ -1,7 +1,7 @@
 """Two or more ``kimi train`` runs in one picture, and their eval losses side by side: what
 ``benchmarks/train_4layers_h200.sh`` writes for ``full`` (bf16) and ``fp8`` from the same start.
 
-    python benchmarks/plot_train_runs.py bf16=runs/h200/train_full/run fp8=runs/h200/train_fp8/run \\
+    python benchmarks/plot_train_runs.py bf16=runs/h200/train_full fp8=runs/h200/train_fp8 \\
         --out benchmarks/results/train_4layers_bf16_vs_fp8.png
 
 Each ``LABEL=DIR`` names a run folder holding ``metrics.jsonl`` (or the file itself). Writes the PNG

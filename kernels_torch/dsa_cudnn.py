@@ -89,7 +89,8 @@ def require_cudnn(x: torch.Tensor, what: str = "x") -> None:
     """Check everything ``backend="cudnn"`` needs, and name **all** that is missing in one error.
 
     Needs: CUDA (``torch.cuda.is_available()`` and ``x`` on a CUDA device), bf16 activations, and the ``gpu``
-    extra (``pip install 'kimi-k3[gpu]'``: nvidia-cudnn-frontend with its CUTLASS DSL, plus Triton).
+    extra (``pip install 'kimi-k3[gpu]'``: nvidia-cudnn-frontend with its CUTLASS DSL, which its DSA indexer top-k
+    imports at the first call, plus Triton).
 
     Raises:
         RuntimeError: listing each missing requirement and what to do instead.
@@ -106,6 +107,8 @@ def require_cudnn(x: torch.Tensor, what: str = "x") -> None:
         )
     for mod, why in (
         ("cudnn.deepseek_sparse_attention", "cuDNN Frontend >= 1.30 (nvidia-cudnn-frontend)"),
+        # cuDNN Frontend's indexer top-k imports it at its first call (cudnn.api_base), not with the package
+        ("cutlass", "the CUTLASS DSL (nvidia-cutlass-dsl, module cutlass; cuDNN Frontend's DSA indexer top-k)"),
         ("triton", "Triton"),
     ):
         try:

@@ -55,6 +55,19 @@ def test_missing_gpu_extra_is_named(monkeypatch):
     with pytest.raises(RuntimeError, match=r"gpu extra: cuDNN Frontend.*kimi-k3\[gpu\]"):
         dc.require_cudnn(torch.zeros(2, dtype=torch.bfloat16))
 
+    def only_cutlass_missing(name):  # cuDNN Frontend installed without its CUTLASS DSL
+        if name == "cutlass":
+            raise ModuleNotFoundError("No module named 'cutlass'")
+        return object()
+
+    monkeypatch.setattr(dc, "_import", only_cutlass_missing)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    x = torch.zeros(2, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(RuntimeError) as e:
+        dc.require_cudnn(x)
+    assert "CUDA tensors" in str(e.value) and "the CUTLASS DSL (nvidia-cutlass-dsl" in str(e.value)
+    assert "cuDNN Frontend >= 1.30" not in str(e.value)
+
 
 def test_indexer_frozen_under_cudnn():
     cfg = load_config("tiny")

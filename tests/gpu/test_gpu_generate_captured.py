@@ -7,14 +7,17 @@ token), random weights N(0, 1/in), bf16, on one GPU.
 * greedy tokens of the captured step equal the uncaptured static step (the same code, eager) for 64 tokens at batch 1
   and 8, rows of different lengths, prompts shorter and longer than ``index_topk`` (1000 .. 3000 tokens); per-step
   logits equal to ``TOL_CAPTURED``; and they follow today's cached path (``KimiK3Model.step``, teacher-forced on the
-  same tokens) within the bf16 bound ``TOL_LOOP_LOGITS``, every greedy pick equal to the cached path's except at
-  near ties;
+  same tokens) within the bf16 bound ``TOL_LOOP_LOGITS`` per row and step, every greedy pick equal to the cached
+  path's except at near ties; a row and step whose MoE router picked other experts in the two paths at a near tie
+  (``ROUTER_TIE``, rare: ``MAX_TIE_RATE``) is exempt; and both stay as close to the fp32 eager oracle (the same
+  weights, teacher-forced on the same tokens) as each other;
 * a reset and reuse (the same graph, a new batch of prompts) equals a fresh decoder; a context that reaches the
   graph's ``max_len`` is refused with a ``ValueError`` before anything runs;
 * decode makes no host sync: the step runs under ``torch.cuda.set_sync_debug_mode("error")`` (static and graph
   modes, greedy and sampling);
 * the fused KDA decode kernel (``kernels_torch.ops.kda_decode``) equals fla's path and follows the fp32 eager layer;
-* ``torch.compile(mode="reduce-overhead")`` (mode ``compile``) gives the static step's tokens (slow: it compiles).
+* ``torch.compile(mode="reduce-overhead")`` (mode ``compile``) follows the static step: logits within the bf16 bound
+  while the tokens agree, a first differing pick only at a near tie (slow: it compiles).
 
 Needs the grouped routed experts (``torch._grouped_mm``): the per-expert loop finds each expert's tokens with
 ``nonzero``, a host sync, which a CUDA graph cannot capture.
@@ -39,6 +42,13 @@ STEPS = 64
 TOL_CAPTURED = 1e-3  # captured vs eager replay of the same kernels: expected bitwise; room for a reordered reduction
 TOL_LOOP_LOGITS = 3e-2  # static vs cached path, bf16: other KDA kernels (fused vs fla + torch conv), top-k over S_max
 NEAR_TIE = 0.1  # logits: a greedy pick may differ from the cached path's only where its top-2 margin is below this
+# A (step, row) whose MoE router picked other experts in the two paths, at a selection-score gap below ROUTER_TIE,
+# is exempt from TOL_LOOP_LOGITS and NEAR_TIE: one swapped expert of two moves this random model's logits by up to
+# ~0.4 (rel). H200, 2026-12-03, B=1: the 2 of 64 steps past 3e-2 (0.430, 0.385) were exactly the 2 routed
+# differently, at gaps 5.3e-4 and 2.2e-3; every other step was within 0.026.
+ROUTER_TIE = 1e-2
+MAX_TIE_RATE = 0.1  # at most this fraction of (step, row) pairs may route differently (B=1 measured 2 / 64)
+ORACLE_RATIO = 1.1  # captured vs fp32 eager, mean over steps, at most this times the cached path's (B=1: 1.012)
 LENGTHS = {1: [3000], 8: [3000, 2900, 1000, 2500, 1500, 600, 2047, 2049]}  # around index_topk = 2048
 
 
@@ -133,17 +143,16 @@ def _cached_path(model, ids, lengths, toks, steps, dtype=torch.bfloat16, log=Non
     return outs
 
 
-def _router_diffs(a, b, steps):
-    """Per step: (rows x MoE layers whose expert sets differ between logs a and b, the smallest gap among them)."""
+def _router_ties(a, b, steps, rows):
+    """``[steps][rows]``: the smallest selection-score gap among the MoE layers where that row's expert set differs
+    between logs ``a`` and ``b`` (inf where every layer picked the same experts)."""
     out = []
     for ca, cb in zip(a.per_step(steps), b.per_step(steps)):
-        n, gap = 0, float("inf")
+        gaps = torch.full((rows,), float("inf"), device=ca[0][1].device)
         for (ia, ga), (ib, gb) in zip(ca, cb):
             differ = (ia != ib).any(-1)
-            n += int(differ.sum())
-            if differ.any():
-                gap = min(gap, float(torch.minimum(ga, gb)[differ].min()))
-        out.append((n, gap))
+            gaps = torch.where(differ, torch.minimum(gaps, torch.minimum(ga, gb)), gaps)
+        out.append(gaps.tolist())
     return out
 
 
@@ -158,10 +167,6 @@ def _fp32_oracle(model, ids, lengths, toks, steps):
         for b, n in enumerate(lengths)
     ]
     return [torch.cat([r[t] for r in rows]) for t in range(steps)]
-
-
-def _worst(errs, n=4):
-    return ", ".join(f"step {t}: {e:.3f}" for e, t in sorted(((e, t) for t, e in enumerate(errs)), reverse=True)[:n])
 
 
 @pytest.mark.parametrize("B", [1, 8])
@@ -181,26 +186,28 @@ def test_captured_greedy_equals_uncaptured(model, B):
     loop_log = _RouterLog(model)
     loop = _cached_path(model, ids, lengths, toks, STEPS, log=loop_log)
     loop_log.remove()
-    loop_errs = [rel(a, b) for a, b in zip(logits, loop)]
-    print(f"B={B}: captured vs cached path, logits rel mean {sum(loop_errs) / STEPS:.2e} max {max(loop_errs):.2e}")
-    # which of the two bf16 paths leaves the fp32 eager oracle where they disagree (printed before the asserts)
     oracle = _fp32_oracle(model, ids, lengths, toks, STEPS)
-    for name, got in (("captured", logits), ("cached path", loop)):
-        e = [rel(a, b) for a, b in zip(got, oracle)]
-        print(f"B={B}: {name} vs fp32 eager, logits rel mean {sum(e) / STEPS:.2e}; worst {_worst(e)}")
-    print(f"B={B}: captured vs cached path, worst {_worst(loop_errs)}")
-    routers = _router_diffs(static_log, loop_log, STEPS)
-    for t in sorted(range(STEPS), key=lambda t: -loop_errs[t])[:6]:
-        n, gap = routers[t]
-        print(
-            f"B={B}: step {t}: logits rel {loop_errs[t]:.3f}; expert sets differ in {n} (row, layer) pairs, gap {gap:.2e}"
-        )
-    print(f"B={B}: steps with a differing expert set: {sum(n > 0 for n, _ in routers)} of {STEPS}")
-    assert max(loop_errs) <= TOL_LOOP_LOGITS
+    # per (step, row): the captured logits against the cached path's, and whether the two paths' routers picked
+    # other experts for that row at a near tie (bf16 rounding of the router input moves a score by ~1e-3)
+    err = [[rel(logits[t][b], loop[t][b]) for b in range(B)] for t in range(STEPS)]
+    ties = _router_ties(static_log, loop_log, STEPS, B)
+    tie = [[ties[t][b] < ROUTER_TIE for b in range(B)] for t in range(STEPS)]
+    far = [(t, b) for t in range(STEPS) for b in range(B) if err[t][b] > TOL_LOOP_LOGITS]
+    print(
+        f"B={B}: captured vs cached path, (step, row) beyond {TOL_LOOP_LOGITS:g}: "
+        + ", ".join(f"({t}, {b}) rel {err[t][b]:.3f} router gap {ties[t][b]:.1e}" for t, b in far)
+    )
+    assert all(tie[t][b] for t, b in far), "logits differ beyond the bf16 bound where the routers agree"
+    n_ties = sum(map(sum, tie))
+    assert n_ties <= MAX_TIE_RATE * STEPS * B, f"{n_ties} of {STEPS * B} (step, row) pairs routed differently"
+    # the fp32 eager oracle: the captured step is as close to it as the cached path is
+    to_oracle = [sum(rel(got[t], oracle[t]) for t in range(STEPS)) / STEPS for got in (logits, loop)]
+    print(f"B={B}: mean logits rel to fp32 eager: captured {to_oracle[0]:.3e}, cached path {to_oracle[1]:.3e}")
+    assert to_oracle[0] <= ORACLE_RATIO * to_oracle[1]
     for t in range(STEPS - 1):  # the pick after step t is toks[t + 1]; the cached path's own pick is its argmax
         top2 = loop[t].topk(2, dim=-1).values
         for b in range(B):
-            if toks[t + 1][b] != int(loop[t][b].argmax()):
+            if toks[t + 1][b] != int(loop[t][b].argmax()) and not tie[t][b]:
                 margin = float(top2[b, 0] - top2[b, 1])
                 assert margin < NEAR_TIE, f"step {t} row {b}: picks differ at a margin of {margin:.3f}"
     assert dec.positions == [n + STEPS for n in lengths]
@@ -277,9 +284,21 @@ def test_device_sampler_support_on_gpu():
 
 
 @pytest.mark.slow
-def test_compiled_step_equals_static(model):
+def test_compiled_step_follows_static(model):
+    """Inductor fuses the step's elementwise work and keeps fp32 intermediates where eager rounds to bf16, so the
+    compiled step is the static step up to bf16 rounding, not bitwise: its logits stay within ``TOL_LOOP_LOGITS``
+    while the tokens agree, and the first differing pick (if any) is at a near tie of the static step's logits."""
     lengths = [1200, 2500]
     ids = _prompts(lengths, 15)
-    want, _, _ = _decode(Decoder(model, 2, 2600, mode="static"), ids, lengths, 12)
-    got, _, _ = _decode(Decoder(model, 2, 2600, mode="compile"), ids, lengths, 12)
-    assert got == want
+    want, want_logits, _ = _decode(Decoder(model, 2, 2600, mode="static"), ids, lengths, 12)
+    got, got_logits, _ = _decode(Decoder(model, 2, 2600, mode="compile"), ids, lengths, 12)
+    same = next((t for t in range(12) if got[t] != want[t]), 12)  # the steps fed the same tokens: 0 .. same - 1
+    errs = [rel(a, b) for a, b in zip(got_logits[:same], want_logits[:same])]
+    print(f"compiled vs static: tokens equal for {same} of 12 steps; logits rel max {max(errs, default=0):.2e}")
+    assert max(errs, default=0.0) <= TOL_LOOP_LOGITS
+    if same < 12:  # the pick made after step same - 1 differs: it must be a near tie there
+        assert same > 0, "the first token (from prefill) differs"
+        top2 = want_logits[same - 1].topk(2, dim=-1).values
+        rows = [b for b in range(2) if got[same][b] != want[same][b]]
+        margins = [float(top2[b, 0] - top2[b, 1]) for b in rows]
+        assert max(margins) < NEAR_TIE, f"step {same - 1}: picks differ at margins {margins}"
