@@ -142,8 +142,8 @@ def test_cudnn_kda_layer_in_fp8(monkeypatch, T):
     assert report(test, "out", rel(got[0], want[0])) <= TOL_LAYER
     assert report(test, "dx", rel(got[1], want[1])) <= TOL_LAYER
     assert set(got[2]) == set(want[2])
-    for n, gp in want[2].items():
-        assert report(test, f"d{n}", rel(got[2][n], gp)) <= TOL_LAYER, n
+    errs = {n: report(test, f"d{n}", rel(got[2][n], gp)) for n, gp in want[2].items()}  # all printed, then checked
+    assert not [n for n, e in errs.items() if not e <= TOL_LAYER], errs
 
 
 def _experts(seed: int, E: int = 8, I: int = 256, Dl: int = 512):
