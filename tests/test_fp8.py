@@ -515,3 +515,42 @@ def test_an_fp8_run_resumes_exactly(tmp_path, monkeypatch):
     wa, wb, wp = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b", "plain"))
     assert wa.keys() == wb.keys() == wp.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a.records[-1]["loss"] != plain.records[-1]["loss"]  # the conversion acted
+
+
+# The KDA layer's FP8 error sizes (eager layer, K3's 96 x 128 heads at hidden 1024, N(0, 1/in) projections, T = 63,
+# rowwise, torchao's emulation; measured 2026-12-03: out 0.084, dx 0.208, dt_bias 0.307, A_log 0.226, f_a_proj 0.347,
+# f_b_proj 0.337, every other gradient 0.078-0.118; fp32 is 1e-6 off fp64 on each). The gate path's gradients
+# (dt_bias, A_log, the low-rank f_a / f_b) are the largest: the FP8 errors of q, k and v reach them through the decay
+# exp(g) of every later step. The H200's real FP8 GEMMs gave the same sizes on the cudnn layer (out 0.084, dx 0.213,
+# dt_bias 0.33 against bf16): tests/gpu/test_gpu_fp8.py uses these bounds.
+TOL_KDA_FP8 = {"out": 0.15, "dx": 0.35, "gate": 0.6, "weight": 0.25}
+KDA_GATE_PARAMS = ("dt_bias", "A_log", "f_a_proj.weight", "f_b_proj.weight")
+
+
+def test_kda_layer_fp8_error_sizes_under_emulation():
+    import copy
+
+    cfg = load_config("tiny").replace(hidden_size=1024, kda_num_heads=96, kda_head_dim=128, kda_gate_rank=64)
+    g = torch.Generator().manual_seed(63)
+    layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="eager")
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    ref = copy.deepcopy(layer).double()
+    fp8.convert_model_to_fp8(layer, "rowwise", emulate=True)
+    x = torch.randn(1, 63, cfg.hidden_size, generator=g)
+    dy = torch.randn(1, 63, cfg.hidden_size, generator=g)
+
+    def run(m, dt):
+        xi = x.to(dt).clone().requires_grad_(True)
+        y, _ = m(xi)
+        y.backward(dy.to(dt))
+        return y, xi.grad, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    got, want = run(layer, torch.float32), run(ref, torch.float64)
+    assert MIN_FP8_EFFECT < check_rel("out", got[0], want[0], TOL_KDA_FP8["out"])
+    check_rel("dx", got[1], want[1], TOL_KDA_FP8["dx"])
+    assert set(got[2]) == set(want[2]) and set(KDA_GATE_PARAMS) <= set(want[2])
+    for n, gp in want[2].items():
+        check_rel(f"d{n}", got[2][n], gp, TOL_KDA_FP8["gate" if n in KDA_GATE_PARAMS else "weight"])
