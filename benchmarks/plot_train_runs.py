@@ -39,16 +39,24 @@ def main(argv=None) -> int:
     labels = [label for label, _ in args.runs]
     if len(set(labels)) != len(labels):
         ap.error(f"runs: labels must differ, got {labels}")
+    if args.out.suffix.lower() != ".png":
+        ap.error(f"--out: got {str(args.out)!r}, expected a .png path (the JSON goes beside it)")
     runs = {label: read_records(path) for label, path in args.runs}
+    try:
+        summary = compare_eval_losses(runs)  # before anything is written: a run without eval losses is refused
+    except ValueError as e:
+        ap.error(str(e))
+    if not summary["shared_eval_steps"]:
+        print(f"plot_train_runs: the runs share no eval step ({labels}); the table is empty", file=sys.stderr)
     plot_runs(args.out, runs)
-    summary = compare_eval_losses(runs)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    print("| step | " + " | ".join(labels) + " | " + " | ".join(f"{o} vs {labels[0]}" for o in labels[1:]) + " |")
-    print("|---" * (2 * len(labels)) + "|")
+    columns = ["step", *labels, *(f"{o} vs {labels[0]}" for o in labels[1:])]
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
     for s in summary["shared_eval_steps"]:
         vals = " | ".join(f"{summary['eval_loss'][lab][s]:.4f}" for lab in labels)
         diffs = " | ".join(f"{100 * summary['rel_diff_from_baseline'][o][s]:.2f}%" for o in labels[1:])
-        print(f"| {s} | {vals} | {diffs} |")
+        print(f"| {s} | {vals} |" + (f" {diffs} |" if diffs else ""))
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
     return 0
 

@@ -202,6 +202,12 @@ run_lanes() {  # run_lanes "a,b+c": lanes split by '+' run side by side, the ste
   local lane pids=()
   IFS='+' read -ra lanes <<< "$1"
   for lane in "${lanes[@]}"; do
+    case ",$lane," in  # a step that starts in the background must be a word of its own (its pid stays in a lane)
+    *,init,* | *,init112,* | *,,*) echo "lanes '$1': init, init112 and empty steps go outside lanes" >> "$dir/status.txt"
+      return 1 ;;
+    esac
+  done
+  for lane in "${lanes[@]}"; do
     ( IFS=',' read -ra steps <<< "$lane"; for s in "${steps[@]}"; do run_step "$s"; done ) &
     pids+=($!)
   done

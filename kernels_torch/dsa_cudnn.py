@@ -108,7 +108,11 @@ def require_cudnn(x: torch.Tensor, what: str = "x") -> None:
     for mod, why in (
         ("cudnn.deepseek_sparse_attention", "cuDNN Frontend >= 1.30 (nvidia-cudnn-frontend)"),
         # cuDNN Frontend's indexer top-k imports it at its first call (cudnn.api_base), not with the package
-        ("cutlass", "the CUTLASS DSL (nvidia-cutlass-dsl, module cutlass; cuDNN Frontend's DSA indexer top-k)"),
+        (
+            "cutlass",
+            "the CUTLASS DSL (module cutlass: nvidia-cutlass-dsl, a dependency of nvidia-cudnn-frontend that a "
+            "--no-deps install leaves out; cuDNN Frontend's DSA indexer top-k imports it)",
+        ),
         ("triton", "Triton"),
     ):
         try:

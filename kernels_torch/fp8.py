@@ -309,6 +309,8 @@ def convert_model_to_fp8(
         recipe: one of :data:`FP8_RECIPES` for the dense projections; the grouped experts run FP8 rowwise under
             either (torchao's only FP8 grouped recipe).
         exclude: ``fnmatch`` globs on qualified module names (``model.layers.3.self_attn.o_proj``) of projections
+            (matched against the name with a leading ``.`` too, so that ``*.o_proj`` also takes a top-level
+            ``o_proj``: a layer converted on its own)
             to leave as they are; default :data:`DEFAULT_EXCLUDE` (the KDA gate / beta projections). A pattern that is
             not in the default must match some candidate.
         emulate: torchao's emulation (FP8 rounding, high-precision GEMMs; slow): runs on the CPU and skips the device
@@ -338,7 +340,7 @@ def convert_model_to_fp8(
     names = [n for n, _, _ in linears] + [n for n, _ in grouped]
     exclude = tuple(exclude)
     for pat in exclude:
-        if pat not in DEFAULT_EXCLUDE and not any(fnmatch.fnmatchcase(n, pat) for n in names):
+        if pat not in DEFAULT_EXCLUDE and not any(_matches(n, pat) for n in names):
             raise ValueError(f"exclude: {pat!r} matches no FP8 candidate (e.g. {names[0]!r}; globs: * ?)")
     if device is None:
         device = next(model.parameters()).device
@@ -352,7 +354,7 @@ def convert_model_to_fp8(
     skipped: list[tuple[str, str]] = []
     chosen: list[str] = []
     for name, _, reason in linears:
-        if reason is None and any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+        if reason is None and any(_matches(name, pat) for pat in exclude):
             reason = "excluded"
         if reason is None:
             chosen.append(name)
@@ -374,7 +376,7 @@ def convert_model_to_fp8(
 
     grouped_done: list[str] = []
     for name, module in grouped:
-        if any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+        if any(_matches(name, pat) for pat in exclude):
             skipped.append((name, "excluded"))
         elif emulate:
             skipped.append((name, "grouped experts under emulate"))
@@ -406,6 +408,12 @@ def convert_model_to_fp8(
     )
     model.fp8 = record
     return record
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """``pattern`` (an ``fnmatch`` glob) matches the qualified ``name``, or ``"." + name``: ``*.f_a_proj`` names
+    ``f_a_proj`` in a whole model (``model.layers.0.self_attn.f_a_proj``) and in a layer converted on its own."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase("." + name, pattern)
 
 
 def _pad_rows(module: nn.Module, args: tuple) -> tuple | None:

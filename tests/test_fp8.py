@@ -517,20 +517,20 @@ def test_an_fp8_run_resumes_exactly(tmp_path, monkeypatch):
     assert a.records[-1]["loss"] != plain.records[-1]["loss"]  # the conversion acted
 
 
-# The KDA layer's FP8 error sizes (eager layer, K3's 96 x 128 heads at hidden 1024, N(0, 1/in) projections, T = 63,
-# rowwise, torchao's emulation; measured 2026-12-03: out 0.084, dx 0.208, dt_bias 0.307, A_log 0.226, f_a_proj 0.347,
-# f_b_proj 0.337, every other gradient 0.078-0.118; fp32 is 1e-6 off fp64 on each). The gate path's gradients
-# (dt_bias, A_log, the low-rank f_a / f_b) are the largest: the FP8 errors of q, k and v reach them through the decay
-# exp(g) of every later step. The H200's real FP8 GEMMs gave the same sizes on the cudnn layer (out 0.084, dx 0.213,
-# dt_bias 0.33 against bf16): tests/gpu/test_gpu_fp8.py uses these bounds.
-TOL_KDA_FP8 = {"out": 0.15, "dx": 0.35, "gate": 0.6, "weight": 0.25}
-KDA_GATE_PARAMS = ("dt_bias", "A_log", "f_a_proj.weight", "f_b_proj.weight")
+# A KDA layer converted on its own, as the GPU test converts it (K3's 96 x 128 heads at hidden 1024, N(0, 1/in)
+# projections, T = 63, rowwise, torchao's emulation) against fp64. The default exclusions (the gate's f_a / f_b and
+# beta's b_proj stay bf16) must hold for a top-level ``f_a_proj`` too: when they did not, every gate-path gradient
+# was 0.23-0.39 off (dt_bias 0.31-0.35, as the H200 measured on the cudnn layer, 2026-12-03). With them, measured
+# over three seeds on 2026-12-03: out 0.067-0.068, dx 0.082-0.084, every parameter gradient 0.062-0.091.
+TOL_KDA_FP8 = {"out": 0.12, "dx": 0.15, "grad": 0.15}
+KDA_FP8_LINEARS = {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"}
 
 
 def test_kda_layer_fp8_error_sizes_under_emulation():
     import copy
 
     cfg = load_config("tiny").replace(hidden_size=1024, kda_num_heads=96, kda_head_dim=128, kda_gate_rank=64)
+    torch.manual_seed(0)  # the 1-D parameters' init
     g = torch.Generator().manual_seed(63)
     layer = tk.KimiDeltaAttention(cfg, cfg.kda_layers[0], backend="eager")
     with torch.no_grad():
@@ -538,7 +538,9 @@ def test_kda_layer_fp8_error_sizes_under_emulation():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
     ref = copy.deepcopy(layer).double()
-    fp8.convert_model_to_fp8(layer, "rowwise", emulate=True)
+    rec = fp8.convert_model_to_fp8(layer, "rowwise", emulate=True)
+    assert set(rec.linears) == KDA_FP8_LINEARS
+    assert {n for n, why in rec.skipped if why == "excluded"} == {"f_a_proj", "f_b_proj", "b_proj"}
     x = torch.randn(1, 63, cfg.hidden_size, generator=g)
     dy = torch.randn(1, 63, cfg.hidden_size, generator=g)
 
@@ -551,6 +553,6 @@ def test_kda_layer_fp8_error_sizes_under_emulation():
     got, want = run(layer, torch.float32), run(ref, torch.float64)
     assert MIN_FP8_EFFECT < check_rel("out", got[0], want[0], TOL_KDA_FP8["out"])
     check_rel("dx", got[1], want[1], TOL_KDA_FP8["dx"])
-    assert set(got[2]) == set(want[2]) and set(KDA_GATE_PARAMS) <= set(want[2])
+    assert set(got[2]) == set(want[2])
     for n, gp in want[2].items():
-        check_rel(f"d{n}", got[2][n], gp, TOL_KDA_FP8["gate" if n in KDA_GATE_PARAMS else "weight"])
+        check_rel(f"d{n}", got[2][n], gp, TOL_KDA_FP8["grad"])

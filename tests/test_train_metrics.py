@@ -46,3 +46,8 @@ def test_plot_runs_writes_one_png(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["both.png"]  # written atomically: no temporary left
     with pytest.raises(ValueError, match="runs: got none"):
         plot_runs(tmp_path / "none.png", {})
+
+
+def test_compare_eval_losses_with_a_zero_baseline():
+    got = compare_eval_losses({"a": _records({0: 0.0, 8: 0.0}), "b": _records({0: 0.0, 8: 1.0})})
+    assert got["rel_diff_from_baseline"]["b"] == {0: 0.0, 8: float("inf")}

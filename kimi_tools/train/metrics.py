@@ -136,8 +136,12 @@ def compare_eval_losses(runs: dict[str, list[dict]]) -> dict[str, Any]:
         raise ValueError(f"runs: {empty} have no eval_loss record, expected at least one each")
     base, *others = evals
     shared = sorted(set.intersection(*(set(e) for e in evals.values())))
-    rel = {o: {s: abs(evals[o][s] - evals[base][s]) / abs(evals[base][s]) for s in shared} for o in others}
-    return {"eval_loss": evals, "baseline": base, "shared_eval_steps": shared, "rel_diff_from_baseline": rel}
+
+    def rel(a: float, b: float) -> float:  # |a - b| / |b|; a zero baseline gives inf unless a equals it
+        return abs(a - b) / abs(b) if b else (0.0 if a == b else float("inf"))
+
+    rel_diff = {o: {s: rel(evals[o][s], evals[base][s]) for s in shared} for o in others}
+    return {"eval_loss": evals, "baseline": base, "shared_eval_steps": shared, "rel_diff_from_baseline": rel_diff}
 
 
 def peak_mem_bytes(device: str) -> int:

@@ -50,11 +50,6 @@ TOL_FP8_GRAD = {"rowwise": 6e-2, "tensorwise": 1e-1}  # e4m3 / e5m2 gradients
 TOL_VS_EMULATION = 2e-2  # the real GEMM against torchao's emulation of the same casts (accumulation order, fast accum)
 MIN_FP8_EFFECT = 1e-2  # FP8 rounding shows
 TOL_LAYER = 0.25  # a converted layer against the bf16 layer (kimi_tools.compare.TOLERANCES_FP8's per-layer bound)
-# The KDA gate path's gradients (dt_bias, A_log, f_a / f_b): FP8 rounding of q, k, v reaches them through every later
-# step's decay. torchao's emulation of this layer on the CPU puts them at 0.23-0.35 (tests/test_fp8.py, TOL_KDA_FP8);
-# the H200 measured dt_bias at 0.32-0.33 (2026-12-03).
-TOL_LAYER_GATE = 0.6
-KDA_GATE_PARAMS = ("dt_bias", "A_log", "f_a_proj.weight", "f_b_proj.weight")
 TOL_EXPERTS = {"out": 8e-2, "grad": 1.2e-1}  # three rowwise FP8 GEMMs and the activation, against bf16
 TOL_LOSS = 5e-2  # the tiny model's LM loss (nats, relative), FP8 against bf16
 
@@ -121,7 +116,9 @@ def test_cudnn_kda_layer_in_fp8(monkeypatch, T):
     cfg, plain = _kda_layer(T)
     layer = copy.deepcopy(plain)
     rec = fp8.convert_model_to_fp8(layer, "rowwise")
-    assert {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"} <= set(rec.linears)
+    # exactly these: the gate's f_a / f_b and beta's b_proj stay bf16 in a layer converted on its own too (with them
+    # in FP8, the H200 measured dt_bias's gradient 0.32-0.33 off bf16 here, 2026-12-03)
+    assert set(rec.linears) == {"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"}
     calls = dict.fromkeys(rec.linears, 0)
     for n in rec.linears:
         layer.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: calls.__setitem__(n, calls[n] + 1))
@@ -148,8 +145,7 @@ def test_cudnn_kda_layer_in_fp8(monkeypatch, T):
     assert report(test, "dx", rel(got[1], want[1])) <= TOL_LAYER
     assert set(got[2]) == set(want[2])
     errs = {n: report(test, f"d{n}", rel(got[2][n], gp)) for n, gp in want[2].items()}  # all printed, then checked
-    bound = {n: TOL_LAYER_GATE if n in KDA_GATE_PARAMS else TOL_LAYER for n in errs}
-    assert not [n for n, e in errs.items() if not e <= bound[n]], errs
+    assert not [n for n, e in errs.items() if not e <= TOL_LAYER], errs
 
 
 def _experts(seed: int, E: int = 8, I: int = 256, Dl: int = 512):
