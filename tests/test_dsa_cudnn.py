@@ -45,15 +45,16 @@ def test_cudnn_backend_names_what_is_missing():
 
 def test_missing_gpu_extra_is_named(monkeypatch):
     def no_cudnn(name):
-        if name.startswith("cudnn"):
+        if name.startswith("cudnn") or name == "cutlass":
             raise ModuleNotFoundError(f"No module named {name!r}")
         return importlib.import_module(name)
 
     import importlib
 
     monkeypatch.setattr(dc, "_import", no_cudnn)
-    with pytest.raises(RuntimeError, match=r"gpu extra: cuDNN Frontend.*kimi-k3\[gpu\]"):
+    with pytest.raises(RuntimeError, match=r"gpu extra: cuDNN Frontend.*kimi-k3\[gpu\]") as e:
         dc.require_cudnn(torch.zeros(2, dtype=torch.bfloat16))
+    assert "the CUTLASS DSL" in str(e.value)  # every missing module is named, not only the first
 
     def only_cutlass_missing(name):  # cuDNN Frontend installed without its CUTLASS DSL
         if name == "cutlass":
