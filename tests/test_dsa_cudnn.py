@@ -66,7 +66,7 @@ def test_missing_gpu_extra_is_named(monkeypatch):
     x = torch.zeros(2, dtype=torch.bfloat16, device="meta")
     with pytest.raises(RuntimeError) as e:
         dc.require_cudnn(x)
-    assert "CUDA tensors" in str(e.value) and "the CUTLASS DSL (nvidia-cutlass-dsl" in str(e.value)
+    assert "CUDA tensors" in str(e.value) and "the CUTLASS DSL (module cutlass: nvidia-cutlass-dsl" in str(e.value)
     assert "cuDNN Frontend >= 1.30" not in str(e.value)
 
 
