@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from kimi_tools.train.metrics import compare_eval_losses, plot_runs, read_records
+from kimi_tools.plots import figure_facts
+from kimi_tools.train.metrics import compare_eval_losses, plot_runs, read_records, runs_figure
 
 
 def _records(evals: dict[int, float], steps: int = 8, seed: float = 0.0) -> list[dict]:
@@ -51,3 +52,12 @@ def test_plot_runs_writes_one_png(tmp_path):
 def test_compare_eval_losses_with_a_zero_baseline():
     got = compare_eval_losses({"a": _records({0: 0.0, 8: 0.0}), "b": _records({0: 0.0, 8: 1.0})})
     assert got["rel_diff_from_baseline"]["b"] == {0: 0.0, 8: float("inf")}
+
+
+def test_runs_figure_draws_every_run():
+    bf16, fp8 = _records({0: 5.0, 4: 3.0, 8: 2.0}), _records({0: 5.0, 4: 3.1, 8: 2.1}, seed=0.05)
+    (ax,) = figure_facts(runs_figure({"bf16": bf16, "fp8": fp8}))["axes"]
+    lines = {line["label"]: line for line in ax["lines"]}
+    assert ax["legend"] == ["bf16: train loss", "bf16: eval loss", "fp8: train loss", "fp8: eval loss"]
+    assert lines["fp8: eval loss"]["x"] == [0, 4, 8] and lines["fp8: eval loss"]["y"] == [5.0, 3.1, 2.1]
+    assert lines["bf16: train loss"]["y"] == [r["loss"] for r in bf16 if r["loss"] is not None]

@@ -84,8 +84,20 @@ def plot_losses(path: str | Path, records: list[dict]) -> None:
 
 
 def plot_runs(path: str | Path, runs: dict[str, list[dict]]) -> None:
-    """One PNG of several runs' curves (``{label: metrics.jsonl records}``): each run's train loss per step (a thin
-    line) and its eval losses (markers), in one colour per run, written atomically (matplotlib, Agg).
+    """One PNG of several runs' curves (``{label: metrics.jsonl records}``, :func:`runs_figure`), written atomically.
+
+    Raises:
+        ValueError: ``runs`` is empty.
+    """
+    fig = runs_figure(runs)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_atomic(Path(path), buf.getvalue())
+
+
+def runs_figure(runs: dict[str, list[dict]]):
+    """The ``matplotlib.figure.Figure`` of :func:`plot_runs` (matplotlib, Agg, no pyplot): each run's train loss per
+    step (a thin line) and its eval losses (markers), one colour per run, the legend naming the run.
 
     Raises:
         ValueError: ``runs`` is empty.
@@ -112,9 +124,7 @@ def plot_runs(path: str | Path, runs: dict[str, list[dict]]) -> None:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    write_atomic(Path(path), buf.getvalue())
+    return fig
 
 
 def compare_eval_losses(runs: dict[str, list[dict]]) -> dict[str, Any]:
