@@ -90,6 +90,12 @@ init_pid=
 wait_pid() { while [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; do sleep 5; done; }  # also from a lane's subshell
 wait_init() { wait_pid "$init_pid"; init_pid=; }  # the steps that read $CKPT
 
+alice_x3() {  # the bundled text three times (8K byte-level tokens, as validate_k31_4layers.sh); prints its path
+  local text="${TMPDIR:-/tmp}/alice_x3.txt"
+  for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
+  echo "$text"
+}
+
 run_step() {  # run_step NAME: one step of the list above
   case $1 in
   init)
@@ -156,15 +162,13 @@ run_step() {  # run_step NAME: one step of the list above
     --sizes "${DSA_SIZES:-16384,32768,65536,131072}" --sdpa-max 0 --out "$dir/dsa_vs_dense_layer.json" ;;
   jax_oracle)
     wait_init
-    text="${TMPDIR:-/tmp}/alice_x3.txt"
-    for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
+    text=$(alice_x3)
     step jax_oracle 900 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens 2049 \
       --reference jax --backends cudnn,eager --dtype bfloat16 --device cuda --json "$dir/jax_oracle_T2049.json" \
       --quiet ;;
   compare_fp8)
     wait_init
-    text="${TMPDIR:-/tmp}/alice_x3.txt"
-    for _ in 1 2 3; do cat kimi/data/alice_ch1.txt; done > "$text"
+    text=$(alice_x3)
     for T in ${LENGTHS:-4096 8192}; do
       step "compare_fp8_T$T" 600 python3 -m kimi_tools.cli compare --checkpoint "$CKPT" --text "$text" --tokens "$T" \
         --reference eager --backends cudnn --fp8 rowwise --dtype bfloat16 --device cuda \

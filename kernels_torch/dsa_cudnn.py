@@ -107,8 +107,7 @@ def require_cudnn(x: torch.Tensor, what: str = "x") -> None:
         )
     for mod, why in (
         ("cudnn.deepseek_sparse_attention", "cuDNN Frontend >= 1.30 (nvidia-cudnn-frontend)"),
-        # cuDNN Frontend's indexer top-k imports it at its first call (cudnn.api_base), not with the package
-        (
+        (  # imported by cudnn.api_base at the indexer's first call, not with the package
             "cutlass",
             "the CUTLASS DSL (module cutlass: nvidia-cutlass-dsl, a dependency of nvidia-cudnn-frontend that a "
             "--no-deps install leaves out; cuDNN Frontend's DSA indexer top-k imports it)",

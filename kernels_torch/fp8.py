@@ -309,10 +309,9 @@ def convert_model_to_fp8(
         recipe: one of :data:`FP8_RECIPES` for the dense projections; the grouped experts run FP8 rowwise under
             either (torchao's only FP8 grouped recipe).
         exclude: ``fnmatch`` globs on qualified module names (``model.layers.3.self_attn.o_proj``) of projections
-            (matched against the name with a leading ``.`` too, so that ``*.o_proj`` also takes a top-level
-            ``o_proj``: a layer converted on its own)
             to leave as they are; default :data:`DEFAULT_EXCLUDE` (the KDA gate / beta projections). A pattern that is
-            not in the default must match some candidate.
+            not in the default must match some candidate. Each is also tried on the name with a leading ``.``, so
+            that ``*.o_proj`` takes a top-level ``o_proj`` too (a layer converted on its own).
         emulate: torchao's emulation (FP8 rounding, high-precision GEMMs; slow): runs on the CPU and skips the device
             check; the grouped experts are then left as they are (torchao's FP8 grouped GEMM has no emulation).
         fsdp_float8_all_gather: FSDP2 all-gathers the projections' weights in FP8 (``tensorwise`` only).

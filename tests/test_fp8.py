@@ -488,8 +488,8 @@ def test_an_fp8_run_resumes_exactly(tmp_path, monkeypatch):
     resume state (losses, learning rates, gradient norms bitwise; the exported weights equal); the exported keys are
     the checkpoint's; and FP8 changed the numbers (the same run unconverted differs)."""
     from safetensors.torch import load_file
+    from test_train import SMALL, _numbers
 
-    from kimi_tools.common import DEFAULT_TEXT
     from kimi_tools.train import TrainArgs, train
     from kimi_tools.train import weights as tw
     from kimi_tools.train.metrics import read_records
@@ -498,19 +498,14 @@ def test_an_fp8_run_resumes_exactly(tmp_path, monkeypatch):
         rec = fp8.convert_model_to_fp8(model, "rowwise", emulate=True)
         return f"fp8 {rec.recipe} (emulated): {len(rec.linears)} projections"
 
-    kw = dict(
-        data=[str(DEFAULT_TEXT)], layers=2, steps=4, seq_len=16, micro_batch_tokens=32, batch_tokens=32,
-        eval_tokens=32, eval_every=2, warmup_steps=1, lr=1e-2, quiet=True, plot=False,
-    )  # fmt: skip
+    kw = {**SMALL, "steps": 4, "eval_every": 2, "plot": False}
     plain = train(TrainArgs(out=str(tmp_path / "plain"), **kw))
     monkeypatch.setattr(tw, "CONVERTERS", [emulated])
     a = train(TrainArgs(out=str(tmp_path / "a"), **kw))
     b1 = train(TrainArgs(out=str(tmp_path / "b"), stop_after=2, **kw))
     b2 = train(TrainArgs(out=str(tmp_path / "b"), resume=True, **kw))
-    keys = ("step", "loss", "eval_loss", "lr", "grad_norm")
-    numbers = [{k: r[k] for k in keys} for r in a.records]
-    assert numbers == [{k: r[k] for k in keys} for r in b1.records + b2.records]
-    assert numbers == [{k: r[k] for k in keys} for r in read_records(tmp_path / "b" / "metrics.jsonl")]
+    assert _numbers(a.records) == _numbers(b1.records + b2.records)
+    assert _numbers(a.records) == _numbers(read_records(tmp_path / "b" / "metrics.jsonl"))
     assert json.loads((tmp_path / "b" / "run.json").read_text())["conversions"][0].startswith("fp8 rowwise")
     wa, wb, wp = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b", "plain"))
     assert wa.keys() == wb.keys() == wp.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -19,7 +19,9 @@ __all__ = [
     "MetricsLog",
     "plot_losses",
     "plot_runs",
+    "runs_figure",
     "read_records",
+    "eval_losses",
     "compare_eval_losses",
     "peak_mem_bytes",
 ]
@@ -42,6 +44,11 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
             out.append(rec)
     return out
+
+
+def eval_losses(records: list[dict]) -> dict[int, float]:
+    """step -> eval loss of the records that hold one."""
+    return {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None}
 
 
 class MetricsLog:
@@ -75,7 +82,7 @@ class MetricsLog:
 
     def eval_losses(self) -> dict[int, float]:
         """step -> eval loss over the whole run."""
-        return {r["step"]: r["eval_loss"] for r in self.history if r.get("eval_loss") is not None}
+        return eval_losses(self.history)
 
 
 def plot_losses(path: str | Path, records: list[dict]) -> None:
@@ -115,7 +122,7 @@ def runs_figure(runs: dict[str, list[dict]]):
         colour = f"C{i}"
         prefix = f"{label}: " if label else ""
         tr = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
-        ev = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+        ev = list(eval_losses(records).items())
         if tr:
             ax.plot(*zip(*tr), color=colour, label=f"{prefix}train loss", lw=1, alpha=0.7 if label else 1.0)
         if ev:
@@ -137,10 +144,7 @@ def compare_eval_losses(runs: dict[str, list[dict]]) -> dict[str, Any]:
     """
     if not runs:
         raise ValueError("runs: got none, expected {label: records} for at least one run")
-    evals = {
-        label: {r["step"]: r["eval_loss"] for r in recs if r.get("eval_loss") is not None}
-        for label, recs in runs.items()
-    }
+    evals = {label: eval_losses(recs) for label, recs in runs.items()}
     empty = [label for label, e in evals.items() if not e]
     if empty:
         raise ValueError(f"runs: {empty} have no eval_loss record, expected at least one each")
