@@ -551,3 +551,34 @@ def test_kda_layer_fp8_error_sizes_under_emulation():
     assert set(got[2]) == set(want[2])
     for n, gp in want[2].items():
         check_rel(f"d{n}", got[2][n], gp, TOL_KDA_FP8["grad"])
+
+
+def test_fp8_with_recomputation_gives_the_same_loss_and_grads():
+    """Activation recomputation over FP8 projections (torchao's emulation, the order ``kimi train`` uses: convert,
+    then wrap the layers): the recomputed forward casts again from the same weights, so the loss and every gradient
+    equal those without recomputation, bit for bit on the CPU."""
+    from test_train import _packed_batch
+
+    from kernels_torch.model import model_from_params
+    from kimi.init import init_params
+    from kimi_tools.train import LMStage, recompute_layers
+
+    full = load_config("tiny")
+    cfg = full.truncated(4)
+    batch = _packed_batch()
+    out = []
+    for mode in (None, "layer", "mlp"):
+        model = model_from_params(cfg, init_params(full, seed=1, layers=4), "sdpa")
+        rec = fp8.convert_model_to_fp8(model, "rowwise", emulate=True)
+        assert rec.linears
+        if mode:
+            recompute_layers(model, mode)
+        loss, _ = LMStage(cfg, None).loss(model, batch)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0) = out[0]
+    for l1, g1 in out[1:]:
+        assert torch.equal(l0, l1)
+        assert g0.keys() == g1.keys() and len(g0) > 50
+        for n in g0:
+            assert torch.equal(g0[n], g1[n]), n
