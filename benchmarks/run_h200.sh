@@ -47,7 +47,8 @@
 #   moe_layer    benchmarks/moe_layer.py: one MoE layer at K3.1's expert shapes, loop vs grouped vs bare GEMMs
 #   tests_fp8    tests/gpu/test_gpu_fp8.py (torchao installed by fp8_wheels)
 #   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16
-#   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background)
+#   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background;
+#                about 30 GB, 9.5 minutes on the H200 machine alone on 2026-12-02: put it early, before the long steps)
 #   validate112  validate_k31_4layers.sh on that checkpoint
 #   compare_fp8  kimi compare --fp8 rowwise of the 4-layer checkpoint at 4K and 8K: cudnn bf16 and cudnn FP8 against the
 #                fp32 eager oracle, per layer (torchao installed by fp8_wheels)
@@ -60,6 +61,11 @@ mkdir -p "$dir"
 src=$(pwd)
 work=$(mktemp -d)/repo
 cp -r "$src" "$work" && cd "$work" || exit 1
+# The training text too: the device tool's next call may remove an ignored folder (.data) from the checkout.
+if [ -n "${DATA:-}" ]; then
+  if [ -e "$DATA" ]; then cp -r "$DATA" "$work/../" && DATA=$(realpath "$work/../$(basename "$DATA")") && export DATA
+  else echo "DATA=$DATA: no such file at the start (train_* steps will fail)" >> "$dir/status.txt"; fi
+fi
 export PYTHONPATH="$work${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
 export CKPT=${CKPT:-/tmp/k31-4layers} CKPT112=${CKPT112:-/tmp/k31-4layers-e112}
@@ -113,15 +119,17 @@ run_step() {  # run_step NAME: one step of the list above
   fp8_gemm) step fp8_gemm 600 python3 benchmarks/fp8_gemm.py ${FP8_GEMM_ARGS:-} --out "$dir/fp8_gemm.json" ;;
   # benchmark 5 at one density each (bf16, and FP8 through torchao's rowwise recipe: fp8_wheels first)
   train_step_e16 | train_step_e112 | train_step_e16_fp8 | train_step_e112_fp8)
-    local e=16 k=8 extra=""
-    case $1 in *e112*) e=112 k=16 ;; esac
+    # 32K rows recompute each layer's MLP / MoE block; at 112 experts that ran out of memory (138.4 GiB on the
+    # 139 GiB H200, 2026-12-03: the experts' weights and gradients add ~24 GiB), so there the whole layer is recomputed
+    local e=16 k=8 mode=mlp extra=""
+    case $1 in *e112*) e=112 k=16 mode=layer ;; esac
     case $1 in *_fp8) extra="--fp8 rowwise" ;; esac
     # shellcheck disable=SC2086
     step "$1" 900 python3 benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \
-      ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --backends cudnn} \
+      ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode $mode --backends cudnn} \
       --out "$dir/$1.json" ;;
   init112)
-    step init112 600 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT112" --force \
+    step init112 1500 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT112" --force \
       --set num_experts=112 --set num_experts_per_token=16 &
     init112_pid=$! ;;
   validate112) wait_pid "${init112_pid:-}"; init112_pid=

@@ -129,8 +129,8 @@ def quantize_mxfp4(w: Any, group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
     group of zeros gets scale byte :data:`ZERO_GROUP_SCALE_BYTE` (0). Zero magnitudes are encoded as +0 (code 0).
 
     Args:
-        w: floating ``[R, C]``, a numpy array or a torch tensor; C a multiple of ``group_size``. Computed in float64
-            (exact for bf16/fp32 inputs).
+        w: floating ``[R, C]``, a numpy array or a torch tensor; C a multiple of ``group_size``. Computed exactly,
+            in float32 for inputs of up to 32 bits and in float64 for wider ones.
 
     Returns:
         ``(weight_packed uint8 [R, C/2], weight_scale uint8 [R, C/group_size])``: CPU torch tensors for a torch
@@ -150,19 +150,24 @@ def quantize_mxfp4(w: Any, group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
     R, C = w.shape
     if C % group_size:
         raise ValueError(f"w: got {C} columns, expected a multiple of group_size={group_size}")
-    x = to_numpy(w).astype(np.float64).reshape(R, C // group_size, group_size)
+    x = to_numpy(w)
+    # float32 is exact for inputs of at most float32's precision (bf16, fp16, fp32): scaling by a power of two is
+    # exact and a value that underflows is far below the smallest midpoint either way; wider inputs stay float64
+    work = np.float64 if x.dtype.itemsize > 4 else np.float32
+    x = x.astype(work).reshape(R, C // group_size, group_size)
     if not np.isfinite(x).all():
         raise ValueError("w: got a non-finite element (inf or NaN), expected finite values")
     amax = np.abs(x).max(axis=-1)  # [R, G]
     _, ex = np.frexp(amax)  # amax = m * 2^ex with m in [0.5, 1): floor(log2(amax)) = ex - 1 (exact)
-    e = ex.astype(np.int64) - 1 - _E2M1_EMAX
+    e = ex.astype(np.int32) - 1 - _E2M1_EMAX
     byte = np.clip(e + _E8M0_BIAS, 0, 254)
     byte = np.where(amax == 0, ZERO_GROUP_SCALE_BYTE, byte)
-    q = x / np.ldexp(1.0, byte - _E8M0_BIAS)[..., None]  # exact: division by a power of two
+    q = x / np.ldexp(work(1.0), byte - _E8M0_BIAS)[..., None]  # exact: division by a power of two
     a = np.abs(q)
-    mag = np.zeros(a.shape, dtype=np.int64)
-    for i, m in enumerate(_MIDPOINTS):  # crossing midpoint i moves to code i+1; a tie only if i+1 is even
-        mag += (a > m) | ((a == m) & ((i + 1) % 2 == 0))
+    mids = np.array(_MIDPOINTS + (np.inf,), dtype=work)
+    mag = np.searchsorted(mids[:-1], a, side="left")  # midpoints strictly below |q|: the code rounding down at a tie
+    tie = a == mids[mag]  # exactly on midpoint mag, between codes mag and mag+1: ties go to the even code
+    mag = (mag + (tie & (mag % 2 == 1))).astype(np.uint8)
     code = np.where((q < 0) & (mag > 0), mag | 8, mag).reshape(R, C)
     packed = np.ascontiguousarray((code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8))
     scale = np.ascontiguousarray(byte.astype(np.uint8))

@@ -132,6 +132,32 @@ def test_canonical_round_trip_bytes(dtype, rows, cols):
     assert bool(((d.double() - w.double()).abs() < 2 * step).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_narrow_inputs_encode_as_their_float64_values(dtype):
+    """Inputs of up to 32 bits are encoded in float32, wider ones in float64: the same bytes for the same values,
+    at every midpoint tie (both signs), at subnormals and at values far below their group's scale."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], dtype=torch.float64)
+    ties = torch.cat([mids.repeat_interleave(4), -mids.repeat_interleave(4)]).reshape(2, 32)  # amax 6: e = 0
+    w = _wide_random(64, 256, seed=3)
+    if dtype == torch.float16:  # in range and above fp16's smallest subnormal (2^-24)
+        w = w / w.abs().amax(dim=1, keepdim=True) * 2.0 ** torch.randint(-10, 15, (64, 1)).double()
+    else:
+        w[0, :32] = 2.0**-140  # an fp32 subnormal group (bf16: 2^-133 and below are subnormal)
+        w[0, 32:64] = torch.linspace(-(2.0**-126), 2.0**-126, 32)
+    w[1:3, :32] = ties
+    small, big = (2.0**-12, 2.0**14) if dtype == torch.float16 else (2.0**-30, 2.0**20)
+    w[3, :32] = torch.linspace(-1.0, 1.0, 32) * small
+    w[3, 0] = big  # the others fall far below the group's scale: code 0, never -0
+    narrow = w.to(dtype)
+    p, s = quantize_mxfp4(narrow)
+    p64, s64 = quantize_mxfp4(narrow.double())
+    assert torch.equal(p, p64) and torch.equal(s, s64)
+    rounded = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0], dtype=torch.float64).repeat_interleave(4)
+    assert torch.equal(dequantize_mxfp4(p[1:3, :16], s[1:3, :1], dtype=torch.float64), torch.stack([rounded, -rounded]))
+    codes = torch.stack((p[3, :16] & 0xF, p[3, :16] >> 4), dim=-1).flatten()
+    assert codes[0] == 6 and not codes[1:].any()  # 2^20 / 2^18 = 4; the rest round to +0, never -0 (code 8)
+
+
 def test_noncanonical_reencodes_to_same_values():
     g = torch.Generator().manual_seed(3)
     p = torch.randint(0, 256, (40, 32), dtype=torch.uint8, generator=g)
