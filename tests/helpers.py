@@ -64,3 +64,62 @@ def spawn(worker: Callable, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+class RouterTape:
+    """Forward hooks on every ``kernels_torch.moe.MoEGate`` of ``model``: records its routing, or replays a recording.
+
+    While ``on`` is true, each gate call:
+
+    * **records** (``replay=None``): appends ``(ids [N, k] int64, weights [N, k], gap [N] fp32)`` to ``calls``, where
+      ``gap`` is the k-th minus the (k+1)-th selection score of each row (``selection_scores``, groups ignored): how
+      near a tie the pick was;
+    * **replays** (``replay=calls`` of another tape): returns the next recorded ``(ids, weights)`` (rows
+      ``rows`` of them) instead of its own pick, so that two paths run the same experts with the same weights
+      (routing replay), and appends to ``splits`` the gate's own ``gap`` [N] where its own expert set differs
+      from the recorded one (``inf`` where they agree).
+
+    ``done()`` is true once a replay used every recorded call. Hooks fire on eager calls only, not in a CUDA
+    graph's replay. ``remove()`` takes the hooks off.
+    """
+
+    def __init__(self, model: torch.nn.Module, replay: list | None = None, rows: slice = slice(None)):
+        from kernels_torch.moe import MoEGate
+
+        self.on, self.calls, self.splits = False, [], []
+        self.replay, self.rows, self._next = replay, rows, 0
+        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, MoEGate)]
+        if not self.handles:
+            raise ValueError("RouterTape: the model has no MoEGate")
+
+    def _hook(self, gate, args, out):
+        if not self.on:
+            return None
+        from kernels_torch.moe import selection_scores
+
+        ids, weights = out
+        k = ids.shape[-1]
+        x = args[0].reshape(-1, args[0].shape[-1])
+        s = selection_scores(x, gate.weight, gate.e_score_correction_bias, gate.config).float()
+        top = s.topk(min(k + 1, s.shape[-1]), dim=-1).values
+        gap = top[:, k - 1] - top[:, -1]
+        if self.replay is None:
+            self.calls.append((ids.reshape(-1, k).clone(), weights.reshape(-1, k).clone(), gap))
+            return None
+        if self._next >= len(self.replay):
+            raise IndexError(f"RouterTape: gate call {self._next + 1}, but the recording holds {len(self.replay)}")
+        want_ids, want_w, _ = self.replay[self._next]
+        self._next += 1
+        want_ids, want_w = want_ids[self.rows], want_w[self.rows]
+        if want_ids.shape != ids.reshape(-1, k).shape:
+            raise ValueError(f"RouterTape: recorded ids {tuple(want_ids.shape)}, the gate picked {tuple(ids.shape)}")
+        differ = (want_ids.sort(-1).values != ids.reshape(-1, k).sort(-1).values).any(-1)
+        self.splits.append(torch.where(differ, gap, torch.full_like(gap, math.inf)))
+        return want_ids.reshape(ids.shape), want_w.reshape(weights.shape).to(weights.dtype)
+
+    def done(self) -> bool:
+        return self.replay is not None and self._next == len(self.replay)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

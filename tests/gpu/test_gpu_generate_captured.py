@@ -6,11 +6,14 @@ token), random weights N(0, 1/in), bf16, on one GPU.
 
 * greedy tokens of the captured step equal the uncaptured static step (the same code, eager) for 64 tokens at batch 1
   and 8, rows of different lengths, prompts shorter and longer than ``index_topk`` (1000 .. 3000 tokens); per-step
-  logits equal to ``TOL_CAPTURED``; and they follow today's cached path (``KimiK3Model.step``, teacher-forced on the
-  same tokens) within the bf16 bound ``TOL_LOOP_LOGITS`` per row and step, every greedy pick equal to the cached
-  path's except at near ties; a row and step whose MoE router picked other experts in the two paths at a near tie
-  (``ROUTER_TIE``, rare: ``MAX_TIE_RATE``) is exempt; and both stay as close to the fp32 eager oracle (the same
-  weights, teacher-forced on the same tokens) as each other;
+  logits equal to ``TOL_CAPTURED``. Against today's cached path (``KimiK3Model.step``, teacher-forced on the same
+  tokens) and the fp32 eager oracle (the same weights), both run under **routing replay** (``helpers.RouterTape``:
+  every MoE layer uses the experts and weights the static step chose): the cached path's logits within the bf16 bound
+  ``TOL_LOOP_LOGITS`` for every row and step, its greedy pick equal except at near ties of the logits; its own router
+  would have picked other experts only at near ties (``ROUTER_TIE``) and rarely (``MAX_TIE_RATE``); and the captured
+  step stays as close to the oracle as the cached path does (``ORACLE_RATIO``). Without the replay, one expert picked
+  otherwise at a near tie moves this random model's logits by up to ~0.9 (rel) and the row's caches carry the change
+  into every later step;
 * a reset and reuse (the same graph, a new batch of prompts) equals a fresh decoder; a context that reaches the
   graph's ``max_len`` is refused with a ``ValueError`` before anything runs;
 * decode makes no host sync: the step runs under ``torch.cuda.set_sync_debug_mode("error")`` (static and graph
@@ -25,29 +28,29 @@ Needs the grouped routed experts (``torch._grouped_mm``): the per-expert loop fi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from helpers import rel  # noqa: E402
+from helpers import RouterTape, rel  # noqa: E402
 
 import kernels_torch.cache as tc  # noqa: E402
 from kernels_torch.decode import Decoder, sample_device  # noqa: E402
 from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
-from kernels_torch.moe import MoEGate, selection_scores  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
 STEPS = 64
 TOL_CAPTURED = 1e-3  # captured vs eager replay of the same kernels: expected bitwise; room for a reordered reduction
 TOL_LOOP_LOGITS = 3e-2  # static vs cached path, bf16: other KDA kernels (fused vs fla + torch conv), top-k over S_max
 NEAR_TIE = 0.1  # logits: a greedy pick may differ from the cached path's only where its top-2 margin is below this
-# A (step, row) whose MoE router picked other experts in the two paths, at a selection-score gap below ROUTER_TIE,
-# is exempt from TOL_LOOP_LOGITS and NEAR_TIE: one swapped expert of two moves this random model's logits by up to
-# ~0.4 (rel). H200, 2026-12-03, B=1: the 2 of 64 steps past 3e-2 (0.430, 0.385) were exactly the 2 routed
-# differently, at gaps 5.3e-4 and 2.2e-3; every other step was within 0.026.
-ROUTER_TIE = 1e-2
-MAX_TIE_RATE = 0.1  # at most this fraction of (step, row) pairs may route differently (B=1 measured 2 / 64)
+# Without routing replay (H200, 2026-12-03), every (step, row) past TOL_LOOP_LOGITS came at or after a step where the
+# two paths' routers picked other experts for that row, at selection-score gaps of 1e-6 .. 1.7e-2 (B = 1 and 8); the
+# steps before were within 0.026. Under replay, the cached path's own router may disagree only at such near ties:
+ROUTER_TIE = 2e-2
+MAX_TIE_RATE = 0.1  # at most this fraction of (step, row) pairs where the cached path's own router would differ
 ORACLE_RATIO = 1.1  # captured vs fp32 eager, mean over steps, at most this times the cached path's (B=1: 1.012)
 LENGTHS = {1: [3000], 8: [3000, 2900, 1000, 2500, 1500, 600, 2047, 2049]}  # around index_topk = 2048
 
@@ -83,89 +86,54 @@ def _prompts(lengths, seed):
     return ids
 
 
-class _RouterLog:
-    """Forward hooks on every ``MoEGate``: while ``on``, each call's picked experts ``[N, k]`` (sorted) and the gap
-    between the k-th and (k+1)-th selection score per row (how near a tie the pick was). Hooks run in eager calls
-    only (not in a graph's replay): record the static step, which the captured one equals."""
-
-    def __init__(self, model):
-        self.on, self.calls = False, []
-        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, MoEGate)]
-
-    def _hook(self, gate, args, out):
-        if self.on:
-            k = gate.config.num_experts_per_token
-            x = args[0].reshape(-1, args[0].shape[-1])
-            s = selection_scores(x, gate.weight, gate.e_score_correction_bias, gate.config).float()
-            top = s.topk(min(k + 1, s.shape[-1]), dim=-1).values
-            self.calls.append((out[0].reshape(-1, k).sort(-1).values, top[:, k - 1] - top[:, -1]))
-
-    def per_step(self, steps):
-        """[steps] of [(ids, gap) per MoE layer]."""
-        n = len(self.calls) // steps
-        return [self.calls[t * n : (t + 1) * n] for t in range(steps)]
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
 @torch.no_grad()
-def _decode(dec, ids, lengths, steps, log=None):
+def _decode(dec, ids, lengths, steps, routing=None):
     """Greedy: (tokens [steps][B], logits [steps] of [B, V] fp32) of the decoder's steps."""
     last = dec.prefill(ids, lengths if len(set(lengths)) > 1 else None)
     nxt = dec.sample(last, torch.zeros(len(lengths), device="cuda"))
     toks, outs = [], []
     for _ in range(steps):
         toks.append(nxt.tolist())
-        if log is not None:
-            log.on = True
+        if routing is not None:
+            routing.on = True
         nxt, logits = dec.step(nxt)
-        if log is not None:
-            log.on = False
+        if routing is not None:
+            routing.on = False
         outs.append(logits.clone())
     return toks, outs, last
 
 
 @torch.no_grad()
-def _cached_path(model, ids, lengths, toks, steps, dtype=torch.bfloat16, log=None):
+def _cached_path(model, ids, lengths, toks, steps, dtype=torch.bfloat16, routing=None):
     """Today's cached path teacher-forced on ``toks``: the logits [steps] of [B, V] fp32 after each fed token."""
     cache = tc.init_cache(model.config, len(lengths), max(lengths) + steps + 1, dtype, "cuda")
     _, cache = model.step(ids, cache, lengths if len(set(lengths)) > 1 else None)
     outs = []
     for t in range(steps):
-        if log is not None:
-            log.on = True
+        if routing is not None:
+            routing.on = True
         logits, cache = model.step(torch.tensor(toks[t], device="cuda")[:, None], cache)
-        if log is not None:
-            log.on = False
+        if routing is not None:
+            routing.on = False
         outs.append(logits[:, 0].float())
     return outs
 
 
-def _router_ties(a, b, steps, rows):
-    """``[steps][rows]``: the smallest selection-score gap among the MoE layers where that row's expert set differs
-    between logs ``a`` and ``b`` (inf where every layer picked the same experts)."""
-    out = []
-    for ca, cb in zip(a.per_step(steps), b.per_step(steps)):
-        gaps = torch.full((rows,), float("inf"), device=ca[0][1].device)
-        for (ia, ga), (ib, gb) in zip(ca, cb):
-            differ = (ia != ib).any(-1)
-            gaps = torch.where(differ, torch.minimum(gaps, torch.minimum(ga, gb)), gaps)
-        out.append(gaps.tolist())
-    return out
-
-
 @torch.no_grad()
-def _fp32_oracle(model, ids, lengths, toks, steps):
+def _fp32_oracle(model, ids, lengths, toks, steps, routing):
     """The eager backend in fp32 on the same (bf16-exact) weights, teacher-forced on ``toks`` one row at a time (the
-    dense-mask attention of a 3,000-token prompt fits that way): logits [steps] of [B, V] fp32."""
+    dense-mask attention of a 3,000-token prompt fits that way), its decode steps routed by ``routing`` (a
+    ``RouterTape`` recording of the batch): logits [steps] of [B, V] fp32."""
     ref = KimiK3Model(model.config, backend="eager").cuda()
     ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    rows = [
-        _cached_path(ref, ids[b : b + 1, :n], [n], [[toks[t][b]] for t in range(steps)], steps, torch.float32)
-        for b, n in enumerate(lengths)
-    ]
+    rows = []
+    for b, n in enumerate(lengths):
+        tape = RouterTape(ref, replay=routing, rows=slice(b, b + 1))
+        rows.append(
+            _cached_path(ref, ids[b : b + 1, :n], [n], [[toks[t][b]] for t in range(steps)], steps, torch.float32, tape)
+        )
+        tape.remove()
+        assert tape.done()
     return [torch.cat([r[t] for r in rows]) for t in range(steps)]
 
 
@@ -174,32 +142,35 @@ def test_captured_greedy_equals_uncaptured(model, B):
     lengths = LENGTHS[B]
     ids = _prompts(lengths, B)
     max_len = max(lengths) + STEPS + 1
-    static_log = _RouterLog(model)
-    static_toks, static_logits, _ = _decode(Decoder(model, B, max_len, mode="static"), ids, lengths, STEPS, static_log)
-    static_log.remove()
+    static_routing = RouterTape(model)  # hooks run in eager calls: record the static step, which the captured equals
+    static_toks, static_logits, _ = _decode(
+        Decoder(model, B, max_len, mode="static"), ids, lengths, STEPS, static_routing
+    )
+    static_routing.remove()
     dec = Decoder(model, B, max_len, mode="graph")
     toks, logits, _ = _decode(dec, ids, lengths, STEPS)
     errs = [rel(a, b) for a, b in zip(logits, static_logits)]
     print(f"B={B}: captured vs static, logits rel max {max(errs):.2e}")
     assert toks == static_toks
     assert max(errs) <= TOL_CAPTURED
-    loop_log = _RouterLog(model)
-    loop = _cached_path(model, ids, lengths, toks, STEPS, log=loop_log)
-    loop_log.remove()
-    oracle = _fp32_oracle(model, ids, lengths, toks, STEPS)
-    # per (step, row): the captured logits against the cached path's, and whether the two paths' routers picked
-    # other experts for that row at a near tie (bf16 rounding of the router input moves a score by ~1e-3)
+    replay = RouterTape(model, replay=static_routing.calls)
+    loop = _cached_path(model, ids, lengths, toks, STEPS, routing=replay)
+    replay.remove()
+    assert replay.done()
+    oracle = _fp32_oracle(model, ids, lengths, toks, STEPS, static_routing.calls)
     err = [[rel(logits[t][b], loop[t][b]) for b in range(B)] for t in range(STEPS)]
-    ties = _router_ties(static_log, loop_log, STEPS, B)
-    tie = [[ties[t][b] < ROUTER_TIE for b in range(B)] for t in range(STEPS)]
-    far = [(t, b) for t in range(STEPS) for b in range(B) if err[t][b] > TOL_LOOP_LOGITS]
+    layers = len(replay.splits) // STEPS  # the cached path's own router: the smallest gap where it would differ
+    gaps = [torch.stack(replay.splits[t * layers : (t + 1) * layers]).amin(0).tolist() for t in range(STEPS)]
+    splits = [(t, b) for t in range(STEPS) for b in range(B) if gaps[t][b] < math.inf]
     print(
-        f"B={B}: captured vs cached path, (step, row) beyond {TOL_LOOP_LOGITS:g}: "
-        + ", ".join(f"({t}, {b}) rel {err[t][b]:.3f} router gap {ties[t][b]:.1e}" for t, b in far)
+        f"B={B}: captured vs cached path under routing replay, logits rel max {max(map(max, err)):.3e}; "
+        f"its own router differs at {len(splits)} of {STEPS * B} (step, row): "
+        + ", ".join(f"({t}, {b}) gap {gaps[t][b]:.1e}" for t, b in splits)
     )
-    assert all(tie[t][b] for t, b in far), "logits differ beyond the bf16 bound where the routers agree"
-    n_ties = sum(map(sum, tie))
-    assert n_ties <= MAX_TIE_RATE * STEPS * B, f"{n_ties} of {STEPS * B} (step, row) pairs routed differently"
+    far = [(t, b, err[t][b]) for t in range(STEPS) for b in range(B) if err[t][b] > TOL_LOOP_LOGITS]
+    assert not far, f"(step, row, rel) beyond {TOL_LOOP_LOGITS:g}: {far}"
+    assert all(gaps[t][b] < ROUTER_TIE for t, b in splits), "the routers differ beyond a near tie"
+    assert len(splits) <= MAX_TIE_RATE * STEPS * B, f"{len(splits)} of {STEPS * B} (step, row) pairs route otherwise"
     # the fp32 eager oracle: the captured step is as close to it as the cached path is
     to_oracle = [sum(rel(got[t], oracle[t]) for t in range(STEPS)) / STEPS for got in (logits, loop)]
     print(f"B={B}: mean logits rel to fp32 eager: captured {to_oracle[0]:.3e}, cached path {to_oracle[1]:.3e}")
@@ -207,7 +178,7 @@ def test_captured_greedy_equals_uncaptured(model, B):
     for t in range(STEPS - 1):  # the pick after step t is toks[t + 1]; the cached path's own pick is its argmax
         top2 = loop[t].topk(2, dim=-1).values
         for b in range(B):
-            if toks[t + 1][b] != int(loop[t][b].argmax()) and not tie[t][b]:
+            if toks[t + 1][b] != int(loop[t][b].argmax()):
                 margin = float(top2[b, 0] - top2[b, 1])
                 assert margin < NEAR_TIE, f"step {t} row {b}: picks differ at a margin of {margin:.3f}"
     assert dec.positions == [n + STEPS for n in lengths]
