@@ -36,7 +36,8 @@
 #   train_full, train_lora, train_fp8   train_4layers_h200.sh: kimi train of the 4-layer checkpoint, 100 steps of 8K tokens of
 #                $DATA (default ../shared/data/tinyshakespeare.txt; carry it when that folder does not travel)
 #   generate_decode  benchmarks/generate_decode.py: prefill tokens/s and decode against the copy-probe roofline with a
-#                32K context, 16 experts top-8 and 112 top-16, batch 1 and 8, loop / static / captured step
+#                32K context, 16 experts top-8 and 112 top-16, batch 1 and 8, loop / static / captured step / compiled
+#                step (GEN_ARGS replaces "--modes loop static graph compile")
 #   short_conv (not in the default STEPS): benchmarks/short_conv.py, fla's causal_conv1d against cuDNN FE's
 #   tests_conv (not in the default STEPS): the GPU tests of the short convolution kernels (op and layer gradients)
 #   tests_kernels (not in the default STEPS): the GPU tests of the fused SiTU-GLU, the Triton KDA preparation and
@@ -185,7 +186,9 @@ run_step() {  # run_step NAME: one step of the list above
   train_full | train_lora | train_fp8)
     wait_init
     step "$1" 600 bash benchmarks/train_4layers_h200.sh "${1#train_}" "$dir/$1" ;;
-  generate_decode) step generate_decode 600 python3 benchmarks/generate_decode.py --out "$dir/generate_decode.json" ;;
+  # shellcheck disable=SC2086
+  generate_decode) step generate_decode 900 python3 benchmarks/generate_decode.py \
+    ${GEN_ARGS:---modes loop static graph compile} --out "$dir/generate_decode.json" ;;
   tests_fla)  # everything again on the other kernels: fla's KDA, the Triton sparse forward in the DSA layer
     KIMI_TEST_KDA_KERNELS=fla KIMI_SPARSE_KERNEL=triton step tests_fla 1200 "${pytest_gpu[@]}" tests/gpu
     save_autotune ;;
