@@ -62,17 +62,21 @@ mkdir -p "$dir"
 src=$(pwd)
 work=$(mktemp -d)/repo
 cp -r "$src" "$work" && cd "$work" || exit 1
-# The training text too: the device tool's next call may remove an ignored folder (.data) from the checkout.
-if [ -n "${DATA:-}" ]; then
-  if [ -e "$DATA" ]; then cp -r "$DATA" "$work/../" && DATA=$(realpath "$work/../$(basename "$DATA")") && export DATA
-  else echo "DATA=$DATA: no such file at the start (train_* steps will fail)" >> "$dir/status.txt"; fi
-fi
 export PYTHONPATH="$work${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
 export CKPT=${CKPT:-/tmp/k31-4layers} CKPT112=${CKPT112:-/tmp/k31-4layers-e112}
 [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda/include ] && export CUDA_HOME=/usr/local/cuda
 t0=$(date +%s)
 echo "start $(date -u +%FT%TZ) commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} $(nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader 2>/dev/null)" > "$dir/status.txt"
+# The training text is copied too (resolved from the caller's directory, default beside the checkout as
+# train_4layers_h200.sh's): the device tool's next call may remove a carried, ignored folder such as .data.
+data_src=$(cd "$src" && realpath -m "${DATA:-../shared/data/tinyshakespeare.txt}")
+if [ -e "$data_src" ]; then
+  mkdir -p "$work/../data" && cp -r "$data_src" "$work/../data/" && export DATA="$work/../data/$(basename "$data_src")" \
+    || echo "DATA=$data_src: copy failed (train_* steps will fail)" >> "$dir/status.txt"
+else
+  echo "DATA=$data_src: no such file at the start (train_* steps will fail)" >> "$dir/status.txt"
+fi
 
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 # Triton's autotune choices (fla caches them there): restore the carried snapshot, save ours after the autotuning.
@@ -122,6 +126,7 @@ run_step() {  # run_step NAME: one step of the list above
   train_step_e16 | train_step_e112 | train_step_e16_fp8 | train_step_e112_fp8)
     # 32K rows recompute each layer's MLP / MoE block; at 112 experts that ran out of memory (138.4 GiB on the
     # 139 GiB H200, 2026-12-03: the experts' weights and gradients add ~24 GiB), so there the whole layer is recomputed
+    # (BENCH5_ARGS replaces the lengths, the recompute mode and the backends together)
     local e=16 k=8 mode=mlp extra=""
     case $1 in *e112*) e=112 k=16 mode=layer ;; esac
     case $1 in *_fp8) extra="--fp8 rowwise" ;; esac
@@ -236,5 +241,6 @@ for name in ${STEPS:-$default_steps}; do  # in the order given
   esac
 done
 wait_init
+wait_pid "${init112_pid:-}"  # a checkpoint being written when no step read it
 echo "done at $(( $(date +%s) - t0 ))s" >> "$dir/status.txt"
 touch "$dir/DONE"

@@ -130,7 +130,7 @@ def quantize_mxfp4(w: Any, group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
 
     Args:
         w: floating ``[R, C]``, a numpy array or a torch tensor; C a multiple of ``group_size``. Computed exactly,
-            in float32 for inputs of up to 32 bits and in float64 for wider ones.
+            in float32 for inputs of up to 32 bits and in float64 for fp64 (a wider float is rounded to fp64 first).
 
     Returns:
         ``(weight_packed uint8 [R, C/2], weight_scale uint8 [R, C/group_size])``: CPU torch tensors for a torch
@@ -152,7 +152,7 @@ def quantize_mxfp4(w: Any, group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
         raise ValueError(f"w: got {C} columns, expected a multiple of group_size={group_size}")
     x = to_numpy(w)
     # float32 is exact for inputs of at most float32's precision (bf16, fp16, fp32): scaling by a power of two is
-    # exact and a value that underflows is far below the smallest midpoint either way; wider inputs stay float64
+    # exact and a value that underflows is far below the smallest midpoint either way; fp64 stays float64
     work = np.float64 if x.dtype.itemsize > 4 else np.float32
     x = x.astype(work).reshape(R, C // group_size, group_size)
     if not np.isfinite(x).all():
@@ -162,11 +162,13 @@ def quantize_mxfp4(w: Any, group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
     e = ex.astype(np.int32) - 1 - _E2M1_EMAX
     byte = np.clip(e + _E8M0_BIAS, 0, 254)
     byte = np.where(amax == 0, ZERO_GROUP_SCALE_BYTE, byte)
-    q = x / np.ldexp(work(1.0), byte - _E8M0_BIAS)[..., None]  # exact: division by a power of two
+    # x / 2^e as x * 2^-e, exact (a power of two): 2^-e is a normal number in the working dtype (in fp32, byte <= 252
+    # since amax < 2^128), whereas 2^e at byte 0 (2^-127) is an fp32 subnormal, flushed to zero where denormals are off
+    q = x * np.ldexp(work(1.0), (_E8M0_BIAS - byte).astype(np.int32))[..., None]
     a = np.abs(q)
     mids = np.array(_MIDPOINTS + (np.inf,), dtype=work)
     mag = np.searchsorted(mids[:-1], a, side="left")  # midpoints strictly below |q|: the code rounding down at a tie
-    tie = a == mids[mag]  # exactly on midpoint mag, between codes mag and mag+1: ties go to the even code
+    tie = a == mids[mag]  # exactly on midpoint mag (< 7), between codes mag and mag+1: ties go to the even code
     mag = (mag + (tie & (mag % 2 == 1))).astype(np.uint8)
     code = np.where((q < 0) & (mag > 0), mag | 8, mag).reshape(R, C)
     packed = np.ascontiguousarray((code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8))

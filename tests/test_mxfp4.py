@@ -142,7 +142,7 @@ def test_narrow_inputs_encode_as_their_float64_values(dtype):
     if dtype == torch.float16:  # in range and above fp16's smallest subnormal (2^-24)
         w = w / w.abs().amax(dim=1, keepdim=True) * 2.0 ** torch.randint(-10, 15, (64, 1)).double()
     else:
-        w[0, :32] = 2.0**-140  # an fp32 subnormal group (bf16: 2^-133 and below are subnormal)
+        w[0, :32] = 2.0**-140  # an fp32 subnormal group (in bf16, whose smallest subnormal is 2^-133: zeros)
         w[0, 32:64] = torch.linspace(-(2.0**-126), 2.0**-126, 32)
     w[1:3, :32] = ties
     small, big = (2.0**-12, 2.0**14) if dtype == torch.float16 else (2.0**-30, 2.0**20)
@@ -156,6 +156,31 @@ def test_narrow_inputs_encode_as_their_float64_values(dtype):
     assert torch.equal(dequantize_mxfp4(p[1:3, :16], s[1:3, :1], dtype=torch.float64), torch.stack([rounded, -rounded]))
     codes = torch.stack((p[3, :16] & 0xF, p[3, :16] >> 4), dim=-1).flatten()
     assert codes[0] == 6 and not codes[1:].any()  # 2^20 / 2^18 = 4; the rest round to +0, never -0 (code 8)
+
+
+def test_fp64_inputs_keep_their_precision():
+    """An fp64 value that fp32 cannot hold is rounded from its own value: 0.25 + 2^-40 in a group of amax 6 (scale
+    1) is above the midpoint 0.25, so it is 0.5 (code 1); rounded to fp32 first it would tie to 0 (code 0)."""
+    w = torch.zeros(1, 32, dtype=torch.float64)
+    w[0, 0], w[0, 1] = 6.0, 0.25 + 2.0**-40
+    p, s = quantize_mxfp4(w)
+    assert s.item() == 127 and p[0, 0].item() == 7 | (1 << 4)
+    p32, _ = quantize_mxfp4(w.float())
+    assert p32[0, 0].item() == 7
+
+
+def test_encoding_with_denormals_flushed():
+    """Scale byte 0 (2^-127) is an fp32 subnormal: the encoder scales by ldexp, so flushing denormals to zero (a
+    process-wide setting that some libraries turn on) does not change the codes of tiny or all-zero groups."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        zeros_p, zeros_s = quantize_mxfp4(torch.zeros(1, 32))
+        tiny_p, tiny_s = quantize_mxfp4(torch.full((1, 32), 2.0**-126))  # amax 2^-126: e = -128, clamped to -127
+    finally:
+        torch.set_flush_denormal(False)
+    assert not zeros_p.any() and not zeros_s.any()
+    assert tiny_s.tolist() == [[0]] and set(tiny_p.flatten().tolist()) == {4 | (4 << 4)}  # 2^-126 / 2^-127 = 2
 
 
 def test_noncanonical_reencodes_to_same_values():

@@ -12,7 +12,7 @@ import torch
 from helpers import RouterTape, rel
 
 from kernels_torch.model import load_model as load_torch
-from kernels_torch.moe import MoEGate
+from kernels_torch.moe import MoEGate, selection_scores
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +87,29 @@ def test_replay_past_the_recording_is_refused(tmodel):
     with pytest.raises(IndexError, match="recording holds 1"):
         _logits(tmodel, _ids(3), replay)
     replay.remove()
+
+
+def test_rows_gaps_and_done(tmodel):
+    """``rows`` replays one row of a batch's recording onto that row run alone; ``gap`` is the k-th minus the
+    (k+1)-th selection score of the gate's input; ``done()`` is false until every recorded call was used."""
+    ids = _ids(4)
+    seen = []
+    gate = next(m for m in tmodel.modules() if isinstance(m, MoEGate))
+    hook = gate.register_forward_hook(lambda mod, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+    rec = RouterTape(tmodel)
+    want = _logits(tmodel, ids, rec)
+    hook.remove()
+    rec.remove()
+    s = selection_scores(seen[0], gate.weight, gate.e_score_correction_bias, gate.config).float()
+    k = gate.config.num_experts_per_token
+    top = s.topk(k + 1, dim=-1).values
+    assert torch.equal(rec.calls[0][2], top[:, k - 1] - top[:, k])
+    other = _perturbed(tmodel, 5)
+    replay = RouterTape(other, replay=rec.calls, rows=slice(63, 126))  # row 1 of [2, 63], flattened to N = 126
+    got = _logits(other, ids[1:], replay)
+    replay.remove()
+    assert replay.done() and rel(got[0], want[1]) <= 1e-5
+    partial = RouterTape(tmodel, replay=rec.calls + rec.calls)
+    _logits(tmodel, ids, partial)
+    partial.remove()
+    assert not partial.done()
