@@ -69,7 +69,7 @@ def spawn(worker: Callable, world: int, *args) -> None:
 class RouterTape:
     """Forward hooks on every ``kernels_torch.moe.MoEGate`` of ``model``: records its routing, or replays a recording.
 
-    While ``on`` is true, each gate call:
+    While ``on`` is true (``with tape:`` sets it for the block), each gate call:
 
     * **records** (``replay=None``): appends ``(ids [N, k] int64, weights [N, k], gap [N] fp32)`` to ``calls``, where
       ``gap`` is the k-th minus the (k+1)-th selection score of each row (``selection_scores``, groups ignored): how
@@ -84,8 +84,9 @@ class RouterTape:
     """
 
     def __init__(self, model: torch.nn.Module, replay: list | None = None, rows: slice = slice(None)):
-        from kernels_torch.moe import MoEGate
+        from kernels_torch.moe import MoEGate, selection_scores
 
+        self._selection_scores = selection_scores
         self.on, self.calls, self.splits = False, [], []
         self.replay, self.rows, self._next = replay, rows, 0
         self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, MoEGate)]
@@ -95,12 +96,10 @@ class RouterTape:
     def _hook(self, gate, args, out):
         if not self.on:
             return None
-        from kernels_torch.moe import selection_scores
-
         ids, weights = out
         k = ids.shape[-1]
         x = args[0].reshape(-1, args[0].shape[-1])
-        s = selection_scores(x, gate.weight, gate.e_score_correction_bias, gate.config).float()
+        s = self._selection_scores(x, gate.weight, gate.e_score_correction_bias, gate.config).float()
         top = s.topk(min(k + 1, s.shape[-1]), dim=-1).values
         gap = top[:, k - 1] - top[:, -1]
         if self.replay is None:
@@ -116,6 +115,13 @@ class RouterTape:
         differ = (want_ids.sort(-1).values != ids.reshape(-1, k).sort(-1).values).any(-1)
         self.splits.append(torch.where(differ, gap, torch.full_like(gap, math.inf)))
         return want_ids.reshape(ids.shape), want_w.reshape(weights.shape).to(weights.dtype)
+
+    def __enter__(self) -> RouterTape:
+        self.on = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.on = False
 
     def done(self) -> bool:
         return self.replay is not None and self._next == len(self.replay)

@@ -20,15 +20,10 @@ def tmodel(tiny_ckpt):
     return load_torch(tiny_ckpt, layers=4, backend="eager")
 
 
-def _logits(model, ids, tape=None):
-    if tape is not None:
-        tape.on = True
-    try:
-        with torch.no_grad():
-            return model(ids)
-    finally:
-        if tape is not None:
-            tape.on = False
+@torch.no_grad()
+def _logits(model, ids, tape):
+    with tape:
+        return model(ids)
 
 
 def _ids(seed, B=2, T=63):

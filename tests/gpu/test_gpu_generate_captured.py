@@ -29,6 +29,7 @@ Needs the grouped routed experts (``torch._grouped_mm``): the per-expert loop fi
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -94,11 +95,8 @@ def _decode(dec, ids, lengths, steps, routing=None):
     toks, outs = [], []
     for _ in range(steps):
         toks.append(nxt.tolist())
-        if routing is not None:
-            routing.on = True
-        nxt, logits = dec.step(nxt)
-        if routing is not None:
-            routing.on = False
+        with routing or nullcontext():
+            nxt, logits = dec.step(nxt)
         outs.append(logits.clone())
     return toks, outs, last
 
@@ -110,11 +108,8 @@ def _cached_path(model, ids, lengths, toks, steps, dtype=torch.bfloat16, routing
     _, cache = model.step(ids, cache, lengths if len(set(lengths)) > 1 else None)
     outs = []
     for t in range(steps):
-        if routing is not None:
-            routing.on = True
-        logits, cache = model.step(torch.tensor(toks[t], device="cuda")[:, None], cache)
-        if routing is not None:
-            routing.on = False
+        with routing or nullcontext():
+            logits, cache = model.step(torch.tensor(toks[t], device="cuda")[:, None], cache)
         outs.append(logits[:, 0].float())
     return outs
 
