@@ -89,11 +89,29 @@ def init_array(spec: TensorSpec, config: KimiConfig, seed: int = 0) -> np.ndarra
     Raises:
         ValueError: a tensor name with no initialisation rule.
     """
+    return _init_with_packed(spec, config, seed)[0]
+
+
+def _init_with_packed(
+    spec: TensorSpec, config: KimiConfig, seed: int
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """:func:`init_array`, and for a routed expert of an MXFP4 config its ``(weight_packed, weight_scale)`` too
+    (``None`` otherwise): the stored bytes, so that the writer need not encode the tensor a second time."""
     a = _draw(spec, config, seed).astype(numpy_dtype(spec.dtype))  # fp32 -> bf16: round to nearest even
     if ".experts." in spec.name and config.quant_method == "mxfp4":
         p, s = quantize_mxfp4(a, group_size=config.quant_group_size)
-        a = dequantize_mxfp4(p, s, dtype=spec.dtype, group_size=config.quant_group_size)
-    return a
+        return dequantize_mxfp4(p, s, dtype=spec.dtype, group_size=config.quant_group_size), (p, s)
+    return a, None
+
+
+def _init_stored(spec: TensorSpec, config: KimiConfig, out_cfg: KimiConfig, seed: int) -> dict[str, np.ndarray]:
+    """The stored ``{name: array}`` of one canonical parameter, as ``stored_items(name, init_array(...))`` gives
+    them. The MXFP4 bytes are the quantizer's own: canonical encodings re-encode to themselves (``kimi.mxfp4``)."""
+    a, packed = _init_with_packed(spec, config, seed)
+    if packed is None:
+        return dict(stored_items(spec.name, a, out_cfg))
+    base = spec.name.removesuffix(".weight")
+    return {base + ".weight_packed": packed[0], base + ".weight_scale": packed[1]}
 
 
 def init_tensor(spec: TensorSpec, config: KimiConfig, seed: int = 0) -> Any:
@@ -137,8 +155,6 @@ def init_checkpoint(
     """
     out_cfg = config if layers is None else config.truncated(int(layers))
     canon = {s.name: s for s in param_layout(out_cfg)}
-    cache: dict[str, np.ndarray] = {}
-    cache_src: list[str | None] = [None]
 
     def canonical_name(stored_name: str) -> str:
         for suf in (".weight_packed", ".weight_scale"):
@@ -146,9 +162,10 @@ def init_checkpoint(
                 return stored_name.removesuffix(suf) + ".weight"
         return stored_name
 
-    # Canonical tensors are drawn ahead of the writer by a few threads (numpy's generators release the GIL).
-    # Each tensor has its own generator, so the bytes do not depend on the thread count; the look-ahead window
-    # bounds memory to about ``2 * workers`` tensors.
+    # Stored tensors are drawn and encoded (MXFP4 for the routed experts) ahead of the writer by a few threads
+    # (numpy's generators and ufuncs release the GIL), so the writer only writes. Each tensor has its own generator,
+    # so the bytes do not depend on the thread count; the look-ahead window bounds memory to about ``2 * workers``
+    # canonical tensors.
     specs = stored_layout(out_cfg)
     order = list(dict.fromkeys(canonical_name(s.name) for s in specs))
     workers = max(1, min(8, os.cpu_count() or 1))
@@ -158,20 +175,19 @@ def init_checkpoint(
     def refill(pool: ThreadPoolExecutor) -> None:
         while nxt[0] < len(order) and len(pending) < 2 * workers:
             cn = order[nxt[0]]
-            pending[cn] = pool.submit(init_array, canon[cn], config, seed)
+            pending[cn] = pool.submit(_init_stored, canon[cn], config, out_cfg, seed)
             nxt[0] += 1
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
+        current: dict[str, np.ndarray] = {}  # packed and scale of one expert are adjacent in the layout
 
         def produce(spec: TensorSpec) -> np.ndarray:
-            cn = canonical_name(spec.name)
-            if cache_src[0] != cn:  # packed and scale of one expert are adjacent in the layout: one-entry cache
+            if spec.name not in current:
                 refill(pool)
-                cache.clear()
-                cache.update(stored_items(cn, pending.pop(cn).result(), out_cfg))
-                cache_src[0] = cn
+                current.clear()
+                current.update(pending.pop(canonical_name(spec.name)).result())
                 refill(pool)
-            return cache[spec.name]
+            return current.pop(spec.name)
 
         write_stream(path, specs, produce, out_cfg, max_shard_bytes)
     return out_cfg

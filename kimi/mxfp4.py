@@ -38,8 +38,6 @@ ZERO_GROUP_SCALE_BYTE = 0
 _E8M0_NAN = 255
 _E8M0_BIAS = 127
 _E2M1_EMAX = 2  # floor(log2(6))
-# Midpoints between consecutive magnitudes; a tie goes to the even code (ties-to-even on the mantissa bit).
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _DEQUANT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
@@ -165,11 +163,12 @@ def quantize_mxfp4(w: Any, group_size: int = GROUP_SIZE) -> tuple[Any, Any]:
     # x / 2^e as x * 2^-e, exact (a power of two): 2^-e is a normal number in the working dtype (in fp32, byte <= 252
     # since amax < 2^128), whereas 2^e at byte 0 (2^-127) is an fp32 subnormal, flushed to zero where denormals are off
     q = x * np.ldexp(work(1.0), (_E8M0_BIAS - byte).astype(np.int32))[..., None]
-    a = np.abs(q)
-    mids = np.array(_MIDPOINTS + (np.inf,), dtype=work)
-    mag = np.searchsorted(mids[:-1], a, side="left")  # midpoints strictly below |q|: the code rounding down at a tie
-    tie = a == mids[mag]  # exactly on midpoint mag (< 7), between codes mag and mag+1: ties go to the even code
-    mag = (mag + (tie & (mag % 2 == 1))).astype(np.uint8)
+    a = np.abs(q)  # in [0, 8): amax / 2^e is in [4, 8) (smaller where the scale byte was clamped at 0)
+    # Nearest E2M1 magnitude, ties to even: the magnitudes are evenly spaced within each binade ({0, .5, 1, 1.5} by
+    # 0.5, {2, 3} by 1, {4, 6} by 2) and an even code is an even multiple of the binade's step, so rint (ties to even)
+    # on a / step picks the code the OCP rule picks; above 6 it saturates.
+    v = np.where(a < 2, np.rint(a * 2) * 0.5, np.where(a < 4, np.rint(a), np.minimum(np.rint(a * 0.5) * 2, 6)))
+    mag = np.where(v < 2, v * 2, np.where(v < 4, v + 2, v * 0.5 + 4)).astype(np.uint8)  # magnitude -> code 0..7
     code = np.where((q < 0) & (mag > 0), mag | 8, mag).reshape(R, C)
     packed = np.ascontiguousarray((code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8))
     scale = np.ascontiguousarray(byte.astype(np.uint8))
