@@ -8,7 +8,8 @@
 * The grouped routed experts (gate, up and down: three ``torch._grouped_mm`` on expert-sorted rows, each expert's
   rows padded to 16; FP8 through torchao's weight wrapper, as ``convert_model_to_fp8`` sets it up: rowwise
   ``torch._scaled_grouped_mm`` with its Triton casts), latent 3584 and expert width 3072, top-16: 112 experts at
-  8,192 tokens (1,170 rows per expert: one rank of 8-way expert parallelism) and 448 experts at 4,096 tokens (146 rows
+  8,192 tokens (1,170 rows per expert: one rank of 8-way expert parallelism) and 32,768 (benchmark 5's 32K step), and
+  448 experts at 4,096 tokens (146 rows
   per expert, as 896 experts at 8,192 tokens, whose 59 GB of bf16 weights would not fit beside their gradients).
   Group sizes are random around the mean (a multinomial draw), the same for both precisions.
 * Forward, and forward + backward (``torch.autograd.grad`` of the input and the weights, no accumulation). FLOPs:
@@ -45,7 +46,7 @@ from kimi.config import load_config  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise")
 TOKENS = (8192, 32768)
-GROUPED = ((112, 8192), (448, 4096))  # (experts, tokens): 1,170 and 146 rows per expert at top-16
+GROUPED = ((112, 8192), (112, 32768), (448, 4096))  # (experts, tokens): 1,170, 4,681 and 146 rows per expert
 ALIGN = 16
 REP_MS, WARMUP_MS = 200.0, 50.0  # do_bench per measurement: about two minutes for the whole run
 

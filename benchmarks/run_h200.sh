@@ -48,8 +48,11 @@
 #   moe_layer    benchmarks/moe_layer.py: one MoE layer at K3.1's expert shapes, loop vs grouped vs bare GEMMs
 #   tests_fp8    tests/gpu/test_gpu_fp8.py (torchao installed by fp8_wheels)
 #   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16
+#   fp8_bound    benchmarks/fp8_bound.py (CPU, seconds): the FP8 step's bound at 112 experts from this run's fp8_gemm,
+#                train_step_e112 and train_step_e112_fp8 (run those first)
 #   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background;
-#                about 30 GB, 9.5 minutes on the H200 machine alone on 2026-12-02: put it early, before the long steps)
+#                about 16 GB, over 10 minutes on the H200 machine before the MXFP4 encoding moved to the
+#                drawing threads: put it early, before the long steps)
 #   validate112  validate_k31_4layers.sh on that checkpoint
 #   compare_fp8  kimi compare --fp8 rowwise of the 4-layer checkpoint at 4K and 8K: cudnn bf16 and cudnn FP8 against the
 #                fp32 eager oracle, per layer (torchao installed by fp8_wheels)
@@ -122,17 +125,21 @@ run_step() {  # run_step NAME: one step of the list above
   tests_fp8) step tests_fp8 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_fp8.py ;;
   # shellcheck disable=SC2086
   fp8_gemm) step fp8_gemm 600 python3 benchmarks/fp8_gemm.py ${FP8_GEMM_ARGS:-} --out "$dir/fp8_gemm.json" ;;
+  fp8_bound) step fp8_bound 60 python3 benchmarks/fp8_bound.py --gemm "$dir/fp8_gemm.json" \
+    --bf16 "$dir/train_step_e112.json" --fp8 "$dir/train_step_e112_fp8.json" --out "$dir/fp8_bound.json" ;;
   # benchmark 5 at one density each (bf16, and FP8 through torchao's rowwise recipe: fp8_wheels first)
   train_step_e16 | train_step_e112 | train_step_e16_fp8 | train_step_e112_fp8)
     # 32K rows recompute each layer's MLP / MoE block; at 112 experts that ran out of memory (138.4 GiB on the
-    # 139 GiB H200, 2026-12-03: the experts' weights and gradients add ~24 GiB), so there the whole layer is recomputed
-    # (BENCH5_ARGS replaces the lengths, the recompute mode and the backends together)
-    local e=16 k=8 mode=mlp extra=""
-    case $1 in *e112*) e=112 k=16 mode=layer ;; esac
+    # 139 GiB H200, 2026-12-03: the experts' weights and gradients add ~24 GiB), so there the first 1, 2 or 4 layers
+    # (the first count that fits) are recomputed whole too (BENCH5_ARGS replaces the lengths, the recompute options
+    # and the backends together)
+    local e=16 k=8 full=0 extra=""
+    case $1 in *e112*) e=112 k=16 full="1 2 4" ;; esac
     case $1 in *_fp8) extra="--fp8 rowwise" ;; esac
     # shellcheck disable=SC2086
     step "$1" 900 python3 benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \
-      ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode $mode --backends cudnn} \
+      ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --recompute-full-layers $full \
+      --backends cudnn} \
       --out "$dir/$1.json" ;;
   init112)
     step init112 1500 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT112" --force \

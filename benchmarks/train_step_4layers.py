@@ -12,7 +12,9 @@ median of ``--repeats``.
 
 Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant; with
 ``--recompute-mode mlp`` only each layer's MLP / MoE block, and the row's ``recompute`` is ``"mlp"``): its
-activations are recomputed in the backward, which is what lets 32K tokens fit (the eager MLP/MoE keep fp32 SiTU
+activations are recomputed in the backward (``--recompute-full-layers N``: the first N layers whole, the others' MLP;
+several values are tried in order, and the row's ``recompute_full_layers`` is the first that fits), which is what
+lets 32K tokens fit (the eager MLP/MoE keep fp32 SiTU
 intermediates: about 1.3 MB per token in the dense layer 0 alone); rows in ``--seq-lens`` run without it (32K
 there is the row that asks whether the chunked loss lets a whole 32K step fit). Each row is written to ``--out`` as
 it finishes.
@@ -33,7 +35,7 @@ start of the same run (``benchmarks/fp8_gemm.py``'s ``ceilings``, 8192^3).
 
 Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "fp8_matmul_ceiling_tflops", "rows": [...]}``, rows
 with ``seq_len``, ``backend``, ``fp8``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
-``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``mfu_fp8_ceiling``, ``kernels``, ``status``, and prints a
+``recompute_full_layers``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``mfu_fp8_ceiling``, ``kernels``, ``status``, and prints a
 table with the cudnn/sdpa speed-up. A backend that runs out of memory is reported as ``status: "oom"``.
 """
 
@@ -139,6 +141,14 @@ def main() -> int:
         default="layer",
         help="what the recompute rows recompute: the whole layer, or only its MLP / MoE block",
     )
+    ap.add_argument(
+        "--recompute-full-layers",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="with --recompute-mode mlp: the first N layers recomputed whole (kimi train's --recompute-full-layers); "
+        "several values are tried in order per recompute row until one fits (the others' rows are kept)",
+    )
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
     ap.add_argument("--loss", choices=["chunked", "full"], default="chunked", help="chunked: no [T, vocab] logits")
     ap.add_argument("--loss-chunk-size", type=int, help="rows per loss chunk (default: 1 GiB of fp32 logits)")
@@ -164,74 +174,80 @@ def main() -> int:
         fp8_ceiling = ceilings()[f"fp8_{args.fp8}"]
         print(f"fp8 {args.fp8} matmul ceiling {fp8_ceiling:.1f} TFLOP/s", flush=True)
     rows = []
-    for T, recompute in plan:
-        for backend in args.backends:
-            gc.collect()  # the previous row's model (recompute wrappers make reference cycles) and OOM tracebacks
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            row = {
-                "seq_len": T,
-                "backend": backend,
-                "recompute": recompute and args.recompute_mode,
-                "loss": args.loss,
-                "loss_chunk_size": chunk if args.loss == "chunked" else None,
-                "layers": [cfg.layer_type(i) for i in range(4)],
-                "experts": args.experts,
-                "experts_per_token": args.experts_per_token,
-                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                "fp8": args.fp8,
-            }
-            t0 = time.perf_counter()
-            model = None
-            try:
-                model = build(cfg, backend)
-                if args.fp8:  # before the recompute wrappers, as kimi train would
-                    from kernels_torch.fp8 import convert_model_to_fp8
+    runs = [(T, rc, b, f) for T, rc in plan for b in args.backends for f in (args.recompute_full_layers if rc else [0])]
+    fitted: set[tuple[int, bool, str]] = set()  # recompute rows: the first full-layer count that fits ends the row
+    for T, recompute, backend, full in runs:
+        if (T, recompute, backend) in fitted:
+            continue
+        gc.collect()  # the previous row's model (recompute wrappers make reference cycles) and OOM tracebacks
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        row = {
+            "seq_len": T,
+            "backend": backend,
+            "recompute": recompute and args.recompute_mode,
+            "recompute_full_layers": full if recompute else None,
+            "loss": args.loss,
+            "loss_chunk_size": chunk if args.loss == "chunked" else None,
+            "layers": [cfg.layer_type(i) for i in range(4)],
+            "experts": args.experts,
+            "experts_per_token": args.experts_per_token,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "fp8": args.fp8,
+        }
+        t0 = time.perf_counter()
+        model = None
+        try:
+            model = build(cfg, backend)
+            if args.fp8:  # before the recompute wrappers, as kimi train would
+                from kernels_torch.fp8 import convert_model_to_fp8
 
-                    row["fp8"] = convert_model_to_fp8(model, args.fp8).to_dict()
-                if recompute:
-                    recompute_layers(model, args.recompute_mode)  # kimi train's --recompute-mode
-                kernel_choice.reset_used()
-                ms = step_time(model, T, args.repeats, args.loss, chunk)
-                row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
-                tf, detail = model_tflop(cfg, T)
-                row.update(model_tflop=tf, flops_detail=detail)
-                row["mfu"] = tf / (ms * 1e-3) / ceiling if tf else None
-                row["mfu_fp8_ceiling"] = tf / (ms * 1e-3) / fp8_ceiling if tf and fp8_ceiling else None
-            except torch.OutOfMemoryError:
-                row.update(ms=None, tokens_per_s=None, status="oom")
-            except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking
-                row.update(ms=None, tokens_per_s=None, status=f"error: {type(e).__name__}: {e}"[:300])
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            row["wall_s"] = time.perf_counter() - t0
-            model = None  # noqa: F841
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(
-                json.dumps(
-                    {
-                        "device": torch.cuda.get_device_name(),
-                        "torch": torch.__version__,
-                        "date": time.strftime("%Y-%m-%d"),
-                        "matmul_ceiling_tflops": ceiling,
-                        "fp8_matmul_ceiling_tflops": fp8_ceiling,
-                        "rows": rows,
-                    },
-                    indent=1,
-                )
+                row["fp8"] = convert_model_to_fp8(model, args.fp8).to_dict()
+            if recompute:
+                recompute_layers(model, args.recompute_mode, full)  # kimi train's --recompute-mode
+            kernel_choice.reset_used()
+            ms = step_time(model, T, args.repeats, args.loss, chunk)
+            row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
+            fitted.add((T, recompute, backend))
+            tf, detail = model_tflop(cfg, T)
+            row.update(model_tflop=tf, flops_detail=detail)
+            row["mfu"] = tf / (ms * 1e-3) / ceiling if tf else None
+            row["mfu_fp8_ceiling"] = tf / (ms * 1e-3) / fp8_ceiling if tf and fp8_ceiling else None
+        except torch.OutOfMemoryError:
+            row.update(ms=None, tokens_per_s=None, status="oom")
+        except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking
+            row.update(ms=None, tokens_per_s=None, status=f"error: {type(e).__name__}: {e}"[:300])
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["wall_s"] = time.perf_counter() - t0
+        model = None  # noqa: F841
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "date": time.strftime("%Y-%m-%d"),
+                    "matmul_ceiling_tflops": ceiling,
+                    "fp8_matmul_ceiling_tflops": fp8_ceiling,
+                    "rows": rows,
+                },
+                indent=1,
             )
+        )
     print(
         f"\nloss: {args.loss}\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} "
         f"{'peak GiB':>9} {'MFU':>6} {'MFU/fp8':>7} status"
     )
     for r in rows:
+        rc = str(r["recompute"]) + (f"+{r['recompute_full_layers']}" if r.get("recompute_full_layers") else "")
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         mfu8 = f"{r['mfu_fp8_ceiling']:.1%}" if r.get("mfu_fp8_ceiling") else "-"
         print(
-            f"{r['seq_len']:>8} {str(r['recompute']):>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
+            f"{r['seq_len']:>8} {rc:>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
             f"{mfu:>6} {mfu8:>7} {r['status'][:60]}"
         )
     for T, recompute in plan:

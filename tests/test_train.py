@@ -176,24 +176,31 @@ def test_indexer_gets_no_lm_gradient(tiny4, backend):
 
 
 def test_recompute_gives_the_same_loss_and_grads(tiny4):
-    """--recompute in both modes (whole layer; MLP / MoE block only) gives the loss and every gradient of no
-    recomputation, bit for bit on CPU; an unknown mode is refused by name."""
+    """--recompute in every mode (whole layer; MLP / MoE block only; the first N layers whole and the others' MLP)
+    gives the loss and every gradient of no recomputation, bit for bit on CPU, and recomputes what it says: the
+    MLP of every layer, the attention of the whole-layer ones; a bad mode or layer count is refused by name."""
     from kimi_tools.train import recompute_layers
 
     cfg, make = tiny4
     batch = _packed_batch()
     out = []
-    for mode in (None, "layer", "mlp"):
+    L = cfg.num_hidden_layers
+    for mode, full, attn_runs in ((None, 0, L), ("layer", 0, 2 * L), ("mlp", 0, L), ("mlp", 2, L + 2)):
         model = make("sdpa")
         calls = []  # feed_forward runs: once per layer, twice where the backward recomputes it
-        for layer in model.model.layers:
+        attn = []  # attention forwards, recomputed ones included
+        for i, layer in enumerate(model.model.layers):
             ff = layer.feed_forward
             layer.feed_forward = lambda h, *a, ff=ff, **k: calls.append(1) or ff(h, *a, **k)
+            layer.self_attn.register_forward_hook(lambda m, args, o, i=i: attn.append(i))
         if mode:
-            recompute_layers(model, mode)
+            recompute_layers(model, mode, full)
         loss, _ = LMStage(cfg, None).loss(model, batch)
         loss.backward()
-        assert len(calls) == len(model.model.layers) * (2 if mode else 1), (mode, len(calls))
+        assert len(calls) == L * (2 if mode else 1), (mode, len(calls))
+        assert len(attn) == attn_runs, (mode, full, attn)
+        if full:
+            assert sorted({i for i in attn if attn.count(i) == 2}) == list(range(full))
         out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (l0, g0) = out[0]
     for l1, g1 in out[1:]:
@@ -203,6 +210,10 @@ def test_recompute_gives_the_same_loss_and_grads(tiny4):
             assert torch.equal(g0[n], g1[n]), n
     with pytest.raises(ValueError, match="--recompute-mode: got 'attn'"):
         recompute_layers(make("sdpa"), "attn")
+    with pytest.raises(ValueError, match=rf"--recompute-full-layers: got {L + 1}, expected an int in \[0, {L}\]"):
+        recompute_layers(make("sdpa"), "mlp", L + 1)
+    with pytest.raises(ValueError, match="--recompute-full-layers: got 1 with --recompute-mode layer"):
+        recompute_layers(make("sdpa"), "layer", 1)
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -409,6 +420,14 @@ def _small_argv(out):
         (lambda argv, tmp: argv + ["--no-save", "--stop-after", "3"], "--no-save: a run that saves nothing"),
         (lambda argv, tmp: argv + ["--stage", "sparse", "--lora-rank", "2"], "LoRA freezes every base weight"),
         (lambda argv, tmp: argv + ["--recompute-mode", "mlp"], "--recompute-mode: got 'mlp' without --recompute"),
+        (
+            lambda argv, tmp: argv + ["--recompute", "--recompute-full-layers", "1"],
+            "--recompute-full-layers: got 1, expected it only with --recompute --recompute-mode mlp",
+        ),
+        (
+            lambda argv, tmp: argv + ["--recompute", "--recompute-mode", "mlp", "--recompute-full-layers", "-1"],
+            "--recompute-full-layers: got -1, expected >= 0",
+        ),
         (lambda argv, tmp: argv + ["--fp8", "rowwise"], "--fp8: got --dtype float32, expected bfloat16"),
         (lambda argv, tmp: argv + ["--fp8", "rowwise", "--dtype", "bfloat16"], "--fp8: FP8 matmuls need a CUDA GPU"),
     ],
@@ -424,6 +443,8 @@ def _small_argv(out):
         "no-save-stop",
         "stage-lora",
         "recompute-mode-alone",
+        "recompute-full-layers-mode",
+        "recompute-full-layers-negative",
         "fp8-fp32",
         "fp8-cpu",
     ],

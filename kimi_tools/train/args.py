@@ -200,6 +200,14 @@ class TrainArgs:
             choices=RECOMPUTE_MODES,
         ),
     )
+    recompute_full_layers: int = field(
+        default=0,
+        metadata=arg(
+            "with --recompute-mode mlp: recompute the first N decoder layers whole, the others' MLP / MoE block "
+            "(Megatron's block recomputation: a memory knob between the two modes)",
+            numbers=False,
+        ),
+    )
     fp8: str | None = field(
         default=None,
         metadata=arg(
@@ -438,6 +446,13 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"--recompute-mode: got {a.recompute_mode!r}, expected one of {list(RECOMPUTE_MODES)}")
     if a.recompute_mode != "layer" and not a.recompute:  # it would be ignored: nothing recomputed
         raise ValueError(f"--recompute-mode: got {a.recompute_mode!r} without --recompute, expected --recompute too")
+    if a.recompute_full_layers < 0:
+        raise ValueError(f"--recompute-full-layers: got {a.recompute_full_layers}, expected >= 0")
+    if a.recompute_full_layers and (not a.recompute or a.recompute_mode != "mlp"):
+        raise ValueError(
+            f"--recompute-full-layers: got {a.recompute_full_layers}, expected it only with --recompute "
+            "--recompute-mode mlp"
+        )
     lora_opts = (a.lora_alpha, a.lora_targets, a.lora_dropout or None)
     if a.lora_rank is None and any(o is not None for o in lora_opts):
         raise ValueError("--lora-alpha/--lora-dropout/--lora-targets: given without --lora-rank, expected it too")

@@ -177,7 +177,7 @@ class Trainer:
             self.optimizer, warmup_steps=a.warmup_steps, total_steps=a.steps, min_lr_ratio=a.min_lr_ratio
         )
         if a.recompute:
-            recompute_layers(model, a.recompute_mode)
+            recompute_layers(model, a.recompute_mode, a.recompute_full_layers)
         self.flops_per_token = None
         if a.peak_tflops is not None:
             from kimi.flops import estimate_flops
@@ -494,6 +494,7 @@ class Trainer:
             + (f"; stage {a.stage}" if a.stage != "lm" else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
             + (f", recompute ({a.recompute_mode})" if a.recompute else "")
+            + (f", the first {a.recompute_full_layers} layers whole" if a.recompute_full_layers else "")
             + "".join(f"; {c}" for c in self.conversions)
             + f"\n  data: {self.num_docs} documents, {self.num_tokens:,} tokens ({self.tokenizer.name}); eval "
             f"{sum(b.num_tokens for b in self.evals):,} tokens; {a.batch_tokens:,} tokens per step "

@@ -121,15 +121,20 @@ def freeze(model: nn.Module, stage, patterns: list[str]) -> None:
             p.requires_grad_(False)
 
 
-def recompute_layers(model: nn.Module, mode: str = "layer") -> None:
+def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0) -> None:
     """Activation recomputation (``torch.utils.checkpoint``, non-reentrant) on every decoder layer of ``model``:
     ``layer`` wraps the whole layer (it keeps only its inputs for the backward; its forward runs twice); ``mlp`` only
     its MLP / MoE block (``DecoderLayer.feed_forward``: the attention keeps its activations; the block's forward runs
     twice). On the H200, 4 real-dimension layers at 32K tokens (benchmark 5): ``layer`` 63 GiB and 44.6% MFU, ``mlp``
     120 GiB and 52.0%, none out of memory. Gradients are the same either way (the same ops, recomputed in order).
 
+    ``full_layers`` (``mlp`` only) recomputes the first ``full_layers`` decoder layers whole and the others' MLP /
+    MoE block: Megatron-LM's "block" recomputation, a memory knob between the two modes (each whole layer frees its
+    attention activations, about 14 GiB per real-dimension layer at 32K tokens, for one more attention forward).
+
     Raises:
-        ValueError: ``mode`` not in :data:`kimi_tools.train.args.RECOMPUTE_MODES`.
+        ValueError: ``mode`` not in :data:`kimi_tools.train.args.RECOMPUTE_MODES`; ``full_layers`` negative, beyond
+            the model's layer count, or non-zero with ``mode="layer"``.
     """
     import torch.utils.checkpoint
 
@@ -137,8 +142,16 @@ def recompute_layers(model: nn.Module, mode: str = "layer") -> None:
 
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"--recompute-mode: got {mode!r}, expected one of {list(RECOMPUTE_MODES)}")
-    for layer in model.model.layers:
-        name = "forward" if mode == "layer" else "feed_forward"
+    layers = model.model.layers
+    if not isinstance(full_layers, int) or not 0 <= full_layers <= len(layers):
+        raise ValueError(f"--recompute-full-layers: got {full_layers!r}, expected an int in [0, {len(layers)}]")
+    if full_layers and mode != "mlp":
+        raise ValueError(
+            f"--recompute-full-layers: got {full_layers} with --recompute-mode {mode}, expected mode mlp "
+            "(mode layer recomputes every layer whole already)"
+        )
+    for i, layer in enumerate(layers):
+        name = "forward" if mode == "layer" or i < full_layers else "feed_forward"
         fn = getattr(layer, name)
         setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False))
 
