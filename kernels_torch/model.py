@@ -390,7 +390,8 @@ def load_model(
 
     The weights stream in: the model is allocated once, then each checkpoint tensor is read (MXFP4 experts
     dequantised), copied into its place (a routed expert into its slice of the layer's stacked ``experts.w*``) and
-    dropped, so loading holds the model plus one tensor of the checkpoint, never a second copy of a layer.
+    dropped, so loading holds the model plus one tensor of the checkpoint (and the few experts
+    ``kimi.checkpoint.iter_arrays`` decodes ahead), never a second copy of a layer.
 
     ``sparse_kernel`` (``auto`` | ``flash_mla`` | ``triton``) and ``kda_kernel`` (``auto`` | ``cudnn`` | ``fla``) pick
     the ``cudnn`` backend's DSA sparse forward and KDA recurrence for every layer, ``kda_prep`` (``auto`` |

@@ -35,6 +35,7 @@ import json
 import os
 import struct
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -459,8 +460,9 @@ def iter_arrays(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """:func:`load_arrays` one tensor at a time: ``(name, array)`` in ``param_layout(config, layers)`` order, each
     read (and dequantised) just before it is yielded, so a consumer that copies each array into its place and drops
-    it holds at most one tensor of the checkpoint at a time (``kernels_torch.model.load_model`` streams a layer's
-    routed experts into their stacked parameters this way). Same arguments and checks as :func:`load_arrays`.
+    it holds at most one tensor of the checkpoint at a time, plus up to ``2 x min(8, cpu_count)`` MXFP4 experts that
+    threads decode ahead (``kernels_torch.model.load_model`` streams a layer's routed experts into their stacked
+    parameters this way). Same arguments and checks as :func:`load_arrays`.
 
     Raises:
         CheckpointError: the layout problems of :func:`load_arrays` before the first tensor is yielded (a generator:
@@ -491,12 +493,31 @@ def iter_arrays(
     where = f"{reader.path} (layers {idx if len(idx) < 20 else f'{idx[0]}..{idx[-1]}'} + globals)"
     _raise_problems(where, _check_stored_meta(expected, found, cfg, extra))
 
-    nonfinite: list[str] = []
-    for spec in param_layout(cfg, idx):
+    def read(spec: TensorSpec) -> tuple[np.ndarray, list[str]]:
         a = _read_canonical(reader, cfg, spec)
-        if check_finite:
-            nonfinite += nonfinite_tensors({spec.name: a})
-        yield spec.name, a
+        return a, nonfinite_tensors({spec.name: a}) if check_finite else []
+
+    # MXFP4 experts are read and decoded ahead by a few threads (numpy releases the GIL), in a window of
+    # 2 x workers experts: a real layer's hundreds of experts would take minutes one by one. Other tensors are read
+    # when reached, so the look-ahead holds at most the window's experts beside the tensor being yielded.
+    specs = param_layout(cfg, idx)
+    ahead = [i for i, s in enumerate(specs) if ".experts." in s.name and cfg.quant_method == "mxfp4"]
+    workers = max(1, min(8, os.cpu_count() or 1)) if len(ahead) > 1 else 0
+    nonfinite: list[str] = []
+    pending: dict[int, Future] = {}
+    pool = ThreadPoolExecutor(max_workers=workers) if workers else None
+    try:
+        nxt = 0
+        for i, spec in enumerate(specs):
+            while pool is not None and nxt < len(ahead) and len(pending) < 2 * workers:
+                pending[ahead[nxt]] = pool.submit(read, specs[ahead[nxt]])
+                nxt += 1
+            a, bad = pending.pop(i).result() if i in pending else read(spec)
+            nonfinite += bad
+            yield spec.name, a
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # a consumer that stops early leaves no reads running
     if nonfinite:
         where = f"{reader.path}: non-finite weights (load_params(..., check_finite=False) skips this check)"
         _raise_problems(where, nonfinite)

@@ -380,6 +380,49 @@ def test_a_log_padding_sliced_and_repadded(tmp_path, cfg, params):
         load_params(tmp_path / "bad")
 
 
+def test_iter_arrays_reads_experts_ahead_in_order(tmp_path, cfg, params, monkeypatch):
+    """The MXFP4 experts decoded ahead by threads come out in param_layout order with the one-at-a-time bytes, with
+    at most the look-ahead window in flight; a consumer that stops early leaves no read running."""
+    import threading
+
+    write_checkpoint(tmp_path / "ck", to_stored(params, cfg), cfg)
+    names = [s.name for s in param_layout(cfg)]
+    experts = [n for n in names if ".experts." in n]
+    assert len(experts) > 4 and cfg.quant_method == "mxfp4"
+    monkeypatch.setattr(ckpt.os, "cpu_count", lambda: 2)  # 2 workers, a window of 4 experts
+    inflight, started = [0], []
+    lock = threading.Lock()
+    real = ckpt._read_canonical
+
+    def counted(reader, c, spec):
+        with lock:
+            inflight[0] += 1
+            started.append(spec.name)
+        try:
+            return real(reader, c, spec)
+        finally:
+            with lock:
+                inflight[0] -= 1
+
+    monkeypatch.setattr(ckpt, "_read_canonical", counted)
+    got, ahead = [], 0
+    for n, a in ckpt.iter_arrays(tmp_path / "ck"):
+        got.append((n, a))
+        with lock:  # experts whose read began before this tensor was yielded, beyond it: the window
+            later = experts[experts.index(n) + 1 :] if n in experts else []
+            ahead = max(ahead, len(set(started) & set(later)))
+    assert [n for n, _ in got] == names
+    reader = ckpt.CheckpointReader(tmp_path / "ck")
+    for (n, a), spec in zip(got, param_layout(cfg)):  # one at a time, in the main thread
+        want = real(reader, cfg, spec)
+        assert a.dtype == want.dtype and np.array_equal(a.view(np.uint8), want.view(np.uint8)), n
+    assert 1 <= ahead <= 4  # read ahead, within 2 x workers
+    stream = ckpt.iter_arrays(tmp_path / "ck")
+    first = next(n for n, _ in stream if ".experts." in n)
+    stream.close()  # stops early: the pool is shut down, pending reads cancelled
+    assert first == experts[0] and inflight[0] == 0
+
+
 def test_truncated_shard_and_nan_scale_are_named(tmp_path, cfg, params):
     stored = to_stored(params, cfg)
     scale = "model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
