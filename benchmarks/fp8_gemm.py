@@ -290,7 +290,9 @@ def main() -> int:
     for kind in ("bf16", "fp8_rowwise"):  # the grouped experts as a layer part too
         for r in grouped:
             if r["mode"] == kind and "fwd_bwd_ms" in r:
-                base = next(x for x in grouped if x["experts"] == r["experts"] and x["mode"] == "bf16")
+                base = next(
+                    x for x in grouped if (x["experts"], x["tokens"], x["mode"]) == (r["experts"], r["tokens"], "bf16")
+                )
                 layers.append(
                     {
                         "layer": f"experts E={r['experts']}",
