@@ -12,7 +12,8 @@ same length and recomputation:
   the attention projections of the first N layers too; ``layer``: everything).
 * ``rest_ms = bf16 step - gemm_bf16_ms``: the work that stays bf16 (KDA recurrence, sparse attention, indexer,
   norms, permutation, loss, the excluded projections).
-* ``bound_ms = rest_ms + gemm_fp8_ms`` (the same sum over the FP8 rows), ``bound_speedup = bf16 step / bound_ms``
+* ``bound_ms = rest_ms + gemm_fp8_ms`` (the same sum over the FP8 rows: ``fp8_gemm.py``'s compiled rows, from a
+  ``--compile`` run, where the step ran with ``--fp8-compile``), ``bound_speedup = bf16 step / bound_ms``
   against the target of 1.3, and ``measured_over_bound = FP8 step / bound_ms`` (within 1.1: the step reached its
   bound to 10%).
 
@@ -112,7 +113,9 @@ def bound_rows(gemm: dict, bf16: dict, fp8: dict) -> list[dict]:
             row["status"] = f"no pair: fp8 {r8.get('status')}, bf16 {r16.get('status') if r16 else 'no row'}"
             out.append(row)
             continue
-        mode = f"fp8_{row['recipe']}"
+        compiled = bool((r8.get("fp8") or {}).get("compiled"))  # --fp8-compile: fp8_gemm.py's compiled rows
+        mode = f"fp8_{row['recipe']}" + ("_compiled" if compiled else "")
+        row["compiled"] = compiled
         g16, parts = step_gemm_ms(gemm, r16, "bf16")
         g8, _ = step_gemm_ms(gemm, r8, mode)
         rest = r16["ms"] - g16

@@ -47,7 +47,8 @@
 #   tests_moe    tests/gpu/test_gpu_moe_grouped.py: grouped experts vs the loop, Triton gather-sums, no host sync
 #   moe_layer    benchmarks/moe_layer.py: one MoE layer at K3.1's expert shapes, loop vs grouped vs bare GEMMs
 #   tests_fp8    tests/gpu/test_gpu_fp8.py (torchao installed by fp8_wheels)
-#   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16
+#   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16 (FP8_GEMM_ARGS, e.g.
+#                "--compile --recipes rowwise"; the FP8 steps take FP8_STEP_ARGS, e.g. "--fp8-compile")
 #   fp8_bound    benchmarks/fp8_bound.py (CPU, seconds): the FP8 step's bound at 112 experts from this run's fp8_gemm,
 #                train_step_e112 and train_step_e112_fp8 (run those first)
 #   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background;
@@ -135,7 +136,7 @@ run_step() {  # run_step NAME: one step of the list above
     # and the backends together)
     local e=16 k=8 full=0 extra=""
     case $1 in *e112*) e=112 k=16 full="1 2 4" ;; esac
-    case $1 in *_fp8) extra="--fp8 rowwise" ;; esac
+    case $1 in *_fp8) extra="--fp8 rowwise ${FP8_STEP_ARGS:-}" ;; esac  # FP8_STEP_ARGS="--fp8-compile": compiled
     # shellcheck disable=SC2086
     step "$1" 900 python3 benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \
       ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --recompute-full-layers $full \

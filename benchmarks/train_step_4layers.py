@@ -31,7 +31,8 @@ config, no recomputation) over the step time and the bf16 matmul ceiling measure
 right after it is built (torchao: the projections, shared experts and grouped experts in FP8; the row's ``fp8`` holds
 the conversion record); MFU stays counted against the bf16 ceiling (comparable with the bf16 rows), and
 ``mfu_fp8_ceiling`` beside it is counted against the FP8 ``torch._scaled_mm`` ceiling of that recipe measured at the
-start of the same run (``benchmarks/fp8_gemm.py``'s ``ceilings``, 8192^3).
+start of the same run (``benchmarks/fp8_gemm.py``'s ``ceilings``, 8192^3). ``--fp8-compile`` compiles each FP8
+projection on its own (``compile_linears``; the row's ``fp8.compiled``), the rest of the step staying eager.
 
 Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "fp8_matmul_ceiling_tflops", "rows": [...]}``, rows
 with ``seq_len``, ``backend``, ``fp8``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
@@ -156,6 +157,11 @@ def main() -> int:
     ap.add_argument("--experts-per-token", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fp8", choices=["tensorwise", "rowwise"], help="FP8 matmuls (kernels_torch.fp8) in every row")
+    ap.add_argument(
+        "--fp8-compile",
+        action="store_true",
+        help="with --fp8: compile each FP8 projection (convert_model_to_fp8's compile_linears; kimi train --fp8-compile)",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
     args = ap.parse_args()
     cfg = (
@@ -202,7 +208,7 @@ def main() -> int:
             if args.fp8:  # before the recompute wrappers, as kimi train would
                 from kernels_torch.fp8 import convert_model_to_fp8
 
-                row["fp8"] = convert_model_to_fp8(model, args.fp8).to_dict()
+                row["fp8"] = convert_model_to_fp8(model, args.fp8, compile_linears=args.fp8_compile).to_dict()
             if recompute:
                 recompute_layers(model, args.recompute_mode, full)  # kimi train's --recompute-mode
             kernel_choice.reset_used()

@@ -88,6 +88,7 @@ __all__ = [
     "FP8_GROUPED_CAPABILITIES",
     "FP8_ALIGN",
     "TORCHAO_REQUIREMENT",
+    "COMPILE_CACHE_LIMIT",
     "FP8_LINEARS",
     "DEFAULT_EXCLUDE",
     "FP8UnsupportedError",
@@ -104,6 +105,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackw
 # torch._scaled_grouped_mm runs on exactly these (a set, not a floor: 12.0 is refused), per its own check
 FP8_GROUPED_CAPABILITIES = ((9, 0), (10, 0))
 FP8_ALIGN = 16  # rows per expert, and every GEMM width: torch._scaled_mm / _scaled_grouped_mm need multiples of 16
+COMPILE_CACHE_LIMIT = 256  # dynamo graphs per code object under compile_linears: widths x token counts x layers
 TORCHAO_REQUIREMENT = ">=0.17,<0.19"  # 0.17/0.18: the Float8TrainingOpConfig API used here; tested with 0.18.0
 _TORCHAO_MIN, _TORCHAO_BELOW = (0, 17), (0, 19)
 
@@ -150,6 +152,7 @@ class FP8Conversion:
     torchao_version: str
     emulate: bool
     fsdp_float8_all_gather: bool
+    compiled: bool
     exclude: tuple[str, ...]
     linears: tuple[str, ...]
     grouped_experts: tuple[str, ...]
@@ -167,6 +170,7 @@ class FP8Conversion:
             "torchao": self.torchao_version,
             "emulate": self.emulate,
             "fsdp_float8_all_gather": self.fsdp_float8_all_gather,
+            "compiled": self.compiled,
             "exclude": list(self.exclude),
             "linears": len(self.linears),
             "grouped_experts": len(self.grouped_experts),
@@ -293,6 +297,7 @@ def convert_model_to_fp8(
     exclude: Sequence[str] = DEFAULT_EXCLUDE,
     emulate: bool = False,
     fsdp_float8_all_gather: bool = False,
+    compile_linears: bool = False,
     device: str | torch.device | None = None,
 ) -> FP8Conversion:
     """Run the model's projections and grouped experts in FP8 (torchao), in place; record it as ``model.fp8``.
@@ -315,6 +320,11 @@ def convert_model_to_fp8(
         emulate: torchao's emulation (FP8 rounding, high-precision GEMMs; slow): runs on the CPU and skips the device
             check; the grouped experts are then left as they are (torchao's FP8 grouped GEMM has no emulation).
         fsdp_float8_all_gather: FSDP2 all-gathers the projections' weights in FP8 (``tensorwise`` only).
+        compile_linears: compile each converted projection on its own (``nn.Module.compile``, inductor; its row
+            padding hooks included), so that torchao's amax, scale and cast fuse into a few kernels around
+            ``torch._scaled_mm`` instead of running eagerly. The rest of the model stays eager. Every
+            ``Float8Linear`` shares one code object, so dynamo's recompile limits are raised to at least
+            :data:`COMPILE_CACHE_LIMIT` (a process-wide setting) to keep each shape compiled.
         device: where the GEMMs will run (default: the device of the model's first parameter).
 
     Returns:
@@ -372,6 +382,10 @@ def convert_model_to_fp8(
             module = model.get_submodule(name)
             module.register_forward_pre_hook(_pad_rows)
             module.register_forward_hook(_unpad_rows)
+        if compile_linears:
+            _raise_compile_limits()
+            for name in chosen:
+                model.get_submodule(name).compile()
 
     grouped_done: list[str] = []
     for name, module in grouped:
@@ -400,6 +414,7 @@ def convert_model_to_fp8(
         torchao_version=str(getattr(torchao, "__version__", "unknown")),
         emulate=emulate,
         fsdp_float8_all_gather=fsdp_float8_all_gather,
+        compiled=bool(compile_linears and chosen),
         exclude=exclude,
         linears=tuple(chosen),
         grouped_experts=tuple(grouped_done),
@@ -407,6 +422,16 @@ def convert_model_to_fp8(
     )
     model.fp8 = record
     return record
+
+
+def _raise_compile_limits() -> None:
+    """Raise dynamo's per-code-object recompile limits to :data:`COMPILE_CACHE_LIMIT`: one ``Float8Linear.forward``
+    serves every projection width and token count of the model, each a separate graph."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.cache_size_limit = max(cfg.cache_size_limit, COMPILE_CACHE_LIMIT)
+    cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * COMPILE_CACHE_LIMIT)
 
 
 def _matches(name: str, pattern: str) -> bool:

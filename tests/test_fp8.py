@@ -237,6 +237,32 @@ def test_one_fp8_projection_errors_are_fp8_sized(recipe, T):
         assert MIN_FP8_EFFECT < rel(a, b) < tol, (name, rel(a, b))
 
 
+def test_compiled_fp8_projections_equal_the_eager_ones():
+    """``compile_linears=True`` compiles each converted projection (``nn.Module.compile``, inductor on the CPU here;
+    its row-padding hooks inside) and records it; forward, input gradient and weight gradients equal the eager
+    FP8 module's at an unaligned token count (T = 63: the padding runs inside the compiled call)."""
+    from kernels_torch.moe import DenseMLP
+
+    torch.manual_seed(5)
+    mlps = [DenseMLP(load_config("tiny"), 192) for _ in range(2)]
+    mlps[1].load_state_dict(mlps[0].state_dict())
+    eager = fp8.convert_model_to_fp8(mlps[0], "rowwise", emulate=True)
+    comp = fp8.convert_model_to_fp8(mlps[1], "rowwise", emulate=True, compile_linears=True)
+    assert not eager.compiled and comp.compiled and comp.to_dict()["compiled"]
+    assert all(getattr(mlps[1], n)._compiled_call_impl is not None for n in ("gate_proj", "up_proj", "down_proj"))
+    assert torch._dynamo.config.cache_size_limit >= fp8.COMPILE_CACHE_LIMIT
+    x = torch.randn(1, 63, mlps[0].gate_proj.in_features)
+    xs = [x.clone().requires_grad_(True) for _ in mlps]
+    ys = [m(xi) for m, xi in zip(mlps, xs, strict=True)]
+    dy = torch.randn_like(ys[0])
+    for y in ys:
+        y.backward(dy)
+    check_rel("out", ys[1], ys[0], TOL_SAME_FP8)
+    check_rel("dx", xs[1].grad, xs[0].grad, TOL_SAME_FP8)
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        check_rel(f"d{n}", getattr(mlps[1], n).weight.grad, getattr(mlps[0], n).weight.grad, TOL_SAME_FP8)
+
+
 TOL_PAD_ROWS = 1e-6  # zero rows padded onto the tokens: the same FP8 casts, only the GEMM's row count differs
 
 

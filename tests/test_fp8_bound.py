@@ -30,7 +30,7 @@ def _gemm(fp8_bound, scale: dict[str, float]) -> dict:
     for names in fp8_bound.LAYER_PARTS.values():
         for name in names:
             for T in (8192, 32768):
-                for mode in ("bf16", "fp8_rowwise"):
+                for mode in scale:
                     s = scale[mode] * T / 8192
                     dense.append({"names": [name], "tokens": T, "mode": mode, "fwd_ms": s, "fwd_bwd_ms": 3 * s})
     for T in (8192, 32768):
@@ -40,7 +40,7 @@ def _gemm(fp8_bound, scale: dict[str, float]) -> dict:
     return {"dense": dense, "grouped": grouped}
 
 
-def _step(T, ms, recompute=False, full=None, recipe=None):
+def _step(T, ms, recompute=False, full=None, recipe=None, compiled=False):
     return {
         "seq_len": T,
         "backend": "cudnn",
@@ -48,7 +48,7 @@ def _step(T, ms, recompute=False, full=None, recipe=None):
         "recompute_full_layers": full,
         "layers": ["kda", "kda", "kda", "dsa"],
         "experts": 112,
-        "fp8": {"recipe": recipe} if recipe else None,
+        "fp8": {"recipe": recipe, "compiled": compiled} if recipe else None,
         "ms": ms,
         "status": "ok" if ms else "oom",
     }
@@ -69,6 +69,19 @@ def test_bound_counts_every_gemm_and_each_recomputed_forward(fp8_bound):
     # 32K (4x the time) with the MLPs and the first layer's attention recomputed: + 5 + 3 + 15 + 30 forwards
     assert r32k["gemm_bf16_ms"] == pytest.approx(4 * (204 + 53))
     assert r32k["bound_ms"] == pytest.approx(2400 - 4 * 257 + 2 * 257)
+
+
+def test_a_compiled_step_is_bounded_by_the_compiled_gemms(fp8_bound):
+    """A step run with ``--fp8-compile`` takes fp8_gemm.py's ``_compiled`` dense rows (the grouped experts have
+    one FP8 mode); an eager one the eager rows."""
+    gemm = _gemm(fp8_bound, {"bf16": 1.0, "fp8_rowwise": 0.75, "fp8_rowwise_compiled": 0.5})
+    bf16 = {"rows": [_step(8192, 500.0)]}
+    (eager,) = fp8_bound.bound_rows(gemm, bf16, {"rows": [_step(8192, 420.0, recipe="rowwise")]})
+    (comp,) = fp8_bound.bound_rows(gemm, bf16, {"rows": [_step(8192, 420.0, recipe="rowwise", compiled=True)]})
+    assert not eager["compiled"] and comp["compiled"]
+    # dense 114 ms of the 204 (experts 90): 0.75 x 114 + 0.75 x 90 eager, 0.5 x 114 + 0.75 x 90 compiled
+    assert eager["gemm_fp8_ms"] == pytest.approx(0.75 * 204)
+    assert comp["gemm_fp8_ms"] == pytest.approx(0.5 * 114 + 0.75 * 90)
 
 
 def test_rows_without_a_pair_and_missing_gemms(fp8_bound, tmp_path):

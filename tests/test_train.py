@@ -430,6 +430,7 @@ def _small_argv(out):
         ),
         (lambda argv, tmp: argv + ["--fp8", "rowwise"], "--fp8: got --dtype float32, expected bfloat16"),
         (lambda argv, tmp: argv + ["--fp8", "rowwise", "--dtype", "bfloat16"], "--fp8: FP8 matmuls need a CUDA GPU"),
+        (lambda argv, tmp: argv + ["--fp8-compile"], "--fp8-compile: compiles the FP8 projections; it needs --fp8"),
     ],
     ids=[
         "seq-len",
@@ -447,6 +448,7 @@ def _small_argv(out):
         "recompute-full-layers-negative",
         "fp8-fp32",
         "fp8-cpu",
+        "fp8-compile-alone",
     ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
@@ -1045,7 +1047,9 @@ def test_a_field_added_off_by_default_keeps_earlier_fingerprints():
     cfg = load_config("tiny")
     a = resolve(TrainArgs(out="o", **SMALL))
     fp, body = fingerprint(a, cfg)
-    assert "fp8" not in body["args"]
-    older = {**body, "args": {k: v for k, v in body["args"].items() if k != "fp8"}}
+    assert "fp8" not in body["args"] and "fp8_compile" not in body["args"]
+    older = {**body, "args": {k: v for k, v in body["args"].items() if k not in ("fp8", "fp8_compile")}}
     assert fp == hashlib.sha256(json.dumps(older, sort_keys=True).encode()).hexdigest()
     assert fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0] != fp
+    with_fp8 = fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0]
+    assert fingerprint(dataclasses.replace(a, fp8="rowwise", fp8_compile=True), cfg)[0] != with_fp8

@@ -42,9 +42,9 @@ __all__ = [
 ]
 
 RECOMPUTE_MODES = ("layer", "mlp")
-# Fields added after runs were written, whose default (None) is the behaviour from before them: left out of the
-# fingerprint at that default, so a run written before they existed still resumes.
-ADDED_OFF_BY_DEFAULT = ("fp8",)
+# Fields added after runs were written, whose default (None or False) is the behaviour from before them: left out of
+# the fingerprint at that default, so a run written before they existed still resumes.
+ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile")
 FP8_RECIPES = ("tensorwise", "rowwise")  # kernels_torch.fp8.FP8_RECIPES, spelled here so parsing needs no torch
 DEFAULT_SAVE_EVERY = "10min"  # resume state every 10 minutes of training unless --save-every says otherwise
 
@@ -217,6 +217,13 @@ class TrainArgs:
             metavar="RECIPE",
         ),
     )
+    fp8_compile: bool = field(
+        default=False,
+        metadata=arg(
+            "with --fp8: compile each FP8 projection on its own (torch.compile, inductor), so that torchao's casts "
+            "fuse around the FP8 GEMM; the rest of the model stays eager"
+        ),
+    )
     freeze: list[str] = field(
         default_factory=list, metadata=arg("freeze parameters by name (fnmatch globs)", metavar="GLOB")
     )
@@ -385,6 +392,8 @@ def resolve(args: TrainArgs) -> TrainArgs:
         from kernels_torch.fp8 import check_fp8_supported
 
         check_fp8_supported(a.device)  # FP8UnsupportedError (a ValueError) naming the device and its capability
+    elif a.fp8_compile:
+        raise ValueError("--fp8-compile: compiles the FP8 projections; it needs --fp8 RECIPE")
     for name in ("steps", "seq_len", "eval_tokens", "keep"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(a, name)}, expected a positive integer")
@@ -478,7 +487,7 @@ def fingerprint(args: TrainArgs, config: KimiConfig) -> tuple[str, dict]:
     relevant = {
         k: v
         for k, v in dataclasses.asdict(args).items()
-        if k not in control and not (k in ADDED_OFF_BY_DEFAULT and v is None)
+        if k not in control and not (k in ADDED_OFF_BY_DEFAULT and v in (None, False))
     }
     body = {"args": relevant, "config": config.to_dict()}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(), body

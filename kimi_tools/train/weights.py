@@ -87,9 +87,10 @@ def fp8_converter(model: nn.Module, args: TrainArgs) -> str | None:
         return None
     from kernels_torch.fp8 import convert_model_to_fp8
 
-    rec = convert_model_to_fp8(model, args.fp8, device=args.device)
+    rec = convert_model_to_fp8(model, args.fp8, device=args.device, compile_linears=args.fp8_compile)
     experts = f", {len(rec.grouped_experts)} grouped experts ({rec.grouped_recipe})" if rec.grouped_experts else ""
-    return f"fp8 {rec.recipe}: {len(rec.linears)} projections{experts}, torchao {rec.torchao_version}"
+    compiled = " (compiled)" if rec.compiled else ""
+    return f"fp8 {rec.recipe}: {len(rec.linears)} projections{compiled}{experts}, torchao {rec.torchao_version}"
 
 
 CONVERTERS: list[Callable[[Any, Any], str | None]] = [fp8_converter]
