@@ -8,8 +8,9 @@ and ``docs/`` points to nothing outside the repository either.
 
 Mutations killed: a comment ``(case 15)`` in ``kernels_torch/mla.py``; a docstring citing ``spec 11.2`` (no such
 section); a ``../shared/spec/kernels.md`` pointer in ``docs/design.md``; ``.ci/run`` installing ``.[dev,gpu]`` or
-running ``-n 4``; the README quoting eval loss 2.7179 for 2.7079, a generated text one word longer, and a folder
-suffix ``kimi_tools/data.py`` does not read.
+running ``-n 4``; the README quoting eval loss 2.7179 for 2.7079, a generated text four words longer, a logits
+shape ``(1, 9, 256)`` for ``(1, 9, 512)``, a folder suffix (``.rst``) ``kimi_tools/data.py`` does not read, ``.text``
+dropped from ``TEXT_SUFFIXES``, ``--fp8`` without ``--dtype bfloat16``, and ``kimi ablate``'s text left unnamed.
 """
 
 from __future__ import annotations
