@@ -1075,6 +1075,7 @@ def test_fp8_run_converts_records_and_exports_the_checkpoint_layout(tmp_path, mo
     run = json.loads((tmp_path / "fp8" / "run.json").read_text())
     assert run["args"]["fp8"] == "rowwise"
     assert len(run["conversions"]) == 1 and run["conversions"][0].startswith("fp8 rowwise: "), run["conversions"]
+    assert "routed experts stay bf16" in run["conversions"][0] and "emulation" in run["conversions"][0]
     n_proj = int(run["conversions"][0].split(": ")[1].split()[0])
     assert n_proj >= 10, run["conversions"]
     recs = [json.loads(line) for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]
