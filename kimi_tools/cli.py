@@ -141,7 +141,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise CliError(f"--out: {out} exists and is not empty; pass --force to overwrite its checkpoint files")
-    init_checkpoint(out, cfg, seed=args.seed, layers=args.layers)
+    init_checkpoint(out, cfg, seed=args.seed, layers=args.layers, force=args.force)
     n = args.layers or cfg.num_hidden_layers
     print(f"wrote {out} ({n} layers of {cfg.num_hidden_layers}, seed {args.seed})")
     return 0
