@@ -30,10 +30,11 @@ axis zoomed to the data, and the per-layer errors, cells x layers). Progress: a 
 Re-runs: every row records the *setting* its numbers depend on besides its own overrides (:data:`SETTING_FIELDS`:
 the checkpoint's fingerprint :func:`kimi_tools.lora.base_fingerprint`, the text's name and the SHA-256 of the
 evaluated token ids, ``tokens``, ``seq_len``, the mode, backend and device, and in ``--train-steps`` mode the
-training arguments, columns ``train.<arg>``). A re-run into a folder whose rows have the same setting skips the cells already there and
-measures the others; a folder holding rows of another setting (another checkpoint, text, token count, ...) is
-refused in one line naming each differing field with both values, unless ``--restart`` (``restart=True``) deletes
-the earlier results (``ablate.csv``, ``ablate.json``, ``ablate.png``, ``runs/``) first, as ``kimi train`` does.
+training arguments, columns ``train.<arg>``). A re-run into a folder whose rows have the same setting skips the
+cells already there and measures the others; a folder holding rows of another setting (another checkpoint, text,
+token count, ...) is refused in one line naming each differing field with both values, unless ``--restart``
+(``restart=True``) deletes the earlier results (``ablate.csv``, ``ablate.json``, ``ablate.png``, ``runs/``) first,
+as ``kimi train`` does.
 """
 
 from __future__ import annotations
@@ -395,8 +396,8 @@ def run_grid(
 
     Raises:
         CliError: bad ``--set`` items, missing text/data, ``out`` holding rows of another setting (another
-        checkpoint, text, token count, ...) without ``restart``; ValueError (ConfigError, CheckpointError): a bad override
-        value, or one that changes the tensor layout.
+        checkpoint, text, token count, ...) without ``restart``; ValueError (ConfigError, CheckpointError): a bad
+        override value, or one that changes the tensor layout.
     """
     import torch
 

@@ -125,7 +125,7 @@ class Checkpointer:
             try:
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=".*single process.*")
-                    dcp.load(states, checkpoint_id=path, planner=(planner := _NotingPlanner()))
+                    dcp.load(states, checkpoint_id=path, planner=(planner := _noting_planner()))
                 self._expected = set(planner.expected)  # the flat keys of `states`, for lacking()
                 lacks = self.lacking(step)
                 if lacks:
@@ -141,10 +141,9 @@ class Checkpointer:
     _expected: set[str] = set()  # the flat keys of the states last loaded (load): what a complete step holds
 
     def lacking(self, step: int) -> str | None:
-        """What parts of the states last given to :meth:`load` ``step-{step}/.metadata`` lacks, in a few words
-        (each part, what it is, how many of its keys and the first), or None when it holds every key but the
-        per-parameter AdamW state ``optimizer.state.<name>.*`` (none for a parameter without gradients; at least one
-        is needed)."""
+        """What ``step-{step}/.metadata`` lacks of the states last given to :meth:`load`, in a few words (each part,
+        what it is, how many of its keys and the first), or None when it holds every key of them except per-parameter
+        AdamW states ``optimizer.state.<name>.*`` (none for a parameter without gradients; at least one is needed)."""
         from torch.distributed.checkpoint import FileSystemReader
 
         try:
@@ -165,7 +164,8 @@ class Checkpointer:
             f"e.g. {keys[0]})"
             for name, keys in parts.items()
         )
-        return f".metadata lacks {said}, so resuming would silently start {'those parts' if len(parts) > 1 else 'it'} afresh"
+        them = "those parts" if len(parts) > 1 else "it"
+        return f".metadata lacks {said}, so resuming would silently start {them} afresh"
 
     def damaged_message(self, step: int, problem: str) -> str:
         """One line: the damaged step, what is wrong, and the previous complete step to go back to (or none)."""
@@ -191,7 +191,7 @@ _PARTS = {
 }
 
 
-def _NotingPlanner():
+def _noting_planner():
     """DCP's default load planner with partial loads allowed (:meth:`Checkpointer.load` checks what is missing),
     noting the flat keys of the state it loads into (``.expected``)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
