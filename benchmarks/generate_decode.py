@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels_torch.cache as tc  # noqa: E402
 from kernels_torch.decode import Decoder, StaticStep  # noqa: E402
 from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
+from kimi.checkpoint import write_atomic  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 
 TARGETS = {1: 0.50, 8: 0.40}  # fraction of the roofline a step should reach at that batch (other batches: 0.40)
@@ -357,13 +357,7 @@ def main() -> int:
         "targets": TARGETS,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    with open(tmp, "w") as f:  # atomic: temp file, fsync, rename
-        f.write(json.dumps(record, indent=1, default=float))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, args.out)
+    write_atomic(args.out, json.dumps(record, indent=1, default=float).encode())
     print_table(rows, probe)
     return 0
 

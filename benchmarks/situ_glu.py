@@ -26,6 +26,7 @@ from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run 
 from kernels_torch import kernel_choice  # noqa: E402
 from kernels_torch.moe import situ  # noqa: E402
 from kernels_torch.ops.situ import situ_glu  # noqa: E402
+from kimi.checkpoint import write_atomic  # noqa: E402
 
 MIB = 1 << 20
 SHAPES = ((8192, 33792), (65536, 3072))
@@ -112,9 +113,7 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     out = Path(args.out)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    write_atomic(out, json.dumps(result, indent=1).encode())
     print(f"wrote {out}")
     return 0
 

@@ -299,8 +299,13 @@ class Decoder:
     static). ``kda_kernel`` (``cudnn`` backend): the KDA decode, :data:`KDA_KERNELS` (``kernels_torch.decode_cudnn``).
 
     Use: :meth:`reset` (a new batch), :meth:`prefill` (the prompts, chunked), :meth:`sample` on its logits, then
-    :meth:`step` per token. In graph mode the returned tensors are the graph's static outputs, overwritten by the
-    next step (copy what you keep).
+    :meth:`step` per token, and :meth:`read_tokens` to bring ids to the host. In graph mode the returned tensors are
+    the graph's static outputs, overwritten by the next step (copy what you keep).
+
+    Non-finite logits: :meth:`step` and :meth:`sample` never read the host, so an id drawn from NaN or infinite
+    logits is arbitrary; they set a device flag instead, and :meth:`read_tokens` raises ``ValueError`` while it is
+    set (until :meth:`reset`). Read every id through :meth:`read_tokens` (``kimi_tools.generate`` does), so none
+    drawn from such logits is used.
 
     Raises:
         ValueError: an unknown mode or kernel, a CUDA mode off CUDA, a bad sampler setting, ``indexer_rope`` set.

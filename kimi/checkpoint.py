@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,6 +60,7 @@ __all__ = [
     "to_stored",
     "write_checkpoint",
     "write_atomic",
+    "check_replaceable",
     "save_params",
     "normalise_layers",
     "stored_items",
@@ -749,6 +751,40 @@ def _tmp_name(path: Path, final: str) -> Path:
     return path / f".{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def _not_a_file(path: Path) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (a link is followed): ``"a character device"``,
+    ``"a folder"``, ...; None when it is absent or a regular file."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if path.is_symlink() else None
+    except OSError:
+        return None  # unreadable: the write itself reports it
+    if stat.S_ISREG(mode):
+        return None
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")]  # fmt: skip
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Refuse an atomic write (temporary file renamed over ``path``) onto something that is not a regular file.
+
+    A rename replaces whatever entry ``path`` names, so writing ``/dev/full`` or ``/dev/stdout`` this way would
+    replace the device node with a regular file (as root: silently) instead of writing to it.
+
+    Raises:
+        FileExistsError: ``path`` exists and is a folder, a device, a named pipe, a socket or a broken symbolic link
+            (the message names the path and what it is).
+    """
+    what = _not_a_file(Path(path))
+    if what is not None:
+        raise FileExistsError(
+            f"{path}: exists and is {what}, not a regular file; a file is written by renaming a new one over it, "
+            "which would replace it: give the path of a file"
+        )
+
+
 def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
     """``data`` written and fsynced to a fresh temporary file in folder ``path`` (named after ``final``), opened as
     ``open(..., "wb")`` would (mode ``0o666`` less the umask); the caller renames it into place."""
@@ -769,8 +805,14 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     e.g. ``safetensors.torch.save``), are fsynced, and the file is renamed over ``path`` (``os.replace``, atomic on
     POSIX). The parent folder is created if needed. On an error the temporary file is removed and ``path`` is
     untouched.
+
+    Raises:
+        FileExistsError: ``path`` exists and is not a regular file (a device such as ``/dev/full``, a folder, a
+            named pipe: :func:`check_replaceable`); nothing is written.
+        OSError: the write itself fails (no space, no permission).
     """
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
     try:
@@ -802,6 +844,7 @@ def write_stream(
     Raises:
         ValueError: ``max_shard_bytes`` not a positive int.
         CheckpointError: a produced tensor whose shape or dtype differs from its spec (nothing is committed).
+        FileExistsError: one of the final names exists and is not a regular file (:func:`check_replaceable`).
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes: got {max_shard_bytes!r}, expected a positive integer")
@@ -811,6 +854,8 @@ def write_stream(
     shards = _plan_shards(specs, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for fname in (*names, CONFIG_NAME, INDEX_NAME):
+        check_replaceable(path / fname)
     tmps: list[tuple[Path, str]] = []
     try:
         for fname, group in zip(names, shards):

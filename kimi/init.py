@@ -28,12 +28,13 @@ import hashlib
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from kimi.arrays import numpy_dtype, to_torch
-from kimi.checkpoint import DEFAULT_MAX_SHARD_BYTES, normalise_layers, stored_items, write_stream
+from kimi.checkpoint import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, normalise_layers, stored_items, write_stream
 from kimi.config import KimiConfig
 from kimi.layout import TensorSpec, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -134,12 +135,26 @@ def init_params(config: KimiConfig, seed: int = 0, layers: int | Iterable[int] |
     return {s.name: init_tensor(s, config, seed) for s in param_layout(config, idx)}
 
 
+def _checkpoint_files(path: Path) -> list[str]:
+    """The checkpoint files in folder ``path`` (``config.json``, ``model*.safetensors``, the index), sorted; [] when
+    it is absent or holds none."""
+    if not path.is_dir():
+        return []
+    return sorted(
+        f.name
+        for f in path.iterdir()
+        if f.name == CONFIG_NAME or (f.name.startswith("model") and ".safetensors" in f.name)
+    )
+
+
 def init_checkpoint(
     path: str | os.PathLike,
     config: KimiConfig,
     seed: int = 0,
     layers: int | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    *,
+    force: bool = False,
 ) -> KimiConfig:
     """Write a random checkpoint in the real layout (atomic, as :func:`kimi.checkpoint.write_checkpoint`).
 
@@ -149,10 +164,22 @@ def init_checkpoint(
     Args:
         layers: ``None`` for all layers, or N: the checkpoint holds ``config.truncated(N)`` and the same first-N-layer
             weights as the full model (the residual scale still uses the full layer count).
+        force: replace a checkpoint already in ``path`` (``kimi init --force``); without it one is refused.
 
     Returns:
         The config written to ``config.json``.
+
+    Raises:
+        FileExistsError: ``path`` already holds a checkpoint (``config.json``, ``model*.safetensors`` or the index;
+            named) and ``force`` is false: its weights, trained perhaps, would be replaced by random ones.
     """
+    existing = _checkpoint_files(Path(path))
+    if existing and not force:
+        raise FileExistsError(
+            f"{path}: already holds a checkpoint ({', '.join(existing[:3])}{', ...' if len(existing) > 3 else ''}); "
+            "init_checkpoint would replace its weights with random ones: choose another path, or pass force=True "
+            "(kimi init --force)"
+        )
     out_cfg = config if layers is None else config.truncated(int(layers))
     canon = {s.name: s for s in param_layout(out_cfg)}
 

@@ -25,14 +25,23 @@ config trained the same way): the baseline the other cells are read against.
 
 Output in ``--out``: ``ablate.csv`` and ``ablate.json`` (one row per finished cell, rewritten atomically after each
 cell), ``ablate.png`` (:func:`ablate_figure`: eval loss and recall per cell against the unchanged model's, on an
-axis zoomed to the data, and the per-layer errors, cells x layers). A re-run skips the cells whose row is present
-(same cell key, mode and text). Progress: a tqdm bar over the cells on stderr.
+axis zoomed to the data, and the per-layer errors, cells x layers). Progress: a tqdm bar over the cells on stderr.
+
+Re-runs: every row records the *setting* its numbers depend on besides its own overrides (:data:`SETTING_FIELDS`:
+the checkpoint's fingerprint :func:`kimi_tools.lora.base_fingerprint`, the text's name and the SHA-256 of the
+evaluated token ids, ``tokens``, ``seq_len``, the mode, backend and device, and in ``--train-steps`` mode the
+training arguments, columns ``train.<arg>``). A re-run into a folder whose rows have the same setting skips the
+cells already there and measures the others; a folder holding rows of another setting (another checkpoint, text,
+token count, ...) is refused in one line naming each differing field with both values, unless ``--restart``
+(``restart=True``) deletes the earlier results (``ablate.csv``, ``ablate.json``, ``ablate.png``, ``runs/``) first,
+as ``kimi train`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
 import itertools
 import json
@@ -45,7 +54,16 @@ from typing import Any
 from kimi.checkpoint import write_atomic
 from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, set_item_error
 
-__all__ = ["parse_grid", "cell_config", "run_grid", "ablate_figure", "add_parser", "cmd_ablate", "UNCHANGED"]
+__all__ = [
+    "parse_grid",
+    "cell_config",
+    "run_grid",
+    "ablate_figure",
+    "add_parser",
+    "cmd_ablate",
+    "UNCHANGED",
+    "SETTING_FIELDS",
+]
 
 
 def _value(key: str, word: str) -> Any:
@@ -162,6 +180,48 @@ def _write(out: Path, rows: list[dict[str, Any]]) -> None:
         w.writerow(r)
     write_atomic(out / "ablate.csv", buf.getvalue().encode())
     write_atomic(out / "ablate.json", json.dumps(rows, indent=1).encode())
+
+
+# The fields of a row, besides its cell's overrides, that its numbers depend on (``train.*``: the training arguments
+# of ``--train-steps`` mode, present in that mode only). Rows of one folder share them all.
+SETTING_FIELDS = ("checkpoint", "text", "text_sha256", "tokens", "seq_len", "mode", "backend", "device")
+RESULT_FILES = ("ablate.csv", "ablate.json", "ablate.png")
+
+
+def _setting_of(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's setting: :data:`SETTING_FIELDS` (``None`` where a row written before they existed lacks one) and its
+    ``train.*`` fields."""
+    return {**{k: row.get(k) for k in SETTING_FIELDS}, **{k: v for k, v in row.items() if k.startswith("train.")}}
+
+
+def _check_setting(out: Path, done: list[dict[str, Any]], setting: dict[str, Any]) -> None:
+    """Refuse earlier rows in ``out`` measured under another setting, naming each differing field with both values.
+
+    Raises:
+        CliError: a row of ``out/ablate.json`` whose setting differs from ``setting``.
+    """
+    for row in done:
+        was = _setting_of(row)
+        keys = list(setting) + [k for k in was if k not in setting]
+        diffs = [
+            f"{k} ({out.name}: {was.get(k)!r}, now: {setting.get(k)!r})" for k in keys if was.get(k) != setting.get(k)
+        ]
+        if diffs:
+            raise CliError(
+                f"--out: {out} holds cells measured under another setting ({'; '.join(diffs)}): their numbers are not "
+                "comparable with this run's; choose another --out, or pass --restart to delete its results and start "
+                "over"
+            )
+
+
+def _restart(out: Path) -> None:
+    """Delete the earlier results of ``kimi ablate`` in ``out`` (:data:`RESULT_FILES` and ``runs/``), nothing else."""
+    import shutil
+
+    for name in RESULT_FILES:
+        (out / name).unlink(missing_ok=True)
+    if (out / "runs").is_dir():
+        shutil.rmtree(out / "runs")
 
 
 def _overrides(row: dict[str, Any]) -> list[tuple[str, str]]:
@@ -321,6 +381,7 @@ def run_grid(
     train_steps: int | None = None,
     train_kwargs: dict[str, Any] | None = None,
     quiet: bool = False,
+    restart: bool = False,
 ) -> list[dict[str, Any]]:
     """Run (or continue) the grid; returns every row of ``DIR/ablate.json`` (earlier runs included).
 
@@ -330,10 +391,13 @@ def run_grid(
         backend / device: the torch backend and device of the evaluations.
         train_steps: train each cell this many steps first (``kimi_tools.train``), with ``train_kwargs`` passed to
             ``TrainArgs`` (``data`` required; ``stage``, ``lr``, ``seq_len``, ...).
+        restart: delete the earlier results in ``out`` first (``--restart``); without it, rows of ``out`` measured
+            under another setting (see the module docstring) are refused.
 
     Raises:
-        CliError: bad ``--set`` items, missing text/data; ValueError (ConfigError, CheckpointError): a bad override
-        value, or one that changes the tensor layout.
+        CliError: bad ``--set`` items, missing text/data, ``out`` holding rows of another setting (another
+        checkpoint, text, token count, ...) without ``restart``; ValueError (ConfigError, CheckpointError): a bad
+        override value, or one that changes the tensor layout.
     """
     import torch
 
@@ -358,12 +422,32 @@ def run_grid(
         torch.tensor(ids[i : i + seq_len]) for i in range(0, len(ids), seq_len) if len(ids[i : i + seq_len]) > 1
     ]
     mode = f"train{train_steps}" if train_steps else "eval"
+    from kimi_tools.lora import base_fingerprint
+
+    setting: dict[str, Any] = {
+        "checkpoint": base_fingerprint(checkpoint),
+        "text": text.name,
+        "text_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        "tokens": len(ids),
+        "seq_len": seq_len,
+        "mode": mode,
+        "backend": backend,
+        "device": device,
+    }
+    if train_steps:  # the training arguments, JSON-typed (paths as strings), as kimi train's fingerprint holds them
+        kw = json.loads(json.dumps(train_kwargs or {}, default=str))
+        setting.update(
+            {f"train.{k}": json.dumps(v) if isinstance(v, list | dict) else v for k, v in sorted(kw.items())}
+        )
     out.mkdir(parents=True, exist_ok=True)
+    if restart:
+        _restart(out)
     done: list[dict[str, Any]] = []
     if (out / "ablate.json").is_file():
         done = json.loads((out / "ablate.json").read_text(encoding="utf-8"))
-    finished = {(r["cell"], r["mode"], r["text"], r["tokens"]) for r in done}
-    todo = [c for c in cells if (cell_key(c), mode, text.name, len(ids)) not in finished]
+    _check_setting(out, done, setting)
+    finished = {r["cell"] for r in done}
+    todo = [c for c in cells if cell_key(c) not in finished]
     if len(todo) < len(cells) and not quiet:
         print(f"kimi ablate: {len(cells) - len(todo)} of {len(cells)} cells already in {out}; skipped", file=sys.stderr)
 
@@ -378,7 +462,7 @@ def run_grid(
     for cell in tqdm(todo, desc="ablate", unit="cell", disable=quiet):
         cfg = cell_config(base, cell)
         row: dict[str, Any] = {"cell": cell_key(cell), **{k: w for k, (w, _) in cell.items()}}
-        row.update(mode=mode, text=text.name, tokens=len(ids))
+        row.update(setting)
         if train_steps:
             res = _train_cell(checkpoint, cfg, cell, out, train_steps, train_kwargs or {})
             model = _build(cfg, load_params(CheckpointReader(res.out), cfg), backend, device)
@@ -391,9 +475,8 @@ def run_grid(
             row.update(_layer_errors(model, ref, kinds, ids[:seq_len], device))
         done.append(row)
         _write(out, done)  # one row per finished cell, never a half-written file
-    this_run = [r for r in done if (r["mode"], r["text"], r["tokens"]) == (mode, text.name, len(ids))]
-    if this_run:
-        _plot(out, this_run)  # earlier rows of another mode or text stay in the CSV, not in this figure
+    if done:
+        _plot(out, done)  # every row has this run's setting (checked above)
     return done
 
 
@@ -444,6 +527,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", metavar="PATH", help="training text for --train-steps")
     p.add_argument("--stage", default="lm", help="training stage for --train-steps (lm, indexer-warmup, sparse)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate for --train-steps")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="delete the results already in --out (ablate.csv/.json/.png, runs/) and start over; needed when they "
+        "were measured under another checkpoint, text, --tokens, --seq-len or mode",
+    )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_ablate)
     return p
@@ -473,6 +562,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
             train_steps=args.train_steps,
             train_kwargs=train_kwargs,
             quiet=args.quiet,
+            restart=args.restart,
         )
     if not args.quiet:
         for r in rows:

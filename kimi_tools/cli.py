@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from kimi.checkpoint import check_replaceable
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
 from kimi_tools import ablate, lora, train
@@ -140,7 +141,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise CliError(f"--out: {out} exists and is not empty; pass --force to overwrite its checkpoint files")
-    init_checkpoint(out, cfg, seed=args.seed, layers=args.layers)
+    init_checkpoint(out, cfg, seed=args.seed, layers=args.layers, force=args.force)
     n = args.layers or cfg.num_hidden_layers
     print(f"wrote {out} ({n} layers of {cfg.num_hidden_layers}, seed {args.seed})")
     return 0
@@ -214,6 +215,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         run_torch,
     )
 
+    if args.json:
+        check_replaceable(args.json)  # --json /dev/full: refused before the run, not replaced after it
     if args.fp8 is not None:
         _check_fp8_args(args)  # before anything is loaded: a CPU or a pre-Ada GPU is refused here
     args.dtype = args.dtype or "float32"
@@ -460,6 +463,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
     from kimi_tools.compare import first_nonfinite
 
+    check_replaceable(args.out)  # --out /dev/full: refused before the run, not replaced after it
     if not args.text and not args.ids:
         raise CliError("input: expected one of --text FILE or --ids FILE")
     with contextlib.ExitStack() as stack:

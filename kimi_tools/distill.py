@@ -35,10 +35,12 @@ Parallel layouts: under ``torchrun`` with FSDP2 (``--cp 1``) both stages equal o
 on every rank (:meth:`_IndexerStage.replicated`: their re-run happens outside the layer's forward, where FSDP2 has
 not gathered them; ``kimi train`` all-reduces their gradients), and the teacher's queries and keys are computed
 with the layer's weights gathered (``FSDPModule.unshard``, under ``no_grad``). Context parallelism (``--cp > 1``) is
-refused: the teacher distribution ``p_t`` is the attention of query t over **every** causal key of its document,
-and the KL normalises over all of them, while under CP each rank holds only its shard's keys (the CP forward also
-selects with the layer's own ``index_topk``, so the warm-up's dense view would not hold); the KL would be computed
-over the wrong key set without an error.
+refused, by ``kimi train`` up front (``check_parallel``) and by the library on a model under
+``kernels_torch.parallel.context.ContextParallel`` (:func:`refuse_context_parallel`, in :func:`capture_dsa_inputs`
+and :func:`layer_terms`, so the stages' ``loss`` and :func:`model_recall` too): the teacher distribution ``p_t`` is
+the attention of query t over **every** causal key of its document, and the KL normalises over all of them, while
+under CP each rank holds only its shard's queries (the CP forward also selects with the layer's own ``index_topk``,
+so the warm-up's dense view would not hold); the KL would be computed over the wrong key set without an error.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from kimi.config import KimiConfig
 from kimi_tools.data import IGNORE_INDEX  # noqa: F401 - re-exported: labels without a target
 
 __all__ = [
+    "refuse_context_parallel",
     "dsa_layers",
     "capture_dsa_inputs",
     "dense_selection",
@@ -73,6 +76,26 @@ __all__ = [
 DENSE_TOPK = 2**31 - 1  # an index_topk that selects every visible key: the DSA layer equals dense MLA (spec 9)
 
 
+def refuse_context_parallel(module: nn.Module) -> None:
+    """Refuse a model (or DSA layer) under :class:`kernels_torch.parallel.context.ContextParallel`: the teacher of
+    both stages and of the recall is each query's attention over every causal key of its document, while under CP a
+    layer holds only this rank's shard of the queries (and selects with its own ``index_topk``), so the KL, its
+    gradients and the recall would be wrong without an error (module docstring, parallel layouts).
+
+    Raises:
+        ValueError: ``module`` or one of its layers runs a ``ContextParallel`` forward.
+    """
+    from kernels_torch.parallel.context import attached_context_parallel
+
+    cp = attached_context_parallel(module)
+    if cp is not None:
+        raise ValueError(
+            f"model: runs under ContextParallel ({cp.world} ranks), but the indexer distillation (and its recall) "
+            "needs each query's attention over every causal key of its document, which context parallelism splits "
+            "across ranks; run it on the whole row (ContextParallel.remove(), or kimi train --cp 1)"
+        )
+
+
 def dsa_layers(model: nn.Module) -> dict[int, nn.Module]:
     """``{layer_idx: GatedMLA}`` of a torch ``KimiK3Model``'s DSA layers."""
     layers = model.model.layers
@@ -85,7 +108,11 @@ def capture_dsa_inputs(model: nn.Module) -> Iterator[dict[int, dict[str, Any]]]:
     index, ``{"x": the layer's normalised input [B, T, D], "cu_seqlens": ..., "topk_indices": [B, T, k] or None,
     "forward": the layer's aux}`` (the last forward wins). On ``cudnn`` the block sets each DSA layer's
     ``sparse_kl_aux``, so that aux also holds the sparse forward's rows and lse
-    (:func:`kernels_torch.dsa_cudnn.gated_mla_forward`). Forward hooks only; hooks and flags restored on exit."""
+    (:func:`kernels_torch.dsa_cudnn.gated_mla_forward`). Forward hooks only; hooks and flags restored on exit.
+
+    Raises:
+        ValueError: ``model`` runs under ``ContextParallel`` (:func:`refuse_context_parallel`)."""
+    refuse_context_parallel(model)
     seen: dict[int, dict[str, Any]] = {}
     handles, flags = [], []
     for i, attn in dsa_layers(model).items():
@@ -177,11 +204,12 @@ def layer_terms(
         ``{"kl_sum": scalar (gradient to the indexer only), "kl": [B, T] per query (detached), "recall": [B, T]}``.
 
     Raises:
-        ValueError: an unknown ``stage``, "sparse" without ``topk``, or "sparse" on ``cudnn`` without the sparse
-            forward's aux.
+        ValueError: an unknown ``stage``, "sparse" without ``topk``, "sparse" on ``cudnn`` without the sparse
+            forward's aux, or ``attn`` under ``ContextParallel`` (:func:`refuse_context_parallel`).
     """
     if stage not in ("warmup", "sparse"):
         raise ValueError(f"stage: got {stage!r}, expected 'warmup' or 'sparse'")
+    refuse_context_parallel(attn)
     if stage == "sparse" and topk is None:
         raise ValueError("topk: got None, expected the sparse forward's topk_indices for the sparse stage")
     x = x.detach()

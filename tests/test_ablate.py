@@ -141,3 +141,31 @@ def test_run_grid_leaves_the_pyplot_backend_alone(ckpt, tmp_path):
         assert matplotlib.get_backend() == "svg" and (tmp_path / "ablate.png").stat().st_size > 0
     finally:
         matplotlib.use(before)
+
+
+def test_rerun_refuses_rows_of_another_checkpoint_or_token_count(ckpt, tmp_path, capsys):
+    """A folder's rows are keyed by everything that changes their numbers besides the cell's overrides: a re-run on
+    another checkpoint (same shapes, other weights) or with another ``--tokens`` is refused in one line naming the
+    field, instead of reporting the first checkpoint's losses as the second's or appending duplicate cells;
+    ``--restart`` starts over."""
+    other = tmp_path / "other"
+    init_checkpoint(other, load_config("tiny"), seed=1, layers=4)
+    out = tmp_path / "abl"
+    first = ab.run_grid(ckpt, ["gate_lower_bound=-3"], out, tokens=16, seq_len=16, quiet=True)
+    assert {r["tokens"] for r in first} == {16} and len({r["checkpoint"] for r in first}) == 1
+    with pytest.raises(CliError, match=r"--out: .*another setting \(checkpoint \(abl: 'sha256:.*--restart"):
+        ab.run_grid(other, ["gate_lower_bound=-3"], out, tokens=16, seq_len=16, quiet=True)
+    with pytest.raises(CliError, match=r"another setting \(text_sha256 .*; tokens \(abl: 16, now: 24\)"):
+        ab.run_grid(ckpt, ["gate_lower_bound=-3"], out, tokens=24, seq_len=16, quiet=True)
+    assert json.loads((out / "ablate.json").read_text()) == first  # nothing appended
+    # the same setting again: every cell skipped, the same rows
+    assert ab.run_grid(ckpt, ["gate_lower_bound=-3"], out, tokens=16, seq_len=16, quiet=True) == first
+    # --restart: the other checkpoint's own numbers, one row per cell
+    rows = ab.run_grid(other, ["gate_lower_bound=-3"], out, tokens=16, seq_len=16, quiet=True, restart=True)
+    assert [r["cell"] for r in rows] == [r["cell"] for r in first]
+    assert rows[0]["checkpoint"] != first[0]["checkpoint"] and rows[0]["eval_loss"] != first[0]["eval_loss"]
+    # the CLI: one line
+    argv = ["ablate", "--checkpoint", str(ckpt), "--out", str(out), "--set", "gate_lower_bound=-3", "--tokens", "16"]
+    assert main([*argv, "--seq-len", "16", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint (abl: 'sha256:" in err[0] and "--restart" in err[0]

@@ -630,3 +630,42 @@ def test_overwrite_with_fewer_shards_removes_stale(tmp_path, cfg, params):
     save_params(tmp_path, params, cfg)
     assert sorted(_final_named(tmp_path)) == ["config.json", SINGLE_NAME, INDEX_NAME]
     assert all(_same(t, params[k]) for k, t in load_params(tmp_path).items())
+
+
+# ---------------------------------------------------------------------------------------------- atomic writes
+
+
+def test_atomic_writes_refuse_a_target_that_is_not_a_regular_file(tmp_path, cfg, params):
+    """A rename replaces whatever entry the target names: ``write_atomic`` onto a device (here a link to /dev/null,
+    so the old behaviour replaced the link, never the device), a named pipe or a folder is refused with one error
+    naming the path and what it is, and the entry is left as it was; a regular file and a link to one are written.
+    ``write_checkpoint`` checks its final names the same way before writing anything."""
+    import stat
+
+    dev = tmp_path / "null"
+    dev.symlink_to("/dev/null")
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    broken = tmp_path / "broken"
+    broken.symlink_to(tmp_path / "absent")
+    for target, what in [(dev, "a character device"), (pipe, "a named pipe"), (folder, "a folder"),
+                         (broken, "a broken symbolic link")]:  # fmt: skip
+        before = os.lstat(target)
+        with pytest.raises(FileExistsError, match=rf"^{re.escape(str(target))}: exists and is {what}, not a regular"):
+            ckpt.write_atomic(target, b"data")
+        after = os.lstat(target)
+        assert (stat.S_IFMT(after.st_mode), after.st_ino) == (stat.S_IFMT(before.st_mode), before.st_ino), target
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "folder", "null", "pipe"]  # no temporary left
+    (tmp_path / "file").write_bytes(b"old")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    for name in ("file", "link", "new"):
+        ckpt.write_atomic(tmp_path / name, b"new " + name.encode())
+        assert (tmp_path / name).read_bytes() == b"new " + name.encode()
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    os.mkfifo(out / SINGLE_NAME)
+    with pytest.raises(FileExistsError, match=rf"{SINGLE_NAME}: exists and is a named pipe"):
+        save_params(out, params, cfg)
+    assert [p.name for p in out.iterdir()] == [SINGLE_NAME] and stat.S_ISFIFO(os.lstat(out / SINGLE_NAME).st_mode)

@@ -402,6 +402,31 @@ def test_grouped_experts_left_as_they_are_where_fp8_cannot_reach_them(monkeypatc
     assert rec.grouped_experts == () and dict(rec.skipped) == {"experts": "grouped experts under emulate"}
 
 
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "cudnn"])
+def test_trainer_header_says_which_routed_experts_stay_bf16(monkeypatch, backend):
+    """``kimi train --fp8`` on CUDA (the device check faked; the conversion itself runs on the CPU): under
+    ``--backend eager`` / ``sdpa`` the routed experts run the loop kernel, which FP8 cannot reach, and the
+    description that goes into the run's header and ``run.json``'s ``conversions`` says they stay bf16 and why;
+    under ``cudnn`` they are converted and nothing is said."""
+    from types import SimpleNamespace
+
+    from kimi_tools.train.weights import fp8_converter
+
+    fp8_grouped_checker(monkeypatch)
+    cfg = load_config("tiny")
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    args = SimpleNamespace(fp8="rowwise", device="cuda", fp8_compile=False, backend=backend)
+    said = fp8_converter(KimiK3Model(cfg, backend=backend), args)
+    assert said.startswith("fp8 rowwise: "), said
+    if backend == "cudnn":
+        assert f", {n_moe} grouped experts (fp8_rowwise)" in said and "bf16" not in said, said
+    else:
+        assert said.endswith(
+            f"; routed experts stay bf16 in {n_moe} layers (the loop kernel of --backend {backend}; FP8 grouped "
+            "GEMMs run on the grouped_mm kernel of --backend cudnn)"
+        ), said
+
+
 def test_converted_cudnn_model_exports_the_checkpoint_layout(monkeypatch, tmp_path):
     """The tiny model on the cudnn backend (grouped experts on the grouped_mm kernel), converted with its experts
     wrapped: save_model writes what the unconverted model writes (the trainer's export), names and values."""

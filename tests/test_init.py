@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -106,3 +107,37 @@ def test_init_checkpoint_truncated(tmp_path, cfg, full):
     got = load_params(r)
     assert {layer_of(k) for k in got} == {None, 0, 1, 2, 3}
     assert all(_same(t, full[k]) for k, t in got.items())
+
+
+def test_init_checkpoint_refuses_an_existing_checkpoint_unless_forced(tmp_path, cfg):
+    """From Python as from ``kimi init``: a folder that already holds a checkpoint is refused (named, nothing
+    written), so trained weights are not replaced by random ones; ``force=True`` replaces it; a folder without
+    checkpoint files (absent, empty, or holding other files) is written."""
+    small = cfg.truncated(2)
+    out = tmp_path / "ck"
+    init_checkpoint(out, small, seed=0)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    with pytest.raises(FileExistsError, match=rf"^{re.escape(str(out))}: already holds a checkpoint \(config.json, "):
+        init_checkpoint(out, small, seed=1)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert init_checkpoint(out, small, seed=1, force=True) == small
+    after = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert after.keys() == before.keys() and after != before  # seed 1's weights
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    init_checkpoint(other, small, seed=0)
+    assert (other / "notes.txt").read_text() == "mine"
+    assert {f.name: f.read_bytes() for f in other.iterdir() if f.name != "notes.txt"} == before
+
+
+def test_kimi_init_force_replaces_a_checkpoint(tmp_path, capsys):
+    """``kimi init`` onto a checkpoint: refused in one line without ``--force``, replaced with it."""
+    from kimi_tools.cli import main
+
+    argv = ["init", "--preset", "tiny", "--layers", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert main([*argv, "--seed", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--force" in err[0], err
+    assert main([*argv, "--seed", "1", "--force"]) == 0

@@ -102,3 +102,50 @@ def test_cli_logits_and_compare_name_the_first_nonfinite_layer(small_ckpt, tmp_p
     assert main(["logits", "--checkpoint", str(nan), "--text", str(text), "--out", str(tmp_path / "m.st")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kimi: error: ") and "lm_head.weight" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["one-read", "streamed"])
+@pytest.mark.parametrize("where", ["prefill", "step"])
+def test_static_decode_refuses_nonfinite_logits(small_ckpt, monkeypatch, where, stream):
+    """Static decode samples on the device without a host read, so an id drawn from NaN logits is arbitrary: the
+    Decoder flags them, and ``generate(decode="static")`` raises when it reads the tokens, before any id drawn from
+    them reaches ``on_token``. NaN in the prefill's logits (the first token) or in the 3rd decode step's (one row);
+    streamed (a read per token: the tokens before are emitted) or read once at the end (none emitted). ``reset``
+    clears the flag: the same Decoder then generates."""
+    import kernels_torch.decode as kdec
+    from kernels_torch.model import load_model
+    from kimi_tools.generate import generate
+
+    model = load_model(small_ckpt, backend="eager")
+    prompts, new = [[1, 2, 3], [4, 5, 6, 7]], 6
+    dec = kdec.Decoder(model, 2, 4 + new, mode="static")
+    calls = []
+    if where == "prefill":
+        prefill = kdec.Decoder.prefill
+
+        def poisoned(self, *a, **k):
+            out = prefill(self, *a, **k)
+            out[0, 7] = float("nan")
+            return out
+
+        monkeypatch.setattr(kdec.Decoder, "prefill", poisoned)
+    else:
+        step = kdec.decode_step
+
+        def poisoned(*a, **k):
+            logits = step(*a, **k)
+            calls.append(1)
+            if len(calls) == 3:
+                logits[1, 7] = float("nan")
+            return logits
+
+        monkeypatch.setattr(kdec, "decode_step", poisoned)
+    emitted = []
+    on_token = (lambda row, tok: emitted.append((row, tok))) if stream else None
+    with pytest.raises(ValueError, match="logits: a decode step produced NaN or inf; expected finite values"):
+        generate(model, prompts, new, decode=dec, stop_token=None, on_token=on_token)
+    # streamed: tokens 0..2 of each row (the 3rd step's logits gave token 3) / none before a NaN first token
+    assert len(emitted) == (2 * 3 if stream and where == "step" else 0), emitted
+    monkeypatch.undo()
+    res = generate(model, prompts, new, decode=dec, stop_token=None)
+    assert [len(r) for r in res.tokens] == [new, new]

@@ -930,6 +930,55 @@ def test_a_damaged_step_is_named_and_the_previous_one_offered(tmp_path, capsys):
     assert _numbers(got) == _numbers(want)
 
 
+@pytest.mark.parametrize(
+    "dropped, named",
+    [
+        (("optimizer",), "optimizer (the AdamW state: "),
+        (("lr_scheduler", "dataloader"), "dataloader (the data position: 3 keys, e.g. dataloader.doc) and lr_sched"),
+    ],
+)
+def test_a_step_missing_a_part_is_named_and_the_previous_one_offered(tmp_path, capsys, monkeypatch, dropped, named):
+    """A resume state written without its AdamW state, its schedule or its data position (DCP loads what it finds):
+    --resume refuses it in one line naming the step's .metadata and the missing part, and offers the previous
+    complete step; when every step lacks it, none is offered. The full run then resumes from the complete step."""
+    from kimi_tools.train.checkpoint import Checkpointer
+
+    out = tmp_path / "r"
+    base = _small_argv(out) + ["--steps", "4", "--eval-every", "0", "--no-plot", "--save-every", "1", "--keep", "3"]
+    save = Checkpointer.save
+    cut_from = {"step": 3}
+
+    def save_without(self, step, states):
+        if step >= cut_from["step"]:
+            states = {k: v for k, v in states.items() if k not in dropped}
+        return save(self, step, states)
+
+    monkeypatch.setattr(Checkpointer, "save", save_without)
+    assert main(["train", *base, "--stop-after", "3"]) == 0
+    monkeypatch.setattr(Checkpointer, "save", save)
+    rc, err = _cli(base + ["--resume"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert f"{out / 'step-3'} is damaged: .metadata lacks {named}" in err[0], err
+    assert "the previous complete step is step-2" in err[0], err
+    cut_from["step"] = 0  # every step lacks it: nothing to offer
+    monkeypatch.setattr(Checkpointer, "save", save_without)
+    other = tmp_path / "o"
+    argv = [*base[: base.index("--out")], "--out", str(other), *base[base.index("--out") + 2 :]]
+    assert main(["train", *argv, "--stop-after", "2"]) == 0
+    monkeypatch.setattr(Checkpointer, "save", save)
+    rc, err = _cli(argv + ["--resume"], capsys)
+    assert rc == 2 and "is damaged: .metadata lacks" in err[0] and "there is no earlier complete step" in err[0], err
+    import shutil
+
+    shutil.rmtree(out / "step-3")
+    assert main(["train", *base, "--resume"]) == 0
+    whole = tmp_path / "whole"
+    assert main(["train", *_small_argv(whole), "--steps", "4", "--eval-every", "0", "--no-plot"]) == 0
+    got = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(got) == _numbers(want)
+
+
 def test_stop_request_first_signal_asks_second_interrupts():
     """In-process: the first SIGINT inside StopRequest only sets the flag (and calls on_first once), SIGTERM too;
     a second SIGINT raises KeyboardInterrupt; the handlers are restored on exit."""
@@ -1026,6 +1075,7 @@ def test_fp8_run_converts_records_and_exports_the_checkpoint_layout(tmp_path, mo
     run = json.loads((tmp_path / "fp8" / "run.json").read_text())
     assert run["args"]["fp8"] == "rowwise"
     assert len(run["conversions"]) == 1 and run["conversions"][0].startswith("fp8 rowwise: "), run["conversions"]
+    assert "routed experts stay bf16" in run["conversions"][0] and "emulation" in run["conversions"][0]
     n_proj = int(run["conversions"][0].split(": ")[1].split()[0])
     assert n_proj >= 10, run["conversions"]
     recs = [json.loads(line) for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]

@@ -61,7 +61,15 @@ from kernels_torch.indexer import indexer_scores, rope_positions, sparse_mask, t
 from kernels_torch.kda import KDACache, KimiDeltaAttention, kda_chunk
 from kernels_torch.mla import GatedMLA, mla_attention, mla_attention_absorbed
 
-__all__ = ["shard_bounds", "Shard", "make_shard", "all_gather", "gather_sequence", "ContextParallel"]
+__all__ = [
+    "shard_bounds",
+    "Shard",
+    "make_shard",
+    "all_gather",
+    "gather_sequence",
+    "ContextParallel",
+    "attached_context_parallel",
+]
 
 
 def shard_bounds(T: int, world: int) -> list[tuple[int, int]]:
@@ -382,3 +390,14 @@ class ContextParallel:
                 f"(tokens {s.start}..{s.stop} of {s.T}); call cp.shard(...) for this batch"
             )
         return s
+
+
+def attached_context_parallel(module: nn.Module) -> ContextParallel | None:
+    """The :class:`ContextParallel` whose forward ``module`` or one of its submodules runs (attached and not
+    removed), or None: for code that needs every token of a row in one place (the indexer distillation's teacher)
+    to refuse a model whose layers see only this rank's shard."""
+    for m in module.modules():
+        f = vars(m).get("forward")
+        if isinstance(f, functools.partial) and f.func in (_kda_forward, _mla_forward):
+            return f.args[1]
+    return None

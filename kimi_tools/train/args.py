@@ -212,7 +212,9 @@ class TrainArgs:
         default=None,
         metadata=arg(
             "FP8 matmuls (torchao, kernels_torch/fp8.py) for the attention and KDA projections, the shared and the "
-            "grouped routed experts, by recipe; bf16 activations, fp32 masters; a CUDA GPU of compute capability 8.9+",
+            "grouped routed experts, by recipe; bf16 activations, fp32 masters; a CUDA GPU of compute capability 8.9+ "
+            "(the routed experts with --backend cudnn only: on eager / sdpa they stay bf16, as the run's header and "
+            "run.json say)",
             choices=FP8_RECIPES,
             metavar="RECIPE",
         ),

@@ -107,16 +107,17 @@ class Checkpointer:
     def load(self, step: int, states: dict[str, Any]) -> set[str]:
         """Load ``step-{step}`` into ``states`` in place; returns the flat keys the checkpoint holds.
 
-        Partial loads are allowed because a parameter that never received a gradient (e.g. layer 0's unused
-        AttnRes mix) has no AdamW state in the checkpoint; the caller checks the rest.
+        Every part of ``states`` must be there whole (:meth:`lacking`): a step without its AdamW state, schedule,
+        data position, ... is refused, since loading it would silently restart that part. The one exception is the
+        AdamW state of a single parameter (``optimizer.state.<name>.*``): a parameter that never received a gradient
+        (e.g. layer 0's unused AttnRes mix) has none; the caller checks those.
 
         Raises:
-            ValueError: the step is damaged (:meth:`damage`, or a read that fails), naming the file where known and
-                the previous complete step.
+            ValueError: the step is damaged (:meth:`damage`, or a read that fails) or incomplete (:meth:`lacking`),
+                naming the file where known and the previous complete step.
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         problem = self.damage(step)
         path = str(self.out / f"step-{step}")
@@ -124,7 +125,11 @@ class Checkpointer:
             try:
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=".*single process.*")
-                    dcp.load(states, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+                    dcp.load(states, checkpoint_id=path, planner=(planner := _noting_planner()))
+                self._expected = set(planner.expected)  # the flat keys of `states`, for lacking()
+                lacks = self.lacking(step)
+                if lacks:
+                    raise ValueError(self.damaged_message(step, lacks))
                 return set(FileSystemReader(path).read_metadata().state_dict_metadata)
             except (KeyboardInterrupt, ValueError):
                 raise
@@ -133,9 +138,38 @@ class Checkpointer:
                 problem = f"reading it failed ({type(e).__name__}{': ' + first[-1][:200] if first else ''})"
         raise ValueError(self.damaged_message(step, problem))
 
+    _expected: set[str] = set()  # the flat keys of the states last loaded (load): what a complete step holds
+
+    def lacking(self, step: int) -> str | None:
+        """What ``step-{step}/.metadata`` lacks of the states last given to :meth:`load`, in a few words (each part,
+        what it is, how many of its keys and the first), or None when it holds every key of them except per-parameter
+        AdamW states ``optimizer.state.<name>.*`` (none for a parameter without gradients; at least one is needed)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            held = set(FileSystemReader(str(self.out / f"step-{step}")).read_metadata().state_dict_metadata)
+        except Exception:  # noqa: BLE001 - a torn .metadata: damage() names it
+            return None
+        per_param = "optimizer.state."
+        missing = sorted(k for k in self._expected - held if not k.startswith(per_param))
+        if any(k.startswith(per_param) for k in self._expected) and not any(k.startswith(per_param) for k in held):
+            missing.append(per_param + "*")
+        if not missing:
+            return None
+        parts: dict[str, list[str]] = {}
+        for k in missing:
+            parts.setdefault(k.partition(".")[0], []).append(k)
+        said = " and ".join(
+            f"{name} ({_PARTS.get(name, 'a part of the run state')}: {len(keys)} key{'s' * (len(keys) > 1)}, "
+            f"e.g. {keys[0]})"
+            for name, keys in parts.items()
+        )
+        them = "those parts" if len(parts) > 1 else "it"
+        return f".metadata lacks {said}, so resuming would silently start {them} afresh"
+
     def damaged_message(self, step: int, problem: str) -> str:
         """One line: the damaged step, what is wrong, and the previous complete step to go back to (or none)."""
-        earlier = [s for s in self.steps() if s < step and self.damage(s) is None]
+        earlier = [s for s in self.steps() if s < step and self.damage(s) is None and self.lacking(s) is None]
         where = self.out / f"step-{step}"
         if earlier:
             offer = (
@@ -145,6 +179,31 @@ class Checkpointer:
         else:
             offer = "there is no earlier complete step; start the run again with --restart"
         return f"--resume: {where} is damaged: {problem}; {offer}"
+
+
+# The parts of a resume state (the trainer's ``states()``), as a message names them.
+_PARTS = {
+    "weights": "the trainable weights",
+    "optimizer": "the AdamW state",
+    "lr_scheduler": "the learning-rate schedule",
+    "dataloader": "the data position",
+    "train_state": "the step, token count and RNG state",
+}
+
+
+def _noting_planner():
+    """DCP's default load planner with partial loads allowed (:meth:`Checkpointer.load` checks what is missing),
+    noting the flat keys of the state it loads into (``.expected``)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        expected: tuple[str, ...] = ()
+
+        def create_local_plan(self):
+            self.expected = tuple(self.state_dict)  # flattened by set_up_planner, as the plan reads them
+            return super().create_local_plan()
+
+    return Planner(allow_partial_load=True)
 
 
 def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:

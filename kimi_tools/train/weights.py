@@ -77,8 +77,9 @@ def build_model(a: TrainArgs, cfg: KimiConfig) -> nn.Module:
 
 def fp8_converter(model: nn.Module, args: TrainArgs) -> str | None:
     """``--fp8 RECIPE``: :func:`kernels_torch.fp8.convert_model_to_fp8` on the model (the LoRA-wrapped projections'
-    frozen base layers included; names and ``requires_grad`` unchanged). Returns what it converted, for the header
-    and ``run.json``'s ``conversions``.
+    frozen base layers included; names and ``requires_grad`` unchanged). Returns what it converted, and the routed
+    experts it left in bf16 with the reason (:func:`_experts_left_bf16`), for the header and ``run.json``'s
+    ``conversions``.
 
     Raises:
         FP8UnsupportedError: (a ValueError) the device cannot run FP8 or torchao is missing.
@@ -90,7 +91,32 @@ def fp8_converter(model: nn.Module, args: TrainArgs) -> str | None:
     rec = convert_model_to_fp8(model, args.fp8, device=args.device, compile_linears=args.fp8_compile)
     experts = f", {len(rec.grouped_experts)} grouped experts ({rec.grouped_recipe})" if rec.grouped_experts else ""
     compiled = " (compiled)" if rec.compiled else ""
-    return f"fp8 {rec.recipe}: {len(rec.linears)} projections{compiled}{experts}, torchao {rec.torchao_version}"
+    return (
+        f"fp8 {rec.recipe}: {len(rec.linears)} projections{compiled}{experts}, torchao {rec.torchao_version}"
+        + _experts_left_bf16(rec, args)
+    )
+
+
+def _experts_left_bf16(rec, args: TrainArgs) -> str:
+    """``"; routed experts stay bf16 in N layers (why)"`` when the conversion left grouped experts as they are
+    (``FP8Conversion.skipped``), else ``""``: a run whose experts (most of a MoE model's GEMMs) are not FP8 says so
+    in its header and ``run.json``. The loop kernel (``--backend eager`` / ``sdpa``, or ``$KIMI_MOE_KERNEL=loop``)
+    indexes each expert's weight, which torchao's FP8 grouped GEMM cannot wrap; only ``--backend cudnn`` runs them
+    on ``grouped_mm``."""
+    reasons: dict[str, int] = {}
+    for _, reason in rec.skipped:
+        if reason.startswith("grouped experts"):
+            reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return ""
+    why = {
+        "grouped experts on the loop kernel": f"the loop kernel of --backend {args.backend}; FP8 grouped GEMMs run "
+        "on the grouped_mm kernel of --backend cudnn",
+        "grouped experts under emulate": "torchao's emulation has no FP8 grouped GEMM",
+    }
+    n = sum(reasons.values())
+    said = "; ".join(why.get(r, r) for r in reasons)
+    return f"; routed experts stay bf16 in {n} layer{'s' * (n > 1)} ({said})"
 
 
 CONVERTERS: list[Callable[[Any, Any], str | None]] = [fp8_converter]
