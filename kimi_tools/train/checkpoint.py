@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kimi.checkpoint import DiskFullError, is_disk_full
 from kimi_tools.common import TOKENIZER_FILES, copy_tokenizer
 
 if TYPE_CHECKING:
@@ -65,9 +66,17 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         if par is not None:
             par.barrier()
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(states, checkpoint_id=str(tmp))
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.save(states, checkpoint_id=str(tmp))
+        except BaseException as e:  # DCP raises CheckpointException, a BaseException, wrapping each rank's error
+            if par is None or par.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)  # no half-written .step-N.tmp folder stays behind
+            code = is_disk_full(e)
+            if code:
+                raise DiskFullError(tmp, code, what=f"saving the resume state of step {step} into") from None
+            raise
         if par is not None:
             par.barrier()
             if not par.is_writer:
