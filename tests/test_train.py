@@ -1053,3 +1053,34 @@ def test_a_field_added_off_by_default_keeps_earlier_fingerprints():
     assert fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0] != fp
     with_fp8 = fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0]
     assert fingerprint(dataclasses.replace(a, fp8="rowwise", fp8_compile=True), cfg)[0] != with_fp8
+
+
+def test_a_step_overwritten_inside_is_named_and_a_killed_save_is_cleaned(tmp_path, capsys):
+    """4 KB overwritten at the start of a ``step-N/*.distcp`` (the size unchanged, so the size check passes): --resume
+    names the step and offers the previous one in one line, no traceback. A ``.step-N.tmp-PID/`` left by a killed
+    save (its process gone) is removed when the run resumes."""
+    import subprocess
+
+    out = tmp_path / "r"
+    base = _small_argv(out) + ["--steps", "3", "--eval-every", "0", "--no-plot", "--save-every", "1", "--keep", "3"]
+    assert main(["train", *base, "--stop-after", "2"]) == 0
+    shard = next((out / "step-2").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    assert len(data) > 4096
+    data[:4096] = np.random.default_rng().integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    shard.write_bytes(bytes(data))
+    rc, err = _cli(base + ["--resume"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert f"{out / 'step-2'} is damaged: reading it failed" in err[0], err
+    assert "the previous complete step is step-1" in err[0] and "Traceback" not in err[0], err
+    import shutil
+
+    shutil.rmtree(out / "step-2")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid whose process is gone
+    killed = out / f".step-2.tmp-{dead.pid}"
+    killed.mkdir()
+    (killed / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert main(["train", *base, "--resume"]) == 0
+    assert not killed.exists()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".", "step-"))) == ["step-1", "step-2", "step-3"]

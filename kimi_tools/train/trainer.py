@@ -242,6 +242,9 @@ class Trainer:
         run); ``--resume`` loads the latest complete step and the records up to it."""
         a, par, out = self.args, self.par, self.out
         if a.resume:
+            if par.is_writer:
+                self.checkpointer.clean_stale()  # what a killed save left (.step-N.tmp-PID/)
+            par.barrier()
             self._load_latest()
         else:
             if a.restart and par.is_writer:
