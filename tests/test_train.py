@@ -1084,3 +1084,34 @@ def test_a_step_overwritten_inside_is_named_and_a_killed_save_is_cleaned(tmp_pat
     assert main(["train", *base, "--resume"]) == 0
     assert not killed.exists()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith((".", "step-"))) == ["step-1", "step-2", "step-3"]
+
+
+def test_rows_longer_than_the_data_are_refused_before_anything_is_written(tmp_path, capsys):
+    """--seq-len (or a micro-batch, or a step) beyond the training tokens is refused in one line naming the flag and
+    the token counts, and nothing is written, so the fixed command runs; an eval set shorter than --seq-len is
+    evaluated once, in one shorter row (its tokens are not repeated to fill a row)."""
+    from kimi_tools.train.trainer import Trainer
+
+    out = tmp_path / "r"
+    argv = ["--layers", "1", "--steps", "1", "--quiet", "--no-plot", "--data", str(DEFAULT_TEXT), "--out", str(out)]
+    probe = Trainer(TrainArgs(data=[str(DEFAULT_TEXT)], layers=1, steps=1, seq_len=16, out=str(out)))
+    n_train = probe.num_tokens
+    for extra, flag in (
+        (["--seq-len", "100000"], "--seq-len: got 100,000"),
+        (["--seq-len", "16", "--micro-batch-tokens", str(16 * (n_train // 16 + 1))], "--micro-batch-tokens: got"),
+        (["--seq-len", "16", "--batch-tokens", str(16 * (n_train // 16 + 1))], "--batch-tokens: got"),
+    ):
+        rc, err = _cli(argv + extra, capsys)
+        assert rc == 2 and len(err) == 1 and flag in err[0], err
+        assert f"holds {n_train:,} training tokens" in err[0] and f"at most {n_train:,}" in err[0], err
+        assert not out.exists()
+    rc, err = _cli(argv + ["--seq-len", "16", "--eval-tokens", "16"], capsys)  # the same command, sizes that fit
+    assert rc == 0, err
+    short = Trainer(TrainArgs(data=[str(DEFAULT_TEXT)], layers=1, steps=1, seq_len=1024, out=str(tmp_path / "s")))
+    from kimi_tools.data import split_tail, tokenize_documents
+
+    held = split_tail(tokenize_documents(read_documents([DEFAULT_TEXT]), short.tokenizer.encode), 0.05)[1]
+    n_eval = sum(len(d) for d in held)
+    assert n_eval < 1024 <= short.num_tokens
+    assert [b.num_tokens for b in short.evals] == [n_eval]  # one row, each held-out token once
+    assert torch.equal(short.evals[0].input_ids[0], torch.from_numpy(np.concatenate(held)))
