@@ -1115,3 +1115,21 @@ def test_rows_longer_than_the_data_are_refused_before_anything_is_written(tmp_pa
     assert n_eval < 1024 <= short.num_tokens
     assert [b.num_tokens for b in short.evals] == [n_eval]  # one row, each held-out token once
     assert torch.equal(short.evals[0].input_ids[0], torch.from_numpy(np.concatenate(held)))
+
+
+def test_a_folder_that_is_no_run_gets_one_answer_with_or_without_resume(tmp_path, capsys):
+    """A non-empty --out without run.json: the plain command does not send the user to --resume, and --resume gives
+    the same answer (another --out), so the two messages agree."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    argv = _small_argv(out) + ["--steps", "2"]
+    answers = []
+    for extra in ([], ["--resume"]):
+        rc, err = _cli(argv + extra, capsys)
+        assert rc == 2 and len(err) == 1, err
+        assert "holds files but no run.json, so it is no kimi train run" in err[0], err
+        assert "choose another --out" in err[0] and "pass --resume" not in err[0], err
+        answers.append(err[0].split(": ", 3)[3])  # after "kimi: error: <flag>: "
+    assert answers[0] == answers[1]
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]

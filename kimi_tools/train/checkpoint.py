@@ -218,6 +218,8 @@ def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
     if a.resume:
         run_json = out / RUN_JSON
         if not run_json.is_file():
+            if out.exists() and (not out.is_dir() or any(out.iterdir())):
+                raise ValueError(_not_a_run(out, "--resume"))
             raise ValueError(f"--resume: {out} holds no run (no {RUN_JSON}); start it without --resume")
         saved = json.loads(run_json.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != fingerprint:
@@ -254,9 +256,17 @@ def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
                 f"--out: {out} exists and is not empty: it holds a run; pass --resume to continue it, --restart to "
                 "start it again from scratch (deleting it), or choose another --out"
             )
-        raise ValueError(
-            f"--out: {out} exists and is not empty; pass --resume to continue the run there, or choose another --out"
-        )
+        raise ValueError(_not_a_run(out, "--out"))
+
+
+def _not_a_run(out: Path, flag: str) -> str:
+    """The one answer for a non-empty ``--out`` that is no run, with or without ``--resume``: nothing there to
+    resume or restart, so another folder."""
+    what = "is a file" if not out.is_dir() else f"holds files but no {RUN_JSON}"
+    return (
+        f"{flag}: {out} {what}, so it is no kimi train run (nothing to --resume or --restart there); choose "
+        "another --out (a new or empty folder) and start the run without --resume"
+    )
 
 
 def run_files(out: Path) -> list[Path]:
