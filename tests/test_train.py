@@ -1133,3 +1133,14 @@ def test_a_folder_that_is_no_run_gets_one_answer_with_or_without_resume(tmp_path
         answers.append(err[0].split(": ", 3)[3])  # after "kimi: error: <flag>: "
     assert answers[0] == answers[1]
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+
+
+def test_fp8_on_a_cpu_in_fp32_reports_both_problems_at_once():
+    """``--fp8`` in fp32 on a CPU: one error asks for --dtype bfloat16 and says FP8 needs a CUDA GPU."""
+    from kimi_tools.train.args import resolve
+
+    with pytest.raises(ValueError) as ei:
+        resolve(TrainArgs(data=[str(DEFAULT_TEXT)], out="x", fp8="rowwise", device="cpu"))
+    msg = str(ei.value)
+    assert msg.startswith("--fp8: ") and "\n" not in msg
+    assert "got --dtype float32, expected bfloat16" in msg and "need a CUDA GPU" in msg, msg
