@@ -556,7 +556,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
     import torch
 
     from kernels_torch.model import load_model, save_model
-    from kimi_tools.common import CliError, copy_tokenizer
+    from kimi_tools.common import CliError, copy_tokenizer, refuse_adapter_folder
 
     out = Path(args.out)
     for name, src in (("--checkpoint", args.checkpoint), ("--adapter", args.adapter)):
@@ -566,6 +566,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
         raise CliError(f"--out: {out} is not empty (use --force to write into it)")
     if not Path(args.checkpoint).is_dir():
         raise CliError(f"--checkpoint: no checkpoint directory at {args.checkpoint}")
+    refuse_adapter_folder(args.checkpoint, "the command")  # the adapter given as the base
     try:
         require_peft()
     except ImportError as e:

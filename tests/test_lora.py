@@ -426,3 +426,33 @@ def test_merge_refuses_another_base_unless_forced(cfg, tmp_path, capsys):
     assert main([*args, "--checkpoint", str(tmp_path / "other"), "--out", str(tmp_path / "m1"), "--force-base"]) == 0
     assert "differs from the adapter's (--force-base)" in capsys.readouterr().out
     assert main([*args, "--checkpoint", str(tmp_path / "base"), "--out", str(tmp_path / "m2")]) == 0
+
+
+def test_an_adapter_folder_as_checkpoint_says_to_merge_in_every_command(tmp_path, capsys):
+    """A LoRA adapter folder passed as ``--checkpoint`` (to compare, train, ablate, logits, forward, info, and
+    as the base of lora merge): one line saying it is an adapter and giving the merge command with the recorded base
+    (``kimi_tools.common.refuse_adapter_folder``), not "config.json: no file"."""
+    from kimi_tools.cli import main
+    from kimi_tools.common import DEFAULT_TEXT
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/ckpts/base"}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    a = str(adapter)
+    argvs = {
+        "compare": ["compare", "--checkpoint", a, "--tokens", "8", "--backends", "eager", "--quiet"],
+        "train": ["train", "--checkpoint", a, "--data", str(DEFAULT_TEXT), "--out", str(tmp_path / "run")],
+        "ablate": ["ablate", "--checkpoint", a, "--set", "index_topk=8", "--out", str(tmp_path / "ab")],
+        "logits": ["logits", "--checkpoint", a, "--text", str(DEFAULT_TEXT), "--out", str(tmp_path / "l.st")],
+        "forward": ["forward", "--checkpoint", a],
+        "info": ["info", "--checkpoint", a],
+        "lora": ["lora", "merge", "--checkpoint", a, "--adapter", a, "--out", str(tmp_path / "m")],
+    }
+    for name, argv in argvs.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--checkpoint: {a} is a LoRA adapter folder" in err[0], (name, err)
+        assert f"kimi lora merge --checkpoint /ckpts/base --adapter {a} --out MERGED" in err[0], (name, err)
+        assert "no file" not in err[0], (name, err)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ab").exists()

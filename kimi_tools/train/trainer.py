@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimi.checkpoint import write_atomic
+from kimi_tools.common import CliError, refuse_adapter_folder
 from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, resolve
 from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
 from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
@@ -170,6 +171,10 @@ class Trainer:
             raise ValueError(
                 "--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here"
             )
+        try:
+            refuse_adapter_folder(a.checkpoint, "kimi train")
+        except CliError as e:
+            raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
         self.par = par = TrainParallel(a.cp, a.device)  # torchrun: FSDP2 + context parallelism; else a no-op
