@@ -456,3 +456,34 @@ def test_an_adapter_folder_as_checkpoint_says_to_merge_in_every_command(tmp_path
         assert f"kimi lora merge --checkpoint /ckpts/base --adapter {a} --out MERGED" in err[0], (name, err)
         assert "no file" not in err[0], (name, err)
     assert not (tmp_path / "run").exists() and not (tmp_path / "ab").exists()
+
+
+@pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("torchao") is None, reason="torchao is not installed: nothing to hush"
+)
+def test_lora_and_merge_runs_print_no_torchao_noise(tmp_path):
+    """peft imports transformers, which imports torchao when installed: on a CPU that printed "Failed to load
+    ..._C_mxfp8...so" and pytree deprecation lines in every LoRA and merge run. A fresh process trains a LoRA
+    adapter and merges it: its stderr holds none of them."""
+    import os
+    import subprocess
+    import sys
+
+    from kimi_tools.common import DEFAULT_TEXT
+
+    script = f"""
+from kimi.config import load_config
+from kimi.init import init_checkpoint
+from kimi_tools.cli import main
+init_checkpoint({str(tmp_path / "base")!r}, load_config("tiny").truncated(1), seed=0)
+assert main(["train", "--checkpoint", {str(tmp_path / "base")!r}, "--data", {str(DEFAULT_TEXT)!r}, "--lora-rank", "2",
+             "--steps", "1", "--seq-len", "16", "--eval-tokens", "16", "--quiet", "--no-plot",
+             "--out", {str(tmp_path / "ad")!r}]) == 0
+assert main(["lora", "merge", "--checkpoint", {str(tmp_path / "base")!r}, "--adapter", {str(tmp_path / "ad")!r},
+             "--out", {str(tmp_path / "merged")!r}]) == 0
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Failed to load" not in res.stderr and "_pytree" not in res.stderr, res.stderr[-3000:]
+    assert "is an Enum subclass" not in res.stderr, res.stderr[-3000:]
