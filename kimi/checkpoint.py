@@ -122,7 +122,8 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         try:
-            free = f" ({_free_bytes(Path(self.filename)):,} bytes free there now)"
+            n = _free_bytes(Path(self.filename))
+            free = f" ({n / 2**30:.1f} GiB free there now)" if n >= 2**30 else f" ({n / 2**20:.1f} MiB free there now)"
         except OSError:
             free = ""
         return (
@@ -872,8 +873,8 @@ def write_stream(
     Raises:
         ValueError: ``max_shard_bytes`` not a positive int.
         CheckpointError: a produced tensor whose shape or dtype differs from its spec (nothing is committed).
-        DiskFullError: the disk (or the quota) filled up, naming the file being written; the temporary files are
-            removed, and the folder too when this call created it and it is left empty.
+        DiskFullError: the disk (or the quota) filled up, naming the folder; the temporary files are removed, and
+            the folder too when this call created it and it is left empty.
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes: got {max_shard_bytes!r}, expected a positive integer")
@@ -918,7 +919,7 @@ def write_stream(
             path.rmdir()
         code = is_disk_full(e) if isinstance(e, OSError) else None
         if code and not isinstance(e, DiskFullError):
-            raise DiskFullError(path / tmps[-1][1] if tmps else path, code) from e
+            raise DiskFullError(path, code, what="writing the checkpoint into") from e
         raise
     # Commit: drop any old index (de-commit), move the data files in place, then the index.
     old_files: set[str] = set()

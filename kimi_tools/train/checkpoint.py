@@ -78,7 +78,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)  # no half-written .step-N.tmp folder stays behind
             code = is_disk_full(e)
             if code:
-                raise DiskFullError(tmp, code, what=f"saving the resume state of step {step} into") from None
+                raise DiskFullError(final, code, what=f"saving the resume state of step {step} as") from None
             raise
         if par is not None:
             par.barrier()
