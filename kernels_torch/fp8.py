@@ -73,6 +73,7 @@ runs through its own ``te.Linear`` / ``te.GroupedLinear`` modules, which would r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import logging
@@ -95,6 +96,7 @@ __all__ = [
     "FP8Conversion",
     "check_fp8_supported",
     "import_torchao",
+    "quiet_torchao_import",
     "check_recipe",
     "convert_model_to_fp8",
     "fp8_record",
@@ -230,6 +232,27 @@ def _cap(cap: Sequence[int]) -> str:
     return f"{cap[0]}.{cap[1]}"
 
 
+# Loggers that speak while torchao is imported on a machine it was not built for: torchao's own ("Failed to load
+# .../torchao/_C_mxfp8...so": C++ extensions for another torch, used by neither the FP8 training path nor LoRA)
+# and torch's pytree (a deprecation line for each Enum that torchao registers as a constant).
+TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_torchao_import():
+    """Hold :data:`TORCHAO_IMPORT_LOGGERS` at ERROR for the block: wrap what imports torchao, directly or not (peft
+    imports transformers, which imports torchao whenever it is installed, FP8 asked for or not)."""
+    loggers = [logging.getLogger(n) for n in TORCHAO_IMPORT_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
 def import_torchao():
     """Import torchao (quietly: on a torch other than its build's, it logs that its C++ extensions did not load; the
     FP8 training path uses none of them) and check its version. Returns the module.
@@ -237,19 +260,15 @@ def import_torchao():
     Raises:
         FP8UnsupportedError: torchao is not installed, or its version is outside :data:`TORCHAO_REQUIREMENT`.
     """
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
     try:
-        import torchao
-        import torchao.float8  # noqa: F401
+        with quiet_torchao_import():
+            import torchao
+            import torchao.float8  # noqa: F401
     except ImportError as e:
         raise FP8UnsupportedError(
             f"--fp8: needs torchao{TORCHAO_REQUIREMENT} (pip install 'torchao{TORCHAO_REQUIREMENT}', or the fp8 "
             f"extra), which is not importable here: {e}"
         ) from e
-    finally:
-        log.setLevel(level)
     version = getattr(torchao, "__version__", "unknown")
     try:
         major_minor = tuple(int(p) for p in version.split("+")[0].split(".")[:2])

@@ -285,7 +285,8 @@ class KimiK3Model(nn.Module):
         return (logits, auxes, cache) if return_aux else (logits, cache)
 
     def padded(self, input_ids, attention_mask, *, mla_form="expanded", on_layer=None):
-        """A padded batch: ``attention_mask`` ``[B, T]`` (bool or 0/1, 1 = real token). The masked tokens are
+        """A padded batch: ``attention_mask`` ``[B, T]`` (bool, or 0/1 in an integer or floating dtype; 1 = real
+        token). The masked tokens are
         dropped and the rows run as packed documents (``cu_seqlens``), so each row's logits at its real positions
         equal that row run alone, whatever the padding side; logits at padded positions are 0. The same holds in
         ``reference_jax.model.KimiK3Model.padded``.
@@ -348,8 +349,14 @@ def _check_attention_mask(attention_mask, shape) -> torch.Tensor:
     m = torch.as_tensor(attention_mask)
     if tuple(m.shape) != tuple(shape):
         raise ValueError(f"attention_mask: got shape {tuple(m.shape)}, expected [B, T]={list(shape)} like input_ids")
-    if m.is_floating_point() or m.is_complex() or bool(((m != 0) & (m != 1)).any()):
-        raise ValueError(f"attention_mask: got dtype {m.dtype} with values outside {{0, 1}}; expected bool or 0/1 ints")
+    if m.is_complex():
+        raise ValueError(f"attention_mask: got dtype {m.dtype}, expected bool, integer or floating 0/1 values")
+    bad = (m != 0) & (m != 1)  # a float 0./1. mask (torch.ones(B, T)) is as good as an int one; NaN is refused
+    if bool(bad.any()):
+        raise ValueError(
+            f"attention_mask: got the value {m[bad].flatten()[0].item()!r} (dtype {m.dtype}), expected only 0 and 1 "
+            "(or bool): 1 = a real token, 0 = padding"
+        )
     m = m.to("cpu", torch.bool)
     if not bool(m.any()):
         raise ValueError("attention_mask: got no real token (all zeros), expected at least one 1")

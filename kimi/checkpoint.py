@@ -31,6 +31,7 @@ layer indices.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -51,6 +52,8 @@ from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
+    "DiskFullError",
+    "is_disk_full",
     "load_params",
     "nonfinite_tensors",
     "load_arrays",
@@ -108,6 +111,63 @@ class CheckpointError(ValueError):
     def __init__(self, message: str, problems: list[str] | None = None):
         super().__init__(message)
         self.problems = list(problems or [])
+
+
+class DiskFullError(OSError):
+    """A write that failed because the file system is full (``ENOSPC``, or ``EDQUOT``: the user's quota): one line
+    naming the path being written and saying so, instead of a bare ``[Errno 28]``. An ``OSError`` (``errno`` kept,
+    ``filename`` the path), so callers that handle ``OSError`` keep working."""
+
+    def __init__(self, path: str | os.PathLike, code: int = errno.ENOSPC, what: str = "writing"):
+        super().__init__(code, os.strerror(code), str(path))
+        self.what = what
+
+    def __str__(self) -> str:
+        try:
+            n = _free_bytes(Path(self.filename))
+            free = f" ({n / 2**30:.1f} GiB free there now)" if n >= 2**30 else f" ({n / 2**20:.1f} MiB free there now)"
+        except OSError:
+            free = ""
+        return (
+            f"{self.what} {self.filename} failed: the disk is full ({self.strerror}){free}; nothing was left "
+            "half-written: free some space (or write somewhere else) and run the command again"
+        )
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path`` (its nearest existing parent)."""
+    import shutil
+
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# What a short write looks like once torch's zip writer (``torch.save``, DCP's shards) has swallowed the OSError.
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "unexpected pos")
+
+
+def is_disk_full(exc: BaseException | None) -> int | None:
+    """The errno (``ENOSPC`` / ``EDQUOT``) when ``exc`` (or an exception it was raised from, or, for a DCP
+    ``CheckpointException``, one of its ranks' failures) says the disk is full; else None. torch's zip writer
+    reports a short write as ``RuntimeError: ... unexpected pos``, which counts as ``ENOSPC``."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
+            return e.errno
+        if isinstance(e, (OSError, RuntimeError)) and any(t in str(e) for t in _DISK_FULL_TEXT):
+            return errno.EDQUOT if "quota" in str(e) else errno.ENOSPC
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException: rank -> error
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def _fmt(shape: Iterable[int], dtype: str) -> str:
@@ -789,10 +849,14 @@ def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
     """``data`` written and fsynced to a fresh temporary file in folder ``path`` (named after ``final``), opened as
     ``open(..., "wb")`` would (mode ``0o666`` less the umask); the caller renames it into place."""
     tmp = _tmp_name(path, final)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # e.g. the disk filled up part-way: no temporary file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
@@ -809,7 +873,8 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     Raises:
         FileExistsError: ``path`` exists and is not a regular file (a device such as ``/dev/full``, a folder, a
             named pipe: :func:`check_replaceable`); nothing is written.
-        OSError: the write itself fails (no space, no permission).
+        OSError: the write itself fails (no permission).
+        DiskFullError: the disk (or the quota) is full, naming ``path``; the temporary file is removed.
     """
     path = Path(path)
     check_replaceable(path)
@@ -819,6 +884,10 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         tmp = _write_bytes_tmp(path.parent, path.name, data)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as e:
+        if is_disk_full(e) and not isinstance(e, DiskFullError):
+            raise DiskFullError(path, is_disk_full(e)) from e
+        raise
     finally:
         if tmp is not None and tmp.exists():
             tmp.unlink()
@@ -845,10 +914,13 @@ def write_stream(
         ValueError: ``max_shard_bytes`` not a positive int.
         CheckpointError: a produced tensor whose shape or dtype differs from its spec (nothing is committed).
         FileExistsError: one of the final names exists and is not a regular file (:func:`check_replaceable`).
+        DiskFullError: the disk (or the quota) filled up, naming the folder; the temporary files are removed, and
+            the folder too when this call created it and it is left empty.
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes: got {max_shard_bytes!r}, expected a positive integer")
     path = Path(path)
+    created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     prefix = config.key_prefix
     shards = _plan_shards(specs, max_shard_bytes)
@@ -883,9 +955,14 @@ def write_stream(
         }
         index_tmp = _write_bytes_tmp(path, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
         tmps.append((index_tmp, INDEX_NAME))
-    except BaseException:
+    except BaseException as e:
         for tmp, _ in tmps:
             tmp.unlink(missing_ok=True)
+        if created and not any(path.iterdir()):
+            path.rmdir()
+        code = is_disk_full(e) if isinstance(e, OSError) else None
+        if code and not isinstance(e, DiskFullError):
+            raise DiskFullError(path, code, what="writing the checkpoint into") from e
         raise
     # Commit: drop any old index (de-commit), move the data files in place, then the index.
     old_files: set[str] = set()

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi.checkpoint import write_atomic
-from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, set_item_error
+from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, refuse_adapter_folder, set_item_error
 
 __all__ = [
     "parse_grid",
@@ -544,6 +544,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
     if not args.sets:
         raise CliError("--set: give at least one grid axis, e.g. --set index_topk=16,32,dense")
+    refuse_adapter_folder(args.checkpoint, "kimi ablate")
     with tempfile.TemporaryDirectory(prefix="kimi-") as tmp:
         ckpt = args.checkpoint
         if ckpt is None:

@@ -35,6 +35,7 @@ from kimi_tools.common import (
     apply_overrides,
     materialise_checkpoint,
     positive_int,
+    refuse_adapter_folder,
     token_ids,
     write_atomic,
 )
@@ -48,6 +49,7 @@ __all__ = ["main"]
 def cmd_info(args: argparse.Namespace) -> int:
     """``kimi info``: the layer plan and parameter counts of a preset, config or checkpoint (``--json``: one
     object). Returns 0; a bad source raises ConfigError / CheckpointError (one ``kimi: error:`` line)."""
+    refuse_adapter_folder(args.checkpoint, "kimi info")
     cfg = load_config(args.preset, getattr(args, "config", None), args.checkpoint)
     counts = param_counts(cfg)
     plan = layer_plan(cfg)

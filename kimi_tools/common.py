@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_TEXT",
     "Progress",
     "materialise_checkpoint",
+    "refuse_adapter_folder",
     "token_ids",
     "copy_tokenizer",
 ]
@@ -131,12 +132,43 @@ class Progress:
             self._bar.close()
 
 
+def refuse_adapter_folder(checkpoint: str | Path | None, command: str = "the same command") -> None:
+    """Refuse a LoRA adapter folder (peft's ``adapter_config.json``, what ``kimi train --lora-rank`` writes) given
+    as ``--checkpoint``: it holds the adapters only, not a model. The one-line error says how to merge it into its
+    base (recorded in the adapter's ``base_model_name_or_path`` when known) and then run ``command`` on the merged
+    folder. ``checkpoint`` None (a preset) passes.
+
+    Raises:
+        CliError: ``checkpoint`` is an adapter folder.
+    """
+    from kimi_tools.lora import ADAPTER_CONFIG
+
+    if checkpoint is None or not (Path(checkpoint) / ADAPTER_CONFIG).is_file():
+        return
+    try:
+        base = json.loads((Path(checkpoint) / ADAPTER_CONFIG).read_text(encoding="utf-8")).get(
+            "base_model_name_or_path"
+        )
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        base = None
+    raise CliError(
+        f"--checkpoint: {checkpoint} is a LoRA adapter folder ({ADAPTER_CONFIG}), not a checkpoint; merge it into "
+        f"its base first: kimi lora merge --checkpoint {base or 'BASE'} --adapter {checkpoint} --out MERGED, then "
+        f"run {command} with --checkpoint MERGED"
+    )
+
+
 def materialise_checkpoint(args: argparse.Namespace, stack) -> tuple[Path, str]:
     """The checkpoint to run: ``--checkpoint DIR``, or a deterministic random init of ``--preset`` (default tiny)
-    written once to a temporary directory. Returns (path, description)."""
+    written once to a temporary directory. Returns (path, description).
+
+    Raises:
+        CliError: ``--checkpoint`` is a LoRA adapter folder (:func:`refuse_adapter_folder`).
+    """
     from kimi.init import init_checkpoint
 
     if args.checkpoint is not None:
+        refuse_adapter_folder(args.checkpoint, f"kimi {getattr(args, 'cmd', None) or '...'}")
         return Path(args.checkpoint), f"checkpoint {args.checkpoint}"
     name = args.preset or "tiny"
     cfg = load_config(name)

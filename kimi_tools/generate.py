@@ -48,11 +48,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kimi_tools.common import CliError, add_source, materialise_checkpoint, positive_int
+from kimi_tools.common import CliError, add_source, materialise_checkpoint, positive_int, refuse_adapter_folder
 
 __all__ = ["GenerateResult", "generate", "sample", "add_parser", "cmd_generate", "DECODE_MODES", "SYNC_EVERY"]
 
 DECODE_MODES = ("auto", "graph", "compile", "static", "loop")
+CUDA_DECODE_MODES = ("graph", "compile")  # the static step captured in CUDA graphs: CUDA only
 SYNC_EVERY = 16  # static decode, not streaming, with a stop token: read the new tokens every this many steps
 
 
@@ -257,9 +258,14 @@ def _decode_mode(model, params, decode):
         if decode not in ("auto", "loop"):
             raise ValueError(f"decode: got {decode!r} with the JAX model, expected 'loop' (or 'auto')")
         return "loop"
+    on_cuda = next(model.parameters()).is_cuda
+    if decode in CUDA_DECODE_MODES and not on_cuda:
+        raise ValueError(
+            f"decode: got {decode!r}, which captures CUDA graphs, but the model is on "
+            f"{next(model.parameters()).device}; expected 'static' (the same step, uncaptured) or 'loop' off CUDA"
+        )
     if decode != "auto":
         return decode
-    on_cuda = next(model.parameters()).is_cuda
     return "graph" if getattr(model, "backend", None) == "cudnn" and on_cuda else "loop"
 
 
@@ -408,34 +414,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _refuse_adapter_folder(checkpoint) -> None:
-    """A LoRA adapter folder (peft's ``adapter_config.json``) is not a checkpoint: say how to merge it first."""
-    import json
-
-    from kimi_tools.lora import ADAPTER_CONFIG
-
-    if checkpoint is None or not (Path(checkpoint) / ADAPTER_CONFIG).is_file():
-        return
-    try:
-        base = json.loads((Path(checkpoint) / ADAPTER_CONFIG).read_text(encoding="utf-8")).get(
-            "base_model_name_or_path"
-        )
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        base = None
-    raise CliError(
-        f"--checkpoint: {checkpoint} is a LoRA adapter folder ({ADAPTER_CONFIG}), not a checkpoint; merge it into "
-        f"its base first: kimi lora merge --checkpoint {base or 'BASE'} --adapter {checkpoint} --out MERGED, then "
-        "kimi generate --checkpoint MERGED"
-    )
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     """``kimi generate``: load, prefill, decode; text to stdout as it comes, statistics to stderr."""
     import contextlib
 
     from kimi.tokenizer import load_tokenizer
 
-    _refuse_adapter_folder(args.checkpoint)
+    refuse_adapter_folder(args.checkpoint, "kimi generate")
+    device = args.device or ("cuda" if args.backend == "cudnn" else "cpu")
+    if args.decode in CUDA_DECODE_MODES and args.backend != "jax" and device != "cuda":
+        raise CliError(
+            f"--decode: got {args.decode!r}, which captures CUDA graphs, but the model would run on {device} "
+            f"(--device); expected --decode static (the same static-shape step, uncaptured) or loop on the CPU, or "
+            "--device cuda"
+        )
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():

@@ -104,6 +104,7 @@ class LoraSettings:
 
     def peft_config(self, names: Sequence[str]):
         """The peft ``LoraConfig`` that wraps exactly the modules ``names``."""
+        _import_peft()
         from peft import LoraConfig
 
         return LoraConfig(
@@ -116,9 +117,24 @@ class LoraSettings:
         )
 
 
+def _import_peft():
+    """Import peft (once) with torchao's import noise held back: peft imports transformers, which imports torchao
+    when it is installed, and on a CPU (or a torch other than torchao's build) that logs "Failed to load ..._C_*.so"
+    and pytree deprecation lines although LoRA uses nothing of torchao
+    (:func:`kernels_torch.fp8.quiet_torchao_import`). Raises ImportError when peft is missing."""
+    import sys
+
+    if "peft" not in sys.modules:
+        from kernels_torch.fp8 import quiet_torchao_import
+
+        with quiet_torchao_import():
+            import peft  # noqa: F401
+
+
 def require_peft() -> None:
     """Raises ImportError with the install line when peft (the ``lora`` extra) is missing."""
     try:
+        _import_peft()
         import peft  # noqa: F401
     except ImportError:
         raise ImportError("LoRA needs the peft package: pip install 'kimi-k3[lora]' (or pip install peft)") from None
@@ -232,6 +248,7 @@ def resolve_targets(model: nn.Module, settings: LoraSettings) -> list[str]:
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The LoRA-wrapped layers of ``model`` (peft ``LoraLayer``), by full module name."""
+    _import_peft()
     from peft.tuners.lora import LoraLayer
 
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
@@ -253,6 +270,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
         ImportError: peft (the ``lora`` extra) is not installed.
     """
     require_peft()
+    _import_peft()
     from peft import inject_adapter_in_model
 
     check_lora_supported(settings, getattr(model, "backend", "eager"))
@@ -286,6 +304,7 @@ def _settings_of(model: nn.Module) -> dict:
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors under peft's saved key names (``base_model.model.<path>.lora_A.weight``), on the CPU."""
+    _import_peft()
     from peft import get_peft_model_state_dict
 
     sd = get_peft_model_state_dict(model, adapter_name=_ADAPTER)
@@ -407,6 +426,7 @@ def read_adapter_config(adapter_dir: str | Path):
         ValueError: no folder / files, not LoRA, DoRA, or settings we refuse (see :func:`check_lora_supported`).
     """
     require_peft()
+    _import_peft()
     from peft import LoraConfig
 
     d = Path(adapter_dir)
@@ -464,6 +484,7 @@ def _remove_lora(model: nn.Module) -> None:
 
 
 def _load_checked(model: nn.Module, adapter_dir: str | Path, settings) -> None:
+    _import_peft()
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -556,7 +577,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
     import torch
 
     from kernels_torch.model import load_model, save_model
-    from kimi_tools.common import CliError, copy_tokenizer
+    from kimi_tools.common import CliError, copy_tokenizer, refuse_adapter_folder
 
     out = Path(args.out)
     for name, src in (("--checkpoint", args.checkpoint), ("--adapter", args.adapter)):
@@ -566,6 +587,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
         raise CliError(f"--out: {out} is not empty (use --force to write into it)")
     if not Path(args.checkpoint).is_dir():
         raise CliError(f"--checkpoint: no checkpoint directory at {args.checkpoint}")
+    refuse_adapter_folder(args.checkpoint, "the command")  # the adapter given as the base
     try:
         require_peft()
     except ImportError as e:

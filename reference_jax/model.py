@@ -306,8 +306,14 @@ def _check_attention_mask(attention_mask, shape) -> np.ndarray:
     m = np.asarray(attention_mask)
     if m.shape != tuple(shape):
         raise ValueError(f"attention_mask: got shape {m.shape}, expected [B, T]={list(shape)} like input_ids")
-    if m.dtype.kind not in "biu" or np.any((m != 0) & (m != 1)):
-        raise ValueError(f"attention_mask: got dtype {m.dtype} with values outside {{0, 1}}; expected bool or 0/1 ints")
+    if m.dtype.kind not in "biuf":
+        raise ValueError(f"attention_mask: got dtype {m.dtype}, expected bool, integer or floating 0/1 values")
+    bad = (m != 0) & (m != 1)  # a float 0./1. mask (np.ones((B, T))) is as good as an int one; NaN is refused
+    if np.any(bad):
+        raise ValueError(
+            f"attention_mask: got the value {m[bad].flat[0].item()!r} (dtype {m.dtype}), expected only 0 and 1 "
+            "(or bool): 1 = a real token, 0 = padding"
+        )
     m = m.astype(bool)
     if not m.any():
         raise ValueError("attention_mask: got no real token (all zeros), expected at least one 1")

@@ -187,3 +187,28 @@ def test_cli_generate_decode_switch(capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "kimi: error: --decode: got 'graph' with --backend jax, expected loop (or auto)"
     ]
+
+
+def test_cli_generate_cuda_decode_off_cuda_refused_before_loading(capsys, monkeypatch):
+    """``--decode graph|compile`` where the model would run on the CPU: one line naming --decode and the
+    alternatives, before the model is built or the prompt printed; the library call names ``decode``."""
+    import kimi_tools.generate as gen
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before --decode was checked")
+
+    monkeypatch.setattr(gen, "materialise_checkpoint", no_loading)
+    for mode in ("graph", "compile"):
+        argv = ["generate", "--preset", "tiny", "--layers", "1", "--prompt", "Alice", "--max-new-tokens", "2"]
+        assert main([*argv, "--decode", mode]) == 2
+        out, err = capsys.readouterr()
+        assert out == "", out
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kimi: error: --decode: got {mode!r}"), lines
+        assert "--decode static" in lines[0] and "--device cuda" in lines[0] and " mode:" not in lines[0], lines
+
+
+def test_generate_cuda_decode_on_a_cpu_model_names_decode(tiny_ckpt):
+    model = load_torch(tiny_ckpt, layers=1)
+    with pytest.raises(ValueError, match=r"^decode: got 'graph', which captures CUDA graphs.*'static'"):
+        generate(model, [1, 2], 2, decode="graph")

@@ -426,3 +426,64 @@ def test_merge_refuses_another_base_unless_forced(cfg, tmp_path, capsys):
     assert main([*args, "--checkpoint", str(tmp_path / "other"), "--out", str(tmp_path / "m1"), "--force-base"]) == 0
     assert "differs from the adapter's (--force-base)" in capsys.readouterr().out
     assert main([*args, "--checkpoint", str(tmp_path / "base"), "--out", str(tmp_path / "m2")]) == 0
+
+
+def test_an_adapter_folder_as_checkpoint_says_to_merge_in_every_command(tmp_path, capsys):
+    """A LoRA adapter folder passed as ``--checkpoint`` (to compare, train, ablate, logits, forward, info, and
+    as the base of lora merge): one line saying it is an adapter and giving the merge command with the recorded base
+    (``kimi_tools.common.refuse_adapter_folder``), not "config.json: no file"."""
+    from kimi_tools.cli import main
+    from kimi_tools.common import DEFAULT_TEXT
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/ckpts/base"}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    a = str(adapter)
+    argvs = {
+        "compare": ["compare", "--checkpoint", a, "--tokens", "8", "--backends", "eager", "--quiet"],
+        "train": ["train", "--checkpoint", a, "--data", str(DEFAULT_TEXT), "--out", str(tmp_path / "run")],
+        "ablate": ["ablate", "--checkpoint", a, "--set", "index_topk=8", "--out", str(tmp_path / "ab")],
+        "logits": ["logits", "--checkpoint", a, "--text", str(DEFAULT_TEXT), "--out", str(tmp_path / "l.st")],
+        "forward": ["forward", "--checkpoint", a],
+        "info": ["info", "--checkpoint", a],
+        "lora": ["lora", "merge", "--checkpoint", a, "--adapter", a, "--out", str(tmp_path / "m")],
+    }
+    for name, argv in argvs.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--checkpoint: {a} is a LoRA adapter folder" in err[0], (name, err)
+        assert f"kimi lora merge --checkpoint /ckpts/base --adapter {a} --out MERGED" in err[0], (name, err)
+        assert "no file" not in err[0], (name, err)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ab").exists()
+
+
+@pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("torchao") is None, reason="torchao is not installed: nothing to hush"
+)
+def test_lora_and_merge_runs_print_no_torchao_noise(tmp_path):
+    """peft imports transformers, which imports torchao when installed: on a CPU that printed "Failed to load
+    ..._C_mxfp8...so" and pytree deprecation lines in every LoRA and merge run. A fresh process trains a LoRA
+    adapter and merges it: its stderr holds none of them."""
+    import os
+    import subprocess
+    import sys
+
+    from kimi_tools.common import DEFAULT_TEXT
+
+    script = f"""
+from kimi.config import load_config
+from kimi.init import init_checkpoint
+from kimi_tools.cli import main
+init_checkpoint({str(tmp_path / "base")!r}, load_config("tiny").truncated(1), seed=0)
+assert main(["train", "--checkpoint", {str(tmp_path / "base")!r}, "--data", {str(DEFAULT_TEXT)!r}, "--lora-rank", "2",
+             "--steps", "1", "--seq-len", "16", "--eval-tokens", "16", "--quiet", "--no-plot",
+             "--out", {str(tmp_path / "ad")!r}]) == 0
+assert main(["lora", "merge", "--checkpoint", {str(tmp_path / "base")!r}, "--adapter", {str(tmp_path / "ad")!r},
+             "--out", {str(tmp_path / "merged")!r}]) == 0
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Failed to load" not in res.stderr and "_pytree" not in res.stderr, res.stderr[-3000:]
+    assert "is an Enum subclass" not in res.stderr, res.stderr[-3000:]

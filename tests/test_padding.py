@@ -83,8 +83,10 @@ def test_attention_mask_refusals(ckpt):
     ok = torch.ones(2, 4, dtype=torch.bool)
     cases = [
         (ok[:, :3], "attention_mask: got shape"),
-        (ok.long() * 2, "values outside"),
-        (ok.float(), "values outside"),
+        (ok.long() * 2, r"got the value 2 \(dtype (torch\.)?int64\), expected only 0 and 1"),
+        (ok.float() * 0.5, r"got the value 0\.5 \(dtype (torch\.)?float32\), expected only 0 and 1"),
+        (torch.full((2, 4), float("nan")), r"got the value nan"),
+        (ok.to(torch.complex64), "got dtype (torch.)?complex64, expected bool, integer or floating"),
         (torch.zeros(2, 4, dtype=torch.bool), "no real token"),
     ]
     old_keyword = [  # the deprecated forward(attention_mask=) alias: what the padded call cannot honour
@@ -166,3 +168,21 @@ def test_degenerate_cu_seqlens_refused_before_the_length_warning(ckpt):
     for spec, msg in BAD_CU:
         with pytest.raises(ValueError, match=f"^cu_seqlens: got .*{msg}"):
             jmodel.apply({"params": tree}, ids.numpy(), cu_seqlens=_cu(spec, "jax"))
+
+
+def test_float_and_int_masks_equal_the_bool_mask(ckpt):
+    """A 0/1 mask in a floating or integer dtype (``torch.ones(B, T)``, a tokenizer's int64 mask) is the bool mask:
+    the same logits, in both models."""
+    model = load_torch(ckpt, layers=1)
+    rows, ids, mask = _batch(model.config.vocab_size)
+    t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    jmodel, tree, _ = load_jax(ckpt, layers=1)
+    with torch.no_grad():
+        want = model.padded(t_ids, t_mask)
+        for m in (t_mask.float(), t_mask.double(), t_mask.long(), t_mask.to(torch.bfloat16)):
+            assert torch.equal(model.padded(t_ids, m), want), m.dtype
+        assert torch.equal(model.padded(t_ids[:1], torch.ones(1, ids.shape[1])), model(t_ids[:1]))
+    jwant = np.asarray(jmodel.apply({"params": tree}, jnp.asarray(ids), mask, method="padded"))
+    for m in (mask.astype(np.float32), mask.astype(np.int32)):
+        got = np.asarray(jmodel.apply({"params": tree}, jnp.asarray(ids), m, method="padded"))
+        assert np.array_equal(got, jwant), m.dtype

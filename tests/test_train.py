@@ -1103,3 +1103,94 @@ def test_a_field_added_off_by_default_keeps_earlier_fingerprints():
     assert fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0] != fp
     with_fp8 = fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0]
     assert fingerprint(dataclasses.replace(a, fp8="rowwise", fp8_compile=True), cfg)[0] != with_fp8
+
+
+def test_a_step_overwritten_inside_is_named_and_a_killed_save_is_cleaned(tmp_path, capsys):
+    """4 KB overwritten at the start of a ``step-N/*.distcp`` (the size unchanged, so the size check passes): --resume
+    names the step and offers the previous one in one line, no traceback. A ``.step-N.tmp-PID/`` left by a killed
+    save (its process gone) is removed when the run resumes."""
+    import subprocess
+
+    out = tmp_path / "r"
+    base = _small_argv(out) + ["--steps", "3", "--eval-every", "0", "--no-plot", "--save-every", "1", "--keep", "3"]
+    assert main(["train", *base, "--stop-after", "2"]) == 0
+    shard = next((out / "step-2").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    assert len(data) > 4096
+    data[:4096] = np.random.default_rng().integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    shard.write_bytes(bytes(data))
+    rc, err = _cli(base + ["--resume"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert f"{out / 'step-2'} is damaged: reading it failed" in err[0], err
+    assert "the previous complete step is step-1" in err[0] and "Traceback" not in err[0], err
+    import shutil
+
+    shutil.rmtree(out / "step-2")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid whose process is gone
+    killed = out / f".step-2.tmp-{dead.pid}"
+    killed.mkdir()
+    (killed / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert main(["train", *base, "--resume"]) == 0
+    assert not killed.exists()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".", "step-"))) == ["step-1", "step-2", "step-3"]
+
+
+def test_rows_longer_than_the_data_are_refused_before_anything_is_written(tmp_path, capsys):
+    """--seq-len (or a micro-batch, or a step) beyond the training tokens is refused in one line naming the flag and
+    the token counts, and nothing is written, so the fixed command runs; an eval set shorter than --seq-len is
+    evaluated once, in one shorter row (its tokens are not repeated to fill a row)."""
+    from kimi_tools.train.trainer import Trainer
+
+    out = tmp_path / "r"
+    argv = ["--layers", "1", "--steps", "1", "--quiet", "--no-plot", "--data", str(DEFAULT_TEXT), "--out", str(out)]
+    probe = Trainer(TrainArgs(data=[str(DEFAULT_TEXT)], layers=1, steps=1, seq_len=16, out=str(out)))
+    n_train = probe.num_tokens
+    for extra, flag in (
+        (["--seq-len", "100000"], "--seq-len: got 100,000"),
+        (["--seq-len", "16", "--micro-batch-tokens", str(16 * (n_train // 16 + 1))], "--micro-batch-tokens: got"),
+        (["--seq-len", "16", "--batch-tokens", str(16 * (n_train // 16 + 1))], "--batch-tokens: got"),
+    ):
+        rc, err = _cli(argv + extra, capsys)
+        assert rc == 2 and len(err) == 1 and flag in err[0], err
+        assert f"holds {n_train:,} training tokens" in err[0] and f"at most {n_train:,}" in err[0], err
+        assert not out.exists()
+    rc, err = _cli(argv + ["--seq-len", "16", "--eval-tokens", "16"], capsys)  # the same command, sizes that fit
+    assert rc == 0, err
+    short = Trainer(TrainArgs(data=[str(DEFAULT_TEXT)], layers=1, steps=1, seq_len=1024, out=str(tmp_path / "s")))
+    from kimi_tools.data import split_tail, tokenize_documents
+
+    held = split_tail(tokenize_documents(read_documents([DEFAULT_TEXT]), short.tokenizer.encode), 0.05)[1]
+    n_eval = sum(len(d) for d in held)
+    assert n_eval < 1024 <= short.num_tokens
+    assert [b.num_tokens for b in short.evals] == [n_eval]  # one row, each held-out token once
+    assert torch.equal(short.evals[0].input_ids[0], torch.from_numpy(np.concatenate(held)))
+
+
+def test_a_folder_that_is_no_run_gets_one_answer_with_or_without_resume(tmp_path, capsys):
+    """A non-empty --out without run.json: the plain command does not send the user to --resume, and --resume gives
+    the same answer (another --out), so the two messages agree."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    argv = _small_argv(out) + ["--steps", "2"]
+    answers = []
+    for extra in ([], ["--resume"]):
+        rc, err = _cli(argv + extra, capsys)
+        assert rc == 2 and len(err) == 1, err
+        assert "holds files but no run.json, so it is no kimi train run" in err[0], err
+        assert "choose another --out" in err[0] and "pass --resume" not in err[0], err
+        answers.append(err[0].split(": ", 3)[3])  # after "kimi: error: <flag>: "
+    assert answers[0] == answers[1]
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+
+
+def test_fp8_on_a_cpu_in_fp32_reports_both_problems_at_once():
+    """``--fp8`` in fp32 on a CPU: one error asks for --dtype bfloat16 and says FP8 needs a CUDA GPU."""
+    from kimi_tools.train.args import resolve
+
+    with pytest.raises(ValueError) as ei:
+        resolve(TrainArgs(data=[str(DEFAULT_TEXT)], out="x", fp8="rowwise", device="cpu"))
+    msg = str(ei.value)
+    assert msg.startswith("--fp8: ") and "\n" not in msg
+    assert "got --dtype float32, expected bfloat16" in msg and "need a CUDA GPU" in msg, msg

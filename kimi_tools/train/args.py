@@ -386,14 +386,20 @@ def resolve(args: TrainArgs) -> TrainArgs:
 
         if a.fp8 not in recipes:
             raise ValueError(f"--fp8: got {a.fp8!r}, expected one of {list(recipes)}")
-        if a.dtype != "bfloat16":
-            raise ValueError(
-                f"--fp8: got --dtype {a.dtype}, expected bfloat16 (FP8 GEMMs take and give bf16 activations; the "
-                "master weights and AdamW state stay fp32)"
-            )
-        from kernels_torch.fp8 import check_fp8_supported
+        from kernels_torch.fp8 import FP8UnsupportedError, check_fp8_supported
 
-        check_fp8_supported(a.device)  # FP8UnsupportedError (a ValueError) naming the device and its capability
+        problems = []  # every one at once: a CPU user is not sent round twice
+        if a.dtype != "bfloat16":
+            problems.append(
+                f"got --dtype {a.dtype}, expected bfloat16 (FP8 GEMMs take and give bf16 activations; the master "
+                "weights and AdamW state stay fp32)"
+            )
+        try:
+            check_fp8_supported(a.device)  # naming the device and its capability
+        except FP8UnsupportedError as e:
+            problems.append(str(e).removeprefix("--fp8: "))
+        if problems:
+            raise FP8UnsupportedError("--fp8: " + "; and ".join(problems))
     elif a.fp8_compile:
         raise ValueError("--fp8-compile: compiles the FP8 projections; it needs --fp8 RECIPE")
     for name in ("steps", "seq_len", "eval_tokens", "keep"):

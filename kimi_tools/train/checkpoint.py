@@ -5,7 +5,10 @@
   ``torch.distributed.checkpoint`` into ``step-N/``, written to a temporary folder and renamed, so a folder is
   complete exactly when it holds its ``.metadata``; the latest ``--keep`` are kept. Before a resume loads one,
   :meth:`Checkpointer.damage` checks that every file the ``.metadata`` names is there and long enough, so a
-  truncated ``*.distcp`` is named instead of ending in a bare ``EOFError``.
+  truncated ``*.distcp`` is named instead of ending in a bare ``EOFError``; a shard damaged inside (same size) fails
+  the read, which is reported the same way, naming the step and the previous complete one. A save that fails
+  (a full disk: :class:`kimi.checkpoint.DiskFullError`) removes its temporary folder; one killed mid-save leaves
+  ``.step-N.tmp-PID/``, removed when the run resumes (:meth:`Checkpointer.clean_stale`).
 * **The export** (:func:`export`): the model in the HF safetensors layout (``kernels_torch.model.save_model``; under
   torchrun gathered from the shards) plus the base's tokenizer files, or with LoRA peft's two adapter files. It is
   written once, when the run reaches ``--steps``: an interrupted, stopped (``--stop-after``) or diverged run leaves
@@ -24,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kimi.checkpoint import DiskFullError, is_disk_full
 from kimi_tools.common import TOKENIZER_FILES, copy_tokenizer
 
 if TYPE_CHECKING:
@@ -65,9 +69,17 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         if par is not None:
             par.barrier()
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(states, checkpoint_id=str(tmp))
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.save(states, checkpoint_id=str(tmp))
+        except BaseException as e:  # DCP raises CheckpointException, a BaseException, wrapping each rank's error
+            if par is None or par.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)  # no half-written .step-N.tmp folder stays behind
+            code = is_disk_full(e)
+            if code:
+                raise DiskFullError(final, code, what=f"saving the resume state of step {step} as") from None
+            raise
         if par is not None:
             par.barrier()
             if not par.is_writer:
@@ -131,11 +143,10 @@ class Checkpointer:
                 if lacks:
                     raise ValueError(self.damaged_message(step, lacks))
                 return set(FileSystemReader(path).read_metadata().state_dict_metadata)
-            except (KeyboardInterrupt, ValueError):
+            except (KeyboardInterrupt, SystemExit, ValueError):
                 raise
-            except Exception as e:  # noqa: BLE001 - a damaged shard raises EOFError, pickle or torch errors
-                first = str(e).strip().splitlines()
-                problem = f"reading it failed ({type(e).__name__}{': ' + first[-1][:200] if first else ''})"
+            except BaseException as e:  # noqa: BLE001 - a damaged shard: EOFError, pickle or torch errors, wrapped
+                problem = f"reading it failed ({_first_failure(e)})"  # in DCP's CheckpointException (a BaseException)
         raise ValueError(self.damaged_message(step, problem))
 
     _expected: set[str] = set()  # the flat keys of the states last loaded (load): what a complete step holds
@@ -166,6 +177,30 @@ class Checkpointer:
         )
         them = "those parts" if len(parts) > 1 else "it"
         return f".metadata lacks {said}, so resuming would silently start {them} afresh"
+
+    def clean_stale(self) -> list[Path]:
+        """Remove what a killed save left in ``out``: ``.step-N.tmp-PID/`` folders (and ``write_atomic``'s
+        ``.NAME.tmp-PID-XXXX`` files) whose process is gone, and the ``.step-N.tmp/`` of a torchrun save (called as
+        a run starts, when no save of it is under way). Returns the paths removed."""
+        gone = []
+        if not self.out.is_dir():
+            return gone
+        for p in self.out.iterdir():
+            name = p.name
+            if not name.startswith(".") or ".tmp" not in name:
+                continue
+            tail = name.rpartition(".tmp")[2]
+            if tail == "" and name.startswith(".step-"):
+                stale = True  # the shared folder of a torchrun save
+            elif tail.startswith("-") and tail[1:].split("-")[0].isdigit():
+                pid = int(tail[1:].split("-")[0])
+                stale = pid == os.getpid() or not _alive(pid)  # our own pid: reused, as nothing of ours is saving
+            else:
+                continue
+            if stale:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                gone.append(p)
+        return gone
 
     def damaged_message(self, step: int, problem: str) -> str:
         """One line: the damaged step, what is wrong, and the previous complete step to go back to (or none)."""
@@ -206,6 +241,28 @@ def _noting_planner():
     return Planner(allow_partial_load=True)
 
 
+def _first_failure(e: BaseException) -> str:
+    """``Type: message`` of a failed read, in one line: for DCP's ``CheckpointException`` (whose text is a
+    traceback) the first rank's own exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return type(e).__name__ + (": " + lines[-1][:200] if lines else "")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
     """Check ``--out`` for the run before anything is written.
 
@@ -220,6 +277,8 @@ def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
     if a.resume:
         run_json = out / RUN_JSON
         if not run_json.is_file():
+            if out.exists() and (not out.is_dir() or any(out.iterdir())):
+                raise ValueError(_not_a_run(out, "--resume"))
             raise ValueError(f"--resume: {out} holds no run (no {RUN_JSON}); start it without --resume")
         saved = json.loads(run_json.read_text(encoding="utf-8"))
         if saved.get("fingerprint") != fingerprint:
@@ -256,9 +315,17 @@ def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
                 f"--out: {out} exists and is not empty: it holds a run; pass --resume to continue it, --restart to "
                 "start it again from scratch (deleting it), or choose another --out"
             )
-        raise ValueError(
-            f"--out: {out} exists and is not empty; pass --resume to continue the run there, or choose another --out"
-        )
+        raise ValueError(_not_a_run(out, "--out"))
+
+
+def _not_a_run(out: Path, flag: str) -> str:
+    """The one answer for a non-empty ``--out`` that is no run, with or without ``--resume``: nothing there to
+    resume or restart, so another folder."""
+    what = "is a file" if not out.is_dir() else f"holds files but no {RUN_JSON}"
+    return (
+        f"{flag}: {out} {what}, so it is no kimi train run (nothing to --resume or --restart there); choose "
+        "another --out (a new or empty folder) and start the run without --resume"
+    )
 
 
 def run_files(out: Path) -> list[Path]:

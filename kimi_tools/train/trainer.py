@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimi.checkpoint import write_atomic
+from kimi_tools.common import CliError, refuse_adapter_folder
 from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, resolve
 from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
 from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
@@ -42,7 +43,7 @@ from kimi_tools.train.weights import (
 if TYPE_CHECKING:
     from kimi.config import KimiConfig
 
-__all__ = ["Trainer", "TrainResult", "train", "read_data"]
+__all__ = ["Trainer", "TrainResult", "train", "read_data", "check_sizes"]
 
 
 @dataclass
@@ -66,6 +67,10 @@ class TrainResult:
         return losses[-1] if losses else None
 
 
+def _eval_source(a: TrainArgs) -> str:
+    return "--eval-data" if a.eval_data else f"the held-out {a.eval_fraction:g} of --data"
+
+
 def read_data(a: TrainArgs, cfg: KimiConfig):
     """``(tokenizer, train_docs, eval_docs)``: ``--data`` tokenised with the checkpoint's tokenizer, the eval
     documents from ``--eval-data`` or the held-out tail of ``--data``.
@@ -83,7 +88,7 @@ def read_data(a: TrainArgs, cfg: KimiConfig):
         where = "--eval-data"
     else:
         docs, eval_docs = split_tail(docs, a.eval_fraction)
-        where = f"the held-out {a.eval_fraction:g} of --data"
+        where = _eval_source(a)
     if num_targets(docs) == 0:
         raise ValueError("--data: no document has two tokens or more after the held-out split: nothing to predict")
     if num_targets(eval_docs) == 0:
@@ -94,6 +99,41 @@ def read_data(a: TrainArgs, cfg: KimiConfig):
         if d.size and (d.min() < 0 or d.max() >= cfg.vocab_size):
             raise ValueError(f"data: token id {int(d.max())} outside [0, {cfg.vocab_size}) of the model's vocabulary")
     return tok, docs, eval_docs
+
+
+def check_sizes(a: TrainArgs, docs, eval_docs, where: str = "the eval data") -> int:
+    """Refuse rows and batches longer than the data, before anything is written: a row (``--seq-len``), a
+    micro-batch (``--micro-batch-tokens``, what one forward holds in memory) or a step (``--batch-tokens``) longer
+    than the training tokens would repeat the text inside itself (the memory grows with the row, not with the data).
+
+    Returns the length of the eval rows: ``--seq-len``, or all the eval tokens in one shorter row when they are
+    fewer (no token evaluated twice).
+
+    Raises:
+        ValueError: naming the flag, its value, the tokens the data holds and the largest value that fits; with
+            ``--cp`` > 1, an eval set shorter than ``--seq-len`` (a row is split across the ranks).
+    """
+    n_train = sum(len(d) for d in docs)
+    n_eval = sum(len(d) for d in eval_docs)
+    for flag, value, what in (
+        ("--seq-len", a.seq_len, "a row"),
+        ("--micro-batch-tokens", a.micro_batch_tokens, "a micro-batch"),
+        ("--batch-tokens", a.batch_tokens, "a step"),
+    ):
+        if value > n_train:
+            raise ValueError(
+                f"{flag}: got {value:,}, but --data holds {n_train:,} training tokens (after the eval split), so "
+                f"{what} would repeat the text; expected at most {n_train:,}, or more --data"
+            )
+    if a.seq_len <= n_eval:
+        return a.seq_len
+    if a.cp > 1:
+        raise ValueError(
+            f"--seq-len: got {a.seq_len:,}, but the eval set ({where}) holds {n_eval:,} tokens, fewer than one row "
+            f"to split across --cp {a.cp}; expected --seq-len at most {n_eval:,}, or more eval text (--eval-data, "
+            "a larger --eval-fraction)"
+        )
+    return n_eval
 
 
 def _lora_settings(a: TrainArgs):
@@ -131,6 +171,10 @@ class Trainer:
             raise ValueError(
                 "--device: cuda asked for (the cudnn backend runs on CUDA), but CUDA is not available here"
             )
+        try:
+            refuse_adapter_folder(a.checkpoint, "kimi train")
+        except CliError as e:
+            raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
         self.par = par = TrainParallel(a.cp, a.device)  # torchrun: FSDP2 + context parallelism; else a no-op
@@ -140,12 +184,13 @@ class Trainer:
 
         # ---- data and objective
         self.tokenizer, docs, eval_docs = read_data(a, cfg)
+        self.eval_len = check_sizes(a, docs, eval_docs, _eval_source(a))
         self.rows = a.micro_batch_tokens // a.seq_len
         self.accum = a.batch_tokens // a.micro_batch_tokens
         par.check_accum(self.accum, a.micro_batch_tokens)
         self.num_docs, self.num_tokens = len(docs), sum(map(len, docs))
         self.loader = PackedLoader(docs, a.seq_len, rows=self.rows, seed=a.seed, shuffle=a.shuffle)
-        self.evals = eval_batches(eval_docs, a.seq_len, self.rows, a.eval_tokens)
+        self.evals = eval_batches(eval_docs, self.eval_len, self.rows, a.eval_tokens)
         self.stage = stage = make_stage(a.stage, cfg, a)
         if hasattr(stage, "check_parallel"):
             stage.check_parallel(par.dp_size, par.cp_size)
@@ -242,6 +287,9 @@ class Trainer:
         run); ``--resume`` loads the latest complete step and the records up to it."""
         a, par, out = self.args, self.par, self.out
         if a.resume:
+            if par.is_writer:
+                self.checkpointer.clean_stale()  # what a killed save left (.step-N.tmp-PID/)
+            par.barrier()
             self._load_latest()
         else:
             if a.restart and par.is_writer:
@@ -497,7 +545,9 @@ class Trainer:
             + (f", the first {a.recompute_full_layers} layers whole" if a.recompute_full_layers else "")
             + "".join(f"; {c}" for c in self.conversions)
             + f"\n  data: {self.num_docs} documents, {self.num_tokens:,} tokens ({self.tokenizer.name}); eval "
-            f"{sum(b.num_tokens for b in self.evals):,} tokens; {a.batch_tokens:,} tokens per step "
+            f"{sum(b.num_tokens for b in self.evals):,} tokens"
+            + (f" (one row: fewer than --seq-len {a.seq_len})" if self.eval_len < a.seq_len else "")
+            + f"; {a.batch_tokens:,} tokens per step "
             f"({self.accum} x {self.rows} rows of {a.seq_len}); "
             + (
                 "no resume state (--no-save)"
