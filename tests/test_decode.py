@@ -266,10 +266,20 @@ def test_cudnn_kda_decode_glue_on_cpu(tmodel, monkeypatch):
 # 0.89, so the tempered nucleus is {0, 1, 2, 3, 4} (token 5 ties with 1-4 and goes last: ties to the lower id).
 NUCLEUS_LOGITS = [4.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 NUCLEUS_SUPPORT = {0, 1, 2, 3, 4}
+# the tempered nucleus renormalised: e^(4/3) / (e^(4/3) + 4) = 0.487 for token 0, 1 / (e^(4/3) + 4) = 0.128 each
+NUCLEUS_PROBS = np.array([np.exp(4 / 3), 1, 1, 1, 1, 0]) / (np.exp(4 / 3) + 4)
 DRAWS = 2000  # each kept token but 0 is drawn with probability 0.128: missing one is a 1e-118 event
+# The device sampler is an inverse CDF of u: DRAWS evenly spaced u give each token its mass x DRAWS within one draw.
+TOL_STRATIFIED = 1.5 / DRAWS
+# The numpy sampler draws from a seeded generator: NUMPY_DRAWS draws, 5 standard deviations of a 0.128 frequency
+# (0.0075: a 6% reweighting of one token fails, a correct sampler fails with probability < 1e-6, and never: seeded)
+NUMPY_DRAWS = 50_000
+TOL_FREQ = 5 * np.sqrt(0.128 * 0.872 / NUMPY_DRAWS)
 
 
 def test_sampling_tempers_before_the_nucleus_cut():
+    """Both samplers at temperature 3, top-p 0.8: the support is the tempered nucleus and each token's frequency its
+    renormalised tempered probability (the device sampler exactly, the numpy one within 5 standard deviations)."""
     rng = np.random.default_rng(0)
     logits = np.tile(np.array(NUCLEUS_LOGITS), (DRAWS, 1))
     assert set(sample(logits, 3.0, 0.8, rng).tolist()) == NUCLEUS_SUPPORT
@@ -277,8 +287,13 @@ def test_sampling_tempers_before_the_nucleus_cut():
     got = sample_device(torch.tensor(logits, dtype=torch.float32), 3.0, 0.8, u)
     assert set(got.tolist()) == NUCLEUS_SUPPORT
     assert set(sample_device(torch.tensor(logits, dtype=torch.float32), 3.0, 1.0, u).tolist()) == set(range(6))
-    counts = np.bincount(got.numpy(), minlength=6) / DRAWS  # the kept mass renormalised: 0.487, then 0.128 each
-    assert abs(counts[0] - 0.487) < 0.05 and np.all(np.abs(counts[1:5] - 0.128) < 0.04)
+    even = (torch.arange(DRAWS, dtype=torch.float64) + 0.5) / DRAWS
+    got = sample_device(torch.tensor(logits, dtype=torch.float32), 3.0, 0.8, even)
+    counts = np.bincount(got.numpy(), minlength=6) / DRAWS
+    assert np.abs(counts - NUCLEUS_PROBS).max() <= TOL_STRATIFIED, counts
+    many = np.tile(np.array(NUCLEUS_LOGITS), (NUMPY_DRAWS, 1))
+    counts = np.bincount(sample(many, 3.0, 0.8, np.random.default_rng(1)), minlength=6) / NUMPY_DRAWS
+    assert np.abs(counts - NUCLEUS_PROBS).max() <= TOL_FREQ, counts
 
 
 def test_device_sampler_greedy_and_tiny_temperatures():
