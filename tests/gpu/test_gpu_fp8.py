@@ -20,6 +20,7 @@ Needs torchao (``benchmarks/fp8_wheels.sh`` carries it to the H200). Every measu
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ MIN_FP8_EFFECT = 1e-2  # FP8 rounding shows
 TOL_LAYER = 0.25  # a converted layer against the bf16 layer (kimi_tools.compare.TOLERANCES_FP8's per-layer bound)
 TOL_EXPERTS = {"out": 8e-2, "grad": 1.2e-1}  # three rowwise FP8 GEMMs and the activation, against bf16
 # the tiny model converted end to end against the bf16 model: each decoder layer's output, each parameter gradient
-TOL_MODEL = {"layer": 0.1, "grad": 0.25}
+TOL_MODEL = {"layer": 0.1, "grad": 0.2}  # (not yet measured on the H200: FP8_ERR lines give the values)
 
 
 def report(test: str, name: str, value: float) -> float:
@@ -245,23 +246,37 @@ def _tiny_model_run(use_fp8: bool, o_proj_scale: float = 1.0):
     return float(loss), outs, grads
 
 
+def _grad_groups(grads: dict) -> dict[str, torch.Tensor]:
+    """The gradients concatenated per decoder layer (``model.layers.<i>.``), the rest as ``other``, and all as
+    ``all``."""
+    groups: dict[str, list] = {}
+    for n, g in grads.items():
+        parts = n.split(".")
+        key = ".".join(parts[:3]) if n.startswith("model.layers.") else "other"
+        groups.setdefault(key, []).append(g.reshape(-1))
+    out = {k: torch.cat(v) for k, v in groups.items()}
+    out["all"] = torch.cat(list(out.values()))
+    return out
+
+
 def test_tiny_model_fp8_layer_outputs_and_gradients():
     """The tiny model converted end to end (every Float8Linear runs, the grouped experts wrapped), LM loss and
-    backward: each decoder layer's output and each parameter gradient within FP8 rounding of the bf16 model's
-    (TOL_MODEL); the loss alone is no check (tripling every ``o_proj`` of this random-init model moved it 0.4%), so
-    the same comparison must fail for a bf16 model whose ``o_proj`` weights are tripled."""
+    backward: each decoder layer's output, and the gradients of each layer's parameters together, within FP8
+    rounding of the bf16 model's (TOL_MODEL; every parameter's own error is printed). The loss alone is no check
+    (tripling every ``o_proj`` of this random-init model moved it 0.4%): the same comparisons must fail for a bf16
+    model whose ``o_proj`` weights are tripled."""
     _, out_bf16, g_bf16 = _tiny_model_run(False)
     loss, out_fp8, g_fp8 = _tiny_model_run(True)
-    assert len(out_fp8) == len(out_bf16) > 0 and g_fp8.keys() == g_bf16.keys()
+    assert len(out_fp8) == len(out_bf16) > 0 and g_fp8.keys() == g_bf16.keys() and math.isfinite(loss)
     layer_errs = [report("tiny_model", f"layer{i}", rel(a, b)) for i, (a, b) in enumerate(zip(out_fp8, out_bf16))]
-    grad_errs = {n: rel(g_fp8[n], g_bf16[n]) for n in g_bf16 if g_bf16[n].norm() > 0}
-    report("tiny_model", "grad_max", max(grad_errs.values()))
+    for n in g_bf16:
+        if g_bf16[n].norm() > 0:
+            report("tiny_model", f"grad:{n}", rel(g_fp8[n], g_bf16[n]))
+    want, got = _grad_groups(g_bf16), _grad_groups(g_fp8)
+    grad_errs = {k: report("tiny_model", f"grads:{k}", rel(got[k], want[k])) for k in want}
     assert max(layer_errs) <= TOL_MODEL["layer"], layer_errs
-    assert not [n for n, e in grad_errs.items() if not e <= TOL_MODEL["grad"]], grad_errs
+    assert not [k for k, e in grad_errs.items() if not e <= TOL_MODEL["grad"]], grad_errs
     _, out_x3, g_x3 = _tiny_model_run(False, o_proj_scale=3.0)  # a wrong model the bounds must see
-    x3_layer = max(rel(a, b) for a, b in zip(out_x3, out_bf16))
-    x3_grad = max(rel(g_x3[n], g_bf16[n]) for n in grad_errs)
-    report("tiny_model", "o_proj_x3_layer_max", x3_layer)
-    report("tiny_model", "o_proj_x3_grad_max", x3_grad)
+    x3_layer = report("tiny_model", "o_proj_x3_layer_max", max(rel(a, b) for a, b in zip(out_x3, out_bf16)))
+    x3_grad = report("tiny_model", "o_proj_x3_grads_all", rel(_grad_groups(g_x3)["all"], want["all"]))
     assert x3_layer > TOL_MODEL["layer"] and x3_grad > TOL_MODEL["grad"]
-    assert loss == loss  # finite (the gradients are checked in _tiny_model_run)
