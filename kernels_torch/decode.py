@@ -369,8 +369,10 @@ class Decoder:
         return self
 
     def load(self, cache: ModelCache) -> Decoder:
-        """Continue from a ``ModelCache`` (copied in; :meth:`DecodeCache.load`). Returns ``self``."""
+        """Continue from a ``ModelCache`` (copied in; :meth:`DecodeCache.load`), a new batch as after :meth:`reset`
+        (the NaN flag cleared). Returns ``self``."""
         self.cache.load(cache)
+        self._nonfinite.zero_()
         self._host_pos = [int(p) for p in cache.pos.tolist()]
         return self
 

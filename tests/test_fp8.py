@@ -342,7 +342,7 @@ def fp8_grouped_checker(monkeypatch):
         assert offs is not None and offs.dtype == torch.int32, offs
         sizes = torch.diff(offs, prepend=offs.new_zeros(1))
         assert bool((sizes % 16 == 0).all()), ("rows per expert not a multiple of 16", sizes.tolist())
-        seen.append((tuple(A.shape), tuple(B_t.shape)))
+        seen.append((tuple(A.shape), tuple(B_t.shape), A.detach().clone()))
         return torch._grouped_mm(A, B_t, offs=offs)
 
     monkeypatch.setattr(wrapper_module, "_quantize_then_scaled_grouped_mm", checked)
@@ -375,10 +375,20 @@ def test_grouped_experts_reach_torchaos_fp8_grouped_gemm(monkeypatch, align, wan
     z = torch.randn(N, Dl, generator=g)
     dr = torch.randn(N, Dl, generator=g)
     zs = [z.clone().requires_grad_(True) for _ in range(2)]
+    from kernels_torch.ops.moe_grouped import expert_layout
+
+    lay = expert_layout(ids, E, want)
+    junk = torch.full((lay.rows, Dl), float("nan"), dtype=z.dtype)  # freed memory the permuted rows may reuse
+    del junk
     outs = [m.experts(zi, ids, weights) for m, zi in zip((model, ref), zs)]
     for o in outs:
         o.backward(dr)
     assert len(seen) == 3 and [s[1] for s in seen] == [(E, Dl, I), (E, Dl, I), (E, I, Dl)]
+    pad = torch.ones(lay.rows, dtype=torch.bool)
+    pad[lay.row_of_pair] = False
+    x_rows = seen[0][2]  # the first GEMM's input: the permuted rows, expert 1's group and the padding rows zero
+    assert x_rows.shape[0] == lay.rows and pad.any() and x_rows[~pad].abs().sum() > 0
+    assert torch.equal(x_rows[pad], torch.zeros_like(x_rows[pad])), "FP8 padding rows are not exactly zero"
     # the same products; the groups' padding differs (align 16 vs the reference's), so the CPU GEMMs may round apart
     assert rel(outs[0], outs[1]) <= TOL_SAME_PRODUCT and rel(zs[0].grad, zs[1].grad) <= TOL_SAME_PRODUCT
     for key in ("w1", "w3", "w2"):

@@ -147,6 +147,8 @@ def _reshard_worker(rank: int, world: int, port: int, out: str, mode: str) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
         from kernels_torch.model import KimiK3Model
         from kernels_torch.parallel.fsdp import (
             full_state_dict,
@@ -159,13 +161,25 @@ def _reshard_worker(rank: int, world: int, port: int, out: str, mode: str) -> No
         torch.manual_seed(0 if mode == "save" else 5)  # the loading run starts from other weights
         model = KimiK3Model(_reshard_cfg()).double()
         parallelize(model, init_mesh(dp=world, cp=1))
+        # lr 0: AdamW's moments move, the weights do not (the weight checks below compare with the initial ones)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
         if mode == "save":
-            save_checkpoint(f"{out}/dcp", model)
+            g = torch.Generator().manual_seed(10 + rank)  # each rank its own batch
+            ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=g)
+            for _ in range(2):
+                model(ids).double().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            save_checkpoint(f"{out}/dcp", model, opt)
         else:
-            load_checkpoint(f"{out}/dcp", model)
+            load_checkpoint(f"{out}/dcp", model, opt)
             sd = full_state_dict(model)
             if rank == 0:
                 torch.save(sd, f"{out}/loaded_{world}.pt")
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        osd = get_optimizer_state_dict(model, opt, options=full)
+        if rank == 0:
+            torch.save(osd, f"{out}/optim_{mode}_{world}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -173,7 +187,8 @@ def _reshard_worker(rank: int, world: int, port: int, out: str, mode: str) -> No
 @pytest.mark.distributed
 def test_dcp_reshards_stacked_experts(tmp_path):
     """A DCP checkpoint written by 2 FSDP2 ranks loads on 3 (and 1) bitwise, stacked expert banks included, with a rank
-    that holds no expert row (no hang)."""
+    that holds no expert row (no hang); AdamW's moments and step count (two steps of the 2-rank run) load on the 3
+    ranks bitwise, so a checkpoint that does not write, or a load that does not restore, the optimizer fails."""
     from kernels_torch.model import KimiK3Model
     from kernels_torch.parallel.fsdp import load_checkpoint
 
@@ -185,6 +200,16 @@ def test_dcp_reshards_stacked_experts(tmp_path):
     assert set(got) == set(want) and "model.layers.1.block_sparse_moe.experts.w1" in got
     for k in want:
         assert torch.equal(got[k], want[k]), k
+    saved, loaded = torch.load(tmp_path / "optim_save_2.pt"), torch.load(tmp_path / "optim_load_3.pt")
+    assert set(saved["state"]) == set(loaded["state"]) and len(saved["state"]) > 20
+    moved = 0
+    for name, s in saved["state"].items():
+        assert set(s) == {"step", "exp_avg", "exp_avg_sq"}, name
+        for key in s:
+            assert torch.equal(loaded["state"][name][key], s[key]), f"{name}.{key}"
+        assert float(s["step"]) == 2.0, name
+        moved += bool(s["exp_avg"].abs().sum() > 0)
+    assert moved > 20, moved  # real moments (not the zeros a fresh AdamW state holds)
     torch.manual_seed(7)
     one = KimiK3Model(_reshard_cfg()).double()  # world size 1, no process group
     load_checkpoint(tmp_path / "dcp", one)

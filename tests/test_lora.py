@@ -487,3 +487,44 @@ assert main(["lora", "merge", "--checkpoint", {str(tmp_path / "base")!r}, "--ada
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Failed to load" not in res.stderr and "_pytree" not in res.stderr, res.stderr[-3000:]
     assert "is an Enum subclass" not in res.stderr, res.stderr[-3000:]
+
+
+def test_base_fingerprint_sees_the_config_and_every_stored_byte(cfg, tmp_path):
+    """The base fingerprint changes when config.json's ``routed_scaling_factor`` is edited, and when one byte of the
+    largest tensor changes: at the start of its last row (first dimension), or in its middle."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kimi.checkpoint import CheckpointReader
+    from kimi.init import init_checkpoint
+    from kimi_tools.lora import base_fingerprint
+
+    init_checkpoint(tmp_path / "base", cfg, seed=0)
+    fp = base_fingerprint(tmp_path / "base")
+
+    edited = tmp_path / "config_edit"
+    shutil.copytree(tmp_path / "base", edited)
+    conf = json.loads((edited / "config.json").read_text())
+    section = conf.get("text_config", conf)
+    assert "routed_scaling_factor" in section
+    section["routed_scaling_factor"] = float(section["routed_scaling_factor"]) * 1.5 + 0.5
+    (edited / "config.json").write_text(json.dumps(conf))
+    assert base_fingerprint(edited) != fp
+
+    reader = CheckpointReader(tmp_path / "base")
+    name = max(reader.keys(), key=lambda n: reader.get_array(n).size)
+    file, prefix = reader.file_of(name), reader.config.key_prefix
+    with safe_open(str(reader.path / file), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    t = tensors[prefix + name]
+    assert t.ndim >= 2 and t[-1].numel() > 64, (name, tuple(t.shape))
+    raw = t.reshape(-1).view(torch.uint8)
+    for where, byte in [("last row", raw.numel() - t[-1].numel() * t.element_size()), ("middle", raw.numel() // 2)]:
+        other = tmp_path / where.replace(" ", "_")
+        shutil.copytree(tmp_path / "base", other)
+        changed = raw.clone()
+        changed[byte] ^= 1
+        save_file({**tensors, prefix + name: changed.view(t.dtype).reshape(t.shape)}, other / file, metadata=meta)
+        assert base_fingerprint(other) != fp, (where, name)

@@ -1194,3 +1194,156 @@ def test_fp8_on_a_cpu_in_fp32_reports_both_problems_at_once():
     msg = str(ei.value)
     assert msg.startswith("--fp8: ") and "\n" not in msg
     assert "got --dtype float32, expected bfloat16" in msg and "need a CUDA GPU" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------- bf16 masters, saves
+
+
+def test_bf16_resume_continues_exactly(tmp_path):
+    """bf16 weights with fp32 masters: 3 steps equal 1 + resume 2, bitwise (losses, grad norms, the export). A
+    resume whose masters are not copied back into the model (the model keeps its initial weights), or a step that
+    leaves the bf16 gradient on the model (the next step's gradient then adds to it), breaks the equality."""
+    kw = {**SMALL, "steps": 3, "warmup_steps": 0, "eval_every": 0, "eval_tokens": 16, "dtype": "bfloat16"}
+    kw["plot"] = False
+    a = train(TrainArgs(out=str(tmp_path / "a"), **kw))
+    b1 = train(TrainArgs(out=str(tmp_path / "b"), stop_after=1, **kw))
+    b2 = train(TrainArgs(out=str(tmp_path / "b"), resume=True, **kw))
+    assert _numbers(a.records) == _numbers(b1.records + b2.records)
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_master_weights_move_gradients_and_load_into_the_model():
+    """MasterWeights over a bf16 module: grads_to_masters gives the masters the fp32 gradient and clears the
+    model's (so the next backward does not add to it); load_state_dict (after DCP filled the masters in place)
+    rounds them into the model."""
+    from kimi_tools.train.weights import MasterWeights
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).bfloat16()
+    mw = MasterWeights(model)
+    assert mw.module is not model and all(m.dtype == torch.float32 for m in mw.masters)
+    x = torch.randn(3, 8).bfloat16()
+    model(x).float().square().sum().backward()
+    want = {n: p.grad.float() for n, p in model.named_parameters()}
+    mw.grads_to_masters()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(m.grad, want[n]) for n, m in zip(mw.names, mw.masters))
+    state = mw.state_dict()
+    new = {n: torch.randn(t.shape) for n, t in state.items()}
+    for n, t in state.items():  # what DCP does: fills the state's tensors in place
+        t.copy_(new[n])
+    mw.load_state_dict(state)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), new[n].bfloat16()), n
+
+
+def test_save_every_n_steps_and_the_last(tmp_path):
+    """``--save-every 2 --steps 5``: resume states at steps 2 and 4 and at the last step 5 (--keep 10)."""
+    kw = {**SMALL, "steps": 5, "eval_every": 0, "eval_tokens": 16, "plot": False, "layers": 1}
+    train(TrainArgs(out=str(tmp_path / "r"), save_every=2, keep=10, **kw))
+    assert sorted(p.name for p in (tmp_path / "r").glob("step-*")) == ["step-2", "step-4", "step-5"]
+
+
+def _changed(f, value):
+    """Another valid-looking value for the TrainArgs field ``f`` than ``value`` (for the fingerprint test)."""
+    import typing
+
+    from kimi_tools.train.args import _hint
+
+    tp, _, is_list = _hint(typing.get_type_hints(TrainArgs)[f.name])
+    choices = f.metadata.get("choices")
+    if callable(choices):
+        choices = choices()
+    if is_list:
+        return [*(value or []), "x"]
+    if choices is not None:
+        return next(c for c in choices if c != value)
+    if tp is bool:
+        return not value
+    if tp in (int, float):
+        return (value or 0) * 2 + 1
+    return "x" if value is None else value + "x"
+
+
+def _numbers_fields():
+    import dataclasses
+
+    from kimi_tools.train.args import run_control_fields
+
+    return [f for f in dataclasses.fields(TrainArgs) if f.name not in run_control_fields()]
+
+
+@pytest.mark.parametrize("f", _numbers_fields(), ids=lambda f: f.name)
+def test_every_numbers_field_changes_the_fingerprint(f):
+    """Each field that is not run control (``numbers=True``) changes the fingerprint when changed, so a resume with
+    another value is refused; run-control fields do not."""
+    import dataclasses
+
+    from kimi.config import load_config
+    from kimi_tools.train.args import fingerprint
+
+    cfg = load_config("tiny").truncated(2)
+    a = TrainArgs(out="o", **SMALL)
+    value = _changed(f, getattr(a, f.name))
+    assert value != getattr(a, f.name)
+    assert fingerprint(dataclasses.replace(a, **{f.name: value}), cfg)[0] != fingerprint(a, cfg)[0], f.name
+
+
+def test_fingerprint_fields_are_all_the_numbers_fields():
+    """The parametrized list above is every field but run control: at least the ones a run's numbers obviously
+    depend on (a field dropped from the hash must show up as a failing case there)."""
+    names = {f.name for f in _numbers_fields()}
+    assert {"seed", "grad_clip", "lr", "steps", "seq_len", "data", "beta2", "lora_rank", "fp8"} <= names
+
+
+def test_eval_loss_is_the_token_weighted_mean(tmp_path):
+    """The eval loss over batches of unequal target counts (short documents: rows hold several document ends) is
+    the mean over all targets, i.e. the one-batch loss of all eval rows together, not the mean of batch means."""
+    from kimi_tools.data import Batch
+    from kimi_tools.train import Trainer
+
+    data = short_documents(tmp_path / "docs.jsonl")
+    kw = {**SMALL, "data": [str(data)], "eval_tokens": 96, "eval_fraction": 0.2}
+    t = Trainer(TrainArgs(out=str(tmp_path / "r"), **kw))
+    counts = [b.num_targets for b in t.evals]
+    assert len(t.evals) == 3 and len(set(counts)) > 1, counts
+    got, _ = t.evaluate()
+    rows = list(t.evals)
+    ids = torch.cat([b.input_ids for b in rows], dim=1)
+    labels = torch.cat([b.labels for b in rows], dim=1)
+    cus, off = [torch.zeros(1, dtype=torch.int64)], 0
+    for b in rows:
+        cus.append(b.cu_seqlens[1:] + off)
+        off += b.num_tokens
+    whole = Batch(ids, labels, torch.cat(cus))
+    t.model.eval()
+    with torch.no_grad():
+        want = float(t.stage.loss(t.model, whole)[0])
+        means = [float(t.stage.loss(t.model, b)[0]) for b in rows]
+    unweighted = sum(means) / len(means)
+    assert abs(unweighted - want) > 1e-4 * abs(want)  # the test tells the two weightings apart
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_rng_is_restored_on_resume(tmp_path):
+    """On CUDA, a step-N/ resume state holds the CUDA RNG and loading it restores it (dropout and any sampling on
+    the GPU continue as in an uninterrupted run)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kimi_tools.train import Trainer
+
+    kw = {**SMALL, "steps": 2, "eval_every": 0, "eval_tokens": 16, "plot": False, "layers": 1, "device": "cuda"}
+    t = Trainer(TrainArgs(out=str(tmp_path / "r"), **kw))
+    t._open()
+    torch.cuda.manual_seed(1234)
+    torch.rand(1000, device="cuda")
+    want = torch.cuda.get_rng_state()
+    t.save()  # step-0
+    t2 = Trainer(TrainArgs(out=str(tmp_path / "r"), resume=True, **kw))  # seeds every RNG from --seed
+    assert not torch.equal(torch.cuda.get_rng_state(), want)
+    t2.checkpointer.load(0, t2.states())
+    assert torch.equal(torch.cuda.get_rng_state(), want)

@@ -150,9 +150,17 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a DCP checkpoint written by :func:`save_checkpoint` on any world size into ``model`` (sharded or not)."""
+    """Load a DCP checkpoint written by :func:`save_checkpoint` on any world size into ``model`` (sharded or not) and,
+    given, ``optimizer``. A parameter that had no optimizer state when it was saved (it never got a gradient, e.g.
+    layer 0's unused AttnRes mix) has none after the load either; every other key must be in the checkpoint.
+
+    Raises:
+        RuntimeError: (DCP) a model or optimizer key the checkpoint lacks.
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
@@ -161,11 +169,15 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        held = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        osd = get_optimizer_state_dict(model, optimizer)  # (it makes a state for every parameter)
+        osd["state"] = {n: s for n, s in osd["state"].items() if any(f"optimizer.state.{n}.{k}" in held for k in s)}
+        state["optimizer"] = osd
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        # strict=False: the parameters left out above (no state saved) may stay without state
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
