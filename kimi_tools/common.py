@@ -132,6 +132,9 @@ class Progress:
             self._bar.close()
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # peft's CONFIG_NAME: what marks a LoRA adapter folder (kimi_tools.lora)
+
+
 def refuse_adapter_folder(checkpoint: str | Path | None, command: str = "the same command") -> None:
     """Refuse a LoRA adapter folder (peft's ``adapter_config.json``, what ``kimi train --lora-rank`` writes) given
     as ``--checkpoint``: it holds the adapters only, not a model. The one-line error says how to merge it into its
@@ -141,8 +144,6 @@ def refuse_adapter_folder(checkpoint: str | Path | None, command: str = "the sam
     Raises:
         CliError: ``checkpoint`` is an adapter folder.
     """
-    from kimi_tools.lora import ADAPTER_CONFIG
-
     if checkpoint is None or not (Path(checkpoint) / ADAPTER_CONFIG).is_file():
         return
     try:

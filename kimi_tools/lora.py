@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from kimi_tools.common import ADAPTER_CONFIG  # peft's CONFIG_NAME (what refuse_adapter_folder looks for)
+
 if TYPE_CHECKING:  # torch is imported where it is used: `kimi --help` stays fast
     import torch
     from torch import nn
@@ -55,7 +57,6 @@ __all__ = [
     "cmd_lora",
 ]
 
-ADAPTER_CONFIG = "adapter_config.json"  # peft's CONFIG_NAME
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
 _KEY_PREFIX = "base_model.model."  # peft's PeftModel -> LoraModel -> model path prefix in saved keys
 _ADAPTER = "default"  # peft's default adapter name (stripped in the saved keys, as peft does)
