@@ -898,7 +898,10 @@ def render_docs() -> str:
         "the meta model sharded as the trainer shards it (`tests/test_plan.py` builds each layout on `meta` with "
         "torch's fake process group and compares); activations and compute rates are calibrated on the measured "
         "4-layer step; the all-to-all is counted unhidden (the code's `all_to_all_single` blocks). Memory per rank "
-        "is the worst pipeline stage; communication is per step per rank. GB = 10^9 B."
+        "is the worst pipeline stage; communication is per step per rank. GB = 10^9 B. "
+        "`benchmarks/rank_rehearsal.py` materialises the worst rank of the chosen layouts at real dimensions on one "
+        "GPU (its stage's layers, its E / ep experts, its shard sizes) and runs its forward and backward against "
+        "these predictions; it has not run on the H200 yet."
     )
     out += ["", "Hardware (effective rates; `kimi plan --nvlink-gbps/--ib-gbps/--peak-tflops` change them):", ""]
     out += [

@@ -221,3 +221,23 @@ def test_doc_is_current():
     ``python -m kimi_tools.plan --write-docs``)."""
     text = (ROOT / "docs" / "scaling.md").read_text()
     assert P.splice_docs(text) == text, "docs/scaling.md is stale: run `python -m kimi_tools.plan --write-docs`"
+
+
+def test_rank_rehearsal_cpu(tmp_path):
+    """``benchmarks/rank_rehearsal.py`` on the tiny preset on CPU: picks the planned layout, runs the rank's stage
+    forward and backward, and writes the prediction beside the measurement (no peak memory on CPU)."""
+    import importlib.util
+
+    bench = ROOT / "benchmarks"
+    spec = importlib.util.spec_from_file_location("rank_rehearsal", bench / "rank_rehearsal.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--runs", "full", "--clusters", "4", "--gpu-memory", "1"]
+    assert mod.main([*argv, "--seq-len", "64", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"]["full"]
+    assert run["status"] == "ok" and run["layout"]["world"] == 4
+    p = run["predicted"]
+    assert p["total"] == p["sharded_states"] + p["stage_weights_and_grads"] + p["activations"]
+    assert run["experts_per_rank"] * run["layout"]["ep"] == load_config("tiny").num_experts
+    assert run["measured"]["peak_bytes"] is None and run["measured"]["ms_per_microbatch"] > 0
