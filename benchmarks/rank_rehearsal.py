@@ -6,7 +6,8 @@ finds a layout that fits, LoRA (rank ``--lora-rank``) on ``--lora-gpus``. Among 
 whose ranks hold at least ``num_experts_per_token`` experts (``E / ep >= k``, needed for the local routing below).
 The rank holds:
 
-* its stage's layers at the model's real dimensions, in bf16 (the fp32 ones as stored), with the MoE layers cut to
+* its stage's layers at the model's real dimensions, in bf16 (the fp32 ones as stored; layers of one kind share
+  one set of weights, as FSDP2 holds only a couple of layers unsharded at a time), with the MoE layers cut to
   the rank's ``E / ep`` experts: the router then chooses among the local experts only, so every local expert receives
   ``T k ep / E`` rows on average, the count the all-to-all would deliver (the all-to-all itself is replaced by this
   local routing; the per-expert counts follow the random router, balanced in expectation);
@@ -17,10 +18,9 @@ The rank holds:
 
 The stage runs from the embedding (the first stage; a later stage would receive the hidden state and the AttnRes
 blocks instead: the embedding's 2.3 GB and its gradient are counted in the prediction here) and ends at the final norm,
-with a loss ``sum(h * g)`` for a random ``g`` (no ``lm_head``). All stage weights are materialised at once (the
-planner's ``fsdp="stage"`` policy: gathered once per step), so the prediction compared is
+with a loss ``sum(h * g)`` for a random ``g`` (no ``lm_head``). The prediction compared is
 
-    sharded states (planner) + stage weights and their gradients in bf16 (counted) + activations (planner)
+    sharded states (planner) + the materialised weights and their gradients (counted) + activations (planner)
 
 and the compute time of one micro-batch against the planner's for that stage. Writes one JSON (``--out``): the
 layout, the prediction and the measurement (peak memory on CUDA; ``null`` on CPU), their ratio, the predicted
@@ -59,6 +59,20 @@ def choose(preset: str, gpus: int, seq_len: int, lora_rank: int | None, gpu_memo
     return None
 
 
+def _materialise(model: nn.Module, device: str) -> None:
+    """``to_empty`` that keeps shared parameters shared (``Module.to_empty`` gives each module its own copy)."""
+    made: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                m._parameters[k] = made[id(p)]
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = torch.empty_like(b, device=device)
+
+
 def build_stage(cfg, row: dict, device: str, lora_rank: int | None) -> KimiK3Model:
     """The worst stage's layers (embedding first, final norm last, no lm_head) with ``E / ep`` experts per MoE layer,
     random weights in bf16 (fp32 where the checkpoint keeps fp32) on ``device``."""
@@ -70,7 +84,16 @@ def build_stage(cfg, row: dict, device: str, lora_rank: int | None) -> KimiK3Mod
         model = KimiK3Model(local, backend="cudnn" if device == "cuda" else "eager")
     model.model.layers = nn.ModuleList([model.model.layers[i] for i in range(lo, hi)])
     model.lm_head = None
-    model = model.to_empty(device=device)
+    # Layers of one kind (attention kind, dense or MoE MLP) share one set of weights, so the rank holds a few
+    # layers' unsharded weights, as FSDP2 does (two at a time), while every layer keeps its own activations.
+    reps: dict[tuple[str, bool], nn.Module] = {}
+    for i, layer in zip(range(lo, hi), model.model.layers):
+        rep = reps.setdefault((local.layer_type(i), local.is_moe_layer(i)), layer)
+        if rep is not layer:
+            for name, p in rep.named_parameters():
+                owner, _, leaf = name.rpartition(".")
+                setattr(layer.get_submodule(owner) if owner else layer, leaf, p)
+    _materialise(model, device)
     with torch.no_grad():  # as benchmarks/train_step_4layers.py (the values do not matter, only their ranges)
         for name, p in model.named_parameters():
             if name.endswith("A_log"):

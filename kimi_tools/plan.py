@@ -789,6 +789,11 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     )
     cfg = load_config(args.preset)
     notes = []
+    if cfg.hidden_size != load_config("k3.1-pro").hidden_size:
+        notes.append(
+            f"activations and rates are calibrated on k3.1-pro's dimensions (hidden 7168); --preset {args.preset} "
+            f"(hidden {cfg.hidden_size}) gets them unscaled: its parameter bytes are exact, its activations are not"
+        )
     rows: list[dict] = []
     for opts, offs in _modes(args.optimizer):
         rows = plan(
