@@ -72,6 +72,7 @@ __all__ = [
     "stage_ranges",
     "lora_specs",
     "rank_numel",
+    "state_bytes",
     "layer_flops",
     "Calibration",
     "load_calibration",
@@ -233,23 +234,31 @@ def lora_specs(cfg: KimiConfig, rank: int, targets: tuple[str, ...] | None = Non
     return out
 
 
+# Parameters the optimizer never updates (no gradient): the router's balancing bias, moved by its own rule.
+_FIXED = ("e_score_correction_bias",)
+
+
 @functools.lru_cache(maxsize=4096)
-def _groups(cfg: KimiConfig, layer: int | None, lora_rank: int | None) -> tuple[tuple[str, int, int, int], ...]:
-    """Parameters of ``layer`` (None: the global ones) as ``(kind, dim-0 rows, elements per row, count)`` with kind
-    "dense", "experts" (stacks, rows = E) or "lora" (``lora_rank``'s adapters), equal shapes merged."""
+def _groups(cfg: KimiConfig, layer: int | None, lora_rank: int | None) -> tuple[tuple[str, str, int, int, int], ...]:
+    """Parameters of ``layer`` (None: the global ones) as ``(kind, flag, dim-0 rows, elements per row, count)`` with
+    kind "dense", "experts" (stacks, rows = E), "embed" or "lora" (``lora_rank``'s adapters) and flag "fixed" (no
+    gradient: :data:`_FIXED`), "fp32" (kept fp32 by the checkpoint and ``kernels_torch.model.cast_model``) or "";
+    equal shapes merged."""
     glob, per = _layout_specs(cfg)
-    counts: dict[tuple[str, int, int], int] = {}
+    counts: dict[tuple[str, str, int, int], int] = {}
     specs = list(glob) if layer is None else list(per[layer])
     for s in specs:
-        key = ("experts" if _is_expert(s.name) else "dense", s.shape[0], math.prod(s.shape[1:]))
-        if layer is None:  # keep the embedding apart: it lives on the first stage, the rest on the last
-            key = ("embed" if s.name == "model.embed_tokens.weight" else "dense", *key[1:])
+        kind = "experts" if _is_expert(s.name) else "dense"
+        if s.name == "model.embed_tokens.weight":  # the first stage's; the other globals are the last stage's
+            kind = "embed"
+        flag = "fixed" if s.name.endswith(_FIXED) else "fp32" if s.dtype == "float32" else ""
+        key = (kind, flag, s.shape[0], math.prod(s.shape[1:]))
         counts[key] = counts.get(key, 0) + 1
     if lora_rank and layer is not None:
         for s in lora_specs(cfg, lora_rank).get(layer, []):
-            key = ("lora", s.shape[0], math.prod(s.shape[1:]))
+            key = ("lora", "", s.shape[0], math.prod(s.shape[1:]))
             counts[key] = counts.get(key, 0) + 1
-    return tuple((k, r, i, c) for (k, r, i), c in counts.items())
+    return tuple((*k, c) for k, c in counts.items())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -262,25 +271,35 @@ def rank_numel(
     efsdp_coord: int = 0,
     lora_rank: int | None = None,
 ) -> dict[str, int]:
-    """Elements of the parameters one rank of pipeline stage ``stage`` holds: ``{"dense", "experts", "lora",
-    "trainable", "frozen"}`` (``dense`` = everything but the routed experts, sharded over ``dp x cp`` at coordinate
-    ``dp_cp_coord``; ``experts`` = the rank's ``E / ep`` rows of each stack, sharded over ``efsdp`` at
-    ``efsdp_coord``; ``lora`` = the adapters, sharded with the dense part). Without ``lora_rank`` everything is
-    trainable; with it only the adapters are. FSDP2 shards every parameter along dim 0 (:func:`shard_rows`)."""
+    """Elements of the parameters one rank of pipeline stage ``stage`` holds: ``dense`` (everything but the routed
+    experts, sharded over ``dp x cp`` at coordinate ``dp_cp_coord``), ``experts`` (the rank's ``E / ep`` rows of each
+    stack, sharded over ``efsdp`` at ``efsdp_coord``), ``lora`` (the adapters, sharded with the dense part); and by
+    role: ``trainable`` (all but the fixed ones; with ``lora_rank`` the adapters only), ``trainable_fp32`` (those
+    the checkpoint keeps fp32), ``frozen`` / ``frozen_fp32`` (the LoRA base), ``fixed`` (no gradient:
+    ``e_score_correction_bias``). FSDP2 shards every parameter along dim 0 (:func:`shard_rows`)."""
     ranges = stage_ranges(cfg, layout.pp)
     n_dc = layout.dp * layout.cp
-    tot = {"dense": 0, "experts": 0, "lora": 0}
-    for kind, rows, inner, count in _groups(cfg, None, None):
+    tot = dict.fromkeys(("dense", "experts", "lora", "fixed", "fp32"), 0)
+
+    def add(kind, flag, n):
+        tot["dense" if kind == "embed" else kind] += n
+        if flag:
+            tot[flag] += n
+
+    for kind, flag, rows, inner, count in _groups(cfg, None, None):
         if (stage == 0) if kind == "embed" else (stage == layout.pp - 1):
-            tot["dense"] += count * shard_rows(rows, n_dc, dp_cp_coord) * inner
+            add(kind, flag, count * shard_rows(rows, n_dc, dp_cp_coord) * inner)
     for i in ranges[stage]:
-        for kind, rows, inner, count in _groups(cfg, i, lora_rank):
+        for kind, flag, rows, inner, count in _groups(cfg, i, lora_rank):
             if kind == "experts":
-                tot[kind] += count * shard_rows(rows // layout.ep, layout.efsdp, efsdp_coord) * inner
+                add(kind, flag, count * shard_rows(rows // layout.ep, layout.efsdp, efsdp_coord) * inner)
             else:
-                tot[kind] += count * shard_rows(rows, n_dc, dp_cp_coord) * inner
-    base = tot["dense"] + tot["experts"]
-    return {**tot, "trainable": tot["lora"] if lora_rank else base, "frozen": base if lora_rank else 0}
+                add(kind, flag, count * shard_rows(rows, n_dc, dp_cp_coord) * inner)
+    base = tot["dense"] + tot["experts"] - tot["fixed"]
+    fp32 = tot.pop("fp32")
+    if lora_rank:
+        return {**tot, "trainable": tot["lora"], "trainable_fp32": 0, "frozen": base, "frozen_fp32": fp32}
+    return {**tot, "trainable": base, "trainable_fp32": fp32, "frozen": 0, "frozen_fp32": 0}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -288,13 +307,28 @@ def _unsharded(cfg: KimiConfig, layer: int | None, ep: int, lora_rank: int | Non
     """Elements one rank gathers of ``layer`` (its ``E / ep`` experts): dense, experts, lora; for the globals,
     ``stage_of_glob`` "first" (the embedding) or "last" (the rest)."""
     out = {"dense": 0, "experts": 0, "lora": 0}
-    for kind, rows, inner, count in _groups(cfg, layer, lora_rank):
+    for kind, _, rows, inner, count in _groups(cfg, layer, lora_rank):
         if layer is None:
             if (kind == "embed") != (stage_of_glob == "first"):
                 continue
             kind = "dense"
         out[kind] += count * (rows // ep if kind == "experts" else rows) * inner
     return out
+
+
+def state_bytes(n: dict, optimizer: str) -> dict[str, int]:
+    """Bytes of a rank's sharded parameters, gradients and optimizer states from :func:`rank_numel`'s counts under
+    ``optimizer`` (:data:`OPTIMIZERS`): the tensors the checkpoint keeps fp32 stay fp32 under either policy (fp32
+    gradients, fp32 moments), the fixed ones are fp32 without gradient or state, a LoRA base is bf16 (its fp32
+    tensors fp32)."""
+    pb, gb, ob = OPTIMIZERS[optimizer]
+    low = n["trainable"] - n["trainable_fp32"]
+    frozen = (n["frozen"] - n["frozen_fp32"]) * FROZEN_BYTES + n["frozen_fp32"] * 4
+    return {
+        "params": low * pb + n["trainable_fp32"] * 4 + frozen + n["fixed"] * 4,
+        "grads": low * gb + n["trainable_fp32"] * 4,
+        "optimizer": low * ob + n["trainable_fp32"] * 8,
+    }
 
 
 @dataclass(frozen=True)
@@ -523,15 +557,16 @@ def evaluate(
         else:
             act = inflight * len(layers) * T * cal.act_per_token_layer[policy.recompute]
         on_gpu = policy.offload == "none"
+        sb = state_bytes(n, policy.optimizer)
         mem = {
-            "params": (n["trainable"] * pb + n["frozen"] * FROZEN_BYTES) if on_gpu else 0,
-            "grads": n["trainable"] * gb if on_gpu else 0,
-            "optimizer": n["trainable"] * ob if on_gpu else 0,
+            "params": sb["params"] if on_gpu else 0,
+            "grads": sb["grads"] if on_gpu else 0,
+            "optimizer": sb["optimizer"] if on_gpu else 0,
             "gathered": gathered,
             "activations": act,
         }
         mem["total"] = sum(mem.values())
-        host = 0 if on_gpu else n["trainable"] * (pb + gb + ob) + n["frozen"] * FROZEN_BYTES
+        host = 0 if on_gpu else sum(sb.values())
         # communication per step (bytes per rank)
         gathers = 2 * m if policy.fsdp == "layer" else 1  # forward + backward re-gather, per micro-batch
         reduces = m if policy.fsdp == "layer" else 1

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from kernels_torch.model import KimiK3Model
+from kernels_torch.model import KimiK3Model, cast_model
 from kernels_torch.moe import KimiMoE
 from kernels_torch.parallel.fsdp import parallelize
 from kimi.config import load_config
@@ -29,7 +29,7 @@ def _stage_model(cfg, layout: P.Layout, stage: int, dtype=torch.float32) -> Kimi
     first stage, norm, output mix and lm_head on the last), every MoE layer's stacks cut to ``E / ep`` rows (what
     ``kernels_torch.parallel.expert.ExpertParallel`` keeps)."""
     with torch.device("meta"):
-        model = KimiK3Model(cfg).to(dtype)
+        model = cast_model(KimiK3Model(cfg), dtype)  # the checkpoint's fp32 tensors stay fp32
     r = P.stage_ranges(cfg, layout.pp)[stage]
     model.model.layers = nn.ModuleList([model.model.layers[i] for i in r])
     if stage != 0:
@@ -68,6 +68,12 @@ def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, 
             if isinstance(m, KimiMoE):
                 fully_shard(m.experts, mesh=emesh)
         parallelize(model, mesh)
+        # one AdamW step on meta: the sharded gradients and the optimizer's moments as the trainer creates them
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=1e-3, foreach=False)
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        opt.step()
         out = {"dense": 0, "experts": 0, "lora": 0, "bytes": 0, "trainable": 0}
         for name, p in model.named_parameters():
             local = p.to_local()
@@ -75,6 +81,9 @@ def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, 
             out[key] += local.numel()
             out["bytes"] += local.numel() * local.element_size()
             out["trainable"] += local.numel() if p.requires_grad else 0
+        nbytes = lambda t: t.to_local().numel() * t.to_local().element_size()  # noqa: E731
+        out["grad_bytes"] = sum(nbytes(p.grad) for p in trained)
+        out["optimizer_bytes"] = sum(nbytes(t) for st in opt.state.values() for k, t in st.items() if k != "step")
         return out
     finally:
         dist.destroy_process_group()
@@ -100,8 +109,8 @@ def test_rank_numel_equals_sharded_meta_model(preset, layers, layout, stage, ran
     got = _sharded(cfg, layout, stage, rank)
     want = P.rank_numel(cfg, layout, stage, dp_cp_coord=rank, efsdp_coord=rank // layout.ep)
     assert (got["dense"], got["experts"]) == (want["dense"], want["experts"])
-    pb = P.OPTIMIZERS["adamw-fp32"][0]  # fp32 masters: the trainer's FSDP2 sharded parameters
-    assert got["bytes"] == (want["dense"] + want["experts"]) * pb
+    sb = P.state_bytes(want, "adamw-fp32")  # fp32 masters (the trainer's FSDP2 shards), fp32 gradients and moments
+    assert (sb["params"], sb["grads"], sb["optimizer"]) == (got["bytes"], got["grad_bytes"], got["optimizer_bytes"])
 
 
 def test_worst_rank_bytes_bf16_and_evaluate():
@@ -110,12 +119,12 @@ def test_worst_rank_bytes_bf16_and_evaluate():
     cfg = load_config("tiny")
     layout = P.Layout(pp=3, dp=2, cp=1, ep=2)
     cal = P.load_calibration()
-    for opt, dtype in [("adamw-fp32", torch.float32), ("adamw-bf16", torch.bfloat16)]:
+    for opt, dtype in [("adamw-fp32", torch.float32), ("adamw-bf16", torch.bfloat16)]:  # fp32 masters / bf16
         r = P.evaluate(cfg, layout, P.Policy(optimizer=opt), P.Hardware(), cal, seq_len=64, global_batch=1024)
         got = _sharded(cfg, layout, r["worst_stage"], 0, dtype)
         assert r["memory"]["params"] == got["bytes"]
-        assert r["memory"]["grads"] == got["bytes"]  # the gradient of each local shard, same dtype
-        assert r["memory"]["optimizer"] == 2 * got["bytes"]  # AdamW's two moments, same dtype
+        assert r["memory"]["grads"] == got["grad_bytes"]
+        assert r["memory"]["optimizer"] == got["optimizer_bytes"]
 
 
 def test_lora_numel_equals_sharded_meta_model():
@@ -127,6 +136,8 @@ def test_lora_numel_equals_sharded_meta_model():
         want = P.rank_numel(cfg, layout, 0, dp_cp_coord=rank, efsdp_coord=rank // 2, lora_rank=4)
         assert (got["dense"], got["experts"], got["lora"]) == (want["dense"], want["experts"], want["lora"])
         assert got["trainable"] == want["trainable"] == want["lora"]
+        sb = P.state_bytes(want, "adamw-fp32")  # adapters fp32 with AdamW; the base frozen (no gradient, no state)
+        assert (sb["grads"], sb["optimizer"]) == (got["grad_bytes"], got["optimizer_bytes"])
 
 
 @pytest.mark.parametrize("preset,seq_len", [("tiny", 100), ("tiny", 8192), ("tiny-linear", 300), ("k3.1-pro", 32768)])
