@@ -18,7 +18,9 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   (:data:`OPTIMIZERS`): ``adamw-fp32`` = fp32 masters (4) + fp32 gradients (4) + two fp32 moments (8), FSDP2's
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``adamw-bf16`` = bf16 parameters, gradients and
   moments (2 + 2 + 4; an AdamW with stochastic rounding such as torchao's, which the trainer does not have);
-  ``--offload cpu`` keeps all three on the host (FSDP2 ``CPUOffloadPolicy``). LoRA: the frozen base in bf16
+  ``--offload cpu`` keeps all three on the host (FSDP2 ``CPUOffloadPolicy``). The tensors the checkpoint keeps in
+  fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the router's
+  ``e_score_correction_bias`` has no gradient and no state (:func:`state_bytes`). LoRA: the frozen base in bf16
   (2 B, no gradient, no state), the adapters (``kimi_tools.lora.DEFAULT_TARGETS``: attention projections) trained
   under the policy.
 * **gathered**: FSDP2's unsharded working set. ``fsdp="layer"`` (ZeRO-3, ``reshard_after_forward=True``, gradients
@@ -39,13 +41,15 @@ the same again, and once more when the MoE block is recomputed), ``(ep - 1) / ep
 sends between stages (the hidden state and the AttnRes blocks stored so far, ``(b + 1) x D x 2`` B per token,
 forward and backward).
 
-Time: a stage's compute per micro-batch is its model FLOPs (:func:`layer_flops`, the ``kimi.flops`` count) at the
-calibrated rate (model TFLOP/s of the 4-layer step, per recompute mode; ``"full"`` = the no-recompute rate x 3/4,
-one more forward per three units of work); the all-to-all is added unhidden (the code's ``all_to_all_single`` blocks
-the stream; ``--overlap-a2a`` hides it behind compute as DualPipe-style schedules do); FSDP traffic overlaps compute
-(FSDP2's prefetch) and only its excess counts; 1F1B's bubble multiplies the slowest stage by
-``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer step reads and writes its states at HBM (or host)
-bandwidth. MFU = model FLOPs per token (``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
+Time: a stage's compute per micro-batch is its model FLOPs (:func:`layer_flops`, the ``kimi.flops`` count; LoRA:
+forward and input gradients only, 2/3 of the weight matmuls) at the calibrated rate (the model TFLOP/s of the
+4-layer step per recompute mode; ``"full"`` = the no-recompute rate x 3/4, one more forward per three units of
+work), the routed experts slowed down where a rank's experts get fewer rows than in the calibration step
+(``T k ep / E`` rows per expert, against the measured grouped-GEMM rate: :meth:`Calibration.expert_slowdown`). The
+all-to-all is added unhidden (the code's ``all_to_all_single`` blocks the stream; ``--overlap-a2a`` hides it behind
+compute as DualPipe-style schedules do); FSDP traffic overlaps compute (FSDP2's prefetch) and only its excess
+counts; 1F1B's bubble multiplies the slowest stage by ``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer
+step reads and writes its states at HBM (or host) bandwidth. MFU = model FLOPs per token (``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
 
 Link bandwidths (:class:`Hardware`, documented in ``docs/scaling.md``): effective, not nominal.
 """
@@ -937,7 +941,9 @@ def render_docs() -> str:
         "sequences, 2^24 tokens per step, 8 GPUs per node, 1F1B. Per-rank parameter, gradient and optimizer bytes are "
         "the meta model sharded as the trainer shards it (`tests/test_plan.py` builds each layout on `meta` with "
         "torch's fake process group and compares); activations and compute rates are calibrated on the measured "
-        "4-layer step; the all-to-all is counted unhidden (the code's `all_to_all_single` blocks). Memory per rank "
+        "4-layer step; the all-to-all is counted unhidden (the code's `all_to_all_single` blocks). LoRA rows count "
+        "the model FLOPs of a frozen-weight step (forward and input gradients: 2/3 of the weight matmuls of full "
+        "training). Not modelled: interleaved schedules, expert load imbalance, tensor parallelism. Memory per rank "
         "is the worst pipeline stage; communication is per step per rank. GB = 10^9 B. "
         "`benchmarks/rank_rehearsal.py` materialises the worst rank of the chosen layouts at real dimensions on one "
         "GPU (its stage's layers, its E / ep experts, its shard sizes) and runs its forward and backward against "
