@@ -665,6 +665,7 @@ def plan(
     offloads: tuple[str, ...] = ("none",),
     overlap_a2a: bool = False,
     cps: tuple[int, ...] = (1, 2, 4, 8),
+    only: Layout | None = None,
 ) -> list[dict]:
     """Every layout of ``gpus`` GPUs (``pp`` dividing the AttnRes blocks, ``cp`` in ``cps`` dividing ``seq_len``,
     ``ep`` dividing ``dp x cp`` and the expert count), each with the fastest policy (recompute mode, FSDP policy,
@@ -679,6 +680,15 @@ def plan(
         raise ValueError(f"--seq-len: got {seq_len}, expected a positive integer")
     cal = load_calibration(fp8)
     blocks = -(-cfg.num_hidden_layers // (cfg.attn_res_block_size or 1))
+    if only is not None:
+        if only.world != gpus:
+            raise ValueError(f"--layout: got {only.name()} = {only.world} GPUs, expected --gpus {gpus}")
+        stage_ranges(cfg, only.pp)  # pp must divide the AttnRes blocks
+        if cfg.num_experts and cfg.num_experts % only.ep:
+            raise ValueError(f"--layout: got ep={only.ep}, expected a divisor of the {cfg.num_experts} experts")
+        if seq_len % only.cp:
+            raise ValueError(f"--layout: got cp={only.cp}, expected a divisor of --seq-len {seq_len}")
+        cps = (only.cp,)
     out = []
     for pp in _divisors(blocks):
         if gpus % pp:
@@ -693,6 +703,8 @@ def plan(
                 if not cfg.num_experts and ep > 1:
                     continue
                 L = Layout(pp, n_dc // cp, cp, ep)
+                if only is not None and L != only:
+                    continue
                 best = None
                 for opt in optimizers:
                     for off in offloads:
@@ -783,6 +795,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="auto",
         help="optimizer states; auto: fp32 AdamW, else bf16 states, else CPU offload, the first that fits",
     )
+    p.add_argument(
+        "--layout", metavar="PP,DP,CP,EP", help="evaluate this one layout only (pp x dp x cp = --gpus, ep | dp x cp)"
+    )
     p.add_argument("--overlap-a2a", action="store_true", help="hide the all-to-all behind compute (not in the code)")
     p.add_argument("--top", type=positive_int, default=8, help="rows shown (default 8)")
     p.add_argument("--json", action="store_true", help="print every layout as one JSON list")
@@ -827,6 +842,14 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
         peak_tflops=args.peak_tflops,
     )
     cfg = load_config(args.preset)
+    only = None
+    if args.layout:
+        try:
+            only = Layout(*(int(x) for x in args.layout.split(",")))
+        except (TypeError, ValueError) as e:
+            raise CliError(
+                f"--layout: got {args.layout!r}, expected four positive integers PP,DP,CP,EP ({e})"
+            ) from None
     notes = []
     if cfg.hidden_size != load_config("k3.1-pro").hidden_size:
         notes.append(
@@ -846,6 +869,7 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
             optimizers=opts,
             offloads=offs,
             overlap_a2a=args.overlap_a2a,
+            only=only,
         )
         if rows and rows[0]["fits"]:
             break

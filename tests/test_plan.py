@@ -223,6 +223,12 @@ def test_cli(capsys):
     assert out["layouts"][0]["fits"]
     assert main(["plan", "--preset", "tiny", "--gpus", "4", "--nodes", "3"]) == 2
     assert "--nodes: got 3" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--gpus", "4", "--layout", "1,2,2,2", "--seq-len", "64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert [r["layout"] for r in rows] == [{"pp": 1, "dp": 2, "cp": 2, "ep": 2, "efsdp": 2, "world": 4}]
+    for bad, msg in [("1,2,2,3", "ep=3"), ("1,2,2", "four positive integers"), ("3,1,1,1", "expected --gpus 4")]:
+        assert main(["plan", "--preset", "tiny", "--gpus", "4", "--layout", bad]) == 2
+        assert msg in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--gpus", "4", "--fp8", "tensorwise"]) == 2
     assert "--fp8: got 'tensorwise'" in capsys.readouterr().err
 
