@@ -1018,6 +1018,19 @@ def render_docs() -> str:
             ]
             if not lora:
                 best_full[gpus] = (rows[0], hidden[0])
+    for gpus in (64, 128, 256, 512, 1024):
+        rows, _ = run_plan(_args(gpus, None))
+        if rows and rows[0]["fits"]:
+            r, L = rows[0], rows[0]["layout"]
+            p = r["policy"]
+            out += [
+                "",
+                f"Smallest power-of-two cluster where full fine-tuning fits: **{gpus} H200** (pp {L['pp']}, dp {L['dp']}, "
+                f"cp {L['cp']}, ep {L['ep']}; {p['optimizer']}"
+                + (", states offloaded to the host" if p["offload"] == "cpu" else "")
+                + f", recompute {p['recompute']}; {r['memory']['total'] / GB:.1f} GB per GPU, MFU {r['mfu']:.1%}).",
+            ]
+            break
     out += ["", "### Beside published runs (TFLOP/s of model FLOPs per GPU; MFU against the dense bf16 peak)", ""]
     out += ["| run | TFLOP/s per GPU | MFU | source |", "|---|---:|---:|---|"]
     out += [f"| {name} | {tf:.0f} | {m:.1%} | {src} |" for name, tf, m, src in ANCHORS]
