@@ -186,6 +186,21 @@ def test_calibration_matches_results():
         assert p["param_bytes"] == sum(s.numel * (4 if s.dtype == "float32" else 2) for s in stacked_layout(cfg))
 
 
+def test_expert_density():
+    """The experts' rate is the measured one at the measured densities, grows with rows per expert in between, and
+    a rank at the calibration step's density is not slowed down."""
+    cal = P.load_calibration()
+    for rows, tf in cal.density:
+        assert cal.expert_rate(rows) == pytest.approx(tf, rel=1e-12)
+    (r0, _), (r1, _) = cal.density
+    mid = [cal.expert_rate(r) for r in (r0 / 2, r0, (r0 * r1) ** 0.5, r1, 4 * r1)]
+    assert mid == sorted(mid) and mid[-1] == mid[-2]
+    assert cal.expert_slowdown(cal.rows_per_expert["none"], "none") == 1.0
+    assert cal.expert_slowdown(r0, "none") == pytest.approx(
+        cal.expert_rate(cal.rows_per_expert["none"]) / cal.expert_rate(r0)
+    )
+
+
 def test_calibration_reproduces_its_own_point():
     """The planner's one-GPU prediction of the calibration step itself (4 layers, pp = dp = cp = ep = 1, bf16
     parameters, no optimizer) gives back the measured peak: what the calibration defines."""
