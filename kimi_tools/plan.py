@@ -49,7 +49,8 @@ work), the routed experts slowed down where a rank's experts get fewer rows than
 all-to-all is added unhidden (the code's ``all_to_all_single`` blocks the stream; ``--overlap-a2a`` hides it behind
 compute as DualPipe-style schedules do); FSDP traffic overlaps compute (FSDP2's prefetch) and only its excess
 counts; 1F1B's bubble multiplies the slowest stage by ``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer
-step reads and writes its states at HBM (or host) bandwidth. MFU = model FLOPs per token (``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
+step reads and writes its states at HBM (or host) bandwidth. MFU = model FLOPs per token
+(``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
 
 Link bandwidths (:class:`Hardware`, documented in ``docs/scaling.md``): effective, not nominal.
 """
@@ -405,6 +406,8 @@ class Calibration:
         tflops: {mode: model TFLOP/s} for "none" and "mlp" ("full" derived: "none" x 3/4).
         act_per_token_layer: {mode: bytes per token per layer} for "none" and "mlp".
         sources: {mode: "file (date, commit), seq_len, ms, peak GiB"} of each point used.
+        rows_per_expert: {mode: rows per expert in that calibration step} (``T k / E`` of the benchmark).
+        density: ((rows per expert, TFLOP/s), ...) of the routed experts alone (``expert_density``).
     """
 
     tflops: dict
