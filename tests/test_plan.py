@@ -195,6 +195,8 @@ def test_expert_density():
     (r0, _), (r1, _) = cal.density
     mid = [cal.expert_rate(r) for r in (r0 / 2, r0, (r0 * r1) ** 0.5, r1, 4 * r1)]
     assert mid == sorted(mid) and mid[-1] == mid[-2]
+    (_, t0), (_, t1) = cal.density  # log-linear: the geometric mean of the densities gets the mean of the rates
+    assert cal.expert_rate((r0 * r1) ** 0.5) == pytest.approx((t0 + t1) / 2, rel=1e-12)
     assert cal.expert_slowdown(cal.rows_per_expert["none"], "none") == 1.0
     assert cal.expert_slowdown(r0, "none") == pytest.approx(
         cal.expert_rate(cal.rows_per_expert["none"]) / cal.expert_rate(r0)
