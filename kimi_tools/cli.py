@@ -7,6 +7,7 @@
                  [--dtype float32|bfloat16] [--json FILE] [--against FILE.safetensors [--path jax|eager|sdpa]]
                  [--grad [--documents N] [--dtype float64]] [--fp8 tensorwise|rowwise]
     kimi lora merge --checkpoint BASE --adapter DIR --out DIR
+    kimi plan    --gpus N [--preset NAME] [--gpu-memory GB] [--nodes M] [--seq-len S] [--lora-rank R] [--fp8 RECIPE] [--json]
     kimi logits  [--preset NAME | --checkpoint DIR] [--layers N] [--backend jax|eager|sdpa] (--text FILE | --ids FILE)
                  --out FILE.safetensors [--hidden] [--tokens N]
 
@@ -25,7 +26,7 @@ from typing import Sequence
 from kimi.checkpoint import check_replaceable
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
-from kimi_tools import ablate, lora, train
+from kimi_tools import ablate, lora, plan, train
 from kimi_tools import generate as generate_cmd
 from kimi_tools.common import (
     CliError,
@@ -585,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     ablate.add_parser(sub)
     generate_cmd.add_parser(sub)  # kimi generate (kimi_tools/generate.py)
+    plan.add_parser(sub)  # kimi plan (kimi_tools/plan.py)
     return ap
 
 

@@ -1,0 +1,277 @@
+"""``kimi plan`` (``kimi_tools/plan.py``): the per-rank parameter counts equal the meta model sharded as the trainer
+shards it (one process, torch's fake process group, no memory used), the FLOP split adds up to ``kimi.flops``, the
+calibration file matches the benchmark results it names, the command line, and ``docs/scaling.md`` is current."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from kernels_torch.model import KimiK3Model, cast_model
+from kernels_torch.moe import KimiMoE
+from kernels_torch.parallel.fsdp import parallelize
+from kimi.config import load_config
+from kimi.flops import estimate_flops
+from kimi_tools import plan as P
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _stage_model(cfg, layout: P.Layout, stage: int, dtype=torch.float32) -> KimiK3Model:
+    """The meta model of one pipeline stage as one rank holds it before FSDP2: the stage's layers (embedding on the
+    first stage, norm, output mix and lm_head on the last), every MoE layer's stacks cut to ``E / ep`` rows (what
+    ``kernels_torch.parallel.expert.ExpertParallel`` keeps)."""
+    with torch.device("meta"):
+        model = cast_model(KimiK3Model(cfg), dtype)  # the checkpoint's fp32 tensors stay fp32
+    r = P.stage_ranges(cfg, layout.pp)[stage]
+    model.model.layers = nn.ModuleList([model.model.layers[i] for i in r])
+    if stage != 0:
+        model.model.embed_tokens = None
+    if stage != layout.pp - 1:
+        model.model.norm = None
+        model.lm_head = None
+        if cfg.has_attn_res:
+            model.model.output_attn_res_norm = None
+            model.model.output_attn_res_proj = None
+    for m in model.modules():
+        if isinstance(m, KimiMoE):
+            for w in ("w1", "w3", "w2"):
+                old = getattr(m.experts, w)
+                setattr(m.experts, w, nn.Parameter(old.detach()[: old.shape[0] // layout.ep].clone()))
+    return model
+
+
+def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, lora_rank=None) -> dict:
+    """Local elements and bytes of the stage model on fake rank ``rank`` of ``dp x cp`` after the trainer's sharding:
+    the experts ``fully_shard`` over ``efsdp`` (a mesh ``(efsdp, ep)``, ep innermost), then
+    ``kernels_torch.parallel.fsdp.parallelize`` over ``(dp, cp)``."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = layout.dp * layout.cp
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        model = _stage_model(cfg, layout, stage, dtype)
+        if lora_rank:
+            from kimi_tools.lora import LoraSettings, apply_lora
+
+            apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank))
+        mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))
+        emesh = init_device_mesh("cpu", (layout.efsdp, layout.ep), mesh_dim_names=("efsdp", "ep"))["efsdp"]
+        for m in model.modules():
+            if isinstance(m, KimiMoE):
+                fully_shard(m.experts, mesh=emesh)
+        parallelize(model, mesh)
+        # one AdamW step on meta: the sharded gradients and the optimizer's moments as the trainer creates them
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=1e-3, foreach=False)
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        out = {"dense": 0, "experts": 0, "lora": 0, "bytes": 0, "trainable": 0}
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            key = "experts" if ".experts.w" in name else "lora" if ".lora_" in name else "dense"
+            out[key] += local.numel()
+            out["bytes"] += local.numel() * local.element_size()
+            out["trainable"] += local.numel() if p.requires_grad else 0
+        nbytes = lambda t: t.to_local().numel() * t.to_local().element_size()  # noqa: E731
+        out["grad_bytes"] = sum(nbytes(p.grad) for p in trained)
+        out["optimizer_bytes"] = sum(nbytes(t) for st in opt.state.values() for k, t in st.items() if k != "step")
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "preset,layers,layout,stage,rank",
+    [
+        ("tiny", None, P.Layout(pp=1, dp=2, cp=1, ep=2), 0, 1),
+        ("tiny", None, P.Layout(pp=1, dp=3, cp=1, ep=1), 0, 2),  # 3 ranks: uneven chunks, the last rank short
+        ("tiny", None, P.Layout(pp=3, dp=2, cp=2, ep=2), 1, 3),
+        ("tiny", None, P.Layout(pp=3, dp=4, cp=1, ep=4), 2, 2),
+        ("tiny", None, P.Layout(pp=1, dp=1, cp=2, ep=1), 0, 0),
+        ("k3.1-pro", 3, P.Layout(pp=1, dp=8, cp=2, ep=4), 0, 5),
+        ("k3.1-pro", 3, P.Layout(pp=1, dp=16, cp=1, ep=16), 0, 15),
+        ("k3.1-pro", 24, P.Layout(pp=2, dp=4, cp=1, ep=2), 1, 3),  # stage 1 of two: layers 12-23, lm_head
+    ],
+)
+def test_rank_numel_equals_sharded_meta_model(preset, layers, layout, stage, rank):
+    cfg = load_config(preset)
+    if layers:
+        cfg = cfg.truncated(layers)
+    got = _sharded(cfg, layout, stage, rank)
+    want = P.rank_numel(cfg, layout, stage, dp_cp_coord=rank, efsdp_coord=rank // layout.ep)
+    assert (got["dense"], got["experts"]) == (want["dense"], want["experts"])
+    sb = P.state_bytes(want, "adamw-fp32")  # fp32 masters (the trainer's FSDP2 shards), fp32 gradients and moments
+    assert (sb["params"], sb["grads"], sb["optimizer"]) == (got["bytes"], got["grad_bytes"], got["optimizer_bytes"])
+
+
+def test_worst_rank_bytes_bf16_and_evaluate():
+    """The planner's per-rank parameter bytes (``evaluate``: the worst stage at coordinate 0) equal the sharded meta
+    model's, for fp32 masters and for bf16 parameters."""
+    cfg = load_config("tiny")
+    layout = P.Layout(pp=3, dp=2, cp=1, ep=2)
+    cal = P.load_calibration()
+    for opt, dtype in [("adamw-fp32", torch.float32), ("adamw-bf16", torch.bfloat16)]:  # fp32 masters / bf16
+        r = P.evaluate(cfg, layout, P.Policy(optimizer=opt), P.Hardware(), cal, seq_len=64, global_batch=1024)
+        got = _sharded(cfg, layout, r["worst_stage"], 0, dtype)
+        assert r["memory"]["params"] == got["bytes"]
+        assert r["memory"]["grads"] == got["grad_bytes"]
+        assert r["memory"]["optimizer"] == got["optimizer_bytes"]
+
+
+def test_lora_numel_equals_sharded_meta_model():
+    pytest.importorskip("peft")
+    cfg = load_config("tiny")
+    layout = P.Layout(pp=1, dp=4, cp=1, ep=2)
+    for rank in (0, 3):
+        got = _sharded(cfg, layout, 0, rank, lora_rank=4)
+        want = P.rank_numel(cfg, layout, 0, dp_cp_coord=rank, efsdp_coord=rank // 2, lora_rank=4)
+        assert (got["dense"], got["experts"], got["lora"]) == (want["dense"], want["experts"], want["lora"])
+        assert got["trainable"] == want["trainable"] == want["lora"]
+        sb = P.state_bytes(want, "adamw-fp32")  # adapters fp32 with AdamW; the base frozen (no gradient, no state)
+        assert (sb["grads"], sb["optimizer"]) == (got["grad_bytes"], got["optimizer_bytes"])
+
+
+@pytest.mark.parametrize("preset,seq_len", [("tiny", 100), ("tiny", 8192), ("tiny-linear", 300), ("k3.1-pro", 32768)])
+def test_layer_flops_add_up(preset, seq_len):
+    cfg = load_config(preset)
+    f = P.layer_flops(cfg, seq_len)
+    assert len(f.layers) == len(f.experts) == cfg.num_hidden_layers
+    want = estimate_flops(cfg, seq_len)["flops_per_token"]
+    assert abs(f.total - want) <= 1e-12 * want
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    assert all(f.experts[i] > 0 for i in moe) and all(f.experts[i] == 0 for i in set(range(len(f.layers))) - set(moe))
+
+
+def test_stage_ranges():
+    cfg = load_config("k3.1-pro")
+    assert P.stage_ranges(cfg, 8) == [range(12 * s, min(93, 12 * s + 12)) for s in range(8)]
+    assert P.stage_ranges(cfg, 2) == [range(0, 48), range(48, 93)]
+    with pytest.raises(ValueError, match="pp: got 3"):
+        P.stage_ranges(cfg, 3)
+    with pytest.raises(ValueError, match="ep=3"):
+        P.Layout(pp=1, dp=4, cp=1, ep=3)
+
+
+def test_calibration_matches_results():
+    """Every calibration point is the row of the result file it names (ms, peak, FLOPs), and its parameter bytes
+    are the benchmark model's."""
+    from kimi.layout import stacked_layout
+
+    doc = json.loads(P.CALIBRATION_FILE.read_text())
+    used = [p for p in doc["points"] if p["use"]]
+    assert {p["use"] for p in used} >= {"bf16-none", "bf16-mlp"}
+    for p in doc["points"]:
+        rows = json.loads((ROOT / p["file"]).read_text())["rows"]
+        hit = [
+            r
+            for r in rows
+            if r["seq_len"] == p["seq_len"] and (r["recompute"] or "none") == p["recompute"] and r["status"] == "ok"
+        ]
+        assert len(hit) == 1, p
+        assert (hit[0]["ms"], hit[0]["peak_gib"], hit[0]["model_tflop"]) == (p["ms"], p["peak_gib"], p["model_tflop"])
+        cfg = (
+            load_config("k3.1-pro")
+            .truncated(4)
+            .replace(num_experts=p["experts"], num_experts_per_token=p["experts_per_token"])
+        )
+        assert p["param_bytes"] == sum(s.numel * (4 if s.dtype == "float32" else 2) for s in stacked_layout(cfg))
+
+
+def test_expert_density():
+    """The experts' rate is the measured one at the measured densities, grows with rows per expert in between, and
+    a rank at the calibration step's density is not slowed down."""
+    cal = P.load_calibration()
+    for rows, tf in cal.density:
+        assert cal.expert_rate(rows) == pytest.approx(tf, rel=1e-12)
+    (r0, _), (r1, _) = cal.density
+    mid = [cal.expert_rate(r) for r in (r0 / 2, r0, (r0 * r1) ** 0.5, r1, 4 * r1)]
+    assert mid == sorted(mid) and mid[-1] == mid[-2]
+    (_, t0), (_, t1) = cal.density  # log-linear: the geometric mean of the densities gets the mean of the rates
+    assert cal.expert_rate((r0 * r1) ** 0.5) == pytest.approx((t0 + t1) / 2, rel=1e-12)
+    assert cal.expert_slowdown(cal.rows_per_expert["none"], "none") == 1.0
+    assert cal.expert_slowdown(r0, "none") == pytest.approx(
+        cal.expert_rate(cal.rows_per_expert["none"]) / cal.expert_rate(r0)
+    )
+
+
+def test_calibration_reproduces_its_own_point():
+    """The planner's one-GPU prediction of the calibration step itself (4 layers, pp = dp = cp = ep = 1, bf16
+    parameters, no optimizer) gives back the measured peak: what the calibration defines."""
+    cal = P.load_calibration()
+    doc = json.loads(P.CALIBRATION_FILE.read_text())
+    p = next(q for q in doc["points"] if q["use"] == "bf16-none")
+    act = cal.act_per_token_layer["none"] * p["seq_len"] * 4
+    assert abs(act + p["param_bytes"] - p["peak_gib"] * 2**30) < 1.0
+
+
+def test_cli(capsys):
+    from kimi_tools.cli import main
+
+    assert (
+        main(
+            [
+                "plan",
+                "--preset",
+                "tiny",
+                "--gpus",
+                "4",
+                "--gpu-memory",
+                "1",
+                "--reserve",
+                "0",
+                "--seq-len",
+                "64",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["layouts"] and all(r["layout"]["world"] == 4 for r in out["layouts"])
+    assert out["layouts"][0]["fits"]
+    assert main(["plan", "--preset", "tiny", "--gpus", "4", "--nodes", "3"]) == 2
+    assert "--nodes: got 3" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--gpus", "4", "--layout", "1,2,2,2", "--seq-len", "64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert [r["layout"] for r in rows] == [{"pp": 1, "dp": 2, "cp": 2, "ep": 2, "efsdp": 2, "world": 4}]
+    for bad, msg in [("1,2,2,3", "ep=3"), ("1,2,2", "four positive integers"), ("3,1,1,1", "expected --gpus 4")]:
+        assert main(["plan", "--preset", "tiny", "--gpus", "4", "--layout", bad]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--gpus", "4", "--fp8", "tensorwise"]) == 2
+    assert "--fp8: got 'tensorwise'" in capsys.readouterr().err
+
+
+def test_doc_is_current():
+    """``docs/scaling.md``'s generated section is what ``kimi plan`` prints now (regenerate:
+    ``python -m kimi_tools.plan --write-docs``)."""
+    text = (ROOT / "docs" / "scaling.md").read_text()
+    assert P.splice_docs(text) == text, "docs/scaling.md is stale: run `python -m kimi_tools.plan --write-docs`"
+
+
+def test_rank_rehearsal_cpu(tmp_path):
+    """``benchmarks/rank_rehearsal.py`` on the tiny preset on CPU: picks the planned layout, runs the rank's stage
+    forward and backward, and writes the prediction beside the measurement (no peak memory on CPU)."""
+    import importlib.util
+
+    bench = ROOT / "benchmarks"
+    spec = importlib.util.spec_from_file_location("rank_rehearsal", bench / "rank_rehearsal.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--runs", "full", "--clusters", "4", "--gpu-memory", "1"]
+    assert mod.main([*argv, "--seq-len", "64", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"]["full"]
+    assert run["status"] == "ok" and run["layout"]["world"] == 4
+    p = run["predicted"]
+    assert p["total"] == p["sharded_states"] + p["stage_weights_and_grads"] + p["activations"]
+    assert run["experts_per_rank"] * run["layout"]["ep"] == load_config("tiny").num_experts
+    assert run["measured"]["peak_bytes"] is None and run["measured"]["ms_per_microbatch"] > 0
