@@ -51,6 +51,9 @@
 #                "--compile --recipes rowwise"; the FP8 steps take FP8_STEP_ARGS, e.g. "--fp8-compile")
 #   fp8_bound    benchmarks/fp8_bound.py (CPU, seconds): the FP8 step's bound at 112 experts from this run's fp8_gemm,
 #                train_step_e112 and train_step_e112_fp8 (run those first)
+#   train_step_e16_torchrun, train_step_e112_torchrun   benchmark 5 under torchrun (--parallel: kimi train's FSDP2
+#                path with bf16 mixed precision and NCCL), beside train_step_e16 / _e112 of the same run
+#   tests_train_gpu  the gpu-marked tests outside tests/gpu (tests/test_train.py: the CUDA RNG restored on resume)
 #   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background;
 #                about 16 GB, over 10 minutes on the H200 machine before the MXFP4 encoding moved to the
 #                drawing threads: put it early, before the long steps)
@@ -129,7 +132,8 @@ run_step() {  # run_step NAME: one step of the list above
   fp8_bound) step fp8_bound 60 python3 benchmarks/fp8_bound.py --gemm "$dir/fp8_gemm.json" \
     --bf16 "$dir/train_step_e112.json" --fp8 "$dir/train_step_e112_fp8.json" --out "$dir/fp8_bound.json" ;;
   # benchmark 5 at one density each (bf16, and FP8 through torchao's rowwise recipe: fp8_wheels first)
-  train_step_e16 | train_step_e112 | train_step_e16_fp8 | train_step_e112_fp8)
+  train_step_e16 | train_step_e112 | train_step_e16_fp8 | train_step_e112_fp8 | train_step_e16_torchrun | \
+  train_step_e112_torchrun)
     # 32K rows recompute each layer's MLP / MoE block; at 112 experts that ran out of memory (138.4 GiB on the
     # 139 GiB H200, 2026-12-03: the experts' weights and gradients add ~24 GiB), so there the first 1, 2 or 4 layers
     # (the first count that fits) are recomputed whole too (BENCH5_ARGS replaces the lengths, the recompute options
@@ -137,8 +141,12 @@ run_step() {  # run_step NAME: one step of the list above
     local e=16 k=8 full=0 extra=""
     case $1 in *e112*) e=112 k=16 full="1 2 4" ;; esac
     case $1 in *_fp8) extra="--fp8 rowwise ${FP8_STEP_ARGS:-}" ;; esac  # FP8_STEP_ARGS="--fp8-compile": compiled
+    # *_torchrun: the same rows through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters) under
+    # torchrun with NCCL on this one GPU (TORCHRUN_ARGS, e.g. "--nproc-per-node 2" on a larger machine)
+    local launch=(python3)
+    case $1 in *_torchrun) launch=(torchrun --standalone ${TORCHRUN_ARGS:---nproc-per-node 1}); extra="--parallel" ;; esac
     # shellcheck disable=SC2086
-    step "$1" 900 python3 benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \
+    step "$1" 900 "${launch[@]}" benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \
       ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --recompute-full-layers $full \
       --backends cudnn} \
       --out "$dir/$1.json" ;;
@@ -162,6 +170,7 @@ run_step() {  # run_step NAME: one step of the list above
   short_conv) step short_conv 600 python3 benchmarks/short_conv.py --out "$dir/short_conv.json" ;;
   tests_gen) step tests_gen 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py tests/gpu/test_gpu_generate_captured.py ;;
   tests_distill) step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py ;;
+  tests_train_gpu) step tests_train_gpu 300 "${pytest_gpu[@]}" tests/test_train.py ;;
   tests_lora) step tests_lora 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_lora_grad.py -k "not jax_grad" ;;
   tests_jaxgrad) step tests_jaxgrad 200 "${pytest_gpu[@]}" -o faulthandler_timeout=120 \
     tests/gpu/test_gpu_lora_grad.py -k jax_grad ;;
