@@ -378,9 +378,15 @@ def test_grouped_experts_reach_torchaos_fp8_grouped_gemm(monkeypatch, align, wan
     from kernels_torch.ops.moe_grouped import expert_layout
 
     lay = expert_layout(ids, E, want)
-    junk = torch.full((lay.rows, Dl), float("nan"), dtype=z.dtype)  # freed memory the permuted rows may reuse
-    del junk
-    outs = [m.experts(zi, ids, weights) for m, zi in zip((model, ref), zs)]
+
+    def nan_then_free():  # freed memory of the permuted rows' size, for the allocator to hand out next
+        junk = torch.full((lay.rows, Dl), float("nan"), dtype=z.dtype)
+        del junk
+
+    outs = []
+    for m, zi in zip((model, ref), zs):
+        nan_then_free()
+        outs.append(m.experts(zi, ids, weights))
     for o in outs:
         o.backward(dr)
     assert len(seen) == 3 and [s[1] for s in seen] == [(E, Dl, I), (E, Dl, I), (E, I, Dl)]
