@@ -293,6 +293,7 @@ def test_fp8_projection_pads_tokens_to_a_multiple_of_16(recipe, T):
     rows = -(-2 * T // 16) * 16
     assert seen[0].shape == ((2, T, padded.in_features) if 2 * T == rows else (rows, padded.in_features))
     assert (seen[0] is xs[0]) == (2 * T == rows)
+    assert torch.equal(seen[0].reshape(-1, padded.in_features)[2 * T :], torch.zeros(rows - 2 * T, padded.in_features))
     assert ys[0].shape == (2, T, padded.out_features)
     for name, a, b in (
         ("out", ys[0], ys[1]),
