@@ -293,6 +293,7 @@ def test_fp8_projection_pads_tokens_to_a_multiple_of_16(recipe, T):
     rows = -(-2 * T // 16) * 16
     assert seen[0].shape == ((2, T, padded.in_features) if 2 * T == rows else (rows, padded.in_features))
     assert (seen[0] is xs[0]) == (2 * T == rows)
+    assert torch.equal(seen[0].reshape(-1, padded.in_features)[2 * T :], torch.zeros(rows - 2 * T, padded.in_features))
     assert ys[0].shape == (2, T, padded.out_features)
     for name, a, b in (
         ("out", ys[0], ys[1]),
@@ -378,9 +379,15 @@ def test_grouped_experts_reach_torchaos_fp8_grouped_gemm(monkeypatch, align, wan
     from kernels_torch.ops.moe_grouped import expert_layout
 
     lay = expert_layout(ids, E, want)
-    junk = torch.full((lay.rows, Dl), float("nan"), dtype=z.dtype)  # freed memory the permuted rows may reuse
-    del junk
-    outs = [m.experts(zi, ids, weights) for m, zi in zip((model, ref), zs)]
+
+    def nan_then_free():  # freed memory of the permuted rows' size, for the allocator to hand out next
+        junk = torch.full((lay.rows, Dl), float("nan"), dtype=z.dtype)
+        del junk
+
+    outs = []
+    for m, zi in zip((model, ref), zs):
+        nan_then_free()
+        outs.append(m.experts(zi, ids, weights))
     for o in outs:
         o.backward(dr)
     assert len(seen) == 3 and [s[1] for s in seen] == [(E, Dl, I), (E, Dl, I), (E, I, Dl)]
