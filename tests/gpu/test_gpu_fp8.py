@@ -234,7 +234,8 @@ def _tiny_model_run(use_fp8: bool, o_proj_scale: float = 1.0):
             model.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: calls.__setitem__(n, calls[n] + 1))
     outs = []
     for layer in model.model.layers:
-        layer.register_forward_hook(lambda m, i, o: outs.append((o[0] if isinstance(o, tuple) else o).detach()))
+        # DecoderLayer returns (AttnRes blocks, the layer's residual stream p [B, T, D], aux): keep p
+        layer.register_forward_hook(lambda m, i, o: outs.append(o[1].detach()))
     g = torch.Generator(device="cuda").manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda", generator=g)
     labels = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda", generator=g)
