@@ -1,0 +1,218 @@
+"""Pipeline parallelism (``kernels_torch.parallel.pipeline``) equals one process: the loss and every gradient of 3
+AdamW steps at pp2 (1F1B, and GPipe on an uneven layout), pp4 (1F1B) and 2 ranks x 2 stages (Interleaved1F1B),
+micro-batches of packed documents (a different ``cu_seqlens`` per micro-batch, targets masked), gloo processes in
+fp64. Without processes: the stages chained by hand equal ``KimiK3Model.loss``, and the layout and ``cu_seqlens``
+helpers refuse bad input.
+
+The model: tiny with AttnRes blocks of 2 layers over 8 layers (block writes at 0, 2, 4, 6), so that four stages cut
+at block boundaries and later stages receive 2, 3 and 4 stacked sources.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import check_rel, spawn
+
+from kimi.config import load_config
+
+T = 24
+M = 4  # micro-batches = rows of a step
+CUS = [[0, 5, 13, 24], [0, 24], [0, 2, 3, 17, 24], [0, 11, 24]]  # a packed row per micro-batch
+TOL = {"loss": 1e-12, "grad": 1e-9}
+STEPS = 3
+
+
+def _cfg():
+    return load_config("tiny").replace(index_topk=8, attn_res_block_size=2).truncated(8)
+
+
+def _model():
+    from kernels_torch.model import KimiK3Model
+
+    torch.manual_seed(0)
+    return KimiK3Model(_cfg()).double()
+
+
+def _batch(step: int):
+    """The step's rows: ids [M, T], labels [M, T] with some -100, per-row offsets (rolled with the step)."""
+    g = torch.Generator().manual_seed(100 + step)
+    V = _cfg().vocab_size
+    ids = torch.randint(0, V, (M, T + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[torch.rand(M, T, generator=g) < 0.2] = -100
+    cus = [torch.tensor(CUS[(r + step) % M]) for r in range(M)]
+    return ids[:, :T], labels, cus
+
+
+def _grad(p):
+    """``p.grad``, or zeros where no gradient reached ``p`` (the indexer's weights get none from the LM loss)."""
+    return torch.zeros_like(p) if p.grad is None else p.grad
+
+
+def _ref_loss(model, ids, labels, cus):
+    n = int((labels != -100).sum())
+    return sum(model.loss(ids[r : r + 1], labels[r : r + 1], cus[r]) for r in range(M)) / n
+
+
+def _one_process_run() -> dict:
+    """The reference: ``STEPS`` AdamW steps of the whole model in this process, each step's loss and gradients."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, grads = [], []
+    for step in range(STEPS):
+        loss = _ref_loss(model, *_batch(step))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: _grad(p).clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return {"loss": losses, "grad": grads}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """:func:`_one_process_run` once for every layout, saved for the spawned ranks."""
+    path = tmp_path_factory.mktemp("pipeline") / "reference.pt"
+    torch.save(_one_process_run(), path)
+    return str(path)
+
+
+def _worker(rank: int, world: int, port: int, ref_path: str, schedule: str, stages_per_rank: int, counts) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.parallel.pipeline import Pipeline
+
+        ref = torch.load(ref_path)
+        model = _model()
+        all_names = sorted(n for n, _ in model.named_parameters())
+        pipe = Pipeline(
+            model, pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
+            stages_per_rank=stages_per_rank, layer_counts=counts,
+        )  # fmt: skip
+        del model
+        names = [n for n, _ in pipe.named_parameters()]
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        errors = []
+        for step in range(STEPS):
+            loss = pipe.step(*_batch(step))
+            try:
+                check_rel(f"step {step} loss", loss, ref["loss"][step], TOL["loss"])
+            except AssertionError as e:
+                errors.append(str(e))
+            for n, p in pipe.named_parameters():
+                try:
+                    check_rel(f"step {step} {n}.grad", _grad(p), ref["grad"][step][n], TOL["grad"])
+                except AssertionError as e:
+                    errors.append(str(e))
+            opt.step()
+            opt.zero_grad()
+        # every parameter of the model is held by exactly one rank
+        held = [None] * world
+        dist.all_gather_object(held, names)
+        every = sorted(n for part in held for n in part)
+        if every != all_names:
+            errors.append(f"parameters held: {len(every)} names, expected the model's {len(all_names)} once each")
+        if errors:
+            raise AssertionError(f"rank {rank}/{world} {schedule}:\n" + "\n".join(errors[:20]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world,schedule,stages_per_rank,counts",
+    [
+        (2, "1F1B", 1, (2, 6)),
+        (4, "1F1B", 1, None),
+        (2, "Interleaved1F1B", 2, None),
+        (2, "GPipe", 1, None),
+    ],
+    ids=["pp2-1f1b-2+6", "pp4-1f1b", "pp2x2-interleaved", "pp2-gpipe"],
+)
+def test_pipeline_matches_one_process(reference, world, schedule, stages_per_rank, counts):
+    spawn(_worker, world, reference, schedule, stages_per_rank, counts)
+
+
+# ------------------------------------------------------------------------------------------------ no processes
+
+
+@pytest.mark.parametrize("counts", [None, (2, 2, 4), (6, 2)], ids=["default-4", "2+2+4", "6+2"])
+def test_stages_chained_equal_model_loss(counts):
+    """The stage modules run one after the other (the state tensor handed on by hand) give the model's loss and
+    gradients, with packed documents."""
+    from kernels_torch.parallel.pipeline import split_stage, stage_layout
+
+    model = _model()
+    ids, labels, cus = _batch(0)
+    want = model.loss(ids[:1], labels[:1], cus[0])
+    want.backward()
+    ref = {n: _grad(p).clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    n_stages = 4 if counts is None else len(counts)
+    layout = stage_layout(model.config, n_stages, counts)
+    x = ids[:1]
+    from kernels_torch.parallel.pipeline import pack_cu_seqlens
+
+    cu = pack_cu_seqlens([cus[0]], T)
+    for s in range(n_stages):
+        x = split_stage(model, layout, s)(x, cu_seqlens=cu, labels=labels[:1])
+    check_rel("loss", x, want, TOL["loss"])
+    x.backward()
+    for n, p in model.named_parameters():
+        check_rel(f"{n}.grad", _grad(p), ref[n], TOL["grad"])
+
+
+def test_stage_layout_default_and_checks():
+    from kernels_torch.parallel.pipeline import parse_stage_layout, sources_after, stage_layout
+
+    c = _cfg()
+    assert stage_layout(c, 2) == (range(0, 4), range(4, 8))
+    assert stage_layout(c, 4) == tuple(range(i, i + 2) for i in (0, 2, 4, 6))
+    assert stage_layout(c, 3, (2, 2, 4)) == (range(0, 2), range(2, 4), range(4, 8))
+    assert [sources_after(c, s) for s in (2, 4, 6, 8)] == [2, 3, 4, 5]
+    k3 = load_config("k3.1-pro")
+    pp8 = stage_layout(k3, 8)
+    assert [r.start % 12 for r in pp8] == [0] * 8 and pp8[-1].stop == 93 and len(pp8) == 8
+    assert parse_stage_layout("12, 24,24,33") == (12, 24, 24, 33)
+    with pytest.raises(ValueError, match="stage 1 starts at layer 3, inside an AttnRes block"):
+        stage_layout(c, 2, (3, 5))
+    with pytest.raises(ValueError, match="summing to 7, expected 8 layers"):
+        stage_layout(c, 2, (4, 3))
+    with pytest.raises(ValueError, match="got 5, but the model has only 4 AttnRes blocks"):
+        stage_layout(c, 5)
+    with pytest.raises(ValueError, match="expected 3 \\(one per stage\\)"):
+        stage_layout(c, 3, (4, 4))
+    with pytest.raises(ValueError, match="expected layer counts per stage"):
+        parse_stage_layout("4,x")
+
+
+def test_cu_seqlens_packing():
+    from kernels_torch.parallel.pipeline import pack_cu_seqlens, unpack_cu_seqlens
+
+    packed = pack_cu_seqlens([[0, 5, 24], None, [0, 1, 2, 3, 24]], T)
+    assert packed.tolist() == [[0, 5, 24, 24, 24], [0, 24, 24, 24, 24], [0, 1, 2, 3, 24]]
+    assert unpack_cu_seqlens(packed[0], T).tolist() == [0, 5, 24]
+    assert unpack_cu_seqlens(packed[1], T).tolist() == [0, 24]
+    assert unpack_cu_seqlens(packed[2], T).tolist() == [0, 1, 2, 3, 24]
+    with pytest.raises(ValueError, match=r"cu_seqlens\[1\]: .*strictly increasing"):
+        pack_cu_seqlens([[0, 24], [0, 5, 5, 24]], T)
+
+
+def test_pipeline_refuses_bad_sizes():
+    from kernels_torch.parallel.pipeline import Pipeline
+
+    model = _model()
+    with pytest.raises(ValueError, match="pipeline schedule: got 'ZB'"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=2, schedule="ZB")
+    with pytest.raises(ValueError, match="stages_per_rank: got 1 with Interleaved1F1B, expected >= 2"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=2, schedule="Interleaved1F1B")
+    with pytest.raises(ValueError, match="pp_rank: got 2"):
+        Pipeline(model, pp_size=2, pp_rank=2, n_microbatches=2)
+    tied = load_config("tiny").replace(tie_word_embeddings=True)
+    from kernels_torch.model import KimiK3Model
+
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        Pipeline(KimiK3Model(tied), pp_size=2, pp_rank=0, n_microbatches=2)
