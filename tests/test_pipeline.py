@@ -79,61 +79,64 @@ def reference(tmp_path_factory) -> str:
     return str(path)
 
 
-def _worker(rank: int, world: int, port: int, ref_path: str, schedule: str, stages_per_rank: int, counts) -> None:
+def _worker(rank: int, world: int, port: int, ref_path: str, layouts) -> None:
+    """Each layout ``(schedule, stages_per_rank, layer_counts)`` in turn, from the same initial weights, on this
+    group of ``world`` ranks (one spawn for several layouts: process start-up is most of a small test's time)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from kernels_torch.parallel.pipeline import Pipeline
 
         ref = torch.load(ref_path)
-        model = _model()
-        all_names = sorted(n for n, _ in model.named_parameters())
-        pipe = Pipeline(
-            model, pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
-            stages_per_rank=stages_per_rank, layer_counts=counts,
-        )  # fmt: skip
-        del model
-        names = [n for n, _ in pipe.named_parameters()]
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
         errors = []
-        for step in range(STEPS):
-            loss = pipe.step(*_batch(step))
-            try:
-                check_rel(f"step {step} loss", loss, ref["loss"][step], TOL["loss"])
-            except AssertionError as e:
-                errors.append(str(e))
-            for n, p in pipe.named_parameters():
+        for schedule, stages_per_rank, counts in layouts:
+            model = _model()
+            all_names = sorted(n for n, _ in model.named_parameters())
+            pipe = Pipeline(
+                model, pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
+                stages_per_rank=stages_per_rank, layer_counts=counts,
+            )  # fmt: skip
+            del model
+            names = [n for n, _ in pipe.named_parameters()]
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+            where = f"rank {rank}/{world} {schedule} x{stages_per_rank} {counts or 'default'}"
+            for step in range(STEPS):
+                loss = pipe.step(*_batch(step))
                 try:
-                    check_rel(f"step {step} {n}.grad", _grad(p), ref["grad"][step][n], TOL["grad"])
+                    check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
                 except AssertionError as e:
                     errors.append(str(e))
-            opt.step()
-            opt.zero_grad()
-        # every parameter of the model is held by exactly one rank
-        held = [None] * world
-        dist.all_gather_object(held, names)
-        every = sorted(n for part in held for n in part)
-        if every != all_names:
-            errors.append(f"parameters held: {len(every)} names, expected the model's {len(all_names)} once each")
+                for n, p in pipe.named_parameters():
+                    try:
+                        check_rel(f"{where} step {step} {n}.grad", _grad(p), ref["grad"][step][n], TOL["grad"])
+                    except AssertionError as e:
+                        errors.append(str(e))
+                opt.step()
+                opt.zero_grad()
+            # every parameter of the model is held by exactly one rank
+            held = [None] * world
+            dist.all_gather_object(held, names)
+            every = sorted(n for part in held for n in part)
+            if every != all_names:
+                errors.append(f"{where}: {len(every)} parameter names held, expected the model's {len(all_names)} once")
         if errors:
-            raise AssertionError(f"rank {rank}/{world} {schedule}:\n" + "\n".join(errors[:20]))
+            raise AssertionError("\n".join(errors[:20]))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "world,schedule,stages_per_rank,counts",
-    [
-        (2, "1F1B", 1, (2, 6)),
-        (4, "1F1B", 1, None),
-        (2, "Interleaved1F1B", 2, None),
-        (2, "GPipe", 1, None),
-    ],
-    ids=["pp2-1f1b-2+6", "pp4-1f1b", "pp2x2-interleaved", "pp2-gpipe"],
-)
-def test_pipeline_matches_one_process(reference, world, schedule, stages_per_rank, counts):
-    spawn(_worker, world, reference, schedule, stages_per_rank, counts)
+def test_pp2_matches_one_process(reference):
+    """pp2: 1F1B on an uneven layout (2 + 6 layers), Interleaved1F1B with 2 stages per rank (4 stages of 2
+    layers, looped: rank 0 holds stages 0 and 2), GPipe on the default layout (4 + 4)."""
+    layouts = [("1F1B", 1, (2, 6)), ("Interleaved1F1B", 2, None), ("GPipe", 1, None)]
+    spawn(_worker, 2, reference, layouts)
+
+
+@pytest.mark.distributed
+def test_pp4_matches_one_process(reference):
+    """pp4, 1F1B: one AttnRes block of 2 layers per stage; the last stage receives 4 stacked sources."""
+    spawn(_worker, 4, reference, [("1F1B", 1, None)])
 
 
 # ------------------------------------------------------------------------------------------------ no processes
@@ -176,6 +179,7 @@ def test_stage_layout_default_and_checks():
     k3 = load_config("k3.1-pro")
     pp8 = stage_layout(k3, 8)
     assert [r.start % 12 for r in pp8] == [0] * 8 and pp8[-1].stop == 93 and len(pp8) == 8
+    assert sources_after(k3, 93) == 9  # the final mix's 9 sources (docs/spec.md 5.4)
     assert parse_stage_layout("12, 24,24,33") == (12, 24, 24, 33)
     with pytest.raises(ValueError, match="stage 1 starts at layer 3, inside an AttnRes block"):
         stage_layout(c, 2, (3, 5))
