@@ -38,6 +38,10 @@ Usage (one rank of a ``pp``-rank group; every rank passes the whole step batch):
     loss = pipe.step(input_ids, labels, cu_seqlens=[cu_0, ..., cu_7])   # forward + backward, grads accumulated
     opt.step(); opt.zero_grad()
 
+``kimi train``'s micro-batches (``kimi_tools.data.Batch``, ``[1, T]`` each with its ``cu_seqlens``) of one step are
+``pipe.step(torch.cat([b.input_ids for b in batches]), torch.cat([b.labels for b in batches]),
+[b.cu_seqlens for b in batches])`` with ``n_microbatches = len(batches)``.
+
 The stage modules keep the full model's parameter names (``model.layers.17.self_attn...``, ``lm_head.weight``), so
 a rank's ``state_dict`` is a subset of the one-process model's, DCP states of different ``pp`` sizes address the same
 keys, and gradients compare name by name with one process.
@@ -494,7 +498,7 @@ class Pipeline:
                 cu_seqlens = pack_cu_seqlens(cu_seqlens, T)
             elif cu_seqlens.shape[0] != R:
                 raise ValueError(f"cu_seqlens: got {cu_seqlens.shape[0]} packed rows, expected {R}")
-            kwargs["cu_seqlens"] = cu_seqlens
+            kwargs["cu_seqlens"] = cu_seqlens.to(self.device)  # as the trainer's Batch.to(device)
         if n_tokens is None:
             n_tokens = int((labels != IGNORE_INDEX).sum())
         if not float(n_tokens) > 0:
