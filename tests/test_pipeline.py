@@ -139,6 +139,53 @@ def test_pp4_matches_one_process(reference):
     spawn(_worker, 4, reference, [("1F1B", 1, None)])
 
 
+def _dp_worker(rank: int, world: int, port: int, ref_path: str) -> None:
+    """pp2 x dp2 on 4 ranks (mesh ``(pp, dp)``): each dp rank runs half the rows (2 micro-batches) through its
+    pipeline, the stages FSDP2-sharded over dp; the loss is weighted by the global target count."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from kernels_torch.parallel.pipeline import Pipeline, shard_stages
+
+        ref = torch.load(ref_path)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        pp, dp = mesh["pp"], mesh["dp"]
+        pipe = Pipeline(_model(), pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group())
+        shard_stages(pipe, dp)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, dp {dp.get_local_rank()})"
+        rows = slice(2 * dp.get_local_rank(), 2 * dp.get_local_rank() + 2)
+        for step in range(STEPS):
+            ids, labels, cus = _batch(step)
+            n = int((labels != -100).sum())
+            loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=n)
+            dist.all_reduce(loss, group=dp.get_group())
+            try:
+                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+            except AssertionError as e:
+                errors.append(str(e))
+            for n, p in pipe.named_parameters():
+                got = torch.zeros_like(p).full_tensor() if p.grad is None else p.grad.full_tensor()
+                try:
+                    check_rel(f"{where} step {step} {n}.grad", got, ref["grad"][step][n], TOL["grad"])
+                except AssertionError as e:
+                    errors.append(str(e))
+            opt.step()
+            opt.zero_grad()
+        if errors:
+            raise AssertionError("\n".join(errors[:20]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_pp2_dp2_matches_one_process(reference):
+    """pp2 x dp2 (1F1B, stages sharded by FSDP2 over dp): the dp-summed loss and every gathered gradient."""
+    spawn(_dp_worker, 4, reference)
+
+
 # ------------------------------------------------------------------------------------------------ no processes
 
 

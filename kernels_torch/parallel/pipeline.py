@@ -93,6 +93,7 @@ __all__ = [
     "pack_cu_seqlens",
     "unpack_cu_seqlens",
     "Pipeline",
+    "shard_stages",
 ]
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
@@ -516,3 +517,52 @@ class Pipeline:
         src = dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank
         dist.broadcast(loss, src=src, group=self.group)
         return loss
+
+
+def shard_stages(
+    pipe: Pipeline,
+    mesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """FSDP2 over the data-parallel ranks of one pipeline coordinate: ``fully_shard`` on every decoder layer of
+    this rank's stages and on each stage module (its embedding, or its final norm, output mix and ``lm_head``),
+    the stage-level form of ``kernels_torch.parallel.fsdp.parallelize``. Call it before the optimizer is built and
+    before the first :meth:`Pipeline.step`; ``PipelineStage`` then holds the gradient reduce-scatter until each
+    stage's last micro-batch.
+
+    The reduce-scatter **sums** (divide factor 1): every rank's loss must already be divided by the global target
+    count, i.e. ``pipe.step(..., n_tokens=<targets summed over mesh's ranks>)``.
+
+    Args:
+        pipe: a :class:`Pipeline` whose stages hold real (not ``meta``) parameters. mesh: a 1-D ``DeviceMesh`` of
+            the ranks that hold the same stages (``world_mesh["dp"]``, or a flattened ``dp x cp``).
+        param_dtype / reduce_dtype: FSDP2 ``MixedPrecisionPolicy`` (fp64 parameters reduce in fp64).
+        reshard_after_forward: free the gathered parameters after each layer's forward.
+
+    Raises:
+        ValueError: ``mesh`` not 1-D, or the stages already sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}, expected the 1-D data-parallel mesh")
+    if any(isinstance(m, FSDPModule) for st in pipe.stages for m in st.modules()):
+        raise ValueError("pipe: its stages are already sharded (fully_shard applied), expected plain stage modules")
+    if any(p.dtype == torch.float64 for p in pipe.parameters()):
+        reduce_dtype = torch.float64
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for st in pipe.stages:
+        units = [*st.model.layers.values(), st]
+        for m in units:
+            fully_shard(m, **kw)
+        for m in units:
+            m.set_gradient_divide_factor(1.0)  # the losses are weighted by the global count: sum
+            if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions
+                m.set_force_sum_reduction_for_comms(True)
+    if param_dtype is not None:
+        pipe.dtype = param_dtype  # the activations sent between stages
+    pipe._schedule, pipe._key = None, None  # the PipelineStages wrap the (now sharded) stage modules: rebuild
