@@ -20,7 +20,7 @@ from kimi.config import load_config
 T = 24
 M = 4  # micro-batches = rows of a step
 CUS = [[0, 5, 13, 24], [0, 24], [0, 2, 3, 17, 24], [0, 11, 24]]  # a packed row per micro-batch
-TOL = {"loss": 1e-12, "grad": 1e-9}
+TOL = {"loss": 1e-12, "grad": 1e-9, "state": 1e-9}
 STEPS = 3
 
 
@@ -28,10 +28,10 @@ def _cfg():
     return load_config("tiny").replace(index_topk=8, attn_res_block_size=2).truncated(8)
 
 
-def _model():
+def _model(seed: int = 0):
     from kernels_torch.model import KimiK3Model
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return KimiK3Model(_cfg()).double()
 
 
@@ -68,7 +68,61 @@ def _one_process_run() -> dict:
         grads.append({n: _grad(p).clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return {"loss": losses, "grad": grads}
+    return {"loss": losses, "grad": grads, "final": _trained_state(model.named_parameters(), opt)}
+
+
+def _trained_state(named_params, opt) -> dict[str, tuple[torch.Tensor, ...]]:
+    """``{name: (weight, exp_avg, exp_avg_sq, step)}`` as full tensors; ``(weight,)`` alone for a parameter the
+    optimizer holds no state of (one no gradient ever reached: the indexer's weights)."""
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    out = {}
+    for n, p in named_params:
+        st = opt.state.get(p, {})
+        moments = (full(st["exp_avg"]), full(st["exp_avg_sq"]), torch.as_tensor(st["step"]).clone()) if st else ()
+        out[n] = (full(p), *moments)
+    return out
+
+
+def _load_dcp(path: str, module, opt) -> None:
+    """Model and AdamW state from a DCP folder by name, as ``kimi train`` resumes: a parameter no gradient ever
+    reached has no AdamW state in the folder (partial load)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, opt)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_model_state_dict(module, state["model"])
+    set_optimizer_state_dict(module, opt, state["optimizer"])
+
+
+def _check_trained_state(where: str, got: dict, want: dict) -> list[str]:
+    """Weights and AdamW moments of ``got`` against ``want``; where ``want`` has no moments, ``got``'s must be
+    absent or zero (a loaded optimizer's initialised, untouched state: DCP's zero-lr step)."""
+    errors = []
+    for n, tensors in got.items():
+        ref = want[n]
+        if len(ref) == 1:
+            if any(float(t.abs().sum()) != 0 for t in tensors[1:3]):
+                errors.append(f"{where} {n}: AdamW state holds non-zero moments, expected none")
+        for what, a, b in zip(("weight", "exp_avg", "exp_avg_sq", "step"), tensors, ref):  # weight only if no state
+            try:
+                check_rel(f"{where} {n} {what}", a, b, TOL["state"])
+            except AssertionError as e:
+                errors.append(str(e))
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +133,7 @@ def reference(tmp_path_factory) -> str:
     return str(path)
 
 
-def _worker(rank: int, world: int, port: int, ref_path: str, layouts) -> None:
+def _worker(rank: int, world: int, port: int, ref_path: str, layouts, dcp_path: str | None = None) -> None:
     """Each layout ``(schedule, stages_per_rank, layer_counts)`` in turn, from the same initial weights, on this
     group of ``world`` ranks (one spawn for several layouts: process start-up is most of a small test's time)."""
     torch.set_num_threads(1)
@@ -119,6 +173,14 @@ def _worker(rank: int, world: int, port: int, ref_path: str, layouts) -> None:
             every = sorted(n for part in held for n in part)
             if every != all_names:
                 errors.append(f"{where}: {len(every)} parameter names held, expected the model's {len(all_names)} once")
+        if dcp_path is not None:  # the state saved at pp2 x dp2 loads here into other weights, by name
+            schedule, stages_per_rank, counts = layouts[-1]
+            pipe = Pipeline(_model(seed=5), pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
+                            stages_per_rank=stages_per_rank, layer_counts=counts)  # fmt: skip
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+            _load_dcp(dcp_path, pipe.rank_module(), opt)
+            got = _trained_state(pipe.named_parameters(), opt)
+            errors += _check_trained_state(f"rank {rank}/{world} DCP of pp2 x dp2", got, ref["final"])
         if errors:
             raise AssertionError("\n".join(errors[:20]))
     finally:
@@ -134,12 +196,13 @@ def test_pp2_matches_one_process(reference):
 
 
 @pytest.mark.distributed
-def test_pp4_matches_one_process(reference):
-    """pp4, 1F1B: one AttnRes block of 2 layers per stage; the last stage receives 4 stacked sources."""
-    spawn(_worker, 4, reference, [("1F1B", 1, None)])
+def test_pp4_matches_one_process(reference, pp2_dp2_dcp):
+    """pp4, 1F1B: one AttnRes block of 2 layers per stage; the last stage receives 4 stacked sources. Then the DCP
+    state saved at pp2 x dp2 loads into a pp4 pipeline of other weights equal to the one-process run's."""
+    spawn(_worker, 4, reference, [("1F1B", 1, None)], pp2_dp2_dcp)
 
 
-def _dp_worker(rank: int, world: int, port: int, ref_path: str) -> None:
+def _dp_worker(rank: int, world: int, port: int, ref_path: str, dcp_path: str) -> None:
     """pp2 x dp2 on 4 ranks (mesh ``(pp, dp)``): each dp rank runs half the rows (2 micro-batches) through its
     pipeline, the stages FSDP2-sharded over dp; the loss is weighted by the global target count."""
     torch.set_num_threads(1)
@@ -174,16 +237,36 @@ def _dp_worker(rank: int, world: int, port: int, ref_path: str) -> None:
                     errors.append(str(e))
             opt.step()
             opt.zero_grad()
+        errors += _check_trained_state(where, _trained_state(pipe.named_parameters(), opt), ref["final"])
+        from kernels_torch.parallel.fsdp import save_checkpoint
+
+        save_checkpoint(dcp_path, pipe.rank_module(), opt)
         if errors:
             raise AssertionError("\n".join(errors[:20]))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def pp2_dp2_dcp(reference, tmp_path_factory) -> str:
+    """The pp2 x dp2 run (its parity checks run in the ranks) and the DCP state it saves after its 3 steps."""
+    path = str(tmp_path_factory.mktemp("pipeline_dcp") / "step-3")
+    spawn(_dp_worker, 4, reference, path)
+    return path
+
+
 @pytest.mark.distributed
-def test_pp2_dp2_matches_one_process(reference):
-    """pp2 x dp2 (1F1B, stages sharded by FSDP2 over dp): the dp-summed loss and every gathered gradient."""
-    spawn(_dp_worker, 4, reference)
+def test_pp2_dp2_matches_one_process(reference, pp2_dp2_dcp):
+    """pp2 x dp2 (1F1B, stages sharded by FSDP2 over dp): the dp-summed loss and every gathered gradient of 3
+    steps, the weights and AdamW moments after them; the DCP state it saved loads in one process (a
+    ``KimiK3Model`` of other weights) equal to the one-process run's."""
+    model = _model(seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _load_dcp(pp2_dp2_dcp, model, opt)
+    errors = _check_trained_state(
+        "one process", _trained_state(model.named_parameters(), opt), torch.load(reference)["final"]
+    )
+    assert not errors, "\n".join(errors[:20])
 
 
 # ------------------------------------------------------------------------------------------------ no processes

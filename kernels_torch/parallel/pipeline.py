@@ -425,10 +425,27 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' tensors under the one-process model's names (a subset of its ``state_dict``)."""
-        out = {}
+        return self.rank_module().state_dict()
+
+    def rank_module(self) -> nn.Module:
+        """This rank's stages as one module with the one-process model's names (``model.embed_tokens``,
+        ``model.layers.{i}``, ``model.norm``, ``lm_head``, ... for the parts it holds), sharing their parameters:
+        what ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``get_optimizer_state_dict`` take,
+        so that ``kernels_torch.parallel.fsdp.save_checkpoint(path, pipe.rank_module(), optimizer)`` writes a DCP
+        state that loads under any other ``pp`` (or in one process, into a ``KimiK3Model``) by key."""
+        view = nn.Module()
+        view.config = self.config
+        view.model = _Holder()
+        view.model.layers = nn.ModuleDict()
         for st in self.stages:
-            out.update(st.state_dict())
-        return out
+            for name, child in st.model.named_children():
+                if name != "layers":
+                    view.model.add_module(name, child)
+            for i, layer in st.model.layers.items():
+                view.model.layers.add_module(i, layer)
+            if st.is_last:
+                view.lm_head = st.lm_head
+        return view
 
     # -------------------------------------------------------------------------------------------- schedule
 
