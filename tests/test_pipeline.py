@@ -272,7 +272,9 @@ def test_pp2_dp2_matches_one_process(reference, pp2_dp2_dcp):
 # ------------------------------------------------------------------------------------------------ no processes
 
 
-@pytest.mark.parametrize("counts", [None, (2, 2, 4), (6, 2)], ids=["default-4", "2+2+4", "6+2"])
+@pytest.mark.parametrize(
+    "counts", [None, (2, 2, 4), (6, 2), (0, 8), (0, 4, 4, 0)], ids=["default-4", "2+2+4", "6+2", "E+8", "E+4+4+L"]
+)
 def test_stages_chained_equal_model_loss(counts):
     """The stage modules run one after the other (the state tensor handed on by hand) give the model's loss and
     gradients, with packed documents."""
@@ -319,6 +321,10 @@ def test_stage_layout_default_and_checks():
         stage_layout(c, 5)
     with pytest.raises(ValueError, match="expected 3 \\(one per stage\\)"):
         stage_layout(c, 3, (4, 4))
+    assert stage_layout(c, 3, (0, 8, 0)) == (range(0, 0), range(0, 8), range(8, 8))
+    assert stage_layout(k3, 9, (12,) * 7 + (9, 0))[-1] == range(93, 93)  # lm_head alone after a partial block
+    with pytest.raises(ValueError, match="expected 0 layers only on the first stage"):
+        stage_layout(c, 3, (4, 0, 4))
     with pytest.raises(ValueError, match="expected layer counts per stage"):
         parse_stage_layout("4,x")
 

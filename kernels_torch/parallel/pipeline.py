@@ -115,7 +115,8 @@ def stage_layout(config: KimiConfig, num_stages: int, layer_counts: Sequence[int
 
     Args:
         config: the model's config. num_stages: stages in the pipeline (``pp x stages_per_rank``).
-        layer_counts: layers per stage (e.g. ``(12, 24, 24, 33)`` for K3.1 at PP4); None: the AttnRes blocks
+        layer_counts: layers per stage (e.g. ``(12, 24, 24, 33)`` for K3.1 at PP4; 0 on the first stage puts the
+            embedding alone there, 0 on the last the output mix, norm, ``lm_head`` and loss); None: the AttnRes blocks
             (or layers, without AttnRes) dealt out so that stage ``s`` ends at the block boundary nearest to
             ``(s + 1) / num_stages`` of the layers.
 
@@ -123,9 +124,9 @@ def stage_layout(config: KimiConfig, num_stages: int, layer_counts: Sequence[int
         ``tuple`` of ``num_stages`` ``range(start, stop)``.
 
     Raises:
-        ValueError: ``num_stages`` < 1 or more than the blocks (layers); counts of the wrong number, not positive,
-            not summing to ``num_hidden_layers``, or a stage starting inside an AttnRes block (naming the stage,
-            its first layer and the block size).
+        ValueError: ``num_stages`` < 1 or more than the blocks (layers); counts of the wrong number, negative,
+            0 on a middle stage, not summing to ``num_hidden_layers``, or a stage starting inside an AttnRes block
+            (naming the stage, its first layer and the block size).
     """
     L, bs = config.num_hidden_layers, _block_size(config)
     n_blocks = math.ceil(L / bs)
@@ -153,13 +154,19 @@ def stage_layout(config: KimiConfig, num_stages: int, layer_counts: Sequence[int
         raise ValueError(
             f"pipeline layout: got {len(counts)} stage sizes {counts}, expected {num_stages} (one per stage)"
         )
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
-        raise ValueError(f"pipeline layout: got layer counts {counts}, expected positive ints")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
+        raise ValueError(f"pipeline layout: got layer counts {counts}, expected non-negative ints")
+    empty = [s for s, n in enumerate(counts) if n == 0]
+    if any(0 < s < num_stages - 1 for s in empty) or (empty and num_stages == 1):
+        raise ValueError(
+            f"pipeline layout: got layer counts {counts}, expected 0 layers only on the first stage (the embedding "
+            "alone) or the last (output mix, norm, lm_head and loss alone) of several"
+        )
     if sum(counts) != L:
         raise ValueError(f"pipeline layout: got layer counts {counts} summing to {sum(counts)}, expected {L} layers")
     ranges, start = [], 0
     for s, n in enumerate(counts):
-        if start % bs:
+        if start % bs and n > 0:
             raise ValueError(
                 f"pipeline layout: stage {s} starts at layer {start}, inside an AttnRes block; expected every stage "
                 f"to start at a multiple of attn_res_block_size={bs} (layer counts {counts})"
@@ -170,14 +177,17 @@ def stage_layout(config: KimiConfig, num_stages: int, layer_counts: Sequence[int
 
 
 def parse_stage_layout(text: str) -> tuple[int, ...]:
-    """Layer counts per stage from a comma-separated string (``"12,24,24,33"``), for :func:`stage_layout`.
+    """Layer counts per stage from a comma-separated string (``"12,24,24,33"``), for :func:`stage_layout` (which
+    checks them against the model).
 
     Raises:
-        ValueError: naming the text, when an entry is not a positive integer.
+        ValueError: naming the text, when an entry is not a non-negative integer.
     """
     parts = [p.strip() for p in str(text).split(",")]
-    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"pipeline layout: got {text!r}, expected layer counts per stage like '12,24,24,33'")
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(
+            f"pipeline layout: got {text!r}, expected layer counts per stage like '12,24,24,33' or '0,48,45'"
+        )
     return tuple(int(p) for p in parts)
 
 
