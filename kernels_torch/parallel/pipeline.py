@@ -48,25 +48,30 @@ keys, and gradients compare name by name with one process.
 
 **Composing with the other mesh dimensions** (notes for ``docs/scaling.md``). ``pp`` is the outermost mesh dimension
 (torchtitan's ``ParallelDims`` order ``pp, dp_replicate, dp_shard, cp, tp``): a pipeline group is the ranks that
-share every other coordinate, and each stage module is sharded over the inner dimensions exactly as the whole model
-is today, one ``fully_shard`` per decoder layer it holds and one for its root (embedding on the first stage;
-norm, output mix and ``lm_head`` on the last), with experts ``Shard(0)`` over ``ep`` inside ``dp x cp``. What that
-needs and is not done here:
+share every other coordinate (``group=world_mesh["pp"].get_group()``), and each stage is sharded over the inner
+dimensions as the whole model is: :func:`shard_stages` puts one ``fully_shard`` on every decoder layer a rank holds
+and one on each stage module (embedding on the first; output mix, norm and ``lm_head`` on the last) over the
+rank's data-parallel mesh; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
+passes its own data-parallel rows and ``n_tokens`` = the targets summed over the data-parallel ranks (the
+reduce-scatter sums). :meth:`Pipeline.rank_module` gives DCP the rank's stages under the one-process names, so a
+state saved at one ``pp x dp`` loads at another or in one process (tested: pp2 x dp2 -> pp4 and -> one process,
+weights and AdamW moments; the load is partial because a parameter no gradient reached has no AdamW state).
 
-* ``Pipeline`` takes ``group=mesh["pp"].get_group()``; the FSDP2/EP transforms must then be applied to
-  ``pipe.stages`` (not to the whole model) and the stage built on ``meta`` and materialised per rank, so a rank
-  holds ``1/pp`` of the layers before sharding (the whole-model ``meta`` build costs nothing).
-* Under FSDP2 the schedule's last micro-batch triggers the reduce-scatter (``PipelineStage`` calls FSDP's
-  ``set_requires_gradient_sync`` / ``set_is_last_backward``); ``n_tokens`` must be the global target count over
-  ``dp x cp`` (``kernels_torch.parallel.fsdp.global_token_count``) and context parallelism shards ids, labels and
-  ``cu_seqlens`` before they enter :meth:`Pipeline.step`.
-* The gradient norm for clipping is a sum over the stages: all-reduce the squared local norms over ``pp`` (and
-  over the FSDP dimensions as today) before taking the root.
-* DCP: because names are the full model's, ``dcp.save`` of each rank's stage modules (and optimizer) writes one
-  state that any other ``pp`` (or one process) loads by key; ``kimi train --pp N``, resume across a change of
-  ``--pp`` and the per-rank export are the trainer's and are not wired yet.
-* Activation memory: 1F1B keeps up to ``pp`` micro-batches in flight on the first rank, Interleaved1F1B about
-  ``pp * (1 + (pp - 1) / (pp * stages_per_rank))``; the sent state grows with depth (see above).
+What remains (not done here):
+
+* Expert parallelism: the routed experts ``Shard(0)`` over ``ep`` inside each stage's data x context ranks, as for
+  the whole model (the ``efsdp`` view); the EP transform acts on the layer instances, which the stages share, but
+  :func:`shard_stages` knows only a 1-D dense mesh. No pp x ep test yet.
+* Context parallelism: ``kernels_torch.parallel.context.ContextParallel`` keeps **one** current shard (set by
+  ``cp.shard`` before a forward); under a schedule several micro-batches of different ``cu_seqlens`` are in flight
+  on a rank, so the shard must be set per micro-batch inside :class:`PipelineStageModule`'s forward (from its
+  ``cu_seqlens``) and the CP backward must not read the current shard. No pp x cp test yet.
+* Building on ``meta`` and materialising only a rank's stages (read from the checkpoint by the rank's own layer
+  names), ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (:func:`parse_stage_layout`), the
+  trainer's gradient clipping (the squared norms all-reduced over ``pp`` as well) and the per-rank export.
+* Activation memory, for the planner: 1F1B keeps up to ``pp`` micro-batches in flight on the first rank,
+  Interleaved1F1B about ``pp * (1 + (pp - 1) / (pp * stages_per_rank))`` stages' worth; the sent state grows with
+  depth (see above). Interleaving needs ``n_microbatches`` a multiple of ``pp`` (torch's rule).
 """
 
 from __future__ import annotations
