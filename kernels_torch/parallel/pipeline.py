@@ -69,9 +69,11 @@ What remains (not done here):
 * Building on ``meta`` and materialising only a rank's stages (read from the checkpoint by the rank's own layer
   names), ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (:func:`parse_stage_layout`), the
   trainer's gradient clipping (the squared norms all-reduced over ``pp`` as well) and the per-rank export.
-* Activation memory, for the planner: 1F1B keeps up to ``pp`` micro-batches in flight on the first rank,
-  Interleaved1F1B about ``pp * (1 + (pp - 1) / (pp * stages_per_rank))`` stages' worth; the sent state grows with
-  depth (see above). Interleaving needs ``n_microbatches`` a multiple of ``pp`` (torch's rule).
+* Activation memory, for the planner: 1F1B keeps the activations of up to ``pp`` micro-batches of its stage on the
+  first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
+  (see above). Interleaved1F1B needs ``n_microbatches`` divisible by ``max(1, n_microbatches // pp)`` (its
+  rounds; torch's rule, raised by torch).
 """
 
 from __future__ import annotations
