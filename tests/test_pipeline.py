@@ -356,3 +356,37 @@ def test_pipeline_refuses_bad_sizes():
 
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         Pipeline(KimiK3Model(tied), pp_size=2, pp_rank=0, n_microbatches=2)
+
+
+def test_stages_chained_rows_without_cu_seqlens():
+    """Micro-batches of several independent rows (no ``cu_seqlens``) go through the stages as through the model."""
+    from kernels_torch.parallel.pipeline import split_stage, stage_layout
+
+    model = _model()
+    ids, labels, _ = _batch(1)
+    want = model.loss(ids[:2], labels[:2])
+    layout = stage_layout(model.config, 2)
+    x = ids[:2]
+    for s in range(2):
+        x = split_stage(model, layout, s)(x, labels=labels[:2])
+    check_rel("loss", x, want, TOL["loss"])
+
+
+def test_pipeline_step_refuses_bad_batches():
+    """Checked before any communication (no process group needed)."""
+    from kernels_torch.parallel.pipeline import Pipeline
+
+    pipe = Pipeline(_model(), pp_size=2, pp_rank=0, n_microbatches=M)
+    ids, labels, cus = _batch(0)
+    with pytest.raises(ValueError, match="got 3 rows, expected a multiple of n_microbatches=4"):
+        pipe.step(ids[:3], labels[:3])
+    with pytest.raises(ValueError, match="labels: got"):
+        pipe.step(ids, labels[:, :-1])
+    with pytest.raises(ValueError, match="cu_seqlens: got 3 rows, expected 4"):
+        pipe.step(ids, labels, cus[:3])
+    with pytest.raises(ValueError, match="cu_seqlens: given with 8 rows in 4 micro-batches"):
+        pipe.step(torch.cat([ids, ids]), torch.cat([labels, labels]), cus + cus)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\]: .*end at T=24"):
+        pipe.step(ids, labels, [torch.tensor([0, 5, 20])] + cus[1:])
+    with pytest.raises(ValueError, match="n_tokens: got 0"):
+        pipe.step(ids, labels, cus, n_tokens=0)
