@@ -269,6 +269,64 @@ def test_pp2_dp2_matches_one_process(reference, pp2_dp2_dcp):
     assert not errors, "\n".join(errors[:20])
 
 
+def _ep_worker(rank: int, world: int, port: int, ref_path: str) -> None:
+    """pp2 x ep2 on 4 ranks (mesh ``(pp, ep)``): the routed experts of the model split over ep
+    (``kernels_torch.parallel.expert.shard_experts``, all-to-all dispatch inside the stages), each ep rank runs half
+    the rows; the replicated parameters' gradients are summed over ep, the experts' are whole on their owner."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from kernels_torch.parallel.expert import shard_experts
+        from kernels_torch.parallel.pipeline import Pipeline
+
+        ref = torch.load(ref_path)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+        pp, ep_mesh = mesh["pp"], mesh["ep"]
+        model = _model()
+        ep = shard_experts(model, ep_mesh.get_group())
+        pipe = Pipeline(model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group())
+        del model
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        lo, hi = ep.local_experts.start, ep.local_experts.stop
+        errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, ep {ep.rank})"
+        rows = slice(2 * ep.rank, 2 * ep.rank + 2)
+        for step in range(STEPS):
+            ids, labels, cus = _batch(step)
+            loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=int((labels != -100).sum()))
+            dist.all_reduce(loss, group=ep.group)
+            try:
+                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+            except AssertionError as e:
+                errors.append(str(e))
+            for n, p in pipe.named_parameters():
+                want = ref["grad"][step][n]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if p.shape != want.shape:  # a routed-expert stack: this rank's rows, whole
+                    want = want[lo:hi]
+                else:  # replicated: this rank's tokens' part
+                    dist.all_reduce(p.grad, group=ep.group)
+                try:
+                    check_rel(f"{where} step {step} {n}.grad", p.grad, want, TOL["grad"])
+                except AssertionError as e:
+                    errors.append(str(e))
+            opt.step()
+            opt.zero_grad()
+        if errors:
+            raise AssertionError("\n".join(errors[:20]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_pp2_ep2_matches_one_process(reference):
+    """pp2 x ep2 (1F1B, experts split over ep, all-to-alls inside the stages): the ep-summed loss and every
+    gradient of 3 steps."""
+    spawn(_ep_worker, 4, reference)
+
+
 # ------------------------------------------------------------------------------------------------ no processes
 
 
