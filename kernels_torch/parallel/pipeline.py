@@ -59,9 +59,11 @@ weights and AdamW moments; the load is partial because a parameter no gradient r
 
 What remains (not done here):
 
-* Expert parallelism: the routed experts ``Shard(0)`` over ``ep`` inside each stage's data x context ranks, as for
-  the whole model (the ``efsdp`` view); the EP transform acts on the layer instances, which the stages share, but
-  :func:`shard_stages` knows only a 1-D dense mesh. No pp x ep test yet.
+* Expert parallelism with FSDP2: ``kernels_torch.parallel.expert.shard_experts`` acts on the layer instances,
+  which the stages share, so splitting an expert-parallel model works (tested: pp2 x ep2, each ep rank its own
+  rows, the all-to-alls inside the stages, the replicated gradients summed over ep by the test); the experts
+  ``Shard(0)`` over ``ep`` with FSDP2 over the rest (``efsdp``) inside a stage waits for the mesh's expert layout,
+  and :func:`shard_stages` knows only a 1-D dense mesh.
 * Context parallelism: ``kernels_torch.parallel.context.ContextParallel`` keeps **one** current shard (set by
   ``cp.shard`` before a forward); under a schedule several micro-batches of different ``cu_seqlens`` are in flight
   on a rank, so the shard must be set per micro-batch inside :class:`PipelineStageModule`'s forward (from its
