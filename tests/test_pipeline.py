@@ -1,9 +1,9 @@
 """Pipeline parallelism (``kernels_torch.parallel.pipeline``) equals one process: the loss and every gradient of 3
-AdamW steps at pp2 (1F1B, and GPipe on an uneven layout), pp4 (1F1B) and 2 ranks x 2 stages (Interleaved1F1B),
+AdamW steps at pp2 (1F1B on an uneven 2 + 6 layout, GPipe), pp4 (1F1B) and 2 ranks x 2 stages (Interleaved1F1B),
 micro-batches of packed documents (a different ``cu_seqlens`` per micro-batch, targets masked), gloo processes in
 fp64; pp2 x dp2 (stages sharded by FSDP2) and pp2 x ep2 (experts split over ep) the same, and the DCP state of
-pp2 x dp2 resumed at pp4 and in one process (weights and AdamW moments). Without processes: the stages chained by hand equal ``KimiK3Model.loss``, and the layout and ``cu_seqlens``
-helpers refuse bad input.
+pp2 x dp2 resumed at pp4 and in one process (weights and AdamW moments). Without processes: the stages chained by
+hand equal ``KimiK3Model.loss``, and the layout, ``cu_seqlens`` and batch checks refuse bad input.
 
 The model: tiny with AttnRes blocks of 2 layers over 8 layers (block writes at 0, 2, 4, 6), so that four stages cut
 at block boundaries and later stages receive 2, 3 and 4 stacked sources.
