@@ -328,6 +328,62 @@ def test_pp2_ep2_matches_one_process(reference):
     spawn(_ep_worker, 4, reference)
 
 
+def _cp_worker(rank: int, world: int, port: int, ref_path: str, schedule: str, stages_per_rank: int) -> None:
+    """pp2 x cp2 on 4 ranks (mesh ``(pp, cp)``): every row cut into 2 context shards (documents cross the cut),
+    each stage setting the shard of the micro-batch it runs; the parameters' gradients summed over cp."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from kernels_torch.parallel.context import ContextParallel, shard_bounds
+        from kernels_torch.parallel.pipeline import Pipeline
+
+        ref = torch.load(ref_path)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+        pp, cp_mesh = mesh["pp"], mesh["cp"]
+        model = _model()
+        cp = ContextParallel(model, cp_mesh.get_group())
+        pipe = Pipeline(
+            model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M, group=pp.get_group(),
+            schedule=schedule, stages_per_rank=stages_per_rank, context=cp,
+        )  # fmt: skip
+        del model
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        start, stop = shard_bounds(T, 2)[cp.rank]
+        errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, cp {cp.rank}) {schedule}"
+        for step in range(STEPS):
+            ids, labels, cus = _batch(step)
+            n = int((labels != -100).sum())
+            loss = pipe.step(ids[:, start:stop], labels[:, start:stop], cus, n_tokens=n)
+            dist.all_reduce(loss, group=cp_mesh.get_group())
+            try:
+                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+            except AssertionError as e:
+                errors.append(str(e))
+            for n, p in pipe.named_parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=cp_mesh.get_group())
+                try:
+                    check_rel(f"{where} step {step} {n}.grad", p.grad, ref["grad"][step][n], TOL["grad"])
+                except AssertionError as e:
+                    errors.append(str(e))
+            opt.step()
+            opt.zero_grad()
+        if errors:
+            raise AssertionError("\n".join(errors[:20]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_pp2_cp2_matches_one_process(reference):
+    """pp2 x cp2 (1F1B: several micro-batches of different documents in flight on a rank, each with its own
+    context shard): the cp-summed loss and every gradient of 3 steps."""
+    spawn(_cp_worker, 4, reference, "1F1B", 1)
+
+
 # ------------------------------------------------------------------------------------------------ no processes
 
 

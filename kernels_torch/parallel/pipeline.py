@@ -225,7 +225,9 @@ class PipelineStageModule(nn.Module):
 
     * ``x``: the first stage's ``input_ids`` ``[B, T]`` int32/int64; a later stage's received state
       ``[M, B, T, D]`` (stored blocks then the partial sum, :func:`sources_after`).
-    * ``cu_seqlens``: None, or one padded row ``[1, N_max + 1]`` int64 from :func:`pack_cu_seqlens` (B must be 1).
+    * ``cu_seqlens``: None, or one padded row ``[1, N_max + 1]`` int64 from :func:`pack_cu_seqlens` (B must be 1);
+      under context parallelism (:attr:`context` set) the row's **global** offsets, from which the stage makes the
+      micro-batch's shard the current one before its layers run (several micro-batches are in flight on a rank).
     * ``labels``: ``[B, T]`` int64 targets (-100: none); read by the last stage only.
 
     Returns the state ``[M', B, T, D]`` for the next stage, or (last stage) the summed NLL of the micro-batch, a
@@ -241,6 +243,7 @@ class PipelineStageModule(nn.Module):
         c = model.config
         self.config, self.start, self.stop = c, layers.start, layers.stop
         self.is_first, self.is_last, self.mla_form = is_first, is_last, mla_form
+        self.context = None  # a kernels_torch.parallel.context.ContextParallel, set by Pipeline(context=...)
         self.model = _Holder()
         if is_first:
             self.model.embed_tokens = model.model.embed_tokens
@@ -269,7 +272,15 @@ class PipelineStageModule(nn.Module):
         if cu_seqlens is not None:
             if p.shape[0] != 1:
                 raise ValueError(f"cu_seqlens: given with a micro-batch of {p.shape[0]} rows, expected 1 row")
-            cu = unpack_cu_seqlens(cu_seqlens.reshape(-1), T)
+            row = cu_seqlens.reshape(-1)
+            if self.context is None:
+                cu = unpack_cu_seqlens(row, T)
+            else:  # global offsets: this micro-batch's shard becomes the current one, its local offsets used
+                T_row = int(row[-1])  # the padding value is the row's global length
+                ids = torch.empty(1, T_row, dtype=torch.int64, device=p.device)  # only the shape is read
+                _, cu = self.context.shard(ids, unpack_cu_seqlens(row, T_row))
+        elif self.context is not None:
+            raise ValueError("cu_seqlens: got None under context parallelism, expected the global offsets")
         for i in range(self.start, self.stop):
             blocks, p, _ = self.model.layers[str(i)](blocks, p, cu, self.mla_form)
         if not self.is_last:
@@ -387,6 +398,10 @@ class Pipeline:
         layer_counts: layers per stage (:func:`stage_layout`); None: the balanced default.
         group: the pipeline process group (None: the default group, whose size must be ``pp_size``).
         device: where the stage runs (None: the device of the model's parameters).
+        context: a ``kernels_torch.parallel.context.ContextParallel`` attached to ``model`` over this rank's
+            context-parallel group, or None. With it, :meth:`step` takes this rank's shard of every row (ids and
+            labels ``[R, T_r]``) and the rows' **global** ``cu_seqlens`` (required), and each stage sets the shard
+            of the micro-batch it runs.
 
     Raises:
         ValueError: an unknown schedule, ``stages_per_rank`` not matching it, sizes that are not positive, or
@@ -406,6 +421,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         mla_form: str = "expanded",
+        context=None,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule: got {schedule!r}, expected one of {list(SCHEDULES)}")
@@ -425,6 +441,9 @@ class Pipeline:
         self.layout = stage_layout(self.config, self.num_stages, layer_counts)
         self.stage_indices = list(range(pp_rank, self.num_stages, pp_size))  # looped placement
         self.stages = [split_stage(model, self.layout, s, mla_form) for s in self.stage_indices]
+        self.context = context
+        for st in self.stages:
+            st.context = context
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype
         self._loss_fn = _ScaledNLL()
@@ -496,6 +515,20 @@ class Pipeline:
         self._schedule = cls(pstages, **kw) if self.schedule_name in _MULTI else cls(pstages[0], **kw)
         self._key = (rows_per_mb, T, ids_dtype)
 
+    def _global_length(self, cu_seqlens, T_local: int) -> int:
+        """The rows' global length under context parallelism (the end of the first row's offsets), checked against
+        this rank's shard length."""
+        from kernels_torch.parallel.context import shard_bounds
+
+        T_row = int(torch.as_tensor(cu_seqlens[0])[-1])
+        start, stop = shard_bounds(T_row, self.context.world)[self.context.rank]
+        if stop - start != T_local:
+            raise ValueError(
+                f"input_ids: got {T_local} tokens a row, expected this rank's context shard of {stop - start} "
+                f"(tokens {start}..{stop} of the {T_row} that cu_seqlens[0] ends at)"
+            )
+        return T_row
+
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens=None, n_tokens=None) -> torch.Tensor:
         """Forward and backward of one batch through the pipeline; gradients **accumulate** in the stage
         parameters' ``.grad`` (zero them between optimizer steps).
@@ -504,7 +537,8 @@ class Pipeline:
             input_ids: ``[R, T]`` int32/int64, the same on every pipeline rank; ``R`` a multiple of
                 ``n_microbatches``. labels: ``[R, T]`` int64 (-100: no target).
             cu_seqlens: None, or one offsets tensor ``[0, ..., T]`` per row (``R == n_microbatches``: each
-                micro-batch is one packed row), or an already packed ``[R, N_max + 1]`` (:func:`pack_cu_seqlens`).
+                micro-batch is one packed row), or an already packed ``[R, N_max + 1]`` (:func:`pack_cu_seqlens`);
+                under context parallelism the global offsets of the whole rows (``[0, ..., T_global]``).
             n_tokens: the count the summed NLL is divided by (the step's targets, summed over data-parallel ranks
                 when there are some); None: ``(labels != -100).sum()``.
 
@@ -526,13 +560,16 @@ class Pipeline:
         if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
             raise ValueError(f"labels: got {getattr(labels, 'shape', labels)}, expected [R, T] = {[R, T]}")
         kwargs = {"labels": labels.to(self.device)}
+        if self.context is not None and cu_seqlens is None:
+            raise ValueError("cu_seqlens: got None under context parallelism, expected the rows' global offsets")
         if cu_seqlens is not None:
             if R != M:
                 raise ValueError(f"cu_seqlens: given with {R} rows in {M} micro-batches, expected one row each")
             if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.ndim == 2):
                 if len(cu_seqlens) != R:
                     raise ValueError(f"cu_seqlens: got {len(cu_seqlens)} rows, expected {R} (one per row of input_ids)")
-                cu_seqlens = pack_cu_seqlens(cu_seqlens, T)
+                T_row = T if self.context is None else self._global_length(cu_seqlens, T)
+                cu_seqlens = pack_cu_seqlens(cu_seqlens, T_row)
             elif cu_seqlens.shape[0] != R:
                 raise ValueError(f"cu_seqlens: got {cu_seqlens.shape[0]} packed rows, expected {R}")
             kwargs["cu_seqlens"] = cu_seqlens.to(self.device)  # as the trainer's Batch.to(device)
