@@ -1,7 +1,8 @@
 """Pipeline parallelism (``kernels_torch.parallel.pipeline``) equals one process: the loss and every gradient of 3
 AdamW steps at pp2 (1F1B on an uneven 2 + 6 layout, GPipe), pp4 (1F1B) and 2 ranks x 2 stages (Interleaved1F1B),
 micro-batches of packed documents (a different ``cu_seqlens`` per micro-batch, targets masked), gloo processes in
-fp64; pp2 x dp2 (stages sharded by FSDP2) and pp2 x ep2 (experts split over ep) the same, and the DCP state of
+fp64; pp2 x dp2 (stages sharded by FSDP2), pp2 x ep2 (experts split over ep) and pp2 x cp2 (rows cut into
+context shards, a different one current per micro-batch) the same, and the DCP state of
 pp2 x dp2 resumed at pp4 and in one process (weights and AdamW moments). Without processes: the stages chained by
 hand equal ``KimiK3Model.loss``, and the layout, ``cu_seqlens`` and batch checks refuse bad input.
 

@@ -57,17 +57,18 @@ reduce-scatter sums). :meth:`Pipeline.rank_module` gives DCP the rank's stages u
 state saved at one ``pp x dp`` loads at another or in one process (tested: pp2 x dp2 -> pp4 and -> one process,
 weights and AdamW moments; the load is partial because a parameter no gradient reached has no AdamW state).
 
-What remains (not done here):
+The other dimensions, and what remains:
 
 * Expert parallelism with FSDP2: ``kernels_torch.parallel.expert.shard_experts`` acts on the layer instances,
   which the stages share, so splitting an expert-parallel model works (tested: pp2 x ep2, each ep rank its own
   rows, the all-to-alls inside the stages, the replicated gradients summed over ep by the test); the experts
   ``Shard(0)`` over ``ep`` with FSDP2 over the rest (``efsdp``) inside a stage waits for the mesh's expert layout,
   and :func:`shard_stages` knows only a 1-D dense mesh.
-* Context parallelism: ``kernels_torch.parallel.context.ContextParallel`` keeps **one** current shard (set by
-  ``cp.shard`` before a forward); under a schedule several micro-batches of different ``cu_seqlens`` are in flight
-  on a rank, so the shard must be set per micro-batch inside :class:`PipelineStageModule`'s forward (from its
-  ``cu_seqlens``) and the CP backward must not read the current shard. No pp x cp test yet.
+* Context parallelism is in (``Pipeline(context=cp)``; tested: pp2 x cp2 under 1F1B, the gradients summed over cp
+  by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
+  are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
+  before its layers run. Not yet with FSDP2 over ``dp x cp`` (:func:`shard_stages` would take the flattened mesh,
+  with ``ContextParallel`` on a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` does).
 * Building on ``meta`` and materialising only a rank's stages (read from the checkpoint by the rank's own layer
   names), ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (:func:`parse_stage_layout`), the
   trainer's gradient clipping (the squared norms all-reduced over ``pp`` as well) and the per-rank export.
