@@ -321,17 +321,17 @@ def split_stage(model: nn.Module, layout: Sequence[range], stage_index: int, mla
     ``model``'s modules.
 
     Raises:
-        ValueError: a tied-embedding model split into more than one stage (the embedding would be on two stages),
+        ValueError: a tied-embedding model (the embedding would be on the first and the last stage),
             a layout that does not cover the model (:func:`stage_layout`'s checks), an index outside the layout.
     """
     c = model.config
     layout = stage_layout(c, len(layout), [len(r) for r in layout])  # validated
     if not 0 <= stage_index < len(layout):
         raise ValueError(f"stage_index: got {stage_index}, expected one of 0..{len(layout) - 1}")
-    if c.tie_word_embeddings and len(layout) > 1:
+    if c.tie_word_embeddings:
         raise ValueError(
-            "tie_word_embeddings: got True, but pipeline stages need the embedding (first stage) and lm_head "
-            "(last stage) as separate weights; expected an untied model or a single stage"
+            "tie_word_embeddings: got True, but pipeline stages hold the embedding (first stage) and lm_head "
+            "(last stage) as separate weights; expected an untied model"
         )
     last = len(layout) - 1
     return PipelineStageModule(
