@@ -1,0 +1,642 @@
+"""Pipeline parallelism of the torch model through ``torch.distributed.pipelining`` (its stages and schedules; no
+schedule of our own), with stages cut at Block AttnRes boundaries (``docs/spec.md`` 5.4).
+
+**Stage layout.** A layout is a tuple of contiguous layer ranges, one per stage, covering ``0 ..
+num_hidden_layers`` in order (:func:`stage_layout`). With AttnRes every range starts on a block-write layer
+(``layer % attn_res_block_size == 0``), so a stage boundary falls where the partial sum ``p`` is about to become a
+stored block; without AttnRes any cut is allowed. The embedding sits on the first stage; the output AttnRes mix,
+the final norm, ``lm_head`` and the loss on the last. On the command line a layout is written as layer counts per
+stage (:func:`parse_stage_layout`: ``"12,24,24,33"``); the default (:func:`stage_layout` with no counts) splits the
+blocks into stages of as even a layer count as block granularity allows.
+
+**What travels between stages.** The state of the recurrence after layer ``l``: the stored blocks (``blocks[0]`` is
+the embedding, ``blocks[j]`` the partial sum of block ``j``) and the running partial sum ``p``, each ``[B, T, D]``.
+A stage sends them stacked as one tensor ``[M, B, T, D]`` (``M`` = the blocks stored so far + 1, ``p`` last; ``M = 1``
+without AttnRes): one send and one receive per micro-batch whatever the depth, and its gradient comes back as one
+tensor. Stage ``s`` of a layout ending at layer ``stop`` sends ``ceil(stop / attn_res_block_size) + 1`` sources, so
+later stages send more (K3.1 at PP8 on blocks of 12: 2, 3, ..., 9 sources of ``T x 7168``).
+
+**Micro-batches.** A step's batch is ``input_ids`` ``[R, T]`` cut into ``n_microbatches`` along the rows. Packed
+documents (``cu_seqlens``, one row per micro-batch) travel with each micro-batch as a keyword argument of every
+stage: the per-row offsets are padded with ``T`` into one ``[R, N_max + 1]`` int64 tensor (:func:`pack_cu_seqlens`),
+which the schedule splits along the rows like the ids, and each stage strips the padding again
+(:func:`unpack_cu_seqlens`). ``labels`` travel the same way; the last stage returns the micro-batch's **summed**
+next-token NLL (``kernels_torch.loss.linear_cross_entropy``: no logits), and the schedule's loss divides it by the
+step's target count, so the micro-batch losses add up to the one-process mean and the gradients to its gradients
+(``scale_grads=False``).
+
+**Schedules.** ``1F1B`` and ``GPipe`` (one stage per rank) and ``Interleaved1F1B`` (``stages_per_rank`` >= 2 stages
+per rank, looped: stage ``s`` on pipeline rank ``s % pp``). Stage shapes are given to ``PipelineStage`` up front
+(static metadata: no trial forward at the first step), built from the first batch and rebuilt when a batch of
+another shape comes.
+
+Usage (one rank of a ``pp``-rank group; every rank passes the whole step batch)::
+
+    pipe = Pipeline(model, pp_size=4, pp_rank=rank, schedule="Interleaved1F1B", stages_per_rank=2,
+                    n_microbatches=8)                       # keeps only this rank's stages of `model`
+    opt = torch.optim.AdamW(pipe.parameters())
+    loss = pipe.step(input_ids, labels, cu_seqlens=[cu_0, ..., cu_7])   # forward + backward, grads accumulated
+    opt.step(); opt.zero_grad()
+
+``kimi train``'s micro-batches (``kimi_tools.data.Batch``, ``[1, T]`` each with its ``cu_seqlens``) of one step are
+``pipe.step(torch.cat([b.input_ids for b in batches]), torch.cat([b.labels for b in batches]),
+[b.cu_seqlens for b in batches])`` with ``n_microbatches = len(batches)``.
+
+The stage modules keep the full model's parameter names (``model.layers.17.self_attn...``, ``lm_head.weight``), so
+a rank's ``state_dict`` is a subset of the one-process model's, DCP states of different ``pp`` sizes address the same
+keys, and gradients compare name by name with one process.
+
+**Composing with the other mesh dimensions** (notes for ``docs/scaling.md``). ``pp`` is the outermost mesh dimension
+(torchtitan's ``ParallelDims`` order ``pp, dp_replicate, dp_shard, cp, tp``): a pipeline group is the ranks that
+share every other coordinate (``group=world_mesh["pp"].get_group()``), and each stage is sharded over the inner
+dimensions as the whole model is: :func:`shard_stages` puts one ``fully_shard`` on every decoder layer a rank holds
+and one on each stage module (embedding on the first; output mix, norm and ``lm_head`` on the last) over the
+rank's data-parallel mesh; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
+passes its own data-parallel rows and ``n_tokens`` = the targets summed over the data-parallel ranks (the
+reduce-scatter sums). :meth:`Pipeline.rank_module` gives DCP the rank's stages under the one-process names, so a
+state saved at one ``pp x dp`` loads at another or in one process (tested: pp2 x dp2 -> pp4 and -> one process,
+weights and AdamW moments; the load is partial because a parameter no gradient reached has no AdamW state).
+
+The other dimensions, and what remains:
+
+* Expert parallelism with FSDP2: ``kernels_torch.parallel.expert.shard_experts`` acts on the layer instances,
+  which the stages share, so splitting an expert-parallel model works (tested: pp2 x ep2, each ep rank its own
+  rows, the all-to-alls inside the stages, the replicated gradients summed over ep by the test); the experts
+  ``Shard(0)`` over ``ep`` with FSDP2 over the rest (``efsdp``) inside a stage waits for the mesh's expert layout,
+  and :func:`shard_stages` knows only a 1-D dense mesh.
+* Context parallelism is in (``Pipeline(context=cp)``; tested: pp2 x cp2 under 1F1B, the gradients summed over cp
+  by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
+  are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
+  before its layers run. Not yet with FSDP2 over ``dp x cp`` (:func:`shard_stages` would take the flattened mesh,
+  with ``ContextParallel`` on a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` does).
+* Building on ``meta`` and materialising only a rank's stages (read from the checkpoint by the rank's own layer
+  names), ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (:func:`parse_stage_layout`), the
+  trainer's gradient clipping (the squared norms all-reduced over ``pp`` as well) and the per-rank export.
+* Activation memory, for the planner: 1F1B keeps the activations of up to ``pp`` micro-batches of its stage on the
+  first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
+  (see above). Interleaved1F1B needs ``n_microbatches`` divisible by ``max(1, n_microbatches // pp)`` (its
+  rounds; torch's rule, raised by torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels_torch.attn_res import attn_res_mix
+from kernels_torch.common import check_cu_seqlens, check_token_ids
+from kimi.config import KimiConfig
+from kimi.tokenizer import IGNORE_INDEX
+
+__all__ = [
+    "SCHEDULES",
+    "stage_layout",
+    "parse_stage_layout",
+    "sources_after",
+    "PipelineStageModule",
+    "split_stage",
+    "pack_cu_seqlens",
+    "unpack_cu_seqlens",
+    "Pipeline",
+    "shard_stages",
+]
+
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+_MULTI = ("Interleaved1F1B",)  # schedules with several stages per rank
+
+
+# ------------------------------------------------------------------------------------------------ layout
+
+
+def _block_size(config: KimiConfig) -> int:
+    """The cut granularity in layers: ``attn_res_block_size`` with AttnRes, else 1 (any layer)."""
+    return config.attn_res_block_size if config.has_attn_res else 1
+
+
+def stage_layout(config: KimiConfig, num_stages: int, layer_counts: Sequence[int] | None = None) -> tuple[range, ...]:
+    """The layer range of each pipeline stage: ``num_stages`` contiguous ``range``s covering ``0 ..
+    num_hidden_layers`` in order, each starting on a block-write layer (AttnRes) so that a cut never falls inside a
+    block.
+
+    Args:
+        config: the model's config. num_stages: stages in the pipeline (``pp x stages_per_rank``).
+        layer_counts: layers per stage (e.g. ``(12, 24, 24, 33)`` for K3.1 at PP4; 0 on the first stage puts the
+            embedding alone there, 0 on the last the output mix, norm, ``lm_head`` and loss); None: the AttnRes blocks
+            (or layers, without AttnRes) dealt out so that stage ``s`` ends at the block boundary nearest to
+            ``(s + 1) / num_stages`` of the layers.
+
+    Returns:
+        ``tuple`` of ``num_stages`` ``range(start, stop)``.
+
+    Raises:
+        ValueError: ``num_stages`` < 1 or more than the blocks (layers); counts of the wrong number, negative,
+            0 on a middle stage, not summing to ``num_hidden_layers``, or a stage starting inside an AttnRes block
+            (naming the stage, its first layer and the block size).
+    """
+    L, bs = config.num_hidden_layers, _block_size(config)
+    n_blocks = math.ceil(L / bs)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"pipeline stages: got {num_stages!r}, expected a positive int")
+    if layer_counts is None:
+        if num_stages > n_blocks:
+            unit = f"AttnRes blocks of {bs} layers" if config.has_attn_res else "layers"
+            raise ValueError(
+                f"pipeline stages: got {num_stages}, but the model has only {n_blocks} {unit} "
+                f"({L} layers): expected at most {n_blocks} stages"
+            )
+        # block boundaries nearest to an even split of the layers, strictly increasing, the last at L
+        bounds, prev = [], 0
+        for s in range(1, num_stages):
+            b = round(s * L / num_stages / bs)
+            b = min(max(b, prev + 1), n_blocks - (num_stages - s))  # leave >= 1 block to every later stage
+            bounds.append(b * bs)
+            prev = b
+        starts = [0, *bounds]
+        stops = [*bounds, L]
+        return tuple(range(a, b) for a, b in zip(starts, stops))
+    counts = list(layer_counts)
+    if len(counts) != num_stages:
+        raise ValueError(
+            f"pipeline layout: got {len(counts)} stage sizes {counts}, expected {num_stages} (one per stage)"
+        )
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
+        raise ValueError(f"pipeline layout: got layer counts {counts}, expected non-negative ints")
+    empty = [s for s, n in enumerate(counts) if n == 0]
+    if any(0 < s < num_stages - 1 for s in empty) or (empty and num_stages == 1):
+        raise ValueError(
+            f"pipeline layout: got layer counts {counts}, expected 0 layers only on the first stage (the embedding "
+            "alone) or the last (output mix, norm, lm_head and loss alone) of several"
+        )
+    if sum(counts) != L:
+        raise ValueError(f"pipeline layout: got layer counts {counts} summing to {sum(counts)}, expected {L} layers")
+    ranges, start = [], 0
+    for s, n in enumerate(counts):
+        if start % bs and n > 0:
+            raise ValueError(
+                f"pipeline layout: stage {s} starts at layer {start}, inside an AttnRes block; expected every stage "
+                f"to start at a multiple of attn_res_block_size={bs} (layer counts {counts})"
+            )
+        ranges.append(range(start, start + n))
+        start += n
+    return tuple(ranges)
+
+
+def parse_stage_layout(text: str) -> tuple[int, ...]:
+    """Layer counts per stage from a comma-separated string (``"12,24,24,33"``), for :func:`stage_layout` (which
+    checks them against the model).
+
+    Raises:
+        ValueError: naming the text, when an entry is not a non-negative integer.
+    """
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(
+            f"pipeline layout: got {text!r}, expected layer counts per stage like '12,24,24,33' or '0,48,45'"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def sources_after(config: KimiConfig, stop: int) -> int:
+    """How many ``[B, T, D]`` tensors describe the recurrence after layers ``0 .. stop - 1``: the blocks stored
+    so far plus the partial sum (1 without AttnRes). This is the ``M`` of the ``[M, B, T, D]`` a stage sends."""
+    if not config.has_attn_res:
+        return 1
+    return math.ceil(stop / config.attn_res_block_size) + 1
+
+
+# ------------------------------------------------------------------------------------------------ stage module
+
+
+class _Holder(nn.Module):
+    """Stands for ``KimiK3Model.model`` (the backbone) in a stage, so parameter names stay ``model.*``."""
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage of a :class:`kernels_torch.model.KimiK3Model`: the decoder layers ``layers`` (the same
+    module objects, not copies), the embedding on the first stage, the output AttnRes mix, final norm and
+    ``lm_head`` on the last. Parameter names are the full model's (``model.layers.{i}.*``: the layers sit in a
+    ``ModuleDict`` keyed by their global index).
+
+    ``forward(x, cu_seqlens=None, labels=None)``:
+
+    * ``x``: the first stage's ``input_ids`` ``[B, T]`` int32/int64; a later stage's received state
+      ``[M, B, T, D]`` (stored blocks then the partial sum, :func:`sources_after`).
+    * ``cu_seqlens``: None, or one padded row ``[1, N_max + 1]`` int64 from :func:`pack_cu_seqlens` (B must be 1);
+      under context parallelism (:attr:`context` set) the row's **global** offsets, from which the stage makes the
+      micro-batch's shard the current one before its layers run (several micro-batches are in flight on a rank).
+    * ``labels``: ``[B, T]`` int64 targets (-100: none); read by the last stage only.
+
+    Returns the state ``[M', B, T, D]`` for the next stage, or (last stage) the summed NLL of the micro-batch, a
+    scalar in fp32 (fp64 for fp64 weights).
+
+    Raises:
+        ValueError: ids or labels as ``KimiK3Model.loss`` refuses them; a received state of the wrong number of
+            sources; ``cu_seqlens`` with B > 1; no ``labels`` on the last stage.
+    """
+
+    def __init__(self, model: nn.Module, layers: range, *, is_first: bool, is_last: bool, mla_form: str = "expanded"):
+        super().__init__()
+        c = model.config
+        self.config, self.start, self.stop = c, layers.start, layers.stop
+        self.is_first, self.is_last, self.mla_form = is_first, is_last, mla_form
+        self.context = None  # a kernels_torch.parallel.context.ContextParallel, set by Pipeline(context=...)
+        self.model = _Holder()
+        if is_first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+        if is_last:
+            self.model.norm = model.model.norm
+            if c.has_attn_res:
+                self.model.output_attn_res_norm = model.model.output_attn_res_norm
+                self.model.output_attn_res_proj = model.model.output_attn_res_proj
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        c = self.config
+        if self.is_first:
+            check_token_ids(x, c.vocab_size)
+            T = x.shape[1]
+            p, blocks = self.model.embed_tokens(x), []  # [B, T, D]
+        else:
+            want = sources_after(c, self.start)
+            if x.ndim != 4 or x.shape[0] != want:
+                raise ValueError(f"pipeline stage input: got shape {tuple(x.shape)}, expected [{want}, B, T, D]")
+            *blocks, p = x.unbind(0)
+            blocks = list(blocks) if c.has_attn_res else []
+            T = x.shape[2]
+        cu = None
+        if cu_seqlens is not None:
+            if p.shape[0] != 1:
+                raise ValueError(f"cu_seqlens: given with a micro-batch of {p.shape[0]} rows, expected 1 row")
+            row = cu_seqlens.reshape(-1)
+            if self.context is None:
+                cu = unpack_cu_seqlens(row, T)
+            else:  # global offsets: this micro-batch's shard becomes the current one, its local offsets used
+                T_row = int(row[-1])  # the padding value is the row's global length
+                ids = torch.empty(1, T_row, dtype=torch.int64, device=p.device)  # only the shape is read
+                _, cu = self.context.shard(ids, unpack_cu_seqlens(row, T_row))
+        elif self.context is not None:
+            raise ValueError("cu_seqlens: got None under context parallelism, expected the global offsets")
+        for i in range(self.start, self.stop):
+            blocks, p, _ = self.model.layers[str(i)](blocks, p, cu, self.mla_form)
+        if not self.is_last:
+            return torch.stack([*blocks, p])  # [M', B, T, D]
+        if c.has_attn_res:
+            p = attn_res_mix(
+                blocks + [p], self.model.output_attn_res_norm.weight, self.model.output_attn_res_proj.weight,
+                eps=c.rms_norm_eps,
+            )  # fmt: skip
+        h = self.model.norm(p)  # [B, T, D]
+        return _summed_nll(h, self.lm_head, labels, c.vocab_size)
+
+
+def _summed_nll(h: torch.Tensor, head: nn.Module, labels: torch.Tensor | None, V: int) -> torch.Tensor:
+    """The summed next-token NLL of ``h`` ``[B, T, D]`` against ``labels`` ``[B, T]`` (``KimiK3Model.loss``'s rule)."""
+    from kernels_torch.loss import linear_cross_entropy
+
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 or labels.shape != h.shape[:2]:
+        got = f"shape {tuple(labels.shape)} dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else labels
+        raise ValueError(f"labels: got {got}, expected [B, T] = {list(h.shape[:2])} int64 (-100: no target)")
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= V))
+    if labels.device.type == "cpu" and bool(bad.any()):
+        raise ValueError(f"labels: got {int(labels[bad][0])}, expected ids in [0, {V}) or -100 (no target)")
+    h2, y = h.reshape(-1, h.shape[-1]), labels.to(h.device).reshape(-1)  # [B*T, D], [B*T]
+    if type(head) is not nn.Linear:  # a wrapped lm_head (LoRA, FP8): the logits path, same value
+        import torch.nn.functional as F
+
+        from kernels_torch.common import compute_dtype
+
+        logits = head(h2)
+        return F.cross_entropy(logits.to(compute_dtype(logits)), y, ignore_index=IGNORE_INDEX, reduction="sum")
+    return linear_cross_entropy(h2, head.weight, y, ignore_index=IGNORE_INDEX)
+
+
+def split_stage(model: nn.Module, layout: Sequence[range], stage_index: int, mla_form: str = "expanded"):
+    """Stage ``stage_index`` of ``layout`` (:func:`stage_layout`) as a :class:`PipelineStageModule` sharing
+    ``model``'s modules.
+
+    Raises:
+        ValueError: a tied-embedding model (the embedding would be on the first and the last stage),
+            a layout that does not cover the model (:func:`stage_layout`'s checks), an index outside the layout.
+    """
+    c = model.config
+    layout = stage_layout(c, len(layout), [len(r) for r in layout])  # validated
+    if not 0 <= stage_index < len(layout):
+        raise ValueError(f"stage_index: got {stage_index}, expected one of 0..{len(layout) - 1}")
+    if c.tie_word_embeddings:
+        raise ValueError(
+            "tie_word_embeddings: got True, but pipeline stages hold the embedding (first stage) and lm_head "
+            "(last stage) as separate weights; expected an untied model"
+        )
+    last = len(layout) - 1
+    return PipelineStageModule(
+        model, layout[stage_index], is_first=stage_index == 0, is_last=stage_index == last, mla_form=mla_form
+    )
+
+
+# ------------------------------------------------------------------------------------------------ cu_seqlens
+
+
+def pack_cu_seqlens(cu_seqlens: Sequence[torch.Tensor | Sequence[int] | None], T: int) -> torch.Tensor:
+    """Per-row document offsets as one ``[R, N_max + 1]`` int64 tensor the schedule can split by rows: row ``r``
+    holds ``cu_seqlens[r]`` (``[0, ..., T]``; None: one document ``[0, T]``) followed by copies of ``T``.
+
+    Raises:
+        ValueError: an invalid row (``kernels_torch.common.check_cu_seqlens``), naming the row.
+    """
+    rows = []
+    for r, cu in enumerate(cu_seqlens):
+        cu = torch.tensor([0, T]) if cu is None else torch.as_tensor(cu)
+        try:
+            rows.append(check_cu_seqlens(cu.cpu(), T))
+        except ValueError as e:
+            raise ValueError(f"cu_seqlens[{r}]: {e}") from None
+    if not rows:
+        raise ValueError("cu_seqlens: got no rows, expected one offsets tensor per row of input_ids")
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), T, dtype=torch.int64)
+    for r, cu in enumerate(rows):
+        out[r, : len(cu)] = cu
+    return out
+
+
+def unpack_cu_seqlens(row: torch.Tensor, T: int) -> torch.Tensor:
+    """Inverse of :func:`pack_cu_seqlens` for one row ``[N_max + 1]``: the offsets ``[N + 1]`` ending at the first
+    ``T`` (a host read of the row, as the model's own ``cu_seqlens`` check does)."""
+    n = int((row < T).sum()) + 1
+    return check_cu_seqlens(row[:n], T)
+
+
+# ------------------------------------------------------------------------------------------------ pipeline
+
+
+class _ScaledNLL:
+    """The schedule's ``loss_fn``: the last stage's summed NLL times ``scale`` (1 / the step's target count)."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, nll: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nll * self.scale
+
+
+class Pipeline:
+    """One rank's part of a pipeline-parallel :class:`kernels_torch.model.KimiK3Model`: its stage modules and a
+    ``torch.distributed.pipelining`` schedule over the ``pp`` ranks of ``group``.
+
+    Args:
+        model: the whole model (may live on ``meta`` until the caller materialises ``stages``); only this rank's
+            stages' modules are kept (:attr:`stages`).
+        pp_size: ranks in the pipeline group; pp_rank: this rank's index in it.
+        schedule: one of :data:`SCHEDULES`. stages_per_rank: stages per rank (1 for ``1F1B`` / ``GPipe``; >= 2 for
+            ``Interleaved1F1B``, stage ``s`` on rank ``s % pp_size``).
+        n_microbatches: micro-batches per step (rows of the step's batch are split evenly into them).
+        layer_counts: layers per stage (:func:`stage_layout`); None: the balanced default.
+        group: the pipeline process group (None: the default group, whose size must be ``pp_size``).
+        device: where the stage runs (None: the device of the model's parameters).
+        context: a ``kernels_torch.parallel.context.ContextParallel`` attached to ``model`` over this rank's
+            context-parallel group, or None. With it, :meth:`step` takes this rank's shard of every row (ids and
+            labels ``[R, T_r]``) and the rows' **global** ``cu_seqlens`` (required), and each stage sets the shard
+            of the micro-batch it runs.
+
+    Raises:
+        ValueError: an unknown schedule, ``stages_per_rank`` not matching it, sizes that are not positive, or
+            ``pp_rank`` outside ``[0, pp_size)``; :func:`stage_layout` / :func:`split_stage` errors.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        pp_size: int,
+        pp_rank: int,
+        n_microbatches: int,
+        schedule: str = "1F1B",
+        stages_per_rank: int = 1,
+        layer_counts: Sequence[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        mla_form: str = "expanded",
+        context=None,
+    ):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule: got {schedule!r}, expected one of {list(SCHEDULES)}")
+        for name, v in (("pp_size", pp_size), ("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: got {v!r}, expected a positive int")
+        if schedule in _MULTI and stages_per_rank < 2:
+            raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected >= 2")
+        if schedule not in _MULTI and stages_per_rank != 1:
+            raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected 1 (or Interleaved1F1B)")
+        if not 0 <= pp_rank < pp_size:
+            raise ValueError(f"pp_rank: got {pp_rank}, expected an index in [0, {pp_size})")
+        self.config = model.config
+        self.pp_size, self.pp_rank, self.group = pp_size, pp_rank, group
+        self.n_microbatches, self.schedule_name = n_microbatches, schedule
+        self.num_stages = pp_size * stages_per_rank
+        self.layout = stage_layout(self.config, self.num_stages, layer_counts)
+        self.stage_indices = list(range(pp_rank, self.num_stages, pp_size))  # looped placement
+        self.stages = [split_stage(model, self.layout, s, mla_form) for s in self.stage_indices]
+        self.context = context
+        for st in self.stages:
+            st.context = context
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype
+        self._loss_fn = _ScaledNLL()
+        self._schedule, self._key = None, None
+
+    # -------------------------------------------------------------------------------------------- modules
+
+    def parameters(self):
+        """This rank's parameters (all its stages), for the optimizer."""
+        for st in self.stages:
+            yield from st.parameters()
+
+    def named_parameters(self):
+        """``(name, parameter)`` of this rank's stages, names as in the one-process model."""
+        for st in self.stages:
+            yield from st.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' tensors under the one-process model's names (a subset of its ``state_dict``)."""
+        return self.rank_module().state_dict()
+
+    def rank_module(self) -> nn.Module:
+        """This rank's stages as one module with the one-process model's names (``model.embed_tokens``,
+        ``model.layers.{i}``, ``model.norm``, ``lm_head``, ... for the parts it holds), sharing their parameters:
+        what ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``get_optimizer_state_dict`` take,
+        so that ``kernels_torch.parallel.fsdp.save_checkpoint(path, pipe.rank_module(), optimizer)`` writes a DCP
+        state that loads under any other ``pp`` (or in one process, into a ``KimiK3Model``) by key."""
+        view = nn.Module()
+        view.config = self.config
+        view.model = _Holder()
+        view.model.layers = nn.ModuleDict()
+        for st in self.stages:
+            for name, child in st.model.named_children():
+                if name != "layers":
+                    view.model.add_module(name, child)
+            for i, layer in st.model.layers.items():
+                view.model.layers.add_module(i, layer)
+            if st.is_last:
+                view.lm_head = st.lm_head
+        return view
+
+    # -------------------------------------------------------------------------------------------- schedule
+
+    def _build(self, rows_per_mb: int, T: int, ids_dtype: torch.dtype):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        D, dev, dt = self.config.hidden_size, self.device, self.dtype
+        pstages = []
+        for st, s in zip(self.stages, self.stage_indices):
+            r = self.layout[s]
+            if st.is_first:
+                inp = torch.empty(rows_per_mb, T, dtype=ids_dtype, device=dev)
+            else:
+                inp = torch.empty(sources_after(self.config, r.start), rows_per_mb, T, D, dtype=dt, device=dev)
+                inp.requires_grad_(True)  # the received state's metadata: its gradient goes back to the sender
+            if st.is_last:
+                out = torch.empty((), dtype=torch.float64 if dt == torch.float64 else torch.float32, device=dev)
+            else:
+                out = torch.empty(sources_after(self.config, r.stop), rows_per_mb, T, D, dtype=dt, device=dev)
+            out.requires_grad_(True)
+            pstages.append(
+                PipelineStage(
+                    st, s, self.num_stages, dev, input_args=inp, output_args=out, group=self.group
+                )
+            )  # fmt: skip
+        cls = get_schedule_class(self.schedule_name)
+        kw = dict(n_microbatches=self.n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        self._schedule = cls(pstages, **kw) if self.schedule_name in _MULTI else cls(pstages[0], **kw)
+        self._key = (rows_per_mb, T, ids_dtype)
+
+    def _global_length(self, cu_seqlens, T_local: int) -> int:
+        """The rows' global length under context parallelism (the end of the first row's offsets), checked against
+        this rank's shard length."""
+        from kernels_torch.parallel.context import shard_bounds
+
+        T_row = int(torch.as_tensor(cu_seqlens[0])[-1])
+        start, stop = shard_bounds(T_row, self.context.world)[self.context.rank]
+        if stop - start != T_local:
+            raise ValueError(
+                f"input_ids: got {T_local} tokens a row, expected this rank's context shard of {stop - start} "
+                f"(tokens {start}..{stop} of the {T_row} that cu_seqlens[0] ends at)"
+            )
+        return T_row
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens=None, n_tokens=None) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline; gradients **accumulate** in the stage
+        parameters' ``.grad`` (zero them between optimizer steps).
+
+        Args:
+            input_ids: ``[R, T]`` int32/int64, the same on every pipeline rank; ``R`` a multiple of
+                ``n_microbatches``. labels: ``[R, T]`` int64 (-100: no target).
+            cu_seqlens: None, or one offsets tensor ``[0, ..., T]`` per row (``R == n_microbatches``: each
+                micro-batch is one packed row), or an already packed ``[R, N_max + 1]`` (:func:`pack_cu_seqlens`);
+                under context parallelism the global offsets of the whole rows (``[0, ..., T_global]``).
+            n_tokens: the count the summed NLL is divided by (the step's targets, summed over data-parallel ranks
+                when there are some); None: ``(labels != -100).sum()``.
+
+        Returns:
+            the step's loss (the micro-batch losses summed), a scalar on every pipeline rank (broadcast from the
+            last stage's rank over ``group``).
+
+        Raises:
+            ValueError: ``input_ids`` not ``[R, T]`` with ``R`` a multiple of ``n_microbatches``; labels of another
+                shape; ``cu_seqlens`` of the wrong number of rows or invalid rows, or with more than one row per
+                micro-batch; ``n_tokens`` not positive.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ValueError(f"input_ids: got {getattr(input_ids, 'shape', input_ids)}, expected [R, T]")
+        R, T = input_ids.shape
+        M = self.n_microbatches
+        if R % M:
+            raise ValueError(f"input_ids: got {R} rows, expected a multiple of n_microbatches={M}")
+        if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+            raise ValueError(f"labels: got {getattr(labels, 'shape', labels)}, expected [R, T] = {[R, T]}")
+        kwargs = {"labels": labels.to(self.device)}
+        if self.context is not None and cu_seqlens is None:
+            raise ValueError("cu_seqlens: got None under context parallelism, expected the rows' global offsets")
+        if cu_seqlens is not None:
+            if R != M:
+                raise ValueError(f"cu_seqlens: given with {R} rows in {M} micro-batches, expected one row each")
+            if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.ndim == 2):
+                if len(cu_seqlens) != R:
+                    raise ValueError(f"cu_seqlens: got {len(cu_seqlens)} rows, expected {R} (one per row of input_ids)")
+                T_row = T if self.context is None else self._global_length(cu_seqlens, T)
+                cu_seqlens = pack_cu_seqlens(cu_seqlens, T_row)
+            elif cu_seqlens.shape[0] != R:
+                raise ValueError(f"cu_seqlens: got {cu_seqlens.shape[0]} packed rows, expected {R}")
+            kwargs["cu_seqlens"] = cu_seqlens.to(self.device)  # as the trainer's Batch.to(device)
+        if n_tokens is None:
+            n_tokens = int((labels != IGNORE_INDEX).sum())
+        if not float(n_tokens) > 0:
+            raise ValueError(f"n_tokens: got {n_tokens}, expected a positive target count")
+        self._loss_fn.scale = 1.0 / float(n_tokens)
+        if self._key != (R // M, T, input_ids.dtype):
+            self._build(R // M, T, input_ids.dtype)
+        has_last = any(st.is_last for st in self.stages)
+        losses: list[torch.Tensor] = []
+        args = (input_ids.to(self.device),) if self.stages[0].is_first else ()
+        self._schedule.step(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
+        loss_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        loss = torch.stack(losses).sum().detach() if has_last else torch.zeros((), dtype=loss_dtype, device=self.device)
+        last_rank = (self.num_stages - 1) % self.pp_size
+        src = dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank
+        dist.broadcast(loss, src=src, group=self.group)
+        return loss
+
+
+def shard_stages(
+    pipe: Pipeline,
+    mesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """FSDP2 over the data-parallel ranks of one pipeline coordinate: ``fully_shard`` on every decoder layer of
+    this rank's stages and on each stage module (its embedding, or its final norm, output mix and ``lm_head``),
+    the stage-level form of ``kernels_torch.parallel.fsdp.parallelize``. Call it before the optimizer is built and
+    before the first :meth:`Pipeline.step`; ``PipelineStage`` then holds the gradient reduce-scatter until each
+    stage's last micro-batch.
+
+    The reduce-scatter **sums** (divide factor 1): every rank's loss must already be divided by the global target
+    count, i.e. ``pipe.step(..., n_tokens=<targets summed over mesh's ranks>)``.
+
+    Args:
+        pipe: a :class:`Pipeline` whose stages hold real (not ``meta``) parameters. mesh: a 1-D ``DeviceMesh`` of
+            the ranks that hold the same stages (``world_mesh["dp"]``, or a flattened ``dp x cp``).
+        param_dtype / reduce_dtype: FSDP2 ``MixedPrecisionPolicy`` (fp64 parameters reduce in fp64).
+        reshard_after_forward: free the gathered parameters after each layer's forward.
+
+    Raises:
+        ValueError: ``mesh`` not 1-D, or the stages already sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}, expected the 1-D data-parallel mesh")
+    if any(isinstance(m, FSDPModule) for st in pipe.stages for m in st.modules()):
+        raise ValueError("pipe: its stages are already sharded (fully_shard applied), expected plain stage modules")
+    if any(p.dtype == torch.float64 for p in pipe.parameters()):
+        reduce_dtype = torch.float64
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for st in pipe.stages:
+        units = [*st.model.layers.values(), st]
+        for m in units:
+            fully_shard(m, **kw)
+        for m in units:
+            m.set_gradient_divide_factor(1.0)  # the losses are weighted by the global count: sum
+            if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions
+                m.set_force_sum_reduction_for_comms(True)
+    if param_dtype is not None:
+        pipe.dtype = param_dtype  # the activations sent between stages
+    pipe._schedule, pipe._key = None, None  # the PipelineStages wrap the (now sharded) stage modules: rebuild
