@@ -227,14 +227,13 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a DCP checkpoint written by :func:`save_checkpoint` on any world size into ``model`` (sharded or not)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from torch.distributed.checkpoint import DefaultLoadPlanner
 
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(path))
