@@ -10,7 +10,6 @@ Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import functools
 from pathlib import Path
@@ -161,12 +160,15 @@ class MasterWeights:
     """The parameters the optimizer steps, and the ``weights`` entry of a ``step-N/`` resume state (a DCP
     ``Stateful``).
 
-    When every trainable parameter of ``model`` is fp32 the masters are those parameters themselves. Otherwise
-    :attr:`module` is a copy of the module tree holding fp32 copies of the trainable parameters under the same names
-    (frozen ones empty): :meth:`grads_to_masters` moves the gradients up (fp32), the optimizer steps the masters,
-    :meth:`to_model` rounds them back into the model (the model's weights are then the masters rounded once, which
-    is what the export holds). ``state_dict`` maps each trainable name to its fp32 master (DCP loads into those
-    tensors in place; ``load_state_dict`` then copies them into the model).
+    A trainable parameter in fp32 is its own master (so under ``torchrun``, where FSDP2's mixed precision holds the
+    trainable parameters as fp32 shards and computes in bf16, ``kimi_tools.parallel``, nothing is copied). Each other
+    trainable parameter (bf16 in one process; a bf16 parameter a stage keeps whole on every rank) gets an fp32 copy:
+    :meth:`grads_to_masters` moves the gradients up (fp32), the optimizer steps the masters, :meth:`to_model` rounds
+    them back into the model (the model's weights are then the masters rounded once, which is what the export holds).
+    :attr:`module` holds the masters under the model's parameter names (the model itself when every trainable
+    parameter is fp32, else a module tree of the masters alone), for the optimizer's state dict. ``state_dict`` maps
+    each trainable name to its master (DCP loads into those tensors in place; ``load_state_dict`` then copies them
+    into the model).
     """
 
     def __init__(self, model: nn.Module):
@@ -178,14 +180,16 @@ class MasterWeights:
         if all(p.dtype == torch.float32 for _, p in trainable):
             self.module = model
         else:
-            memo: dict[int, Any] = {}
-            for p in model.parameters():
-                memo[id(p)] = (
-                    nn.Parameter(p.detach().float().clone())
-                    if p.requires_grad
-                    else nn.Parameter(torch.empty(0, device=p.device), requires_grad=False)
-                )
-            self.module = copy.deepcopy(model, memo)
+            self.module = nn.Module()
+            for n, p in trainable:
+                m = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
+                *path, leaf = n.split(".")
+                parent = self.module
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, nn.Module())
+                    parent = getattr(parent, part)
+                parent.register_parameter(leaf, m)
         params = dict(self.module.named_parameters())
         self.names = [n for n, _ in trainable]
         self.pairs = [(p, params[n]) for n, p in trainable]  # (model parameter, its fp32 master; the same in fp32)
