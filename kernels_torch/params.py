@@ -64,6 +64,9 @@ def canonical_state_dict(module: nn.Module, tensors: Mapping[str, Any] | None = 
         A dict in which each stacked ``...experts.w*`` entry is replaced by its ``E`` per-expert slices (views;
         ``...experts.{e}.w*.weight``, expert-major then ``w1``, ``w3``, ``w2``, as ``kimi.layout.param_layout``
         orders them); other entries unchanged, in their order. A ``None`` stack (no gradient) gives ``None`` slices.
+        Under expert parallelism the ids are the bank's own experts (``expert_ids``; an expert-parallel DTensor
+        stack gives its local rows), or every expert when ``tensors`` holds the gathered full stack
+        (``[num_experts, ...]``: ``torch.distributed.checkpoint.state_dict``'s ``full_state_dict``).
     """
     sd = module.state_dict() if tensors is None else tensors
     banks = grouped_experts(module)
@@ -76,13 +79,23 @@ def canonical_state_dict(module: nn.Module, tensors: Mapping[str, Any] | None = 
             continue
         if last != EXPERT_PROJECTIONS[0]:
             continue  # emitted with w1, expert by expert
-        for i, e in enumerate(bank.expert_ids):
+        stacks = {w: sd.get(f"{prefix}.{w}") for w in EXPERT_PROJECTIONS}
+        ids = bank.expert_ids
+        if t is not None and not _is_dtensor(t) and t.shape[0] == bank.config.num_experts != len(ids):
+            ids = range(bank.config.num_experts)  # a gathered (full) stack of an expert-parallel bank: every expert
+        else:
+            stacks = {w: None if v is None else local_stack(v, bank, f"{prefix}.{w}") for w, v in stacks.items()}
+        for i, e in enumerate(ids):
             for w in EXPERT_PROJECTIONS:
-                stack = sd.get(f"{prefix}.{w}")
-                out[expert_param_name(f"{prefix}.{w}", e)] = (
-                    None if stack is None else local_stack(stack, bank, name)[i]
-                )
+                stack = stacks[w]
+                out[expert_param_name(f"{prefix}.{w}", e)] = None if stack is None else stack[i]
     return out
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def load_canonical(

@@ -261,16 +261,13 @@ def export(model: nn.Module, out: Path, par, lora_settings=None, checkpoint: str
     layout (``kernels_torch.model.save_model``; gathered from the shards under torchrun) and the tokenizer files of
     ``checkpoint``. Returns what was written, in words."""
     if lora_settings is not None:
-        import contextlib
-
         from kimi_tools import lora
-        from kimi_tools.distill import gathered
 
-        with contextlib.ExitStack() as whole:  # under FSDP2 every rank gathers the shards (a collective)
-            for m in model.modules():
-                whole.enter_context(gathered(m))
-            if par.is_writer:
-                lora.save_adapter(model, lora_settings, out, base_checkpoint=checkpoint, base_fingerprint=base)
+        tensors = lora.adapter_state_dict(model)  # every rank: gathers the FSDP2 shards (a collective)
+        if par.is_writer:
+            lora.save_adapter(
+                model, lora_settings, out, base_checkpoint=checkpoint, base_fingerprint=base, tensors=tensors
+            )
         return "adapter (adapter_config.json, adapter_model.safetensors)"
     par.save_model(model, out)
     if par.is_writer:

@@ -270,8 +270,9 @@ def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimiz
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     """Clip the gradients of ``params`` to a total L2 norm of ``max_norm`` (``inf``: none) and return the norm before
-    clipping (``torch.nn.utils.clip_grad_norm_``). Under FSDP2 some parameters can be sharded ``DTensor``s and others
-    plain tensors (those a stage keeps whole on every rank); their norms are taken apart and combined."""
+    clipping (``torch.nn.utils.clip_grad_norm_``). Under FSDP2 the parameters can be DTensors on different meshes
+    (the routed experts on the ``(efsdp, ep)`` mesh, the rest on ``dp_cp``) and plain tensors (those a stage keeps
+    whole on every rank): the norm of each group is taken apart (a DTensor's over its whole mesh) and combined."""
     import torch
 
     grads = [p for p in params if p.grad is not None]
@@ -279,12 +280,13 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         DTensor = ()
-    sharded = [p for p in grads if isinstance(p, DTensor)]
-    plain = [p for p in grads if not isinstance(p, DTensor)]
-    if not sharded or not plain:
+    groups: dict[Any, list] = {}
+    for p in grads:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if len(groups) <= 1:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
     norms = []
-    for group in (sharded, plain):
+    for group in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in group])
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
