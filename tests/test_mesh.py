@@ -32,6 +32,7 @@ STEPS = 3
 LR = 1e-2
 # fp64: the algorithm, not the rounding (sums in another order give ~1e-15; a wrong expert or factor gives > 1e-2)
 TOL = {"loss": 1e-11, "grad": 1e-9, "param": 1e-9, "moment": 1e-9}
+BF16_TOL = 2e-2  # bf16 compute (2^-8 = 3.9e-3 a rounding), gradients summed in fp32 across ranks vs bf16 in one process
 LAYOUTS = {  # name: (dp, cp, ep)
     "dp4_ep2": (4, 1, 2),
     "dp2_cp2_ep2": (2, 2, 2),
@@ -146,8 +147,10 @@ def _parallel_run(cfg, layout: str, errors: list[str], ref, save: str | None = N
         else:
             cu_l = cu
         n_tok = global_token_count(ids.numel(), mesh)
-        loss = model.loss(ids, labels, cu_l) / n_tok
-        loss.backward()
+        with warnings.catch_warnings():  # a wrapped layer that returns a view: its in-place use skips the all-gather
+            warnings.filterwarnings("error", message=".*returned a view tensor.*")
+            loss = model.loss(ids, labels, cu_l) / n_tok
+            loss.backward()
         got = loss.detach().clone()
         dist.all_reduce(got)
         got = float(got) / dp
@@ -298,10 +301,54 @@ def _silent_worker(rank: int, world: int, port: int, out: str) -> None:
         for w in ("w1", "w3", "w2"):
             if not torch.equal(getattr(bank, w).full_tensor(), full[f"model.layers.1.block_sparse_moe.experts.{w}"]):
                 errors.append(f"experts.{w}: the global stack differs from the model's")
+        _bf16_case(cfg, world, rank, errors)
         if errors:
             raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
     finally:
         dist.destroy_process_group()
+
+
+def _bf16_case(cfg, world: int, rank: int, errors: list[str]) -> None:
+    """bf16 through FSDP2's MixedPrecisionPolicy at dp 2 x ep 2: the trainable bf16 parameters become fp32 shards,
+    the checkpoint's fp32 tensors stay fp32 (in the forward too), the loss and gradients within a bf16 bound of one
+    process in bf16 (each rank's micro-batch; the gradients summed)."""
+    from kernels_torch.model import model_from_params
+    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh, parallelize
+    from kimi.init import init_params
+
+    params = init_params(load_config("tiny"), seed=0, layers=cfg.num_hidden_layers)
+    ref = _freeze(model_from_params(cfg, params, "sdpa", torch.bfloat16, "cpu"))
+    model = _freeze(model_from_params(cfg, params, "sdpa", torch.bfloat16, "cpu"))
+    cu = torch.tensor(CU)
+    batches = _batches(cfg, world, 0)
+    total = sum(ref.loss(ids, labels, cu).float() / T / world for ids, labels in batches)
+    total.backward()
+    ignored = set(fp32_compute_params(model, torch.bfloat16))
+    mesh = init_mesh(dp=world, ep=world)
+    parallelize(model, mesh, param_dtype=torch.bfloat16, ignored_params=ignored, gradient_divide_factor=1.0)
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    hook = attn.register_forward_pre_hook(lambda m, a: seen.update(A_log=m.A_log.dtype, q=m.q_proj.weight.dtype))
+    ids, labels = batches[rank]
+    loss = model.loss(ids, labels, cu).float() / T / world
+    loss.backward()
+    hook.remove()
+    if seen != {"A_log": torch.float32, "q": torch.bfloat16}:
+        errors.append(f"bf16: the forward saw {seen}, expected A_log float32 and q_proj bfloat16")
+    for p in model.parameters():  # in model order (a set's order differs between processes)
+        if p in ignored and p.grad is not None:
+            dist.all_reduce(p.grad)  # whole on every rank: the caller sums their gradients
+    got = loss.detach().clone()
+    dist.all_reduce(got)
+    if not rel(got, total.detach()) <= BF16_TOL:
+        errors.append(f"bf16: loss {float(got)} vs {float(total)}")
+    ref_params = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        want = ref_params[n]
+        if p.dtype != (want.dtype if p in ignored or not p.requires_grad else torch.float32):
+            errors.append(f"bf16: {n} held in {p.dtype} (one process {want.dtype}, trainable {p.requires_grad})")
+        if want.grad is not None and not rel(_full(p.grad), want.grad) <= BF16_TOL:
+            errors.append(f"bf16: {n}.grad rel err {rel(_full(p.grad), want.grad):.2e}")
 
 
 @pytest.mark.distributed

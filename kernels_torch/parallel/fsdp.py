@@ -131,9 +131,7 @@ def parallelize(
     if dims.ep > 1 and moes and moes[0].experts.expert_ids == range(moes[0].config.num_experts):
         shard_experts(model, mesh=mesh["ep"])
     if param_dtype is not None:  # fp32 sharded masters of the trainable low-precision parameters
-        for p in model.parameters():
-            if p.requires_grad and p.dtype == param_dtype and p not in ignored:
-                p.data = p.data.float()
+        _upcast_trainable(model, param_dtype, ignored)
     if any(p.dtype == torch.float64 for p in model.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -158,6 +156,18 @@ def parallelize(
     for m, m_mesh in units:
         _set_divide_factor(m, factor, m_mesh)
     return ctx
+
+
+def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set) -> None:
+    """Replace each trainable ``dtype`` parameter (not ignored) by an fp32 one (a new ``nn.Parameter``: assigning
+    ``.data`` does not change a DTensor's dtype); a parameter shared by two modules (tied embeddings) stays shared."""
+    memo: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.requires_grad and p.dtype == dtype and p not in ignored:
+                if id(p) not in memo:
+                    memo[id(p)] = nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
+                setattr(mod, name, memo[id(p)])
 
 
 def _check_expert_layout(moes: list, mesh: ParallelMesh) -> None:
