@@ -142,7 +142,7 @@ def parallelize(
     for layer in model.model.layers:
         moe = getattr(layer, "block_sparse_moe", None)
         if dims.ep > 1 and moe is not None:
-            fully_shard(moe.experts, mesh=mesh["efsdp"], **kw)
+            fully_shard(moe.experts, mesh=mesh["efsdp"], shard_placement_fn=_expert_placement(dims.efsdp), **kw)
             register_fsdp_forward_method(moe.experts, "rows_forward")  # expert parallelism's call of the experts
             units.append((moe.experts, mesh["efsdp"]))
         fully_shard(layer, mesh=mesh["dp_cp"], **kw)
@@ -156,6 +156,15 @@ def parallelize(
     for m, m_mesh in units:
         _set_divide_factor(m, factor, m_mesh)
     return ctx
+
+
+def _expert_placement(efsdp: int):
+    """FSDP2's placement of an expert stack ``[E, out, in]`` (already ``Shard(0)`` over ``ep``) over ``efsdp``: its
+    dim 1 when ``efsdp`` divides it (even shards: at ep 64 each rank's 14 experts over efsdp 4 would split 4, 4, 4, 2
+    along dim 0, a rank holding 14 % more than its share), else dim 0 (FSDP2 pads uneven dim-0 shards)."""
+    from torch.distributed.tensor import Shard
+
+    return lambda p: Shard(1) if p.ndim > 1 and p.shape[1] % efsdp == 0 else Shard(0)
 
 
 def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set) -> None:
