@@ -143,7 +143,8 @@ def test_torchrun_data_parallel_equals_one_process(tmp_path, data, one, nproc, c
 @pytest.mark.parametrize("stage", ["indexer-warmup", "sparse"])
 def test_torchrun_distillation_stages_equal_one_process(tmp_path, data, stage):
     """The distillation stages under torchrun with FSDP2 (2 ranks, --cp 1; they crashed with 'mixed torch.Tensor
-    and DTensor') give the one-process loss, KL and gradient norm; --cp 2 is refused with one line saying why."""
+    and DTensor'; the sparse stage with --ep 2) give the one-process loss, KL and gradient norm; --cp 2 is refused
+    with one line saying why."""
     argv = [*STAGE, "--data", str(data), "--stage", stage]
     assert main(["train", *argv, "--out", str(tmp_path / "one")]) == 0
     layout = ["--ep", "2"] if stage == "sparse" else []  # the sparse stage with the routed experts split too

@@ -1,21 +1,23 @@
-"""Sharded training of the torch model: FSDP2 (``torch.distributed.fsdp.fully_shard``) over a 2-D device mesh
-``(dp, cp)``, combined with context parallelism (:mod:`kernels_torch.parallel.context`), DCP checkpoints
-(``torch.distributed.checkpoint``) and the full-weight export for the HF safetensors writer.
+"""Sharded training of the torch model: FSDP2 (``torch.distributed.fsdp.fully_shard``) over one
+:class:`~kernels_torch.parallel.mesh.ParallelMesh` (data, context and expert parallelism), combined with context
+parallelism (:mod:`kernels_torch.parallel.context`) and expert parallelism (:mod:`kernels_torch.parallel.expert`),
+DCP checkpoints (``torch.distributed.checkpoint``) and the full-weight export for the HF safetensors writer.
 
-Layout (torchtitan's ``dp_shard_cp``): parameters are sharded over all ``dp x cp`` ranks (the two mesh dimensions
-flattened), one FSDP unit per decoder layer plus the root (embedding, final norm, lm_head, AttnRes output mix). The
-``cp`` dimension's ranks hold the same sequences cut into shards; their parameter gradients are parts of one
-gradient and must be **summed**, while ``dp`` replicas average: the reduce-scatter therefore divides by ``dp``, not
-by the world size (:func:`parallelize`), and each rank's loss is its tokens' sum divided by the token count of its
-whole (all-``cp``) sequence batch (:func:`global_token_count`).
+Layout (torchtitan's ``dp_shard_cp`` and ``efsdp``): parameters are sharded over all ``dp x cp`` ranks (the mesh's
+flattened ``dp_cp``), one FSDP unit per decoder layer plus the root (embedding, final norm, lm_head, AttnRes output
+mix); under expert parallelism each MoE layer's routed experts are a unit of their own, ``Shard(0)`` over ``ep`` and
+FSDP2 over ``efsdp``. The ``cp`` dimension's ranks hold the same sequences cut into shards; their parameter
+gradients are parts of one gradient and must be **summed**, while ``dp`` replicas average: the reduce-scatter
+therefore divides by ``dp``, not by the world size (:func:`parallelize`), and each rank's loss is its tokens' sum
+divided by the token count of its whole (all-``cp``) sequence batch (:func:`global_token_count`).
 
 Under ``torchrun``::
 
-    mesh = init_mesh(dp=1, cp=2, device_type="cuda")     # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
-    cp = parallelize(model, mesh)                         # FSDP2 + CP; returns the ContextParallel (None if cp=1)
+    mesh = init_mesh(dp=2, cp=2, device_type="cuda", ep=2)  # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
+    cp = parallelize(model, mesh)                         # CP + EP + FSDP2; returns the ContextParallel (None if cp=1)
     ids, cu = cp.shard(input_ids, cu_seqlens)             # the same global row on every cp rank
     loss = model.loss(ids, cp.shard_like(labels), cu) / n_tokens  # summed NLL, lm_head gathered, no logits
-    save_checkpoint(path, model, optimizer)               # DCP: loads on any other world size
+    save_checkpoint(path, model, optimizer)               # DCP: loads on any other layout or world size
     sd = full_state_dict(model)                           # rank 0: full tensors for kernels_torch.model.save_model
 """
 
