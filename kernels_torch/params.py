@@ -83,7 +83,7 @@ def canonical_state_dict(module: nn.Module, tensors: Mapping[str, Any] | None = 
         ids = bank.expert_ids
         if t is not None and not _is_dtensor(t) and t.shape[0] == bank.config.num_experts != len(ids):
             ids = range(bank.config.num_experts)  # a gathered (full) stack of an expert-parallel bank: every expert
-        else:
+        elif getattr(bank, "ep_mesh", None) is not None:  # expert-parallel: this rank's rows
             stacks = {w: None if v is None else local_stack(v, bank, f"{prefix}.{w}") for w, v in stacks.items()}
         for i, e in enumerate(ids):
             for w in EXPERT_PROJECTIONS:
