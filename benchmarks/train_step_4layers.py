@@ -34,6 +34,13 @@ the conversion record); MFU stays counted against the bf16 ceiling (comparable w
 start of the same run (``benchmarks/fp8_gemm.py``'s ``ceilings``, 8192^3). ``--fp8-compile`` compiles each FP8
 projection on its own (``compile_linears``; the row's ``fp8.compiled``), the rest of the step staying eager.
 
+``--parallel`` (under ``torchrun``, e.g. ``torchrun --nproc-per-node 1 benchmarks/train_step_4layers.py --parallel
+...``) puts each model through ``kimi train``'s parallel path (``kimi_tools.parallel.TrainParallel.setup``, after the
+FP8 conversion and before the recompute wrappers, as the trainer orders them): FSDP2 over the ranks (``--ep N``:
+the routed experts split over groups of N ranks), bf16 compute through FSDP2's ``MixedPrecisionPolicy`` with fp32
+sharded parameters (the trainer's masters: one rank holds 4 B per parameter where the plain row holds bf16's 2 B),
+the checkpoint's fp32 tensors whole; every rank runs its own ``T`` tokens, rank 0 writes (the row's ``parallel``).
+
 Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "fp8_matmul_ceiling_tflops", "rows": [...]}``, rows
 with ``seq_len``, ``backend``, ``fp8``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
 ``recompute_full_layers``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``mfu_fp8_ceiling``, ``kernels``, ``status``, and prints a
@@ -162,8 +169,24 @@ def main() -> int:
         action="store_true",
         help="with --fp8: compile each FP8 projection (convert_model_to_fp8's compile_linears; kimi train --fp8-compile)",
     )
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="under torchrun: each model through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters)",
+    )
+    ap.add_argument("--ep", type=int, default=1, help="with --parallel: expert-parallel ranks (kimi train --ep)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
     args = ap.parse_args()
+    par = None
+    if args.parallel:
+        from kimi_tools.parallel import TrainParallel, under_torchrun
+
+        if not under_torchrun():
+            ap.error("--parallel: expected a launch under torchrun (torchrun --nproc-per-node N ...)")
+        par = TrainParallel(1, "cuda", ep=args.ep)
+    elif args.ep != 1:
+        ap.error(f"--ep: got {args.ep} without --parallel, expected --parallel under torchrun")
+    writer = par is None or par.is_writer
     cfg = (
         load_config("k3.1-pro")
         .truncated(4)
@@ -200,6 +223,7 @@ def main() -> int:
             "experts_per_token": args.experts_per_token,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "fp8": args.fp8,
+            "parallel": None if par is None else f"torchrun, {par.dims.describe()}, FSDP2 bf16 / fp32 masters",
         }
         t0 = time.perf_counter()
         model = None
@@ -209,6 +233,8 @@ def main() -> int:
                 from kernels_torch.fp8 import convert_model_to_fp8
 
                 row["fp8"] = convert_model_to_fp8(model, args.fp8, compile_linears=args.fp8_compile).to_dict()
+            if par is not None:  # kimi train's order: convert, shard, then the recompute wrappers
+                par.setup(model, lora=False)
             if recompute:
                 recompute_layers(model, args.recompute_mode, full)  # kimi train's --recompute-mode
             kernel_choice.reset_used()
@@ -227,6 +253,8 @@ def main() -> int:
         row["wall_s"] = time.perf_counter() - t0
         model = None  # noqa: F841
         rows.append(row)
+        if not writer:
+            continue
         print(json.dumps(row), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
@@ -242,6 +270,10 @@ def main() -> int:
                 indent=1,
             )
         )
+    if par is not None:
+        par.close()
+    if not writer:
+        return 0
     print(
         f"\nloss: {args.loss}\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} "
         f"{'peak GiB':>9} {'MFU':>6} {'MFU/fp8':>7} status"

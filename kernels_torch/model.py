@@ -49,6 +49,18 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
+def _unaliased(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, when ``t`` is a view of the whole of another tensor (same shape, strides, offset and
+    dtype), that tensor. The AttnRes blocks pass through every layer; under FSDP2 the layer's inputs arrive as
+    views that its pre-forward hook makes of the caller's tensors (``RegisterPostBackwardFunction``), and a wrapped
+    module that returns a view gets FSDP2's warning (an in-place op on it would skip the all-gather hook). Returning
+    the caller's own tensor is the same value; its gradient from later layers reaches it directly."""
+    b = t._base
+    if b is None or b.shape != t.shape or b.stride() != t.stride() or b.dtype != t.dtype:
+        return t
+    return b if b.storage_offset() == t.storage_offset() else t
+
+
 class DecoderLayer(nn.Module):
     """Twin of ``reference_jax.model.DecoderLayer``."""
 
@@ -126,6 +138,7 @@ class DecoderLayer(nn.Module):
         p = a if restart else p + a
         m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]), want_aux)
         p = p + m
+        blocks = [_unaliased(b) for b in blocks]
         return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
 
 

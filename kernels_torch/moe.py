@@ -34,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kernels_torch import kernel_choice
 from kernels_torch.activations import glu_act, situ
@@ -233,7 +234,13 @@ class GroupedExperts(nn.Module):
     @property
     def num_experts(self) -> int:
         """Experts held here (all of the layer's, or this rank's under expert parallelism)."""
-        return self.w1.shape[0]
+        return len(self.expert_ids)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w3, w2)`` as plain tensors of this rank's experts: under expert parallelism the stacks are
+        DTensors (``Shard(0)`` over the ``ep`` mesh; ``kernels_torch.parallel.expert``) and this is their local
+        ``[E / ep, ...]`` part (``DTensor.to_local``: differentiable, the gradient goes back as a DTensor)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
 
     def kernel(self, z: torch.Tensor) -> str:
         """The kernel this call runs (``"grouped_mm"`` or ``"loop"``), from :attr:`moe_kernel` and the inputs.
@@ -243,7 +250,7 @@ class GroupedExperts(nn.Module):
         chosen = kernel_choice.resolve("moe", self.moe_kernel)
         if chosen == "loop":
             return "loop"
-        why = grouped_mm_supported(z, self.w1)
+        why = grouped_mm_supported(z, self.local_weights()[0])
         if chosen == "grouped_mm":
             if why is not None:
                 raise ValueError(f"moe_kernel='grouped_mm' cannot run: {why}")
@@ -253,21 +260,22 @@ class GroupedExperts(nn.Module):
     def mlp_grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Every expert on its group of rows: ``x`` ``[R, Dl]`` grouped by expert, ``offsets`` ``[E]`` int32
         cumulative row ends -> ``[R, Dl]`` in ``x.dtype`` (three ``torch._grouped_mm`` and the activation)."""
-        h = grouped_mm(x, self.w1, offsets, kernel="grouped_mm")  # [R, I]
-        g = grouped_mm(x, self.w3, offsets, kernel="grouped_mm")
-        return grouped_mm(_act(self, h, g), self.w2, offsets, kernel="grouped_mm")  # [R, Dl]
+        w1, w3, w2 = self.local_weights()
+        h = grouped_mm(x, w1, offsets, kernel="grouped_mm")  # [R, I]
+        g = grouped_mm(x, w3, offsets, kernel="grouped_mm")
+        return grouped_mm(_act(self, h, g), w2, offsets, kernel="grouped_mm")  # [R, Dl]
 
     def expert(self, e: int, x: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
         """Local expert ``e`` on rows ``x`` ``[n, Dl]`` -> ``[n, Dl]`` in ``x.dtype`` (the loop's body).
         ``weights``: the stacks already split by :meth:`per_expert` (one backward node for all experts)."""
-        w1, w3, w2 = (self.w1[e], self.w3[e], self.w2[e]) if weights is None else (w[e] for w in weights)
+        w1, w3, w2 = (w[e] for w in (self.local_weights() if weights is None else weights))
         return F.linear(_act(self, F.linear(x, w1), F.linear(x, w3)), w2)
 
     def per_expert(self) -> tuple[tuple[torch.Tensor, ...], ...]:
         """``(w1, w3, w2)``, each stack unbound into its experts' ``[out, in]`` views. The loop takes these once per call:
         indexing ``w1[e]`` in each iteration would give every expert a backward that writes a whole-stack gradient
         (E of them: 13 s for 448 real-size experts on an H200), where unbinding stacks the slices' gradients once."""
-        return self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        return tuple(w.unbind(0) for w in self.local_weights())
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``r = sum_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6): each expert output in z's dtype, weighted and summed
@@ -294,6 +302,9 @@ class GroupedExperts(nn.Module):
     def rows_forward(self, x: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Each row through its own expert, no weighting: ``x`` ``[R, Dl]``, ``expert_of_row`` ``[R]`` int64 local
         ids -> ``[R, Dl]`` in ``x.dtype``, row order kept (expert parallelism's received rows)."""
+        if x.shape[0] == 0:  # no row: still a (zero) gradient for every local stack, as on the ranks that received
+            # rows (FSDP2 reduce-scatters the expert stacks over the ranks that hold the same experts: same gradients)
+            return x * 0 + sum(w.sum() for w in self.local_weights()).to(x.dtype) * 0
         run = self.kernel(x)
         kernel_choice.record("moe", run)
         if run == "grouped_mm":
@@ -365,15 +376,18 @@ class KimiMoE(nn.Module):
         xf = x.reshape(B * T, D)  # [N, D]
         ids, weights = self.gate(xf)  # [N, k], [N, k] fp32 -- router on the full-width x
         z = self.routed_expert_down_proj(xf) if c.has_latent_moe else xf  # [N, Dl]
-        r = self.routed_experts(z, ids, weights).to(x.dtype)  # [N, Dl]
+        r = self.routed_experts(z, ids, weights).to(x.dtype).reshape(B, T, -1)  # [B, T, Dl]
 
+        # [B, T, ...] from here: the output is then a fresh tensor, not a view (FSDP2 warns of a wrapped layer that
+        # returns a view: an in-place op on it would skip the pre-backward all-gather)
         if c.has_latent_moe:  # norm after the combine, then back up to D
             if c.latent_moe_use_norm:
                 r = self.routed_expert_norm(r)
-            r = self.routed_expert_up_proj(r)  # [N, D]
+            r = self.routed_expert_up_proj(r)  # [B, T, D]
         if c.num_shared_experts:  # shared experts on the un-projected x
-            r = r + self.shared_experts(xf)
-        r = r.reshape(B, T, D)
+            r = r + self.shared_experts(x)
+        if r._base is not None:  # neither latent projection nor shared experts: r is a view of the combine
+            r = r.clone()
         if not return_aux:
             return r
         sel = selection_scores(x, self.gate.weight, self.gate.e_score_correction_bias, c)

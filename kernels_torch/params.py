@@ -23,7 +23,28 @@ from kernels_torch.moe import GroupedExperts
 from kimi.arrays import to_torch
 from kimi.layout import EXPERT_PROJECTIONS, expert_param_name, stacked_expert_name
 
-__all__ = ["grouped_experts", "canonical_state_dict", "load_canonical"]
+__all__ = ["grouped_experts", "canonical_state_dict", "load_canonical", "local_stack"]
+
+
+def local_stack(stack: torch.Tensor, bank: GroupedExperts, name: str = "experts") -> torch.Tensor:
+    """The rows of an expert stack ``[E_local, ...]`` that this process holds, as a plain tensor (a view): ``stack``
+    itself, or the local tensor of an expert-parallel DTensor (``Shard(0)`` over a 1-D ``ep`` mesh:
+    ``kernels_torch.parallel.expert``, ``bank.ep_mesh``), whose rows are ``bank.expert_ids``.
+
+    Raises:
+        ValueError: a DTensor sharded otherwise (e.g. by FSDP2 too: its local part is no longer whole experts; read
+            such a model with ``torch.distributed.checkpoint`` or its full state dict).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(stack, DTensor):
+        return stack
+    if tuple(stack.placements) != (Shard(0),) or stack.device_mesh != getattr(bank, "ep_mesh", None):
+        raise ValueError(
+            f"{name}: a DTensor placed as {tuple(stack.placements)}, expected a plain tensor or the expert-parallel "
+            "(Shard(0),) of whole local experts (load and read per expert before FSDP2 shards them)"
+        )
+    return stack.to_local()
 
 
 def grouped_experts(module: nn.Module) -> dict[str, GroupedExperts]:
@@ -43,6 +64,9 @@ def canonical_state_dict(module: nn.Module, tensors: Mapping[str, Any] | None = 
         A dict in which each stacked ``...experts.w*`` entry is replaced by its ``E`` per-expert slices (views;
         ``...experts.{e}.w*.weight``, expert-major then ``w1``, ``w3``, ``w2``, as ``kimi.layout.param_layout``
         orders them); other entries unchanged, in their order. A ``None`` stack (no gradient) gives ``None`` slices.
+        Under expert parallelism the ids are the bank's own experts (``expert_ids``; an expert-parallel DTensor
+        stack gives its local rows), or every expert when ``tensors`` holds the gathered full stack
+        (``[num_experts, ...]``: ``torch.distributed.checkpoint.state_dict``'s ``full_state_dict``).
     """
     sd = module.state_dict() if tensors is None else tensors
     banks = grouped_experts(module)
@@ -55,11 +79,23 @@ def canonical_state_dict(module: nn.Module, tensors: Mapping[str, Any] | None = 
             continue
         if last != EXPERT_PROJECTIONS[0]:
             continue  # emitted with w1, expert by expert
-        for i, e in enumerate(bank.expert_ids):
+        stacks = {w: sd.get(f"{prefix}.{w}") for w in EXPERT_PROJECTIONS}
+        ids = bank.expert_ids
+        if t is not None and not _is_dtensor(t) and t.shape[0] == bank.config.num_experts != len(ids):
+            ids = range(bank.config.num_experts)  # a gathered (full) stack of an expert-parallel bank: every expert
+        elif getattr(bank, "ep_mesh", None) is not None:  # expert-parallel: this rank's rows
+            stacks = {w: None if v is None else local_stack(v, bank, f"{prefix}.{w}") for w, v in stacks.items()}
+        for i, e in enumerate(ids):
             for w in EXPERT_PROJECTIONS:
-                stack = sd.get(f"{prefix}.{w}")
+                stack = stacks[w]
                 out[expert_param_name(f"{prefix}.{w}", e)] = None if stack is None else stack[i]
     return out
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def load_canonical(
@@ -93,10 +129,13 @@ def load_canonical(
                 if not 0 <= e < bank.config.num_experts:
                     unexpected.append(name)
                 continue
-            _copy(targets[stacked].data[e - ids.start], t, name)
+            _copy(local_stack(targets[stacked].data, bank, stacked)[e - ids.start], t, name)
             missing[stacked].discard(e)
         elif name in targets:
-            _copy(targets[name].data, t, name)
+            dst = targets[name].data
+            if _is_stack(name, banks):  # a whole stack: this rank's rows of it under expert parallelism
+                dst = local_stack(dst, banks[name.rpartition(".")[0]], name)
+            _copy(dst, t, name)
             missing[name] = set()
         else:
             unexpected.append(name)

@@ -304,11 +304,15 @@ def _settings_of(model: nn.Module) -> dict:
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors under peft's saved key names (``base_model.model.<path>.lora_A.weight``), on the CPU."""
+    """The adapter tensors under peft's saved key names (``base_model.model.<path>.lora_A.weight``), on the CPU.
+    Under FSDP2 the adapters are sharded DTensors and this gathers them (``full_tensor``, a collective: call it on
+    every rank)."""
     _import_peft()
     from peft import get_peft_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     sd = get_peft_model_state_dict(model, adapter_name=_ADAPTER)
+    sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
     return {_KEY_PREFIX + k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
@@ -377,6 +381,7 @@ def save_adapter(
     out_dir: str | Path,
     base_checkpoint: str | Path | None = None,
     base_fingerprint: str | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the adapter in peft's format: ``adapter_model.safetensors`` then ``adapter_config.json`` (each file
     atomic, mode 0644 under the usual umask: :func:`kimi.checkpoint.write_atomic`; the config last, so a folder
@@ -385,7 +390,8 @@ def save_adapter(
     ``adapter_config.json`` is peft's ``LoraConfig.to_dict()`` with ``target_modules`` the wrapped module names and
     ``base_model_name_or_path`` the base checkpoint (when given). ``base_fingerprint`` (:func:`base_fingerprint` of
     the base) goes into the safetensors metadata beside peft's ``format`` (key :data:`FINGERPRINT_KEY`), where
-    ``kimi lora merge`` checks it. Returns ``out_dir``.
+    ``kimi lora merge`` checks it. ``tensors``: :func:`adapter_state_dict` of the model, taken already (under FSDP2
+    every rank gathers them, one rank writes). Returns ``out_dir``.
 
     Raises:
         ValueError: ``model`` has no adapter, or it was wrapped with other settings than ``settings``.
@@ -409,7 +415,8 @@ def save_adapter(
     meta = {"format": "pt"}
     if base_fingerprint is not None:
         meta[FINGERPRINT_KEY] = base_fingerprint
-    write_atomic(out / ADAPTER_WEIGHTS, save(adapter_state_dict(model), metadata=meta))
+    tensors = adapter_state_dict(model) if tensors is None else tensors
+    write_atomic(out / ADAPTER_WEIGHTS, save(tensors, metadata=meta))
     d = cfg.to_dict()
     d = {k: (sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in d.items()}
     d["target_modules"] = sorted(lora_modules(model))

@@ -1,22 +1,33 @@
 """``kimi train`` under ``torchrun``: the parallel wiring, kept out of the training loop.
 
-``torchrun --nproc-per-node N -m kimi_tools.cli train ... --cp C`` runs the same loop on N processes: FSDP2 of the
-decoder layers over all ranks and context parallelism over groups of ``C`` ranks (``kernels_torch.parallel``: a
-``(dp = N / C, cp = C)`` mesh). Every rank reads the same data in the same order (the loader state stays one state);
-the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so ``accum`` must be a multiple of
-``dp``: every rank runs the same number of forwards, which FSDP2's collectives need), and inside a group each rank
-takes its contiguous shard of the row. Losses are weighted by the step's global target count, so the gradient is the
-sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone writes ``run.json``, metrics, the
-safetensors export and the plot; all ranks write their shards of the DCP ``step-N/`` folder.
+``torchrun --nproc-per-node N -m kimi_tools.cli train ... [--dp D] [--cp C] [--ep X]`` runs the same loop on N
+processes over one mesh (:mod:`kernels_torch.parallel.mesh`): ``D x C = N`` (``--dp`` fills the rest of the world
+unless given), context parallelism over groups of ``C`` ranks, expert parallelism over groups of ``X`` ranks (``X``
+divides ``D x C`` and adds no rank: the routed experts take a second view of the same ranks, ``Shard(0)`` over ``ep``
+and FSDP2 over the ``efsdp = D x C / X`` ranks that hold the same experts), FSDP2 of everything else over all
+``D x C`` ranks (``kernels_torch.parallel.fsdp.parallelize``). Every rank reads the same data in the same order (the
+loader state stays one state); the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so
+``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need),
+and inside a group each rank takes its contiguous shard of the row. Losses are weighted by the step's global target
+count, so the gradient is the sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone
+writes ``run.json``, metrics, the safetensors export and the plot; all ranks write their shards of the DCP
+``step-N/`` folder (the expert stacks are DTensors: every rank's experts are saved, and reshard on resume).
+
+Precision: a ``--dtype bfloat16`` model (and so ``cudnn``, the grouped experts and ``--fp8``) runs through FSDP2's
+``MixedPrecisionPolicy``: the trainable bf16 parameters become fp32 sharded masters (AdamW steps them and holds its
+state in fp32; FSDP2 all-gathers bf16 copies for the forward and reduce-scatters the gradients in fp32), frozen bf16
+parameters (a LoRA base) stay bf16 shards; the tensors the checkpoint keeps in fp32 (``A_log``, ``dt_bias``, the
+short-conv weights, ``o_norm``, the router's correction bias: ``kimi.layout``) stay out of FSDP2, whole and fp32 on
+every rank (they are small), so they are never rounded to bf16. ``kimi_tools.train.weights.MasterWeights`` then
+finds every trainable parameter in fp32 and keeps no second copy.
 
 A stage may keep some parameters whole on every rank (``stage.replicated(name)``: the distillation stages' DSA
 indexers, which they re-run outside the layer's forward, where FSDP2 has not gathered them): FSDP2 ignores them
-and :meth:`TrainParallel.reduce_replicated` sums their gradients over all ranks after the backward.
+and :meth:`TrainParallel.reduce_replicated` sums their gradients (and the fp32 tensors' above) over all ranks after
+the backward.
 
-Without ``torchrun`` (no ``WORLD_SIZE`` > 1) :class:`TrainParallel` is a no-op and ``--cp`` must be 1.
-
-Limits: parameters in fp32 (FSDP2 mixed precision would also cast the checkpoint's fp32 tensors -- ``A_log``,
-``dt_bias``, conv weights -- to bf16, so bf16 / ``cudnn`` runs are refused here); no LoRA.
+Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
+``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
 """
 
 from __future__ import annotations
@@ -29,31 +40,61 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainParallel"]
+__all__ = ["TrainParallel", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` set)."""
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
 
 
 class TrainParallel:
     """What the loop asks of the parallel layout (identity in one process).
 
+    Args:
+        cp, dp, ep: ``--cp``, ``--dp`` (None: the rest of the world), ``--ep``. device: ``cpu`` (gloo) or ``cuda``
+            (NCCL). world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1).
+
     Raises:
-        ValueError: ``--cp`` that does not divide the world size, ``--cp`` > 1 without torchrun, bf16 parameters or
-            LoRA under torchrun, a step's micro-batch count that is not a multiple of the ``dp`` size.
+        ValueError (one line naming the flags and values; before any process group is made): a size < 1;
+            ``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--dp x --cp`` not the world size; ``--ep`` not
+            dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
+            without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``.
     """
 
-    def __init__(self, cp: int, device: str):
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.enabled = world > 1
-        if cp < 1 or world % cp:
+    def __init__(self, cp: int, device: str, *, dp: int | None = None, ep: int = 1, world: int | None = None):
+        from kernels_torch.parallel.mesh import ParallelDims
+
+        self.enabled = under_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) > 1 if world is None else True
+        world = (int(os.environ.get("WORLD_SIZE", "1")) if self.enabled else 1) if world is None else world
+        for flag, v in (("--cp", cp), ("--dp", dp), ("--ep", ep)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{flag}: got {v!r}, expected a positive integer")
+        if not self.enabled:
+            given = [f"{f} {v}" for f, v in (("--cp", cp), ("--dp", dp), ("--ep", ep)) if v is not None and v > 1]
+            if given:
+                raise ValueError(
+                    f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
+                    "--nproc-per-node N -m kimi_tools.cli train ...)"
+                )
+        if dp is None and world % cp:
             raise ValueError(f"--cp: got {cp}, expected a positive divisor of the world size {world}")
-        if cp > 1 and not self.enabled:
-            raise ValueError(f"--cp: got {cp} in one process, expected a launch under torchrun with a multiple of {cp}")
-        self.cp_size, self.dp_size, self.device = cp, world // cp, device
+        dp = world // cp if dp is None else dp
+        if dp * cp != world:
+            raise ValueError(f"--dp/--cp: got --dp {dp} x --cp {cp} = {dp * cp} ranks, expected the world size {world}")
+        if (dp * cp) % ep:
+            raise ValueError(
+                f"--ep: got {ep}, expected a divisor of --dp x --cp = {dp} x {cp} = {dp * cp} (expert parallelism "
+                "regroups those ranks; it adds none)"
+            )
+        self.dims = ParallelDims(world, dp=dp, cp=cp, ep=ep)
+        self.cp_size, self.dp_size, self.ep_size, self.device = cp, dp, ep, device
         self.rank, self.mesh, self.ctx = 0, None, None
         self.replicated: list[nn.Parameter] = []
         if self.enabled:
             from kernels_torch.parallel.fsdp import init_mesh
 
-            self.mesh = init_mesh(dp=self.dp_size, cp=cp, device_type=device)
+            self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep)
             self.rank = dist.get_rank()
 
     @property
@@ -65,29 +106,36 @@ class TrainParallel:
         if accum % self.dp_size:
             raise ValueError(
                 f"--batch-tokens: {accum} micro-batch(es) of {micro_batch_tokens} tokens per step cannot be dealt "
-                f"evenly to the {self.dp_size} data-parallel groups (world {self.dp_size * self.cp_size} / --cp "
-                f"{self.cp_size}); expected --batch-tokens a multiple of {self.dp_size * micro_batch_tokens}"
+                f"evenly to the {self.dp_size} data-parallel groups (--dp {self.dp_size} = world "
+                f"{self.dp_size * self.cp_size} / --cp {self.cp_size}); expected --batch-tokens a multiple of "
+                f"{self.dp_size * micro_batch_tokens}"
             )
 
     def setup(self, model: nn.Module, lora: bool, replicated: Callable[[str], bool] | None = None) -> None:
-        """FSDP2 + CP on the model (before the optimizer is built: ``fully_shard`` replaces the parameters);
-        ``replicated(name)``: trainable parameters FSDP2 leaves whole (module docstring)."""
+        """Context, expert and FSDP2 parallelism on the model (module docstring), before the optimizer is built
+        (``fully_shard`` replaces the parameters); ``replicated(name)``: trainable parameters FSDP2 leaves whole.
+        The model may be on ``meta`` (materialised after this by the caller). ``lora`` is accepted for the record
+        (its frozen base stays in its dtype, the adapters train as fp32 masters)."""
         if not self.enabled:
             return
-        if lora:
-            raise ValueError(
-                "--lora-rank: LoRA under torchrun is not wired (kimi_tools/parallel.py); run it in one process"
-            )
-        bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
-        if bad:
-            raise ValueError(
-                f"--dtype: got parameters in {bad} under torchrun, expected float32 (see kimi_tools/parallel.py)"
-            )
-        from kernels_torch.parallel.fsdp import parallelize
+        from kernels_torch.moe import KimiMoE
+        from kernels_torch.parallel.fsdp import fp32_compute_params, parallelize
 
-        if replicated is not None:
-            self.replicated = [p for n, p in model.named_parameters() if replicated(n)]
-        self.ctx = parallelize(model, self.mesh, gradient_divide_factor=1.0, ignored_params=set(self.replicated))
+        moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
+        if self.ep_size > 1 and not moes:
+            raise ValueError(f"--ep: got {self.ep_size}, but the model has no MoE layer (nothing to shard); drop --ep")
+        if moes and moes[0].config.num_experts % self.ep_size:
+            raise ValueError(
+                f"--ep: got {self.ep_size}, expected a divisor of the model's {moes[0].config.num_experts} routed "
+                "experts (each rank owns num_experts / ep of them)"
+            )
+        param_dtype = torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in model.parameters()) else None
+        ignored = {p for n, p in model.named_parameters() if replicated is not None and replicated(n)}
+        ignored |= set(fp32_compute_params(model, param_dtype))
+        self.replicated = [p for p in model.parameters() if p in ignored and p.requires_grad]
+        self.ctx = parallelize(
+            model, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored
+        )
 
     def local(self, batches: list) -> list:
         """This ``dp`` group's micro-batches of a step."""
@@ -114,7 +162,9 @@ class TrainParallel:
         target count, as FSDP's reduce-scatter with divide factor 1 sums the sharded ones)."""
         for p in self.replicated:
             if p.grad is not None:
-                dist.all_reduce(p.grad)
+                g = p.grad.float()  # summed in fp32 (a bf16 gradient rounds once, after the sum)
+                dist.all_reduce(g)
+                p.grad.copy_(g)
 
     def _sum(self, xs: list[float], group) -> list[float]:
         if not self.enabled or not xs:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from helpers import rel, spawn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kernels_torch.parallel.expert import experts_per_rank
 from kimi.config import load_config
@@ -50,6 +51,11 @@ def test_experts_per_rank():
 
 
 # ------------------------------------------------------------------------------------------------ spawned ranks
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an expert-parallel DTensor (the stacks and their gradients); other tensors as they are."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _check(name: str, got, want, tol: float, errors: list[str]) -> None:
@@ -107,7 +113,10 @@ def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None, moe_kernel=None):
     if set(moe.state_dict()) != set(full) or moe.experts.expert_ids != range(lo_e, hi_e):
         errors.append(f"{tag}: state_dict keys {sorted(set(moe.state_dict()) ^ set(full))} or expert ids differ")
     for w in ("w1", "w3", "w2"):  # this rank's rows of each stack, exactly
-        if not torch.equal(moe.state_dict()[f"experts.{w}"], full[f"experts.{w}"][lo_e:hi_e]):
+        stack = moe.state_dict()[f"experts.{w}"]  # a DTensor: global [E, ...], Shard(0) over the ep mesh
+        if not isinstance(stack, DTensor) or stack.shape != full[f"experts.{w}"].shape:
+            errors.append(f"{tag}: experts.{w} is not a DTensor of the global stack's shape")
+        elif not torch.equal(_local(stack), full[f"experts.{w}"][lo_e:hi_e]):
             errors.append(f"{tag}: experts.{w} is not rows [{lo_e}, {hi_e}) of the full stack")
     canon = canonical_state_dict(moe)  # global expert ids, as the checkpoint names them
     want_canon = {
@@ -119,7 +128,9 @@ def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None, moe_kernel=None):
     moe2 = KimiMoE(cfg).to(dtype)
     ep2 = shard_experts(moe2)
     ep2.load_full_state_dict(canonical_state_dict(ref))
-    if any(not torch.equal(a, b) for a, b in zip(moe.state_dict().values(), moe2.state_dict().values())):
+    if any(
+        not torch.equal(_local(a), _local(b)) for a, b in zip(moe.state_dict().values(), moe2.state_dict().values())
+    ):
         errors.append(f"{tag}: loading the canonical full state dict gave other weights than the stacked one")
     for bad, what in (({k: v for k, v in full.items() if k != "gate.weight"}, "missing"), ({**full, "w9": 0}, "unexp")):
         try:
@@ -146,7 +157,7 @@ def _moe_case(cfg, dtype, world, rank, errors, tag, bias=None, moe_kernel=None):
     if not torch.equal(aux["expert_ids"].reshape(-1), aux_r["expert_ids"][0, lo:hi].reshape(-1)):
         errors.append(f"{tag}: expert_ids differ from the single-process router")
     for n, p in moe.named_parameters():
-        gr = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        gr = torch.zeros_like(_local(p)) if p.grad is None else _local(p.grad).clone()
         if not _STACK.search(n):  # replicated: each rank holds its tokens' part
             dist.all_reduce(gr)
         _check(f"{tag} {n}.grad", gr, ref_grads[n], tol[_tol_key(n)], errors)
@@ -180,7 +191,7 @@ def _model_case(cfg, world, rank, errors):
     (logits * Rs[rank]).sum().backward()
     _check("model logits", logits, logits_r[rank], TOL_LOGITS, errors)
     for n, p in model.named_parameters():
-        gr = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        gr = torch.zeros_like(_local(p)) if p.grad is None else _local(p.grad).clone()
         if not _STACK.search(n):
             dist.all_reduce(gr)
         _check(f"model {n}.grad", gr, ref_grads[n], TOL_MODEL_GRAD, errors)

@@ -176,10 +176,12 @@ def test_torchrun_data_parallel_equals_one_process(tmp_path, data, one, nproc, c
 @pytest.mark.parametrize("stage", ["indexer-warmup", "sparse"])
 def test_torchrun_distillation_stages_equal_one_process(tmp_path, data, stage):
     """The distillation stages under torchrun with FSDP2 (2 ranks, --cp 1; they crashed with 'mixed torch.Tensor
-    and DTensor') give the one-process loss, KL and gradient norm; --cp 2 is refused with one line saying why."""
+    and DTensor'; the sparse stage with --ep 2) give the one-process loss, KL and gradient norm; --cp 2 is refused
+    with one line saying why."""
     argv = [*STAGE, "--data", str(data), "--stage", stage]
     assert main(["train", *argv, "--out", str(tmp_path / "one")]) == 0
-    r = _torchrun(2, [*argv, "--out", str(tmp_path / "two")])
+    layout = ["--ep", "2"] if stage == "sparse" else []  # the sparse stage with the routed experts split too
+    r = _torchrun(2, [*argv, *layout, "--out", str(tmp_path / "two")])
     assert r.returncode == 0, r.stderr[-3000:]
     want, got = _records(tmp_path / "one"), _records(tmp_path / "two")
     _assert_same(got, want, (1, 2), ("loss", "grad_norm", "kl"))
@@ -190,3 +192,64 @@ def test_torchrun_distillation_stages_equal_one_process(tmp_path, data, stage):
         errors = [ln for ln in r.stderr.splitlines() if ln.startswith("kimi: error:")]
         assert errors and "with --cp 2: the distillation's teacher" in errors[0], r.stderr[-3000:]
         assert not (tmp_path / "cp").exists()
+
+
+BF16_TOL = {"loss": 1e-2, "grad_norm": 3e-2, "eval_loss": 1e-2}  # bf16 compute, sums in another order (2^-8 = 3.9e-3)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ep2", "lora_ep2", "bf16_ep2"])
+def test_torchrun_expert_parallel_equals_one_process(tmp_path, data, one, variant):
+    """--ep 2 on 2 ranks (dp 2, efsdp 1): the routed experts split over the ranks, everything else FSDP2; in fp32,
+    with LoRA (frozen base, adapters FSDP2-sharded and gathered for the export), and in bf16 through FSDP2's mixed
+    precision (fp32 masters, the checkpoint's fp32 tensors kept fp32): the one-process run's losses, gradient norms,
+    eval loss and export."""
+    extra = {"ep2": [], "lora_ep2": ["--lora-rank", "4"], "bf16_ep2": ["--dtype", "bfloat16"]}[variant]
+    ref = one
+    if extra:
+        ref = tmp_path / "one"
+        assert main(["train", *COMMON, *extra, "--data", str(data), "--out", str(ref)]) == 0
+    out = tmp_path / "two"
+    r = _torchrun(2, [*COMMON, *extra, "--data", str(data), "--ep", "2", "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _records(ref), _records(out)
+    if variant == "bf16_ep2":
+        for step in (1, 2, 3):
+            for key in ("loss", "grad_norm"):
+                assert _close(got[step][key], want[step][key], BF16_TOL[key]), (step, key)
+        assert _close(got[3]["eval_loss"], want[3]["eval_loss"], BF16_TOL["eval_loss"])
+        from kimi.checkpoint import CheckpointReader
+
+        stored = CheckpointReader(out)  # the checkpoint's dtypes: fp32 where the layout keeps fp32
+        assert stored.dtype("model.layers.0.self_attn.A_log") == "float32"
+        assert stored.dtype("model.layers.0.self_attn.q_proj.weight") == "bfloat16"
+        return
+    _assert_same(got, want, (1, 2, 3))
+    assert _close(got[3]["eval_loss"], want[3]["eval_loss"], TOL["eval_loss"])
+    files = ["adapter_model.safetensors"] if variant == "lora_ep2" else ["model.safetensors"]
+    for name in files:
+        a, b = load_file(out / name), load_file(ref / name)
+        assert a.keys() == b.keys()
+        for k in b:
+            err = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30))
+            assert err <= TOL["weights"] or torch.equal(a[k], b[k]), (k, err)
+
+
+def test_layout_flags_refused_in_one_line():
+    """Sizes that cannot make a layout are refused before any process group, naming the flags and values."""
+    from kimi_tools.parallel import TrainParallel
+
+    with pytest.raises(ValueError, match=r"^--ep: got 3, expected a divisor of --dp x --cp = 2 x 2 = 4"):
+        TrainParallel(2, "cpu", ep=3, world=4)
+    with pytest.raises(ValueError, match=r"^--dp/--cp: got --dp 3 x --cp 2 = 6 ranks, expected the world size 4"):
+        TrainParallel(2, "cpu", dp=3, world=4)
+    with pytest.raises(ValueError, match=r"^--cp: got 3, expected a positive divisor of the world size 4"):
+        TrainParallel(3, "cpu", world=4)
+    with pytest.raises(ValueError, match=r"^--ep: got 0, expected a positive integer"):
+        TrainParallel(1, "cpu", ep=0, world=4)
+    if "RANK" not in os.environ:  # one process (not under torchrun)
+        with pytest.raises(ValueError, match=r"^--ep 2: given in one process, expected a launch under torchrun"):
+            TrainParallel(1, "cpu", ep=2)
+        with pytest.raises(ValueError, match=r"^--cp 2 --dp 2: given in one process"):
+            TrainParallel(2, "cpu", dp=2)

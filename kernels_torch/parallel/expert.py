@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from kernels_torch.common import compute_dtype
 from kernels_torch.moe import KimiMoE
@@ -128,37 +130,52 @@ class ExpertParallel:
     """Expert parallelism of every :class:`kernels_torch.moe.KimiMoE` inside ``model`` (a
     :class:`kernels_torch.model.KimiK3Model`, or a bare ``KimiMoE``) over a process group.
 
-    Attaching keeps only this rank's experts: each layer's stacked ``experts.w1`` / ``w3`` / ``w2`` becomes its slice
-    ``[E / world, ...]`` of this rank's experts (``experts.expert_ids`` the range of their global ids, so
-    ``kernels_torch.params.canonical_state_dict`` names them ``...experts.8.w1.weight`` as the checkpoint does) and the
-    other ranks' experts are freed; ``moe.routed_experts`` is replaced on the instance by the all-to-all version
-    (module docstring). Build the model on the ``meta`` device, attach, then ``to_empty`` and
+    Attaching keeps only this rank's experts: each layer's stacked ``experts.w1`` / ``w3`` / ``w2`` becomes a
+    ``DTensor`` of global shape ``[E, ...]``, ``Shard(0)`` over the 1-D ``ep`` mesh, whose local tensor is this rank's
+    ``[E / world, ...]`` rows (``experts.expert_ids`` the range of their global ids, so
+    ``kernels_torch.params.canonical_state_dict`` names them ``...experts.8.w1.weight`` as the checkpoint does); the
+    other ranks' experts are freed. Being DTensors, the stacks carry their placement: DCP
+    (``torch.distributed.checkpoint``) writes every rank's experts under their global offsets and reshards them on
+    load, and FSDP2 shards them further over the ranks that hold the same experts
+    (``kernels_torch.parallel.fsdp.parallelize``: the ``efsdp`` mesh). ``moe.routed_experts`` is replaced on the
+    instance by the all-to-all version (module docstring), which computes on the local tensors
+    (``GroupedExperts.local_weights``). Build the model on the ``meta`` device, attach, then ``to_empty`` and
     :meth:`load_full_state_dict`, to never hold all experts at once.
 
     Args:
-        model: the module holding the MoE layers. group: the EP process group (default: the world group).
+        model: the module holding the MoE layers. group: the EP process group (default: the world group; its
+            1-D mesh is made with ``DeviceMesh.from_group``). mesh: the 1-D ``ep`` DeviceMesh instead of a group.
 
     Attributes:
-        model, group, rank, world; experts_per_rank (``E / world``); local_experts (``range`` of this rank's global ids).
+        model, group, mesh, rank, world; experts_per_rank (``E / world``); local_experts (``range`` of this rank's
+        global ids).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised; ``model`` holds no ``KimiMoE``.
         ValueError: ``num_experts`` not divisible by the group size (:func:`experts_per_rank`) or not the same in
             every MoE layer; an MoE already expert-parallel (nothing is changed then); this process not a member of
-            ``group``.
+            ``group``; both ``group`` and ``mesh``, or a mesh that is not 1-D.
     """
 
-    def __init__(self, model: nn.Module, group=None):
+    def __init__(self, model: nn.Module, group=None, *, mesh: DeviceMesh | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallel: torch.distributed is not initialised (init_process_group first)")
+        if mesh is not None and group is not None:
+            raise ValueError("ExpertParallel: got both group and mesh, expected one (the mesh's group is used)")
+        if mesh is not None and mesh.ndim != 1:
+            raise ValueError(f"mesh: got a {mesh.ndim}-D mesh, expected the 1-D ep mesh (ParallelMesh['ep'])")
         self.model = model
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = mesh.get_group() if mesh is not None else group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         if self.rank < 0:  # new_group's non-member handle: rank -1 would index the last experts from the end
             raise ValueError(
                 f"group: this process (global rank {dist.get_rank()}) is not a member of the expert-parallel group, "
                 "expected a group that holds it (call shard_experts only on the group's ranks)"
             )
+        if mesh is None:
+            device_type = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+            mesh = DeviceMesh.from_group(self.group, device_type, mesh_dim_names=("ep",))
+        self.mesh = mesh
         self._layers = [m for m in model.modules() if isinstance(m, KimiMoE)]
         if not self._layers:
             raise RuntimeError(f"ExpertParallel: {type(model).__name__} holds no KimiMoE layer, expected at least one")
@@ -177,8 +194,11 @@ class ExpertParallel:
         for m in self._layers:
             for w in EXPERT_PROJECTIONS:
                 old = getattr(m.experts, w)
-                setattr(m.experts, w, nn.Parameter(old.detach()[lo:hi].clone(), requires_grad=old.requires_grad))
+                local = old.detach()[lo:hi].clone()  # [E / world, ...]; free on meta
+                dt = DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)  # global [E, ...]
+                setattr(m.experts, w, nn.Parameter(dt, requires_grad=old.requires_grad))
             m.experts.expert_ids = self.local_experts
+            m.experts.ep_mesh = self.mesh
             m.routed_experts = functools.partial(_routed_experts_ep, m, self)
 
     def owner(self, expert: int) -> int:
@@ -225,7 +245,8 @@ class ExpertParallel:
         return load_canonical(self.model, self.shard_state_dict(state_dict), strict=True)
 
 
-def shard_experts(model: nn.Module, group=None) -> ExpertParallel:
-    """Make every MoE layer of ``model`` expert-parallel over ``group`` (default the world group): see
+def shard_experts(model: nn.Module, group=None, *, mesh: DeviceMesh | None = None) -> ExpertParallel:
+    """Make every MoE layer of ``model`` expert-parallel over ``mesh`` (a 1-D ``ep`` mesh, e.g.
+    ``kernels_torch.parallel.mesh.ParallelMesh['ep']``) or ``group`` (default the world group): see
     :class:`ExpertParallel` (which this returns; its errors)."""
-    return ExpertParallel(model, group)
+    return ExpertParallel(model, group, mesh=mesh)

@@ -1,38 +1,42 @@
-"""Sharded training of the torch model: FSDP2 (``torch.distributed.fsdp.fully_shard``) over a 2-D device mesh
-``(dp, cp)``, combined with context parallelism (:mod:`kernels_torch.parallel.context`), DCP checkpoints
-(``torch.distributed.checkpoint``) and the full-weight export for the HF safetensors writer.
+"""Sharded training of the torch model: FSDP2 (``torch.distributed.fsdp.fully_shard``) over one
+:class:`~kernels_torch.parallel.mesh.ParallelMesh` (data, context and expert parallelism), combined with context
+parallelism (:mod:`kernels_torch.parallel.context`) and expert parallelism (:mod:`kernels_torch.parallel.expert`),
+DCP checkpoints (``torch.distributed.checkpoint``) and the full-weight export for the HF safetensors writer.
 
-Layout (torchtitan's ``dp_shard_cp``): parameters are sharded over all ``dp x cp`` ranks (the two mesh dimensions
-flattened), one FSDP unit per decoder layer plus the root (embedding, final norm, lm_head, AttnRes output mix). The
-``cp`` dimension's ranks hold the same sequences cut into shards; their parameter gradients are parts of one
-gradient and must be **summed**, while ``dp`` replicas average: the reduce-scatter therefore divides by ``dp``, not
-by the world size (:func:`parallelize`), and each rank's loss is its tokens' sum divided by the token count of its
-whole (all-``cp``) sequence batch (:func:`global_token_count`).
+Layout (torchtitan's ``dp_shard_cp`` and ``efsdp``): parameters are sharded over all ``dp x cp`` ranks (the mesh's
+flattened ``dp_cp``), one FSDP unit per decoder layer plus the root (embedding, final norm, lm_head, AttnRes output
+mix); under expert parallelism each MoE layer's routed experts are a unit of their own, ``Shard(0)`` over ``ep`` and
+FSDP2 over ``efsdp``. The ``cp`` dimension's ranks hold the same sequences cut into shards; their parameter
+gradients are parts of one gradient and must be **summed**, while ``dp`` replicas average: the reduce-scatter
+therefore divides by ``dp``, not by the world size (:func:`parallelize`), and each rank's loss is its tokens' sum
+divided by the token count of its whole (all-``cp``) sequence batch (:func:`global_token_count`).
 
 Under ``torchrun``::
 
-    mesh = init_mesh(dp=1, cp=2, device_type="cuda")     # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
-    cp = parallelize(model, mesh)                         # FSDP2 + CP; returns the ContextParallel (None if cp=1)
+    mesh = init_mesh(dp=2, cp=2, device_type="cuda", ep=2)  # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
+    cp = parallelize(model, mesh)                         # CP + EP + FSDP2; returns the ContextParallel (None if cp=1)
     ids, cu = cp.shard(input_ids, cu_seqlens)             # the same global row on every cp rank
     loss = model.loss(ids, cp.shard_like(labels), cu) / n_tokens  # summed NLL, lm_head gathered, no logits
-    save_checkpoint(path, model, optimizer)               # DCP: loads on any other world size
+    save_checkpoint(path, model, optimizer)               # DCP: loads on any other layout or world size
     sd = full_state_dict(model)                           # rank 0: full tensors for kernels_torch.model.save_model
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from kernels_torch.parallel.context import ContextParallel
+from kernels_torch.parallel.expert import shard_experts
+from kernels_torch.parallel.mesh import ParallelDims, ParallelMesh, init_distributed
 
 __all__ = [
     "init_mesh",
+    "fp32_compute_params",
     "parallelize",
     "global_token_count",
     "save_checkpoint",
@@ -42,28 +46,34 @@ __all__ = [
 ]
 
 
-def init_mesh(dp: int, cp: int, device_type: str = "cpu") -> DeviceMesh:
-    """The 2-D mesh ``(dp, cp)`` over all ranks, initialising the default process group from the ``torchrun``
-    environment if needed (NCCL on CUDA, gloo on CPU).
+def init_mesh(dp: int | None = None, cp: int = 1, device_type: str = "cpu", *, ep: int = 1) -> ParallelMesh:
+    """The meshes of a ``dp x cp`` layout with expert parallelism over ``ep`` of its ranks
+    (:class:`kernels_torch.parallel.mesh.ParallelMesh`), initialising the default process group from the
+    ``torchrun`` environment if needed (NCCL on CUDA, gloo on CPU); ``dp`` fills the world when None.
 
     Raises:
-        ValueError: ``dp * cp`` is not the world size, or a non-positive dimension.
+        ValueError: a non-positive size, ``dp x cp`` not the world size, ``ep`` not dividing ``dp x cp``.
     """
-    if dp < 1 or cp < 1:
-        raise ValueError(f"mesh: got dp={dp}, cp={cp}, expected positive sizes")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    world = dist.get_world_size()
-    if dp * cp != world:
-        raise ValueError(f"mesh: got dp={dp} x cp={cp} = {dp * cp}, expected the world size {world}")
-    return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    for name, v in (("dp", dp), ("cp", cp), ("ep", ep)):
+        if v is not None and v < 1:
+            raise ValueError(f"mesh: got {name}={v}, expected a positive size")
+    world = init_distributed(device_type)
+    return ParallelDims.fill(world, dp=dp, cp=cp, ep=ep).build_mesh(device_type)
+
+
+def fp32_compute_params(model: nn.Module, param_dtype: torch.dtype | None) -> list[nn.Parameter]:
+    """The parameters that must stay out of a ``param_dtype`` mixed-precision FSDP2 unit: those held in another
+    floating dtype than ``param_dtype`` (the checkpoint's fp32 tensors of a bf16 model: ``A_log``, ``dt_bias``, the
+    short-conv weights, ``o_norm``, the router's ``e_score_correction_bias``; ``kimi.layout`` dtypes), which FSDP2
+    would otherwise cast to ``param_dtype`` in every forward. Empty when ``param_dtype`` is None."""
+    if param_dtype is None:
+        return []
+    return [p for p in model.parameters() if p.is_floating_point() and p.dtype != param_dtype]
 
 
 def parallelize(
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: ParallelMesh,
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
@@ -71,65 +81,151 @@ def parallelize(
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> ContextParallel | None:
-    """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), then FSDP2 over the flattened
-    ``(dp, cp)`` ranks: one ``fully_shard`` per ``model.model.layers[i]`` and one for the root.
+    """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), expert parallelism over ``mesh["ep"]``
+    (when > 1: :func:`kernels_torch.parallel.expert.shard_experts`, unless the model's experts are expert-parallel
+    over that mesh already), then FSDP2: one ``fully_shard`` per ``model.model.layers[i]`` and one for the root over
+    the flattened ``dp x cp`` ranks (``mesh["dp_cp"]``), and under expert parallelism one more per MoE layer's routed
+    experts over ``mesh["efsdp"]`` (the ranks that hold the same experts), applied first so that the layer's unit
+    leaves them out (torchtitan's ``ParallelDims``: ``kernels_torch.parallel.mesh``).
 
     Args:
-        model: a :class:`kernels_torch.model.KimiK3Model` (its parameters on the mesh's device type).
-        mesh: from :func:`init_mesh`. param_dtype / reduce_dtype: FSDP2 ``MixedPrecisionPolicy`` (None keeps the
-            parameters' dtype; fp32 gradient reduction by default, fp64 parameters reduce in fp64).
+        model: a :class:`kernels_torch.model.KimiK3Model` (its parameters on the mesh's device type, or ``meta``).
+        mesh: from :func:`init_mesh` / ``ParallelDims.build_mesh``.
+        param_dtype: FSDP2 ``MixedPrecisionPolicy`` compute dtype (None keeps the parameters' dtype). With
+            ``bfloat16``: pass a model whose parameters are in their compute dtypes (bf16, and fp32 where the
+            checkpoint keeps fp32); the trainable bf16 parameters become fp32 sharded masters (the optimizer steps
+            fp32, FSDP2 all-gathers bf16 copies), frozen ones stay bf16; parameters in another dtype
+            (:func:`fp32_compute_params`) must be in ``ignored_params`` (else ValueError): whole on every rank, in
+            their own dtype. reduce_dtype: of the gradient reduce-scatter (fp32 by default; fp64 for fp64 models).
         reshard_after_forward: free the gathered parameters after each layer's forward (ZeRO-3).
         gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
             rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
-            global batch (``kimi_tools.parallel``).
+            global batch (``kimi_tools.parallel``). The expert units use the same factor: their gradients are the
+            sums over every token routed to them, from any rank.
         ignored_params: parameters FSDP2 leaves whole on every rank (``fully_shard(ignored_params=)``): not sharded,
             their gradients not reduced (the caller all-reduces them); for parameters used outside their module's
-            forward, where FSDP2 has not gathered them (the indexer re-run of ``kimi_tools.distill``).
+            forward, where FSDP2 has not gathered them (the indexer re-run of ``kimi_tools.distill``), and the fp32
+            parameters of a bf16 model.
 
     Returns:
         The :class:`ContextParallel` to call ``shard`` on before each forward, or None when ``cp == 1``.
+
+    Raises:
+        ValueError: the model's experts are expert-parallel already but not over ``mesh["ep"]`` (FSDP2 would shard
+            each rank's own experts as if they were the global stack: both ranks of an ep 2 model ended up with
+            global experts [0, 1, 6, 7]); parameters outside ``param_dtype`` not ignored.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    # The routed experts are stacked (one [E, out, in] tensor per projection), so every rank's backward gives each
-    # stack a gradient (zeros for experts it routed nothing to) and the reduce-scatters agree in size on every rank.
-    dp, cp = mesh["dp"].size(), mesh["cp"].size()
-    ctx = ContextParallel(model, _own_cp_group(mesh)) if cp > 1 else None
-    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if dp * cp > 1 else mesh
+    from kernels_torch.moe import KimiMoE
+
+    dims = mesh.dims
+    ignored = set(ignored_params or ())
+    stray = [n for n, p in model.named_parameters() if p in set(fp32_compute_params(model, param_dtype)) - ignored]
+    if stray:
+        raise ValueError(
+            f"param_dtype: {len(stray)} parameter(s) not in {param_dtype} (e.g. {stray[0]}) would be cast to it by "
+            "FSDP2; expected them in ignored_params (fp32_compute_params)"
+        )
+    moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
+    _check_expert_layout(moes, mesh)
+    ctx = ContextParallel(model, _own_cp_group(mesh)) if dims.cp > 1 else None
+    if dims.ep > 1 and moes and moes[0].experts.expert_ids == range(moes[0].config.num_experts):
+        shard_experts(model, mesh=mesh["ep"])
+    if param_dtype is not None:  # fp32 sharded masters of the trainable low-precision parameters
+        _upcast_trainable(model, param_dtype, ignored)
     if any(p.dtype == torch.float64 for p in model.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kw = dict(mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    if ignored_params:
-        kw["ignored_params"] = set(ignored_params)
+    kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if ignored:
+        kw["ignored_params"] = ignored
+    units = []  # (module, its mesh)
     for layer in model.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+        moe = getattr(layer, "block_sparse_moe", None)
+        if dims.ep > 1 and moe is not None:
+            fully_shard(moe.experts, mesh=mesh["efsdp"], shard_placement_fn=_expert_placement(dims.efsdp), **kw)
+            register_fsdp_forward_method(moe.experts, "rows_forward")  # expert parallelism's call of the experts
+            units.append((moe.experts, mesh["efsdp"]))
+        fully_shard(layer, mesh=mesh["dp_cp"], **kw)
+        units.append((layer, mesh["dp_cp"]))
+    fully_shard(model, mesh=mesh["dp_cp"], **kw)
+    units.append((model, mesh["dp_cp"]))
     if hasattr(model, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
         register_fsdp_forward_method(model, "loss")
     # cp ranks hold parts of one gradient (sum), dp ranks replicas (mean): divide by dp, not by dp x cp
-    factor = float(dp) if gradient_divide_factor is None else float(gradient_divide_factor)
-    for m in [*model.model.layers, model]:
-        m.set_gradient_divide_factor(factor)
-        if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions: sum, then divide
-            m.set_force_sum_reduction_for_comms(True)
+    factor = float(dims.dp) if gradient_divide_factor is None else float(gradient_divide_factor)
+    for m, m_mesh in units:
+        _set_divide_factor(m, factor, m_mesh)
     return ctx
 
 
-def _own_cp_group(mesh: DeviceMesh):
+def _expert_placement(efsdp: int):
+    """FSDP2's placement of an expert stack ``[E, out, in]`` (already ``Shard(0)`` over ``ep``) over ``efsdp``: its
+    dim 1 when ``efsdp`` divides it (even shards: at ep 64 each rank's 14 experts over efsdp 4 would split 4, 4, 4, 2
+    along dim 0, a rank holding 14 % more than its share), else dim 0 (FSDP2 pads uneven dim-0 shards)."""
+    from torch.distributed.tensor import Shard
+
+    return lambda p: Shard(1) if p.ndim > 1 and p.shape[1] % efsdp == 0 else Shard(0)
+
+
+def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set) -> None:
+    """Replace each trainable ``dtype`` parameter (not ignored) by an fp32 one (a new ``nn.Parameter``: assigning
+    ``.data`` does not change a DTensor's dtype); a parameter shared by two modules (tied embeddings) stays shared."""
+    memo: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.requires_grad and p.dtype == dtype and p not in ignored:
+                if id(p) not in memo:
+                    memo[id(p)] = nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
+                setattr(mod, name, memo[id(p)])
+
+
+def _check_expert_layout(moes: list, mesh: ParallelMesh) -> None:
+    """Refuse experts that are expert-parallel already over anything but ``mesh["ep"]`` (parallelize's Raises)."""
+    for moe in moes:
+        bank = moe.experts
+        if bank.expert_ids == range(moe.config.num_experts):
+            continue
+        on = getattr(bank, "ep_mesh", None)
+        if mesh.dims.ep == 1 or on is None or on != mesh["ep"]:
+            raise ValueError(
+                f"ep: the model's experts are expert-parallel already (this rank holds experts "
+                f"{bank.expert_ids.start}-{bank.expert_ids.stop - 1} of {moe.config.num_experts}) over another "
+                f"group than this mesh's ep {mesh.dims.ep}; expected an unsharded model (parallelize applies the "
+                "mesh's expert parallelism) or shard_experts(model, mesh=mesh['ep'])"
+            )
+
+
+def _set_divide_factor(module, factor: float, mesh: DeviceMesh) -> None:
+    """FSDP2's gradient divide factor of one unit; gloo (CPU) has no AVG / PREMUL_SUM: sum, then divide.
+
+    On a 1-rank mesh (the experts' ``efsdp`` at ``ep = dp x cp``) FSDP2 with a forced sum (and fp64 reductions)
+    divides a copied gradient by the factor twice (torch 2.13 ``foreach_reduce``: the one-rank copy, then the
+    post-divide); there the unit divides by 1 and a hook on the reduced gradient divides by the factor once."""
+    if mesh.size() == 1 and factor != 1.0:
+        module.set_gradient_divide_factor(1.0)
+        module.set_all_reduce_hook(lambda g: g.div_(factor))
+    else:
+        module.set_gradient_divide_factor(factor)
+    if mesh.device_type == "cpu":
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def _own_cp_group(mesh: ParallelMesh):
     """A process group of this rank's ``cp`` row, distinct from the mesh's (FSDP's flattened group is the same
     ranks when ``dp == 1``): CP's collectives are issued by autograd nodes, FSDP's by module hooks, and the two
     orders need not interleave the same way on ranks whose shard graphs differ; separate communicators keep each
     sequence consistent on its own."""
     mine = None
-    for row in mesh.mesh.reshape(-1, mesh["cp"].size()).tolist():  # every rank creates every group, in order
+    for row in mesh.dense.mesh.reshape(-1, mesh["cp"].size()).tolist():  # every rank creates every group, in order
         group = dist.new_group(ranks=row)
         if dist.get_rank() in row:
             mine = group
     return mine
 
 
-def global_token_count(n_local: int | torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def global_token_count(n_local: int | torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     """Sum of ``n_local`` (e.g. this rank's loss tokens) over the ``cp`` ranks: the divisor of each rank's summed
     loss, so that the cp-summed gradient is the gradient of the mean over the whole sequence batch."""
     n = torch.as_tensor(n_local, dtype=torch.float64).reshape(1)

@@ -278,6 +278,25 @@ class TrainArgs:
             "context-parallel ranks under torchrun (kimi_tools/parallel.py)", numbers=False, type=positive_int
         ),
     )
+    # the layout sizes change only the rounding of the sums (tests/test_train_parallel.py, tests/test_mesh.py): run
+    # control, so a run resumes on another layout (DCP reshards)
+    dp: int | None = field(
+        default=None,
+        metadata=arg(
+            "data-parallel ranks under torchrun (default: the world size / --cp); --dp x --cp = the world size",
+            numbers=False,
+            type=positive_int,
+        ),
+    )
+    ep: int = field(
+        default=1,
+        metadata=arg(
+            "expert-parallel ranks under torchrun: the routed experts are split over groups of EP ranks, a divisor "
+            "of --dp x --cp (it adds no GPU) and of the model's experts (kimi_tools/parallel.py)",
+            numbers=False,
+            type=positive_int,
+        ),
+    )
 
 
 def _hint(tp) -> tuple[type, bool, bool]:

@@ -389,8 +389,11 @@ def export(model: nn.Module, out: Path, par, lora_settings=None, checkpoint: str
     if lora_settings is not None:
         from kimi_tools import lora
 
+        tensors = lora.adapter_state_dict(model)  # every rank: gathers the FSDP2 shards (a collective)
         if par.is_writer:
-            lora.save_adapter(model, lora_settings, out, base_checkpoint=checkpoint, base_fingerprint=base)
+            lora.save_adapter(
+                model, lora_settings, out, base_checkpoint=checkpoint, base_fingerprint=base, tensors=tensors
+            )
         return "adapter (adapter_config.json, adapter_model.safetensors)"
     par.save_model(model, out)
     if par.is_writer:

@@ -177,7 +177,7 @@ class Trainer:
             raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
-        self.par = par = TrainParallel(a.cp, a.device)  # torchrun: FSDP2 + context parallelism; else a no-op
+        self.par = par = TrainParallel(a.cp, a.device, dp=a.dp, ep=a.ep)  # torchrun: one mesh; else a no-op
         self.out = Path(a.out)
         check_out(a, self.fingerprint, self.fingerprint_of)
         par.barrier()  # every rank has checked --out before rank 0 writes into it

@@ -10,7 +10,6 @@ Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import functools
 from pathlib import Path
@@ -187,12 +186,15 @@ class MasterWeights:
     """The parameters the optimizer steps, and the ``weights`` entry of a ``step-N/`` resume state (a DCP
     ``Stateful``).
 
-    When every trainable parameter of ``model`` is fp32 the masters are those parameters themselves. Otherwise
-    :attr:`module` is a copy of the module tree holding fp32 copies of the trainable parameters under the same names
-    (frozen ones empty): :meth:`grads_to_masters` moves the gradients up (fp32), the optimizer steps the masters,
-    :meth:`to_model` rounds them back into the model (the model's weights are then the masters rounded once, which
-    is what the export holds). ``state_dict`` maps each trainable name to its fp32 master (DCP loads into those
-    tensors in place; ``load_state_dict`` then copies them into the model).
+    A trainable parameter in fp32 is its own master (so under ``torchrun``, where FSDP2's mixed precision holds the
+    trainable parameters as fp32 shards and computes in bf16, ``kimi_tools.parallel``, nothing is copied). Each other
+    trainable parameter (bf16 in one process; a bf16 parameter a stage keeps whole on every rank) gets an fp32 copy:
+    :meth:`grads_to_masters` moves the gradients up (fp32), the optimizer steps the masters, :meth:`to_model` rounds
+    them back into the model (the model's weights are then the masters rounded once, which is what the export holds).
+    :attr:`module` holds the masters under the model's parameter names (the model itself when every trainable
+    parameter is fp32, else a module tree of the masters alone), for the optimizer's state dict. ``state_dict`` maps
+    each trainable name to its master (DCP loads into those tensors in place; ``load_state_dict`` then copies them
+    into the model).
     """
 
     def __init__(self, model: nn.Module):
@@ -204,14 +206,16 @@ class MasterWeights:
         if all(p.dtype == torch.float32 for _, p in trainable):
             self.module = model
         else:
-            memo: dict[int, Any] = {}
-            for p in model.parameters():
-                memo[id(p)] = (
-                    nn.Parameter(p.detach().float().clone())
-                    if p.requires_grad
-                    else nn.Parameter(torch.empty(0, device=p.device), requires_grad=False)
-                )
-            self.module = copy.deepcopy(model, memo)
+            self.module = nn.Module()
+            for n, p in trainable:
+                m = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
+                *path, leaf = n.split(".")
+                parent = self.module
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, nn.Module())
+                    parent = getattr(parent, part)
+                parent.register_parameter(leaf, m)
         params = dict(self.module.named_parameters())
         self.names = [n for n, _ in trainable]
         self.pairs = [(p, params[n]) for n, p in trainable]  # (model parameter, its fp32 master; the same in fp32)
@@ -292,8 +296,9 @@ def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimiz
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     """Clip the gradients of ``params`` to a total L2 norm of ``max_norm`` (``inf``: none) and return the norm before
-    clipping (``torch.nn.utils.clip_grad_norm_``). Under FSDP2 some parameters can be sharded ``DTensor``s and others
-    plain tensors (those a stage keeps whole on every rank); their norms are taken apart and combined."""
+    clipping (``torch.nn.utils.clip_grad_norm_``). Under FSDP2 the parameters can be DTensors on different meshes
+    (the routed experts on the ``(efsdp, ep)`` mesh, the rest on ``dp_cp``) and plain tensors (those a stage keeps
+    whole on every rank): the norm of each group is taken apart (a DTensor's over its whole mesh) and combined."""
     import torch
 
     grads = [p for p in params if p.grad is not None]
@@ -301,12 +306,13 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         DTensor = ()
-    sharded = [p for p in grads if isinstance(p, DTensor)]
-    plain = [p for p in grads if not isinstance(p, DTensor)]
-    if not sharded or not plain:
+    groups: dict[Any, list] = {}
+    for p in grads:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if len(groups) <= 1:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
     norms = []
-    for group in (sharded, plain):
+    for group in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in group])
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
