@@ -53,6 +53,9 @@
 #                train_step_e112 and train_step_e112_fp8 (run those first)
 #   train_step_e16_torchrun, train_step_e112_torchrun   benchmark 5 under torchrun (--parallel: kimi train's FSDP2
 #                path with bf16 mixed precision and NCCL), beside train_step_e16 / _e112 of the same run
+#   rank_rehearsal  benchmarks/rank_rehearsal.py: one rank of kimi plan's layouts at real dimensions against the
+#                planner's memory and time (REHEARSAL_ARGS, default "--seq-len 8192")
+#   tests_fp8_model  the FP8 tiny-model test alone (per-layer outputs and gradients against bf16)
 #   tests_train_gpu  the gpu-marked tests outside tests/gpu (tests/test_train.py: the CUDA RNG restored on resume)
 #   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background;
 #                about 16 GB, over 10 minutes on the H200 machine before the MXFP4 encoding moved to the
@@ -170,6 +173,10 @@ run_step() {  # run_step NAME: one step of the list above
   short_conv) step short_conv 600 python3 benchmarks/short_conv.py --out "$dir/short_conv.json" ;;
   tests_gen) step tests_gen 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py tests/gpu/test_gpu_generate_captured.py ;;
   tests_distill) step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py ;;
+  # shellcheck disable=SC2086
+  rank_rehearsal) step rank_rehearsal 900 python3 benchmarks/rank_rehearsal.py ${REHEARSAL_ARGS:---seq-len 8192} \
+    --out "$dir/rank_rehearsal.json" ;;
+  tests_fp8_model) step tests_fp8_model 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_fp8.py -k tiny_model ;;
   tests_train_gpu) step tests_train_gpu 300 "${pytest_gpu[@]}" tests/test_train.py ;;
   tests_lora) step tests_lora 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_lora_grad.py -k "not jax_grad" ;;
   tests_jaxgrad) step tests_jaxgrad 200 "${pytest_gpu[@]}" -o faulthandler_timeout=120 \
