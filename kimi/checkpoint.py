@@ -65,6 +65,10 @@ __all__ = [
     "normalise_layers",
     "stored_items",
     "write_stream",
+    "plan_files",
+    "index_bytes",
+    "config_bytes",
+    "shard_header",
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -816,6 +820,38 @@ def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Ten
     return shards
 
 
+def plan_files(specs: list[TensorSpec], max_shard_bytes: int) -> list[tuple[str, list[TensorSpec]]]:
+    """The files :func:`write_stream` writes ``specs`` (the stored layout, in order) into: ``[(file name, specs)]``,
+    greedy in order up to ``max_shard_bytes`` per file (a larger tensor alone), named ``model.safetensors`` when one
+    file, else ``model-{i:05d}-of-{n:05d}.safetensors`` (1-based). A parallel writer that follows the same plan
+    (``kernels_torch.parallel.export``) writes the same files byte for byte."""
+    shards = _plan_shards(specs, max_shard_bytes)
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return list(zip(names, shards))
+
+
+def index_bytes(plan: list[tuple[str, list[TensorSpec]]], prefix: str) -> bytes:
+    """The ``model.safetensors.index.json`` of a :func:`plan_files` plan: ``metadata.total_size`` (bytes of tensor
+    data) and the ``weight_map`` of prefixed keys to file names, as UTF-8 JSON."""
+    index = {
+        "metadata": {"total_size": sum(_nbytes(s) for _, g in plan for s in g)},
+        "weight_map": {prefix + s.name: fname for fname, g in plan for s in g},
+    }
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def config_bytes(config: KimiConfig) -> bytes:
+    """The ``config.json`` a writer stores for ``config`` (``config.raw`` when it still describes it)."""
+    return (json.dumps(_config_json(config), indent=2) + "\n").encode()
+
+
+def shard_header(specs: list[TensorSpec], prefix: str) -> bytes:
+    """The safetensors header (length word and 8-byte-aligned JSON) of a file holding ``specs`` in order, keys
+    prefixed with ``prefix``; the tensors' raw bytes follow it in the same order."""
+    return _shard_header(specs, prefix)
+
+
 def _shard_header(specs: list[TensorSpec], prefix: str) -> bytes:
     meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
     off = 0
@@ -911,9 +947,9 @@ def write_stream(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     prefix = config.key_prefix
-    shards = _plan_shards(specs, max_shard_bytes)
-    n = len(shards)
-    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    plan = plan_files(specs, max_shard_bytes)
+    names = [f for f, _ in plan]
+    shards = [g for _, g in plan]
     tmps: list[tuple[Path, str]] = []
     try:
         for fname, group in zip(names, shards):
@@ -929,17 +965,8 @@ def write_stream(
                     _write_tensor_data(f, t)
                 f.flush()
                 os.fsync(f.fileno())
-        tmps.append(
-            (
-                _write_bytes_tmp(path, CONFIG_NAME, (json.dumps(_config_json(config), indent=2) + "\n").encode()),
-                CONFIG_NAME,
-            )
-        )
-        index = {
-            "metadata": {"total_size": sum(_nbytes(s) for s in specs)},
-            "weight_map": {prefix + s.name: fname for fname, g in zip(names, shards) for s in g},
-        }
-        index_tmp = _write_bytes_tmp(path, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        tmps.append((_write_bytes_tmp(path, CONFIG_NAME, config_bytes(config)), CONFIG_NAME))
+        index_tmp = _write_bytes_tmp(path, INDEX_NAME, index_bytes(plan, prefix))
         tmps.append((index_tmp, INDEX_NAME))
     except BaseException:
         for tmp, _ in tmps:

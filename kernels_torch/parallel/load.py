@@ -12,9 +12,11 @@ copies into every parameter and buffer exactly its local block:
 
 Each block is read with ``kimi.checkpoint.read_canonical_block``: safetensors' lazy ``get_slice`` reads the block's
 bytes only, the routed experts (stored one expert at a time, maybe MXFP4: spec 6) are read and decoded only for the
-stack rows the rank holds, and within an expert only the rows / columns of its block. Large blocks are read in
-pieces along dimension 0 of at most ``chunk_bytes`` (256 MiB by default), so the memory a load adds to the rank's
-own shards is about one piece of the stored tensor (its file pages and its copy), whatever the tensor's size. Values
+stack rows the rank holds, and within an expert only the rows / columns of its block. Blocks are read in pieces
+along dimension 0 of at most ``chunk_bytes`` (4 MiB by default; an MXFP4 row counted at 12 bytes an element, what
+decoding it takes), so the memory a load adds to the rank's own shards is a few pieces (the piece's file pages, its
+copy, what the allocator keeps of earlier pieces), whatever the tensor's size; each piece reopens its file, a header
+parse of about a millisecond for a 5 GB shard. Values
 are cast on copy (``Tensor.copy_``) to the parameter's dtype, as ``kernels_torch.model.load_model`` does.
 
 :func:`fill_sharded` does the same from canonical arrays held in memory (``kimi.init.init_params``: a ``--preset``
@@ -41,7 +43,7 @@ from kimi.layout import EXPERT_PROJECTIONS, TensorSpec, expert_param_name, param
 
 __all__ = ["LoadStats", "local_block", "load_sharded", "fill_sharded"]
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+DEFAULT_CHUNK_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -76,7 +78,8 @@ def local_block(module: nn.Module, name: str, t: torch.Tensor) -> tuple[torch.Te
     if isinstance(t, DTensor):
         if any(isinstance(p, Partial) for p in t.placements):
             raise ValueError(f"load: {name}: placements {t.placements} hold partial sums, expected Shard / Replicate")
-        local = t.to_local()
+        with torch.no_grad():  # a plain view of the local storage (no autograd view to write through)
+            local = t.to_local()
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         if not offset:  # this rank is not in the tensor's mesh
             return local.reshape(-1)[:0].reshape((0,) * t.ndim), tuple(t.shape), (0,) * t.ndim
@@ -99,6 +102,14 @@ def local_block(module: nn.Module, name: str, t: torch.Tensor) -> tuple[torch.Te
 def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by state_dict name (FSDP2 keeps the original names)."""
     return dict(module.state_dict(keep_vars=True))
+
+
+def _all_finite(t: torch.Tensor, piece: int = 2**20) -> bool:
+    """Whether every value of a floating ``t`` is finite, checked ``piece`` elements at a time."""
+    if not t.is_floating_point():
+        return True
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i : i + piece]).all()) for i in range(0, flat.numel(), piece))
 
 
 def _reset_nonpersistent_buffers(module: nn.Module) -> None:
@@ -153,11 +164,22 @@ def _fill(
             raise ValueError(
                 f"load_sharded: {spec.name}: read block {list(block)} as {list(a.shape)}, expected {list(dst.shape)}"
             )
-        if check_finite:
-            stats.nonfinite += nonfinite_tensors({f"{spec.name}{list(block)}": a})
         with torch.no_grad():
             dst.copy_(to_torch(np.ascontiguousarray(a)))
+        if check_finite and not _all_finite(dst):  # checked on the copy, in pieces: no block-sized temporary
+            stats.nonfinite += nonfinite_tensors({f"{spec.name} block {list(block)}": dst})
         stats.blocks += 1
+
+    def put_rows(dst: torch.Tensor, spec: TensorSpec, block: tuple[tuple[int, int], ...]) -> None:
+        """``put`` in pieces along dimension 0 of at most ``chunk_bytes`` each (of the work a row costs: its decoded
+        values, about 12 bytes an element while an MXFP4 row is decoded)."""
+        if dst.ndim == 0:
+            return put(dst, spec, block)
+        per = 12 if ".experts." in spec.name and config.quant_method == "mxfp4" else numpy_dtype(spec.dtype).itemsize
+        step = max(1, chunk_bytes // max(1, dst[0].numel() * per))
+        for r in range(0, dst.shape[0], step):
+            k = min(step, dst.shape[0] - r)
+            put(dst[r : r + k], spec, ((block[0][0] + r, block[0][0] + r + k), *block[1:]))
 
     for n, (local, offset) in blocks.items():
         if local.numel() == 0:
@@ -166,21 +188,11 @@ def _fill(
         stats.owned_bytes += local.numel() * local.element_size()
         block = tuple((o, o + s) for o, s in zip(offset, local.shape))
         if n in canon:
-            spec = canon[n]
-            rows = local.shape[0] if local.ndim else 1
-            row_bytes = max(1, local[0].numel() * numpy_dtype(spec.dtype).itemsize) if local.ndim else 1
-            step = max(1, chunk_bytes // row_bytes)
-            if local.ndim == 0 or rows <= step:
-                put(local, spec, block)
-            else:
-                for r in range(0, rows, step):
-                    k = min(step, rows - r)
-                    put(local[r : r + k], spec, ((block[0][0] + r, block[0][0] + r + k), *block[1:]))
+            put_rows(local, canon[n], block)
             continue
         # a routed-expert stack [E, out, in]: its rows are experts, each stored (and read) on its own
         for i, e in enumerate(range(*block[0])):
-            spec = canon[expert_param_name(n, e)]
-            put(local[i], spec, block[1:])
+            put_rows(local[i], canon[expert_param_name(n, e)], block[1:])
     _reset_nonpersistent_buffers(module)
 
 
