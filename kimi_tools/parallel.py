@@ -6,8 +6,8 @@ decoder layers over all ranks and context parallelism over groups of ``C`` ranks
 the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so ``accum`` must be a multiple of
 ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need), and inside a group each rank
 takes its contiguous shard of the row. Losses are weighted by the step's global target count, so the gradient is the
-sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone writes ``run.json``, metrics, the
-safetensors export and the plot; all ranks write their shards of the DCP ``step-N/`` folder.
+sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone writes ``run.json``, metrics and
+the plot; all ranks write their shards of the DCP ``step-N/`` folder and their files of the safetensors export.
 
 A stage may keep some parameters whole on every rank (``stage.replicated(name)``: the distillation stages' DSA
 indexers, which they re-run outside the layer's forward, where FSDP2 has not gathered them): FSDP2 ignores them
@@ -150,11 +150,12 @@ class TrainParallel:
             dist.barrier()
 
     def save_model(self, model: nn.Module, out: Path) -> None:
-        """The HF safetensors export (``kernels_torch.model.save_model``; gathered from the shards under FSDP)."""
+        """The HF safetensors export (``kernels_torch.model.save_model``'s files; under torchrun every rank writes its
+        own files, ``kernels_torch.parallel.export.export_sharded``, never gathering the model on one rank)."""
         if self.enabled:
-            from kernels_torch.parallel.fsdp import export_safetensors
+            from kernels_torch.parallel.export import export_sharded
 
-            export_safetensors(model, out)
+            export_sharded(model, out)
         else:
             from kernels_torch.model import save_model
 
