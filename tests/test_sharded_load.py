@@ -299,3 +299,38 @@ def test_parallel_export_equals_single_process(tmp_path, world, quant):
     save_model(one, tmp_path / "sm")
     for name in sorted(p.name for p in (tmp_path / "sm").iterdir()):
         assert (tmp_path / "par_default" / name).read_bytes() == (tmp_path / "sm" / name).read_bytes(), name
+
+
+# ------------------------------------------------------------------------------------------------ kimi train
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_train_from_checkpoint_loads_shards_and_exports(tmp_path):
+    """``kimi train --checkpoint`` on 2 torchrun ranks (the model built on meta, each rank reading its shards, the
+    export written by both ranks) gives the one-process losses and gradient norms, and its exported model equals
+    the one-process one within the bf16 tolerance of ``tests/test_train_parallel.py``."""
+    from safetensors.torch import load_file
+    from test_train_parallel import COMMON, TOL, _assert_same, _close, _records, _short_documents, _torchrun
+
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+    from kimi_tools.cli import main
+
+    cfg = load_config("tiny").truncated(4)
+    ckpt = tmp_path / "ck"
+    save_params(ckpt, init_params(cfg, seed=5), cfg)
+    data = _short_documents(tmp_path / "docs.jsonl")
+    argv = [a for a in COMMON if a not in ("--preset", "tiny", "--layers", "4")]
+    argv += ["--checkpoint", str(ckpt), "--data", str(data)]
+    assert main(["train", *argv, "--out", str(tmp_path / "one")]) == 0
+    r = _torchrun(2, [*argv, "--out", str(tmp_path / "two")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _records(tmp_path / "one"), _records(tmp_path / "two")
+    _assert_same(got, want, (1, 2, 3))
+    assert _close(got[0]["eval_loss"], want[0]["eval_loss"], TOL["eval_loss"])
+    a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in b:
+        err = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30))
+        assert err <= TOL["weights"] or torch.equal(a[k], b[k]), (k, err)
