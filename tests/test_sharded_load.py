@@ -253,9 +253,11 @@ def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, max_by
         model = _fsdp_model(cfg, world)
         model.to_empty(device="cpu")
         load_sharded(model, ckpt)
-        with torch.no_grad():  # weights that are not a round trip of the stored ones: the cast and quantiser act
+        g = torch.Generator().manual_seed(rank)
+        with torch.no_grad():  # fp32 weights that are no round trip of the stored ones: the cast and quantiser act
             for p in model.parameters():
-                p.to_local().mul_(1.0 + 1e-3 * (rank + 1))
+                local = p.to_local()
+                local.mul_(1.0 + 0.3 * torch.rand(local.shape, generator=g, dtype=local.dtype))
         wrote = export_sharded(model, f"{out}/par", max_shard_bytes=max_bytes)
         export_sharded(model, f"{out}/par_default")  # one 5 GB file: save_model's own layout
         sd = {n: t.full_tensor() for n, t in model.state_dict().items()}
