@@ -121,7 +121,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--world", type=int, nargs="*", default=[2, 4])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--one-process", action="store_true", help="also kernels_torch.model.load_model in one process")
     p.add_argument("--json", default=None)
