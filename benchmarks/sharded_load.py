@@ -7,7 +7,10 @@ stacked routed experts by expert), materialise it (``to_empty``) and fill it wit
 and its resident memory: ``VmHWM`` of ``/proc/self/status`` (the peak resident set, anonymous and file pages)
 after ``/proc/self/clear_refs`` reset it just before ``to_empty``, minus ``VmRSS`` at that moment ("grown"), and the
 absolute peak. ``--one-process`` adds ``kernels_torch.model.load_model`` (the whole model in one process) as the
-baseline. Prints a table and writes JSON.
+baseline. ``--export DIR`` then has every world write the loaded model with
+``kernels_torch.parallel.export.export_sharded`` (each rank its own files) and compares the files byte for byte with
+the checkpoint's (its weights are the checkpoint's, which ``save_model`` writes back unchanged). Prints tables and
+writes JSON.
 
     kimi init --preset k3.1-pro --layers 2 --set num_experts=16 --out /tmp/k31_2l
     python benchmarks/sharded_load.py --checkpoint /tmp/k31_2l --world 2 4 --one-process --json out.json
@@ -49,7 +52,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def _rank(rank: int, world: int, port: int, ckpt: str, dtype: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, ckpt: str, dtype: str, out: str, export: str | None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -82,6 +85,16 @@ def _rank(rank: int, world: int, port: int, ckpt: str, dtype: str, out: str) -> 
             "load_s": round(wall, 2),
             "peak_reset": reset,
         }
+        if export:
+            from kernels_torch.parallel.export import export_sharded
+
+            dist.barrier()
+            _reset_peak()
+            before = _status("VmRSS")
+            t0 = time.perf_counter()
+            rec["export_files"] = export_sharded(model, f"{export}/world{world}")
+            rec["export_s"] = round(time.perf_counter() - t0, 2)
+            rec["export_grown"] = _status("VmHWM") - before
         Path(out, f"{world}_{rank}.json").write_text(json.dumps(rec))
         dist.barrier()
     finally:
@@ -106,6 +119,18 @@ def _one(ckpt: str, dtype: str, out: str) -> None:
     Path(out, "1_0.json").write_text(json.dumps(rec))
 
 
+def _same_bytes(a: Path, b: Path, piece: int = 64 * 2**20) -> bool:
+    if not b.is_file() or a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(piece), fb.read(piece)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,6 +150,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--one-process", action="store_true", help="also kernels_torch.model.load_model in one process")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--export",
+        default=None,
+        help="folder: each world also writes the loaded model with export_sharded into DIR/world{N}; the files are "
+        "compared byte for byte with the checkpoint's (the weights are the checkpoint's own, so save_model would "
+        "write the same files)",
+    )
     a = p.parse_args(argv)
     reader = CheckpointReader(a.checkpoint)
     cfg = reader.config
@@ -139,7 +171,7 @@ def main(argv=None) -> int:
             proc.join()
             rows.append(json.loads(Path(tmp, "1_0.json").read_text()))
         for world in a.world:
-            mp.spawn(_rank, args=(world, _port(), a.checkpoint, a.dtype, tmp), nprocs=world, join=True)
+            mp.spawn(_rank, args=(world, _port(), a.checkpoint, a.dtype, tmp, a.export), nprocs=world, join=True)
             rows += [json.loads(Path(tmp, f"{world}_{r}.json").read_text()) for r in range(world)]
     head = (
         f"checkpoint {a.checkpoint}: {cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
@@ -156,6 +188,18 @@ def main(argv=None) -> int:
             f"| {r['world']} | {r['rank']} | {r['owned_bytes'] / GIB:.3f} | {read} | {r['peak_rss'] / GIB:.3f} | "
             f"{r['grown'] / GIB:.3f} | {bound / GIB:.3f} | {r['load_s']} |"
         )
+    same = {}
+    if a.export:
+        print("| world | rank | files written | export s | grown while exporting GiB |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            if "export_files" in r:
+                print(f"| {r['world']} | {r['rank']} | {len(r['export_files'])} | {r['export_s']} | "
+                      f"{r['export_grown'] / GIB:.3f} |")  # fmt: skip
+        for world in a.world:
+            names = sorted([*reader.files, "config.json", "model.safetensors.index.json"])
+            same[world] = all(_same_bytes(Path(a.checkpoint, n), Path(a.export, f"world{world}", n)) for n in names)
+            print(f"world {world}: export byte-identical to the checkpoint's {len(names)} files: {same[world]}")
     if a.json:
         Path(a.json).write_text(
             json.dumps(
