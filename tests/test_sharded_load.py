@@ -336,3 +336,71 @@ def test_torchrun_train_from_checkpoint_loads_shards_and_exports(tmp_path):
     for k in b:
         err = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30))
         assert err <= TOL["weights"] or torch.equal(a[k], b[k]), (k, err)
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def test_read_canonical_block_equals_whole_read(tmp_path):
+    """Random blocks of every canonical tensor (experts cut at any row and column, inside MXFP4 groups; A_log; conv
+    weights) equal the same block of ``load_arrays``, and read fewer bytes than the whole tensors."""
+    import numpy as np
+
+    from kimi.checkpoint import CheckpointReader, load_arrays, read_canonical_block, save_params
+    from kimi.init import init_params
+    from kimi.layout import param_layout
+
+    cfg = load_config("tiny").truncated(3)
+    save_params(tmp_path / "k", init_params(cfg, seed=6), cfg)
+    whole = load_arrays(tmp_path / "k")
+    reader = CheckpointReader(tmp_path / "k")
+    rng = np.random.default_rng(0)
+    for spec in param_layout(cfg):
+        block = []
+        for n in spec.shape:
+            a = int(rng.integers(0, n))
+            block.append((a, int(rng.integers(a + 1, n + 1))))
+        got = read_canonical_block(reader, cfg, spec, tuple(block))
+        want = whole[spec.name][tuple(slice(a, b) for a, b in block)]
+        assert got.dtype == want.dtype and np.array_equal(got, want), (spec.name, block)
+    stored = sum((tmp_path / "k" / f).stat().st_size for f in reader.files)
+    assert 0 < reader.bytes_read < stored
+
+
+def test_load_sharded_errors_and_buffers(tmp_path):
+    """A tensor missing from the model or of another shape is named with both shapes; a non-persistent buffer is
+    recomputed by its module's reset_buffers() or refused."""
+    from kernels_torch.parallel.load import load_sharded
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+
+    cfg = load_config("tiny").truncated(2)
+    save_params(tmp_path / "k", init_params(cfg, seed=7), cfg)
+
+    class Cache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+    class Recomputed(Cache):
+        def reset_buffers(self):
+            self.inv_freq.copy_(torch.arange(4.0))
+
+    model = _meta_model(cfg)
+    model.model.cache = Recomputed()
+    model.to_empty(device="cpu")
+    load_sharded(model, tmp_path / "k")
+    assert torch.equal(model.model.cache.inv_freq, torch.arange(4.0))
+    model.model.cache = Cache()
+    with pytest.raises(ValueError, match=r"non-persistent buffers \['inv_freq'\]"):
+        load_sharded(model, tmp_path / "k")
+    del model.model.cache
+    model.model.norm.weight = torch.nn.Parameter(torch.zeros(7))
+    with pytest.raises(ValueError, match=r"wrong shape: model.norm.weight \(checkpoint layout \[96\], model \[7\]\)"):
+        load_sharded(model, tmp_path / "k")
+    del model.lm_head
+    with pytest.raises(ValueError, match=r"missing from the model: lm_head.weight"):
+        load_sharded(model, tmp_path / "k")
+    model = _meta_model(cfg)
+    with pytest.raises(ValueError, match="on the meta device: model.embed_tokens.weight"):
+        load_sharded(model, tmp_path / "k")
