@@ -343,15 +343,22 @@ def test_torchrun_train_from_checkpoint_loads_shards_and_exports(tmp_path):
 
 def test_read_canonical_block_equals_whole_read(tmp_path):
     """Random blocks of every canonical tensor (experts cut at any row and column, inside MXFP4 groups; A_log; conv
-    weights) equal the same block of ``load_arrays``, and read fewer bytes than the whole tensors."""
+    weights stored in the [C, W] variant) equal the same block of ``load_arrays``, and read fewer bytes than the
+    whole tensors."""
     import numpy as np
+    from test_checkpoint import write_raw
 
-    from kimi.checkpoint import CheckpointReader, load_arrays, read_canonical_block, save_params
+    from kimi.checkpoint import CheckpointReader, load_arrays, read_canonical_block, to_stored
     from kimi.init import init_params
     from kimi.layout import param_layout
 
     cfg = load_config("tiny").truncated(3)
-    save_params(tmp_path / "k", init_params(cfg, seed=6), cfg)
+    stored = to_stored(init_params(cfg, seed=6), cfg)  # torch tensors
+    convs = [k for k in stored if k.endswith("_conv1d.weight")]
+    assert convs
+    for k in convs:
+        stored[k] = stored[k][:, 0, :].contiguous()  # [C, 1, W] -> [C, W], as some exporters store it (spec 2.1)
+    write_raw(tmp_path / "k", stored, cfg)
     whole = load_arrays(tmp_path / "k")
     reader = CheckpointReader(tmp_path / "k")
     rng = np.random.default_rng(0)
