@@ -209,6 +209,7 @@ def main(argv=None) -> int:
                     "dtype": a.dtype,
                     "config": {"layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "quant": cfg.quant_method},
                     "rows": rows,
+                    "export_identical": same,
                 },
                 indent=1,
             )  # fmt: skip
