@@ -411,3 +411,26 @@ def test_load_sharded_errors_and_buffers(tmp_path):
     model = _meta_model(cfg)
     with pytest.raises(ValueError, match="on the meta device: model.embed_tokens.weight"):
         load_sharded(model, tmp_path / "k")
+
+
+def test_load_sharded_refuses_nonfinite_and_layout_problems(tmp_path):
+    from test_checkpoint import write_raw
+
+    from kernels_torch.parallel.load import load_sharded
+    from kimi.checkpoint import CheckpointError, to_stored
+    from kimi.init import init_params
+
+    cfg = load_config("tiny").truncated(2)
+    stored = to_stored(init_params(cfg, seed=8), cfg)
+    stored["model.norm.weight"] = stored["model.norm.weight"].clone()
+    stored["model.norm.weight"][5] = float("nan")
+    write_raw(tmp_path / "nan", stored, cfg)
+    model = _meta_model(cfg)
+    model.to_empty(device="cpu")
+    with pytest.raises(CheckpointError, match=r"non-finite: model.norm.weight block \[\(0, 96\)\]: 1 NaN"):
+        load_sharded(model, tmp_path / "nan")
+    load_sharded(model, tmp_path / "nan", check_finite=False)
+    stored.pop("model.layers.1.post_attention_layernorm.weight")
+    write_raw(tmp_path / "missing", stored, cfg)
+    with pytest.raises(CheckpointError, match=r"missing: model.layers.1.post_attention_layernorm.weight"):
+        load_sharded(model, tmp_path / "missing")
