@@ -238,6 +238,43 @@ def test_load_into_blocks_cut_inside_experts(tmp_path):
     assert cuts == {0, 48 % cfg.quant_group_size}, cuts  # a column block starting inside an MXFP4 group
 
 
+def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.parallel.expert import shard_experts
+        from kernels_torch.parallel.load import load_sharded
+
+        model = _meta_model(_cut_config())
+        shard_experts(model)  # plain tensors: each rank's stacks hold experts [r E / 2, (r + 1) E / 2)
+        model.to_empty(device="cpu")
+        stats = load_sharded(model, ckpt)
+        torch.save({"sd": model.state_dict(), "bytes_read": stats.bytes_read}, f"{out}/ep{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_load_into_expert_parallel_ranges(tmp_path):
+    """``kernels_torch.parallel.expert.shard_experts`` (plain stacks of a range of experts): each rank reads and
+    holds its own experts only, equal to the one-process model's rows."""
+    from kernels_torch.model import load_model
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+
+    cfg = _cut_config()
+    save_params(tmp_path / "k", init_params(cfg, seed=9), cfg)
+    spawn(_ep_worker, 2, str(tmp_path / "k"), str(tmp_path))
+    ref = load_model(tmp_path / "k").state_dict()
+    E = cfg.num_experts
+    for rank in range(2):
+        got = torch.load(tmp_path / f"ep{rank}.pt")
+        for n, t in got["sd"].items():
+            want = ref[n][rank * E // 2 : (rank + 1) * E // 2] if ".experts.w" in n else ref[n]
+            assert torch.equal(t, want), (rank, n)
+        assert got["bytes_read"] < sum(p.stat().st_size for p in (tmp_path / "k").glob("*.safetensors"))
+
+
 # ------------------------------------------------------------------------------------------------ parallel export
 
 
