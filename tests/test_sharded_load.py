@@ -471,3 +471,18 @@ def test_load_sharded_refuses_nonfinite_and_layout_problems(tmp_path):
     write_raw(tmp_path / "missing", stored, cfg)
     with pytest.raises(CheckpointError, match=r"missing: model.layers.1.post_attention_layernorm.weight"):
         load_sharded(model, tmp_path / "missing")
+
+
+def test_to_empty_keeps_parameter_objects():
+    """``load.to_empty`` materialises a meta model with the same parameter objects (``Module.to_empty`` makes new
+    ones, leaving references taken before on the discarded meta tensors)."""
+    from kernels_torch.parallel.load import to_empty
+
+    cfg = load_config("tiny").truncated(2)
+    model = _meta_model(cfg)
+    before = dict(model.named_parameters())
+    to_empty(model, "cpu")
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for n, p in after.items():
+        assert p is before[n] and p.device.type == "cpu" and isinstance(p, torch.nn.Parameter), n

@@ -41,7 +41,7 @@ from kernels_torch.params import grouped_experts
 from kimi.arrays import numpy_dtype, to_torch
 from kimi.layout import EXPERT_PROJECTIONS, TensorSpec, expert_param_name, param_layout, stacked_layout
 
-__all__ = ["LoadStats", "local_block", "load_sharded", "fill_sharded"]
+__all__ = ["LoadStats", "local_block", "load_sharded", "fill_sharded", "to_empty"]
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 
@@ -97,6 +97,32 @@ def local_block(module: nn.Module, name: str, t: torch.Tensor) -> tuple[torch.Te
         if len(ids) != E:
             return t.data, (E, *t.shape[1:]), (ids.start, *([0] * (t.ndim - 1)))
     return t.data, tuple(t.shape), (0,) * t.ndim
+
+
+def to_empty(module: nn.Module, device: str | torch.device) -> nn.Module:
+    """``module.to_empty(device=device)`` keeping every plain parameter's Python object: ``Module.to_empty`` gives a
+    parameter on ``meta`` a new ``nn.Parameter`` (the two tensor types cannot share ``.data``), so references taken
+    before (the parameters a parallel layout keeps whole and reduces itself, a frozen set) would point at the
+    discarded meta tensors; here each new tensor is swapped back into the old object (``torch.utils.swap_tensors``).
+    FSDP2's ``DTensor`` parameters are left to FSDP2 (its ``_apply`` re-points them). Returns ``module``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()
+    before = {
+        (id(m), n): p
+        for m in module.modules()
+        for n, p in m._parameters.items()
+        if p is not None and not isinstance(p, DTensor)
+    }
+    module.to_empty(device=device)
+    for m in module.modules():
+        for n, p in list(m._parameters.items()):
+            old = before.get((id(m), n))
+            if old is not None and p is not old and not isinstance(p, DTensor):
+                torch.utils.swap_tensors(old, p)  # old now holds the materialised tensor
+                m._parameters[n] = old
+    return module
 
 
 def _targets(module: nn.Module) -> dict[str, torch.Tensor]:

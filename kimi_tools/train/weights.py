@@ -87,9 +87,9 @@ def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig) -> None:
 
     Raises:
         kimi.checkpoint.CheckpointError, ValueError: see ``load_sharded``."""
-    from kernels_torch.parallel.load import fill_sharded, load_sharded
+    from kernels_torch.parallel.load import fill_sharded, load_sharded, to_empty
 
-    model.to_empty(device=a.device)
+    to_empty(model, a.device)  # parameters keep their objects (TrainParallel holds the replicated ones)
     if a.checkpoint is not None:
         load_sharded(model, a.checkpoint)
         return
