@@ -66,6 +66,9 @@ __all__ = [
     "stored_items",
     "write_stream",
     "plan_files",
+    "fsync_dir",
+    "tmp_name",
+    "write_tensor_data",
     "index_bytes",
     "config_bytes",
     "shard_header",
@@ -871,7 +874,14 @@ def _write_tensor_data(f, t: Any) -> None:
         f.write(flat.view(np.uint8).data)
 
 
-def _fsync_dir(path: Path) -> None:
+def write_tensor_data(f, t: Any) -> None:
+    """Append the raw little-endian bytes of ``t`` (a numpy array or torch tensor, C order) to the open file ``f``:
+    a safetensors file's data, after its :func:`shard_header`."""
+    _write_tensor_data(f, t)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the folder ``path`` (so a rename in it is durable); errors ignored (some filesystems refuse it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -884,14 +894,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _tmp_name(path: Path, final: str) -> Path:
+def tmp_name(path: Path, final: str) -> Path:
+    """A fresh temporary name in folder ``path`` for the file ``final`` (hidden, with the pid and a random tag)."""
     return path / f".{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
     """``data`` written and fsynced to a fresh temporary file in folder ``path`` (named after ``final``), opened as
     ``open(..., "wb")`` would (mode ``0o666`` less the umask); the caller renames it into place."""
-    tmp = _tmp_name(path, final)
+    tmp = tmp_name(path, final)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -915,7 +926,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     try:
         tmp = _write_bytes_tmp(path.parent, path.name, data)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         if tmp is not None and tmp.exists():
             tmp.unlink()
@@ -953,7 +964,7 @@ def write_stream(
     tmps: list[tuple[Path, str]] = []
     try:
         for fname, group in zip(names, shards):
-            tmp = _tmp_name(path, fname)
+            tmp = tmp_name(path, fname)
             tmps.append((tmp, fname))
             with open(tmp, "wb") as f:
                 f.write(_shard_header(group, prefix))
@@ -981,12 +992,12 @@ def write_stream(
         except (ValueError, AttributeError):
             pass
         old_index.unlink()
-        _fsync_dir(path)
+        fsync_dir(path)
     for tmp, fname in tmps[:-1]:
         os.replace(tmp, path / fname)
-    _fsync_dir(path)
+    fsync_dir(path)
     os.replace(index_tmp, path / INDEX_NAME)
-    _fsync_dir(path)
+    fsync_dir(path)
     for stale in old_files - set(names):  # shards of an overwritten checkpoint that the new index does not use
         if "/" not in stale and stale.endswith(".safetensors"):
             (path / stale).unlink(missing_ok=True)

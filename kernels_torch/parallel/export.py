@@ -164,22 +164,22 @@ class _FileWriter:
     """One safetensors file written in order to a temporary name (header first), checked tensor by tensor."""
 
     def __init__(self, path: Path, fname: str, specs: list[TensorSpec], prefix: str):
-        from kimi.checkpoint import _tmp_name, shard_header
+        from kimi.checkpoint import shard_header, tmp_name
 
         self.final = path / fname
-        self.tmp = _tmp_name(path, fname)
+        self.tmp = tmp_name(path, fname)
         self.specs = {s.name: s for s in specs}
         self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish / abort
         self.f.write(shard_header(specs, prefix))
 
     def append(self, name: str, a) -> None:
-        from kimi.checkpoint import CheckpointError, _fmt, _write_tensor_data
+        from kimi.checkpoint import CheckpointError, write_tensor_data
 
         s = self.specs[name]
         got = (tuple(a.shape), dtype_name(a))
         if got != (s.shape, s.dtype):
-            raise CheckpointError(f"export: {name} expected {_fmt(s.shape, s.dtype)}, found {_fmt(*got)}")
-        _write_tensor_data(self.f, a)
+            raise CheckpointError(f"export: {name} expected {list(s.shape)} {s.dtype}, found {list(got[0])} {got[1]}")
+        write_tensor_data(self.f, a)
 
     def finish(self) -> None:
         self.f.flush()
@@ -211,8 +211,8 @@ def export_sharded(model: nn.Module, path: str | Path, *, max_shard_bytes: int |
     from kimi.checkpoint import (
         DEFAULT_MAX_SHARD_BYTES,
         INDEX_NAME,
-        _fsync_dir,
         config_bytes,
+        fsync_dir,
         index_bytes,
         plan_files,
         stored_items,
@@ -248,7 +248,7 @@ def export_sharded(model: nn.Module, path: str | Path, *, max_shard_bytes: int |
             except (ValueError, AttributeError):
                 pass
             index.unlink()
-            _fsync_dir(path)
+            fsync_dir(path)
     _barrier()
 
     mine: list[_FileWriter] = []
@@ -284,7 +284,7 @@ def export_sharded(model: nn.Module, path: str | Path, *, max_shard_bytes: int |
         os.replace(w.tmp, w.final)
     _barrier()
     if rank == 0:
-        _fsync_dir(path)
+        fsync_dir(path)
         write_atomic(path / "config.json", config_bytes(cfg))
         write_atomic(index, index_bytes(plan, cfg.key_prefix))  # the commit point
         names = {f for f, _ in plan}
