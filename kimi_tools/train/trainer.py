@@ -2,7 +2,8 @@
 ``Stateful`` training state (step, tokens seen, RNG), as torchtitan's ``Trainer`` is.
 
 ``Trainer(args)`` checks everything and builds the components, writing nothing: the data (loader and eval batches),
-the stage, the model (built, prepared, LoRA, frozen, converted, sharded), the fp32 masters, AdamW and the schedule,
+the stage, the model (built, prepared, LoRA, frozen, converted, sharded; under torchrun built on ``meta`` and each
+rank's shards materialised and read after the sharding: ``weights.materialise``), the fp32 masters, AdamW and the schedule,
 the checkpointer and the metrics log. :meth:`Trainer.run` opens the run folder (``run.json``, or the resume state),
 evaluates at step 0, and loops over :meth:`Trainer.train_step` until ``--stop-after`` or ``--steps``, saving the
 resume state on schedule (``--save-every``), on the last step and when a SIGINT / SIGTERM asks it to stop
