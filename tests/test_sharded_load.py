@@ -93,11 +93,11 @@ def _stored_owned(model, cfg) -> tuple[int, int]:
     return total, largest
 
 
-def _fsdp_model(cfg, world):
-    from kernels_torch.parallel.fsdp import init_mesh, parallelize
+def _fsdp_model(cfg, mesh):
+    from kernels_torch.parallel.fsdp import parallelize
 
     model = _meta_model(cfg)
-    parallelize(model, init_mesh(dp=world, cp=1))
+    parallelize(model, mesh)
     return model
 
 
@@ -109,15 +109,18 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default, kept fixed (module docstring)
+        from kernels_torch.parallel.fsdp import init_mesh
+
         cfg = _config()
-        warm = _fsdp_model(cfg, world)  # warm-up: the same code paths, then its memory handed back
+        mesh = init_mesh(dp=world, cp=1)  # one mesh for both models (its process groups made once)
+        warm = _fsdp_model(cfg, mesh)  # warm-up: the same code paths, then its memory handed back
         warm.to_empty(device="cpu")
         load_sharded(warm, ckpt)
         del warm
         gc.collect()
         libc.malloc_trim(0)
 
-        model = _fsdp_model(cfg, world)
+        model = _fsdp_model(cfg, mesh)
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
         before = _status("VmRSS")
         model.to_empty(device="cpu")
@@ -283,11 +286,12 @@ def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, max_by
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from kernels_torch.parallel.export import export_sharded
+        from kernels_torch.parallel.fsdp import init_mesh
         from kernels_torch.parallel.load import load_sharded
         from kimi.config import KimiConfig
 
         cfg = KimiConfig.from_json(Path(ckpt) / "config.json")
-        model = _fsdp_model(cfg, world)
+        model = _fsdp_model(cfg, init_mesh(dp=world, cp=1))
         model.to_empty(device="cpu")
         load_sharded(model, ckpt)
         g = torch.Generator().manual_seed(rank)
