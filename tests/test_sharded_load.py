@@ -147,6 +147,7 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset and glibc")
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp_load_reads_and_holds_only_its_shard(tmp_path, ckpt, world):
     from kernels_torch.model import load_model
