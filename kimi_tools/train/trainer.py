@@ -177,7 +177,10 @@ class Trainer:
             raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
-        self.par = par = TrainParallel(a.cp, a.device, dp=a.dp, ep=a.ep)  # torchrun: one mesh; else a no-op
+        self.par = par = TrainParallel(
+            a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout
+        )  # torchrun: one mesh; else a no-op
+        par.check_pipeline(a, lora=self.lora_settings is not None)
         self.out = Path(a.out)
         check_out(a, self.fingerprint, self.fingerprint_of)
         par.barrier()  # every rank has checked --out before rank 0 writes into it
@@ -214,6 +217,8 @@ class Trainer:
         freeze(model, stage, a.freeze)
         self.conversions = convert_model(model, a)
         par.setup(model, lora=self.lora_settings is not None, replicated=getattr(stage, "replicated", None))
+        if par.pipe is not None:  # --pp: this rank trains its pipeline stages (one-process names), sharded over dp
+            self.model = model = par.pipe.rank_module()
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
         self.masters = MasterWeights(model)
@@ -233,8 +238,8 @@ class Trainer:
         self.step, self.tokens_seen, self.start = 0, 0, 0
         self.checkpointer = Checkpointer(self.out, a.keep, par)
         self.metrics = MetricsLog(self.out / METRICS, writer=par.is_writer)
-        self.trainable_params = self.masters.numel
-        self.total_params = sum(p.numel() for p in model.parameters())
+        self.trainable_params = int(par.sum_pp(self.masters.numel))  # --pp: each rank holds its stages'
+        self.total_params = int(par.sum_pp(sum(p.numel() for p in model.parameters())))
         self._save_steps, self._save_minutes = parse_save_every(a.save_every)
         self._last_save = time.monotonic()
 
@@ -359,6 +364,8 @@ class Trainer:
         total, n, extra = 0.0, 0, {}
         try:
             with torch.no_grad():
+                if par.pipe is not None:  # --pp: forward only through the pipeline (the LM stage's loss)
+                    return par.pipeline_eval(self.evals), {}
                 for b in self.evals:
                     loss, m = par.loss(stage, model, b.to(self.args.device))
                     k = b.num_targets
@@ -387,16 +394,19 @@ class Trainer:
         batches = [self.loader.next_batch() for _ in range(self.accum)]
         n_tgt = sum(b.num_targets for b in batches)
         step_loss, extra = 0.0, {}
-        for b in par.local(batches):  # torchrun: this dp group's micro-batches
-            w = b.num_targets / n_tgt if n_tgt else 0.0
-            loss, m = par.loss(stage, model, b.to(a.device))
-            (loss * w).backward()
-            step_loss += float(loss.detach()) * w
-            for key, v in m.items():
-                extra[key] = extra.get(key, 0.0) + float(v) * w
-        par.reduce_replicated()
-        step_loss = par.sum_all(step_loss)
-        extra = par.sum_all_dict(extra)
+        if par.pipe is not None:  # --pp: this dp group's micro-batches through the pipeline schedule
+            step_loss = par.pipeline_step(par.local(batches), n_tgt)
+        else:
+            for b in par.local(batches):  # torchrun: this dp group's micro-batches
+                w = b.num_targets / n_tgt if n_tgt else 0.0
+                loss, m = par.loss(stage, model, b.to(a.device))
+                (loss * w).backward()
+                step_loss += float(loss.detach()) * w
+                for key, v in m.items():
+                    extra[key] = extra.get(key, 0.0) + float(v) * w
+            par.reduce_replicated()
+            step_loss = par.sum_all(step_loss)
+            extra = par.sum_all_dict(extra)
         if self.lora_settings is not None and step == self.start + 1:  # LoRA is never silently skipped (vLLM's bug)
             from kimi_tools import lora
 
@@ -407,7 +417,9 @@ class Trainer:
                     "(a code path reads the base weight around them); refusing to train"
                 )
         self.masters.grads_to_masters()
-        grad_norm = clip_grad_norm(self.masters.masters, a.grad_clip if a.grad_clip > 0 else math.inf)
+        grad_norm = clip_grad_norm(
+            self.masters.masters, a.grad_clip if a.grad_clip > 0 else math.inf, sum_group=par.norm_group
+        )
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             self._diverged(step, step_loss, grad_norm, before)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step applies

@@ -176,7 +176,10 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
             f"--recompute-full-layers: got {full_layers} with --recompute-mode {mode}, expected mode mlp "
             "(mode layer recomputes every layer whole already)"
         )
-    for i, layer in enumerate(layers):
+    # a pipeline rank's module (kernels_torch.parallel.pipeline.Pipeline.rank_module) holds its layers in a
+    # ModuleDict keyed by their index in the whole model
+    items = [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
+    for i, layer in items:
         name = "forward" if mode == "layer" or i < full_layers else "feed_forward"
         fn = getattr(layer, name)
         setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False))
@@ -294,12 +297,15 @@ def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimiz
     )
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, sum_group=None) -> float:
     """Clip the gradients of ``params`` to a total L2 norm of ``max_norm`` (``inf``: none) and return the norm before
     clipping (``torch.nn.utils.clip_grad_norm_``). Under FSDP2 the parameters can be DTensors on different meshes
     (the routed experts on the ``(efsdp, ep)`` mesh, the rest on ``dp_cp``) and plain tensors (those a stage keeps
-    whole on every rank): the norm of each group is taken apart (a DTensor's over its whole mesh) and combined."""
+    whole on every rank): the norm of each group is taken apart (a DTensor's over its whole mesh) and combined.
+    ``sum_group``: a process group whose ranks hold disjoint parameters (the pipeline's, ``--pp``): the squared norms
+    are summed over it, so every rank clips by the whole model's norm."""
     import torch
+    import torch.distributed as dist
 
     grads = [p for p in params if p.grad is not None]
     try:
@@ -309,13 +315,18 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     groups: dict[Any, list] = {}
     for p in grads:
         groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and sum_group is None:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    norms = []
+    sq = torch.zeros((), dtype=torch.float64)
     for group in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        sq = sq + n.detach().to("cpu", torch.float64) ** 2
+    if sum_group is not None:
+        dev = grads[0].device if grads else torch.device("cpu")
+        sq = sq.to(dev)
+        dist.all_reduce(sq, group=sum_group)
+    total = float(sq.sqrt())
     coef = max_norm / (total + 1e-6)  # clip_grad_norm_'s coefficient, as a number (a DTensor takes no plain tensor)
     if coef < 1.0:
         for p in grads:
