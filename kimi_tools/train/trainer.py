@@ -26,7 +26,7 @@ from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, reso
 from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
 from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
 from kimi_tools.train.metrics import RECORD_KEYS, MetricsLog, peak_mem_bytes, plot_losses
-from kimi_tools.train.schedule import build_scheduler
+from kimi_tools.train.schedule import ScheduleState, build_scheduler
 from kimi_tools.train.stages import make_stage
 from kimi_tools.train.weights import (
     MasterWeights,
@@ -268,7 +268,7 @@ class Trainer:
         return {
             "weights": self.masters,
             "optimizer": OptimizerState(self.masters.module, self.optimizer),
-            "lr_scheduler": self.scheduler,
+            "lr_scheduler": ScheduleState(self.scheduler),
             "dataloader": self.loader,
             "train_state": self,
         }

@@ -260,20 +260,35 @@ class MasterWeights:
 
 class OptimizerState:
     """The ``optimizer`` entry of a resume state: ``torch.distributed.checkpoint.state_dict``'s optimizer state of
-    ``optimizer`` over ``module`` (FQN keys, so it loads on another world size)."""
+    ``optimizer`` over ``module``, flattened (``flatten_optimizer_state_dict``: every key names a parameter,
+    ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so it loads on another world size and on ranks that hold
+    other parameters (pipeline stages: a group's index means other parameters on each rank). A resume state written
+    before (``param_groups.<index>.*``) loads as written: :meth:`match_saved` picks the form from its keys."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer):
         self.module, self.optimizer = module, optimizer
+        self.flatten = True
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.flatten)
+
+    def match_saved(self, keys, prefix: str = "optimizer.") -> None:
+        """Read and write the form of the resume state whose flat keys are ``keys`` (indexed param groups: the
+        form before the flattened one)."""
+        head = prefix + "param_groups."
+        self.flatten = not any(k.startswith(head) and k[len(head) :].split(".", 1)[0].isdigit() for k in keys)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.module, self.optimizer)
+        return get_optimizer_state_dict(self.module, self.optimizer, options=self._options())
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.module, self.optimizer, state)
+        set_optimizer_state_dict(self.module, self.optimizer, state, options=self._options())
 
 
 def decays(p: torch.Tensor) -> bool:
@@ -283,14 +298,17 @@ def decays(p: torch.Tensor) -> bool:
 
 
 def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` over the masters: ``--weight-decay`` on :func:`decays` tensors, 0 on the others;
-    fused on CUDA (one kernel, no foreach temporaries)."""
+    """``torch.optim.AdamW`` over the masters: ``--weight-decay`` on :func:`decays` tensors, 0 on the others (a
+    group only when it holds a tensor); fused on CUDA (one kernel, no foreach temporaries)."""
     import torch
 
     decay = [m for m in masters.masters if decays(m)]
     no_decay = [m for m in masters.masters if not decays(m)]
+    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # an empty group is left out (a pipeline stage holding the embedding alone has no vector; DCP's optimizer
+    # state_dict cannot load into a rank that has an empty group)
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [g for g in groups if g["params"]] or groups[:1],
         lr=a.lr,
         betas=(a.beta1, a.beta2),
         fused=a.device == "cuda" or None,
