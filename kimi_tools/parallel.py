@@ -40,12 +40,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainParallel", "under_torchrun"]
+__all__ = ["TrainParallel", "under_torchrun", "refuse_pipeline"]
 
 
 def under_torchrun() -> bool:
     """Whether this process was started by ``torchrun`` (its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` set)."""
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def refuse_pipeline(pp: int, a, lora: bool) -> None:
+    """With ``--pp`` > 1, refuse (one line naming the flags and values) what the pipeline path does not run yet:
+    LoRA, the distillation stages (``--stage`` other than ``lm``), ``--dtype bfloat16`` and ``--fp8`` (the stages'
+    FSDP2 has no fp32 exceptions for the checkpoint's fp32 tensors yet). ``a``: the run's ``TrainArgs``."""
+    if pp == 1:
+        return
+    bad = [
+        f"--lora-rank {a.lora_rank}" * lora,
+        f"--stage {a.stage}" * (a.stage != "lm"),
+        f"--dtype {a.dtype}" * (a.dtype not in ("float32", "float64")),
+        f"--fp8 {a.fp8}" * (a.fp8 is not None),
+    ]
+    bad = [b for b in bad if b]
+    if bad:
+        raise ValueError(
+            f"--pp {pp} with {' '.join(bad)}: not supported yet; expected --pp > 1 with full fine-tuning (no LoRA), "
+            "--stage lm, --dtype float32 (or float64) and no --fp8"
+        )
 
 
 class TrainParallel:
@@ -147,23 +167,8 @@ class TrainParallel:
         return self.rank == 0
 
     def check_pipeline(self, a, lora: bool) -> None:
-        """With ``--pp`` > 1, refuse (one line naming the flags) what the pipeline path does not run yet: LoRA, the
-        distillation stages, bf16 / FP8 (the stages' FSDP2 has no fp32 exceptions for the checkpoint's fp32
-        tensors yet)."""
-        if self.pp_size == 1:
-            return
-        bad = [
-            f"--lora-rank {a.lora_rank}" * lora,
-            f"--stage {a.stage}" * (a.stage != "lm"),
-            f"--dtype {a.dtype}" * (a.dtype != "float32" and a.dtype != "float64"),
-            f"--fp8 {a.fp8}" * (a.fp8 is not None),
-        ]
-        bad = [b for b in bad if b]
-        if bad:
-            raise ValueError(
-                f"--pp {self.pp_size} with {' '.join(bad)}: not supported yet; expected --pp > 1 with full "
-                "fine-tuning (no LoRA), --stage lm, --dtype float32 (or float64) and no --fp8"
-            )
+        """:func:`refuse_pipeline` for this layout's ``--pp``."""
+        refuse_pipeline(self.pp_size, a, lora)
 
     def check_accum(self, accum: int, micro_batch_tokens: int) -> None:
         """Refuse a step whose ``accum`` micro-batches cannot be dealt evenly to the ``dp`` groups; with ``--pp``
