@@ -139,9 +139,15 @@ class TrainParallel:
                 "data-parallel ranks only); expected --cp 1 --ep 1 with --pp > 1"
             )
         if dp is None and world % (cp * pp):
+            if pp == 1:
+                raise ValueError(f"--cp: got {cp}, expected a positive divisor of the world size {world}")
             raise ValueError(f"--pp/--cp: got --pp {pp} x --cp {cp}, expected a divisor of the world size {world}")
         dp = world // (cp * pp) if dp is None else dp
         if pp * dp * cp != world:
+            if pp == 1:
+                raise ValueError(
+                    f"--dp/--cp: got --dp {dp} x --cp {cp} = {dp * cp} ranks, expected the world size {world}"
+                )
             raise ValueError(
                 f"--pp/--dp/--cp: got --pp {pp} x --dp {dp} x --cp {cp} = {pp * dp * cp} ranks, expected the world "
                 f"size {world}"
