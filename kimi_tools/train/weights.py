@@ -277,8 +277,9 @@ class OptimizerState:
     def match_saved(self, keys, prefix: str = "optimizer.") -> None:
         """Read and write the form of the resume state whose flat keys are ``keys`` (indexed param groups: the
         form before the flattened one)."""
-        head = prefix + "param_groups."
-        self.flatten = not any(k.startswith(head) and k[len(head) :].split(".", 1)[0].isdigit() for k in keys)
+        head = prefix + "param_groups."  # indexed: param_groups.<i>.lr; flat: param_groups.<name>.lr
+        rest = [k[len(head) :].split(".") for k in keys if k.startswith(head)]
+        self.flatten = not any(len(r) == 2 and r[0].isdigit() and r[1] == "lr" for r in rest)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
