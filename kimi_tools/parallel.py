@@ -26,6 +26,15 @@ indexers, which they re-run outside the layer's forward, where FSDP2 has not gat
 and :meth:`TrainParallel.reduce_replicated` sums their gradients (and the fp32 tensors' above) over all ranks after
 the backward.
 
+Pipeline parallelism (``--pp P [--pp-schedule S] [--pp-layout N,N,...]``, world = ``P x D x C``): the built model
+is cut into this rank's stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group), FSDP2 shards
+them over the ``dp`` ranks of its pipeline coordinate (``shard_stages``), and the loop trains
+``pipe.rank_module()`` (the stages under the one-process names: DCP states resume under another ``--pp`` or in one
+process). A step runs the ``dp`` group's micro-batches through the schedule (:meth:`TrainParallel.pipeline_step`),
+the evaluation forward only (:meth:`TrainParallel.pipeline_eval`), the gradient norm sums over ``pp``
+(:attr:`TrainParallel.norm_group`), the export gathers each stage to rank 0. Refused with ``--pp`` > 1 for now:
+``--cp`` / ``--ep`` > 1, LoRA, the distillation stages, bf16 and FP8 (:func:`refuse_pipeline`).
+
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
 """
@@ -72,12 +81,16 @@ class TrainParallel:
     """What the loop asks of the parallel layout (identity in one process).
 
     Args:
-        cp, dp, ep: ``--cp``, ``--dp`` (None: the rest of the world), ``--ep``. device: ``cpu`` (gloo) or ``cuda``
-            (NCCL). world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1).
+        cp, dp, ep, pp: ``--cp``, ``--dp`` (None: the rest of the world), ``--ep``, ``--pp``. pp_schedule,
+            pp_layout: ``--pp-schedule``, ``--pp-layout`` (the text). device: ``cpu`` (gloo) or ``cuda`` (NCCL).
+            world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1).
 
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
-            ``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--dp x --cp`` not the world size; ``--ep`` not
+            ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
+            ``--pp`` > 1 with ``--cp`` or ``--ep`` > 1; a ``--pp-layout`` that is not counts, or of a stage count
+            the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
+            ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
             without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``.
     """

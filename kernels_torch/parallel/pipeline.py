@@ -69,9 +69,11 @@ The other dimensions, and what remains:
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
   before its layers run. Not yet with FSDP2 over ``dp x cp`` (:func:`shard_stages` would take the flattened mesh,
   with ``ContextParallel`` on a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` does).
-* Building on ``meta`` and materialising only a rank's stages (read from the checkpoint by the rank's own layer
-  names), ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (:func:`parse_stage_layout`), the
-  trainer's gradient clipping (the squared norms all-reduced over ``pp`` as well) and the per-rank export.
+* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired (``kimi_tools.parallel``: FSDP2
+  over ``dp`` only; the evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over
+  ``pp``; the export gathered to rank 0). Remaining: building on ``meta`` and materialising only a rank's stages
+  (read from the checkpoint by the rank's own layer names), a per-rank export, ``--pp`` with ``--cp`` / ``--ep``
+  in the trainer.
 * Activation memory, for the planner: 1F1B keeps the activations of up to ``pp`` micro-batches of its stage on the
   first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
