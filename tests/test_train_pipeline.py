@@ -57,11 +57,17 @@ def _same_export(a_dir: Path, b_dir: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_pp2_equals_one_process(tmp_path, data, one):
-    """--pp 2 on 2 ranks (1F1B, one AttnRes block per stage): the one-process losses, gradient norms, eval losses
-    (steps 0 and 3) and export."""
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--pp-schedule", "Interleaved1F1B", "--pp-layout", "0,4,4,0"]],
+    ids=["1F1B", "Interleaved1F1B"],
+)
+def test_torchrun_pp2_equals_one_process(tmp_path, data, one, layout):
+    """--pp 2 on 2 ranks, 1F1B with one AttnRes block per stage, or Interleaved1F1B with 2 stages per rank (the
+    embedding alone on stage 0, the head alone on stage 3): the one-process losses, gradient norms, eval losses (steps
+    0 and 3) and export."""
     out = tmp_path / "pp2"
-    r = _torchrun(2, [*COMMON, "--data", str(data), "--pp", "2", "--out", str(out)])
+    r = _torchrun(2, [*COMMON, "--data", str(data), "--pp", "2", *layout, "--out", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     want, got = _records(one), _records(out)
     _assert_same(got, want, (1, 2, 3))
