@@ -58,6 +58,8 @@ __all__ = [
     "nonfinite_tensors",
     "load_arrays",
     "iter_arrays",
+    "check_checkpoint",
+    "read_canonical_block",
     "slice_A_log",
     "pad_A_log",
     "to_stored",
@@ -68,6 +70,13 @@ __all__ = [
     "normalise_layers",
     "stored_items",
     "write_stream",
+    "plan_files",
+    "fsync_dir",
+    "tmp_name",
+    "write_tensor_data",
+    "index_bytes",
+    "config_bytes",
+    "shard_header",
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -264,7 +273,10 @@ class CheckpointReader:
     Attributes:
         path: the directory.
         config: :class:`KimiConfig` from ``config.json``.
-        read_names: names (without prefix) whose data was read by :meth:`get`, in a set (proves laziness).
+        read_names: names (without prefix) whose data was read by :meth:`get` / :meth:`get_slice_array`, in a set
+            (proves laziness).
+        bytes_read: bytes of tensor data this reader has returned (:meth:`get_array` counts whole tensors,
+            :meth:`get_slice_array` only the sub-block), an int a caller may reset; what a sharded load reads.
         unprefixed: disk keys that lack ``config.key_prefix`` and are not vision keys (reported as unexpected by
             :func:`load_params`).
 
@@ -308,6 +320,7 @@ class CheckpointReader:
                 continue
             self._where[key[len(prefix) :]] = (file, key)
         self.read_names: set[str] = set()
+        self.bytes_read = 0
         self._headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
         self._handles: dict[str, object] = {}
 
@@ -391,6 +404,42 @@ class CheckpointReader:
                 f"expected a complete safetensors file (truncated or damaged shard?)"
             ) from None
         self.read_names.add(name)
+        self.bytes_read += t.nbytes
+        return t
+
+    def get_slice_array(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Read the sub-block ``t[index]`` of one stored tensor (stored dtype; ``index`` one ``slice(start, stop)``
+        per leading dimension, step 1, missing trailing dimensions whole) through safetensors' lazy
+        ``safe_open(...).get_slice``: only the block's bytes are copied out of the file. The shard is opened for this
+        read alone (not cached as :meth:`get_array` does), so the file pages the read touched leave the process's
+        resident set when it returns: a sharded load holds its own shard plus the block in flight, not every page it
+        has read. Counts the block's bytes in :attr:`bytes_read`.
+
+        Raises:
+            CheckpointError: unknown name, missing shard, the shard lacks the key, an index that is not step-1
+                slices inside the stored shape, or an unreadable file.
+        """
+        shape, _ = self._meta(name)
+        file, key = self._where[name]
+        index = tuple(index)
+        if len(index) > len(shape) or any(
+            not isinstance(sl, slice) or sl.step not in (None, 1) or not 0 <= (sl.start or 0) <= (sl.stop or 0) <= n
+            for sl, n in zip(index, shape)
+        ):
+            raise CheckpointError(
+                f"{self.path / file}: {name}: slice {index} is not a block of step-1 slices inside the stored shape "
+                f"{list(shape)}"
+            )
+        try:
+            with safe_open(str(self.path / file), framework="numpy") as h:
+                t = h.get_slice(key)[index] if index else h.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise CheckpointError(
+                f"{self.path / file}: cannot read tensor {name} ({type(e).__name__}: {e}); "
+                f"expected a complete safetensors file (truncated or damaged shard?)"
+            ) from None
+        self.read_names.add(name)
+        self.bytes_read += t.nbytes
         return t
 
     def close(self) -> None:
@@ -513,25 +562,15 @@ def load_arrays(
     return out
 
 
-def iter_arrays(
-    source: str | os.PathLike | CheckpointReader,
-    config: KimiConfig | None = None,
-    layers: int | Iterable[int] | None = None,
-    *,
-    check_finite: bool = True,
-) -> Iterator[tuple[str, np.ndarray]]:
-    """:func:`load_arrays` one tensor at a time: ``(name, array)`` in ``param_layout(config, layers)`` order, each
-    read (and dequantised) just before it is yielded, so a consumer that copies each array into its place and drops
-    it holds at most one tensor of the checkpoint at a time, plus up to ``2 x min(8, cpu_count)`` MXFP4 experts that
-    threads decode ahead (``kernels_torch.model.load_model`` streams a layer's routed experts into their stacked
-    parameters this way). Same arguments and checks as :func:`load_arrays`.
+def check_checkpoint(reader: CheckpointReader, cfg: KimiConfig, layers: int | Iterable[int] | None = None) -> None:
+    """Check the stored tensors of ``layers`` (the module docstring's convention) and the globals against
+    ``stored_layout(cfg, layers)`` from the safetensors headers alone (no tensor data read): what :func:`iter_arrays`
+    and ``kernels_torch.parallel.load.load_sharded`` check before reading.
 
     Raises:
-        CheckpointError: the layout problems of :func:`load_arrays` before the first tensor is yielded (a generator:
-            at the first ``next``); with ``check_finite``, the non-finite tensors after the last one.
+        CheckpointError: every missing, unexpected, misshaped or wrongly typed tensor, all in one error (by name,
+            with the expected and found shape and dtype), or shard files the index names that are absent.
     """
-    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
-    cfg = reader.config if config is None else config
     idx = normalise_layers(cfg, layers)
     wanted = set(idx)
     expected = stored_layout(cfg, idx)
@@ -554,6 +593,29 @@ def iter_arrays(
     found = {n: (reader.shape(n), reader.dtype(n)) for n in names}
     where = f"{reader.path} (layers {idx if len(idx) < 20 else f'{idx[0]}..{idx[-1]}'} + globals)"
     _raise_problems(where, _check_stored_meta(expected, found, cfg, extra))
+
+
+def iter_arrays(
+    source: str | os.PathLike | CheckpointReader,
+    config: KimiConfig | None = None,
+    layers: int | Iterable[int] | None = None,
+    *,
+    check_finite: bool = True,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """:func:`load_arrays` one tensor at a time: ``(name, array)`` in ``param_layout(config, layers)`` order, each
+    read (and dequantised) just before it is yielded, so a consumer that copies each array into its place and drops
+    it holds at most one tensor of the checkpoint at a time, plus up to ``2 x min(8, cpu_count)`` MXFP4 experts that
+    threads decode ahead (``kernels_torch.model.load_model`` streams a layer's routed experts into their stacked
+    parameters this way). Same arguments and checks as :func:`load_arrays`.
+
+    Raises:
+        CheckpointError: the layout problems of :func:`load_arrays` before the first tensor is yielded (a generator:
+            at the first ``next``); with ``check_finite``, the non-finite tensors after the last one.
+    """
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    cfg = reader.config if config is None else config
+    idx = normalise_layers(cfg, layers)
+    check_checkpoint(reader, cfg, idx)
 
     def read(spec: TensorSpec) -> tuple[np.ndarray, list[str]]:
         a = _read_canonical(reader, cfg, spec)
@@ -610,6 +672,54 @@ def _read_canonical(reader: CheckpointReader, cfg: KimiConfig, spec: TensorSpec)
     if _optional(spec) and n not in reader:
         return np.zeros(spec.shape, dtype=numpy_dtype(spec.dtype))  # spec 9: absent bias = 0
     return reader.get_array(n)
+
+
+def read_canonical_block(
+    reader: CheckpointReader, cfg: KimiConfig, spec: TensorSpec, block: tuple[tuple[int, int], ...]
+) -> np.ndarray:
+    """The block ``[start, stop)`` per dimension of one canonical parameter (``spec`` from
+    ``kimi.layout.param_layout(cfg)``), reading from the files only what the block needs: the stored tensor's
+    sub-block through :meth:`CheckpointReader.get_slice_array`. MXFP4 experts decode only the block's rows and the
+    scale groups its columns touch (a column range is widened to whole 32-column groups for the read, then cut);
+    ``A_log`` is read whole (its zero padding is checked, spec 2.1; a few hundred bytes) and sliced; conv weights
+    stored ``[C, W]`` are read as the ``[C, 1, W]`` block; an absent ``indexer.k_norm.bias`` gives zeros (spec 9).
+    Same dtypes as :func:`iter_arrays` (experts decoded to ``cfg.dtype``). The layout is assumed checked
+    (:func:`check_checkpoint`).
+
+    Raises:
+        CheckpointError: a block outside ``spec.shape``, an unreadable shard, a bad MXFP4 scale or ``A_log``.
+    """
+    n = spec.name
+    block = tuple((int(a), int(b)) for a, b in block)
+    if len(block) != len(spec.shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(block, spec.shape)):
+        raise CheckpointError(f"{reader.path}: {n}: block {list(block)} is not inside its shape {list(spec.shape)}")
+    sl = tuple(slice(a, b) for a, b in block)
+    if ".experts." in n and cfg.quant_method == "mxfp4":
+        (r0, r1), (c0, c1) = block
+        g = cfg.quant_group_size
+        g0, g1 = c0 // g, -(-c1 // g)  # the scale groups the columns touch
+        base = n.removesuffix(".weight")
+        try:
+            w = dequantize_mxfp4(
+                reader.get_slice_array(base + ".weight_packed", (slice(r0, r1), slice(g0 * g // 2, g1 * g // 2))),
+                reader.get_slice_array(base + ".weight_scale", (slice(r0, r1), slice(g0, g1))),
+                dtype=cfg.dtype,
+                group_size=g,
+            )
+        except ValueError as e:
+            raise CheckpointError(f"{reader.path}: {base}.weight_scale / .weight_packed: {e}") from None
+        return w[:, c0 - g0 * g : c1 - g0 * g] if (c0, c1) != (g0 * g, g1 * g) else w
+    if n.endswith(".self_attn.A_log"):
+        try:
+            return slice_A_log(reader.get_array(n), cfg.kda_num_heads)[sl].copy()
+        except ValueError as e:
+            raise CheckpointError(f"{reader.path}: {n}: {e}") from None
+    if _optional(spec) and n not in reader:
+        return np.zeros([b - a for a, b in block], dtype=numpy_dtype(spec.dtype))  # spec 9: absent bias = 0
+    stored = reader.shape(n)
+    if n.endswith("_conv1d.weight") and len(stored) == 2:  # stored [C, W]: the [C, 1, W] block without its axis 1
+        return reader.get_slice_array(n, (sl[0], sl[2]))[:, None, :]
+    return reader.get_slice_array(n, sl)
 
 
 def nonfinite_tensors(params: Mapping[str, Any]) -> list[str]:
@@ -775,6 +885,38 @@ def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Ten
     return shards
 
 
+def plan_files(specs: list[TensorSpec], max_shard_bytes: int) -> list[tuple[str, list[TensorSpec]]]:
+    """The files :func:`write_stream` writes ``specs`` (the stored layout, in order) into: ``[(file name, specs)]``,
+    greedy in order up to ``max_shard_bytes`` per file (a larger tensor alone), named ``model.safetensors`` when one
+    file, else ``model-{i:05d}-of-{n:05d}.safetensors`` (1-based). A parallel writer that follows the same plan
+    (``kernels_torch.parallel.export``) writes the same files byte for byte."""
+    shards = _plan_shards(specs, max_shard_bytes)
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return list(zip(names, shards))
+
+
+def index_bytes(plan: list[tuple[str, list[TensorSpec]]], prefix: str) -> bytes:
+    """The ``model.safetensors.index.json`` of a :func:`plan_files` plan: ``metadata.total_size`` (bytes of tensor
+    data) and the ``weight_map`` of prefixed keys to file names, as UTF-8 JSON."""
+    index = {
+        "metadata": {"total_size": sum(_nbytes(s) for _, g in plan for s in g)},
+        "weight_map": {prefix + s.name: fname for fname, g in plan for s in g},
+    }
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
+def config_bytes(config: KimiConfig) -> bytes:
+    """The ``config.json`` a writer stores for ``config`` (``config.raw`` when it still describes it)."""
+    return (json.dumps(_config_json(config), indent=2) + "\n").encode()
+
+
+def shard_header(specs: list[TensorSpec], prefix: str) -> bytes:
+    """The safetensors header (length word and 8-byte-aligned JSON) of a file holding ``specs`` in order, keys
+    prefixed with ``prefix``; the tensors' raw bytes follow it in the same order."""
+    return _shard_header(specs, prefix)
+
+
 def _shard_header(specs: list[TensorSpec], prefix: str) -> bytes:
     meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
     off = 0
@@ -794,7 +936,14 @@ def _write_tensor_data(f, t: Any) -> None:
         f.write(flat.view(np.uint8).data)
 
 
-def _fsync_dir(path: Path) -> None:
+def write_tensor_data(f, t: Any) -> None:
+    """Append the raw little-endian bytes of ``t`` (a numpy array or torch tensor, C order) to the open file ``f``:
+    a safetensors file's data, after its :func:`shard_header`."""
+    _write_tensor_data(f, t)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the folder ``path`` (so a rename in it is durable); errors ignored (some filesystems refuse it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -807,7 +956,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _tmp_name(path: Path, final: str) -> Path:
+def tmp_name(path: Path, final: str) -> Path:
+    """A fresh temporary name in folder ``path`` for the file ``final`` (hidden, with the pid and a random tag)."""
     return path / f".{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -848,7 +998,7 @@ def check_replaceable(path: str | os.PathLike) -> None:
 def _write_bytes_tmp(path: Path, final: str, data: bytes) -> Path:
     """``data`` written and fsynced to a fresh temporary file in folder ``path`` (named after ``final``), opened as
     ``open(..., "wb")`` would (mode ``0o666`` less the umask); the caller renames it into place."""
-    tmp = _tmp_name(path, final)
+    tmp = tmp_name(path, final)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -883,7 +1033,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     try:
         tmp = _write_bytes_tmp(path.parent, path.name, data)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as e:
         if is_disk_full(e) and not isinstance(e, DiskFullError):
             raise DiskFullError(path, is_disk_full(e)) from e
@@ -923,15 +1073,15 @@ def write_stream(
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     prefix = config.key_prefix
-    shards = _plan_shards(specs, max_shard_bytes)
-    n = len(shards)
-    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    plan = plan_files(specs, max_shard_bytes)
+    names = [f for f, _ in plan]
+    shards = [g for _, g in plan]
     for fname in (*names, CONFIG_NAME, INDEX_NAME):
         check_replaceable(path / fname)
     tmps: list[tuple[Path, str]] = []
     try:
         for fname, group in zip(names, shards):
-            tmp = _tmp_name(path, fname)
+            tmp = tmp_name(path, fname)
             tmps.append((tmp, fname))
             with open(tmp, "wb") as f:
                 f.write(_shard_header(group, prefix))
@@ -943,17 +1093,8 @@ def write_stream(
                     _write_tensor_data(f, t)
                 f.flush()
                 os.fsync(f.fileno())
-        tmps.append(
-            (
-                _write_bytes_tmp(path, CONFIG_NAME, (json.dumps(_config_json(config), indent=2) + "\n").encode()),
-                CONFIG_NAME,
-            )
-        )
-        index = {
-            "metadata": {"total_size": sum(_nbytes(s) for s in specs)},
-            "weight_map": {prefix + s.name: fname for fname, g in zip(names, shards) for s in g},
-        }
-        index_tmp = _write_bytes_tmp(path, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        tmps.append((_write_bytes_tmp(path, CONFIG_NAME, config_bytes(config)), CONFIG_NAME))
+        index_tmp = _write_bytes_tmp(path, INDEX_NAME, index_bytes(plan, prefix))
         tmps.append((index_tmp, INDEX_NAME))
     except BaseException as e:
         for tmp, _ in tmps:
@@ -973,12 +1114,12 @@ def write_stream(
         except (ValueError, AttributeError):
             pass
         old_index.unlink()
-        _fsync_dir(path)
+        fsync_dir(path)
     for tmp, fname in tmps[:-1]:
         os.replace(tmp, path / fname)
-    _fsync_dir(path)
+    fsync_dir(path)
     os.replace(index_tmp, path / INDEX_NAME)
-    _fsync_dir(path)
+    fsync_dir(path)
     for stale in old_files - set(names):  # shards of an overwritten checkpoint that the new index does not use
         if "/" not in stale and stale.endswith(".safetensors"):
             (path / stale).unlink(missing_ok=True)

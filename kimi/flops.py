@@ -37,7 +37,7 @@ from kimi.layout import param_layout
 __all__ = ["estimate_flops"]
 
 
-def _causal_keys(T: int, window: int | None = None) -> float:
+def causal_keys(T: int, window: int | None = None) -> float:
     """Mean number of keys a query of a ``T``-token document attends to, causal, at most ``window`` keys."""
     if window is None or window >= T:
         return (T + 1) / 2
@@ -95,12 +95,12 @@ def estimate_flops(cfg: KimiConfig, seq_len: int, *, backward: bool = True) -> d
             kda += 6 * c.kda_num_heads * c.kda_head_dim * c.kda_head_dim
         elif kind == "mla":
             d_qk, d_v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-            attention += 2 * c.num_attention_heads * (d_qk + d_v) * _causal_keys(seq_len)
+            attention += 2 * c.num_attention_heads * (d_qk + d_v) * causal_keys(seq_len)
         else:  # dsa: absorbed sparse attention over the selected keys; the indexer scores every causal key
             d_qk, d_v = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
             H = c.num_attention_heads
-            attention += 2 * H * (d_qk + d_v) * _causal_keys(seq_len, c.index_topk)
-            indexer += 2 * c.index_n_heads * (c.index_head_dim + 1) * _causal_keys(seq_len)
+            attention += 2 * H * (d_qk + d_v) * causal_keys(seq_len, c.index_topk)
+            indexer += 2 * c.index_n_heads * (c.index_head_dim + 1) * causal_keys(seq_len)
 
     matmul = 2 * matmul_params + conv_flops
     train = 3.0 if backward else 1.0

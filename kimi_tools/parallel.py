@@ -10,8 +10,9 @@ loader state stays one state); the ``accum`` micro-batches of a step are dealt r
 ``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need),
 and inside a group each rank takes its contiguous shard of the row. Losses are weighted by the step's global target
 count, so the gradient is the sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone
-writes ``run.json``, metrics, the safetensors export and the plot; all ranks write their shards of the DCP
-``step-N/`` folder (the expert stacks are DTensors: every rank's experts are saved, and reshard on resume).
+writes ``run.json``, metrics and the plot; all ranks write their shards of the DCP ``step-N/`` folder (the expert
+stacks are DTensors: every rank's experts are saved, and reshard on resume) and their files of the safetensors export
+(:func:`kernels_torch.parallel.export.export_sharded`).
 
 Precision: a ``--dtype bfloat16`` model (and so ``cudnn``, the grouped experts and ``--fp8``) runs through FSDP2's
 ``MixedPrecisionPolicy``: the trainable bf16 parameters become fp32 sharded masters (AdamW steps them and holds its
@@ -352,14 +353,16 @@ class TrainParallel:
             dist.barrier()
 
     def save_model(self, model: nn.Module, out: Path) -> None:
-        """The HF safetensors export (``kernels_torch.model.save_model``; gathered from the shards under FSDP; with
-        ``--pp``, each pipeline rank's stages gathered over its ``dp`` ranks, then sent to rank 0, which writes)."""
+        """The HF safetensors export (``kernels_torch.model.save_model``'s files; under torchrun every rank writes its
+        own files, ``kernels_torch.parallel.export.export_sharded``, never gathering the model on one rank). With
+        ``--pp`` (each rank holding its stages only, which ``export_sharded`` does not take yet) each pipeline rank's
+        stages are gathered over its ``dp`` ranks and sent to rank 0, which writes."""
         if self.pipe is not None:
             return self._save_pipeline(model, out)
         if self.enabled:
-            from kernels_torch.parallel.fsdp import export_safetensors
+            from kernels_torch.parallel.export import export_sharded
 
-            export_safetensors(model, out)
+            export_sharded(model, out)
         else:
             from kernels_torch.model import save_model
 

@@ -384,7 +384,7 @@ def layer_flops(cfg: KimiConfig, seq_len: int, frozen_weights: bool = False) -> 
 def _attention_flops(cfg: KimiConfig, i: int, seq_len: int) -> float:
     """The non-matmul terms of ``kimi.flops.estimate_flops`` for layer ``i`` (training): KDA recurrence, MLA/DSA
     attention (x 3), the indexer scores (forward only)."""
-    from kimi.flops import _causal_keys
+    from kimi.flops import causal_keys
 
     c = cfg
     kind = c.layer_type(i)
@@ -392,10 +392,10 @@ def _attention_flops(cfg: KimiConfig, i: int, seq_len: int) -> float:
         return 3.0 * 6 * c.kda_num_heads * c.kda_head_dim * c.kda_head_dim
     if kind == "mla":
         d_qk, d_v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-        return 3.0 * 2 * c.num_attention_heads * (d_qk + d_v) * _causal_keys(seq_len)
+        return 3.0 * 2 * c.num_attention_heads * (d_qk + d_v) * causal_keys(seq_len)
     d_qk, d_v = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
-    att = 3.0 * 2 * c.num_attention_heads * (d_qk + d_v) * _causal_keys(seq_len, c.index_topk)
-    return att + 2 * c.index_n_heads * (c.index_head_dim + 1) * _causal_keys(seq_len)
+    att = 3.0 * 2 * c.num_attention_heads * (d_qk + d_v) * causal_keys(seq_len, c.index_topk)
+    return att + 2 * c.index_n_heads * (c.index_head_dim + 1) * causal_keys(seq_len)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import check_rel, spawn
+from torch.distributed.tensor import DTensor
 
 from kimi.config import load_config
 
@@ -306,12 +307,15 @@ def _ep_worker(rank: int, world: int, port: int, ref_path: str) -> None:
                 want = ref["grad"][step][n]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                if p.shape != want.shape:  # a routed-expert stack: this rank's rows, whole
+                grad = p.grad
+                if isinstance(grad, DTensor):  # a routed-expert stack, Shard(0) over ep: this rank's rows, whole
+                    grad, want = grad.to_local(), want[lo:hi]
+                elif p.shape != want.shape:  # a plain stack of this rank's rows
                     want = want[lo:hi]
                 else:  # replicated: this rank's tokens' part
-                    dist.all_reduce(p.grad, group=ep.group)
+                    dist.all_reduce(grad, group=ep.group)
                 try:
-                    check_rel(f"{where} step {step} {n}.grad", p.grad, want, TOL["grad"])
+                    check_rel(f"{where} step {step} {n}.grad", grad, want, TOL["grad"])
                 except AssertionError as e:
                     errors.append(str(e))
             opt.step()

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kernels_torch.model import KimiK3Model, cast_model
-from kernels_torch.moe import KimiMoE
 from kernels_torch.parallel.fsdp import parallelize
+from kernels_torch.parallel.mesh import ParallelDims
 from kimi.config import load_config
 from kimi.flops import estimate_flops
 from kimi_tools import plan as P
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _stage_model(cfg, layout: P.Layout, stage: int, dtype=torch.float32) -> KimiK3Model:
     """The meta model of one pipeline stage as one rank holds it before FSDP2: the stage's layers (embedding on the
-    first stage, norm, output mix and lm_head on the last), every MoE layer's stacks cut to ``E / ep`` rows (what
-    ``kernels_torch.parallel.expert.ExpertParallel`` keeps)."""
+    first stage, norm, output mix and lm_head on the last); the experts whole (``parallelize`` cuts them to
+    ``E / ep`` rows)."""
     with torch.device("meta"):
         model = cast_model(KimiK3Model(cfg), dtype)  # the checkpoint's fp32 tensors stay fp32
     r = P.stage_ranges(cfg, layout.pp)[stage]
@@ -40,20 +40,17 @@ def _stage_model(cfg, layout: P.Layout, stage: int, dtype=torch.float32) -> Kimi
         if cfg.has_attn_res:
             model.model.output_attn_res_norm = None
             model.model.output_attn_res_proj = None
-    for m in model.modules():
-        if isinstance(m, KimiMoE):
-            for w in ("w1", "w3", "w2"):
-                old = getattr(m.experts, w)
-                setattr(m.experts, w, nn.Parameter(old.detach()[: old.shape[0] // layout.ep].clone()))
     return model
 
 
-def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, lora_rank=None) -> dict:
-    """Local elements and bytes of the stage model on fake rank ``rank`` of ``dp x cp`` after the trainer's sharding:
-    the experts ``fully_shard`` over ``efsdp`` (a mesh ``(efsdp, ep)``, ep innermost), then
-    ``kernels_torch.parallel.fsdp.parallelize`` over ``(dp, cp)``."""
-    from torch.distributed.fsdp import fully_shard
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
+
+def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, lora_rank=None) -> dict:
+    """Local elements and bytes of the stage model on fake rank ``rank`` of ``dp x cp`` after the trainer's sharding
+    (``kernels_torch.parallel.fsdp.parallelize`` over the :class:`ParallelDims` mesh: the experts ``Shard(0)`` over
+    ``ep`` and FSDP2 over ``efsdp``, ep innermost; everything else FSDP2 over ``dp x cp``)."""
     world = layout.dp * layout.cp
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -62,12 +59,8 @@ def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, 
             from kimi_tools.lora import LoraSettings, apply_lora
 
             apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank))
-        mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))
-        emesh = init_device_mesh("cpu", (layout.efsdp, layout.ep), mesh_dim_names=("efsdp", "ep"))["efsdp"]
-        for m in model.modules():
-            if isinstance(m, KimiMoE):
-                fully_shard(m.experts, mesh=emesh)
-        parallelize(model, mesh)
+        dims = ParallelDims(world_size=world, dp=layout.dp, cp=layout.cp, ep=layout.ep)
+        parallelize(model, dims.build_mesh("cpu"))
         # one AdamW step on meta: the sharded gradients and the optimizer's moments as the trainer creates them
         trained = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trained, lr=1e-3, foreach=False)
@@ -76,12 +69,12 @@ def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, 
         opt.step()
         out = {"dense": 0, "experts": 0, "lora": 0, "bytes": 0, "trainable": 0}
         for name, p in model.named_parameters():
-            local = p.to_local()
+            local = p.to_local() if isinstance(p, DTensor) else p  # parameters FSDP2 leaves whole
             key = "experts" if ".experts.w" in name else "lora" if ".lora_" in name else "dense"
             out[key] += local.numel()
             out["bytes"] += local.numel() * local.element_size()
             out["trainable"] += local.numel() if p.requires_grad else 0
-        nbytes = lambda t: t.to_local().numel() * t.to_local().element_size()  # noqa: E731
+        nbytes = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
         out["grad_bytes"] = sum(nbytes(p.grad) for p in trained)
         out["optimizer_bytes"] = sum(nbytes(t) for st in opt.state.values() for k, t in st.items() if k != "step")
         return out

@@ -186,7 +186,7 @@ def test_moe_expert_sum_fp32():
             w_e = torch.where(ids == e, weights, 0).sum(-1)
             want += w_e[:, None] * m.experts.expert(e, z).float()
     assert seen["r"].dtype == bf16
-    assert rel(seen["r"], want.to(bf16)) <= TOL_SUM
+    assert rel(seen["r"].reshape(want.shape), want.to(bf16)) <= TOL_SUM  # [B, T, Dl] at the norm, [N, Dl] here
     assert rel(want.to(bf16).float(), want) > 5 * TOL_SUM  # what one bf16 rounding costs: the tolerance sees it
     # JAX: the same recipe, checked through routed_expert_norm's output (captured intermediates)
     flat = {k: np.asarray(torch.tensor(v, dtype=torch.float32 if "bias" in k else bf16).float()) for k, v in p.items()}

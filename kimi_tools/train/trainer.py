@@ -2,7 +2,8 @@
 ``Stateful`` training state (step, tokens seen, RNG), as torchtitan's ``Trainer`` is.
 
 ``Trainer(args)`` checks everything and builds the components, writing nothing: the data (loader and eval batches),
-the stage, the model (built, prepared, LoRA, frozen, converted, sharded), the fp32 masters, AdamW and the schedule,
+the stage, the model (built, prepared, LoRA, frozen, converted, sharded; under torchrun built on ``meta`` and each
+rank's shards materialised and read after the sharding: ``weights.materialise``), the fp32 masters, AdamW and the schedule,
 the checkpointer and the metrics log. :meth:`Trainer.run` opens the run folder (``run.json``, or the resume state),
 evaluates at step 0, and loops over :meth:`Trainer.train_step` until ``--stop-after`` or ``--steps``, saving the
 resume state on schedule (``--save-every``), on the last step and when a SIGINT / SIGTERM asks it to stop
@@ -37,6 +38,7 @@ from kimi_tools.train.weights import (
     convert_model,
     freeze,
     load_run_config,
+    materialise,
     recompute_layers,
 )
 
@@ -202,7 +204,10 @@ class Trainer:
 
         # ---- model: build, prepare, LoRA, trainable set, conversion, sharding; then masters and optimizer
         torch.manual_seed(a.seed)
-        self.model = model = build_model(a, cfg)
+        # under torchrun the model is built on meta and each rank materialises its shards after the sharding; with
+        # LoRA the adapters' init happens at apply_lora, so that path still builds the whole model first
+        sharded_build = par.enabled and self.lora_settings is None
+        self.model = model = build_model(a, cfg, meta=sharded_build)
         self.base_fingerprint = None
         if self.lora_settings is not None and a.checkpoint is not None:
             from kimi_tools.lora import base_fingerprint
@@ -219,6 +224,8 @@ class Trainer:
         par.setup(model, lora=self.lora_settings is not None, replicated=getattr(stage, "replicated", None))
         if par.pipe is not None:  # --pp: this rank trains its pipeline stages (one-process names), sharded over dp
             self.model = model = par.pipe.rank_module()
+        if sharded_build:
+            materialise(model, a, cfg, partial=par.pipe is not None)  # each rank its own shards (--pp: its stages')
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
         self.masters = MasterWeights(model)

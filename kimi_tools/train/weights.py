@@ -4,7 +4,9 @@ Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model
 ``kernels_torch.model.load_model``, or a ``--preset`` random init), the stage's ``prepare``, LoRA
 (``kimi_tools.lora.apply_lora``), :func:`freeze` (the stage's trainable set and ``--freeze``), :func:`convert_model`
 (the model-conversion hook: :data:`CONVERTERS`), then FSDP2 (``kimi_tools.parallel``), :class:`MasterWeights` and
-:func:`build_optimizer`. Parameters stay in the checkpoint's dtypes (``A_log``, ``dt_bias``, conv weights,
+:func:`build_optimizer`. Under torchrun (without LoRA) the model is built on ``meta`` and the same steps run on it
+(they set flags and swap modules, never read weights); after the sharding :func:`materialise` allocates and fills
+each rank's shards only. Parameters stay in the checkpoint's dtypes (``A_log``, ``dt_bias``, conv weights,
 ``o_norm`` in fp32); in bf16 the optimizer steps fp32 master copies of the trainable parameters.
 """
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "load_run_config",
     "build_model",
+    "materialise",
     "CONVERTERS",
     "convert_model",
     "freeze",
@@ -48,16 +51,23 @@ def load_run_config(a: TrainArgs) -> KimiConfig:
     return cfg
 
 
-def build_model(a: TrainArgs, cfg: KimiConfig) -> nn.Module:
+def build_model(a: TrainArgs, cfg: KimiConfig, meta: bool = False) -> nn.Module:
     """The :class:`kernels_torch.model.KimiK3Model` to train, on ``a.device`` in ``a.dtype`` (fp32 kept where the
     checkpoint keeps it): ``--checkpoint`` read by ``kernels_torch.model.load_model``, or ``--preset`` from
     :func:`kimi.init.init_params` (``--seed``; the full preset's config sets the residual-output scale, so
-    ``--layers N`` gives the first N layers of the whole model)."""
+    ``--layers N`` gives the first N layers of the whole model).
+
+    ``meta=True`` (under torchrun): the model is built on the ``meta`` device, holding no memory and no weights; the
+    trainer shards it (``TrainParallel.setup``), then :func:`materialise` gives each rank its shards of the same
+    weights."""
     import torch
 
-    from kernels_torch.model import load_model, model_from_params
+    from kernels_torch.model import KimiK3Model, cast_model, load_model, model_from_params
 
     dtype = getattr(torch, a.dtype)
+    if meta:
+        with torch.device("meta"):
+            return cast_model(KimiK3Model(cfg, backend=a.backend), dtype)
     if a.checkpoint is not None:
         return load_model(a.checkpoint, layers=a.layers, backend=a.backend, dtype=dtype, device=a.device)
     from kimi.config import load_config
@@ -65,6 +75,30 @@ def build_model(a: TrainArgs, cfg: KimiConfig) -> nn.Module:
 
     params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
     return model_from_params(cfg, params, a.backend, dtype, a.device)
+
+
+def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool = False) -> None:
+    """Give a model built by ``build_model(..., meta=True)`` and then sharded its weights, each rank only its shards:
+    ``to_empty`` on ``a.device`` allocates the local shards, then ``--checkpoint`` is read by
+    ``kernels_torch.parallel.load.load_sharded`` (each rank reads and decodes only its blocks), or the ``--preset``
+    init of :func:`build_model` (``kimi.init.init_params``, computed whole on every rank) is copied block by block
+    (``fill_sharded``). The weights are those :func:`build_model` gives in one process, bit for bit.
+
+    ``partial``: the model is a pipeline rank's stages (``Pipeline.rank_module``), holding some tensors only.
+
+    Raises:
+        kimi.checkpoint.CheckpointError, ValueError: see ``load_sharded``."""
+    from kernels_torch.parallel.load import fill_sharded, load_sharded, to_empty
+
+    to_empty(model, a.device)  # parameters keep their objects (TrainParallel holds the replicated ones)
+    if a.checkpoint is not None:
+        load_sharded(model, a.checkpoint, partial=partial)
+        return
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
+    fill_sharded(model, params, partial=partial)
 
 
 # A model converter rewrites the built model in place before it is sharded and its optimizer built (torchtitan's

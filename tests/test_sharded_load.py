@@ -1,0 +1,502 @@
+"""Sharded build, load and export on gloo ranks (CPU): a model built on ``meta``, sharded by FSDP2 (the stacked
+routed experts ``Shard(0)``: each rank a range of experts) or by hand-made ``DTensor`` placements that cut inside an
+expert (rows and columns, a 2-D mesh), materialised with ``to_empty`` and filled by
+``kernels_torch.parallel.load.load_sharded``:
+
+* every rank's shards equal the one-process ``kernels_torch.model.load_model`` (bitwise: the same decode and cast);
+* each rank reads at most 1.1 x (the stored bytes of what it owns + the largest stored tensor), and its resident
+  memory grows by at most 1.1 x (the bytes it owns in the model's dtype + the largest stored tensor) while it
+  materialises and loads. The memory is the kernel's own count: ``VmHWM`` of ``/proc/self/status`` (the peak
+  resident set, anonymous and file pages alike, so the checkpoint pages a read maps count too), reset just before
+  the load by writing ``5`` to ``/proc/self/clear_refs``, minus ``VmRSS`` at that moment. A first, unmeasured load
+  of the same model warms every code path (the library pages it touches) and its memory is handed back to the
+  system (``malloc_trim``), so the measured load counts only its own pages. The worker fixes glibc's mmap threshold
+  at its default 128 kB: left dynamic, the warm-up's frees raise it, the measured load's buffers then come from the
+  heap and the pages of freed ones stay resident (fragmentation the allocator keeps, about 3 read pieces here), a
+  property of the allocator's history rather than of the load;
+* ``kernels_torch.parallel.export.export_sharded`` (every rank its own files) writes the files ``save_model`` writes
+  for the same weights, byte for byte (bf16 and MXFP4 experts; also a bf16-experts config), and they load back.
+
+The checkpoint has a large vocabulary so that the owned bytes dominate what a process touches besides (a few
+hundred kB of allocator and library pages).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import spawn
+from torch.distributed.tensor import DTensor
+
+from kimi.config import load_config
+
+SLACK = 1.1  # the bound's factor, on bytes read and on memory
+EXPORT_VOCAB = 4096
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+LAYERS = 3
+
+
+def _config(quant: bool = True, vocab: int | None = None):
+    cfg = load_config("tiny").replace(vocab_size=vocab or 65536, num_experts=16).truncated(LAYERS)
+    return cfg if quant else cfg.replace(quant_method=None)
+
+
+def _write(path: Path, quant: bool = True, vocab: int | None = None) -> Path:
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+
+    cfg = _config(quant, vocab)
+    save_params(path, init_params(cfg, seed=3), cfg)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("ckpt") / "k")
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _meta_model(cfg, dtype=torch.float32):
+    from kernels_torch.model import KimiK3Model, cast_model
+
+    with torch.device("meta"):
+        return cast_model(KimiK3Model(cfg), dtype)
+
+
+def _stored_owned(model, cfg) -> tuple[int, int]:
+    """(stored bytes of the blocks this rank holds, the largest stored tensor's bytes)."""
+    from kernels_torch.parallel.load import local_block
+    from kimi.arrays import numpy_dtype
+    from kimi.layout import stored_layout
+
+    stored = {s.name: s for s in stored_layout(cfg)}
+    largest = max(s.numel * numpy_dtype(s.dtype).itemsize for s in stored.values())
+    total = 0
+    for n, t in model.state_dict(keep_vars=True).items():
+        local, _, _ = local_block(model, n, t)
+        if ".experts.w" in n:
+            per = 0.5 + 1 / cfg.quant_group_size if cfg.quant_method == "mxfp4" else 2
+            total += int(local.numel() * per)
+        else:
+            total += local.numel() * numpy_dtype(stored[n].dtype).itemsize
+    return total, largest
+
+
+def _fsdp_model(cfg, mesh):
+    from kernels_torch.parallel.fsdp import parallelize
+
+    model = _meta_model(cfg)
+    parallelize(model, mesh)
+    return model
+
+
+def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.parallel.load import load_sharded, local_block
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default, kept fixed (module docstring)
+        from kernels_torch.parallel.fsdp import init_mesh
+
+        cfg = _config()
+        mesh = init_mesh(dp=world, cp=1)  # one mesh for both models (its process groups made once)
+        warm = _fsdp_model(cfg, mesh)  # warm-up: the same code paths, then its memory handed back
+        warm.to_empty(device="cpu")
+        load_sharded(warm, ckpt)
+        del warm
+        gc.collect()
+        libc.malloc_trim(0)
+
+        model = _fsdp_model(cfg, mesh)
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+        before = _status("VmRSS")
+        model.to_empty(device="cpu")
+        stats = load_sharded(model, ckpt)
+        grown = _status("VmHWM") - before
+        stored_owned, largest = _stored_owned(model, cfg)
+        owned = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
+        shards = {n: t.to_local().clone() for n, t in model.state_dict().items()}
+        torch.save(
+            {
+                "bytes_read": stats.bytes_read,
+                "stored_owned": stored_owned,
+                "largest": largest,
+                "grown": grown,
+                "owned": owned,
+                "stats_owned": stats.owned_bytes,
+                "shards": shards,
+                "offsets": {n: local_block(model, n, t)[2] for n, t in model.state_dict(keep_vars=True).items()},
+            },
+            f"{out}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset and glibc")
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_load_reads_and_holds_only_its_shard(tmp_path, ckpt, world):
+    from kernels_torch.model import load_model
+
+    spawn(_load_worker, world, str(ckpt), str(tmp_path))
+    ref = load_model(ckpt).state_dict()
+    covered = dict.fromkeys(ref, 0)
+    for rank in range(world):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["owned"] == r["stats_owned"] > 0
+        bound_read = SLACK * (r["stored_owned"] + r["largest"])
+        assert r["bytes_read"] <= bound_read, (rank, r["bytes_read"], bound_read)
+        bound_mem = SLACK * (r["owned"] + r["largest"])
+        assert 0 < r["grown"] <= bound_mem, (rank, r["grown"], bound_mem, r["owned"], r["largest"])
+        for n, local in r["shards"].items():
+            off = r["offsets"][n]
+            want = ref[n][tuple(slice(o, o + s) for o, s in zip(off, local.shape))]
+            assert torch.equal(local, want), (rank, n)
+            covered[n] += local.numel()
+    # the experts' stacks are cut by FSDP2 along the experts: each rank read and decoded its own range only
+    assert all(covered[n] == ref[n].numel() for n in ref), [n for n in ref if covered[n] != ref[n].numel()]
+
+
+# ------------------------------------------------------------------------------------ placements cutting an expert
+
+
+def _cut_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    """A 2 x 2 mesh; every parameter a DTensor: stacks [E, out, in] Shard(1) x Shard(2) (each rank a quarter of every
+    expert; w2 [64, 96] cut at column 48, inside an MXFP4 group of 32), matrices Shard(0) x Shard(1), vectors
+    Replicate x Shard(0)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        from kernels_torch.moe import GroupedExperts
+        from kernels_torch.parallel.load import load_sharded
+
+        cfg = _cut_config()
+        mesh = init_device_mesh("cpu", (2, 2))
+        model = _meta_model(cfg)
+        for mod in model.modules():
+            for n, p in list(mod.named_parameters(recurse=False)):
+                if isinstance(mod, GroupedExperts):
+                    pl = [Shard(1), Shard(2)]
+                elif p.ndim >= 2:
+                    pl = [Shard(0), Shard(1)]
+                else:
+                    pl = [Replicate(), Shard(0)]
+                mod.register_parameter(n, torch.nn.Parameter(distribute_tensor(p, mesh, pl), p.requires_grad))
+        model.to_empty(device="cpu")
+        stats = load_sharded(model, ckpt)
+        from kernels_torch.parallel.load import local_block
+
+        torch.save(
+            {
+                "bytes_read": stats.bytes_read,
+                "shards": {n: local_block(model, n, t) for n, t in model.state_dict(keep_vars=True).items()},
+            },
+            f"{out}/cut{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _cut_config():
+    return _config().replace(moe_intermediate_size=96, vocab_size=512)
+
+
+@pytest.mark.distributed
+def test_load_into_blocks_cut_inside_experts(tmp_path):
+    """Every rank's blocks equal the one-process model's, experts cut by rows and by columns (inside a group)."""
+    from kernels_torch.model import load_model
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+
+    ckpt = tmp_path / "k"
+    cfg = _cut_config()
+    save_params(ckpt, init_params(cfg, seed=4), cfg)
+    spawn(_cut_worker, 4, str(ckpt), str(tmp_path))
+    ref = load_model(ckpt).state_dict()
+    cuts = set()
+    for rank in range(4):
+        r = torch.load(tmp_path / f"cut{rank}.pt")
+        for n, (local, gshape, off) in r["shards"].items():
+            assert gshape == tuple(ref[n].shape), n
+            want = ref[n][tuple(slice(o, o + s) for o, s in zip(off, local.shape))]
+            assert torch.equal(local, want), (rank, n)
+            if ".experts.w2" in n:
+                cuts.add(off[2] % cfg.quant_group_size)
+    assert cuts == {0, 48 % cfg.quant_group_size}, cuts  # a column block starting inside an MXFP4 group
+
+
+def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.parallel.expert import shard_experts
+        from kernels_torch.parallel.load import load_sharded
+
+        model = _meta_model(_cut_config())
+        shard_experts(model)  # plain tensors: each rank's stacks hold experts [r E / 2, (r + 1) E / 2)
+        model.to_empty(device="cpu")
+        stats = load_sharded(model, ckpt)
+        torch.save({"sd": model.state_dict(), "bytes_read": stats.bytes_read}, f"{out}/ep{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_load_into_expert_parallel_ranges(tmp_path):
+    """``kernels_torch.parallel.expert.shard_experts`` (plain stacks of a range of experts): each rank reads and
+    holds its own experts only, equal to the one-process model's rows."""
+    from kernels_torch.model import load_model
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+
+    cfg = _cut_config()
+    save_params(tmp_path / "k", init_params(cfg, seed=9), cfg)
+    spawn(_ep_worker, 2, str(tmp_path / "k"), str(tmp_path))
+    ref = load_model(tmp_path / "k").state_dict()
+    E = cfg.num_experts
+    for rank in range(2):
+        got = torch.load(tmp_path / f"ep{rank}.pt")
+        for n, t in got["sd"].items():
+            t = t.to_local() if isinstance(t, DTensor) else t  # the expert stacks: DTensors Shard(0) over ep
+            want = ref[n][rank * E // 2 : (rank + 1) * E // 2] if ".experts.w" in n else ref[n]
+            assert torch.equal(t, want), (rank, n)
+        assert got["bytes_read"] < sum(p.stat().st_size for p in (tmp_path / "k").glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------ parallel export
+
+
+def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, max_bytes: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from kernels_torch.parallel.export import export_sharded
+        from kernels_torch.parallel.fsdp import init_mesh
+        from kernels_torch.parallel.load import load_sharded
+        from kimi.config import KimiConfig
+
+        cfg = KimiConfig.from_json(Path(ckpt) / "config.json")
+        model = _fsdp_model(cfg, init_mesh(dp=world, cp=1))
+        model.to_empty(device="cpu")
+        load_sharded(model, ckpt)
+        g = torch.Generator().manual_seed(rank)
+        with torch.no_grad():  # fp32 weights that are no round trip of the stored ones: the cast and quantiser act
+            for p in model.parameters():
+                local = p.to_local()
+                local.mul_(1.0 + 0.3 * torch.rand(local.shape, generator=g, dtype=local.dtype))
+        wrote = export_sharded(model, f"{out}/par", max_shard_bytes=max_bytes)
+        export_sharded(model, f"{out}/par_default")  # one 5 GB file: save_model's own layout
+        sd = {n: t.full_tensor() for n, t in model.state_dict().items()}
+        if rank == 0:
+            torch.save(sd, f"{out}/full.pt")
+        (Path(out) / f"wrote{rank}.json").write_text(json.dumps(wrote))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, quant", [(2, True), (4, True), (2, False)], ids=["w2-mxfp4", "w4-mxfp4", "w2-bf16"])
+def test_parallel_export_equals_single_process(tmp_path, world, quant):
+    from kernels_torch.model import KimiK3Model, cast_model, load_model, save_model
+    from kimi.checkpoint import CheckpointReader
+
+    ckpt = _write(tmp_path / "k", quant, EXPORT_VOCAB)
+    max_bytes = 2**18  # several files: every rank writes some
+    spawn(_export_worker, world, str(ckpt), str(tmp_path), max_bytes)
+    cfg = _config(quant, EXPORT_VOCAB)
+    one = cast_model(KimiK3Model(cfg), torch.float32)
+    one.load_state_dict(torch.load(tmp_path / "full.pt"))
+    from kernels_torch.params import canonical_state_dict
+    from kimi.checkpoint import save_params
+    from kimi.layout import param_layout
+
+    dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(cfg)}
+    sd = {k: v.detach().to("cpu", dtypes[k]) for k, v in canonical_state_dict(one).items()}
+    save_params(tmp_path / "one", sd, cfg, max_shard_bytes=max_bytes)  # save_model with the same file size
+    par, ref = tmp_path / "par", tmp_path / "one"
+    names = sorted(p.name for p in ref.iterdir())
+    assert names == sorted(p.name for p in par.iterdir())  # no temporary file left
+    wrote = [json.loads((tmp_path / f"wrote{r}.json").read_text()) for r in range(world)]
+    assert all(wrote), wrote  # every rank wrote files
+    for name in names:
+        assert (par / name).read_bytes() == (ref / name).read_bytes(), name
+    back = load_model(par).state_dict()
+    for k, v in load_model(ref).state_dict().items():
+        assert torch.equal(back[k], v), k
+    assert len(CheckpointReader(par).files) >= world
+    save_model(one, tmp_path / "sm")
+    for name in sorted(p.name for p in (tmp_path / "sm").iterdir()):
+        assert (tmp_path / "par_default" / name).read_bytes() == (tmp_path / "sm" / name).read_bytes(), name
+
+
+# ------------------------------------------------------------------------------------------------ kimi train
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_train_from_checkpoint_loads_shards_and_exports(tmp_path):
+    """``kimi train --checkpoint`` on 2 torchrun ranks (the model built on meta, each rank reading its shards, the
+    export written by both ranks) gives the one-process losses and gradient norms, and its exported model equals
+    the one-process one within the bf16 tolerance of ``tests/test_train_parallel.py``."""
+    from safetensors.torch import load_file
+    from test_train_parallel import (
+        COMMON,
+        TOL,
+        _assert_same,
+        _close,
+        _records,
+        _short_documents,
+        _torchrun,
+        assert_exports_close,
+    )
+
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+    from kimi_tools.cli import main
+
+    cfg = load_config("tiny").truncated(4)
+    ckpt = tmp_path / "ck"
+    save_params(ckpt, init_params(cfg, seed=5), cfg)
+    data = _short_documents(tmp_path / "docs.jsonl")
+    argv = [a for a in COMMON if a not in ("--preset", "tiny", "--layers", "4")]
+    argv += ["--checkpoint", str(ckpt), "--data", str(data)]
+    assert main(["train", *argv, "--out", str(tmp_path / "one")]) == 0
+    r = _torchrun(2, [*argv, "--out", str(tmp_path / "two")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _records(tmp_path / "one"), _records(tmp_path / "two")
+    _assert_same(got, want, (1, 2, 3))
+    assert _close(got[0]["eval_loss"], want[0]["eval_loss"], TOL["eval_loss"])
+    a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert_exports_close(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def test_read_canonical_block_equals_whole_read(tmp_path):
+    """Random blocks of every canonical tensor (experts cut at any row and column, inside MXFP4 groups; A_log; conv
+    weights stored in the [C, W] variant) equal the same block of ``load_arrays``, and read fewer bytes than the
+    whole tensors."""
+    import numpy as np
+    from test_checkpoint import write_raw
+
+    from kimi.checkpoint import CheckpointReader, load_arrays, read_canonical_block, to_stored
+    from kimi.init import init_params
+    from kimi.layout import param_layout
+
+    cfg = load_config("tiny").truncated(3)
+    stored = to_stored(init_params(cfg, seed=6), cfg)  # torch tensors
+    convs = [k for k in stored if k.endswith("_conv1d.weight")]
+    assert convs
+    for k in convs:
+        stored[k] = stored[k][:, 0, :].contiguous()  # [C, 1, W] -> [C, W], as some exporters store it (spec 2.1)
+    write_raw(tmp_path / "k", stored, cfg)
+    whole = load_arrays(tmp_path / "k")
+    reader = CheckpointReader(tmp_path / "k")
+    rng = np.random.default_rng(0)
+    for spec in param_layout(cfg):
+        block = []
+        for n in spec.shape:
+            a = int(rng.integers(0, n))
+            block.append((a, int(rng.integers(a + 1, n + 1))))
+        got = read_canonical_block(reader, cfg, spec, tuple(block))
+        want = whole[spec.name][tuple(slice(a, b) for a, b in block)]
+        assert got.dtype == want.dtype and np.array_equal(got, want), (spec.name, block)
+    stored = sum((tmp_path / "k" / f).stat().st_size for f in reader.files)
+    assert 0 < reader.bytes_read < stored
+
+
+def test_load_sharded_errors_and_buffers(tmp_path):
+    """A tensor missing from the model or of another shape is named with both shapes; a non-persistent buffer is
+    recomputed by its module's reset_buffers() or refused."""
+    from kernels_torch.parallel.load import load_sharded
+    from kimi.checkpoint import save_params
+    from kimi.init import init_params
+
+    cfg = load_config("tiny").truncated(2)
+    save_params(tmp_path / "k", init_params(cfg, seed=7), cfg)
+
+    class Cache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+    class Recomputed(Cache):
+        def reset_buffers(self):
+            self.inv_freq.copy_(torch.arange(4.0))
+
+    model = _meta_model(cfg)
+    model.model.cache = Recomputed()
+    model.to_empty(device="cpu")
+    load_sharded(model, tmp_path / "k")
+    assert torch.equal(model.model.cache.inv_freq, torch.arange(4.0))
+    model.model.cache = Cache()
+    with pytest.raises(ValueError, match=r"non-persistent buffers \['inv_freq'\]"):
+        load_sharded(model, tmp_path / "k")
+    del model.model.cache
+    model.model.norm.weight = torch.nn.Parameter(torch.zeros(7))
+    with pytest.raises(ValueError, match=r"wrong shape: model.norm.weight \(checkpoint layout \[96\], model \[7\]\)"):
+        load_sharded(model, tmp_path / "k")
+    del model.lm_head
+    with pytest.raises(ValueError, match=r"missing from the model: lm_head.weight"):
+        load_sharded(model, tmp_path / "k")
+    model = _meta_model(cfg)
+    with pytest.raises(ValueError, match="on the meta device: model.embed_tokens.weight"):
+        load_sharded(model, tmp_path / "k")
+
+
+def test_load_sharded_refuses_nonfinite_and_layout_problems(tmp_path):
+    from test_checkpoint import write_raw
+
+    from kernels_torch.parallel.load import load_sharded
+    from kimi.checkpoint import CheckpointError, to_stored
+    from kimi.init import init_params
+
+    cfg = load_config("tiny").truncated(2)
+    stored = to_stored(init_params(cfg, seed=8), cfg)
+    stored["model.norm.weight"] = stored["model.norm.weight"].clone()
+    stored["model.norm.weight"][5] = float("nan")
+    write_raw(tmp_path / "nan", stored, cfg)
+    model = _meta_model(cfg)
+    model.to_empty(device="cpu")
+    with pytest.raises(CheckpointError, match=r"non-finite: model.norm.weight block \[\(0, 96\)\]: 1 NaN"):
+        load_sharded(model, tmp_path / "nan")
+    load_sharded(model, tmp_path / "nan", check_finite=False)
+    stored.pop("model.layers.1.post_attention_layernorm.weight")
+    write_raw(tmp_path / "missing", stored, cfg)
+    with pytest.raises(CheckpointError, match=r"missing: model.layers.1.post_attention_layernorm.weight"):
+        load_sharded(model, tmp_path / "missing")
+
+
+def test_to_empty_keeps_parameter_objects():
+    """``load.to_empty`` materialises a meta model with the same parameter objects (``Module.to_empty`` makes new
+    ones, leaving references taken before on the discarded meta tensors)."""
+    from kernels_torch.parallel.load import to_empty
+
+    cfg = load_config("tiny").truncated(2)
+    model = _meta_model(cfg)
+    before = dict(model.named_parameters())
+    to_empty(model, "cpu")
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for n, p in after.items():
+        assert p is before[n] and p.device.type == "cpu" and isinstance(p, torch.nn.Parameter), n
