@@ -177,3 +177,25 @@ def test_optimizer_state_reads_the_form_it_was_written_in(tmp_path):
         dcp.load({"optimizer": st2}, checkpoint_id=str(tmp_path / name), no_dist=True)
         for p, p2 in zip(m.parameters(), m2.parameters()):
             assert torch.equal(opt.state[p]["exp_avg"], opt2.state[p2]["exp_avg"]), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_pp2_from_checkpoint_reads_its_stages(tmp_path, data):
+    """``kimi train --checkpoint --pp 2``: the model built on meta, each rank reading only its stages' tensors
+    (``load_sharded(..., partial=True)``), gives the one-process losses, gradient norms and eval loss."""
+    from kimi.checkpoint import save_params
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    cfg = load_config("tiny").truncated(8)
+    ckpt = tmp_path / "ck"
+    save_params(ckpt, init_params(cfg, seed=5), cfg)
+    argv = [a for a in COMMON if a not in ("--preset", "tiny", "--layers", "8")]
+    argv += ["--checkpoint", str(ckpt), "--data", str(data), "--steps", "2"]
+    assert main(["train", *argv, "--out", str(tmp_path / "one")]) == 0
+    r = _torchrun(2, [*argv, "--pp", "2", "--out", str(tmp_path / "pp2")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _records(tmp_path / "one"), _records(tmp_path / "pp2")
+    _assert_same(got, want, (1, 2))
+    assert _close(got[2]["eval_loss"], want[2]["eval_loss"], TOL["eval_loss"])
