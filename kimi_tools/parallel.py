@@ -27,8 +27,8 @@ indexers, which they re-run outside the layer's forward, where FSDP2 has not gat
 and :meth:`TrainParallel.reduce_replicated` sums their gradients (and the fp32 tensors' above) over all ranks after
 the backward.
 
-Pipeline parallelism (``--pp P [--pp-schedule S] [--pp-layout N,N,...]``, world = ``P x D x C``): the built model
-is cut into this rank's stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group), FSDP2 shards
+Pipeline parallelism (``--pp P [--pp-schedule S] [--pp-layout N,N,...]``, world = ``P x D x C``): the model (built
+on ``meta``; the trainer then materialises only this rank's stages) is cut into this rank's stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group), FSDP2 shards
 them over the ``dp`` ranks of its pipeline coordinate (``shard_stages``), and the loop trains
 ``pipe.rank_module()`` (the stages under the one-process names: DCP states resume under another ``--pp`` or in one
 process). A step runs the ``dp`` group's micro-batches through the schedule (:meth:`TrainParallel.pipeline_step`),

@@ -10,6 +10,7 @@ target counts: a loss weighted 1/micro-batches fails."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -125,6 +126,9 @@ def test_pipeline_flags_refused_in_one_line():
         TrainParallel(1, "cpu", pp=2, pp_layout="4,4,0", world=4)
     with pytest.raises(ValueError, match=r"^--pp-schedule: got 'ZB', expected one of"):
         TrainParallel(1, "cpu", pp=2, pp_schedule="ZB", world=4)
+    if "RANK" not in os.environ:  # one process (not under torchrun)
+        with pytest.raises(ValueError, match=r"^--pp 2: given in one process, expected a launch under torchrun"):
+            TrainParallel(1, "cpu", pp=2)
 
 
 @pytest.mark.parametrize(
