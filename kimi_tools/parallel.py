@@ -27,6 +27,15 @@ indexers, which they re-run outside the layer's forward, where FSDP2 has not gat
 and :meth:`TrainParallel.reduce_replicated` sums their gradients (and the fp32 tensors' above) over all ranks after
 the backward.
 
+Pipeline parallelism (``--pp P [--pp-schedule S] [--pp-layout N,N,...]``, world = ``P x D x C``): the model (built
+on ``meta``; the trainer then materialises only this rank's stages) is cut into this rank's stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group), FSDP2 shards
+them over the ``dp`` ranks of its pipeline coordinate (``shard_stages``), and the loop trains
+``pipe.rank_module()`` (the stages under the one-process names: DCP states resume under another ``--pp`` or in one
+process). A step runs the ``dp`` group's micro-batches through the schedule (:meth:`TrainParallel.pipeline_step`),
+the evaluation forward only (:meth:`TrainParallel.pipeline_eval`), the gradient norm sums over ``pp``
+(:attr:`TrainParallel.norm_group`), the export gathers each stage to rank 0. Refused with ``--pp`` > 1 for now:
+``--cp`` / ``--ep`` > 1, LoRA, the distillation stages, bf16 and FP8 (:func:`refuse_pipeline`).
+
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
 """
@@ -41,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainParallel", "under_torchrun"]
+__all__ = ["TrainParallel", "under_torchrun", "refuse_pipeline"]
 
 
 def under_torchrun() -> bool:
@@ -49,61 +58,142 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
 
 
+def refuse_pipeline(pp: int, a, lora: bool) -> None:
+    """With ``--pp`` > 1, refuse (one line naming the flags and values) what the pipeline path does not run yet:
+    LoRA, the distillation stages (``--stage`` other than ``lm``), ``--dtype bfloat16`` and ``--fp8`` (the stages'
+    FSDP2 has no fp32 exceptions for the checkpoint's fp32 tensors yet). ``a``: the run's ``TrainArgs``."""
+    if pp == 1:
+        return
+    bad = [
+        f"--lora-rank {a.lora_rank}" * lora,
+        f"--stage {a.stage}" * (a.stage != "lm"),
+        f"--dtype {a.dtype}" * (a.dtype not in ("float32", "float64")),
+        f"--fp8 {a.fp8}" * (a.fp8 is not None),
+    ]
+    bad = [b for b in bad if b]
+    if bad:
+        raise ValueError(
+            f"--pp {pp} with {' '.join(bad)}: not supported yet; expected --pp > 1 with full fine-tuning (no LoRA), "
+            "--stage lm, --dtype float32 (or float64) and no --fp8"
+        )
+
+
 class TrainParallel:
     """What the loop asks of the parallel layout (identity in one process).
 
     Args:
-        cp, dp, ep: ``--cp``, ``--dp`` (None: the rest of the world), ``--ep``. device: ``cpu`` (gloo) or ``cuda``
-            (NCCL). world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1).
+        cp, dp, ep, pp: ``--cp``, ``--dp`` (None: the rest of the world), ``--ep``, ``--pp``. pp_schedule,
+            pp_layout: ``--pp-schedule``, ``--pp-layout`` (the text). device: ``cpu`` (gloo) or ``cuda`` (NCCL).
+            world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1).
 
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
-            ``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--dp x --cp`` not the world size; ``--ep`` not
+            ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
+            ``--pp`` > 1 with ``--cp`` or ``--ep`` > 1; a ``--pp-layout`` that is not counts, or of a stage count
+            the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
+            ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
             without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``.
     """
 
-    def __init__(self, cp: int, device: str, *, dp: int | None = None, ep: int = 1, world: int | None = None):
+    def __init__(
+        self,
+        cp: int,
+        device: str,
+        *,
+        dp: int | None = None,
+        ep: int = 1,
+        pp: int = 1,
+        pp_schedule: str = "1F1B",
+        pp_layout: str | None = None,
+        world: int | None = None,
+    ):
         from kernels_torch.parallel.mesh import ParallelDims
+        from kernels_torch.parallel.pipeline import SCHEDULES, parse_stage_layout
 
         self.enabled = under_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) > 1 if world is None else True
         world = (int(os.environ.get("WORLD_SIZE", "1")) if self.enabled else 1) if world is None else world
-        for flag, v in (("--cp", cp), ("--dp", dp), ("--ep", ep)):
+        for flag, v in (("--cp", cp), ("--dp", dp), ("--ep", ep), ("--pp", pp)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{flag}: got {v!r}, expected a positive integer")
         if not self.enabled:
-            given = [f"{f} {v}" for f, v in (("--cp", cp), ("--dp", dp), ("--ep", ep)) if v is not None and v > 1]
+            sizes = (("--pp", pp), ("--cp", cp), ("--dp", dp), ("--ep", ep))
+            given = [f"{f} {v}" for f, v in sizes if v is not None and v > 1]
             if given:
                 raise ValueError(
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
                     "--nproc-per-node N -m kimi_tools.cli train ...)"
                 )
-        if dp is None and world % cp:
-            raise ValueError(f"--cp: got {cp}, expected a positive divisor of the world size {world}")
-        dp = world // cp if dp is None else dp
-        if dp * cp != world:
-            raise ValueError(f"--dp/--cp: got --dp {dp} x --cp {cp} = {dp * cp} ranks, expected the world size {world}")
+        if pp_schedule not in SCHEDULES:
+            raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
+        self.pp_counts = None
+        self.stages_per_rank = 2 if pp_schedule == "Interleaved1F1B" else 1
+        if pp_layout is not None:
+            try:
+                self.pp_counts = parse_stage_layout(pp_layout)
+            except ValueError:
+                raise ValueError(
+                    f"--pp-layout: got {pp_layout!r}, expected layer counts per stage like '12,24,24,33'"
+                ) from None
+            n = len(self.pp_counts)
+            if pp_schedule == "Interleaved1F1B" and (n % pp or n // pp < 2):
+                raise ValueError(
+                    f"--pp-layout: got {n} stages with --pp {pp} --pp-schedule {pp_schedule}, expected a multiple "
+                    f"of --pp of at least {2 * pp} (stages_per_rank >= 2)"
+                )
+            if pp_schedule != "Interleaved1F1B" and n != pp:
+                raise ValueError(
+                    f"--pp-layout: got {n} stages with --pp {pp} --pp-schedule {pp_schedule}, expected {pp} "
+                    "(one stage per rank)"
+                )
+            self.stages_per_rank = n // pp
+        if pp > 1 and (cp > 1 or ep > 1):
+            raise ValueError(
+                f"--pp {pp} with --cp {cp} --ep {ep}: not supported yet (the pipeline stages are sharded over the "
+                "data-parallel ranks only); expected --cp 1 --ep 1 with --pp > 1"
+            )
+        if dp is None and world % (cp * pp):
+            if pp == 1:
+                raise ValueError(f"--cp: got {cp}, expected a positive divisor of the world size {world}")
+            raise ValueError(f"--pp/--cp: got --pp {pp} x --cp {cp}, expected a divisor of the world size {world}")
+        dp = world // (cp * pp) if dp is None else dp
+        if pp * dp * cp != world:
+            if pp == 1:
+                raise ValueError(
+                    f"--dp/--cp: got --dp {dp} x --cp {cp} = {dp * cp} ranks, expected the world size {world}"
+                )
+            raise ValueError(
+                f"--pp/--dp/--cp: got --pp {pp} x --dp {dp} x --cp {cp} = {pp * dp * cp} ranks, expected the world "
+                f"size {world}"
+            )
         if (dp * cp) % ep:
             raise ValueError(
                 f"--ep: got {ep}, expected a divisor of --dp x --cp = {dp} x {cp} = {dp * cp} (expert parallelism "
                 "regroups those ranks; it adds none)"
             )
-        self.dims = ParallelDims(world, dp=dp, cp=cp, ep=ep)
-        self.cp_size, self.dp_size, self.ep_size, self.device = cp, dp, ep, device
-        self.rank, self.mesh, self.ctx = 0, None, None
+        self.dims = ParallelDims(world, dp=dp, cp=cp, ep=ep, pp=pp)
+        self.cp_size, self.dp_size, self.ep_size, self.pp_size, self.device = cp, dp, ep, pp, device
+        self.pp_schedule = pp_schedule
+        self.rank, self.mesh, self.ctx, self.pipe, self.n_microbatches = 0, None, None, None, 1
         self.replicated: list[nn.Parameter] = []
         if self.enabled:
             from kernels_torch.parallel.fsdp import init_mesh
 
-            self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep)
+            self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep, pp=pp)
             self.rank = dist.get_rank()
 
     @property
     def is_writer(self) -> bool:
         return self.rank == 0
 
+    def check_pipeline(self, a, lora: bool) -> None:
+        """:func:`refuse_pipeline` for this layout's ``--pp``."""
+        refuse_pipeline(self.pp_size, a, lora)
+
     def check_accum(self, accum: int, micro_batch_tokens: int) -> None:
-        """Refuse a step whose ``accum`` micro-batches cannot be dealt evenly to the ``dp`` groups."""
+        """Refuse a step whose ``accum`` micro-batches cannot be dealt evenly to the ``dp`` groups; with ``--pp``
+        each group's micro-batches are the pipeline's (:attr:`n_microbatches`)."""
+        self.n_microbatches = max(accum // self.dp_size, 1)
         if accum % self.dp_size:
             raise ValueError(
                 f"--batch-tokens: {accum} micro-batch(es) of {micro_batch_tokens} tokens per step cannot be dealt "
@@ -119,6 +209,8 @@ class TrainParallel:
         (its frozen base stays in its dtype, the adapters train as fp32 masters)."""
         if not self.enabled:
             return
+        if self.pp_size > 1:
+            return self._setup_pipeline(model)
         from kernels_torch.moe import KimiMoE
         from kernels_torch.parallel.fsdp import fp32_compute_params, parallelize
 
@@ -137,6 +229,66 @@ class TrainParallel:
         self.ctx = parallelize(
             model, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored
         )
+
+    def _setup_pipeline(self, model: nn.Module) -> None:
+        """Cut ``model`` into this rank's pipeline stages (``kernels_torch.parallel.pipeline.Pipeline`` over the
+        ``pp`` group, ``--pp-schedule``, ``--pp-layout``) and shard them with FSDP2 over the ``dp`` ranks of this
+        pipeline coordinate (``shard_stages``). :attr:`pipe` then holds them; the loop trains
+        ``pipe.rank_module()``."""
+        from kernels_torch.parallel.pipeline import Pipeline, shard_stages
+
+        stages = self.pp_size * self.stages_per_rank
+        if self.pp_schedule != "GPipe" and self.n_microbatches < stages:
+            raise ValueError(
+                f"--batch-tokens: {self.n_microbatches} micro-batch(es) per data-parallel group and step, fewer than "
+                f"the {stages} pipeline stages that --pp {self.pp_size} --pp-schedule {self.pp_schedule} needs at "
+                f"least; expected --batch-tokens >= {stages * self.dp_size} x --micro-batch-tokens, or --pp-schedule "
+                "GPipe"
+            )
+        try:
+            self.pipe = Pipeline(
+                model,
+                pp_size=self.pp_size,
+                pp_rank=self.mesh["pp"].get_local_rank(),
+                n_microbatches=self.n_microbatches,
+                schedule=self.pp_schedule,
+                stages_per_rank=self.stages_per_rank,
+                layer_counts=self.pp_counts,
+                group=self.mesh["pp"].get_group(),
+                device=self.device,
+            )
+        except ValueError as e:
+            flag = "--pp-layout" if self.pp_counts is not None else "--pp"
+            raise ValueError(f"{flag}: {e}") from None
+        shard_stages(self.pipe, self.mesh["dp"])
+
+    def pipeline_step(self, batches: list, n_targets: int) -> float:
+        """Forward and backward of this ``dp`` group's micro-batches (``[1, T]`` :class:`kimi_tools.data.Batch`
+        each, their ``cu_seqlens`` with them) through the pipeline, each micro-batch's summed NLL divided by the
+        step's ``n_targets`` (all groups); returns the step's loss summed over the ``dp`` groups."""
+        ids = torch.cat([b.input_ids for b in batches]).to(self.device)
+        labels = torch.cat([b.labels for b in batches]).to(self.device)
+        loss = self.pipe.step(ids, labels, [b.cu_seqlens for b in batches], n_tokens=max(n_targets, 1))
+        return self._sum([float(loss)], self.mesh["dp"].get_group())[0]
+
+    def pipeline_eval(self, batches: list) -> float:
+        """The mean NLL over ``batches`` (every ``dp`` group evaluates all of them), forward only through the
+        pipeline, one batch at a time."""
+        total, n = 0.0, 0
+        for b in batches:
+            nll = self.pipe.evaluate(b.input_ids.to(self.device), b.labels.to(self.device), [b.cu_seqlens], n_tokens=1)
+            total, n = total + float(nll), n + b.num_targets
+        return total / max(n, 1)
+
+    def sum_pp(self, x: float) -> float:
+        """Sum over this rank's pipeline group (a count of parameters: each rank holds its stages')."""
+        return x if self.pipe is None else self._sum([x], self.mesh["pp"].get_group())[0]
+
+    @property
+    def norm_group(self):
+        """The group over which the squared gradient norms of the ranks' parameters add up (the pipeline's: each
+        rank's stages hold other parameters), or None."""
+        return None if self.pipe is None else self.mesh["pp"].get_group()
 
     def local(self, batches: list) -> list:
         """This ``dp`` group's micro-batches of a step."""
@@ -202,7 +354,11 @@ class TrainParallel:
 
     def save_model(self, model: nn.Module, out: Path) -> None:
         """The HF safetensors export (``kernels_torch.model.save_model``'s files; under torchrun every rank writes its
-        own files, ``kernels_torch.parallel.export.export_sharded``, never gathering the model on one rank)."""
+        own files, ``kernels_torch.parallel.export.export_sharded``, never gathering the model on one rank). With
+        ``--pp`` (each rank holding its stages only, which ``export_sharded`` does not take yet) each pipeline rank's
+        stages are gathered over its ``dp`` ranks and sent to rank 0, which writes."""
+        if self.pipe is not None:
+            return self._save_pipeline(model, out)
         if self.enabled:
             from kernels_torch.parallel.export import export_sharded
 
@@ -211,6 +367,26 @@ class TrainParallel:
             from kernels_torch.model import save_model
 
             save_model(model, out)
+
+    def _save_pipeline(self, model: nn.Module, out: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from kernels_torch.params import canonical_state_dict
+        from kimi.checkpoint import save_params
+        from kimi.layout import param_layout
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every dp rank
+        if self.mesh["dp"].get_local_rank() == 0:  # the pipeline group of rank 0 sends its stages to it
+            mine = {k: v.detach().cpu() for k, v in canonical_state_dict(model, full).items()}
+            parts = [None] * self.pp_size if self.rank == 0 else None
+            dist.gather_object(mine, parts, dst=0, group=self.mesh["pp"].get_group())
+            if self.rank == 0:
+                config = model.config
+                dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(config)}
+                merged = {k: v for part in parts for k, v in part.items()}
+                order = [s.name for s in param_layout(config) if s.name in merged]  # the one-process order
+                save_params(out, {k: merged[k].to(dtypes[k]) for k in order}, config)
+        dist.barrier()
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():

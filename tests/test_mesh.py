@@ -54,12 +54,14 @@ def test_parallel_dims_fill_and_refusals():
         ParallelDims.fill(4, cp=2, ep=3)
     with pytest.raises(ValueError, match=r"ep: got 8, expected a divisor of dp x cp"):
         ParallelDims.fill(4, ep=8)
-    with pytest.raises(ValueError, match=r"dp x cp: got dp 3 x cp 2 \(x pp 1\) = 6 ranks, expected the world size 4"):
+    with pytest.raises(ValueError, match=r"pp x dp x cp: got pp 1 x dp 3 x cp 2 = 6 ranks, expected the world size 4"):
         ParallelDims(4, dp=3, cp=2)
-    with pytest.raises(ValueError, match=r"cp: got 3, expected a positive divisor of the world size 4"):
+    with pytest.raises(ValueError, match=r"pp x cp: got pp 1 x cp 3, expected a positive divisor of the world size 4"):
         ParallelDims.fill(4, cp=3)
-    with pytest.raises(ValueError, match=r"pp: got 2, expected 1"):
-        ParallelDims(4, dp=2, pp=2)
+    d = ParallelDims.fill(8, pp=2, cp=2)  # the pipeline dimension: world = pp x dp x cp
+    assert (d.pp, d.dp, d.cp, d.dp_cp) == (2, 2, 2, 4) and d.describe() == "pp 2 x dp 2 x cp 2"
+    with pytest.raises(ValueError, match=r"pp x dp x cp: got pp 2 x dp 4 x cp 1 = 8 ranks, expected the world size 4"):
+        ParallelDims(4, dp=4, pp=2)
     with pytest.raises(ValueError, match=r"ep: got 0, expected a positive integer"):
         ParallelDims(4, dp=4, ep=0)
 

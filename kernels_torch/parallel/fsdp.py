@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 
-def init_mesh(dp: int | None = None, cp: int = 1, device_type: str = "cpu", *, ep: int = 1) -> ParallelMesh:
+def init_mesh(
+    dp: int | None = None, cp: int = 1, device_type: str = "cpu", *, ep: int = 1, pp: int = 1
+) -> ParallelMesh:
     """The meshes of a ``dp x cp`` layout with expert parallelism over ``ep`` of its ranks
     (:class:`kernels_torch.parallel.mesh.ParallelMesh`), initialising the default process group from the
     ``torchrun`` environment if needed (NCCL on CUDA, gloo on CPU); ``dp`` fills the world when None.
@@ -54,11 +56,11 @@ def init_mesh(dp: int | None = None, cp: int = 1, device_type: str = "cpu", *, e
     Raises:
         ValueError: a non-positive size, ``dp x cp`` not the world size, ``ep`` not dividing ``dp x cp``.
     """
-    for name, v in (("dp", dp), ("cp", cp), ("ep", ep)):
+    for name, v in (("dp", dp), ("cp", cp), ("ep", ep), ("pp", pp)):
         if v is not None and v < 1:
             raise ValueError(f"mesh: got {name}={v}, expected a positive size")
     world = init_distributed(device_type)
-    return ParallelDims.fill(world, dp=dp, cp=cp, ep=ep).build_mesh(device_type)
+    return ParallelDims.fill(world, dp=dp, cp=cp, ep=ep, pp=pp).build_mesh(device_type)
 
 
 def fp32_compute_params(model: nn.Module, param_dtype: torch.dtype | None) -> list[nn.Parameter]:

@@ -159,6 +159,7 @@ def _fill(
     chunk_bytes: int,
     stats: LoadStats,
     check_finite: bool,
+    partial: bool = False,
 ) -> None:
     from kimi.checkpoint import nonfinite_tensors
 
@@ -167,7 +168,11 @@ def _fill(
     want = {s.name: s for s in stacked_layout(config)}
     canon = {s.name: s for s in param_layout(config)}
     targets = _targets(module)
-    problems = [f"missing from the model: {n} (expected {list(s.shape)})" for n, s in want.items() if n not in targets]
+    problems = [
+        f"missing from the model: {n} (expected {list(s.shape)})"
+        for n, s in want.items()
+        if n not in targets and not partial
+    ]
     problems += [f"not in the checkpoint's layout: {n}" for n in targets if n not in want]
     blocks = {}
     for n, t in targets.items():
@@ -228,6 +233,7 @@ def load_sharded(
     *,
     check_finite: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    partial: bool = False,
 ) -> LoadStats:
     """Fill every parameter and persistent buffer of ``model`` (a :class:`kernels_torch.model.KimiK3Model`, built on
     ``meta``, parallelised, then ``to_empty``-materialised; or any model with its ``config`` and the checkpoint's
@@ -238,6 +244,8 @@ def load_sharded(
     Args:
         check_finite: refuse NaN / inf weights (each block checked after it is read; all listed at the end).
         chunk_bytes: the most bytes of one read (dimension 0 is cut into pieces beyond it).
+        partial: the model holds some of the layout's tensors only (a pipeline rank's stages,
+            ``kernels_torch.parallel.pipeline.Pipeline.rank_module``): those it lacks are not a problem.
 
     Returns:
         :class:`LoadStats` of this rank (bytes read, owned elements and bytes).
@@ -256,7 +264,7 @@ def load_sharded(
     check_checkpoint(reader, cfg, range(cfg.num_hidden_layers))
     start = reader.bytes_read
     stats = LoadStats()
-    _fill(model, cfg, lambda s, b: read_canonical_block(reader, cfg, s, b), chunk_bytes, stats, check_finite)
+    _fill(model, cfg, lambda s, b: read_canonical_block(reader, cfg, s, b), chunk_bytes, stats, check_finite, partial)
     stats.bytes_read = reader.bytes_read - start
     if stats.nonfinite:
         from kimi.checkpoint import CheckpointError
@@ -267,9 +275,12 @@ def load_sharded(
     return stats
 
 
-def fill_sharded(model: nn.Module, params: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LoadStats:
+def fill_sharded(
+    model: nn.Module, params: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, partial: bool = False
+) -> LoadStats:
     """:func:`load_sharded` from canonical parameters in memory (``{name: numpy array or torch tensor}`` as
-    ``kimi.init.init_params`` gives them, every rank holding the whole set): each rank copies its blocks.
+    ``kimi.init.init_params`` gives them, every rank holding the whole set): each rank copies its blocks
+    (``partial``: as :func:`load_sharded`'s).
 
     Raises:
         ValueError: as :func:`load_sharded`; a canonical parameter missing from ``params`` or of another shape.
@@ -287,5 +298,5 @@ def fill_sharded(model: nn.Module, params: Mapping[str, Any], *, chunk_bytes: in
         return to_numpy(a)[tuple(slice(*b) for b in block)]
 
     stats = LoadStats()
-    _fill(model, model.config, read, chunk_bytes, stats, check_finite=False)
+    _fill(model, model.config, read, chunk_bytes, stats, check_finite=False, partial=partial)
     return stats

@@ -1,8 +1,8 @@
-"""One device mesh for data, context and expert parallelism (and, later, pipeline stages), after torchtitan's
+"""One device mesh for pipeline, data, context and expert parallelism, after torchtitan's
 ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py`` and ``PARALLEL_DIMS.md``).
 
-Sizes: ``pp`` pipeline stages (1: reserved for a later pipeline dimension, kept as the outermost mesh axis so that
-adding it renames nothing), ``dp`` data-parallel replicas (FSDP2 shards over them), ``cp`` context-parallel ranks
+Sizes: ``pp`` pipeline ranks (the outermost mesh axis: a pipeline group is the ranks that share every other
+coordinate; ``kernels_torch.parallel.pipeline``), ``dp`` data-parallel replicas (FSDP2 shards over them), ``cp`` context-parallel ranks
 (each holds one shard of the same sequences), ``ep`` expert-parallel ranks. ``pp x dp x cp`` is the world size;
 ``ep`` adds no rank: it must divide ``dp x cp``, and the routed experts take a second view of the same ranks.
 
@@ -60,8 +60,8 @@ class ParallelDims:
         shard), ``dp_cp = dp x cp`` (FSDP2 ranks of everything else).
 
     Raises:
-        ValueError: a size < 1; ``pp x dp x cp`` not the world size; ``ep`` not dividing ``dp x cp``; ``pp > 1``
-            (reserved: no pipeline schedule yet). The message names the sizes.
+        ValueError: a size < 1; ``pp x dp x cp`` not the world size; ``ep`` not dividing ``dp x cp``. The message
+            names the sizes.
     """
 
     world_size: int
@@ -75,11 +75,9 @@ class ParallelDims:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: got {v!r}, expected a positive integer")
-        if self.pp != 1:
-            raise ValueError(f"pp: got {self.pp}, expected 1 (the pipeline dimension is reserved, not implemented)")
         if self.pp * self.dp * self.cp != self.world_size:
             raise ValueError(
-                f"dp x cp: got dp {self.dp} x cp {self.cp} (x pp {self.pp}) = {self.pp * self.dp * self.cp} ranks, "
+                f"pp x dp x cp: got pp {self.pp} x dp {self.dp} x cp {self.cp} = {self.pp * self.dp * self.cp} ranks, "
                 f"expected the world size {self.world_size}"
             )
         if (self.dp * self.cp) % self.ep:
@@ -96,7 +94,9 @@ class ParallelDims:
             ValueError: ``pp x cp`` not dividing the world size (and the checks of the class)."""
         if dp is None:
             if cp < 1 or pp < 1 or world_size % (cp * pp):
-                raise ValueError(f"cp: got {cp}, expected a positive divisor of the world size {world_size}")
+                raise ValueError(
+                    f"pp x cp: got pp {pp} x cp {cp}, expected a positive divisor of the world size {world_size}"
+                )
             dp = world_size // (cp * pp)
         return cls(world_size=world_size, dp=dp, cp=cp, ep=ep, pp=pp)
 
@@ -110,7 +110,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         """``"dp 2 x cp 2, ep 2 (efsdp 2)"``: the layout in one phrase (run headers, errors)."""
-        s = f"dp {self.dp} x cp {self.cp}"
+        s = (f"pp {self.pp} x " if self.pp > 1 else "") + f"dp {self.dp} x cp {self.cp}"
         return s + (f", ep {self.ep} (efsdp {self.efsdp})" if self.ep > 1 else "")
 
     def build_mesh(self, device_type: str = "cpu") -> ParallelMesh:

@@ -69,9 +69,10 @@ The other dimensions, and what remains:
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
   before its layers run. Not yet with FSDP2 over ``dp x cp`` (:func:`shard_stages` would take the flattened mesh,
   with ``ContextParallel`` on a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` does).
-* Building on ``meta`` and materialising only a rank's stages (read from the checkpoint by the rank's own layer
-  names), ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (:func:`parse_stage_layout`), the
-  trainer's gradient clipping (the squared norms all-reduced over ``pp`` as well) and the per-rank export.
+* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired (``kimi_tools.parallel``: FSDP2
+  over ``dp`` only; the evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over
+  ``pp``; the export gathered to rank 0; the model built on ``meta``, each rank materialising and reading only
+  its stages' shards). Remaining: a per-rank export, ``--pp`` with ``--cp`` / ``--ep`` in the trainer.
 * Activation memory, for the planner: 1F1B keeps the activations of up to ``pp`` micro-batches of its stage on the
   first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
@@ -448,7 +449,7 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype
         self._loss_fn = _ScaledNLL()
-        self._schedule, self._key = None, None
+        self._schedules: dict[tuple, object] = {}
 
     # -------------------------------------------------------------------------------------------- modules
 
@@ -488,7 +489,15 @@ class Pipeline:
 
     # -------------------------------------------------------------------------------------------- schedule
 
-    def _build(self, rows_per_mb: int, T: int, ids_dtype: torch.dtype):
+    def _get_schedule(self, rows_per_mb: int, T: int, ids_dtype: torch.dtype, n_microbatches: int, name: str):
+        """The schedule ``name`` for micro-batches of ``[rows_per_mb, T]`` ids, ``n_microbatches`` of them: built
+        on first use and kept (one per shape: the training step's and the evaluation's)."""
+        key = (rows_per_mb, T, ids_dtype, n_microbatches, name)
+        if key not in self._schedules:
+            self._schedules[key] = self._build(rows_per_mb, T, ids_dtype, n_microbatches, name)
+        return self._schedules[key]
+
+    def _build(self, rows_per_mb: int, T: int, ids_dtype: torch.dtype, n_microbatches: int, name: str):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -511,10 +520,9 @@ class Pipeline:
                     st, s, self.num_stages, dev, input_args=inp, output_args=out, group=self.group
                 )
             )  # fmt: skip
-        cls = get_schedule_class(self.schedule_name)
-        kw = dict(n_microbatches=self.n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
-        self._schedule = cls(pstages, **kw) if self.schedule_name in _MULTI else cls(pstages[0], **kw)
-        self._key = (rows_per_mb, T, ids_dtype)
+        cls = get_schedule_class(name)
+        kw = dict(n_microbatches=n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        return cls(pstages, **kw) if len(self.stages) > 1 or name in _MULTI else cls(pstages[0], **kw)
 
     def _global_length(self, cu_seqlens, T_local: int) -> int:
         """The rows' global length under context parallelism (the end of the first row's offsets), checked against
@@ -552,10 +560,29 @@ class Pipeline:
                 shape; ``cu_seqlens`` of the wrong number of rows or invalid rows, or with more than one row per
                 micro-batch; ``n_tokens`` not positive.
         """
+        return self._run(input_ids, labels, cu_seqlens, n_tokens, self.n_microbatches, backward=True)
+
+    def evaluate(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens=None, n_tokens=None, n_microbatches: int = 1
+    ) -> torch.Tensor:
+        """Forward only (``eval`` of torch's ``GPipe`` schedule, or ``LoopedBFS`` with several stages per rank: no
+        backward, no gradient, any micro-batch count) of one batch through the pipeline, in ``n_microbatches``
+        micro-batches (1: the batch whole): the arguments and the returned loss as :meth:`step`'s
+        (``n_tokens=1`` gives the summed NLL). Run it under ``torch.no_grad()`` and the stage modules' ``eval()``
+        for an evaluation; a schedule is built for each new shape and kept.
+
+        Raises:
+            ValueError: as :meth:`step`; ``n_microbatches`` not a positive int.
+        """
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"n_microbatches: got {n_microbatches!r}, expected a positive int")
+        return self._run(input_ids, labels, cu_seqlens, n_tokens, n_microbatches, backward=False)
+
+    def _run(self, input_ids, labels, cu_seqlens, n_tokens, M: int, backward: bool) -> torch.Tensor:
+        """:meth:`step` (``backward``) or :meth:`evaluate` in ``M`` micro-batches."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             raise ValueError(f"input_ids: got {getattr(input_ids, 'shape', input_ids)}, expected [R, T]")
         R, T = input_ids.shape
-        M = self.n_microbatches
         if R % M:
             raise ValueError(f"input_ids: got {R} rows, expected a multiple of n_microbatches={M}")
         if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
@@ -579,12 +606,14 @@ class Pipeline:
         if not float(n_tokens) > 0:
             raise ValueError(f"n_tokens: got {n_tokens}, expected a positive target count")
         self._loss_fn.scale = 1.0 / float(n_tokens)
-        if self._key != (R // M, T, input_ids.dtype):
-            self._build(R // M, T, input_ids.dtype)
+        # forward only: GPipe (one stage per rank) or its looped form (several), which take any micro-batch count
+        name = self.schedule_name if backward else ("LoopedBFS" if len(self.stages) > 1 else "GPipe")
+        schedule = self._get_schedule(R // M, T, input_ids.dtype, M, name)
         has_last = any(st.is_last for st in self.stages)
         losses: list[torch.Tensor] = []
         args = (input_ids.to(self.device),) if self.stages[0].is_first else ()
-        self._schedule.step(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
+        run = schedule.step if backward else schedule.eval
+        run(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
         loss_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         loss = torch.stack(losses).sum().detach() if has_last else torch.zeros((), dtype=loss_dtype, device=self.device)
         last_rank = (self.num_stages - 1) % self.pp_size
@@ -639,4 +668,4 @@ def shard_stages(
                 m.set_force_sum_reduction_for_comms(True)
     if param_dtype is not None:
         pipe.dtype = param_dtype  # the activations sent between stages
-    pipe._schedule, pipe._key = None, None  # the PipelineStages wrap the (now sharded) stage modules: rebuild
+    pipe._schedules.clear()  # the PipelineStages wrap the (now sharded) stage modules: rebuild

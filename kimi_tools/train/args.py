@@ -288,6 +288,33 @@ class TrainArgs:
             type=positive_int,
         ),
     )
+    pp: int = field(
+        default=1,
+        metadata=arg(
+            "pipeline-parallel ranks under torchrun: the layers cut into stages at AttnRes block boundaries; "
+            "--pp x --dp x --cp = the world size (kernels_torch/parallel/pipeline.py)",
+            numbers=False,
+            type=positive_int,
+        ),
+    )
+    pp_schedule: str = field(
+        default="1F1B",
+        metadata=arg(
+            "pipeline schedule with --pp > 1 (default %(default)s; Interleaved1F1B: 2 stages per rank unless "
+            "--pp-layout gives more)",
+            numbers=False,
+            choices=("1F1B", "GPipe", "Interleaved1F1B"),
+        ),
+    )
+    pp_layout: str | None = field(
+        default=None,
+        metadata=arg(
+            "layers per pipeline stage, comma-separated (e.g. 12,24,24,33; 0 on the first stage: the embedding "
+            "alone, on the last: the output norm and lm_head alone); default: the AttnRes blocks dealt evenly",
+            numbers=False,
+            metavar="N,N,...",
+        ),
+    )
     ep: int = field(
         default=1,
         metadata=arg(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["lr_multiplier", "build_scheduler"]
+__all__ = ["lr_multiplier", "build_scheduler", "ScheduleState"]
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -47,3 +47,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, tota
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+class ScheduleState:
+    """The ``lr_scheduler`` entry of a resume state: the step count of a ``LambdaLR`` (``last_epoch``,
+    ``_step_count``), the whole of what the schedule depends on. Its per-group lists (``base_lrs``, ``_last_lr``)
+    are left out: they follow from ``--lr`` and the optimizer's groups, which differ between ranks that hold
+    different parameters (pipeline stages: a stage without vectors has one group), and a resume state written with
+    them still loads (only these keys are read)."""
+
+    KEYS = ("last_epoch", "_step_count")
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict:
+        d = self.scheduler.state_dict()
+        return {k: d[k] for k in self.KEYS}
+
+    def load_state_dict(self, state: dict) -> None:
+        d = self.scheduler.state_dict()
+        d.update({k: state[k] for k in self.KEYS})
+        self.scheduler.load_state_dict(d)

@@ -27,7 +27,7 @@ from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, reso
 from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
 from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
 from kimi_tools.train.metrics import RECORD_KEYS, MetricsLog, peak_mem_bytes, plot_losses
-from kimi_tools.train.schedule import build_scheduler
+from kimi_tools.train.schedule import ScheduleState, build_scheduler
 from kimi_tools.train.stages import make_stage
 from kimi_tools.train.weights import (
     MasterWeights,
@@ -179,7 +179,10 @@ class Trainer:
             raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
-        self.par = par = TrainParallel(a.cp, a.device, dp=a.dp, ep=a.ep)  # torchrun: one mesh; else a no-op
+        self.par = par = TrainParallel(
+            a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout
+        )  # torchrun: one mesh; else a no-op
+        par.check_pipeline(a, lora=self.lora_settings is not None)
         self.out = Path(a.out)
         check_out(a, self.fingerprint, self.fingerprint_of)
         par.barrier()  # every rank has checked --out before rank 0 writes into it
@@ -219,8 +222,10 @@ class Trainer:
         freeze(model, stage, a.freeze)
         self.conversions = convert_model(model, a)
         par.setup(model, lora=self.lora_settings is not None, replicated=getattr(stage, "replicated", None))
+        if par.pipe is not None:  # --pp: this rank trains its pipeline stages (one-process names), sharded over dp
+            self.model = model = par.pipe.rank_module()
         if sharded_build:
-            materialise(model, a, cfg)  # each rank allocates and reads its own shards only
+            materialise(model, a, cfg, partial=par.pipe is not None)  # each rank its own shards (--pp: its stages')
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
         self.masters = MasterWeights(model)
@@ -240,8 +245,8 @@ class Trainer:
         self.step, self.tokens_seen, self.start = 0, 0, 0
         self.checkpointer = Checkpointer(self.out, a.keep, par)
         self.metrics = MetricsLog(self.out / METRICS, writer=par.is_writer)
-        self.trainable_params = self.masters.numel
-        self.total_params = sum(p.numel() for p in model.parameters())
+        self.trainable_params = int(par.sum_pp(self.masters.numel))  # --pp: each rank holds its stages'
+        self.total_params = int(par.sum_pp(sum(p.numel() for p in model.parameters())))
         self._save_steps, self._save_minutes = parse_save_every(a.save_every)
         self._last_save = time.monotonic()
 
@@ -270,7 +275,7 @@ class Trainer:
         return {
             "weights": self.masters,
             "optimizer": OptimizerState(self.masters.module, self.optimizer),
-            "lr_scheduler": self.scheduler,
+            "lr_scheduler": ScheduleState(self.scheduler),
             "dataloader": self.loader,
             "train_state": self,
         }
@@ -366,6 +371,8 @@ class Trainer:
         total, n, extra = 0.0, 0, {}
         try:
             with torch.no_grad():
+                if par.pipe is not None:  # --pp: forward only through the pipeline (the LM stage's loss)
+                    return par.pipeline_eval(self.evals), {}
                 for b in self.evals:
                     loss, m = par.loss(stage, model, b.to(self.args.device))
                     k = b.num_targets
@@ -394,16 +401,19 @@ class Trainer:
         batches = [self.loader.next_batch() for _ in range(self.accum)]
         n_tgt = sum(b.num_targets for b in batches)
         step_loss, extra = 0.0, {}
-        for b in par.local(batches):  # torchrun: this dp group's micro-batches
-            w = b.num_targets / n_tgt if n_tgt else 0.0
-            loss, m = par.loss(stage, model, b.to(a.device))
-            (loss * w).backward()
-            step_loss += float(loss.detach()) * w
-            for key, v in m.items():
-                extra[key] = extra.get(key, 0.0) + float(v) * w
-        par.reduce_replicated()
-        step_loss = par.sum_all(step_loss)
-        extra = par.sum_all_dict(extra)
+        if par.pipe is not None:  # --pp: this dp group's micro-batches through the pipeline schedule
+            step_loss = par.pipeline_step(par.local(batches), n_tgt)
+        else:
+            for b in par.local(batches):  # torchrun: this dp group's micro-batches
+                w = b.num_targets / n_tgt if n_tgt else 0.0
+                loss, m = par.loss(stage, model, b.to(a.device))
+                (loss * w).backward()
+                step_loss += float(loss.detach()) * w
+                for key, v in m.items():
+                    extra[key] = extra.get(key, 0.0) + float(v) * w
+            par.reduce_replicated()
+            step_loss = par.sum_all(step_loss)
+            extra = par.sum_all_dict(extra)
         if self.lora_settings is not None and step == self.start + 1:  # LoRA is never silently skipped (vLLM's bug)
             from kimi_tools import lora
 
@@ -414,7 +424,9 @@ class Trainer:
                     "(a code path reads the base weight around them); refusing to train"
                 )
         self.masters.grads_to_masters()
-        grad_norm = clip_grad_norm(self.masters.masters, a.grad_clip if a.grad_clip > 0 else math.inf)
+        grad_norm = clip_grad_norm(
+            self.masters.masters, a.grad_clip if a.grad_clip > 0 else math.inf, sum_group=par.norm_group
+        )
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             self._diverged(step, step_loss, grad_norm, before)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step applies

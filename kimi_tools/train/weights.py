@@ -77,12 +77,14 @@ def build_model(a: TrainArgs, cfg: KimiConfig, meta: bool = False) -> nn.Module:
     return model_from_params(cfg, params, a.backend, dtype, a.device)
 
 
-def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig) -> None:
+def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool = False) -> None:
     """Give a model built by ``build_model(..., meta=True)`` and then sharded its weights, each rank only its shards:
     ``to_empty`` on ``a.device`` allocates the local shards, then ``--checkpoint`` is read by
     ``kernels_torch.parallel.load.load_sharded`` (each rank reads and decodes only its blocks), or the ``--preset``
     init of :func:`build_model` (``kimi.init.init_params``, computed whole on every rank) is copied block by block
     (``fill_sharded``). The weights are those :func:`build_model` gives in one process, bit for bit.
+
+    ``partial``: the model is a pipeline rank's stages (``Pipeline.rank_module``), holding some tensors only.
 
     Raises:
         kimi.checkpoint.CheckpointError, ValueError: see ``load_sharded``."""
@@ -90,12 +92,13 @@ def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig) -> None:
 
     to_empty(model, a.device)  # parameters keep their objects (TrainParallel holds the replicated ones)
     if a.checkpoint is not None:
-        load_sharded(model, a.checkpoint)
+        load_sharded(model, a.checkpoint, partial=partial)
         return
     from kimi.config import load_config
     from kimi.init import init_params
 
-    fill_sharded(model, init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers))
+    params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
+    fill_sharded(model, params, partial=partial)
 
 
 # A model converter rewrites the built model in place before it is sharded and its optimizer built (torchtitan's
@@ -207,7 +210,10 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
             f"--recompute-full-layers: got {full_layers} with --recompute-mode {mode}, expected mode mlp "
             "(mode layer recomputes every layer whole already)"
         )
-    for i, layer in enumerate(layers):
+    # a pipeline rank's module (kernels_torch.parallel.pipeline.Pipeline.rank_module) holds its layers in a
+    # ModuleDict keyed by their index in the whole model
+    items = [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
+    for i, layer in items:
         name = "forward" if mode == "layer" or i < full_layers else "feed_forward"
         fn = getattr(layer, name)
         setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False))
@@ -288,20 +294,36 @@ class MasterWeights:
 
 class OptimizerState:
     """The ``optimizer`` entry of a resume state: ``torch.distributed.checkpoint.state_dict``'s optimizer state of
-    ``optimizer`` over ``module`` (FQN keys, so it loads on another world size)."""
+    ``optimizer`` over ``module``, flattened (``flatten_optimizer_state_dict``: every key names a parameter,
+    ``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so it loads on another world size and on ranks that hold
+    other parameters (pipeline stages: a group's index means other parameters on each rank). A resume state written
+    before (``param_groups.<index>.*``) loads as written: :meth:`match_saved` picks the form from its keys."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer):
         self.module, self.optimizer = module, optimizer
+        self.flatten = True
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.flatten)
+
+    def match_saved(self, keys, prefix: str = "optimizer.") -> None:
+        """Read and write the form of the resume state whose flat keys are ``keys`` (indexed param groups: the
+        form before the flattened one)."""
+        head = prefix + "param_groups."  # indexed: param_groups.<i>.lr; flat: param_groups.<name>.lr
+        rest = [k[len(head) :].split(".") for k in keys if k.startswith(head)]
+        self.flatten = not any(len(r) == 2 and r[0].isdigit() and r[1] == "lr" for r in rest)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.module, self.optimizer)
+        return get_optimizer_state_dict(self.module, self.optimizer, options=self._options())
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.module, self.optimizer, state)
+        set_optimizer_state_dict(self.module, self.optimizer, state, options=self._options())
 
 
 def decays(p: torch.Tensor) -> bool:
@@ -311,26 +333,32 @@ def decays(p: torch.Tensor) -> bool:
 
 
 def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` over the masters: ``--weight-decay`` on :func:`decays` tensors, 0 on the others;
-    fused on CUDA (one kernel, no foreach temporaries)."""
+    """``torch.optim.AdamW`` over the masters: ``--weight-decay`` on :func:`decays` tensors, 0 on the others (a
+    group only when it holds a tensor); fused on CUDA (one kernel, no foreach temporaries)."""
     import torch
 
     decay = [m for m in masters.masters if decays(m)]
     no_decay = [m for m in masters.masters if not decays(m)]
+    groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # an empty group is left out (a pipeline stage holding the embedding alone has no vector; DCP's optimizer
+    # state_dict cannot load into a rank that has an empty group)
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [g for g in groups if g["params"]] or groups[:1],
         lr=a.lr,
         betas=(a.beta1, a.beta2),
         fused=a.device == "cuda" or None,
     )
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, sum_group=None) -> float:
     """Clip the gradients of ``params`` to a total L2 norm of ``max_norm`` (``inf``: none) and return the norm before
     clipping (``torch.nn.utils.clip_grad_norm_``). Under FSDP2 the parameters can be DTensors on different meshes
     (the routed experts on the ``(efsdp, ep)`` mesh, the rest on ``dp_cp``) and plain tensors (those a stage keeps
-    whole on every rank): the norm of each group is taken apart (a DTensor's over its whole mesh) and combined."""
+    whole on every rank): the norm of each group is taken apart (a DTensor's over its whole mesh) and combined.
+    ``sum_group``: a process group whose ranks hold disjoint parameters (the pipeline's, ``--pp``): the squared norms
+    are summed over it, so every rank clips by the whole model's norm."""
     import torch
+    import torch.distributed as dist
 
     grads = [p for p in params if p.grad is not None]
     try:
@@ -340,13 +368,18 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     groups: dict[Any, list] = {}
     for p in grads:
         groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and sum_group is None:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    norms = []
+    sq = torch.zeros((), dtype=torch.float64)
     for group in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        sq = sq + n.detach().to("cpu", torch.float64) ** 2
+    if sum_group is not None:
+        dev = grads[0].device if grads else torch.device("cpu")
+        sq = sq.to(dev)
+        dist.all_reduce(sq, group=sum_group)
+    total = float(sq.sqrt())
     coef = max_norm / (total + 1e-6)  # clip_grad_norm_'s coefficient, as a number (a DTensor takes no plain tensor)
     if coef < 1.0:
         for p in grads:

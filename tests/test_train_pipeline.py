@@ -1,0 +1,205 @@
+"""``kimi train --pp N`` under ``torchrun`` (gloo processes) equals one process: the layers cut into pipeline stages
+(``kernels_torch.parallel.pipeline``; the 8-layer tiny model has two AttnRes blocks of 4), FSDP2 over the
+data-parallel ranks of each stage, the eval loss through the pipeline (forward only), the gradient norm summed over
+the stages; the losses, gradient norms and eval losses of 3 steps, the export; a resume state saved at pp 2 x dp 2
+resumes at pp 4 (a layout with the embedding alone on the first stage and the head alone on the last) and in one
+process, and reaches the one-process run's step 3.
+
+The data are many short documents (``tests/test_train_parallel.py``), so the micro-batches of a step hold different
+target counts: a loss weighted 1/micro-batches fails."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_parallel import TOL, _assert_same, _close, _masters, _records, _short_documents, _torchrun
+
+from kimi_tools.cli import main
+
+# 8 layers = two AttnRes blocks (tiny: attn_res_block_size 4), so --pp 2 cuts between them; 4 micro-batches a step,
+# so every dp group of pp 2 x dp 2 runs 2 (1F1B needs at least one per stage) and pp 4 x dp 1 runs 4
+COMMON = (
+    "--preset tiny --layers 8 --steps 3 --seq-len 40 --micro-batch-tokens 40 --batch-tokens 160 --eval-tokens 40 "
+    "--eval-every 0 --warmup-steps 1 --lr 3e-3 --quiet --no-plot"
+).split()
+# bf16 exports of runs whose fp32 masters differ by ~1e-6: a rounding flipped here and there, at most this share
+EXPORT_FLIPS = 0.01
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return _short_documents(tmp_path_factory.mktemp("data") / "docs.jsonl")
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, data) -> Path:
+    """The run in one process: the reference."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    assert main(["train", *COMMON, "--data", str(data), "--out", str(out)]) == 0
+    return out
+
+
+def _same_export(a_dir: Path, b_dir: Path) -> None:
+    a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
+    assert list(a) == list(b)  # every tensor, in the one-process order
+    for k in b:
+        if b[k].dtype == torch.float32:
+            err = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30))
+            assert err <= TOL["masters"], (k, err)
+        else:
+            flips = int((a[k] != b[k]).sum())
+            assert flips <= max(2, EXPORT_FLIPS * b[k].numel()), (k, flips, b[k].numel())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--pp-schedule", "Interleaved1F1B", "--pp-layout", "0,4,4,0"]],
+    ids=["1F1B", "Interleaved1F1B"],
+)
+def test_torchrun_pp2_equals_one_process(tmp_path, data, one, layout):
+    """--pp 2 on 2 ranks, 1F1B with one AttnRes block per stage, or Interleaved1F1B with 2 stages per rank (the
+    embedding alone on stage 0, the head alone on stage 3): the one-process losses, gradient norms, eval losses (steps
+    0 and 3) and export."""
+    out = tmp_path / "pp2"
+    r = _torchrun(2, [*COMMON, "--data", str(data), "--pp", "2", *layout, "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _records(one), _records(out)
+    _assert_same(got, want, (1, 2, 3))
+    for step in (0, 3):
+        assert _close(got[step]["eval_loss"], want[step]["eval_loss"], TOL["eval_loss"]), step
+    _same_export(out, one)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_pp2_dp2_resumes_at_pp4_and_in_one_process(tmp_path, data, one):
+    """pp 2 x dp 2 (4 ranks) for two steps equals one process; its resume state (weights, AdamW, schedule, data
+    position) resumes at pp 4 (embedding alone on the first stage, the head alone on the last) and in one process,
+    and each reaches the one-process step 3 (loss, gradient norm, eval loss, fp32 masters)."""
+    run = tmp_path / "pp2dp2"
+    r = _torchrun(4, [*COMMON, "--data", str(data), "--pp", "2", "--stop-after", "2", "--out", str(run)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = _records(one)
+    _assert_same(_records(run), want, (1, 2))
+    assert not (run / "model.safetensors").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    r = _torchrun(4, [*COMMON, "--data", str(data), "--pp", "4", "--pp-layout", "0,4,4,0", "--resume", "--out",
+                      str(run)])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert main(["train", *COMMON, "--data", str(data), "--resume", "--out", str(copy)]) == 0
+    ref = _masters(one / "step-3")
+    for out in (run, copy):
+        got = _records(out)
+        _assert_same(got, want, (3,))
+        assert _close(got[3]["eval_loss"], want[3]["eval_loss"], TOL["eval_loss"]), out
+        m = _masters(out / "step-3")
+        assert m.keys() == ref.keys() and len(ref) > 50
+        for k in ref:
+            err = float((m[k].double() - ref[k].double()).norm() / ref[k].double().norm().clamp_min(1e-30))
+            assert err <= TOL["masters"], (out.name, k, err)
+    _same_export(run, one)  # written by the pp 4 ranks
+
+
+def test_pipeline_flags_refused_in_one_line():
+    """What the pipeline path does not run is refused before any process group, naming the flags and values."""
+    from kimi_tools.parallel import TrainParallel
+
+    with pytest.raises(ValueError, match=r"^--pp 2 with --cp 2 --ep 1: not supported yet"):
+        TrainParallel(2, "cpu", pp=2, world=4)
+    with pytest.raises(ValueError, match=r"^--pp 2 with --cp 1 --ep 2: not supported yet"):
+        TrainParallel(1, "cpu", pp=2, ep=2, world=4)
+    with pytest.raises(ValueError, match=r"^--pp/--dp/--cp: got --pp 2 x --dp 4 x --cp 1 = 8 ranks, expected the "):
+        TrainParallel(1, "cpu", pp=2, dp=4, world=4)
+    with pytest.raises(ValueError, match=r"^--pp/--cp: got --pp 3 x --cp 1, expected a divisor of the world size 4"):
+        TrainParallel(1, "cpu", pp=3, world=4)
+    with pytest.raises(ValueError, match=r"^--pp-layout: got 'a,b', expected layer counts per stage"):
+        TrainParallel(1, "cpu", pp=2, pp_layout="a,b", world=4)
+    with pytest.raises(ValueError, match=r"^--pp-layout: got 3 stages with --pp 2 --pp-schedule 1F1B, expected 2"):
+        TrainParallel(1, "cpu", pp=2, pp_layout="4,4,0", world=4)
+    with pytest.raises(ValueError, match=r"^--pp-schedule: got 'ZB', expected one of"):
+        TrainParallel(1, "cpu", pp=2, pp_schedule="ZB", world=4)
+    if "RANK" not in os.environ:  # one process (not under torchrun)
+        with pytest.raises(ValueError, match=r"^--pp 2: given in one process, expected a launch under torchrun"):
+            TrainParallel(1, "cpu", pp=2)
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"lora_rank": 4}, "--pp 2 with --lora-rank 4: not supported yet"),
+        ({"stage": "indexer-warmup"}, "--pp 2 with --stage indexer-warmup: not supported yet"),
+        ({"dtype": "bfloat16"}, "--pp 2 with --dtype bfloat16: not supported yet"),
+    ],
+)
+def test_pipeline_refuses_lora_distillation_bf16(change, said):
+    """LoRA, the distillation stages and bf16 with --pp: refused in one line, naming the flags."""
+    from types import SimpleNamespace
+
+    from kimi_tools.parallel import refuse_pipeline
+
+    a = SimpleNamespace(**{"lora_rank": None, "stage": "lm", "dtype": "float32", "fp8": None, **change})
+    refuse_pipeline(1, a, lora=a.lora_rank is not None)  # no pipeline: nothing refused
+    with pytest.raises(ValueError, match="^" + said):
+        refuse_pipeline(2, a, lora=a.lora_rank is not None)
+    refuse_pipeline(2, SimpleNamespace(lora_rank=None, stage="lm", dtype="float32", fp8=None), lora=False)
+
+
+def test_optimizer_state_reads_the_form_it_was_written_in(tmp_path):
+    """An AdamW state written with indexed param groups (before the flattened form) still loads: match_saved picks
+    the form from the keys; the flattened form names every group entry by parameter."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from kimi_tools.train.weights import OptimizerState
+
+    def fresh():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        return m, torch.optim.AdamW([{"params": [m[0].weight]}, {"params": [m[0].bias, *m[1].parameters()]}])
+
+    m, opt = fresh()
+    m(torch.randn(5, 4)).square().sum().backward()
+    opt.step()
+    for flatten, name in ((False, "indexed"), (True, "flat")):
+        st = OptimizerState(m, opt)
+        st.flatten = flatten
+        dcp.save({"optimizer": st}, checkpoint_id=str(tmp_path / name), no_dist=True)
+        keys = set(FileSystemReader(str(tmp_path / name)).read_metadata().state_dict_metadata)
+        assert ("optimizer.param_groups.0.lr" in keys) == (not flatten), keys  # flat: param_groups.0.bias.lr
+        m2, opt2 = fresh()
+        st2 = OptimizerState(m2, opt2)
+        st2.match_saved(keys)
+        assert st2.flatten == flatten
+        dcp.load({"optimizer": st2}, checkpoint_id=str(tmp_path / name), no_dist=True)
+        for p, p2 in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(opt.state[p]["exp_avg"], opt2.state[p2]["exp_avg"]), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_pp2_from_checkpoint_reads_its_stages(tmp_path, data):
+    """``kimi train --checkpoint --pp 2``: the model built on meta, each rank reading only its stages' tensors
+    (``load_sharded(..., partial=True)``), gives the one-process losses, gradient norms and eval loss."""
+    from kimi.checkpoint import save_params
+    from kimi.config import load_config
+    from kimi.init import init_params
+
+    cfg = load_config("tiny").truncated(8)
+    ckpt = tmp_path / "ck"
+    save_params(ckpt, init_params(cfg, seed=5), cfg)
+    argv = [a for a in COMMON if a not in ("--preset", "tiny", "--layers", "8")]
+    argv += ["--checkpoint", str(ckpt), "--data", str(data), "--steps", "2"]
+    assert main(["train", *argv, "--out", str(tmp_path / "one")]) == 0
+    r = _torchrun(2, [*argv, "--pp", "2", "--out", str(tmp_path / "pp2")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _records(tmp_path / "one"), _records(tmp_path / "pp2")
+    _assert_same(got, want, (1, 2))
+    assert _close(got[2]["eval_loss"], want[2]["eval_loss"], TOL["eval_loss"])
