@@ -399,13 +399,17 @@ class CheckpointReader:
                 h = self._handles[file] = safe_open(str(self.path / file), framework="numpy")
             t = h.get_tensor(key)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise CheckpointError(
-                f"{self.path / file}: cannot read tensor {name} ({type(e).__name__}: {e}); "
-                f"expected a complete safetensors file (truncated or damaged shard?)"
-            ) from None
+            raise self._unreadable(file, name, e) from None
         self.read_names.add(name)
         self.bytes_read += t.nbytes
         return t
+
+    def _unreadable(self, file: str, name: str, e: Exception) -> CheckpointError:
+        """The error of a tensor that safetensors could not read from ``file`` (a truncated or damaged shard)."""
+        return CheckpointError(
+            f"{self.path / file}: cannot read tensor {name} ({type(e).__name__}: {e}); "
+            f"expected a complete safetensors file (truncated or damaged shard?)"
+        )
 
     def get_slice_array(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Read the sub-block ``t[index]`` of one stored tensor (stored dtype; ``index`` one ``slice(start, stop)``
@@ -434,10 +438,7 @@ class CheckpointReader:
             with safe_open(str(self.path / file), framework="numpy") as h:
                 t = h.get_slice(key)[index] if index else h.get_tensor(key)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise CheckpointError(
-                f"{self.path / file}: cannot read tensor {name} ({type(e).__name__}: {e}); "
-                f"expected a complete safetensors file (truncated or damaged shard?)"
-            ) from None
+            raise self._unreadable(file, name, e) from None
         self.read_names.add(name)
         self.bytes_read += t.nbytes
         return t

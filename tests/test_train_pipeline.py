@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_parallel import TOL, _assert_same, _close, _masters, _records, _short_documents, _torchrun
+from test_train_parallel import (
+    TOL,
+    _assert_same,
+    _close,
+    _masters,
+    _records,
+    _short_documents,
+    _torchrun,
+    assert_exports_close,
+)
 
 from kimi_tools.cli import main
 
@@ -47,13 +56,7 @@ def one(tmp_path_factory, data) -> Path:
 def _same_export(a_dir: Path, b_dir: Path) -> None:
     a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
     assert list(a) == list(b)  # every tensor, in the one-process order
-    for k in b:
-        if b[k].dtype == torch.float32:
-            err = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30))
-            assert err <= TOL["masters"], (k, err)
-        else:
-            flips = int((a[k] != b[k]).sum())
-            assert flips <= max(2, EXPORT_FLIPS * b[k].numel()), (k, flips, b[k].numel())
+    assert_exports_close(a, b, EXPORT_FLIPS)
 
 
 @pytest.mark.distributed
