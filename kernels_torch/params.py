@@ -23,7 +23,7 @@ from kernels_torch.moe import GroupedExperts
 from kimi.arrays import to_torch
 from kimi.layout import EXPERT_PROJECTIONS, expert_param_name, stacked_expert_name
 
-__all__ = ["grouped_experts", "canonical_state_dict", "load_canonical", "local_stack"]
+__all__ = ["grouped_experts", "canonical_state_dict", "load_canonical", "local_stack", "is_dtensor"]
 
 
 def local_stack(stack: torch.Tensor, bank: GroupedExperts, name: str = "experts") -> torch.Tensor:
@@ -81,7 +81,7 @@ def canonical_state_dict(module: nn.Module, tensors: Mapping[str, Any] | None = 
             continue  # emitted with w1, expert by expert
         stacks = {w: sd.get(f"{prefix}.{w}") for w in EXPERT_PROJECTIONS}
         ids = bank.expert_ids
-        if t is not None and not _is_dtensor(t) and t.shape[0] == bank.config.num_experts != len(ids):
+        if t is not None and not is_dtensor(t) and t.shape[0] == bank.config.num_experts != len(ids):
             ids = range(bank.config.num_experts)  # a gathered (full) stack of an expert-parallel bank: every expert
         elif getattr(bank, "ep_mesh", None) is not None:  # expert-parallel: this rank's rows
             stacks = {w: None if v is None else local_stack(v, bank, f"{prefix}.{w}") for w, v in stacks.items()}
@@ -92,7 +92,8 @@ def canonical_state_dict(module: nn.Module, tensors: Mapping[str, Any] | None = 
     return out
 
 
-def _is_dtensor(t) -> bool:
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (a sharded parameter or gradient)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

@@ -35,18 +35,11 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels_torch.parallel.load import local_block
+from kernels_torch.params import is_dtensor
 from kimi.arrays import dtype_name, to_numpy
 from kimi.layout import TensorSpec, param_layout, stacked_expert_name, stacked_layout, stored_layout
 
 __all__ = ["gather_block", "export_sharded"]
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
 
 
 def gather_block(
@@ -66,7 +59,7 @@ def gather_block(
     if len(block) != nd or any(not 0 <= a <= b <= n for (a, b), n in zip(block, gshape)):
         raise ValueError(f"gather_block: {name}: block {list(block)} is not inside its shape {list(gshape)}")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    whole = not _is_dtensor(t) and tuple(local.shape) == gshape
+    whole = not is_dtensor(t) and tuple(local.shape) == gshape
     if whole or not dist.is_initialized() or dist.get_world_size() == 1:
         if rank != dst:
             return None
