@@ -16,9 +16,11 @@ The rank holds:
 * the activations of the micro-batches in flight on that stage under 1F1B (``min(pp - s, m)`` forwards before the
   first backward), with the planner's recomputation mode (``kimi_tools.train.recompute_layers``).
 
-The stage runs from the embedding (the first stage; a later stage would receive the hidden state and the AttnRes
-blocks instead: the embedding's 2.3 GB and its gradient are counted in the prediction here) and ends at the final norm,
-with a loss ``sum(h * g)`` for a random ``g`` (no ``lm_head``). The prediction compared is
+The stage is the trainer's pipeline stage module (``kernels_torch.parallel.pipeline.split_stage``): the first stage
+takes token ids, a later one a random received state ``[M, 1, T, D]`` (the AttnRes blocks so far and the partial
+sum); a stage before the last returns the state it sends, kept until its backward as the schedule keeps it, and
+gets a random gradient of it; the last stage ends with the output mix, the final norm, ``lm_head`` and the summed
+NLL. The prediction compared is
 
     sharded states (planner) + the materialised weights and their gradients (counted) + activations (planner)
 
@@ -73,48 +75,54 @@ def _materialise(model: nn.Module, device: str) -> None:
                 m._buffers[k] = torch.empty_like(b, device=device)
 
 
-def build_stage(cfg, row: dict, device: str, lora_rank: int | None) -> KimiK3Model:
-    """The worst stage's layers (embedding first, final norm last, no lm_head) with ``E / ep`` experts per MoE layer,
+def build_stage(cfg, row: dict, device: str, lora_rank: int | None) -> nn.Module:
+    """The worst stage of ``row``'s pipeline as the trainer runs it (``kernels_torch.parallel.pipeline.
+    PipelineStageModule``: the embedding on the first stage; the output AttnRes mix, final norm, ``lm_head`` and
+    loss on the last; a stage before the last returns the state it sends), with ``E / ep`` experts per MoE layer,
     random weights in bf16 (fp32 where the checkpoint keeps fp32) on ``device``."""
+    from kernels_torch.parallel.pipeline import split_stage
+
     ep = row["layout"]["ep"]
-    stage = row["worst_stage"]
-    lo, hi = row["stages"][stage]
-    local = cfg.truncated(hi).replace(num_experts=cfg.num_experts // ep)
-    with torch.device("meta"):
-        model = KimiK3Model(local, backend="cudnn" if device == "cuda" else "eager")
-    model.model.layers = nn.ModuleList([model.model.layers[i] for i in range(lo, hi)])
-    model.lm_head = None
+    local = cfg.replace(num_experts=cfg.num_experts // ep)
+    with torch.device("meta"):  # the whole model on meta (no memory); only the stage is materialised
+        model = cast_model(KimiK3Model(local, backend="cudnn" if device == "cuda" else "eager"), torch.bfloat16)
+    layout = [range(a, b) for a, b in row["stages"]]
+    lo, hi = row["stages"][row["worst_stage"]]
     # Layers of one kind (attention kind, dense or MoE MLP) share one set of weights, so the rank holds a few
     # layers' unsharded weights, as FSDP2 does (two at a time), while every layer keeps its own activations.
     reps: dict[tuple[str, bool], nn.Module] = {}
-    for i, layer in zip(range(lo, hi), model.model.layers):
+    for i in range(lo, hi):
+        layer = model.model.layers[i]
         rep = reps.setdefault((local.layer_type(i), local.is_moe_layer(i)), layer)
         if rep is not layer:
             for name, p in rep.named_parameters():
                 owner, _, leaf = name.rpartition(".")
                 setattr(layer.get_submodule(owner) if owner else layer, leaf, p)
-    _materialise(model, device)
+    if lora_rank:
+        from kimi_tools.lora import LoraSettings, apply_lora
+
+        apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank))
+    stage = split_stage(model, layout, row["worst_stage"])
+    _materialise(stage, device)
     with torch.no_grad():  # as benchmarks/train_step_4layers.py (the values do not matter, only their ranges)
-        for name, p in model.named_parameters():
+        for name, p in stage.named_parameters():
             if name.endswith("A_log"):
                 p.uniform_(0.0, 2.0)
+            elif name.endswith("lora_B.weight"):
+                p.normal_(0.0, 1e-3)
             elif p.ndim >= 2:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
             elif name.endswith(("dt_bias", "e_score_correction_bias", "k_norm.bias")):
                 p.normal_(0.0, 0.01)
             else:
                 p.fill_(1.0)
-    model = cast_model(model, torch.bfloat16)  # bf16, the checkpoint's fp32 tensors kept fp32
-    if lora_rank:
-        from kimi_tools.lora import LoraSettings, apply_lora
-
-        apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank))
-    return model
+    return stage
 
 
 def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: int = 0) -> dict:
     """Materialise the rank of ``row`` (a ``kimi plan`` layout) on ``device``, run its in-flight micro-batches'
     forwards and backwards, and return the prediction beside the measurement (bytes, seconds)."""
+    from kernels_torch.parallel.pipeline import sources_after
     from kimi_tools.train import recompute_layers
 
     torch.manual_seed(seed)
@@ -126,32 +134,46 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: i
     mem = row["memory"]
     # the FSDP2 shards of the rank: parameters, gradients and optimizer states, as flat buffers of the planner's bytes
     states = [torch.empty(int(mem[k]), dtype=torch.uint8, device=device) for k in ("params", "grads", "optimizer")]
-    model = build_stage(cfg, row, device, lora_rank)
+    stage = build_stage(cfg, row, device, lora_rank)
     rc = row["policy"]["recompute"]
     if rc != "none":
-        recompute_layers(model, "layer" if rc == "full" else "mlp", 0 if rc == "full" else 1)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    T = row["tokens_per_microbatch_per_rank"]
-    stage = row["worst_stage"]
-    inflight = min(row["layout"]["pp"] - stage, row["microbatches"])
+        recompute_layers(stage, "layer" if rc == "full" else "mlp", 0 if rc == "full" else 1)
+    weights = sum(p.numel() * p.element_size() for p in stage.parameters())
+    grads = sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)
+    T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size
+    s = row["worst_stage"]
+    inflight = min(row["layout"]["pp"] - s, row["microbatches"])
 
     def forward():
-        ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
-        h, _ = model.model(ids)
-        return (h.float() * torch.randn_like(h, dtype=torch.float32)).sum()
+        """One micro-batch through the stage: ids on the first stage, else a received state ``[M, 1, T, D]``;
+        the summed NLL on the last stage, else the state it sends (kept until its backward, as the schedule
+        keeps it)."""
+        if stage.is_first:
+            x = torch.randint(0, cfg.vocab_size, (1, T), device=device)
+        else:
+            x = torch.randn(sources_after(cfg, stage.start), 1, T, D, dtype=torch.bfloat16, device=device)
+            x.requires_grad_(True)
+        labels = torch.randint(0, cfg.vocab_size, (1, T), device=device) if stage.is_last else None
+        return stage(x, labels=labels)
+
+    def backward(out):
+        """The loss's gradient on the last stage, else a received gradient of the sent state."""
+        if stage.is_last:
+            (out / T).backward()
+        else:
+            out.backward(torch.randn_like(out))
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    losses = [forward() for _ in range(inflight)]  # 1F1B warm-up: the in-flight forwards
-    for loss in losses:
-        loss.backward()
-    del losses
+    outs = [forward() for _ in range(inflight)]  # 1F1B warm-up: the in-flight forwards
+    for out in outs:
+        backward(out)
+    del outs
     sync()
     t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
-    forward().backward()
+    backward(forward())
     sync()
     ms = (time.perf_counter() - t0) * 1e3
     peak = torch.cuda.max_memory_allocated() if cuda else None
@@ -160,8 +182,8 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: i
     return {
         "layout": row["layout"],
         "policy": row["policy"],
-        "stage": stage,
-        "stage_layers": row["stages"][stage],
+        "stage": s,
+        "stage_layers": row["stages"][s],
         "tokens_per_microbatch": T,
         "microbatches_in_flight": inflight,
         "experts_per_rank": cfg.num_experts // row["layout"]["ep"],
@@ -172,7 +194,7 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: i
             "activations": mem["activations"],
             "total": predicted,
             "planner_total": mem["total"],
-            "compute_ms_per_microbatch": row["time"]["compute_per_microbatch"] * 1e3,
+            "compute_ms_per_microbatch": row["time"]["stage_compute_per_microbatch"][s] * 1e3,
         },
         "measured": {"peak_bytes": peak, "ms_per_microbatch": ms},
         "peak_over_predicted": peak / predicted if peak else None,

@@ -30,9 +30,12 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
 * **activations**: calibrated per token per layer from the measured 4-layer step (``plan_calibration.json``: peak
   allocated minus parameter bytes, over ``T x 4`` layers; it holds the saved activations, the gradients in flight,
   the loss chunk and one recompute working set) for ``recompute="none"`` (8K, no recomputation) and ``"mlp"`` (32K,
-  the MLP/MoE blocks recomputed, layer 0 whole); ``"full"`` (every layer recomputed, not measured) keeps each layer's
-  input ``D x 2`` B per token plus one layer's ``"none"`` working set. A stage under 1F1B holds
-  ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``); ``T = seq_len / cp`` tokens per rank.
+  the MLP/MoE blocks recomputed, layer 0 whole); ``"full"`` (every layer recomputed) keeps what
+  :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B per token) plus one layer's ``"none"`` working
+  set. In every mode each in-flight micro-batch also keeps the stage's received and sent states and, on the last
+  stage, the output mix, norm and loss tensors (:func:`held_per_microbatch`; not in the 4-layer calibration, which
+  has no pipeline). A stage under 1F1B holds ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``);
+  ``T = seq_len / cp`` tokens per rank.
 
 Communication per step per rank (bytes a rank sends/receives; rings move ``(n - 1) / n`` of the gathered size):
 FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``), per layer and micro-batch or once
@@ -78,6 +81,7 @@ __all__ = [
     "lora_specs",
     "rank_numel",
     "state_bytes",
+    "held_per_microbatch",
     "layer_flops",
     "Calibration",
     "load_calibration",
@@ -483,6 +487,53 @@ def _a2a_time(nbytes: float, ep: int, hw: Hardware) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
+def _sources_after(cfg: KimiConfig, stop: int) -> int:
+    """``M`` of the ``[M, B, T, D]`` state after layers ``0 .. stop - 1`` (the AttnRes blocks stored so far plus the
+    partial sum; 1 without AttnRes): ``kernels_torch.parallel.pipeline.sources_after``."""
+    return math.ceil(stop / cfg.attn_res_block_size) + 1 if cfg.has_attn_res else 1
+
+
+def _layer_inputs(layers: range, T: int, D: int, first: bool) -> int:
+    """Bytes of the layers' bf16 inputs a stage keeps under whole-layer recomputation (each layer's partial sum
+    ``p``, ``T x D x 2``); a later stage's first layer reads a view of the received state (counted with it)."""
+    return (len(layers) - (0 if first else 1)) * T * D * 2
+
+
+def held_per_microbatch(
+    cfg: KimiConfig, layers: range, T: int, *, first: bool, last: bool, lm_head_grad: bool = True
+) -> int:
+    """Bytes one in-flight micro-batch keeps on a pipeline stage between its forward and its backward when every
+    layer is recomputed (``kimi_tools.train.recompute_layers(model, "layer")``), in units of ``u = T x D x 2``
+    (bf16 activations, ``T`` tokens per rank), as the stage module (``kernels_torch.parallel.pipeline.
+    PipelineStageModule``) and the schedule keep them:
+
+    * each layer's input partial sum: ``len(layers)`` u (a later stage's first layer reads a view of the received
+      state instead);
+    * a later stage's received state ``[M_in, B, T, D]`` (``M_in = sources_after(start)``): ``M_in`` u; a stage
+      before the last its sent state (``torch.distributed.pipelining`` keeps a stage's outputs for its backward):
+      ``M_out`` u;
+    * the last stage's head: the output AttnRes mix over ``M`` sources keeps three fp32 copies of them (the
+      stacked sources, their transposed and flattened forms: ``6 M`` u; none when ``M = 1``), the final RMSNorm its
+      fp32 input (2 u) and bf16 output (1 u), ``kernels_torch.loss.linear_cross_entropy`` the hidden-state gradient
+      (1 u) and, with a trainable ``lm_head``, its ``[V, D]`` gradient (``V x D x 2`` B), computed in the forward.
+
+    ``tests/test_plan.py`` checks the count against the tensors autograd saves for every stage of a split model.
+    """
+    D = cfg.hidden_size
+    u = T * D * 2
+    held = _layer_inputs(layers, T, D, first)
+    if not first:
+        held += _sources_after(cfg, layers.start) * u
+    if not last:
+        held += _sources_after(cfg, layers.stop) * u
+    else:
+        M = _sources_after(cfg, layers.stop)
+        held += (6 * M if M > 1 else 0) * u + 4 * u
+        if lm_head_grad:
+            held += cfg.vocab_size * D * 2
+    return held
+
+
 def _stage_static(cfg: KimiConfig, L: Layout, lora_rank: int | None) -> tuple:
     """Per stage, what does not depend on the policy: (:func:`rank_numel`, (gathered, trainable) elements of each
     layer as one FSDP unit, the stage's unsharded elements {dense, experts, lora, train_dense, train_experts}, MoE
@@ -559,10 +610,13 @@ def evaluate(
             gathered = sum(a for a, _ in sizes) * GATHER_BYTES + sum(t for _, t in sizes) * 4
         inflight = min(L.pp - s, m)
         a_none = cal.act_per_token_layer["none"]
-        if policy.recompute == "full":
-            act = inflight * len(layers) * T * D * 2 + T * a_none
-        else:
-            act = inflight * len(layers) * T * cal.act_per_token_layer[policy.recompute]
+        first, last = s == 0, s == L.pp - 1
+        held = held_per_microbatch(cfg, layers, T, first=first, last=last, lm_head_grad=not lora_rank)
+        if policy.recompute == "full":  # the layer inputs are in `held`; one layer's working set beside them
+            act = inflight * held + T * a_none
+        else:  # the calibrated per-layer bytes replace the layer inputs; the stage's I/O and head come on top
+            extra = held - _layer_inputs(layers, T, D, first)
+            act = inflight * (len(layers) * T * cal.act_per_token_layer[policy.recompute] + extra)
         on_gpu = policy.offload == "none"
         sb = state_bytes(n, policy.optimizer)
         mem = {
@@ -636,6 +690,7 @@ def evaluate(
         "comm": worst["comm"],
         "time": {
             "compute_per_microbatch": max(st["t_comp"] for st in stages),
+            "stage_compute_per_microbatch": [st["t_comp"] for st in stages],
             "all_to_all_per_microbatch": max(st["t_a2a"] for st in stages),
             "pipeline_send_per_microbatch": max(st["t_pp"] for st in stages),
             "busy": busy,
@@ -974,7 +1029,16 @@ def render_docs() -> str:
         "is the worst pipeline stage; communication is per step per rank. GB = 10^9 B. "
         "`benchmarks/rank_rehearsal.py` materialises the worst rank of the chosen layouts at real dimensions on one "
         "GPU (its stage's layers, its E / ep experts, its shard sizes) and runs its forward and backward against "
-        "these predictions; it has not run on the H200 yet."
+        "these predictions. Its first H200 run (2026-12-04, `benchmarks/README.md` pass 19: full fine-tuning, pp8 "
+        "dp16 ep16, stage 0, 8 micro-batches of 8,192 tokens in flight) measured the compute within 0.7% of the "
+        "prediction and the peak memory at 1.39x (73.2 GB against 52.9 GB). Two causes, both counted since on the "
+        "CPU with autograd's saved-tensor hook (`tests/test_plan.py`): that run ended stage 0 with the output AttnRes "
+        "mix, the final norm and an fp32 loss, which keep 17 units of T x D x 2 B per micro-batch (16.0 GB for 8 "
+        "in flight) and which a pipeline's first stage does not hold; and the planner counted no stage "
+        "input or output. With that run's own head counted, its prediction is 68.9 GB (measured 1.06x). The "
+        "rehearsal now runs the trainer's stage module (`split_stage`) and the planner counts each in-flight "
+        "micro-batch's received and sent states and the last stage's head (`held_per_microbatch`); the H200 run of "
+        "this version is still to come."
     )
     out += ["", "Hardware (effective rates; `kimi plan --nvlink-gbps/--ib-gbps/--peak-tflops` change them):", ""]
     out += [
@@ -995,7 +1059,9 @@ def render_docs() -> str:
         )
     out.append(
         f"* recompute full: {cal.tflops['full']:.1f} TFLOP/s (the no-recompute rate x 3/4: one more forward), each "
-        "layer's input kept (D x 2 B per token) plus one layer's no-recompute working set: derived, not measured"
+        "layer's input kept (D x 2 B per token), the stage's received and sent states and the last stage's head "
+        "(`held_per_microbatch`, checked against autograd's saved tensors) plus one layer's no-recompute working "
+        "set"
     )
     d = json.loads(CALIBRATION_FILE.read_text())["expert_density"]
     pts = "; ".join(f"{p['rows_per_expert']:,.0f} rows per expert: {p['tflops']:.0f} TFLOP/s" for p in d["points"])

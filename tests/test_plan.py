@@ -268,3 +268,55 @@ def test_rank_rehearsal_cpu(tmp_path):
     assert p["total"] == p["sharded_states"] + p["stage_weights_and_grads"] + p["activations"]
     assert run["experts_per_rank"] * run["layout"]["ep"] == load_config("tiny").num_experts
     assert run["measured"]["peak_bytes"] is None and run["measured"]["ms_per_microbatch"] > 0
+
+
+def _held_by_autograd(stage, x: torch.Tensor, labels: torch.Tensor, params: set) -> int:
+    """Bytes one micro-batch keeps between a stage's forward and backward: the distinct non-parameter storages
+    autograd saves, plus the sent state of a stage before the last (``torch.distributed.pipelining`` keeps it)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(x, labels=labels)
+    held = sum(n for ptr, n in seen.items() if ptr not in params)
+    if not stage.is_last:
+        held += out.untyped_storage().nbytes() if out.untyped_storage().data_ptr() not in seen else 0
+    return held
+
+
+@pytest.mark.parametrize(
+    "preset, counts, lm_head_grad",
+    [("tiny", (4, 4, 1), True), ("tiny", (8, 1), False), ("tiny-linear", (2, 3, 1), True)],
+    ids=["attnres-3-stages", "attnres-frozen-head", "no-attnres"],
+)
+def test_held_per_microbatch_equals_what_autograd_keeps(preset, counts, lm_head_grad):
+    """The planner's activation bytes per in-flight micro-batch under whole-layer recomputation
+    (:func:`kimi_tools.plan.held_per_microbatch`: layer inputs, the received and the sent state, the last stage's
+    output mix, norm and loss) against the tensors autograd actually saves for every stage of a split bf16 model
+    (TOL_HELD: the per-token fp32 scalars of the mix and the ids are not counted)."""
+    from kernels_torch.parallel.pipeline import sources_after, split_stage, stage_layout
+    from kimi_tools.train import recompute_layers
+
+    TOL_HELD = 0.03
+    torch.manual_seed(0)
+    cfg = load_config(preset)
+    model = cast_model(KimiK3Model(cfg), torch.bfloat16)
+    model.lm_head.weight.requires_grad_(lm_head_grad)
+    recompute_layers(model, "layer")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layout = stage_layout(cfg, len(counts), counts)
+    T, D = 63, cfg.hidden_size
+    labels = torch.randint(0, cfg.vocab_size, (1, T))
+    for s, layers in enumerate(layout):
+        stage = split_stage(model, layout, s)
+        if s == 0:
+            x = torch.randint(0, cfg.vocab_size, (1, T))
+        else:
+            x = torch.randn(sources_after(cfg, layers.start), 1, T, D, dtype=torch.bfloat16, requires_grad=True)
+        got = _held_by_autograd(stage, x, labels, params)
+        want = P.held_per_microbatch(cfg, layers, T, first=s == 0, last=s == len(layout) - 1, lm_head_grad=lm_head_grad)
+        assert abs(got - want) <= TOL_HELD * want, (s, layers, got, want)
