@@ -13,7 +13,8 @@ same length and recomputation:
 * ``rest_ms = bf16 step - gemm_bf16_ms``: the work that stays bf16 (KDA recurrence, sparse attention, indexer,
   norms, permutation, loss, the excluded projections).
 * ``bound_ms = rest_ms + gemm_fp8_ms`` (the same sum over the FP8 rows: ``fp8_gemm.py``'s compiled rows, from a
-  ``--compile`` run, where the step ran with ``--fp8-compile``), ``bound_speedup = bf16 step / bound_ms``
+  ``--compile`` run, where the step ran with ``--fp8-compile``; the bf16 rows of the projections the step kept bf16,
+  narrower than its ``fp8.min_dim``), ``bound_speedup = bf16 step / bound_ms``
   against the target of 1.3, and ``measured_over_bound = FP8 step / bound_ms`` (within 1.1: the step reached its
   bound to 10%).
 
@@ -38,8 +39,10 @@ TARGET = 1.3
 ATTENTION = {"kda": "kda", "dsa": "dsa"}  # layer kind -> LAYER_PARTS entry of its attention projections
 
 
-def _part_ms(gemm: dict, part: str, tokens: int, mode: str, experts: int) -> tuple[float, float]:
-    """(forward, forward + backward) milliseconds of one layer part at ``tokens`` in ``mode``.
+def _part_ms(gemm: dict, part: str, tokens: int, mode: str, experts: int, min_dim: int = 0) -> tuple[float, float]:
+    """(forward, forward + backward) milliseconds of one layer part at ``tokens`` in ``mode``; in an FP8 mode a
+    projection narrower than ``min_dim`` (``min(in, out)``: the step kept it bf16, ``kernels_torch.fp8``'s rule)
+    counts its bf16 row.
 
     Raises:
         KeyError: a projection or the grouped experts of that part not measured without error.
@@ -52,31 +55,34 @@ def _part_ms(gemm: dict, part: str, tokens: int, mode: str, experts: int) -> tup
         raise KeyError(f"grouped experts E={experts} at {tokens} tokens, {grouped_mode}")
     fwd = both = 0.0
     for name in LAYER_PARTS[part]:
-        row = next(
-            (
-                r
-                for r in gemm["dense"]
-                if name in r["names"] and r["tokens"] == tokens and r["mode"] == mode and "fwd_bwd_ms" in r
-            ),
-            None,
-        )
-        if row is None:
-            raise KeyError(f"{name} at {tokens} tokens, {mode}")
+        row = _dense_row(gemm, name, tokens, mode)
+        if mode != "bf16" and min(row.get("in", min_dim), row.get("out", min_dim)) < min_dim:
+            row = _dense_row(gemm, name, tokens, "bf16")  # kept bf16 by the step's min_dim
         fwd, both = fwd + row["fwd_ms"], both + row["fwd_bwd_ms"]
     return fwd, both
 
 
+def _dense_row(gemm: dict, name: str, tokens: int, mode: str) -> dict:
+    """``fp8_gemm.py``'s dense row of projection ``name`` at ``tokens`` in ``mode`` (KeyError when not measured)."""
+    for r in gemm["dense"]:
+        if name in r["names"] and r["tokens"] == tokens and r["mode"] == mode and "fwd_bwd_ms" in r:
+            return r
+    raise KeyError(f"{name} at {tokens} tokens, {mode}")
+
+
 def step_gemm_ms(gemm: dict, row: dict, mode: str) -> tuple[float, list[str]]:
     """Milliseconds of the FP8-able GEMMs of benchmark 5's step ``row`` in ``mode`` (``bf16`` or ``fp8_<recipe>``),
-    with the recomputed forwards, and the parts counted (``"3 x kda"``, ``"+fwd dense_mlp0"``, ...)."""
+    with the recomputed forwards, and the parts counted (``"3 x kda"``, ``"+fwd dense_mlp0"``, ...). The projections
+    narrower than the row's ``fp8.min_dim`` count their bf16 time."""
     T, E = row["seq_len"], row["experts"]
+    min_dim = int((row.get("fp8") or {}).get("min_dim") or 0)
     kinds = row["layers"]  # e.g. ["kda", "kda", "kda", "dsa"]
     recompute, full = row.get("recompute") or None, row.get("recompute_full_layers") or 0
     ms, parts = 0.0, []
 
     def add(part: str, n: int, recomputed: bool) -> None:
         nonlocal ms
-        fwd, both = _part_ms(gemm, part, T, mode, E)
+        fwd, both = _part_ms(gemm, part, T, mode, E, min_dim)
         ms += n * (both + (fwd if recomputed else 0.0))
         parts.append(f"{n} x {part}" + (" (+fwd)" if recomputed else ""))
 

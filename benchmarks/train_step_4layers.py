@@ -32,7 +32,9 @@ right after it is built (torchao: the projections, shared experts and grouped ex
 the conversion record); MFU stays counted against the bf16 ceiling (comparable with the bf16 rows), and
 ``mfu_fp8_ceiling`` beside it is counted against the FP8 ``torch._scaled_mm`` ceiling of that recipe measured at the
 start of the same run (``benchmarks/fp8_gemm.py``'s ``ceilings``, 8192^3). ``--fp8-compile`` compiles each FP8
-projection on its own (``compile_linears``; the row's ``fp8.compiled``), the rest of the step staying eager.
+projection on its own (``compile_linears``; the row's ``fp8.compiled``), the rest of the step staying eager; the
+projections narrower than ``--fp8-min-dim`` stay bf16 (default as ``kimi train``'s: ``kernels_torch.fp8.min_dim_for``;
+the row's ``fp8.min_dim`` and ``fp8.skipped``).
 
 ``--parallel`` (under ``torchrun``, e.g. ``torchrun --nproc-per-node 1 benchmarks/train_step_4layers.py --parallel
 ...``) puts each model through ``kimi train``'s parallel path (``kimi_tools.parallel.TrainParallel.setup``, after the
@@ -170,6 +172,12 @@ def main() -> int:
         help="with --fp8: compile each FP8 projection (convert_model_to_fp8's compile_linears; kimi train --fp8-compile)",
     )
     ap.add_argument(
+        "--fp8-min-dim",
+        type=int,
+        help="with --fp8: projections narrower than N stay bf16 (default as kimi train: the measured width when "
+        "compiled, else 0)",
+    )
+    ap.add_argument(
         "--parallel",
         action="store_true",
         help="under torchrun: each model through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters)",
@@ -230,9 +238,11 @@ def main() -> int:
         try:
             model = build(cfg, backend)
             if args.fp8:  # before the recompute wrappers, as kimi train would
-                from kernels_torch.fp8 import convert_model_to_fp8
+                from kernels_torch.fp8 import convert_model_to_fp8, min_dim_for
 
-                row["fp8"] = convert_model_to_fp8(model, args.fp8, compile_linears=args.fp8_compile).to_dict()
+                min_dim = min_dim_for(args.fp8, args.fp8_compile) if args.fp8_min_dim is None else args.fp8_min_dim
+                rec = convert_model_to_fp8(model, args.fp8, compile_linears=args.fp8_compile, min_dim=min_dim)
+                row["fp8"] = rec.to_dict()
             if par is not None:  # kimi train's order: convert, shard, then the recompute wrappers
                 par.setup(model, lora=False)
             if recompute:

@@ -58,9 +58,10 @@ multiple of 16 (torchao's padding option is refused by its FP8 forward): :func:`
 module's ``align`` to a multiple of :data:`FP8_ALIGN`. Rows of a group that hold no token must be finite (zero):
 the weight gradient's per-group column scales read them. The output is bf16.
 
-The casts run as eager kernels (no ``torch.compile``): torchao's dense casts are several elementwise passes each;
-``benchmarks/fp8_gemm.py --compile`` measures what compiling each ``Float8Linear`` would save. Its grouped casts are
-fused Triton kernels already.
+The dense casts run as eager kernels unless ``compile_linears`` compiles each ``Float8Linear`` (torchao's casts are
+several elementwise passes each; compiled they fuse around the GEMM): eager FP8 projections were measured slower than
+bf16 at every K3.1 shape, compiled ones faster where they are wide (``docs/gpu.md`` "Where FP8 pays", whence
+:data:`MEASURED_MIN_DIM` and the ``min_dim`` rule). The grouped casts are fused Triton kernels already.
 
 Why torchao and not Transformer Engine (PyPI, December 2026): ``transformer-engine-torch`` 2.20.2 is published as a
 source distribution only (498 kB), whose build downloads a wheel made for the exact torch version from GitHub or
@@ -90,6 +91,8 @@ __all__ = [
     "FP8_ALIGN",
     "TORCHAO_REQUIREMENT",
     "COMPILE_CACHE_LIMIT",
+    "MEASURED_MIN_DIM",
+    "min_dim_for",
     "FP8_LINEARS",
     "DEFAULT_EXCLUDE",
     "FP8UnsupportedError",
@@ -108,6 +111,10 @@ FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackw
 FP8_GROUPED_CAPABILITIES = ((9, 0), (10, 0))
 FP8_ALIGN = 16  # rows per expert, and every GEMM width: torch._scaled_mm / _scaled_grouped_mm need multiples of 16
 COMPILE_CACHE_LIMIT = 256  # dynamo graphs per code object under compile_linears: widths x token counts x layers
+# The narrowest projection side, min(in, out), at which a compiled FP8 projection was measured faster than bf16 (forward
+# and backward at 8,192 tokens, benchmarks/fp8_gemm.py --compile on the H200; table in docs/gpu.md "Where FP8 pays"):
+# tensorwise 7168 x 6144 1.40x, 7168 x 1536 0.65x; rowwise 7168 x 12288 1.29x, 7168 x 6144 0.81x.
+MEASURED_MIN_DIM = {"tensorwise": 4096, "rowwise": 7168}
 TORCHAO_REQUIREMENT = ">=0.17,<0.19"  # 0.17/0.18: the Float8TrainingOpConfig API used here; tested with 0.18.0
 _TORCHAO_MIN, _TORCHAO_BELOW = (0, 17), (0, 19)
 
@@ -146,8 +153,9 @@ class FP8Conversion:
 
     ``linears``: qualified names of the projections that became ``Float8Linear``; ``grouped_experts``: the
     ``GroupedExperts`` modules whose weights torchao wraps (FP8 rowwise grouped GEMMs); ``skipped``: ``(name,
-    reason)`` for candidates left as they are (excluded by a pattern, a width not a multiple of 16, a DSA layer's
-    absorbed ``kv_b_proj``, grouped experts under ``emulate`` or on the ``loop`` kernel)."""
+    reason)`` for candidates left as they are (excluded by a pattern, narrower than ``min_dim``, a width not a
+    multiple of 16, a DSA layer's absorbed ``kv_b_proj``, grouped experts under ``emulate`` or on the ``loop``
+    kernel)."""
 
     recipe: str
     grouped_recipe: str | None
@@ -159,6 +167,7 @@ class FP8Conversion:
     linears: tuple[str, ...]
     grouped_experts: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...]
+    min_dim: int = 0
 
     def to_dict(self, names: bool = False) -> dict[str, Any]:
         """A JSON-ready summary: the settings, the counts, the skipped candidates by reason (with ``names``, the
@@ -173,6 +182,7 @@ class FP8Conversion:
             "emulate": self.emulate,
             "fsdp_float8_all_gather": self.fsdp_float8_all_gather,
             "compiled": self.compiled,
+            "min_dim": self.min_dim,
             "exclude": list(self.exclude),
             "linears": len(self.linears),
             "grouped_experts": len(self.grouped_experts),
@@ -309,6 +319,18 @@ def _candidates(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str | None
     return linears, grouped
 
 
+def min_dim_for(recipe: str, compiled: bool) -> int:
+    """The ``min_dim`` of :func:`convert_model_to_fp8` that keeps in bf16 the projections measured slower in FP8:
+    :data:`MEASURED_MIN_DIM` of ``recipe`` for compiled projections; 0 (every candidate) for eager ones, which were
+    measured slower than bf16 at every K3.1 shape (0.1x to 0.9x at 8K and 32K tokens: docs/gpu.md) and are kept
+    for numerics studies.
+
+    Raises:
+        ValueError: an unknown recipe."""
+    check_recipe(recipe)
+    return MEASURED_MIN_DIM[recipe] if compiled else 0
+
+
 def convert_model_to_fp8(
     model: nn.Module,
     recipe: str,
@@ -317,6 +339,7 @@ def convert_model_to_fp8(
     emulate: bool = False,
     fsdp_float8_all_gather: bool = False,
     compile_linears: bool = False,
+    min_dim: int = 0,
     device: str | torch.device | None = None,
 ) -> FP8Conversion:
     """Run the model's projections and grouped experts in FP8 (torchao), in place; record it as ``model.fp8``.
@@ -344,6 +367,9 @@ def convert_model_to_fp8(
             ``torch._scaled_mm`` instead of running eagerly. The rest of the model stays eager. Every
             ``Float8Linear`` shares one code object, so dynamo's recompile limits are raised to at least
             :data:`COMPILE_CACHE_LIMIT` (a process-wide setting) to keep each shape compiled.
+        min_dim: leave as they are (``skipped``, reason ``narrow``) the projections whose smaller side
+            ``min(in_features, out_features)`` is below it: a rule by measured shape, as torchtitan's
+            ``auto_filter_small_kn`` (:func:`min_dim_for` gives the measured one). 0: every candidate.
         device: where the GEMMs will run (default: the device of the model's first parameter).
 
     Returns:
@@ -351,7 +377,7 @@ def convert_model_to_fp8(
 
     Raises:
         ValueError: an unknown recipe, ``fsdp_float8_all_gather`` with ``rowwise``, a pattern matching no candidate,
-            a model without any FP8 candidate, or one converted before.
+            a model without any FP8 candidate, or one converted before; ``min_dim`` not an int >= 0.
         FP8UnsupportedError: (without ``emulate``) the device cannot run FP8 (:func:`check_fp8_supported`), or torchao
             is missing or of another version.
     """
@@ -360,6 +386,8 @@ def convert_model_to_fp8(
         raise ValueError(
             f"fsdp_float8_all_gather: torchao all-gathers FP8 weights under the tensorwise recipe only, got {recipe!r}"
         )
+    if isinstance(min_dim, bool) or not isinstance(min_dim, int) or min_dim < 0:
+        raise ValueError(f"min_dim: got {min_dim!r}, expected an int >= 0 (0: every candidate)")
     if getattr(model, "fp8", None) is not None:
         raise ValueError(f"model: already converted to FP8 (recipe {model.fp8.recipe!r})")
     linears, grouped = _candidates(model)
@@ -381,9 +409,11 @@ def convert_model_to_fp8(
 
     skipped: list[tuple[str, str]] = []
     chosen: list[str] = []
-    for name, _, reason in linears:
+    for name, module, reason in linears:
         if reason is None and any(_matches(name, pat) for pat in exclude):
             reason = "excluded"
+        if reason is None and min(module.in_features, module.out_features) < min_dim:
+            reason = f"narrow: min(in, out) < {min_dim}"
         if reason is None:
             chosen.append(name)
         else:
@@ -434,6 +464,7 @@ def convert_model_to_fp8(
         emulate=emulate,
         fsdp_float8_all_gather=fsdp_float8_all_gather,
         compiled=bool(compile_linears and chosen),
+        min_dim=min_dim,
         exclude=exclude,
         linears=tuple(chosen),
         grouped_experts=tuple(grouped_done),

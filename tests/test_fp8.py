@@ -419,6 +419,30 @@ def test_grouped_experts_left_as_they_are_where_fp8_cannot_reach_them(monkeypatc
     assert rec.grouped_experts == () and dict(rec.skipped) == {"experts": "grouped experts under emulate"}
 
 
+def test_projections_narrower_than_min_dim_stay_plain():
+    """``min_dim`` (the rule by measured shape): every candidate with ``min(in, out) < min_dim`` is left a plain
+    ``nn.Linear`` and listed as ``narrow``, the wider ones convert; the record and its summary carry ``min_dim``;
+    :func:`min_dim_for` gives the measured widths for compiled projections and 0 for eager ones; a negative or
+    non-int ``min_dim`` is refused."""
+    every = fp8.convert_model_to_fp8(tiny_model(), "rowwise", emulate=True)
+    model = tiny_model()
+    widths = {n: min(m.in_features, m.out_features) for n, m in model.named_modules() if n in set(every.linears)}
+    cut = sorted(set(widths.values()))[len(set(widths.values())) // 2]  # some narrower, some not
+    rec = fp8.convert_model_to_fp8(model, "rowwise", emulate=True, min_dim=cut)
+    narrow = {n for n, reason in rec.skipped if reason == f"narrow: min(in, out) < {cut}"}
+    assert narrow == {n for n, w in widths.items() if w < cut} and narrow
+    assert set(rec.linears) == {n for n, w in widths.items() if w >= cut} and rec.linears
+    for n in narrow:
+        assert type(model.get_submodule(n)) is nn.Linear, n
+    assert rec.min_dim == cut and fp8.fp8_record(model)["min_dim"] == cut
+    assert fp8.fp8_record(model)["skipped"][f"narrow: min(in, out) < {cut}"] == len(narrow)
+    assert fp8.min_dim_for("tensorwise", True) == 4096 and fp8.min_dim_for("rowwise", True) == 7168
+    assert fp8.min_dim_for("rowwise", False) == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_dim: got"):
+            fp8.convert_model_to_fp8(tiny_model(), "rowwise", emulate=True, min_dim=bad)
+
+
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "cudnn"])
 def test_trainer_header_says_which_routed_experts_stay_bf16(monkeypatch, backend):
     """``kimi train --fp8`` on CUDA (the device check faked; the conversion itself runs on the CPU): under
@@ -432,11 +456,14 @@ def test_trainer_header_says_which_routed_experts_stay_bf16(monkeypatch, backend
     fp8_grouped_checker(monkeypatch)
     cfg = load_config("tiny")
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    args = SimpleNamespace(fp8="rowwise", device="cuda", fp8_compile=False, backend=backend)
+    args = SimpleNamespace(fp8="rowwise", device="cuda", fp8_compile=False, fp8_min_dim=None, backend=backend)
     said = fp8_converter(KimiK3Model(cfg, backend=backend), args)
     assert said.startswith("fp8 rowwise: "), said
     if backend == "cudnn":
         assert f", {n_moe} grouped experts (fp8_rowwise)" in said and "bf16" not in said, said
+        wide = SimpleNamespace(**{**vars(args), "fp8_min_dim": 10**6})  # every projection narrower: all kept bf16
+        said = fp8_converter(KimiK3Model(cfg, backend=backend), wide)
+        assert said.startswith("fp8 rowwise: 0 projections, ") and " narrower than 1000000 kept in bf16" in said
     else:
         assert said.endswith(
             f"; routed experts stay bf16 in {n_moe} layers (the loop kernel of --backend {backend}; FP8 grouped "

@@ -84,6 +84,20 @@ def test_a_compiled_step_is_bounded_by_the_compiled_gemms(fp8_bound):
     assert comp["gemm_fp8_ms"] == pytest.approx(0.5 * 114 + 0.75 * 90)
 
 
+def test_projections_kept_bf16_count_their_bf16_time(fp8_bound):
+    """A step whose ``fp8.min_dim`` kept the narrow projections bf16 (``kernels_torch.fp8``'s rule) is bounded with
+    their bf16 rows: here the DSA ``kv_a_proj_with_mqa`` (576 wide) under ``min_dim`` 1024."""
+    gemm = _gemm(fp8_bound, {"bf16": 1.0, "fp8_rowwise": 0.5})
+    for r in gemm["dense"]:
+        r["in"], r["out"] = 7168, 576 if r["names"] == ["dsa.kv_a_proj_with_mqa"] else 7168
+    bf16 = {"rows": [_step(8192, 500.0)]}
+    (every,) = fp8_bound.bound_rows(gemm, bf16, {"rows": [_step(8192, 420.0, recipe="rowwise")]})
+    narrow = _step(8192, 420.0, recipe="rowwise")
+    narrow["fp8"]["min_dim"] = 1024
+    (kept,) = fp8_bound.bound_rows(gemm, bf16, {"rows": [narrow]})
+    assert kept["gemm_fp8_ms"] == pytest.approx(every["gemm_fp8_ms"] + 0.5 * 3)  # one projection: 3 ms, not 1.5
+
+
 def test_rows_without_a_pair_and_missing_gemms(fp8_bound, tmp_path):
     gemm = _gemm(fp8_bound, {"bf16": 1.0, "fp8_rowwise": 0.5})
     bf16 = {"rows": [_step(32768, None, "mlp", 1)]}

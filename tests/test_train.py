@@ -431,6 +431,7 @@ def _small_argv(out):
         (lambda argv, tmp: argv + ["--fp8", "rowwise"], "--fp8: got --dtype float32, expected bfloat16"),
         (lambda argv, tmp: argv + ["--fp8", "rowwise", "--dtype", "bfloat16"], "--fp8: FP8 matmuls need a CUDA GPU"),
         (lambda argv, tmp: argv + ["--fp8-compile"], "--fp8-compile: compiles the FP8 projections; it needs --fp8"),
+        (lambda argv, tmp: argv + ["--fp8-min-dim", "4096"], "--fp8-min-dim: got 4096 without --fp8"),
     ],
     ids=[
         "seq-len",
@@ -449,6 +450,7 @@ def _small_argv(out):
         "fp8-fp32",
         "fp8-cpu",
         "fp8-compile-alone",
+        "fp8-min-dim-alone",
     ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):
@@ -1097,12 +1099,13 @@ def test_a_field_added_off_by_default_keeps_earlier_fingerprints():
     cfg = load_config("tiny")
     a = resolve(TrainArgs(out="o", **SMALL))
     fp, body = fingerprint(a, cfg)
-    assert "fp8" not in body["args"] and "fp8_compile" not in body["args"]
+    assert not {"fp8", "fp8_compile", "fp8_min_dim"} & set(body["args"])
     older = {**body, "args": {k: v for k, v in body["args"].items() if k not in ("fp8", "fp8_compile")}}
     assert fp == hashlib.sha256(json.dumps(older, sort_keys=True).encode()).hexdigest()
     assert fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0] != fp
     with_fp8 = fingerprint(dataclasses.replace(a, fp8="rowwise"), cfg)[0]
     assert fingerprint(dataclasses.replace(a, fp8="rowwise", fp8_compile=True), cfg)[0] != with_fp8
+    assert fingerprint(dataclasses.replace(a, fp8="rowwise", fp8_min_dim=64), cfg)[0] != with_fp8
 
 
 def test_a_step_overwritten_inside_is_named_and_a_killed_save_is_cleaned(tmp_path, capsys):

@@ -44,7 +44,7 @@ __all__ = [
 RECOMPUTE_MODES = ("layer", "mlp")
 # Fields added after runs were written, whose default (None or False) is the behaviour from before them: left out of
 # the fingerprint at that default, so a run written before they existed still resumes.
-ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile")
+ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim")
 FP8_RECIPES = ("tensorwise", "rowwise")  # kernels_torch.fp8.FP8_RECIPES, spelled here so parsing needs no torch
 DEFAULT_SAVE_EVERY = "10min"  # resume state every 10 minutes of training unless --save-every says otherwise
 
@@ -224,6 +224,16 @@ class TrainArgs:
         metadata=arg(
             "with --fp8: compile each FP8 projection on its own (torch.compile, inductor), so that torchao's casts "
             "fuse around the FP8 GEMM; the rest of the model stays eager"
+        ),
+    )
+    fp8_min_dim: int | None = field(
+        default=None,
+        metadata=arg(
+            "with --fp8: keep in bf16 the projections whose smaller side min(in, out) is below N (a rule by measured "
+            "shape, recorded in run.json); default: the width where the compiled recipe was measured faster than "
+            "bf16 (kernels_torch.fp8.MEASURED_MIN_DIM: tensorwise 4096, rowwise 7168) with --fp8-compile, else 0",
+            type=int,
+            metavar="N",
         ),
     )
     freeze: list[str] = field(
@@ -448,6 +458,10 @@ def resolve(args: TrainArgs) -> TrainArgs:
             raise FP8UnsupportedError("--fp8: " + "; and ".join(problems))
     elif a.fp8_compile:
         raise ValueError("--fp8-compile: compiles the FP8 projections; it needs --fp8 RECIPE")
+    elif a.fp8_min_dim is not None:
+        raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim} without --fp8; it chooses which projections run in FP8")
+    if a.fp8_min_dim is not None and a.fp8_min_dim < 0:
+        raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim}, expected a width >= 0 (0: every projection)")
     for name in ("steps", "seq_len", "eval_tokens", "keep"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(a, name)}, expected a positive integer")

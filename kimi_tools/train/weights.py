@@ -119,13 +119,16 @@ def fp8_converter(model: nn.Module, args: TrainArgs) -> str | None:
     """
     if args.fp8 is None:
         return None
-    from kernels_torch.fp8 import convert_model_to_fp8
+    from kernels_torch.fp8 import convert_model_to_fp8, min_dim_for
 
-    rec = convert_model_to_fp8(model, args.fp8, device=args.device, compile_linears=args.fp8_compile)
+    min_dim = min_dim_for(args.fp8, args.fp8_compile) if args.fp8_min_dim is None else args.fp8_min_dim
+    rec = convert_model_to_fp8(model, args.fp8, device=args.device, compile_linears=args.fp8_compile, min_dim=min_dim)
     experts = f", {len(rec.grouped_experts)} grouped experts ({rec.grouped_recipe})" if rec.grouped_experts else ""
     compiled = " (compiled)" if rec.compiled else ""
+    narrow = sum(1 for _, reason in rec.skipped if reason.startswith("narrow"))
+    kept = f", {narrow} narrower than {min_dim} kept in bf16" if narrow else ""
     return (
-        f"fp8 {rec.recipe}: {len(rec.linears)} projections{compiled}{experts}, torchao {rec.torchao_version}"
+        f"fp8 {rec.recipe}: {len(rec.linears)} projections{compiled}{kept}{experts}, torchao {rec.torchao_version}"
         + _experts_left_bf16(rec, args)
     )
 
