@@ -677,3 +677,59 @@ def test_fp8_with_recomputation_gives_the_same_loss_and_grads():
         assert g0.keys() == g1.keys() and len(g0) > 50
         for n in g0:
             assert torch.equal(g0[n], g1[n]), n
+
+
+# ---------------------------------------------------------------------------------------------- layer-local, whole model
+
+# T = 120: not a multiple of 16 (the projections pad their rows), above index_topk = 64 (the DSA top-k chooses);
+# the output gradients have a mean-token loss's size over an 8K-token batch (FP8's scales must carry them).
+LAYER_LOCAL_TOKENS = 120
+LAYER_LOCAL_GRAD_SCALE = 1.0 / 8192
+
+
+def test_tiny_model_fp8_layer_by_layer_under_replay():
+    """Each decoder layer of the tiny model converted (rowwise, torchao's emulation; fp32) against the same layer
+    unconverted, both on the unconverted model's recorded inputs (AttnRes blocks and p) with its MoE routing and DSA
+    top-k replayed (``tests/layer_local.py``): attn_out, mlp_out and each layer's parameter gradients within
+    ``FP8_LAYER_TOL`` (FP8 rounding arithmetic; every error printed as ``FP8_ERR``), and off by more than fp32
+    rounding (FP8 ran). The same bounds reject the unconverted model with every ``o_proj`` tripled and the converted
+    one with its FP8 scales dropped (gradients flushed to zero). The routed experts stay fp32 here (torchao has no
+    emulated grouped FP8 GEMM): ``tests/gpu/test_gpu_fp8.py`` runs the same comparison with them in FP8."""
+    import copy
+
+    from layer_local import (
+        FP8_LAYER_TOL,
+        compare_models,
+        failures,
+        fp8_scales_dropped,
+        output_grads,
+        record_layer_inputs,
+        report,
+    )
+
+    ref = tiny_model(seed=0)
+    ids = torch.randint(0, 512, (1, LAYER_LOCAL_TOKENS), generator=torch.Generator().manual_seed(1))
+    inputs = record_layer_inputs(ref, ids)
+    dys = output_grads(inputs, seed=2, scale=LAYER_LOCAL_GRAD_SCALE)
+    model = copy.deepcopy(ref)
+    rec = fp8.convert_model_to_fp8(model, "rowwise", emulate=True)
+    assert rec.linears and not rec.grouped_experts
+    errs = compare_models(ref, model, inputs, dys)
+    report("tiny_model_layer_local", errs)
+    assert failures(errs, FP8_LAYER_TOL) == []
+    assert min(min(e.outputs.values()) for e in errs) > MIN_FP8_EFFECT
+    dsa = load_config("tiny").dsa_layers
+    assert all(errs[i].flips > 0 for i in dsa)  # FP8 alone would have chosen other keys: the replay is needed
+
+    x3 = copy.deepcopy(ref)
+    with torch.no_grad():
+        for n, p in x3.named_parameters():
+            if n.endswith("self_attn.o_proj.weight"):
+                p.mul_(3.0)
+    x3_errs = compare_models(ref, x3, inputs, dys)
+    report("tiny_model_layer_local_o_proj_x3", x3_errs)
+    assert len(failures(x3_errs, FP8_LAYER_TOL)) >= len(errs)  # every layer's attn_out at least
+    with fp8_scales_dropped():
+        unscaled = compare_models(ref, model, inputs, dys)
+    report("tiny_model_layer_local_scales_dropped", unscaled)
+    assert len(failures(unscaled, FP8_LAYER_TOL)) >= len(errs)  # every layer's gradients
