@@ -362,14 +362,14 @@ def _pp_config():
     return load_config("tiny").replace(vocab_size=EXPORT_VOCAB, num_experts=16, attn_res_block_size=2).truncated(4)
 
 
-def _pp_model():
-    from kernels_torch.model import KimiK3Model
+def _pp_model(dtype: str):
+    from kernels_torch.model import KimiK3Model, cast_model
 
-    torch.manual_seed(7)  # every rank and the test build the same fp32 weights (no round trip of bf16: casts act)
-    return KimiK3Model(_pp_config())
+    torch.manual_seed(7)  # every rank and the test build the same weights (no round trip of bf16: casts act)
+    return cast_model(KimiK3Model(_pp_config()), getattr(torch, dtype))
 
 
-def _pp_export_worker(rank: int, world: int, port: int, out: str, dp: int, max_bytes: int) -> None:
+def _pp_export_worker(rank: int, world: int, port: int, out: str, dp: int, dtype: str, max_bytes: int) -> None:
     """pp2 (x dp): each rank keeps its stage (FSDP2-sharded over dp when dp > 1) and exports
     ``Pipeline.rank_module()``; records what it holds, wrote and the largest block it gathered; then the same view
     without ``lm_head`` must be refused on every rank, naming the tensor."""
@@ -384,7 +384,7 @@ def _pp_export_worker(rank: int, world: int, port: int, out: str, dp: int, max_b
         pp = world // dp
         mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
         pipe = Pipeline(
-            _pp_model(),
+            _pp_model(dtype),
             pp_size=pp,
             pp_rank=mesh["pp"].get_local_rank(),
             n_microbatches=pp,
@@ -423,17 +423,18 @@ def _pp_export_worker(rank: int, world: int, port: int, out: str, dp: int, max_b
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dp", [1, 2], ids=["pp2", "pp2-dp2"])
-def test_pipeline_export_equals_single_process(tmp_path, dp):
+@pytest.mark.parametrize("dp, dtype", [(1, "float64"), (2, "float32")], ids=["pp2-fp64", "pp2-dp2-fp32"])
+def test_pipeline_export_equals_single_process(tmp_path, dp, dtype):
     """``export_sharded`` of each rank's ``Pipeline.rank_module()`` at pp2 (plain tensors, each whole on one rank)
-    and pp2 x dp2 (``DTensor``\\ s over each stage's dp ranks): ``save_model``'s files of the one-process model
-    byte for byte, written by every rank; a rank holds its stage only (some tensors, never all) and gathers at most
-    one canonical tensor at a time; a tensor no rank holds (``lm_head`` dropped) is refused on every rank by name."""
+    in fp64 (a writer without the tensor receives the holders' dtype) and pp2 x dp2 in fp32 (``DTensor``\\ s over
+    each stage's dp ranks): ``save_model``'s files of the one-process model byte for byte, written by every rank; a
+    rank holds its stage only (some tensors, never all) and gathers at most one canonical tensor at a time; a tensor
+    no rank holds (``lm_head`` dropped) is refused on every rank by name."""
     from kimi.layout import param_layout, stacked_layout
 
     world, max_bytes = 2 * dp, 2**16
-    spawn(_pp_export_worker, world, str(tmp_path), dp, max_bytes)
-    _assert_export_equals(tmp_path, _pp_model(), max_bytes, world)
+    spawn(_pp_export_worker, world, str(tmp_path), dp, dtype, max_bytes)
+    _assert_export_equals(tmp_path, _pp_model(dtype), max_bytes, world)
     cfg = _pp_config()
     layout = {s.name: s.numel for s in stacked_layout(cfg)}
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
