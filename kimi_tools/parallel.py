@@ -33,7 +33,7 @@ them over the ``dp`` ranks of its pipeline coordinate (``shard_stages``), and th
 ``pipe.rank_module()`` (the stages under the one-process names: DCP states resume under another ``--pp`` or in one
 process). A step runs the ``dp`` group's micro-batches through the schedule (:meth:`TrainParallel.pipeline_step`),
 the evaluation forward only (:meth:`TrainParallel.pipeline_eval`), the gradient norm sums over ``pp``
-(:attr:`TrainParallel.norm_group`), the export gathers each stage to rank 0. Refused with ``--pp`` > 1 for now:
+(:attr:`TrainParallel.norm_group`), the export per rank from its stages (``export_sharded``). Refused with ``--pp`` > 1:
 ``--cp`` / ``--ep`` > 1, LoRA, the distillation stages, bf16 and FP8 (:func:`refuse_pipeline`).
 
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
@@ -355,10 +355,8 @@ class TrainParallel:
     def save_model(self, model: nn.Module, out: Path) -> None:
         """The HF safetensors export (``kernels_torch.model.save_model``'s files; under torchrun every rank writes its
         own files, ``kernels_torch.parallel.export.export_sharded``, never gathering the model on one rank). With
-        ``--pp`` (each rank holding its stages only, which ``export_sharded`` does not take yet) each pipeline rank's
-        stages are gathered over its ``dp`` ranks and sent to rank 0, which writes."""
-        if self.pipe is not None:
-            return self._save_pipeline(model, out)
+        ``--pp`` ``model`` is ``pipe.rank_module()``: each rank holds its stages only and sends their pieces to the
+        files' writers."""
         if self.enabled:
             from kernels_torch.parallel.export import export_sharded
 
@@ -367,26 +365,6 @@ class TrainParallel:
             from kernels_torch.model import save_model
 
             save_model(model, out)
-
-    def _save_pipeline(self, model: nn.Module, out: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from kernels_torch.params import canonical_state_dict
-        from kimi.checkpoint import save_params
-        from kimi.layout import param_layout
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every dp rank
-        if self.mesh["dp"].get_local_rank() == 0:  # the pipeline group of rank 0 sends its stages to it
-            mine = {k: v.detach().cpu() for k, v in canonical_state_dict(model, full).items()}
-            parts = [None] * self.pp_size if self.rank == 0 else None
-            dist.gather_object(mine, parts, dst=0, group=self.mesh["pp"].get_group())
-            if self.rank == 0:
-                config = model.config
-                dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(config)}
-                merged = {k: v for part in parts for k, v in part.items()}
-                order = [s.name for s in param_layout(config) if s.name in merged]  # the one-process order
-                save_params(out, {k: merged[k].to(dtypes[k]) for k in order}, config)
-        dist.barrier()
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():

@@ -15,7 +15,8 @@ expert (rows and columns, a 2-D mesh), materialised with ``to_empty`` and filled
   heap and the pages of freed ones stay resident (fragmentation the allocator keeps, about 3 read pieces here), a
   property of the allocator's history rather than of the load;
 * ``kernels_torch.parallel.export.export_sharded`` (every rank its own files) writes the files ``save_model`` writes
-  for the same weights, byte for byte (bf16 and MXFP4 experts; also a bf16-experts config), and they load back.
+  for the same weights, byte for byte (bf16 and MXFP4 experts; also a bf16-experts config), and they load back; the
+  same from pipeline ranks that each hold their stage only (pp2, pp2 x dp2).
 
 The checkpoint has a large vocabulary so that the owned bytes dominate what a process touches besides (a few
 hundred kB of allocator and library pages).
@@ -315,8 +316,7 @@ def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, max_by
 @pytest.mark.distributed
 @pytest.mark.parametrize("world, quant", [(2, True), (4, True), (2, False)], ids=["w2-mxfp4", "w4-mxfp4", "w2-bf16"])
 def test_parallel_export_equals_single_process(tmp_path, world, quant):
-    from kernels_torch.model import KimiK3Model, cast_model, load_model, save_model
-    from kimi.checkpoint import CheckpointReader
+    from kernels_torch.model import KimiK3Model, cast_model
 
     ckpt = _write(tmp_path / "k", quant, EXPORT_VOCAB)
     max_bytes = 2**18  # several files: every rank writes some
@@ -324,17 +324,27 @@ def test_parallel_export_equals_single_process(tmp_path, world, quant):
     cfg = _config(quant, EXPORT_VOCAB)
     one = cast_model(KimiK3Model(cfg), torch.float32)
     one.load_state_dict(torch.load(tmp_path / "full.pt"))
+    _assert_export_equals(tmp_path, one, max_bytes, world)
+
+
+def _assert_export_equals(out: Path, one, max_bytes: int, world: int) -> None:
+    """The ranks' exports in ``out`` (``par``: files of ``max_bytes``, ``par_default``: the default size, and what
+    each rank wrote, ``wrote{rank}.json``) equal, byte for byte, the one-process model ``one`` written by
+    ``save_model`` (``par_default``) and by its ``save_params`` with the same file size (``par``); every rank wrote
+    files and they load back equal."""
+    from kernels_torch.model import load_model, save_model
     from kernels_torch.params import canonical_state_dict
-    from kimi.checkpoint import save_params
+    from kimi.checkpoint import CheckpointReader, save_params
     from kimi.layout import param_layout
 
+    cfg = one.config
     dtypes = {s.name: getattr(torch, s.dtype) for s in param_layout(cfg)}
     sd = {k: v.detach().to("cpu", dtypes[k]) for k, v in canonical_state_dict(one).items()}
-    save_params(tmp_path / "one", sd, cfg, max_shard_bytes=max_bytes)  # save_model with the same file size
-    par, ref = tmp_path / "par", tmp_path / "one"
+    save_params(out / "one", sd, cfg, max_shard_bytes=max_bytes)  # save_model with the same file size
+    par, ref = out / "par", out / "one"
     names = sorted(p.name for p in ref.iterdir())
     assert names == sorted(p.name for p in par.iterdir())  # no temporary file left
-    wrote = [json.loads((tmp_path / f"wrote{r}.json").read_text()) for r in range(world)]
+    wrote = [json.loads((out / f"wrote{r}.json").read_text()) for r in range(world)]
     assert all(wrote), wrote  # every rank wrote files
     for name in names:
         assert (par / name).read_bytes() == (ref / name).read_bytes(), name
@@ -342,9 +352,101 @@ def test_parallel_export_equals_single_process(tmp_path, world, quant):
     for k, v in load_model(ref).state_dict().items():
         assert torch.equal(back[k], v), k
     assert len(CheckpointReader(par).files) >= world
-    save_model(one, tmp_path / "sm")
-    for name in sorted(p.name for p in (tmp_path / "sm").iterdir()):
-        assert (tmp_path / "par_default" / name).read_bytes() == (tmp_path / "sm" / name).read_bytes(), name
+    save_model(one, out / "sm")
+    for name in sorted(p.name for p in (out / "sm").iterdir()):
+        assert (out / "par_default" / name).read_bytes() == (out / "sm" / name).read_bytes(), name
+
+
+def _pp_config():
+    """4 layers in AttnRes blocks of 2 (pp2 cuts between them), MXFP4 experts, a small vocabulary."""
+    return load_config("tiny").replace(vocab_size=EXPORT_VOCAB, num_experts=16, attn_res_block_size=2).truncated(4)
+
+
+def _pp_model(dtype: str):
+    from kernels_torch.model import KimiK3Model, cast_model
+
+    torch.manual_seed(7)  # every rank and the test build the same weights (no round trip of bf16: casts act)
+    return cast_model(KimiK3Model(_pp_config()), getattr(torch, dtype))
+
+
+def _pp_export_worker(rank: int, world: int, port: int, out: str, dp: int, dtype: str, max_bytes: int) -> None:
+    """pp2 (x dp): each rank keeps its stage (FSDP2-sharded over dp when dp > 1) and exports
+    ``Pipeline.rank_module()``; records what it holds, wrote and the largest block it gathered; then the same view
+    without ``lm_head`` must be refused on every rank, naming the tensor."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import kernels_torch.parallel.export as export
+        from kernels_torch.parallel.pipeline import Pipeline, shard_stages
+
+        pp = world // dp
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        pipe = Pipeline(
+            _pp_model(dtype),
+            pp_size=pp,
+            pp_rank=mesh["pp"].get_local_rank(),
+            n_microbatches=pp,
+            group=mesh["pp"].get_group(),
+        )
+        if dp > 1:
+            shard_stages(pipe, mesh["dp"])
+        view = pipe.rank_module()
+        held = {n: t.to_local().numel() if isinstance(t, DTensor) else t.numel() for n, t in view.state_dict().items()}
+        gathered = []
+        gather = export.gather_block
+
+        def counting(*args, **kwargs):
+            t = gather(*args, **kwargs)
+            gathered.append(0 if t is None else t.numel())
+            return t
+
+        export.gather_block = counting  # export_sharded looks it up in its module
+        try:
+            wrote = export.export_sharded(view, f"{out}/par", max_shard_bytes=max_bytes)
+            export.export_sharded(view, f"{out}/par_default")
+        finally:
+            export.gather_block = gather
+        if hasattr(view, "lm_head"):
+            del view.lm_head  # now no rank holds lm_head.weight
+        try:
+            export.export_sharded(view, f"{out}/missing")
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        record = {"held": held, "wrote": wrote, "largest_gathered": max(gathered), "refused": refused}
+        (Path(out) / f"wrote{rank}.json").write_text(json.dumps(wrote))
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dp, dtype", [(1, "float64"), (2, "float32")], ids=["pp2-fp64", "pp2-dp2-fp32"])
+def test_pipeline_export_equals_single_process(tmp_path, dp, dtype):
+    """``export_sharded`` of each rank's ``Pipeline.rank_module()`` at pp2 (plain tensors, each whole on one rank)
+    in fp64 (a writer without the tensor receives the holders' dtype) and pp2 x dp2 in fp32 (``DTensor``\\ s over
+    each stage's dp ranks): ``save_model``'s files of the one-process model byte for byte, written by every rank; a
+    rank holds its stage only (some tensors, never all) and gathers at most one canonical tensor at a time; a tensor
+    no rank holds (``lm_head`` dropped) is refused on every rank by name."""
+    from kimi.layout import param_layout, stacked_layout
+
+    world, max_bytes = 2 * dp, 2**16
+    spawn(_pp_export_worker, world, str(tmp_path), dp, dtype, max_bytes)
+    _assert_export_equals(tmp_path, _pp_model(dtype), max_bytes, world)
+    cfg = _pp_config()
+    layout = {s.name: s.numel for s in stacked_layout(cfg)}
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    union = set()
+    for r, rec in enumerate(records):
+        assert set(rec["held"]) < set(layout), r  # a stage's tensors: some of the model's, never all
+        union |= set(rec["held"])
+        if dp > 1:  # FSDP2 over dp: a shard of each
+            assert sum(rec["held"].values()) < sum(layout[n] for n in rec["held"]), r
+        assert rec["largest_gathered"] <= max(s.numel for s in param_layout(cfg)), r
+        assert "missing from the model: lm_head.weight" in rec["refused"], (r, rec["refused"])
+    assert union == set(layout)
 
 
 # ------------------------------------------------------------------------------------------------ kimi train

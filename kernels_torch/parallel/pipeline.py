@@ -71,8 +71,9 @@ The other dimensions, and what remains:
   with ``ContextParallel`` on a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` does).
 * ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired (``kimi_tools.parallel``: FSDP2
   over ``dp`` only; the evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over
-  ``pp``; the export gathered to rank 0; the model built on ``meta``, each rank materialising and reading only
-  its stages' shards). Remaining: a per-rank export, ``--pp`` with ``--cp`` / ``--ep`` in the trainer.
+  ``pp``; the export written per rank from its stages, ``kernels_torch.parallel.export.export_sharded`` on
+  :meth:`Pipeline.rank_module`; the model built on ``meta``, each rank materialising and reading only its stages'
+  shards). Remaining: ``--pp`` with ``--cp`` / ``--ep`` in the trainer.
 * Activation memory, for the planner: 1F1B keeps the activations of up to ``pp`` micro-batches of its stage on the
   first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
