@@ -629,43 +629,62 @@ def shard_stages(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    gradient_divide_factor: float | None = 1.0,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """FSDP2 over the data-parallel ranks of one pipeline coordinate: ``fully_shard`` on every decoder layer of
-    this rank's stages and on each stage module (its embedding, or its final norm, output mix and ``lm_head``),
-    the stage-level form of ``kernels_torch.parallel.fsdp.parallelize``. Call it before the optimizer is built and
-    before the first :meth:`Pipeline.step`; ``PipelineStage`` then holds the gradient reduce-scatter until each
-    stage's last micro-batch.
+    """FSDP2 over the ranks of one pipeline coordinate that hold the same stages, as
+    ``kernels_torch.parallel.fsdp.parallelize`` shards a whole model (the same code:
+    ``kernels_torch.parallel.fsdp.apply_fsdp``): ``fully_shard`` on every decoder layer of this rank's stages and on
+    each stage module (its embedding, or its final norm, output mix and ``lm_head``) over the flattened ``dp x cp``
+    ranks, and under expert parallelism on each MoE layer's routed experts over ``efsdp``. Call it before the
+    optimizer is built and before the first :meth:`Pipeline.step`; ``PipelineStage`` then holds the gradient
+    reduce-scatter until each stage's last micro-batch. Context and expert parallelism are attached to the whole
+    model before it is split (``ContextParallel`` passed as ``Pipeline(context=)``; ``shard_experts(model,
+    mesh=mesh["ep"])``): the stages share its layer instances.
 
-    The reduce-scatter **sums** (divide factor 1): every rank's loss must already be divided by the global target
-    count, i.e. ``pipe.step(..., n_tokens=<targets summed over mesh's ranks>)``.
+    The reduce-scatter **sums** by default (divide factor 1): every rank's loss must already be divided by the
+    global target count, i.e. ``pipe.step(..., n_tokens=<targets summed over mesh's ranks>)``.
 
     Args:
-        pipe: a :class:`Pipeline` whose stages hold real (not ``meta``) parameters. mesh: a 1-D ``DeviceMesh`` of
-            the ranks that hold the same stages (``world_mesh["dp"]``, or a flattened ``dp x cp``).
-        param_dtype / reduce_dtype: FSDP2 ``MixedPrecisionPolicy`` (fp64 parameters reduce in fp64).
-        reshard_after_forward: free the gathered parameters after each layer's forward.
+        pipe: a :class:`Pipeline` (its stages' parameters real, or ``meta`` to be materialised after this).
+        mesh: a ``kernels_torch.parallel.mesh.ParallelMesh`` (its ``dp_cp`` and, with ``ep`` > 1, ``efsdp``
+            meshes), or a 1-D ``DeviceMesh`` of the ranks that hold the same stages (``world_mesh["dp"]``; no
+            expert parallelism then).
+        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params: as
+            ``kernels_torch.parallel.fsdp.parallelize`` (with ``bfloat16``: the trainable bf16 parameters become
+            fp32 masters, the stages' parameters in another dtype must be ignored; fp64 parameters reduce in fp64),
+            except that the divide factor defaults to 1.0 (None: the mesh's ``dp``).
 
     Raises:
-        ValueError: ``mesh`` not 1-D, or the stages already sharded.
+        ValueError: ``mesh`` a DeviceMesh that is not 1-D; the stages already sharded; the experts expert-parallel
+            over another mesh than ``mesh["ep"]`` (or under a 1-D mesh); parameters outside ``param_dtype`` not
+            in ``ignored_params``.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
 
-    if mesh.ndim != 1:
+    from kernels_torch.moe import KimiMoE
+    from kernels_torch.parallel.fsdp import _check_expert_layout, apply_fsdp
+
+    if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
         raise ValueError(f"mesh: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}, expected the 1-D data-parallel mesh")
     if any(isinstance(m, FSDPModule) for st in pipe.stages for m in st.modules()):
         raise ValueError("pipe: its stages are already sharded (fully_shard applied), expected plain stage modules")
-    if any(p.dtype == torch.float64 for p in pipe.parameters()):
-        reduce_dtype = torch.float64
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kw = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    for st in pipe.stages:
-        units = [*st.model.layers.values(), st]
-        for m in units:
-            fully_shard(m, **kw)
-        for m in units:
-            m.set_gradient_divide_factor(1.0)  # the losses are weighted by the global count: sum
-            if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions
-                m.set_force_sum_reduction_for_comms(True)
+    moes = [m for st in pipe.stages for m in st.modules() if isinstance(m, KimiMoE)]
+    if isinstance(mesh, DeviceMesh):
+        if any(m.experts.expert_ids != range(m.config.num_experts) for m in moes):
+            raise ValueError(
+                "mesh: got a 1-D DeviceMesh for stages whose experts are expert-parallel, expected the "
+                "ParallelMesh (its ep and efsdp meshes)"
+            )
+    else:
+        _check_expert_layout(moes, mesh)
+    layers = [layer for st in pipe.stages for layer in st.model.layers.values()]
+    apply_fsdp(
+        layers, list(pipe.stages), mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
+        ignored_params=ignored_params,
+    )  # fmt: skip
     if param_dtype is not None:
         pipe.dtype = param_dtype  # the activations sent between stages
     pipe._schedules.clear()  # the PipelineStages wrap the (now sharded) stage modules: rebuild
