@@ -28,13 +28,19 @@ and :meth:`TrainParallel.reduce_replicated` sums their gradients (and the fp32 t
 the backward.
 
 Pipeline parallelism (``--pp P [--pp-schedule S] [--pp-layout N,N,...]``, world = ``P x D x C``): the model (built
-on ``meta``; the trainer then materialises only this rank's stages) is cut into this rank's stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group), FSDP2 shards
-them over the ``dp`` ranks of its pipeline coordinate (``shard_stages``), and the loop trains
-``pipe.rank_module()`` (the stages under the one-process names: DCP states resume under another ``--pp`` or in one
-process). A step runs the ``dp`` group's micro-batches through the schedule (:meth:`TrainParallel.pipeline_step`),
-the evaluation forward only (:meth:`TrainParallel.pipeline_eval`), the gradient norm sums over ``pp``
-(:attr:`TrainParallel.norm_group`), the export gathers each stage to rank 0. Refused with ``--pp`` > 1 for now:
-``--cp`` / ``--ep`` > 1, LoRA, the distillation stages, bf16 and FP8 (:func:`refuse_pipeline`).
+on ``meta``; the trainer then materialises only this rank's stages) gets context parallelism over its ``cp`` group
+and expert parallelism over ``ep`` as above, then is cut into this rank's stages
+(``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group, the ``ContextParallel`` as its ``context``),
+which FSDP2 shards as ``parallelize`` shards a whole model (``shard_stages``, the same
+``kernels_torch.parallel.fsdp.apply_fsdp``: over the ``dp x cp`` ranks of its pipeline coordinate, the experts over
+``efsdp``, bf16 with fp32 masters and the fp32 tensors left out); the loop trains ``pipe.rank_module()`` (the stages
+under the one-process names: DCP states resume under another ``--pp`` or in one process). A step runs the ``dp``
+group's micro-batches through the schedule, each rank its ``cp`` shard of every row with the rows' global
+``cu_seqlens`` (:meth:`TrainParallel.pipeline_step`; the replicated gradients summed over the ``dp x cp`` ranks of
+the pipeline coordinate), the evaluation forward only (:meth:`TrainParallel.pipeline_eval`, summed over ``cp``),
+the gradient norm sums over ``pp`` (:attr:`TrainParallel.norm_group`; each rank's sharded norms already span its
+``dp x cp`` and ``efsdp x ep`` meshes, its replicated tensors count once), the export gathers each stage to rank 0.
+Refused with ``--pp`` > 1 for now: LoRA, the distillation stages and FP8 (:func:`refuse_pipeline`).
 
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
@@ -89,7 +95,7 @@ class TrainParallel:
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
             ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
-            ``--pp`` > 1 with ``--cp`` or ``--ep`` > 1; a ``--pp-layout`` that is not counts, or of a stage count
+            a ``--pp-layout`` that is not counts, or of a stage count
             the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
             ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model

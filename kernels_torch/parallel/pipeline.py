@@ -49,9 +49,11 @@ keys, and gradients compare name by name with one process.
 **Composing with the other mesh dimensions** (notes for ``docs/scaling.md``). ``pp`` is the outermost mesh dimension
 (torchtitan's ``ParallelDims`` order ``pp, dp_replicate, dp_shard, cp, tp``): a pipeline group is the ranks that
 share every other coordinate (``group=world_mesh["pp"].get_group()``), and each stage is sharded over the inner
-dimensions as the whole model is: :func:`shard_stages` puts one ``fully_shard`` on every decoder layer a rank holds
-and one on each stage module (embedding on the first; output mix, norm and ``lm_head`` on the last) over the
-rank's data-parallel mesh; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
+dimensions as the whole model is: :func:`shard_stages` (``kernels_torch.parallel.fsdp.apply_fsdp``, the FSDP2 part
+of ``parallelize``) puts one ``fully_shard`` on every decoder layer a rank holds and one on each stage module
+(embedding on the first; output mix, norm and ``lm_head`` on the last) over the rank's ``dp x cp`` ranks
+(``ParallelMesh["dp_cp"]``, or a 1-D data-parallel mesh), the routed experts over ``efsdp``, bf16 with fp32 masters
+and the parameters in another dtype (the checkpoint's fp32 tensors) left out as ``ignored_params``; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
 passes its own data-parallel rows and ``n_tokens`` = the targets summed over the data-parallel ranks (the
 reduce-scatter sums). :meth:`Pipeline.rank_module` gives DCP the rank's stages under the one-process names, so a
 state saved at one ``pp x dp`` loads at another or in one process (tested: pp2 x dp2 -> pp4 and -> one process,
@@ -59,20 +61,21 @@ weights and AdamW moments; the load is partial because a parameter no gradient r
 
 The other dimensions, and what remains:
 
-* Expert parallelism with FSDP2: ``kernels_torch.parallel.expert.shard_experts`` acts on the layer instances,
-  which the stages share, so splitting an expert-parallel model works (tested: pp2 x ep2, each ep rank its own
-  rows, the all-to-alls inside the stages, the replicated gradients summed over ep by the test); the experts
-  ``Shard(0)`` over ``ep`` with FSDP2 over the rest (``efsdp``) inside a stage waits for the mesh's expert layout,
-  and :func:`shard_stages` knows only a 1-D dense mesh.
-* Context parallelism is in (``Pipeline(context=cp)``; tested: pp2 x cp2 under 1F1B, the gradients summed over cp
+* Expert parallelism: ``kernels_torch.parallel.expert.shard_experts`` (over ``ParallelMesh["ep"]``) acts on the
+  layer instances, which the stages share, so the whole model is made expert-parallel before it is split (tested
+  here: pp2 x ep2, each ep rank its own rows, the all-to-alls inside the stages, the replicated gradients summed
+  over ep by the test); :func:`shard_stages` given the ``ParallelMesh`` then shards each MoE layer's experts
+  (``Shard(0)`` over ``ep``) with FSDP2 over ``efsdp``, as ``parallelize`` does.
+* Context parallelism: ``Pipeline(context=cp)`` (tested here: pp2 x cp2 under 1F1B, the gradients summed over cp
   by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
-  before its layers run. Not yet with FSDP2 over ``dp x cp`` (:func:`shard_stages` would take the flattened mesh,
-  with ``ContextParallel`` on a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` does).
-* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired (``kimi_tools.parallel``: FSDP2
-  over ``dp`` only; the evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over
-  ``pp``; the export gathered to rank 0; the model built on ``meta``, each rank materialising and reading only
-  its stages' shards). Remaining: a per-rank export, ``--pp`` with ``--cp`` / ``--ep`` in the trainer.
+  before its layers run. With FSDP2 over ``dp x cp`` the ``ContextParallel`` takes a group of its own, as
+  ``kernels_torch.parallel.fsdp.parallelize`` makes (``_own_cp_group``).
+* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
+  and ``--dtype bfloat16`` (``kimi_tools.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
+  evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
+  gathered to rank 0; the model built on ``meta``, each rank materialising and reading only its stages' shards).
+  Remaining: a per-rank export, LoRA, FP8 and the distillation stages under ``--pp``.
 * Activation memory, for the planner: 1F1B keeps the activations of up to ``pp`` micro-batches of its stage on the
   first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
