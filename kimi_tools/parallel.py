@@ -28,13 +28,19 @@ and :meth:`TrainParallel.reduce_replicated` sums their gradients (and the fp32 t
 the backward.
 
 Pipeline parallelism (``--pp P [--pp-schedule S] [--pp-layout N,N,...]``, world = ``P x D x C``): the model (built
-on ``meta``; the trainer then materialises only this rank's stages) is cut into this rank's stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group), FSDP2 shards
-them over the ``dp`` ranks of its pipeline coordinate (``shard_stages``), and the loop trains
-``pipe.rank_module()`` (the stages under the one-process names: DCP states resume under another ``--pp`` or in one
-process). A step runs the ``dp`` group's micro-batches through the schedule (:meth:`TrainParallel.pipeline_step`),
-the evaluation forward only (:meth:`TrainParallel.pipeline_eval`), the gradient norm sums over ``pp``
-(:attr:`TrainParallel.norm_group`), the export per rank from its stages (``export_sharded``). Refused with ``--pp`` > 1:
-``--cp`` / ``--ep`` > 1, LoRA, the distillation stages, bf16 and FP8 (:func:`refuse_pipeline`).
+on ``meta``; the trainer then materialises only this rank's stages) gets context parallelism over its ``cp`` group
+and expert parallelism over ``ep`` as above, then is cut into this rank's stages
+(``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group, the ``ContextParallel`` as its ``context``),
+which FSDP2 shards as ``parallelize`` shards a whole model (``shard_stages``, the same
+``kernels_torch.parallel.fsdp.apply_fsdp``: over the ``dp x cp`` ranks of its pipeline coordinate, the experts over
+``efsdp``, bf16 with fp32 masters and the fp32 tensors left out); the loop trains ``pipe.rank_module()`` (the stages
+under the one-process names: DCP states resume under another ``--pp`` or in one process). A step runs the ``dp``
+group's micro-batches through the schedule, each rank its ``cp`` shard of every row with the rows' global
+``cu_seqlens`` (:meth:`TrainParallel.pipeline_step`; the replicated gradients summed over the ``dp x cp`` ranks of
+the pipeline coordinate), the evaluation forward only (:meth:`TrainParallel.pipeline_eval`, summed over ``cp``),
+the gradient norm sums over ``pp`` (:attr:`TrainParallel.norm_group`; each rank's sharded norms already span its
+``dp x cp`` and ``efsdp x ep`` meshes, its replicated tensors count once), the export per rank from its stages
+(``export_sharded``). Refused with ``--pp`` > 1: LoRA, the distillation stages and FP8 (:func:`refuse_pipeline`).
 
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
@@ -60,21 +66,21 @@ def under_torchrun() -> bool:
 
 def refuse_pipeline(pp: int, a, lora: bool) -> None:
     """With ``--pp`` > 1, refuse (one line naming the flags and values) what the pipeline path does not run yet:
-    LoRA, the distillation stages (``--stage`` other than ``lm``), ``--dtype bfloat16`` and ``--fp8`` (the stages'
-    FSDP2 has no fp32 exceptions for the checkpoint's fp32 tensors yet). ``a``: the run's ``TrainArgs``."""
+    LoRA (the stages' export writes full weights, not adapters), the distillation stages (``--stage`` other than
+    ``lm``: the pipeline's last stage computes the LM loss only) and ``--fp8`` (not run under ``--pp``).
+    ``a``: the run's ``TrainArgs``."""
     if pp == 1:
         return
     bad = [
         f"--lora-rank {a.lora_rank}" * lora,
         f"--stage {a.stage}" * (a.stage != "lm"),
-        f"--dtype {a.dtype}" * (a.dtype not in ("float32", "float64")),
         f"--fp8 {a.fp8}" * (a.fp8 is not None),
     ]
     bad = [b for b in bad if b]
     if bad:
         raise ValueError(
             f"--pp {pp} with {' '.join(bad)}: not supported yet; expected --pp > 1 with full fine-tuning (no LoRA), "
-            "--stage lm, --dtype float32 (or float64) and no --fp8"
+            "--stage lm and no --fp8"
         )
 
 
@@ -89,7 +95,7 @@ class TrainParallel:
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
             ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
-            ``--pp`` > 1 with ``--cp`` or ``--ep`` > 1; a ``--pp-layout`` that is not counts, or of a stage count
+            a ``--pp-layout`` that is not counts, or of a stage count
             the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
             ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
@@ -147,11 +153,6 @@ class TrainParallel:
                     "(one stage per rank)"
                 )
             self.stages_per_rank = n // pp
-        if pp > 1 and (cp > 1 or ep > 1):
-            raise ValueError(
-                f"--pp {pp} with --cp {cp} --ep {ep}: not supported yet (the pipeline stages are sharded over the "
-                "data-parallel ranks only); expected --cp 1 --ep 1 with --pp > 1"
-            )
         if dp is None and world % (cp * pp):
             if pp == 1:
                 raise ValueError(f"--cp: got {cp}, expected a positive divisor of the world size {world}")
@@ -209,8 +210,6 @@ class TrainParallel:
         (its frozen base stays in its dtype, the adapters train as fp32 masters)."""
         if not self.enabled:
             return
-        if self.pp_size > 1:
-            return self._setup_pipeline(model)
         from kernels_torch.moe import KimiMoE
         from kernels_torch.parallel.fsdp import fp32_compute_params, parallelize
 
@@ -225,16 +224,24 @@ class TrainParallel:
         param_dtype = torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in model.parameters()) else None
         ignored = {p for n, p in model.named_parameters() if replicated is not None and replicated(n)}
         ignored |= set(fp32_compute_params(model, param_dtype))
+        if self.pp_size > 1:
+            return self._setup_pipeline(model, param_dtype, ignored)
         self.replicated = [p for p in model.parameters() if p in ignored and p.requires_grad]
         self.ctx = parallelize(
             model, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored
         )
 
-    def _setup_pipeline(self, model: nn.Module) -> None:
-        """Cut ``model`` into this rank's pipeline stages (``kernels_torch.parallel.pipeline.Pipeline`` over the
-        ``pp`` group, ``--pp-schedule``, ``--pp-layout``) and shard them with FSDP2 over the ``dp`` ranks of this
-        pipeline coordinate (``shard_stages``). :attr:`pipe` then holds them; the loop trains
-        ``pipe.rank_module()``."""
+    def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set) -> None:
+        """Context parallelism (a ``ContextParallel`` over a ``cp`` group of its own, as ``parallelize`` makes) and
+        expert parallelism (``shard_experts`` over ``ep``) on the whole ``model``, then cut it into this rank's
+        pipeline stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group, ``--pp-schedule``,
+        ``--pp-layout``, the ``ContextParallel`` as its ``context``) and shard them with FSDP2 as ``parallelize``
+        shards a model, over the ``dp x cp`` ranks of this pipeline coordinate (``shard_stages``; the experts over
+        ``efsdp``; bf16 with fp32 masters, ``ignored`` whole on every rank). :attr:`pipe` then holds them; the loop
+        trains ``pipe.rank_module()``."""
+        from kernels_torch.parallel.context import ContextParallel
+        from kernels_torch.parallel.expert import shard_experts
+        from kernels_torch.parallel.fsdp import _own_cp_group
         from kernels_torch.parallel.pipeline import Pipeline, shard_stages
 
         stages = self.pp_size * self.stages_per_rank
@@ -245,6 +252,10 @@ class TrainParallel:
                 f"least; expected --batch-tokens >= {stages * self.dp_size} x --micro-batch-tokens, or --pp-schedule "
                 "GPipe"
             )
+        if self.cp_size > 1:
+            self.ctx = ContextParallel(model, _own_cp_group(self.mesh))
+        if self.ep_size > 1:
+            shard_experts(model, mesh=self.mesh["ep"])  # the stages share the layer instances
         try:
             self.pipe = Pipeline(
                 model,
@@ -256,29 +267,46 @@ class TrainParallel:
                 layer_counts=self.pp_counts,
                 group=self.mesh["pp"].get_group(),
                 device=self.device,
+                context=self.ctx,
             )
         except ValueError as e:
             flag = "--pp-layout" if self.pp_counts is not None else "--pp"
             raise ValueError(f"{flag}: {e}") from None
-        shard_stages(self.pipe, self.mesh["dp"])
+        self.replicated = [p for p in self.pipe.parameters() if p in ignored and p.requires_grad]
+        shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored)
+
+    def _cp_rows(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids and labels ``[R, T_r]`` of ``batches`` (``[1, T]`` each): with ``--cp`` this rank's context shard
+        of every row (``kernels_torch.parallel.context.shard_bounds``), else the whole rows."""
+        ids = torch.cat([b.input_ids for b in batches])
+        labels = torch.cat([b.labels for b in batches])
+        if self.ctx is not None:
+            from kernels_torch.parallel.context import shard_bounds
+
+            start, stop = shard_bounds(ids.shape[1], self.cp_size)[self.ctx.rank]
+            ids, labels = ids[:, start:stop], labels[:, start:stop]
+        return ids.to(self.device), labels.to(self.device)
 
     def pipeline_step(self, batches: list, n_targets: int) -> float:
         """Forward and backward of this ``dp`` group's micro-batches (``[1, T]`` :class:`kimi_tools.data.Batch`
-        each, their ``cu_seqlens`` with them) through the pipeline, each micro-batch's summed NLL divided by the
-        step's ``n_targets`` (all groups); returns the step's loss summed over the ``dp`` groups."""
-        ids = torch.cat([b.input_ids for b in batches]).to(self.device)
-        labels = torch.cat([b.labels for b in batches]).to(self.device)
+        each, their global ``cu_seqlens`` with them; with ``--cp`` this rank's context shard of each) through the
+        pipeline, each micro-batch's summed NLL divided by the step's ``n_targets`` (all groups), then the
+        replicated parameters' gradients summed (:meth:`reduce_replicated`); returns the step's loss summed over
+        the ``dp x cp`` ranks of this pipeline coordinate."""
+        ids, labels = self._cp_rows(batches)
         loss = self.pipe.step(ids, labels, [b.cu_seqlens for b in batches], n_tokens=max(n_targets, 1))
-        return self._sum([float(loss)], self.mesh["dp"].get_group())[0]
+        self.reduce_replicated()
+        return self._sum([float(loss)], self.mesh["dp_cp"].get_group())[0]
 
     def pipeline_eval(self, batches: list) -> float:
-        """The mean NLL over ``batches`` (every ``dp`` group evaluates all of them), forward only through the
-        pipeline, one batch at a time."""
+        """The mean NLL over ``batches`` (every ``dp`` group evaluates all of them; with ``--cp`` each rank its
+        shard, the summed NLLs added over ``cp``), forward only through the pipeline, one batch at a time."""
         total, n = 0.0, 0
         for b in batches:
-            nll = self.pipe.evaluate(b.input_ids.to(self.device), b.labels.to(self.device), [b.cu_seqlens], n_tokens=1)
+            ids, labels = self._cp_rows([b])
+            nll = self.pipe.evaluate(ids, labels, [b.cu_seqlens], n_tokens=1)
             total, n = total + float(nll), n + b.num_targets
-        return total / max(n, 1)
+        return self.sum_cp([total])[0] / max(n, 1)
 
     def sum_pp(self, x: float) -> float:
         """Sum over this rank's pipeline group (a count of parameters: each rank holds its stages')."""
@@ -311,12 +339,16 @@ class TrainParallel:
         return loss * share, {k: v * share for k, v in metrics.items()}
 
     def reduce_replicated(self) -> None:
-        """Sum the gradients of the replicated parameters over all ranks (each rank's loss is weighted by the global
-        target count, as FSDP's reduce-scatter with divide factor 1 sums the sharded ones)."""
+        """Sum the gradients of the replicated parameters over the ranks that hold them, the ``dp x cp`` ranks of
+        this pipeline coordinate (all ranks without ``--pp``; each rank's loss is weighted by the global target
+        count, as FSDP's reduce-scatter with divide factor 1 sums the sharded ones)."""
+        if not self.replicated:
+            return
+        group = self.mesh["dp_cp"].get_group()
         for p in self.replicated:
             if p.grad is not None:
                 g = p.grad.float()  # summed in fp32 (a bf16 gradient rounds once, after the sum)
-                dist.all_reduce(g)
+                dist.all_reduce(g, group=group)
                 p.grad.copy_(g)
 
     def _sum(self, xs: list[float], group) -> list[float]:

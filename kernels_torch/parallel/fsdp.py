@@ -38,6 +38,8 @@ __all__ = [
     "init_mesh",
     "fp32_compute_params",
     "parallelize",
+    "apply_fsdp",
+    "check_ignored",
     "global_token_count",
     "save_checkpoint",
     "load_checkpoint",
@@ -85,7 +87,7 @@ def parallelize(
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), expert parallelism over ``mesh["ep"]``
     (when > 1: :func:`kernels_torch.parallel.expert.shard_experts`, unless the model's experts are expert-parallel
-    over that mesh already), then FSDP2: one ``fully_shard`` per ``model.model.layers[i]`` and one for the root over
+    over that mesh already), then FSDP2 (:func:`apply_fsdp`): one ``fully_shard`` per ``model.model.layers[i]`` and one for the root over
     the flattened ``dp x cp`` ranks (``mesh["dp_cp"]``), and under expert parallelism one more per MoE layer's routed
     experts over ``mesh["efsdp"]`` (the ranks that hold the same experts), applied first so that the layer's unit
     leaves them out (torchtitan's ``ParallelDims``: ``kernels_torch.parallel.mesh``).
@@ -117,49 +119,110 @@ def parallelize(
             each rank's own experts as if they were the global stack: both ranks of an ep 2 model ended up with
             global experts [0, 1, 6, 7]); parameters outside ``param_dtype`` not ignored.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
     from kernels_torch.moe import KimiMoE
 
-    dims = mesh.dims
+    check_ignored(model, param_dtype, ignored_params)
+    moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
+    _check_expert_layout(moes, mesh)
+    ctx = ContextParallel(model, _own_cp_group(mesh)) if mesh.dims.cp > 1 else None
+    if mesh.dims.ep > 1 and moes and moes[0].experts.expert_ids == range(moes[0].config.num_experts):
+        shard_experts(model, mesh=mesh["ep"])
+    apply_fsdp(
+        list(model.model.layers), [model], mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
+        ignored_params=ignored_params,
+    )  # fmt: skip
+    return ctx
+
+
+def check_ignored(module: nn.Module, param_dtype: torch.dtype | None, ignored_params) -> None:
+    """Refuse parameters of ``module`` outside ``param_dtype`` (:func:`fp32_compute_params`) that are not in
+    ``ignored_params``: FSDP2 would cast them to ``param_dtype`` in every forward.
+
+    Raises:
+        ValueError: naming how many and the first one."""
     ignored = set(ignored_params or ())
-    stray = [n for n, p in model.named_parameters() if p in set(fp32_compute_params(model, param_dtype)) - ignored]
+    odd = set(fp32_compute_params(module, param_dtype)) - ignored
+    stray = [n for n, p in module.named_parameters() if p in odd]
     if stray:
         raise ValueError(
             f"param_dtype: {len(stray)} parameter(s) not in {param_dtype} (e.g. {stray[0]}) would be cast to it by "
             "FSDP2; expected them in ignored_params (fp32_compute_params)"
         )
-    moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
-    _check_expert_layout(moes, mesh)
-    ctx = ContextParallel(model, _own_cp_group(mesh)) if dims.cp > 1 else None
-    if dims.ep > 1 and moes and moes[0].experts.expert_ids == range(moes[0].config.num_experts):
-        shard_experts(model, mesh=mesh["ep"])
+
+
+def apply_fsdp(
+    layers: list[nn.Module],
+    roots: list[nn.Module],
+    mesh: ParallelMesh | DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    gradient_divide_factor: float | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> None:
+    """The FSDP2 part of :func:`parallelize`, for a whole model or a pipeline rank's stages
+    (``kernels_torch.parallel.pipeline.shard_stages``): one ``fully_shard`` per decoder layer of ``layers`` and
+    one per root module of ``roots`` (each holding some of ``layers`` and the parameters outside them: the model,
+    or a pipeline stage module) over the flattened ``dp x cp`` ranks (``mesh["dp_cp"]``); under expert parallelism
+    (``mesh.dims.ep`` > 1: the experts already ``Shard(0)`` over ``mesh["ep"]``) one more per MoE layer's routed
+    experts over ``mesh["efsdp"]``, applied first so that the layer's unit leaves them out.
+
+    Args:
+        layers: the decoder layers to wrap. roots: the modules to wrap last (their parameters not in a layer).
+        mesh: a :class:`~kernels_torch.parallel.mesh.ParallelMesh`, or a 1-D ``DeviceMesh`` of data-parallel ranks
+            (no expert parallelism: ``dp_cp`` is that mesh).
+        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params: as
+            :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's size); with
+            ``param_dtype``, the trainable parameters of that dtype in ``roots`` become fp32 masters.
+
+    Raises:
+        ValueError: a ``DeviceMesh`` that is not 1-D; parameters outside ``param_dtype`` not ignored
+            (:func:`check_ignored`).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"mesh: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}, expected a ParallelMesh or the 1-D "
+                "data-parallel mesh"
+            )
+        dense, experts, dp = mesh, None, mesh.size()
+    else:
+        dense, dp = mesh["dp_cp"], mesh.dims.dp
+        experts = mesh["efsdp"] if mesh.dims.ep > 1 else None
+    ignored = set(ignored_params or ())
+    for root in roots:
+        check_ignored(root, param_dtype, ignored)
     if param_dtype is not None:  # fp32 sharded masters of the trainable low-precision parameters
-        _upcast_trainable(model, param_dtype, ignored)
-    if any(p.dtype == torch.float64 for p in model.parameters()):
+        for root in roots:
+            _upcast_trainable(root, param_dtype, ignored)
+    if any(p.dtype == torch.float64 for root in roots for p in root.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if ignored:
         kw["ignored_params"] = ignored
     units = []  # (module, its mesh)
-    for layer in model.model.layers:
+    for layer in layers:
         moe = getattr(layer, "block_sparse_moe", None)
-        if dims.ep > 1 and moe is not None:
-            fully_shard(moe.experts, mesh=mesh["efsdp"], shard_placement_fn=_expert_placement(dims.efsdp), **kw)
+        if experts is not None and moe is not None:
+            fully_shard(moe.experts, mesh=experts, shard_placement_fn=_expert_placement(experts.size()), **kw)
             register_fsdp_forward_method(moe.experts, "rows_forward")  # expert parallelism's call of the experts
-            units.append((moe.experts, mesh["efsdp"]))
-        fully_shard(layer, mesh=mesh["dp_cp"], **kw)
-        units.append((layer, mesh["dp_cp"]))
-    fully_shard(model, mesh=mesh["dp_cp"], **kw)
-    units.append((model, mesh["dp_cp"]))
-    if hasattr(model, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
-        register_fsdp_forward_method(model, "loss")
+            units.append((moe.experts, experts))
+        fully_shard(layer, mesh=dense, **kw)
+        units.append((layer, dense))
+    for root in roots:
+        fully_shard(root, mesh=dense, **kw)
+        units.append((root, dense))
+        if hasattr(root, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
+            register_fsdp_forward_method(root, "loss")
     # cp ranks hold parts of one gradient (sum), dp ranks replicas (mean): divide by dp, not by dp x cp
-    factor = float(dims.dp) if gradient_divide_factor is None else float(gradient_divide_factor)
+    factor = float(dp) if gradient_divide_factor is None else float(gradient_divide_factor)
     for m, m_mesh in units:
         _set_divide_factor(m, factor, m_mesh)
-    return ctx
 
 
 def _expert_placement(efsdp: int):

@@ -49,9 +49,11 @@ keys, and gradients compare name by name with one process.
 **Composing with the other mesh dimensions** (notes for ``docs/scaling.md``). ``pp`` is the outermost mesh dimension
 (torchtitan's ``ParallelDims`` order ``pp, dp_replicate, dp_shard, cp, tp``): a pipeline group is the ranks that
 share every other coordinate (``group=world_mesh["pp"].get_group()``), and each stage is sharded over the inner
-dimensions as the whole model is: :func:`shard_stages` puts one ``fully_shard`` on every decoder layer a rank holds
-and one on each stage module (embedding on the first; output mix, norm and ``lm_head`` on the last) over the
-rank's data-parallel mesh; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
+dimensions as the whole model is: :func:`shard_stages` (``kernels_torch.parallel.fsdp.apply_fsdp``, the FSDP2 part
+of ``parallelize``) puts one ``fully_shard`` on every decoder layer a rank holds and one on each stage module
+(embedding on the first; output mix, norm and ``lm_head`` on the last) over the rank's ``dp x cp`` ranks
+(``ParallelMesh["dp_cp"]``, or a 1-D data-parallel mesh), the routed experts over ``efsdp``, bf16 with fp32 masters
+and the parameters in another dtype (the checkpoint's fp32 tensors) left out as ``ignored_params``; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
 passes its own data-parallel rows and ``n_tokens`` = the targets summed over the data-parallel ranks (the
 reduce-scatter sums). :meth:`Pipeline.rank_module` gives DCP the rank's stages under the one-process names, so a
 state saved at one ``pp x dp`` loads at another or in one process (tested: pp2 x dp2 -> pp4 and -> one process,
@@ -59,21 +61,22 @@ weights and AdamW moments; the load is partial because a parameter no gradient r
 
 The other dimensions, and what remains:
 
-* Expert parallelism with FSDP2: ``kernels_torch.parallel.expert.shard_experts`` acts on the layer instances,
-  which the stages share, so splitting an expert-parallel model works (tested: pp2 x ep2, each ep rank its own
-  rows, the all-to-alls inside the stages, the replicated gradients summed over ep by the test); the experts
-  ``Shard(0)`` over ``ep`` with FSDP2 over the rest (``efsdp``) inside a stage waits for the mesh's expert layout,
-  and :func:`shard_stages` knows only a 1-D dense mesh.
-* Context parallelism is in (``Pipeline(context=cp)``; tested: pp2 x cp2 under 1F1B, the gradients summed over cp
+* Expert parallelism: ``kernels_torch.parallel.expert.shard_experts`` (over ``ParallelMesh["ep"]``) acts on the
+  layer instances, which the stages share, so the whole model is made expert-parallel before it is split (tested
+  here: pp2 x ep2, each ep rank its own rows, the all-to-alls inside the stages, the replicated gradients summed
+  over ep by the test); :func:`shard_stages` given the ``ParallelMesh`` then shards each MoE layer's experts
+  (``Shard(0)`` over ``ep``) with FSDP2 over ``efsdp``, as ``parallelize`` does.
+* Context parallelism: ``Pipeline(context=cp)`` (tested here: pp2 x cp2 under 1F1B, the gradients summed over cp
   by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
-  before its layers run. Not yet with FSDP2 over ``dp x cp`` (:func:`shard_stages` would take the flattened mesh,
-  with ``ContextParallel`` on a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` does).
-* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired (``kimi_tools.parallel``: FSDP2
-  over ``dp`` only; the evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over
-  ``pp``; the export written per rank from its stages, ``kernels_torch.parallel.export.export_sharded`` on
-  :meth:`Pipeline.rank_module`; the model built on ``meta``, each rank materialising and reading only its stages'
-  shards). Remaining: ``--pp`` with ``--cp`` / ``--ep`` in the trainer.
+  before its layers run. With FSDP2 over ``dp x cp`` the ``ContextParallel`` takes a group of its own, as
+  ``kernels_torch.parallel.fsdp.parallelize`` makes (``_own_cp_group``).
+* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
+  and ``--dtype bfloat16`` (``kimi_tools.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
+  evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
+  written per rank from its stages, ``kernels_torch.parallel.export.export_sharded`` on :meth:`Pipeline.rank_module`;
+  the model built on ``meta``, each rank materialising and reading only its stages' shards). Remaining: LoRA, FP8
+  and the distillation stages under ``--pp``.
 * Activation memory, for the planner: 1F1B keeps the activations of up to ``pp`` micro-batches of its stage on the
   first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
@@ -630,43 +633,62 @@ def shard_stages(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    gradient_divide_factor: float | None = 1.0,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """FSDP2 over the data-parallel ranks of one pipeline coordinate: ``fully_shard`` on every decoder layer of
-    this rank's stages and on each stage module (its embedding, or its final norm, output mix and ``lm_head``),
-    the stage-level form of ``kernels_torch.parallel.fsdp.parallelize``. Call it before the optimizer is built and
-    before the first :meth:`Pipeline.step`; ``PipelineStage`` then holds the gradient reduce-scatter until each
-    stage's last micro-batch.
+    """FSDP2 over the ranks of one pipeline coordinate that hold the same stages, as
+    ``kernels_torch.parallel.fsdp.parallelize`` shards a whole model (the same code:
+    ``kernels_torch.parallel.fsdp.apply_fsdp``): ``fully_shard`` on every decoder layer of this rank's stages and on
+    each stage module (its embedding, or its final norm, output mix and ``lm_head``) over the flattened ``dp x cp``
+    ranks, and under expert parallelism on each MoE layer's routed experts over ``efsdp``. Call it before the
+    optimizer is built and before the first :meth:`Pipeline.step`; ``PipelineStage`` then holds the gradient
+    reduce-scatter until each stage's last micro-batch. Context and expert parallelism are attached to the whole
+    model before it is split (``ContextParallel`` passed as ``Pipeline(context=)``; ``shard_experts(model,
+    mesh=mesh["ep"])``): the stages share its layer instances.
 
-    The reduce-scatter **sums** (divide factor 1): every rank's loss must already be divided by the global target
-    count, i.e. ``pipe.step(..., n_tokens=<targets summed over mesh's ranks>)``.
+    The reduce-scatter **sums** by default (divide factor 1): every rank's loss must already be divided by the
+    global target count, i.e. ``pipe.step(..., n_tokens=<targets summed over mesh's ranks>)``.
 
     Args:
-        pipe: a :class:`Pipeline` whose stages hold real (not ``meta``) parameters. mesh: a 1-D ``DeviceMesh`` of
-            the ranks that hold the same stages (``world_mesh["dp"]``, or a flattened ``dp x cp``).
-        param_dtype / reduce_dtype: FSDP2 ``MixedPrecisionPolicy`` (fp64 parameters reduce in fp64).
-        reshard_after_forward: free the gathered parameters after each layer's forward.
+        pipe: a :class:`Pipeline` (its stages' parameters real, or ``meta`` to be materialised after this).
+        mesh: a ``kernels_torch.parallel.mesh.ParallelMesh`` (its ``dp_cp`` and, with ``ep`` > 1, ``efsdp``
+            meshes), or a 1-D ``DeviceMesh`` of the ranks that hold the same stages (``world_mesh["dp"]``; no
+            expert parallelism then).
+        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params: as
+            ``kernels_torch.parallel.fsdp.parallelize`` (with ``bfloat16``: the trainable bf16 parameters become
+            fp32 masters, the stages' parameters in another dtype must be ignored; fp64 parameters reduce in fp64),
+            except that the divide factor defaults to 1.0 (None: the mesh's ``dp``).
 
     Raises:
-        ValueError: ``mesh`` not 1-D, or the stages already sharded.
+        ValueError: ``mesh`` a DeviceMesh that is not 1-D; the stages already sharded; the experts expert-parallel
+            over another mesh than ``mesh["ep"]`` (or under a 1-D mesh); parameters outside ``param_dtype`` not
+            in ``ignored_params``.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
 
-    if mesh.ndim != 1:
+    from kernels_torch.moe import KimiMoE
+    from kernels_torch.parallel.fsdp import _check_expert_layout, apply_fsdp
+
+    if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
         raise ValueError(f"mesh: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}, expected the 1-D data-parallel mesh")
     if any(isinstance(m, FSDPModule) for st in pipe.stages for m in st.modules()):
         raise ValueError("pipe: its stages are already sharded (fully_shard applied), expected plain stage modules")
-    if any(p.dtype == torch.float64 for p in pipe.parameters()):
-        reduce_dtype = torch.float64
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kw = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    for st in pipe.stages:
-        units = [*st.model.layers.values(), st]
-        for m in units:
-            fully_shard(m, **kw)
-        for m in units:
-            m.set_gradient_divide_factor(1.0)  # the losses are weighted by the global count: sum
-            if mesh.device_type == "cpu":  # gloo has no AVG / PREMUL_SUM reductions
-                m.set_force_sum_reduction_for_comms(True)
+    moes = [m for st in pipe.stages for m in st.modules() if isinstance(m, KimiMoE)]
+    if isinstance(mesh, DeviceMesh):
+        if any(m.experts.expert_ids != range(m.config.num_experts) for m in moes):
+            raise ValueError(
+                "mesh: got a 1-D DeviceMesh for stages whose experts are expert-parallel, expected the "
+                "ParallelMesh (its ep and efsdp meshes)"
+            )
+    else:
+        _check_expert_layout(moes, mesh)
+    layers = [layer for st in pipe.stages for layer in st.model.layers.values()]
+    apply_fsdp(
+        layers, list(pipe.stages), mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
+        ignored_params=ignored_params,
+    )  # fmt: skip
     if param_dtype is not None:
         pipe.dtype = param_dtype  # the activations sent between stages
     pipe._schedules.clear()  # the PipelineStages wrap the (now sharded) stage modules: rebuild

@@ -302,7 +302,8 @@ class TrainArgs:
         default=1,
         metadata=arg(
             "pipeline-parallel ranks under torchrun: the layers cut into stages at AttnRes block boundaries; "
-            "--pp x --dp x --cp = the world size (kernels_torch/parallel/pipeline.py)",
+            "--pp x --dp x --cp = the world size; composes with --cp, --ep and --dtype bfloat16, not with LoRA, "
+            "--fp8 or the distillation stages (kernels_torch/parallel/pipeline.py)",
             numbers=False,
             type=positive_int,
         ),
