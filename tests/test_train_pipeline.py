@@ -37,8 +37,11 @@ COMMON = (
     "--preset tiny --layers 8 --steps 3 --seq-len 40 --micro-batch-tokens 40 --batch-tokens 160 --eval-tokens 40 "
     "--eval-every 0 --warmup-steps 1 --lr 3e-3 --quiet --no-plot"
 ).split()
-# bf16 exports of runs whose fp32 masters differ by ~1e-6: a rounding flipped here and there, at most this share
+# bf16 exports of runs whose fp32 masters differ by ~1e-6: a rounding flipped here and there, at most this share;
+# under context parallelism (the cp pair's partial gradients summed) 1.3% of layer 0's down_proj was seen, as in
+# test_train_parallel.EXPORT_FLIPS
 EXPORT_FLIPS = 0.01
+EXPORT_FLIPS_CP = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +57,10 @@ def one(tmp_path_factory, data) -> Path:
     return out
 
 
-def _same_export(a_dir: Path, b_dir: Path) -> None:
+def _same_export(a_dir: Path, b_dir: Path, flips_share: float = EXPORT_FLIPS) -> None:
     a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
     assert list(a) == list(b)  # every tensor, in the one-process order
-    assert_exports_close(a, b, EXPORT_FLIPS)
+    assert_exports_close(a, b, flips_share)
 
 
 @pytest.mark.distributed
@@ -278,7 +281,7 @@ def test_torchrun_pp2_cp2_equals_one_process(tmp_path, data):
     for step in (0, 3):
         assert _close(got[step]["eval_loss"], want[step]["eval_loss"], TOL["eval_loss"]), step
     _check_masters(out / "step-3", ref / "step-3")
-    _same_export(out, ref)
+    _same_export(out, ref, EXPORT_FLIPS_CP)
 
 
 @pytest.mark.distributed
