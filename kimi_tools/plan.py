@@ -1029,7 +1029,7 @@ def render_docs() -> str:
         "is the worst pipeline stage; communication is per step per rank. GB = 10^9 B. "
         "`benchmarks/rank_rehearsal.py` materialises the worst rank of the chosen layouts at real dimensions on one "
         "GPU (its stage's layers, its E / ep experts, its shard sizes) and runs its forward and backward against "
-        "these predictions. Its first H200 run (2026-12-04, `benchmarks/README.md` pass 19: full fine-tuning, pp8 "
+        "these predictions. Its first H200 run (2026-12-04, `benchmarks/README.md`: full fine-tuning, pp8 "
         "dp16 ep16, stage 0, 8 micro-batches of 8,192 tokens in flight) measured the compute within 0.7% of the "
         "prediction and the peak memory at 1.39x (73.2 GB against 52.9 GB). Two causes, both counted since on the "
         "CPU with autograd's saved-tensor hook (`tests/test_plan.py`): that run ended stage 0 with the output AttnRes "
