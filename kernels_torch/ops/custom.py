@@ -18,7 +18,7 @@ as in eager mode). The ops are registered beside the function they wrap (this mo
 
 :func:`recompute_op` registers an op whose gradient is computed the way the eager code computes it, by autograd over
 the same forward: its backward (itself a custom op, ``<name>_backward``, since AOTAutograd traces backwards with fake
-tensors) recomputes the forward under ``torch.enable_grad`` from the saved inputs and calls ``torch.autograd.grad``.
+tensors) recomputes the forward with autograd on from the saved inputs and calls ``torch.autograd.grad``.
 The cost is one more forward of the block in the backward (the eager KDA recurrence already recomputes each chunk in
 its backward with ``torch.utils.checkpoint``; under the op the whole recurrence runs once more). Closed-form
 backwards (the grouped layout's) are registered directly with ``register_autograd``.
@@ -26,6 +26,7 @@ backwards (the grouped layout's) are registered directly with ``register_autogra
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,6 +45,20 @@ def own(t: Tensor, inputs: Sequence) -> Tensor:
     if any(isinstance(x, Tensor) and x.untyped_storage().data_ptr() == ptr for x in inputs):
         t = t.clone()
     return t
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Autograd back on inside an op's implementation. The dispatcher calls a custom op's kernel below the autograd
+    keys (they stay in the thread's exclude set, eager or compiled), so ``torch.enable_grad`` alone records nothing
+    there and ``torch.autograd.grad`` would find no graph: the autograd keys are taken out of the exclude set for
+    the block (``torch._C._ForceDispatchKeyGuard``, the guard functorch uses; the other keys are left as they are)."""
+    K = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (K.AutogradFunctionality, K.ADInplaceOrView, K.AutogradOther, K.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
 
 
 def _tensor_args(schema: str) -> list[int]:
@@ -89,7 +104,7 @@ def recompute_op(name: str, fn: Callable, schema: str, fake: Callable) -> Callab
         *args, needs = rest
         args = list(args)
         leaves = []
-        with torch.enable_grad():
+        with _autograd_inside_op():
             for j, i in enumerate(positions):
                 if needs[j]:
                     args[i] = args[i].detach().requires_grad_(True)
