@@ -16,6 +16,9 @@ compile 7 graphs per (grad mode, shape), K3's 93 far fewer than 93. ``cu_seqlens
 a micro-batch) is marked dynamic before the blocks run, so a new document count never recompiles; a new row length
 ``T`` recompiles once with ``dynamic=None`` (dynamo's automatic dynamic shapes), then ``T`` is symbolic.
 
+``kernels_torch.kernel_choice.used()`` counts the eager calls only: a compiled block records nothing (tracing
+the counter's ``+= 1`` would guard on its value and recompile at every call).
+
 Not covered here: the ``cudnn`` backend (its cuDNN KDA, FlashMLA and fla kernels are not ``kimi::`` ops yet:
 refused), decode caches (``step=``), and the parallel wrappers (FSDP2, CP, EP, PP), which were not tried compiled.
 """
@@ -24,8 +27,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-from kernels_torch import kernel_choice
 
 __all__ = ["COMPILE_BACKENDS", "compile_blocks", "check_compile_supported"]
 
@@ -89,9 +90,6 @@ def compile_blocks(
     # code object's cache, which must hold them all (fullgraph=True turns a full cache into an error, not eager)
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT, 4 * len(layers))
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * cfg.recompile_limit)
-    # kernel_choice.record counts calls in a Python dict: replayed after each graph rather than traced (tracing its
-    # "+= 1" would guard on the count and recompile at every call)
-    cfg.reorderable_logging_functions.add(kernel_choice.record)
     for layer in layers:
         layer.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph, mode=mode)
     if not getattr(model, "_compiled_blocks", False):
