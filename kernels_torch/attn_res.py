@@ -20,9 +20,11 @@ def _stack(sources: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     if isinstance(sources, (list, tuple)):
         if not sources:
             raise ValueError("attn_res_mix: got no sources, expected at least one [B, T, D] tensor")
-        shapes = {tuple(s.shape) for s in sources}
-        dtypes = {s.dtype for s in sources}
-        if len(shapes) != 1 or len(dtypes) != 1:
+        first = sources[0]
+        # compared pairwise, not as a set of shape tuples: hashing a symbolic size (torch.compile) would specialise it
+        if any(s.shape != first.shape or s.dtype != first.dtype for s in sources[1:]):
+            shapes = {tuple(s.shape) for s in sources}
+            dtypes = {s.dtype for s in sources}
             raise ValueError(
                 f"attn_res_mix: sources have shapes {sorted(shapes)} and dtypes {sorted(map(str, dtypes))}, "
                 "expected one shape and one dtype"

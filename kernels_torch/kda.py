@@ -37,6 +37,7 @@ from kernels_torch.common import (
     linear,
     rms_norm,
 )
+from kernels_torch.ops.custom import recompute_op
 from kimi.config import KimiConfig
 from kimi.kda_gate import A_LOG_MAX, G_MIN  # the gate's saturation bounds, with their reasons
 
@@ -138,6 +139,8 @@ def short_conv(
     Raises:
         ValueError: bad ``weight`` / ``conv_state`` shapes or invalid ``cu_seqlens``.
     """
+    if cu_seqlens is not None and torch.compiler.is_compiling():  # a loop over documents: one op for the compiler
+        return _short_conv_op(x, weight, cu_seqlens, conv_state)
     if x.ndim != 3:
         raise ValueError(f"x: got shape {tuple(x.shape)}, expected [B, T, C]")
     B, T, C = x.shape
@@ -155,6 +158,21 @@ def short_conv(
         parts = [_conv_one(x[:, cu[n] : cu[n + 1]], w, conv_state[n : n + 1]) for n in range(N)]
         y, new_state = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
     return y.to(x.dtype), new_state.to(x.dtype)
+
+
+def _short_conv_fake(x, weight, cu_seqlens, conv_state):
+    B, T, C = x.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return x.new_empty(B, T, C), x.new_empty(N, C, weight.shape[-1] - 1)
+
+
+# short_conv as one op for torch.compile (kernels_torch.ops.custom): the loop over documents reads cu_seqlens
+_short_conv_op = recompute_op(
+    "kimi::short_conv",
+    short_conv,
+    "(Tensor x, Tensor weight, Tensor? cu_seqlens, Tensor? conv_state) -> (Tensor, Tensor)",
+    _short_conv_fake,
+)
 
 
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -298,9 +316,15 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
     zero-padded, which is inert). Packed documents run one at a time, so chunks, state and cumulative decay restart
     at each document start.
 
+    Under ``torch.compile`` it runs as the op ``kimi::kda_chunk`` (``kernels_torch.ops.custom``: this function, one
+    node for the compiler, no graph break on the loops over documents and chunks).
+
     Raises:
         ValueError: inconsistent shapes, invalid ``cu_seqlens``, or ``chunk_size < 1``.
     """
+    if torch.compiler.is_compiling():
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return _kda_chunk_op(q, k, v, g, beta, scale, initial_state, cu_seqlens, int(chunk_size))
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size: got {chunk_size}, expected a positive integer")
     (q, k, v, g, beta), S0, cu, out_dtype = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -313,6 +337,23 @@ def kda_chunk(q, k, v, g, beta, scale: float | None = None, initial_state=None, 
         ]
         o, S = torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
     return o.to(out_dtype), S
+
+
+def _kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size):
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return v.new_empty(v.shape), q.new_empty(N, H, K, v.shape[-1], dtype=compute_dtype(q, k, v, g, beta))
+
+
+# kda_chunk as one op for torch.compile (kernels_torch.ops.custom): loops over documents and chunks; the backward
+# recomputes the recurrence under autograd, as the eager one does chunk by chunk (torch.utils.checkpoint)
+_kda_chunk_op = recompute_op(
+    "kimi::kda_chunk",
+    kda_chunk,
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, Tensor? cu_seqlens, "
+    "int chunk_size) -> (Tensor, Tensor)",
+    _kda_chunk_fake,
+)
 
 
 # ------------------------------------------------------------------------------------------------ the layer

@@ -63,6 +63,8 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import torch
+
 __all__ = [
     "CHOICES",
     "ENV_VARS",
@@ -126,7 +128,12 @@ def check_environment() -> None:
 
 
 def record(op: str, kernel: str) -> None:
-    """Count one call of ``op`` that ran on ``kernel``."""
+    """Count one call of ``op`` that ran on ``kernel``.
+
+    Under ``torch.compile`` it counts nothing (``kernels_torch.compile``): tracing its ``+= 1`` would guard on the
+    count and recompile the block at every call."""
+    if torch.compiler.is_compiling():
+        return
     _USED.setdefault(op, Counter())[kernel] += 1
 
 

@@ -62,12 +62,19 @@ def _unaliased(t: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    """Twin of ``reference_jax.model.DecoderLayer``."""
+    """Twin of ``reference_jax.model.DecoderLayer``.
+
+    The layer's kind is read once here (``is_kda``, ``is_moe``, ``writes_block``: plain attributes) and the
+    training forward never reads ``layer_idx``: under ``torch.compile`` (``kernels_torch.compile``) dynamo guards on
+    what the forward reads, so layers of one kind and input shapes share one compiled graph."""
 
     def __init__(self, config: KimiConfig, layer_idx: int, backend: str = "eager"):
         super().__init__()
         c, i = config, layer_idx
         self.config, self.layer_idx = c, i
+        self.is_kda = c.layer_type(i) == "kda"
+        self.is_moe = c.is_moe_layer(i)
+        self.writes_block = c.is_block_write_layer(i)  # AttnRes: the partial sum becomes a block before attention
         D = c.hidden_size
         self.input_layernorm = RMSNorm(D, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(D, c.rms_norm_eps)
@@ -92,14 +99,14 @@ class DecoderLayer(nn.Module):
             return static_attention(self.self_attn, x, step.layers[self.layer_idx], step), {}
         if step is not None:  # a cached call (kernels_torch.cache): the layer's new cache goes into aux["cache"]
             layer_cache = step.layers[self.layer_idx]
-            if self.config.layer_type(self.layer_idx) == "kda":
+            if self.is_kda:
                 out, new = kda_step(self.self_attn, x, layer_cache, step)
                 return out, {"cache": new}
             out, aux, new = self.self_attn(
                 x, form=mla_form, return_aux=True, cache=layer_cache, cache_pos=step.pos, lengths=step.lengths
             )
             return out, {**aux, "cache": new}
-        if self.config.layer_type(self.layer_idx) == "kda":
+        if self.is_kda:
             out, _ = self.self_attn(x, cu_seqlens=cu_seqlens)
             return out, {}
         return self.self_attn(x, cu_seqlens=cu_seqlens, form=mla_form, return_aux=True)
@@ -108,7 +115,7 @@ class DecoderLayer(nn.Module):
         """Twin of ``reference_jax.model.DecoderLayer.feed_forward``: ``h`` [B, T, D] -> (out [B, T, D], aux); aux
         is empty without ``return_aux`` (the MoE then skips its selection scores)."""
         x = self.post_attention_layernorm(h)
-        if not self.config.is_moe_layer(self.layer_idx):
+        if not self.is_moe:
             return self.mlp(x), {}
         if return_aux:
             return self.block_sparse_moe(x, return_aux=True)  # (out, {"expert_ids", "expert_scores"})
@@ -122,7 +129,7 @@ class DecoderLayer(nn.Module):
         return attn_res_mix(sources, norm, proj, eps=self.config.rms_norm_eps)
 
     def forward(self, blocks, p, cu_seqlens=None, mla_form="expanded", step=None):
-        c, i = self.config, self.layer_idx
+        c = self.config
         want_aux = not isinstance(step, StaticStep)
         if not c.has_attn_res:
             a, aux = self.attention(p, cu_seqlens, mla_form, step)
@@ -131,7 +138,7 @@ class DecoderLayer(nn.Module):
             p = p + m
             return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
         h = self.mix("self_attention", blocks + [p]) if blocks else p
-        restart = c.is_block_write_layer(i)
+        restart = self.writes_block
         if restart:
             blocks = blocks + [p]
         a, aux = self.attention(h, cu_seqlens, mla_form, step)

@@ -30,6 +30,7 @@ cast the model with care (the router upcasts whatever it gets).
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from kernels_torch import kernel_choice
 from kernels_torch.activations import glu_act, situ
 from kernels_torch.common import RMSNorm, check_activation_dtype, compute_dtype
+from kernels_torch.ops.custom import recompute_op
 from kernels_torch.ops.moe_grouped import (
     combine_rows,
     expert_layout,
@@ -57,6 +59,7 @@ __all__ = [
     "route",
     "selection_scores",
     "DenseMLP",
+    "experts_loop",
     "GroupedExperts",
     "MoEGate",
     "KimiMoE",
@@ -191,6 +194,56 @@ class DenseMLP(nn.Module):
         return self.down_proj(_act(self, self.gate_proj(x), self.up_proj(x)))
 
 
+def experts_loop(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    config: KimiConfig,
+    fused: bool = False,
+) -> torch.Tensor:
+    """The ``loop`` kernel of :class:`GroupedExperts`: ``r = sum_k w_k · E_{ids_k}(z)``, one Python iteration per
+    expert over the tokens routed to it (a host sync per expert), summed in expert order.
+
+    ``z`` ``[N, Dl]``; ``ids`` ``[N, k]`` int64 in ``[0, E)``; ``weights`` ``[N, k]`` fp32; ``stacks`` ``(w1, w3,
+    w2)``, ``[E, I, Dl]``, ``[E, I, Dl]``, ``[E, Dl, I]``; ``config`` gives the activation (``hidden_act`` and the
+    SiTU betas); ``fused``: the fused activation (``kernels_torch.ops.situ``). Returns ``[N, Dl]`` fp32 (fp64 for
+    fp64 z): each expert output rounded to z's dtype, weighted by the fp32 router weight. Under ``torch.compile``
+    :class:`GroupedExperts` runs it as the op ``kimi::experts_loop`` (``kernels_torch.ops.custom``)."""
+    act = glu_act_fused if fused else glu_act
+    # unbound once per call: indexing w1[e] in each iteration would give every expert a backward that writes a
+    # whole-stack gradient (E of them: 13 s for 448 real-size experts on an H200)
+    w1, w3, w2 = (w.unbind(0) for w in stacks)
+    r = torch.zeros(z.shape, dtype=compute_dtype(z), device=z.device)  # [N, Dl]
+    for e in range(len(w1)):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
+        if tok.numel() == 0:
+            continue
+        x = z[tok]
+        out = F.linear(act(F.linear(x, w1[e]), F.linear(x, w3[e]), config), w2[e])  # [n, Dl] in z's dtype
+        r.index_add_(0, tok, out.to(r.dtype) * weights[tok, slot, None].to(r.dtype))
+    return r
+
+
+def _experts_loop_flat(z, ids, weights, w1, w3, w2, hidden_act, beta, linear_beta, fused):
+    """:func:`experts_loop` with the stacks and the activation's config fields as separate arguments."""
+    act = types.SimpleNamespace(
+        hidden_act=hidden_act, activation_situ_beta=beta, activation_situ_linear_beta=linear_beta
+    )
+    return experts_loop(z, ids, weights, (w1, w3, w2), act, fused)
+
+
+# experts_loop as one op for torch.compile (kernels_torch.ops.custom): torch.nonzero gives each expert a
+# data-dependent row count; the backward recomputes the loop under autograd
+_experts_loop_op = recompute_op(
+    "kimi::experts_loop",
+    _experts_loop_flat,
+    "(Tensor z, Tensor ids, Tensor weights, Tensor w1, Tensor w3, Tensor w2, str hidden_act, float beta, "
+    "float? linear_beta, bool fused) -> Tensor",
+    lambda z, *_: z.new_empty(z.shape, dtype=compute_dtype(z)),
+)
+
+
 class GroupedExperts(nn.Module):
     """The routed experts of one MoE layer (spec 5.3 step 5), each projection stacked over experts:
     ``E_e(z) = w2[e] · act(w1[e] z, w3[e] z)``.
@@ -289,15 +342,11 @@ class GroupedExperts(nn.Module):
             layout = expert_layout(ids, self.num_experts, self.align)
             y = self.mlp_grouped(permute_rows(z, layout), layout.offsets)  # [R, Dl] in z's dtype
             return combine_rows(y, weights, layout)
-        r = torch.zeros(z.shape, dtype=compute_dtype(z), device=z.device)  # [N, Dl]
-        ws = self.per_expert()
-        for e in range(self.num_experts):
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
-            if tok.numel() == 0:
-                continue
-            out = self.expert(e, z[tok], ws)  # [n, Dl] in x's dtype (the rounding the checkpoint reference applies)
-            r.index_add_(0, tok, out.to(r.dtype) * weights[tok, slot, None].to(r.dtype))
-        return r
+        if torch.compiler.is_compiling():  # a data-dependent row count per expert: one op for the compiler
+            c = self.config
+            act = (c.hidden_act, float(c.activation_situ_beta), c.activation_situ_linear_beta, self.fused_glu)
+            return _experts_loop_op(z, ids, weights, *self.local_weights(), *act)
+        return experts_loop(z, ids, weights, self.local_weights(), self.config, self.fused_glu)
 
     def rows_forward(self, x: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Each row through its own expert, no weighting: ``x`` ``[R, Dl]``, ``expert_of_row`` ``[R]`` int64 local

@@ -28,12 +28,14 @@ a multiple of 16 bytes), which reads the offsets on the host.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kernels_torch.common import compute_dtype
+from kernels_torch.ops.custom import own
 
 try:  # Triton is optional: the CPU CI machine has none; the torch twins work without it.
     import triton
@@ -120,6 +122,8 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
     ok = (torch.bfloat16, torch.float16, torch.float32) if x.is_cuda else (torch.bfloat16, torch.float32)
     if x.dtype not in ok or w.dtype != x.dtype:
         return f"x is {x.dtype} and w {w.dtype} on {x.device.type}, expected one dtype of {[str(d) for d in ok]}"
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # its meta function (torch 2.13) takes bf16 only
+        return f"x is {x.dtype}: torch._grouped_mm under torch.compile takes bfloat16 only"
     size = x.element_size()
     if (x.shape[-1] * size) % 16 or (w.shape[-2] * size) % 16:
         return f"in={x.shape[-1]}, out={w.shape[-2]}: rows must be multiples of 16 bytes for torch._grouped_mm"
@@ -271,6 +275,8 @@ def permute_rows(z: torch.Tensor, layout: ExpertLayout, *, kernel: str = "auto")
     Returns:
         ``[R, D]`` in ``z.dtype``; its gradient reaches ``z`` summed over each token's ``k`` rows in fp32.
     """
+    if torch.compiler.is_compiling():  # Triton launches and a custom backward: one op for the compiler
+        return _permute_rows_op(z, layout.row_of_pair, layout.order, layout.rows, layout.k, kernel)
     return _PermuteRows.apply(z, layout.row_of_pair, layout.order, layout.rows, layout.k, kernel)
 
 
@@ -323,6 +329,8 @@ def combine_rows(y: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout, *
             f"combine_rows: weights {tuple(weights.shape)}, expected [N, {layout.k}] for "
             f"{layout.row_of_pair.numel()} pairs"
         )
+    if torch.compiler.is_compiling():  # Triton launches and a custom backward: one op for the compiler
+        return _combine_rows_op(y, weights, layout.row_of_pair, layout.k, kernel)
     return _CombineRows.apply(y, weights, layout.row_of_pair, layout.k, kernel)
 
 
@@ -331,3 +339,91 @@ def unpermute_rows(y: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     (expert parallelism's received rows) this is the inverse of :func:`permute_rows`. Backward: a scatter with no
     repeated index (deterministic)."""
     return y.index_select(0, layout.row_of_pair)
+
+
+# ---------------------------------------------------------------------------------------------- custom ops
+# permute_rows and combine_rows as kimi:: ops for torch.compile (kernels_torch.ops.custom): the same functions, one
+# node each for the compiler (their Triton launches and custom backwards stay out of the traced graph); their
+# closed-form backwards are ops too (kimi::gather_sum, kimi::combine_rows_backward).
+
+
+@torch.library.custom_op("kimi::permute_rows", mutates_args=())
+def _permute_rows_op(
+    z: torch.Tensor, row_of_pair: torch.Tensor, order: torch.Tensor, rows: int, k: int, kernel: str
+) -> torch.Tensor:
+    with torch.no_grad():
+        return own(_PermuteRows.apply(z, row_of_pair, order, rows, k, kernel), (z,))
+
+
+@_permute_rows_op.register_fake
+def _(z, row_of_pair, order, rows, k, kernel):
+    return z.new_empty(rows, z.shape[-1])
+
+
+@torch.library.custom_op("kimi::gather_sum", mutates_args=())
+def _gather_sum_op(src: torch.Tensor, idx: torch.Tensor, k: int, out_dtype: torch.dtype, kernel: str) -> torch.Tensor:
+    return own(_gather_sum(src, idx, None, k, out_dtype, _pick(kernel, src)), (src,))
+
+
+@_gather_sum_op.register_fake
+def _(src, idx, k, out_dtype, kernel):
+    return src.new_empty(idx.shape[0] // k, src.shape[-1], dtype=out_dtype)
+
+
+def _permute_setup(ctx, inputs, output):
+    z, row_of_pair, order, rows, k, kernel = inputs
+    ctx.save_for_backward(row_of_pair)
+    ctx.args = (k, z.dtype, kernel)
+
+
+def _permute_backward(ctx, dx):
+    (row_of_pair,) = ctx.saved_tensors
+    k, dtype, kernel = ctx.args
+    return _gather_sum_op(dx, row_of_pair, k, dtype, kernel), None, None, None, None, None
+
+
+_permute_rows_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("kimi::combine_rows", mutates_args=())
+def _combine_rows_op(
+    y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, k: int, kernel: str
+) -> torch.Tensor:
+    with torch.no_grad():
+        return own(_CombineRows.apply(y, weights, row_of_pair, k, kernel), (y, weights))
+
+
+@_combine_rows_op.register_fake
+def _(y, weights, row_of_pair, k, kernel):
+    return y.new_empty(weights.shape[0], y.shape[-1], dtype=compute_dtype(y))
+
+
+@torch.library.custom_op("kimi::combine_rows_backward", mutates_args=())
+def _combine_rows_backward_op(
+    dr: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, k: int, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ctx = SimpleNamespace(saved_tensors=(y, weights, row_of_pair), args=(k, _pick(kernel, y, weights)))
+    dy, dw, *_ = _CombineRows.backward(ctx, dr)  # the eager backward, called on the saved tensors
+    return own(dy, (dr, y, weights)), own(dw, (dr, y, weights))
+
+
+@_combine_rows_backward_op.register_fake
+def _(dr, y, weights, row_of_pair, k, kernel):
+    return torch.empty_like(y), torch.empty_like(weights)
+
+
+def _combine_setup(ctx, inputs, output):
+    y, weights, row_of_pair, k, kernel = inputs
+    ctx.save_for_backward(y, weights, row_of_pair)
+    ctx.args = (k, kernel)
+
+
+def _combine_backward(ctx, dr):
+    y, weights, row_of_pair = ctx.saved_tensors
+    dy, dw = _combine_rows_backward_op(dr, y, weights, row_of_pair, *ctx.args)
+    return dy, dw, None, None, None
+
+
+_combine_rows_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+CUSTOM_OPS = (_permute_rows_op, _gather_sum_op, _combine_rows_op, _combine_rows_backward_op)  # opcheck'd in tests

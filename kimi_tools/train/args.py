@@ -44,7 +44,8 @@ __all__ = [
 RECOMPUTE_MODES = ("layer", "mlp")
 # Fields added after runs were written, whose default (None or False) is the behaviour from before them: left out of
 # the fingerprint at that default, so a run written before they existed still resumes.
-ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim")
+ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim", "compile", "compile_backend")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # kernels_torch.compile.COMPILE_BACKENDS (no torch to parse)
 FP8_RECIPES = ("tensorwise", "rowwise")  # kernels_torch.fp8.FP8_RECIPES, spelled here so parsing needs no torch
 DEFAULT_SAVE_EVERY = "10min"  # resume state every 10 minutes of training unless --save-every says otherwise
 
@@ -231,9 +232,24 @@ class TrainArgs:
         metadata=arg(
             "with --fp8: keep in bf16 the projections whose smaller side min(in, out) is below N (a rule by measured "
             "shape, recorded in run.json); default: the width where the compiled recipe was measured faster than "
-            "bf16 (kernels_torch.fp8.MEASURED_MIN_DIM: tensorwise 4096, rowwise 7168) with --fp8-compile, else 0",
+            "bf16 (kernels_torch.fp8.MEASURED_MIN_DIM: tensorwise 4096, rowwise 7168) with --fp8-compile or "
+            "--compile, else 0",
             type=int,
             metavar="N",
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=arg(
+            "compile each decoder layer (torch.compile, per block, no graph break: kernels_torch/compile.py); the "
+            "embedding, output mix and loss stay eager; eager or sdpa backend, one process"
+        ),
+    )
+    compile_backend: str | None = field(
+        default=None,
+        metadata=arg(
+            "with --compile: the torch.compile backend (default inductor; aot_eager generates no code)",
+            choices=COMPILE_BACKENDS,
         ),
     )
     freeze: list[str] = field(
@@ -463,6 +479,18 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim} without --fp8; it chooses which projections run in FP8")
     if a.fp8_min_dim is not None and a.fp8_min_dim < 0:
         raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim}, expected a width >= 0 (0: every projection)")
+    if a.compile:
+        from kernels_torch.compile import check_compile_supported
+
+        if a.fp8_compile:
+            raise ValueError("--compile/--fp8-compile: got both, expected one (--compile compiles whole blocks)")
+        a.compile_backend = a.compile_backend or "inductor"
+        try:
+            check_compile_supported(a.backend, a.compile_backend)
+        except ValueError as e:
+            raise ValueError("--" + str(e)) from None
+    elif a.compile_backend is not None:
+        raise ValueError(f"--compile-backend: got {a.compile_backend!r} without --compile, expected --compile too")
     for name in ("steps", "seq_len", "eval_tokens", "keep"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: got {getattr(a, name)}, expected a positive integer")

@@ -183,6 +183,11 @@ class Trainer:
             a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout
         )  # torchrun: one mesh; else a no-op
         par.check_pipeline(a, lora=self.lora_settings is not None)
+        if a.compile and par.enabled:
+            raise ValueError(
+                "--compile: got a torchrun launch, expected one process (compiled blocks were not tried under FSDP2, "
+                "CP, EP or PP)"
+            )
         self.out = Path(a.out)
         check_out(a, self.fingerprint, self.fingerprint_of)
         par.barrier()  # every rank has checked --out before rank 0 writes into it
@@ -235,6 +240,10 @@ class Trainer:
         )
         if a.recompute:
             recompute_layers(model, a.recompute_mode, a.recompute_full_layers)
+        if a.compile:  # after every wrapper the blocks run under (conversions, LoRA, recomputation)
+            from kernels_torch.compile import compile_blocks
+
+            compile_blocks(model, backend=a.compile_backend)
         self.flops_per_token = None
         if a.peak_tflops is not None:
             from kimi.flops import estimate_flops
@@ -561,6 +570,7 @@ class Trainer:
             + (f"; stage {a.stage}" if a.stage != "lm" else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
             + (f", recompute ({a.recompute_mode})" if a.recompute else "")
+            + (f", compiled blocks ({a.compile_backend})" if a.compile else "")
             + (f", the first {a.recompute_full_layers} layers whole" if a.recompute_full_layers else "")
             + "".join(f"; {c}" for c in self.conversions)
             + f"\n  data: {self.num_docs} documents, {self.num_tokens:,} tokens ({self.tokenizer.name}); eval "

@@ -121,7 +121,8 @@ def fp8_converter(model: nn.Module, args: TrainArgs) -> str | None:
         return None
     from kernels_torch.fp8 import convert_model_to_fp8, min_dim_for
 
-    min_dim = min_dim_for(args.fp8, args.fp8_compile) if args.fp8_min_dim is None else args.fp8_min_dim
+    compiled = args.fp8_compile or getattr(args, "compile", False)  # projections compiled alone or in their block
+    min_dim = min_dim_for(args.fp8, compiled) if args.fp8_min_dim is None else args.fp8_min_dim
     rec = convert_model_to_fp8(model, args.fp8, device=args.device, compile_linears=args.fp8_compile, min_dim=min_dim)
     experts = f", {len(rec.grouped_experts)} grouped experts ({rec.grouped_recipe})" if rec.grouped_experts else ""
     compiled = " (compiled)" if rec.compiled else ""
