@@ -241,7 +241,7 @@ class TrainParallel:
         trains ``pipe.rank_module()``."""
         from kernels_torch.parallel.context import ContextParallel
         from kernels_torch.parallel.expert import shard_experts
-        from kernels_torch.parallel.fsdp import _own_cp_group
+        from kernels_torch.parallel.fsdp import own_cp_group
         from kernels_torch.parallel.pipeline import Pipeline, shard_stages
 
         stages = self.pp_size * self.stages_per_rank
@@ -253,7 +253,7 @@ class TrainParallel:
                 "GPipe"
             )
         if self.cp_size > 1:
-            self.ctx = ContextParallel(model, _own_cp_group(self.mesh))
+            self.ctx = ContextParallel(model, own_cp_group(self.mesh))
         if self.ep_size > 1:
             shard_experts(model, mesh=self.mesh["ep"])  # the stages share the layer instances
         try:

@@ -40,6 +40,8 @@ __all__ = [
     "parallelize",
     "apply_fsdp",
     "check_ignored",
+    "check_expert_layout",
+    "own_cp_group",
     "global_token_count",
     "save_checkpoint",
     "load_checkpoint",
@@ -123,8 +125,8 @@ def parallelize(
 
     check_ignored(model, param_dtype, ignored_params)
     moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
-    _check_expert_layout(moes, mesh)
-    ctx = ContextParallel(model, _own_cp_group(mesh)) if mesh.dims.cp > 1 else None
+    check_expert_layout(moes, mesh)
+    ctx = ContextParallel(model, own_cp_group(mesh)) if mesh.dims.cp > 1 else None
     if mesh.dims.ep > 1 and moes and moes[0].experts.expert_ids == range(moes[0].config.num_experts):
         shard_experts(model, mesh=mesh["ep"])
     apply_fsdp(
@@ -246,8 +248,16 @@ def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set) -> Non
                 setattr(mod, name, memo[id(p)])
 
 
-def _check_expert_layout(moes: list, mesh: ParallelMesh) -> None:
-    """Refuse experts that are expert-parallel already over anything but ``mesh["ep"]`` (parallelize's Raises)."""
+def check_expert_layout(moes: list, mesh: ParallelMesh) -> None:
+    """Refuse experts that are expert-parallel already over anything but ``mesh["ep"]``.
+
+    Args:
+        moes: the model's ``kernels_torch.moe.KimiMoE`` modules. mesh: the layout they are about to be sharded on.
+
+    Raises:
+        ValueError: a MoE whose experts are a slice (``expert_ids`` not all of them) sharded over another group than
+            ``mesh["ep"]``, or over any group when ``mesh`` has no expert parallelism.
+    """
     for moe in moes:
         bank = moe.experts
         if bank.expert_ids == range(moe.config.num_experts):
@@ -277,8 +287,9 @@ def _set_divide_factor(module, factor: float, mesh: DeviceMesh) -> None:
         module.set_force_sum_reduction_for_comms(True)
 
 
-def _own_cp_group(mesh: ParallelMesh):
-    """A process group of this rank's ``cp`` row, distinct from the mesh's (FSDP's flattened group is the same
+def own_cp_group(mesh: ParallelMesh):
+    """A process group (``torch.distributed.ProcessGroup``) of this rank's ``cp`` row, for its ``ContextParallel``; a
+    collective: every rank creates every row's group, in order. Distinct from the mesh's (FSDP's flattened group is the same
     ranks when ``dp == 1``): CP's collectives are issued by autograd nodes, FSDP's by module hooks, and the two
     orders need not interleave the same way on ranks whose shard graphs differ; separate communicators keep each
     sequence consistent on its own."""

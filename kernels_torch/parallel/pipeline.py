@@ -70,7 +70,7 @@ The other dimensions, and what remains:
   by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
   before its layers run. With FSDP2 over ``dp x cp`` the ``ContextParallel`` takes a group of its own, as
-  ``kernels_torch.parallel.fsdp.parallelize`` makes (``_own_cp_group``).
+  ``kernels_torch.parallel.fsdp.parallelize`` makes (``own_cp_group``).
 * ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
   and ``--dtype bfloat16`` (``kimi_tools.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
   evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
@@ -668,7 +668,7 @@ def shard_stages(
     from torch.distributed.fsdp import FSDPModule
 
     from kernels_torch.moe import KimiMoE
-    from kernels_torch.parallel.fsdp import _check_expert_layout, apply_fsdp
+    from kernels_torch.parallel.fsdp import apply_fsdp, check_expert_layout
 
     if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
         raise ValueError(f"mesh: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}, expected the 1-D data-parallel mesh")
@@ -682,7 +682,7 @@ def shard_stages(
                 "ParallelMesh (its ep and efsdp meshes)"
             )
     else:
-        _check_expert_layout(moes, mesh)
+        check_expert_layout(moes, mesh)
     layers = [layer for st in pipe.stages for layer in st.model.layers.values()]
     apply_fsdp(
         layers, list(pipe.stages), mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
