@@ -320,3 +320,36 @@ def test_held_per_microbatch_equals_what_autograd_keeps(preset, counts, lm_head_
         got = _held_by_autograd(stage, x, labels, params)
         want = P.held_per_microbatch(cfg, layers, T, first=s == 0, last=s == len(layout) - 1, lm_head_grad=lm_head_grad)
         assert abs(got - want) <= TOL_HELD * want, (s, layers, got, want)
+
+
+def test_activations_count_the_stage_io_and_head_once_in_every_mode():
+    """``evaluate``'s activation bytes: the stage's received and sent states and the last stage's head
+    (:func:`kimi_tools.plan.held_per_microbatch` minus the layer inputs) come on top of the per-layer bytes in every
+    recomputation mode (the layer inputs counted once, by ``"full"`` only), and a frozen ``lm_head`` (LoRA) keeps no
+    ``[V, D]`` gradient."""
+    cfg = load_config("tiny")
+    cal = P.load_calibration()
+    T, D = 64, cfg.hidden_size
+    for layout in (P.Layout(pp=1, dp=1, cp=1, ep=1), P.Layout(pp=3, dp=1, cp=1, ep=1)):
+        heads = set()
+        for rc in ("none", "mlp", "full"):
+            r = P.evaluate(cfg, layout, P.Policy(recompute=rc), P.Hardware(), cal, seq_len=T, global_batch=4 * T)
+            s = r["worst_stage"]
+            layers = range(*r["stages"][s])
+            inflight = min(layout.pp - s, r["microbatches"])
+            if rc == "full":  # each layer's input (a later stage's first reads the received state) + one working set
+                kept = (len(layers) - (0 if s == 0 else 1)) * T * D * 2
+                per_mb = (r["memory"]["activations"] - T * cal.act_per_token_layer["none"]) / inflight
+            else:
+                kept = len(layers) * T * cal.act_per_token_layer[rc]
+                per_mb = r["memory"]["activations"] / inflight
+            heads.add((s, per_mb - kept))
+        assert len(heads) == 1, (layout, heads)
+    layout = P.Layout(pp=1, dp=1, cp=1, ep=1)  # one stage, one micro-batch in flight: the lm_head gradient alone
+    act = {
+        lora: P.evaluate(
+            cfg, layout, P.Policy(recompute="full"), P.Hardware(), cal, seq_len=T, global_batch=T, lora_rank=lora
+        )["memory"]["activations"]
+        for lora in (None, 4)
+    }
+    assert act[None] - act[4] == cfg.vocab_size * D * 2
