@@ -331,7 +331,7 @@ def test_activations_count_the_stage_io_and_head_once_in_every_mode():
     cal = P.load_calibration()
     T, D = 64, cfg.hidden_size
     for layout in (P.Layout(pp=1, dp=1, cp=1, ep=1), P.Layout(pp=3, dp=1, cp=1, ep=1)):
-        heads = set()
+        heads = {}
         for rc in ("none", "mlp", "full"):
             r = P.evaluate(cfg, layout, P.Policy(recompute=rc), P.Hardware(), cal, seq_len=T, global_batch=4 * T)
             s = r["worst_stage"]
@@ -343,8 +343,9 @@ def test_activations_count_the_stage_io_and_head_once_in_every_mode():
             else:
                 kept = len(layers) * T * cal.act_per_token_layer[rc]
                 per_mb = r["memory"]["activations"] / inflight
-            heads.add((s, per_mb - kept))
-        assert len(heads) == 1, (layout, heads)
+            heads[rc] = (s, per_mb - kept)
+        (s, want), *rest = heads.values()  # the same stage and the same bytes (float rounding only)
+        assert all(t == s and abs(got - want) <= 1e-9 * want for t, got in rest), (layout, heads)
     layout = P.Layout(pp=1, dp=1, cp=1, ep=1)  # one stage, one micro-batch in flight: the lm_head gradient alone
     act = {
         lora: P.evaluate(
