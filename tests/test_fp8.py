@@ -471,6 +471,34 @@ def test_trainer_header_says_which_routed_experts_stay_bf16(monkeypatch, backend
         ), said
 
 
+@pytest.mark.parametrize(
+    "fp8_compile, compile, fp8_min_dim, want",
+    [
+        (False, False, None, 0),  # eager FP8 projections: every candidate (kept for numerics studies)
+        (False, True, None, fp8.MEASURED_MIN_DIM["rowwise"]),  # --compile compiles them in their block
+        (True, False, None, fp8.MEASURED_MIN_DIM["rowwise"]),  # --fp8-compile compiles them alone
+        (False, True, 0, 0),  # an explicit --fp8-min-dim 0 is kept, not taken for "unset"
+        (False, False, 64, 64),
+    ],
+    ids=["eager", "compile", "fp8-compile", "compile-min-dim-0", "min-dim-64"],
+)
+def test_trainer_fp8_min_dim_default_and_override(monkeypatch, fp8_compile, compile, fp8_min_dim, want):
+    """``kimi train --fp8``'s ``min_dim`` (``weights.fp8_converter``): without ``--fp8-min-dim``, the measured width
+    of the recipe when the projections are compiled (``--fp8-compile`` or ``--compile``) and 0 when eager; an
+    explicit value, 0 included, as given. The record on the model carries it."""
+    from types import SimpleNamespace
+
+    from kimi_tools.train.weights import fp8_converter
+
+    fp8_grouped_checker(monkeypatch)
+    args = SimpleNamespace(
+        fp8="rowwise", device="cuda", fp8_compile=fp8_compile, compile=compile, fp8_min_dim=fp8_min_dim, backend="eager"
+    )
+    model = tiny_model()
+    fp8_converter(model, args)
+    assert model.fp8.min_dim == want
+
+
 def test_converted_cudnn_model_exports_the_checkpoint_layout(monkeypatch, tmp_path):
     """The tiny model on the cudnn backend (grouped experts on the grouped_mm kernel), converted with its experts
     wrapped: save_model writes what the unconverted model writes (the trainer's export), names and values."""
