@@ -720,8 +720,10 @@ def test_tiny_model_fp8_layer_by_layer_under_replay():
     unconverted, both on the unconverted model's recorded inputs (AttnRes blocks and p) with its MoE routing and DSA
     top-k replayed (``tests/layer_local.py``): attn_out, mlp_out and each layer's parameter gradients within
     ``FP8_LAYER_TOL`` (FP8 rounding arithmetic; every error printed as ``FP8_ERR``), and off by more than fp32
-    rounding (FP8 ran). The same bounds reject the unconverted model with every ``o_proj`` tripled and the converted
-    one with its FP8 scales dropped (gradients flushed to zero). The routed experts stay fp32 here (torchao has no
+    rounding (FP8 ran); every parameter but the replayed router and indexer weights compared. The replay is what runs:
+    the reference with its routers and indexers re-drawn matches it exactly. The same bounds reject the unconverted
+    model with every ``o_proj`` tripled and the converted one with its FP8 scales dropped (gradients flushed to zero).
+    The routed experts stay fp32 here (torchao has no
     emulated grouped FP8 GEMM): ``tests/gpu/test_gpu_fp8.py`` runs the same comparison with them in FP8."""
     import copy
 
@@ -746,8 +748,26 @@ def test_tiny_model_fp8_layer_by_layer_under_replay():
     report("tiny_model_layer_local", errs)
     assert failures(errs, FP8_LAYER_TOL) == []
     assert min(min(e.outputs.values()) for e in errs) > MIN_FP8_EFFECT
-    dsa = load_config("tiny").dsa_layers
+    cfg = load_config("tiny")
+    dsa = cfg.dsa_layers
     assert all(errs[i].flips > 0 for i in dsa)  # FP8 alone would have chosen other keys: the replay is needed
+    # every trainable parameter compared, but the router weights and indexers (replayed: no gradient) and layer 0's
+    # AttnRes mix (one source: no gradient either)
+    for e, layer in zip(errs, ref.model.layers, strict=True):
+        left = {n for n, p in layer.named_parameters() if p.requires_grad} - set(e.grads)
+        left = {n for n in left if not (n.endswith(".gate.weight") or ".indexer." in n)}
+        assert left == ({"self_attention_res_norm.weight", "self_attention_res_proj.weight"} if e.layer == 0 else set())
+
+    # the replay is what the layers run: the reference with its routers and indexers re-drawn gives the same
+    # outputs and gradients exactly, though it would have routed and selected otherwise
+    redrawn = copy.deepcopy(ref)
+    with torch.no_grad():
+        for n, p in redrawn.named_parameters():
+            if ".indexer." in n or ".block_sparse_moe.gate." in n:
+                p.copy_(torch.randn_like(p))
+    same = compare_models(ref, redrawn, inputs, dys)
+    assert failures(same, dict.fromkeys(FP8_LAYER_TOL, 0.0)) == []
+    assert all(e.flips > 0 for e in same if e.layer in dsa or cfg.is_moe_layer(e.layer))
 
     x3 = copy.deepcopy(ref)
     with torch.no_grad():
