@@ -185,6 +185,23 @@ def test_custom_op_opcheck_and_gradients(name, op, args, eager):
         check_rel(f"{name} d input {i}", a, b, TOL_OP["grad"])
 
 
+def test_recompute_op_outputs_never_alias_inputs():
+    """A custom op's outputs may not share storage with its inputs (``torch.library``'s contract; an alias would let
+    the compiler reuse or overwrite a buffer the caller still reads): ``own`` copies an output that does (the input
+    itself, or a view of it) and keeps one that does not; an op whose eager function returns its input passes
+    ``opcheck``."""
+    from kernels_torch.ops.custom import own, recompute_op
+
+    x, other = torch.randn(4, 3), torch.randn(4, 3)
+    for t in (x, x[1:], x.t()):  # the input, a view of it, a non-contiguous view
+        got = own(t, (x,))
+        assert got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() and got.is_contiguous()
+        assert torch.equal(got, t)
+    assert own(other, (x,)) is other
+    op = recompute_op("kimi_test::passthrough", lambda x: x, "(Tensor x) -> Tensor", lambda x: torch.empty_like(x))
+    torch.library.opcheck(op, (torch.randn(5, 2, dtype=torch.float64, requires_grad=True),))
+
+
 def test_train_compile_matches_uncompiled(tmp_path):
     """``kimi train --compile`` (aot_eager) for 2 steps on the tiny preset (2 layers): the losses and eval losses of
     an uncompiled run; ``run.json`` records the flags."""

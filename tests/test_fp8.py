@@ -471,6 +471,34 @@ def test_trainer_header_says_which_routed_experts_stay_bf16(monkeypatch, backend
         ), said
 
 
+@pytest.mark.parametrize(
+    "fp8_compile, compile, fp8_min_dim, want",
+    [
+        (False, False, None, 0),  # eager FP8 projections: every candidate (kept for numerics studies)
+        (False, True, None, fp8.MEASURED_MIN_DIM["rowwise"]),  # --compile compiles them in their block
+        (True, False, None, fp8.MEASURED_MIN_DIM["rowwise"]),  # --fp8-compile compiles them alone
+        (False, True, 0, 0),  # an explicit --fp8-min-dim 0 is kept, not taken for "unset"
+        (False, False, 64, 64),
+    ],
+    ids=["eager", "compile", "fp8-compile", "compile-min-dim-0", "min-dim-64"],
+)
+def test_trainer_fp8_min_dim_default_and_override(monkeypatch, fp8_compile, compile, fp8_min_dim, want):
+    """``kimi train --fp8``'s ``min_dim`` (``weights.fp8_converter``): without ``--fp8-min-dim``, the measured width
+    of the recipe when the projections are compiled (``--fp8-compile`` or ``--compile``) and 0 when eager; an
+    explicit value, 0 included, as given. The record on the model carries it."""
+    from types import SimpleNamespace
+
+    from kimi_tools.train.weights import fp8_converter
+
+    fp8_grouped_checker(monkeypatch)
+    args = SimpleNamespace(
+        fp8="rowwise", device="cuda", fp8_compile=fp8_compile, compile=compile, fp8_min_dim=fp8_min_dim, backend="eager"
+    )
+    model = tiny_model()
+    fp8_converter(model, args)
+    assert model.fp8.min_dim == want
+
+
 def test_converted_cudnn_model_exports_the_checkpoint_layout(monkeypatch, tmp_path):
     """The tiny model on the cudnn backend (grouped experts on the grouped_mm kernel), converted with its experts
     wrapped: save_model writes what the unconverted model writes (the trainer's export), names and values."""
@@ -692,8 +720,10 @@ def test_tiny_model_fp8_layer_by_layer_under_replay():
     unconverted, both on the unconverted model's recorded inputs (AttnRes blocks and p) with its MoE routing and DSA
     top-k replayed (``tests/layer_local.py``): attn_out, mlp_out and each layer's parameter gradients within
     ``FP8_LAYER_TOL`` (FP8 rounding arithmetic; every error printed as ``FP8_ERR``), and off by more than fp32
-    rounding (FP8 ran). The same bounds reject the unconverted model with every ``o_proj`` tripled and the converted
-    one with its FP8 scales dropped (gradients flushed to zero). The routed experts stay fp32 here (torchao has no
+    rounding (FP8 ran); every parameter but the replayed router and indexer weights compared. The replay is what runs:
+    the reference with its routers and indexers re-drawn matches it exactly. The same bounds reject the unconverted
+    model with every ``o_proj`` tripled and the converted one with its FP8 scales dropped (gradients flushed to zero).
+    The routed experts stay fp32 here (torchao has no
     emulated grouped FP8 GEMM): ``tests/gpu/test_gpu_fp8.py`` runs the same comparison with them in FP8."""
     import copy
 
@@ -718,8 +748,26 @@ def test_tiny_model_fp8_layer_by_layer_under_replay():
     report("tiny_model_layer_local", errs)
     assert failures(errs, FP8_LAYER_TOL) == []
     assert min(min(e.outputs.values()) for e in errs) > MIN_FP8_EFFECT
-    dsa = load_config("tiny").dsa_layers
+    cfg = load_config("tiny")
+    dsa = cfg.dsa_layers
     assert all(errs[i].flips > 0 for i in dsa)  # FP8 alone would have chosen other keys: the replay is needed
+    # every trainable parameter compared, but the router weights and indexers (replayed: no gradient) and layer 0's
+    # AttnRes mix (one source: no gradient either)
+    for e, layer in zip(errs, ref.model.layers, strict=True):
+        left = {n for n, p in layer.named_parameters() if p.requires_grad} - set(e.grads)
+        left = {n for n in left if not (n.endswith(".gate.weight") or ".indexer." in n)}
+        assert left == ({"self_attention_res_norm.weight", "self_attention_res_proj.weight"} if e.layer == 0 else set())
+
+    # the replay is what the layers run: the reference with its routers and indexers re-drawn gives the same
+    # outputs and gradients exactly, though it would have routed and selected otherwise
+    redrawn = copy.deepcopy(ref)
+    with torch.no_grad():
+        for n, p in redrawn.named_parameters():
+            if ".indexer." in n or ".block_sparse_moe.gate." in n:
+                p.copy_(torch.randn_like(p))
+    same = compare_models(ref, redrawn, inputs, dys)
+    assert failures(same, dict.fromkeys(FP8_LAYER_TOL, 0.0)) == []
+    assert all(e.flips > 0 for e in same if e.layer in dsa or cfg.is_moe_layer(e.layer))
 
     x3 = copy.deepcopy(ref)
     with torch.no_grad():

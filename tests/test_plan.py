@@ -270,6 +270,35 @@ def test_rank_rehearsal_cpu(tmp_path):
     assert run["measured"]["peak_bytes"] is None and run["measured"]["ms_per_microbatch"] > 0
 
 
+def test_rank_rehearsal_each_stage_of_a_pipeline():
+    """``benchmarks/rank_rehearsal.py``'s ``rehearse`` on every stage of a pp 3 tiny layout: the first stage takes
+    token ids, the later ones a received state, the last ends with the loss; each compares its own stage's predicted
+    compute (not the slowest stage's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rank_rehearsal", ROOT / "benchmarks" / "rank_rehearsal.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg, cal = load_config("tiny"), P.load_calibration()
+    row = P.evaluate(
+        cfg,
+        P.Layout(pp=3, dp=1, cp=1, ep=1),
+        P.Policy(recompute="full"),
+        P.Hardware(),
+        cal,
+        seq_len=64,
+        global_batch=256,
+    )
+    per_stage = row["time"]["stage_compute_per_microbatch"]
+    assert len(set(per_stage)) == 3  # the stages differ: a wrong stage's prediction shows
+    for s in range(3):
+        res = mod.rehearse("tiny", {**row, "worst_stage": s}, "cpu", None)
+        assert res["stage"] == s and res["stage_layers"] == row["stages"][s]
+        assert res["microbatches_in_flight"] == min(3 - s, row["microbatches"])
+        assert res["predicted"]["compute_ms_per_microbatch"] == per_stage[s] * 1e3
+        assert res["measured"]["ms_per_microbatch"] > 0
+
+
 def _held_by_autograd(stage, x: torch.Tensor, labels: torch.Tensor, params: set) -> int:
     """Bytes one micro-batch keeps between a stage's forward and backward: the distinct non-parameter storages
     autograd saves, plus the sent state of a stage before the last (``torch.distributed.pipelining`` keeps it)."""
@@ -320,3 +349,37 @@ def test_held_per_microbatch_equals_what_autograd_keeps(preset, counts, lm_head_
         got = _held_by_autograd(stage, x, labels, params)
         want = P.held_per_microbatch(cfg, layers, T, first=s == 0, last=s == len(layout) - 1, lm_head_grad=lm_head_grad)
         assert abs(got - want) <= TOL_HELD * want, (s, layers, got, want)
+
+
+def test_activations_count_the_stage_io_and_head_once_in_every_mode():
+    """``evaluate``'s activation bytes: the stage's received and sent states and the last stage's head
+    (:func:`kimi_tools.plan.held_per_microbatch` minus the layer inputs) come on top of the per-layer bytes in every
+    recomputation mode (the layer inputs counted once, by ``"full"`` only), and a frozen ``lm_head`` (LoRA) keeps no
+    ``[V, D]`` gradient."""
+    cfg = load_config("tiny")
+    cal = P.load_calibration()
+    T, D = 64, cfg.hidden_size
+    for layout in (P.Layout(pp=1, dp=1, cp=1, ep=1), P.Layout(pp=3, dp=1, cp=1, ep=1)):
+        heads = {}
+        for rc in ("none", "mlp", "full"):
+            r = P.evaluate(cfg, layout, P.Policy(recompute=rc), P.Hardware(), cal, seq_len=T, global_batch=4 * T)
+            s = r["worst_stage"]
+            layers = range(*r["stages"][s])
+            inflight = min(layout.pp - s, r["microbatches"])
+            if rc == "full":  # each layer's input (a later stage's first reads the received state) + one working set
+                kept = (len(layers) - (0 if s == 0 else 1)) * T * D * 2
+                per_mb = (r["memory"]["activations"] - T * cal.act_per_token_layer["none"]) / inflight
+            else:
+                kept = len(layers) * T * cal.act_per_token_layer[rc]
+                per_mb = r["memory"]["activations"] / inflight
+            heads[rc] = (s, per_mb - kept)
+        (s, want), *rest = heads.values()  # the same stage and the same bytes (float rounding only)
+        assert all(t == s and abs(got - want) <= 1e-9 * want for t, got in rest), (layout, heads)
+    layout = P.Layout(pp=1, dp=1, cp=1, ep=1)  # one stage, one micro-batch in flight: the lm_head gradient alone
+    act = {
+        lora: P.evaluate(
+            cfg, layout, P.Policy(recompute="full"), P.Hardware(), cal, seq_len=T, global_batch=T, lora_rank=lora
+        )["memory"]["activations"]
+        for lora in (None, 4)
+    }
+    assert act[None] - act[4] == cfg.vocab_size * D * 2

@@ -433,6 +433,7 @@ def _small_argv(out):
         (lambda argv, tmp: argv + ["--fp8-compile"], "--fp8-compile: compiles the FP8 projections; it needs --fp8"),
         (lambda argv, tmp: argv + ["--fp8-min-dim", "4096"], "--fp8-min-dim: got 4096 without --fp8"),
         (lambda argv, tmp: argv + ["--compile", "--recompute"], "--compile/--recompute: got both"),
+        (lambda argv, tmp: argv + ["--fp8-min-dim", "-1"], "--fp8-min-dim: got -1, expected a width >= 0"),
     ],
     ids=[
         "seq-len",
@@ -453,6 +454,7 @@ def _small_argv(out):
         "fp8-compile-alone",
         "fp8-min-dim-alone",
         "compile-recompute",
+        "fp8-min-dim-negative",
     ],
 )
 def test_bad_input_one_line_and_no_output(tmp_path, capsys, change, message):

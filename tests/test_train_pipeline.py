@@ -286,16 +286,18 @@ def test_torchrun_pp2_cp2_equals_one_process(tmp_path, data):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_pp2_bf16_equals_one_process_bf16(tmp_path, data):
-    """pp 2 in bf16 (2 ranks, "4,0": the layers on the first stage, a bf16 state sent to the head's stage): FSDP2's
-    mixed precision with fp32 masters, the checkpoint's fp32 tensors out of FSDP2 and fp32 on their rank. Equals one
-    process in bf16 within the bf16 bounds of tests/test_train_parallel.py (losses, gradient norms, eval loss); the
-    fp32 tensors (A_log, dt_bias, ...) are exported in fp32 holding values no bf16 can (they were never rounded)
-    and close to the one-process run's."""
+@pytest.mark.parametrize("cp", [1, 2], ids=["pp2", "pp2-cp2"])
+def test_torchrun_pp2_bf16_equals_one_process_bf16(tmp_path, data, cp):
+    """pp 2 in bf16 ("4,0": the layers on the first stage, a bf16 state sent to the head's stage), alone (2 ranks)
+    and x cp 2 (4 ranks: the fp32 tensors replicated over the cp pair, their partial gradients summed over it):
+    FSDP2's mixed precision with fp32 masters, the checkpoint's fp32 tensors out of FSDP2 and fp32 on their rank.
+    Equals one process in bf16 within the bf16 bounds of tests/test_train_parallel.py (losses, gradient norms, eval
+    loss); the fp32 tensors (A_log, dt_bias, ...) are exported in fp32 holding values no bf16 can (they were never
+    rounded) and close to the one-process run's."""
     ref = _reference(tmp_path, data, "one", "--dtype", "bfloat16")
     out = tmp_path / "pp2bf16"
-    r = _torchrun(2, [*SMALL, "--dtype", "bfloat16", "--data", str(data), "--pp", "2", "--pp-layout", "4,0",
-                      "--out", str(out)])  # fmt: skip
+    r = _torchrun(2 * cp, [*SMALL, "--dtype", "bfloat16", "--data", str(data), "--pp", "2", "--pp-layout", "4,0",
+                           "--cp", str(cp), "--out", str(out)])  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     want, got = _records(ref), _records(out)
     for step in (1, 2, 3):

@@ -82,7 +82,8 @@ def recompute_op(name: str, fn: Callable, schema: str, fake: Callable) -> Callab
         The op (an ``OpOverload``-like callable taking the schema's arguments positionally). Forward: ``fn`` under
         ``torch.no_grad``, outputs made contiguous and unaliased (:func:`own`). Backward: ``<name>_backward(douts,
         *args, needs)`` runs ``fn`` under ``torch.enable_grad`` on detached copies of the inputs that need a
-        gradient and returns ``torch.autograd.grad`` for them (zeros where the outputs do not depend on one).
+        gradient and returns ``torch.autograd.grad`` for them (zeros where the outputs do not depend on one;
+        unaliased, :func:`own`: a pass-through gradient would be an incoming ``dout``).
     """
     positions = _tensor_args(schema)
     ret = schema.split("->")[1].strip()
@@ -122,7 +123,7 @@ def recompute_op(name: str, fn: Callable, schema: str, fake: Callable) -> Callab
                 grads.append(base.new_empty(0))
                 continue
             gr = next(it)
-            grads.append(torch.zeros_like(args[i]) if gr is None else gr.contiguous())
+            grads.append(torch.zeros_like(args[i]) if gr is None else own(gr, (*douts, *args)))  # may be a dout
         return grads
 
     def backward_fake(douts, *rest):

@@ -454,6 +454,8 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"--device: got {a.device!r}, expected cpu or cuda")
     if a.backend == "cudnn" and (a.device != "cuda" or a.dtype != "bfloat16"):
         raise ValueError(f"--backend cudnn: runs on cuda in bfloat16, got --device {a.device} --dtype {a.dtype}")
+    if a.fp8_min_dim is not None and a.fp8_min_dim < 0:
+        raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim}, expected a width >= 0 (0: every projection)")
     if a.fp8 is not None:
         from kernels_torch.fp8 import FP8_RECIPES as recipes  # the library's list (the field's choices spell it)
 
@@ -477,8 +479,6 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError("--fp8-compile: compiles the FP8 projections; it needs --fp8 RECIPE")
     elif a.fp8_min_dim is not None:
         raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim} without --fp8; it chooses which projections run in FP8")
-    if a.fp8_min_dim is not None and a.fp8_min_dim < 0:
-        raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim}, expected a width >= 0 (0: every projection)")
     if a.compile:
         from kernels_torch.compile import check_compile_supported
 
