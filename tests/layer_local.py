@@ -265,3 +265,24 @@ def fp8_scales_dropped():
         yield
     finally:
         su.tensor_to_scale = real
+
+
+def assert_wrong_models_fail(ref_model, fp8_model, inputs: list[LayerInputs], dys: list[dict]) -> None:
+    """The bounds must see two wrong models: the reference with every ``o_proj`` tripled (every layer's
+    ``attn_out`` fails at least) and ``fp8_model`` with torchao's scales dropped (every layer's gradients flush to
+    zero and fail)."""
+    import copy
+
+    n_layers = len(inputs)
+    x3 = copy.deepcopy(ref_model)
+    with torch.no_grad():
+        for n, p in x3.named_parameters():
+            if n.endswith("self_attn.o_proj.weight"):
+                p.mul_(3.0)
+    x3_errs = compare_models(ref_model, x3, inputs, dys)
+    report("tiny_model_layer_local_o_proj_x3", x3_errs)
+    assert len(failures(x3_errs, FP8_LAYER_TOL)) >= n_layers
+    with fp8_scales_dropped():
+        unscaled = compare_models(ref_model, fp8_model, inputs, dys)
+    report("tiny_model_layer_local_scales_dropped", unscaled)
+    assert len(failures(unscaled, FP8_LAYER_TOL)) >= n_layers

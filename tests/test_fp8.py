@@ -729,9 +729,9 @@ def test_tiny_model_fp8_layer_by_layer_under_replay():
 
     from layer_local import (
         FP8_LAYER_TOL,
+        assert_wrong_models_fail,
         compare_models,
         failures,
-        fp8_scales_dropped,
         output_grads,
         record_layer_inputs,
         report,
@@ -769,15 +769,4 @@ def test_tiny_model_fp8_layer_by_layer_under_replay():
     assert failures(same, dict.fromkeys(FP8_LAYER_TOL, 0.0)) == []
     assert all(e.flips > 0 for e in same if e.layer in dsa or cfg.is_moe_layer(e.layer))
 
-    x3 = copy.deepcopy(ref)
-    with torch.no_grad():
-        for n, p in x3.named_parameters():
-            if n.endswith("self_attn.o_proj.weight"):
-                p.mul_(3.0)
-    x3_errs = compare_models(ref, x3, inputs, dys)
-    report("tiny_model_layer_local_o_proj_x3", x3_errs)
-    assert len(failures(x3_errs, FP8_LAYER_TOL)) >= len(errs)  # every layer's attn_out at least
-    with fp8_scales_dropped():
-        unscaled = compare_models(ref, model, inputs, dys)
-    report("tiny_model_layer_local_scales_dropped", unscaled)
-    assert len(failures(unscaled, FP8_LAYER_TOL)) >= len(errs)  # every layer's gradients
+    assert_wrong_models_fail(ref, model, inputs, dys)

@@ -229,6 +229,23 @@ def _reference(tmp_path: Path, data: Path, name: str, *extra: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def small_one(tmp_path_factory, data) -> Path:
+    """The one-process run of ``SMALL``: the reference of the pp x ep and pp x cp runs."""
+    return _reference(tmp_path_factory.mktemp("small"), data, "one")
+
+
+def _assert_equals_one_process(out: Path, ref: Path, flips_share: float = EXPORT_FLIPS) -> None:
+    """Losses and gradient norms of steps 1-3, eval losses of steps 0 and 3, the fp32 masters after step 3 and the
+    export of run ``out`` against the one-process run ``ref``."""
+    want, got = _records(ref), _records(out)
+    _assert_same(got, want, (1, 2, 3))
+    for step in (0, 3):
+        assert _close(got[step]["eval_loss"], want[step]["eval_loss"], TOL["eval_loss"]), step
+    _check_masters(out / "step-3", ref / "step-3")
+    _same_export(out, ref, flips_share)
+
+
 def _check_masters(got_dir: Path, want_dir: Path) -> None:
     got, want = _masters(got_dir), _masters(want_dir)
     assert got.keys() == want.keys() and len(want) > 30
@@ -239,22 +256,18 @@ def _check_masters(got_dir: Path, want_dir: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_pp2_ep2_equals_one_process_and_resumes_in_one(tmp_path, data):
+def test_torchrun_pp2_ep2_equals_one_process_and_resumes_in_one(tmp_path, data, small_one):
     """pp 2 x ep 2 (4 ranks: dp 2, the routed experts Shard(0) over ep inside the second stage, FSDP2 over efsdp 1,
     GPipe: one micro-batch per dp group) equals one process over 3 steps (losses, gradient norms, eval losses, the
     export); its step-2 resume state (a DCP folder of 4 ranks, experts as DTensors) resumes in one process and
     reaches the one-process step 3 (loss, gradient norm, fp32 masters)."""
-    ref = _reference(tmp_path, data, "one")
+    ref = small_one
     out = tmp_path / "pp2ep2"
     r = _torchrun(4, [*SMALL, "--data", str(data), "--pp", "2", "--pp-layout", "0,4", "--pp-schedule", "GPipe",
                       "--ep", "2", "--save-every", "2", "--out", str(out)])  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    want, got = _records(ref), _records(out)
-    _assert_same(got, want, (1, 2, 3))
-    for step in (0, 3):
-        assert _close(got[step]["eval_loss"], want[step]["eval_loss"], TOL["eval_loss"]), step
-    _check_masters(out / "step-3", ref / "step-3")
-    _same_export(out, ref)
+    _assert_equals_one_process(out, ref)
+    want = _records(ref)
     # the state of step 2 (written by the 4 ranks) resumed in one process
     one = tmp_path / "resumed"
     shutil.copytree(out, one, ignore=shutil.ignore_patterns("step-3", "model.safetensors*"))
@@ -265,23 +278,17 @@ def test_torchrun_pp2_ep2_equals_one_process_and_resumes_in_one(tmp_path, data):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_pp2_cp2_equals_one_process(tmp_path, data):
+def test_torchrun_pp2_cp2_equals_one_process(tmp_path, data, small_one):
     """pp 2 x cp 2 (4 ranks, 1F1B: two micro-batches of different documents in flight, each rank its context shard
     of every row, the stage setting each micro-batch's shard from its global cu_seqlens; FSDP2 over the cp pair)
     equals one process over 3 steps: losses, gradient norms, the step-0 eval loss (through the pipeline, summed
     over cp), the fp32 masters after step 3 and the export (written per rank: the cp pair holds the same shards
     of each stage)."""
-    ref = _reference(tmp_path, data, "one")
     out = tmp_path / "pp2cp2"
     r = _torchrun(4, [*SMALL, "--data", str(data), "--pp", "2", "--pp-layout", "0,4", "--cp", "2", "--out",
                       str(out)])  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    want, got = _records(ref), _records(out)
-    _assert_same(got, want, (1, 2, 3))
-    for step in (0, 3):
-        assert _close(got[step]["eval_loss"], want[step]["eval_loss"], TOL["eval_loss"]), step
-    _check_masters(out / "step-3", ref / "step-3")
-    _same_export(out, ref, EXPORT_FLIPS_CP)
+    _assert_equals_one_process(out, small_one, EXPORT_FLIPS_CP)
 
 
 @pytest.mark.distributed
