@@ -45,6 +45,7 @@
 #   situ_glu (not in the default STEPS): benchmarks/situ_glu.py, the fused SiTU-GLU against the plain ops
 #   fp8_wheels   install torchao from .whl/ (benchmarks/fp8_wheels.sh downloads it; carry .whl) into /tmp/site
 #   tests_moe    tests/gpu/test_gpu_moe_grouped.py: grouped experts vs the loop, Triton gather-sums, no host sync
+#   tests_compile tests/gpu/test_gpu_compile.py: decoder blocks compiled by inductor (sdpa, bf16, grouped experts)
 #   moe_layer    benchmarks/moe_layer.py: one MoE layer at K3.1's expert shapes, loop vs grouped vs bare GEMMs
 #   tests_fp8    tests/gpu/test_gpu_fp8.py (torchao installed by fp8_wheels)
 #   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16 (FP8_GEMM_ARGS, e.g.
@@ -127,6 +128,7 @@ run_step() {  # run_step NAME: one step of the list above
   fp8_wheels) step fp8_wheels 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl ;;
   tests_moe) step tests_moe 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_moe_grouped.py ;;
+  tests_compile) step tests_compile 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_compile.py ;;
   # shellcheck disable=SC2086
   moe_layer) step moe_layer 600 python3 benchmarks/moe_layer.py ${MOE_ARGS:-} --out "$dir/moe_layer.json" ;;
   tests_fp8) step tests_fp8 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_fp8.py ;;
