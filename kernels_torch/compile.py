@@ -25,6 +25,8 @@ refused), decode caches (``step=``), and the parallel wrappers (FSDP2, CP, EP, P
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -56,6 +58,17 @@ def _mark_cu_seqlens_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> No
     cu = args[1] if len(args) > 1 else kwargs.get("cu_seqlens")
     if isinstance(cu, torch.Tensor):
         torch._dynamo.maybe_mark_dynamic(cu, 0)
+
+
+def _checkpointed_forward(layer: nn.Module) -> functools.partial | None:
+    """The ``functools.partial(torch.utils.checkpoint.checkpoint, forward, ...)`` that whole-layer recomputation
+    (``kimi_tools.train.recompute_layers``, mode ``layer``) puts in place of ``layer.forward``, or None. (Its MLP-only
+    mode wraps ``feed_forward`` inside the forward, which dynamo traces as a checkpointed region.)"""
+    import torch.utils.checkpoint
+
+    f = layer.__dict__.get("forward")
+    ok = isinstance(f, functools.partial) and f.func is torch.utils.checkpoint.checkpoint and f.args
+    return f if ok else None
 
 
 def compile_blocks(
@@ -90,8 +103,15 @@ def compile_blocks(
     # code object's cache, which must hold them all (fullgraph=True turns a full cache into an error, not eager)
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT, 4 * len(layers))
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * cfg.recompile_limit)
+    kw = dict(backend=backend, dynamic=dynamic, fullgraph=fullgraph, mode=mode)
     for layer in layers:
-        layer.compile(backend=backend, dynamic=dynamic, fullgraph=fullgraph, mode=mode)
+        recomputed = _checkpointed_forward(layer)
+        if recomputed is None:
+            layer.compile(**kw)
+        else:  # compile inside the checkpoint: dynamo does not trace a checkpoint call that replaced ``forward``
+            layer.forward = functools.partial(
+                recomputed.func, torch.compile(recomputed.args[0], **kw), *recomputed.args[1:], **recomputed.keywords
+            )
     if not getattr(model, "_compiled_blocks", False):
         model.model.register_forward_pre_hook(_mark_cu_seqlens_dynamic, with_kwargs=True)
     model._compiled_blocks = True

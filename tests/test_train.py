@@ -432,7 +432,6 @@ def _small_argv(out):
         (lambda argv, tmp: argv + ["--fp8", "rowwise", "--dtype", "bfloat16"], "--fp8: FP8 matmuls need a CUDA GPU"),
         (lambda argv, tmp: argv + ["--fp8-compile"], "--fp8-compile: compiles the FP8 projections; it needs --fp8"),
         (lambda argv, tmp: argv + ["--fp8-min-dim", "4096"], "--fp8-min-dim: got 4096 without --fp8"),
-        (lambda argv, tmp: argv + ["--compile", "--recompute"], "--compile/--recompute: got both"),
         (lambda argv, tmp: argv + ["--fp8-min-dim", "-1"], "--fp8-min-dim: got -1, expected a width >= 0"),
     ],
     ids=[
@@ -453,7 +452,6 @@ def _small_argv(out):
         "fp8-cpu",
         "fp8-compile-alone",
         "fp8-min-dim-alone",
-        "compile-recompute",
         "fp8-min-dim-negative",
     ],
 )

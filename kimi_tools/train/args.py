@@ -484,11 +484,6 @@ def resolve(args: TrainArgs) -> TrainArgs:
 
         if a.fp8_compile:
             raise ValueError("--compile/--fp8-compile: got both, expected one (--compile compiles whole blocks)")
-        if a.recompute:  # recompute_layers swaps each layer's forward for a checkpoint call dynamo cannot trace
-            raise ValueError(
-                "--compile/--recompute: got both; compiled blocks under activation recomputation are not supported "
-                "yet, expected one of them"
-            )
         a.compile_backend = a.compile_backend or "inductor"
         try:
             check_compile_supported(a.backend, a.compile_backend)
