@@ -52,8 +52,27 @@ def check_rel(name: str, got, want, tol: float) -> float:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for ``init_process_group``'s ``tcp://`` rendezvous)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that is free now (for ``init_process_group``'s ``tcp://`` rendezvous), drawn below the
+    kernel's ephemeral range: the gloo groups of tests running beside this one (``pytest -n 2``) open connections
+    from ephemeral ports, one of which could take a port the kernel handed out here before the rendezvous binds it."""
+    import os
+    import random
+    from pathlib import Path
+
+    try:
+        lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        lowest = 32768
+    draw = random.Random(os.getpid() * 1_000_003 + os.urandom(4)[0])
+    for _ in range(200):
+        port = draw.randint(max(1024, lowest // 2), lowest - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every draw taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
