@@ -309,6 +309,7 @@ def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, max_by
         if rank == 0:
             torch.save(sd, f"{out}/full.pt")
         (Path(out) / f"wrote{rank}.json").write_text(json.dumps(wrote))
+        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank ahead aborted the other)
     finally:
         dist.destroy_process_group()
 
