@@ -167,9 +167,20 @@ def route(
 # ---------------------------------------------------------------------------------------------- modules
 
 
+def _glu(a: torch.Tensor, b: torch.Tensor, config, fused: bool) -> torch.Tensor:
+    """The GLU activation: fused (``cudnn`` backend) or the plain ops (``eager`` / ``sdpa``)."""
+    return glu_act_fused(a, b, config) if fused else glu_act(a, b, config)
+
+
 def _act(module: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The module's GLU activation: fused (``cudnn`` backend) or the plain ops (``eager`` / ``sdpa``)."""
-    return glu_act_fused(a, b, module.config) if module.fused_glu else glu_act(a, b, module.config)
+    """The module's GLU activation (:func:`_glu` with its config and ``fused_glu``)."""
+    return _glu(a, b, module.config, module.fused_glu)
+
+
+def _expert_mlp(x, w1, w3, w2, config, fused: bool) -> torch.Tensor:
+    """One expert on rows ``x`` ``[n, Dl]``: ``w2 · act(w1 x, w3 x)`` ``[n, Dl]`` in ``x.dtype``; ``w1``, ``w3``
+    ``[I, Dl]``, ``w2`` ``[Dl, I]``."""
+    return F.linear(_glu(F.linear(x, w1), F.linear(x, w3), config, fused), w2)
 
 
 class DenseMLP(nn.Module):
@@ -210,17 +221,13 @@ def experts_loop(
     SiTU betas); ``fused``: the fused activation (``kernels_torch.ops.situ``). Returns ``[N, Dl]`` fp32 (fp64 for
     fp64 z): each expert output rounded to z's dtype, weighted by the fp32 router weight. Under ``torch.compile``
     :class:`GroupedExperts` runs it as the op ``kimi::experts_loop`` (``kernels_torch.ops.custom``)."""
-    act = glu_act_fused if fused else glu_act
-    # unbound once per call: indexing w1[e] in each iteration would give every expert a backward that writes a
-    # whole-stack gradient (E of them: 13 s for 448 real-size experts on an H200)
-    w1, w3, w2 = (w.unbind(0) for w in stacks)
+    w1, w3, w2 = (w.unbind(0) for w in stacks)  # unbound once per call: GroupedExperts.per_expert says why
     r = torch.zeros(z.shape, dtype=compute_dtype(z), device=z.device)  # [N, Dl]
     for e in range(len(w1)):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens routed to e, and the rank it holds there
         if tok.numel() == 0:
             continue
-        x = z[tok]
-        out = F.linear(act(F.linear(x, w1[e]), F.linear(x, w3[e]), config), w2[e])  # [n, Dl] in z's dtype
+        out = _expert_mlp(z[tok], w1[e], w3[e], w2[e], config, fused)  # [n, Dl] in z's dtype
         r.index_add_(0, tok, out.to(r.dtype) * weights[tok, slot, None].to(r.dtype))
     return r
 
@@ -322,7 +329,7 @@ class GroupedExperts(nn.Module):
         """Local expert ``e`` on rows ``x`` ``[n, Dl]`` -> ``[n, Dl]`` in ``x.dtype`` (the loop's body).
         ``weights``: the stacks already split by :meth:`per_expert` (one backward node for all experts)."""
         w1, w3, w2 = (w[e] for w in (self.local_weights() if weights is None else weights))
-        return F.linear(_act(self, F.linear(x, w1), F.linear(x, w3)), w2)
+        return _expert_mlp(x, w1, w3, w2, self.config, self.fused_glu)
 
     def per_expert(self) -> tuple[tuple[torch.Tensor, ...], ...]:
         """``(w1, w3, w2)``, each stack unbound into its experts' ``[out, in]`` views. The loop takes these once per call:

@@ -79,22 +79,19 @@ def test_layer_compiles_whole_once_and_matches_eager(idx, backend, moe_kernel, d
     assert counter.frame_count == 1
 
 
-def test_compile_blocks_model_loss_and_grads():
-    """``compile_blocks`` on a two-layer model (KDA + dense MLP, KDA + MoE): the loss and every gradient equal eager;
-    one graph per block shape, none more for a micro-batch with another document count (``cu_seqlens``' length is
-    dynamic), 0 graph breaks; a bad ``cu_seqlens`` is still refused (checked before the compiled blocks)."""
-    cfg = load_config("tiny").truncated(2)
+def _twins(cfg) -> tuple[KimiK3Model, KimiK3Model]:
+    """Two sdpa models of ``cfg`` with the same fresh random weights: the eager one and the one to compile."""
     torch.manual_seed(0)
     eager = KimiK3Model(cfg, backend="sdpa")
     model = KimiK3Model(cfg, backend="sdpa")
     model.load_state_dict(eager.state_dict())
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    counter = CompileCounterWithBackend("aot_eager")
-    compile_blocks(model, backend=counter)
-    T = 48
-    kernel_choice.reset_used()
-    for cu in ([0, 13, 48], [0, 5, 30, 48]):
+    return eager, model
+
+
+def _steps_match(eager, model, cfg, T: int = 48):
+    """Loss and backward of both models on two micro-batches of fresh random tokens with other document counts:
+    the loss and every gradient equal (TOL). Returns the last micro-batch's ``(ids, labels)``."""
+    for cu in ([0, 13, T], [0, 5, 30, T]):
         ids = torch.randint(0, cfg.vocab_size, (1, T))
         labels = torch.randint(0, cfg.vocab_size, (1, T))
         losses = []
@@ -107,6 +104,21 @@ def test_compile_blocks_model_loss_and_grads():
         for (name, a), b in zip(eager.named_parameters(), model.parameters()):
             if a.grad is not None:
                 check_rel(f"d {name}", b.grad, a.grad, TOL["grad"])
+    return ids, labels
+
+
+def test_compile_blocks_model_loss_and_grads():
+    """``compile_blocks`` on a two-layer model (KDA + dense MLP, KDA + MoE): the loss and every gradient equal eager;
+    one graph per block shape, none more for a micro-batch with another document count (``cu_seqlens``' length is
+    dynamic), 0 graph breaks; a bad ``cu_seqlens`` is still refused (checked before the compiled blocks)."""
+    cfg = load_config("tiny").truncated(2)
+    eager, model = _twins(cfg)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(model, backend=counter)
+    kernel_choice.reset_used()
+    ids, labels = _steps_match(eager, model, cfg)
     assert _breaks() == 0
     assert counter.frame_count == 2  # the two blocks differ (dense MLP / MoE, AttnRes depth); no recompilation
     assert kernel_choice.used()["moe"] == {"loop": 2}  # the eager calls: a compiled block records nothing
@@ -122,10 +134,7 @@ def test_compiled_blocks_under_recomputation_match_eager(mode, full_layers):
     from kimi_tools.train import recompute_layers
 
     cfg = load_config("tiny").truncated(4)
-    torch.manual_seed(0)
-    eager = KimiK3Model(cfg, backend="sdpa")
-    model = KimiK3Model(cfg, backend="sdpa")
-    model.load_state_dict(eager.state_dict())
+    eager, model = _twins(cfg)
     for m in (eager, model):
         recompute_layers(m, mode, full_layers)
     torch._dynamo.reset()
@@ -135,20 +144,7 @@ def test_compiled_blocks_under_recomputation_match_eager(mode, full_layers):
     for i, layer in enumerate(model.model.layers):  # the recomputation stays around the compiled function
         wrapped = layer.__dict__.get("forward" if mode == "layer" or i < full_layers else "feed_forward")
         assert wrapped is not None and wrapped.func is torch.utils.checkpoint.checkpoint, i
-    T = 48
-    for cu in ([0, 13, 48], [0, 5, 30, 48]):
-        ids = torch.randint(0, cfg.vocab_size, (1, T))
-        labels = torch.randint(0, cfg.vocab_size, (1, T))
-        losses = []
-        for m in (eager, model):
-            m.zero_grad(set_to_none=True)
-            loss = m.loss(ids, labels, torch.tensor(cu))
-            loss.backward()
-            losses.append(loss.detach())
-        check_rel("loss", losses[1], losses[0], TOL["loss"])
-        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
-            if a.grad is not None:
-                check_rel(f"d {name}", b.grad, a.grad, TOL["grad"])
+    _steps_match(eager, model, cfg)
     assert _breaks() == 0, dict(torch._dynamo.utils.counters["graph_break"])
     assert counter.frame_count >= 2  # the blocks ran compiled
 
