@@ -56,7 +56,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainParallel", "under_torchrun", "refuse_pipeline"]
+__all__ = ["TrainParallel", "under_torchrun", "refuse_pipeline", "REDUCE_DTYPES"]
+
+# --reduce-dtype: the dtype FSDP2 reduce-scatters the gradients in (the sharded gradients are fp32 either way: the
+# masters'); bf16 halves the reduce-scatter's bytes and its buffers and rounds each rank's part once before the sum
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def under_torchrun() -> bool:
@@ -113,6 +117,9 @@ class TrainParallel:
         pp_schedule: str = "1F1B",
         pp_layout: str | None = None,
         world: int | None = None,
+        reduce_dtype: str = "fp32",
+        reshard_after_forward: str = "auto",
+        bf16_masters: bool = False,
     ):
         from kernels_torch.parallel.mesh import ParallelDims
         from kernels_torch.parallel.pipeline import SCHEDULES, parse_stage_layout
@@ -125,6 +132,8 @@ class TrainParallel:
         if not self.enabled:
             sizes = (("--pp", pp), ("--cp", cp), ("--dp", dp), ("--ep", ep))
             given = [f"{f} {v}" for f, v in sizes if v is not None and v > 1]
+            given += [f"--reduce-dtype {reduce_dtype}"] * (reduce_dtype != "fp32")
+            given += [f"--reshard-after-forward {reshard_after_forward}"] * (reshard_after_forward != "auto")
             if given:
                 raise ValueError(
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
@@ -175,6 +184,16 @@ class TrainParallel:
         self.dims = ParallelDims(world, dp=dp, cp=cp, ep=ep, pp=pp)
         self.cp_size, self.dp_size, self.ep_size, self.pp_size, self.device = cp, dp, ep, pp, device
         self.pp_schedule = pp_schedule
+        from kernels_torch.parallel.fsdp import RESHARD_POLICIES
+
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"--reduce-dtype: got {reduce_dtype!r}, expected one of {list(REDUCE_DTYPES)}")
+        if reshard_after_forward not in RESHARD_POLICIES:
+            raise ValueError(
+                f"--reshard-after-forward: got {reshard_after_forward!r}, expected one of {list(RESHARD_POLICIES)}"
+            )
+        self.reduce_dtype, self.reshard_after_forward = reduce_dtype, reshard_after_forward
+        self.bf16_masters = bf16_masters  # the trainable bf16 parameters stay bf16 shards (a bf16 optimizer)
         self.rank, self.mesh, self.ctx, self.pipe, self.n_microbatches = 0, None, None, None, 1
         self.replicated: list[nn.Parameter] = []
         if self.enabled:
@@ -227,8 +246,16 @@ class TrainParallel:
         if self.pp_size > 1:
             return self._setup_pipeline(model, param_dtype, ignored)
         self.replicated = [p for p in model.parameters() if p in ignored and p.requires_grad]
-        self.ctx = parallelize(
-            model, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored
+        self.ctx = parallelize(model, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
+
+    def _fsdp_policy(self) -> dict:
+        """The FSDP2 keywords of this run's policy (``apply_fsdp``): every rank's loss is weighted by the step's global
+        target count (divide factor 1), ``--reduce-dtype``, ``--reshard-after-forward``."""
+        return dict(
+            gradient_divide_factor=1.0,
+            reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
+            reshard_after_forward=self.reshard_after_forward,
+            master_dtype=None if self.bf16_masters else torch.float32,
         )
 
     def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set) -> None:
@@ -273,7 +300,7 @@ class TrainParallel:
             flag = "--pp-layout" if self.pp_counts is not None else "--pp"
             raise ValueError(f"{flag}: {e}") from None
         self.replicated = [p for p in self.pipe.parameters() if p in ignored and p.requires_grad]
-        shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored)
+        shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
 
     def _cp_rows(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids and labels ``[R, T_r]`` of ``batches`` (``[1, T]`` each): with ``--cp`` this rank's context shard
@@ -344,12 +371,18 @@ class TrainParallel:
         count, as FSDP's reduce-scatter with divide factor 1 sums the sharded ones)."""
         if not self.replicated:
             return
-        group = self.mesh["dp_cp"].get_group()
-        for p in self.replicated:
-            if p.grad is not None:
-                g = p.grad.float()  # summed in fp32 (a bf16 gradient rounds once, after the sum)
-                dist.all_reduce(g, group=group)
-                p.grad.copy_(g)
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if not grads or self.mesh["dp_cp"].size() == 1:
+            return
+        # one flat all-reduce per accumulation dtype (fp32, or fp64 for an fp64 model: a bf16 gradient rounds once,
+        # after the sum), not one per tensor
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(torch.promote_types(g.dtype, torch.float32), []).append(g)
+        for dtype, gs in by_dtype.items():
+            flat = torch.cat([g.reshape(-1).to(dtype) for g in gs])
+            dist.all_reduce(flat, group=self.mesh["dp_cp"].get_group())
+            torch._foreach_copy_(gs, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in gs]), gs)])
 
     def _sum(self, xs: list[float], group) -> list[float]:
         if not self.enabled or not xs:

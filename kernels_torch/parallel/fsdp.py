@@ -39,6 +39,7 @@ __all__ = [
     "fp32_compute_params",
     "parallelize",
     "apply_fsdp",
+    "RESHARD_POLICIES",
     "check_ignored",
     "check_expert_layout",
     "own_cp_group",
@@ -83,9 +84,10 @@ def parallelize(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = "auto",
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    master_dtype: torch.dtype | None = torch.float32,
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), expert parallelism over ``mesh["ep"]``
     (when > 1: :func:`kernels_torch.parallel.expert.shard_experts`, unless the model's experts are expert-parallel
@@ -103,7 +105,13 @@ def parallelize(
             fp32, FSDP2 all-gathers bf16 copies), frozen ones stay bf16; parameters in another dtype
             (:func:`fp32_compute_params`) must be in ``ignored_params`` (else ValueError): whole on every rank, in
             their own dtype. reduce_dtype: of the gradient reduce-scatter (fp32 by default; fp64 for fp64 models).
-        reshard_after_forward: free the gathered parameters after each layer's forward (ZeRO-3).
+        reshard_after_forward: the reshard policy (:data:`RESHARD_POLICIES`): ``"auto"`` (default, torchtitan's)
+            frees the gathered parameters after each unit's forward (ZeRO-3) except where the backward comes right
+            after: the last decoder layer and the root; ``True`` / ``"always"`` every unit, ``False`` / ``"never"``
+            none (ZeRO-2: one all-gather per unit and step, every gathered copy held from the forward to the
+            backward). Also on one rank: there the gathered bf16 copies are copies of the fp32 masters, and holding
+            them all (``"never"``) ran the 4-layer step out of allocator headroom on an 80 GB card
+            (``benchmarks/README.md``, benchmark 5 under torchrun).
         gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
             rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
             global batch (``kimi_tools.parallel``). The expert units use the same factor: their gradients are the
@@ -132,7 +140,7 @@ def parallelize(
     apply_fsdp(
         list(model.model.layers), [model], mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
-        ignored_params=ignored_params,
+        ignored_params=ignored_params, master_dtype=master_dtype,
     )  # fmt: skip
     return ctx
 
@@ -160,9 +168,10 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = "auto",
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    master_dtype: torch.dtype | None = torch.float32,
 ) -> None:
     """The FSDP2 part of :func:`parallelize`, for a whole model or a pipeline rank's stages
     (``kernels_torch.parallel.pipeline.shard_stages``): one ``fully_shard`` per decoder layer of ``layers`` and
@@ -177,7 +186,10 @@ def apply_fsdp(
             (no expert parallelism: ``dp_cp`` is that mesh).
         param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params: as
             :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's size); with
-            ``param_dtype``, the trainable parameters of that dtype in ``roots`` become fp32 masters.
+            ``param_dtype``, the trainable parameters of that dtype in ``roots`` become ``master_dtype`` masters.
+        master_dtype: the dtype of the sharded masters of the trainable ``param_dtype`` parameters (fp32); None
+            keeps them in ``param_dtype`` (an optimizer that steps bf16 weights itself, e.g. with stochastic
+            rounding: no fp32 copy, the gradients reduced into bf16 shards).
 
     Raises:
         ValueError: a ``DeviceMesh`` that is not 1-D; parameters outside ``param_dtype`` not ignored
@@ -198,26 +210,37 @@ def apply_fsdp(
     ignored = set(ignored_params or ())
     for root in roots:
         check_ignored(root, param_dtype, ignored)
-    if param_dtype is not None:  # fp32 sharded masters of the trainable low-precision parameters
+    if param_dtype is not None and master_dtype is not None:  # sharded masters of the trainable bf16 parameters
         for root in roots:
-            _upcast_trainable(root, param_dtype, ignored)
+            _upcast_trainable(root, param_dtype, ignored, master_dtype)
     if any(p.dtype == torch.float64 for root in roots for p in root.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    reshard = _reshard_policy(reshard_after_forward)
+    kw = dict(mp_policy=policy)
     if ignored:
         kw["ignored_params"] = ignored
     units = []  # (module, its mesh)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         moe = getattr(layer, "block_sparse_moe", None)
+        last = i == len(layers) - 1
         if experts is not None and moe is not None:
-            fully_shard(moe.experts, mesh=experts, shard_placement_fn=_expert_placement(experts.size()), **kw)
+            fully_shard(
+                moe.experts, mesh=experts, shard_placement_fn=_expert_placement(experts.size()),
+                reshard_after_forward=reshard(experts, last), **kw,
+            )  # fmt: skip
             register_fsdp_forward_method(moe.experts, "rows_forward")  # expert parallelism's call of the experts
             units.append((moe.experts, experts))
-        fully_shard(layer, mesh=dense, **kw)
+        fully_shard(layer, mesh=dense, reshard_after_forward=reshard(dense, last), **kw)
         units.append((layer, dense))
     for root in roots:
-        fully_shard(root, mesh=dense, **kw)
+        # the input embedding is a unit of its own (torchtitan's): its gathered copy ([vocab, D], as large as a
+        # few layers) is freed after its forward instead of being held by the root through the whole step
+        embed = _own_embedding(root)
+        if embed is not None:
+            fully_shard(embed, mesh=dense, reshard_after_forward=reshard(dense, False), **kw)
+            units.append((embed, dense))
+        fully_shard(root, mesh=dense, reshard_after_forward=reshard(dense, True), **kw)
         units.append((root, dense))
         if hasattr(root, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
             register_fsdp_forward_method(root, "loss")
@@ -236,7 +259,40 @@ def _expert_placement(efsdp: int):
     return lambda p: Shard(1) if p.ndim > 1 and p.shape[1] % efsdp == 0 else Shard(0)
 
 
-def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set) -> None:
+RESHARD_POLICIES = ("auto", "always", "never")
+
+
+def _reshard_policy(policy: bool | str):
+    """``reshard(mesh, last) -> bool``: whether a unit on ``mesh`` reshards after its forward under ``policy``
+    (:func:`parallelize`'s ``reshard_after_forward``); ``last``: the unit's backward comes right after its forward
+    (the last decoder layer, the root).
+
+    Raises:
+        ValueError: a policy outside :data:`RESHARD_POLICIES` and the booleans."""
+    if policy in (True, "always"):
+        return lambda mesh, last: True
+    if policy in (False, "never"):
+        return lambda mesh, last: False
+    if policy != "auto":
+        raise ValueError(f"reshard_after_forward: got {policy!r}, expected a bool or one of {list(RESHARD_POLICIES)}")
+    return lambda mesh, last: not last
+
+
+def _own_embedding(root: nn.Module) -> nn.Module | None:
+    """The input embedding (``embed_tokens``) under ``root`` that can be an FSDP2 unit of its own: an
+    ``nn.Embedding`` whose weight nothing else in ``root`` shares (tied embeddings stay in the root, as the LM head
+    reads the same tensor), not a unit already; None otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, mod in root.named_modules():
+        if name.split(".")[-1] != "embed_tokens" or not isinstance(mod, nn.Embedding) or isinstance(mod, FSDPModule):
+            continue
+        shared = sum(p is mod.weight for _, p in root.named_parameters(remove_duplicate=False))
+        return mod if shared == 1 else None
+    return None
+
+
+def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set, master_dtype=torch.float32) -> None:
     """Replace each trainable ``dtype`` parameter (not ignored) by an fp32 one (a new ``nn.Parameter``: assigning
     ``.data`` does not change a DTensor's dtype); a parameter shared by two modules (tied embeddings) stays shared."""
     memo: dict[int, nn.Parameter] = {}
@@ -244,7 +300,7 @@ def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set) -> Non
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.requires_grad and p.dtype == dtype and p not in ignored:
                 if id(p) not in memo:
-                    memo[id(p)] = nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
+                    memo[id(p)] = nn.Parameter(p.detach().to(master_dtype), requires_grad=True)
                 setattr(mod, name, memo[id(p)])
 
 
@@ -275,12 +331,15 @@ def check_expert_layout(moes: list, mesh: ParallelMesh) -> None:
 def _set_divide_factor(module, factor: float, mesh: DeviceMesh) -> None:
     """FSDP2's gradient divide factor of one unit; gloo (CPU) has no AVG / PREMUL_SUM: sum, then divide.
 
-    On a 1-rank mesh (the experts' ``efsdp`` at ``ep = dp x cp``) FSDP2 with a forced sum (and fp64 reductions)
-    divides a copied gradient by the factor twice (torch 2.13 ``foreach_reduce``: the one-rank copy, then the
-    post-divide); there the unit divides by 1 and a hook on the reduced gradient divides by the factor once."""
-    if mesh.size() == 1 and factor != 1.0:
-        module.set_gradient_divide_factor(1.0)
-        module.set_all_reduce_hook(lambda g: g.div_(factor))
+    On a 1-rank mesh (one rank, or the experts' ``efsdp`` at ``ep = dp x cp``) FSDP2 with a factor copies the
+    gradient through ``input / factor`` (a temporary the size of the unit's gradients) and, with a forced sum (and
+    fp64 reductions), divides it twice (torch 2.13 ``foreach_reduce``: the one-rank copy, then the post-divide);
+    there the unit's factor stays unset (a plain copy) and a hook on the reduced gradient divides once, in place."""
+    if mesh.size() == 1:
+        # nothing to reduce: FSDP2 copies the gradient (with a factor set, through a temporary as large as the
+        # unit's gradients: ``input / factor``); leave the factor unset and divide in place when it is not 1
+        if factor != 1.0:
+            module.set_all_reduce_hook(lambda g: g.div_(factor))
     else:
         module.set_gradient_divide_factor(factor)
     if mesh.device_type == "cpu":

@@ -632,7 +632,7 @@ def shard_stages(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = "auto",
     gradient_divide_factor: float | None = 1.0,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> None:

@@ -351,6 +351,27 @@ class TrainArgs:
             type=positive_int,
         ),
     )
+    # FSDP2 policies: they change the speed and memory of a step, and (--reduce-dtype bf16) the rounding of the
+    # gradient sums, as the layout does: run control, so a run resumes under another policy
+    reduce_dtype: str = field(
+        default="fp32",
+        metadata=arg(
+            "under torchrun: the dtype FSDP2 reduce-scatters gradients in (default %(default)s; bf16 halves the "
+            "reduction's bytes and buffers; the sharded gradients and masters stay fp32)",
+            numbers=False,
+            choices=("fp32", "bf16"),
+        ),
+    )
+    reshard_after_forward: str = field(
+        default="auto",
+        metadata=arg(
+            "under torchrun: which FSDP2 units free their gathered parameters after the forward (default "
+            "%(default)s: every unit except the last decoder layer and the root (torchtitan's); "
+            "always: every unit, ZeRO-3; never: none, ZeRO-2)",
+            numbers=False,
+            choices=("auto", "always", "never"),
+        ),
+    )
 
 
 def _hint(tp) -> tuple[type, bool, bool]:

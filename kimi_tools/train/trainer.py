@@ -180,8 +180,9 @@ class Trainer:
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
         self.par = par = TrainParallel(
-            a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout
-        )  # torchrun: one mesh; else a no-op
+            a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout,
+            reduce_dtype=a.reduce_dtype, reshard_after_forward=a.reshard_after_forward,
+        )  # fmt: skip  # torchrun: one mesh; else a no-op
         par.check_pipeline(a, lora=self.lora_settings is not None)
         if a.compile and par.enabled:
             raise ValueError(

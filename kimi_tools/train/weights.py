@@ -374,18 +374,17 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, sum_group=None) 
         groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     if len(groups) <= 1 and sum_group is None:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    sq = torch.zeros((), dtype=torch.float64)
+    dev = grads[0].grad.device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=dev)  # on the device: the one host read is the norm returned
     for group in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True if dev.type == "cuda" else None)
         n = n.full_tensor() if isinstance(n, DTensor) else n
-        sq = sq + n.detach().to("cpu", torch.float64) ** 2
+        sq = sq + n.detach().to(dev, torch.float64) ** 2
     if sum_group is not None:
-        dev = grads[0].device if grads else torch.device("cpu")
-        sq = sq.to(dev)
         dist.all_reduce(sq, group=sum_group)
     total = float(sq.sqrt())
     coef = max_norm / (total + 1e-6)  # clip_grad_norm_'s coefficient, as a number (a DTensor takes no plain tensor)
     if coef < 1.0:
-        for p in grads:
-            p.grad.mul_(coef)
+        for group in groups.values():  # one foreach kernel per mesh (a DTensor list shares one mesh)
+            torch._foreach_mul_([p.grad for p in group], coef)
     return total
