@@ -165,7 +165,7 @@ def test_out_folder_that_cannot_be_one_is_refused_naming_the_flag(command, under
     (tmp_path / "base").mkdir()
     argv = {
         "init": ["init", "--preset", "tiny", "--layers", "1", "--out", str(out)],
-        "ablate": ["ablate", "--set", "index_topk=16", "--tokens", "32", "--seq-len", "16", "--quiet", "--out", str(out)],
+        "ablate": ["ablate", "--set", "index_topk=16", "--tokens", "32", "--quiet", "--out", str(out)],
         "lora-merge": ["lora", "merge", "--checkpoint", str(tmp_path / "base"), "--adapter", str(tmp_path / "base")]
         + ["--out", str(out)],
     }[command]
