@@ -584,9 +584,9 @@ def cmd_lora(args: argparse.Namespace) -> int:
     import torch
 
     from kernels_torch.model import load_model, save_model
-    from kimi_tools.common import CliError, copy_tokenizer, refuse_adapter_folder
+    from kimi_tools.common import CliError, check_out_folder, copy_tokenizer, refuse_adapter_folder
 
-    out = Path(args.out)
+    out = check_out_folder("--out", args.out, force="--force")  # a file, or a path under one: refused here
     for name, src in (("--checkpoint", args.checkpoint), ("--adapter", args.adapter)):
         if out.resolve() == Path(src).resolve():  # even with --force: the inputs are read while the output is written
             raise CliError(f"--out: {args.out} is the {name} folder; write the merged checkpoint to another folder")
