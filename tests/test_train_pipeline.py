@@ -322,3 +322,17 @@ def test_torchrun_pp2_bf16_equals_one_process_bf16(tmp_path, data, cp):
         err = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30))
         assert err <= BF16_TOL["loss"], (k, err)
     assert a["language_model.model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_pp2_cp2_recompute_equals_one_process(tmp_path, data, small_one):
+    """pp 2 x cp 2 with --recompute (4 ranks, 1F1B, "4,0": every layer on the first stage, which runs the second
+    micro-batch's forward before the first one's backward, whose recomputed layers must see the first micro-batch's
+    context shard, not the one current then) equals the one-process run without recomputation over 3 steps: losses,
+    gradient norms, eval losses, the fp32 masters and the export."""
+    out = tmp_path / "pp2cp2rc"
+    r = _torchrun(4, [*SMALL, "--data", str(data), "--pp", "2", "--pp-layout", "4,0", "--cp", "2", "--recompute",
+                      "--out", str(out)])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_equals_one_process(out, small_one, EXPORT_FLIPS_CP)

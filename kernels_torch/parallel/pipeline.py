@@ -69,8 +69,12 @@ The other dimensions, and what remains:
 * Context parallelism: ``Pipeline(context=cp)`` (tested here: pp2 x cp2 under 1F1B, the gradients summed over cp
   by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
-  before its layers run. With FSDP2 over ``dp x cp`` the ``ContextParallel`` takes a group of its own, as
-  ``kernels_torch.parallel.fsdp.parallelize`` makes (``own_cp_group``).
+  before its layers run. A layer recomputed in the backward (``torch.utils.checkpoint``, e.g.
+  ``kimi_tools.train.recompute_layers``) runs after later micro-batches' forwards set their shards: its checkpoint
+  takes ``context_fn=kernels_torch.parallel.context.recompute_context``, which replays it with the shard of its
+  forward (tested here: 1F1B, Interleaved1F1B and GPipe, whole layers and the MLP-only mode, fp64). With FSDP2 over
+  ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` makes
+  (``own_cp_group``).
 * ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
   and ``--dtype bfloat16`` (``kimi_tools.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
   evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
@@ -233,7 +237,8 @@ class PipelineStageModule(nn.Module):
       ``[M, B, T, D]`` (stored blocks then the partial sum, :func:`sources_after`).
     * ``cu_seqlens``: None, or one padded row ``[1, N_max + 1]`` int64 from :func:`pack_cu_seqlens` (B must be 1);
       under context parallelism (:attr:`context` set) the row's **global** offsets, from which the stage makes the
-      micro-batch's shard the current one before its layers run (several micro-batches are in flight on a rank).
+      micro-batch's shard the current one before its layers run (several micro-batches are in flight on a rank; a
+      recomputed layer's checkpoint restores its forward's shard: ``context.recompute_context``).
     * ``labels``: ``[B, T]`` int64 targets (-100: none); read by the last stage only.
 
     Returns the state ``[M', B, T, D]`` for the next stage, or (last stage) the summed NLL of the micro-batch, a

@@ -191,6 +191,8 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
     its MLP / MoE block (``DecoderLayer.feed_forward``: the attention keeps its activations; the block's forward runs
     twice). On the H200, 4 real-dimension layers at 32K tokens (benchmark 5): ``layer`` 63 GiB and 44.6% MFU, ``mlp``
     120 GiB and 52.0%, none out of memory. Gradients are the same either way (the same ops, recomputed in order).
+    A whole layer is recomputed with the context-parallel shard of its forward
+    (``kernels_torch.parallel.context.recompute_context``), also under a pipeline schedule.
 
     ``full_layers`` (``mlp`` only) recomputes the first ``full_layers`` decoder layers whole and the others' MLP /
     MoE block: Megatron-LM's "block" recomputation, a memory knob between the two modes (each whole layer frees its
@@ -202,6 +204,7 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
     """
     import torch.utils.checkpoint
 
+    from kernels_torch.parallel.context import recompute_context
     from kimi_tools.train.args import RECOMPUTE_MODES
 
     if mode not in RECOMPUTE_MODES:
@@ -218,9 +221,16 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
     # ModuleDict keyed by their index in the whole model
     items = [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
     for i, layer in items:
-        name = "forward" if mode == "layer" or i < full_layers else "feed_forward"
-        fn = getattr(layer, name)
-        setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False))
+        if mode == "layer" or i < full_layers:
+            # the token mixers read context parallelism's current shard: the recomputation gets its forward's
+            # (a pipeline stage runs later micro-batches' forwards before this one's backward)
+            wrap = functools.partial(
+                torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False, context_fn=recompute_context
+            )
+            layer.forward = wrap
+        else:  # token-local (reads no shard); traced by torch.compile, which takes no context_fn
+            wrap = functools.partial(torch.utils.checkpoint.checkpoint, layer.feed_forward, use_reentrant=False)
+            layer.feed_forward = wrap
 
 
 class MasterWeights:
