@@ -17,29 +17,34 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   the trainer shards it: ``tests/test_plan.py``) times the bytes per element of the optimizer policy
   (:data:`OPTIMIZERS`): ``adamw-fp32`` = fp32 masters (4) + fp32 gradients (4) + two fp32 moments (8), FSDP2's
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``adamw-bf16`` = bf16 parameters, gradients and
-  moments (2 + 2 + 4; an AdamW with stochastic rounding such as torchao's, which the trainer does not have);
-  ``--offload cpu`` keeps all three on the host (FSDP2 ``CPUOffloadPolicy``). The tensors the checkpoint keeps in
-  fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the router's
-  ``e_score_correction_bias`` has no gradient and no state (:func:`state_bytes`). LoRA: the frozen base in bf16
+  moments (2 + 2 + 4; ``kimi train --optimizer adamw-bf16``: an AdamW with stochastic rounding);
+  ``--offload cpu`` keeps all three on the host (``kimi train --offload cpu``: FSDP2 ``CPUOffloadPolicy``). The
+  tensors the checkpoint keeps in fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the
+  router's ``e_score_correction_bias`` has no gradient and no state (:func:`state_bytes`). LoRA: the frozen base in bf16
   (2 B, no gradient, no state), the adapters (``kimi_tools.lora.DEFAULT_TARGETS``: attention projections) trained
   under the policy.
-* **gathered**: FSDP2's unsharded working set. ``fsdp="layer"`` (ZeRO-3, ``reshard_after_forward=True``, gradients
+* **gathered**: FSDP2's unsharded working set, under the policy the trainer runs for the layout
+  (:func:`trainer_fsdp`). ``fsdp="layer"`` (no pipeline: ZeRO-3, ``reshard_after_forward=True``, gradients
   reduce-scattered every micro-batch): two layers' bf16 parameters (the current and the prefetched) and one layer's
-  fp32 unsharded gradients. ``fsdp="stage"`` (torchtitan's policy under pipelining: gathered once per step, kept,
-  gradients accumulated unsharded in fp32, reduce-scattered once): the whole stage's.
-* **activations**: calibrated per token per layer from the measured 4-layer step (``plan_calibration.json``: peak
-  allocated minus parameter bytes, over ``T x 4`` layers; it holds the saved activations, the gradients in flight,
-  the loss chunk and one recompute working set) for ``recompute="none"`` (8K, no recomputation) and ``"mlp"`` (32K,
-  the MLP/MoE blocks recomputed, layer 0 whole); ``"full"`` (every layer recomputed) keeps what
-  :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B per token) plus one layer's ``"none"`` working
-  set. In every mode each in-flight micro-batch also keeps the stage's received and sent states and, on the last
-  stage, the output mix, norm and loss tensors (:func:`held_per_microbatch`; not in the 4-layer calibration, which
-  has no pipeline). A stage under 1F1B holds ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``);
-  ``T = seq_len / cp`` tokens per rank.
+  fp32 unsharded gradients. ``fsdp="stage"`` (``pp`` > 1: torch's ``PipelineStage`` turns resharding after the
+  backward and gradient sync off until the step's last backward): every unit of the stage gathered in bf16, with
+  FSDP2's padding, and the gradients of its trained parameters unsharded in the reduce dtype
+  (:func:`stage_fsdp_bytes`, measured on the pipeline trainer by ``tests/test_plan.py``).
+* **activations**: per layer from the config's widths (:func:`layer_activation_bytes`: bytes per token each layer
+  keeps for its backward), scaled by the measured 4-layer step (``plan_calibration.json``: peak allocated minus
+  parameter bytes over ``T`` x the count of its 4 layers; the scale holds what the count leaves out: workspaces,
+  the gradients in flight, the loss chunk, one recompute working set) for ``recompute="none"`` (8K, no
+  recomputation) and ``"mlp"`` (32K, the MLP/MoE blocks recomputed, layer 0 whole: ``--recompute-full-layers 1``);
+  ``"full"`` (every layer recomputed) keeps what :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B
+  per token) plus the stage's largest layer's ``"none"`` working set. In every mode each in-flight micro-batch also
+  keeps the stage's received and sent states and, on the last stage, the output mix, norm and loss tensors
+  (:func:`held_per_microbatch`; not in the 4-layer calibration, which has no pipeline). A stage under 1F1B holds
+  ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``); ``T = seq_len / cp`` tokens per rank.
 
 Communication per step per rank (bytes a rank sends/receives; rings move ``(n - 1) / n`` of the gathered size):
-FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``), per layer and micro-batch or once
-per step; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
+FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``): ``"layer"`` two gathers and a
+reduce per layer and micro-batch; ``"stage"`` ``m + 1`` gathers of each unit per step (a forward after a backward
+finds the unit gathered and reshards it, the next backward gathers it again) and one reduce; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
 the same again, and once more when the MoE block is recomputed), ``(ep - 1) / ep`` of it leaving the rank; pipeline
 sends between stages (the hidden state and the AttnRes blocks stored so far, ``(b + 1) x D x 2`` B per token,
 forward and backward).
@@ -53,7 +58,12 @@ all-to-all is added unhidden (the code's ``all_to_all_single`` blocks the stream
 compute as DualPipe-style schedules do); FSDP traffic overlaps compute (FSDP2's prefetch) and only its excess
 counts; 1F1B's bubble multiplies the slowest stage by ``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer
 step reads and writes its states at HBM (or host) bandwidth. MFU = model FLOPs per token
-(``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
+(``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak. The rates are k3.1-pro's: for a
+narrower preset the times are upper bounds (``kimi plan`` says so).
+
+Each row ends with the ``torchrun ... -m kimi_tools.cli train ...`` command that runs it (:func:`train_command`);
+layouts the trainer refuses are left out (:func:`plan`), and a global batch that is not a whole number of
+sequences per data-parallel rank is rounded down, announced.
 
 Link bandwidths (:class:`Hardware`, documented in ``docs/scaling.md``): effective, not nominal.
 """
@@ -1376,8 +1386,13 @@ def render_docs() -> str:
         "Generated by `kimi plan` (`kimi_tools/plan.py`, its docstring has the model) with the defaults: 8,192-token "
         "sequences, 2^24 tokens per step, 8 GPUs per node, 1F1B. Per-rank parameter, gradient and optimizer bytes are "
         "the meta model sharded as the trainer shards it (`tests/test_plan.py` builds each layout on `meta` with "
-        "torch's fake process group and compares); activations and compute rates are calibrated on the measured "
-        "4-layer step; the all-to-all is counted unhidden (the code's `all_to_all_single` blocks). LoRA rows count "
+        "torch's fake process group and compares); activations are counted per layer from the config's widths "
+        "(`layer_activation_bytes`) and scaled to the measured 4-layer step, whose rates the compute takes; the "
+        "FSDP2 working set is the trainer's (one layer at a time without a pipeline; under pp the whole stage "
+        "gathered and its gradients unsharded in fp32 until the step's end, as torch's `PipelineStage` keeps them, "
+        "measured on the pipeline trainer by `tests/test_plan.py`); layouts `kimi train` does not run (LoRA or FP8 "
+        "under pp, fewer micro-batches than stages) are left out, and each table ends with the `kimi train` command "
+        "of each row. The all-to-all is counted unhidden (the code's `all_to_all_single` blocks). LoRA rows count "
         "the model FLOPs of a frozen-weight step (forward and input gradients: 2/3 of the weight matmuls of full "
         "training). Not modelled: interleaved schedules, expert load imbalance, tensor parallelism. Memory per rank "
         "is the worst pipeline stage; communication is per step per rank. GB = 10^9 B. "
@@ -1409,7 +1424,8 @@ def render_docs() -> str:
     for mode in ("none", "mlp"):
         out.append(
             f"* recompute {mode}: {cal.tflops[mode]:.1f} TFLOP/s of model FLOPs, "
-            f"{cal.act_per_token_layer[mode] / 1e6:.3f} MB of activations per token per layer; {cal.sources[mode]}"
+            f"{cal.act_per_token_layer[mode] / 1e6:.3f} MB of activations per token per layer, "
+            f"{cal.act_scale[mode]:.2f}x the width count of its layers; {cal.sources[mode]}"
         )
     out.append(
         f"* recompute full: {cal.tflops['full']:.1f} TFLOP/s (the no-recompute rate x 3/4: one more forward), each "
@@ -1465,6 +1481,8 @@ def render_docs() -> str:
             f"| {r['mfu']:.1%} ({h['mfu']:.1%}) | `kimi plan --gpus {gpus}` |"
         )
     none = cal.tflops["none"] / hw.peak_tflops
+    k31 = load_config("k3.1-pro")
+    per_layer = cal.layer_bytes(k31, range(k31.num_hidden_layers), 1, "none") / k31.num_hidden_layers
     extra = [
         r["microbatches"]
         * r["time"]["all_to_all_per_microbatch"]
@@ -1480,9 +1498,10 @@ def render_docs() -> str:
         f"recomputation, {none:.1%} of the {hw.peak_tflops:g} peak (the H200's bf16 matmuls reach about 778 TFLOP/s in "
         "the same run, so that is 57% of what a matmul gets). No layout can beat this rate in this model.",
         f"2. **Activations force recomputation**: without it a layer holds "
-        f"{cal.act_per_token_layer['none'] / 1e6:.2f} MB per token, and a rank holds all 93 layers (pp = 1) or "
+        f"{per_layer / 1e6:.2f} MB per token (K3.1's 93 layers on average; the deeper layers' AttnRes mixes hold "
+        "more sources), and a rank holds all 93 layers (pp = 1) or "
         "12 layers x pp micro-batches in flight (1F1B at pp = 8, the first stage): 93 to 96 layer-micro-batches either "
-        f"way, {96 * 8192 * cal.act_per_token_layer['none'] / 1e12:.1f} TB at 8K tokens. Full recomputation keeps "
+        f"way, {96 * 8192 * per_layer / 1e12:.1f} TB at 8K tokens. Full recomputation keeps "
         f"14.3 KB per token per layer and costs one more forward: the rate drops to {cal.tflops['full']:.0f} TFLOP/s "
         f"({cal.tflops['full'] / hw.peak_tflops:.1%}). Shorter micro-batches (cp) fit MLP-only recomputation "
         f"({cal.tflops['mlp'] / hw.peak_tflops:.1%}) but starve the experts (fewer rows per expert).",

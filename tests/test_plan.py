@@ -383,3 +383,130 @@ def test_activations_count_the_stage_io_and_head_once_in_every_mode():
         for lora in (None, 4)
     }
     assert act[None] - act[4] == cfg.vocab_size * D * 2
+
+
+# ------------------------------------------------------------------------------ what the pipeline trainer holds
+
+
+def _fsdp_held(module) -> int:
+    """Bytes FSDP2 holds unsharded in ``module``'s units now: the all-gather outputs (the gathered bf16 parameters,
+    padded; freed storages count 0) and the unsharded gradients (accumulated in the reduce dtype, or as computed;
+    an expert stack's is a DTensor over ``ep``: its local storage)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    held, seen = 0, set()
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in fully_shard.state(m)._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                if id(fp) in seen:
+                    continue
+                seen.add(id(fp))
+                held += sum(t.untyped_storage().nbytes() for t in fp.all_gather_outputs)
+                grad = fp.unsharded_accumulated_grad
+                if grad is None and getattr(fp, "_unsharded_param", None) is not None:
+                    grad = fp._unsharded_param.grad
+                held += 0 if grad is None else _local(grad).untyped_storage().nbytes()  # (a DTensor's: global)
+    return held
+
+
+PP_M = 4  # micro-batches per pipeline and step
+PP_T = 32  # tokens per micro-batch
+
+
+def _pipeline_held_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of the pipeline trainer at pp 2 x dp 2 x ep 2 (``kimi_tools.parallel.TrainParallel``: its setup,
+    its ``Pipeline`` step), tiny preset cut to 8 layers, bf16: the largest number of bytes FSDP2 holds unsharded
+    in this rank's stage before each micro-batch's forward of a step, and the all-gathers and reduce-scatters
+    that step issues."""
+    import os
+
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    from kimi_tools.parallel import TrainParallel
+
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    gather, reduce = fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    fsdp_group.foreach_all_gather = counted("all_gather", gather)
+    fsdp_group.foreach_reduce = counted("reduce_scatter", reduce)
+    try:
+        par = TrainParallel(1, "cpu", dp=2, pp=2, ep=2)
+        cfg = load_config("tiny").truncated(8)
+        torch.manual_seed(0)
+        model = cast_model(KimiK3Model(cfg), torch.bfloat16)
+        par.check_accum(2 * PP_M, PP_T)
+        par.setup(model, lora=False)
+        (stage,) = par.pipe.stages
+        seen: list[int] = []
+        stage.register_forward_pre_hook(lambda mod, args: seen.append(_fsdp_held(mod)))
+        for step in range(1):
+            g = torch.Generator().manual_seed(10 * step + par.mesh["dp"].get_local_rank())
+            ids = torch.randint(0, cfg.vocab_size, (PP_M, PP_T), generator=g)
+            seen.clear()
+            calls.update(all_gather=0, reduce_scatter=0)
+            par.pipe.step(ids, ids.roll(-1, 1), n_tokens=2 * PP_M * PP_T)
+            for p in par.pipe.parameters():
+                p.grad = None
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
+        # the units sharded over more than one rank gather (the experts' at efsdp 1 issue no collective)
+        sharded = [m for m in units if fully_shard.state(m)._fsdp_param_groups[0].mesh_info.shard_mesh_size > 1]
+        got = {
+            "stage": par.pipe.stage_indices[0],
+            "held": max(seen),
+            "after_step": _fsdp_held(stage),
+            "units": len(units),
+            "sharded_units": len(sharded),
+            **calls,
+        }
+        torch.save(got, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce = gather, reduce
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_stage_fsdp_bytes_equal_what_the_pipeline_trainer_holds(tmp_path):
+    """Under ``--pp`` the trainer keeps every FSDP2 unit of a stage gathered from a micro-batch's backward on, with
+    the gradients unsharded in fp32 until the step's end (torch's ``PipelineStage``): the planner's
+    :func:`kimi_tools.plan.stage_fsdp_bytes` equals the bytes measured before each forward on every rank of pp 2 x
+    dp 2 x ep 2, exactly, and it is the whole stage, not one layer; each unit is gathered ``m + 1`` times a step and
+    reduce-scattered once, as ``evaluate`` counts."""
+    from helpers import spawn
+
+    spawn(_pipeline_held_worker, 4, str(tmp_path / "held"))
+    cfg = load_config("tiny").truncated(8)
+    layout = P.Layout(pp=2, dp=2, cp=1, ep=2)
+    cal = P.load_calibration()
+    row = P.evaluate(cfg, layout, P.Policy(), P.Hardware(), cal, seq_len=PP_T, global_batch=2 * PP_M * PP_T)
+    assert row["policy"]["fsdp"] == "stage" and row["microbatches"] == PP_M
+    for rank in range(4):
+        got = torch.load(tmp_path / f"held.{rank}")
+        want = P.stage_fsdp_bytes(cfg, layout, got["stage"])
+        assert got["held"] == want, (rank, got, want)
+        assert got["after_step"] == 0  # resharded and reduced at the step's end
+        assert got["all_gather"] == got["sharded_units"] * (PP_M + 1), got
+        assert got["reduce_scatter"] == got["units"], got
+    # one layer's share (the per-layer policy's count) is far from what the stage holds
+    one_layer = P.evaluate(cfg, P.Layout(pp=1, dp=2, cp=1, ep=2), P.Policy(), P.Hardware(), cal, seq_len=PP_T,
+                           global_batch=2 * PP_M * PP_T)["memory"]["gathered"]  # fmt: skip
+    assert P.stage_fsdp_bytes(cfg, layout, 0) > 2 * one_layer
+    # the worst stage's gathered bytes are the stage policy's, and the reduce dtype sets the gradients' bytes
+    assert row["memory"]["gathered"] == P.stage_fsdp_bytes(cfg, layout, row["worst_stage"])
+    with pytest.raises(ValueError, match="fsdp: got 'layer' with pp=2"):
+        P.evaluate(cfg, layout, P.Policy(fsdp="layer"), P.Hardware(), cal, seq_len=PP_T, global_batch=256)
