@@ -489,6 +489,7 @@ def _pipeline_held_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_stage_fsdp_bytes_equal_what_the_pipeline_trainer_holds(tmp_path):
     """Under ``--pp`` the trainer keeps every FSDP2 unit of a stage gathered from a micro-batch's backward on, with
     the gradients unsharded in fp32 until the step's end (torch's ``PipelineStage``): the planner's
