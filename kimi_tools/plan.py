@@ -44,7 +44,8 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
 Communication per step per rank (bytes a rank sends/receives; rings move ``(n - 1) / n`` of the gathered size):
 FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``): ``"layer"`` two gathers and a
 reduce per layer and micro-batch; ``"stage"`` ``m + 1`` gathers of each unit per step (a forward after a backward
-finds the unit gathered and reshards it, the next backward gathers it again) and one reduce; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
+finds the unit gathered and reshards it, the next backward gathers it again; a unit that does not reshard after its
+forward gathers once, so this is the most) and one reduce; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
 the same again, and once more when the MoE block is recomputed), ``(ep - 1) / ep`` of it leaving the rank; pipeline
 sends between stages (the hidden state and the AttnRes blocks stored so far, ``(b + 1) x D x 2`` B per token,
 forward and backward).
@@ -823,7 +824,8 @@ def evaluate(
         # "layer": a forward and a backward gather per micro-batch, a reduce-scatter per micro-batch; "stage": each
         # forward after a backward finds the units still gathered and reshards them (reshard_after_forward), so
         # 1F1B and GPipe gather once per micro-batch's backward plus once for the first forward, m + 1, and reduce
-        # once (measured in tests/test_plan.py)
+        # once (measured in tests/test_plan.py); a unit that keeps its gathered copy after the forward (FSDP2's
+        # reshard policy: torchtitan's leaves the last layer and the root) gathers once: m + 1 is the most
         gathers = 2 * m if fsdp == "layer" else m + 1
         reduces = m if fsdp == "layer" else 1
         f_dc, f_ef = (n_dc - 1) / n_dc, (L.efsdp - 1) / L.efsdp
