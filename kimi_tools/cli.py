@@ -7,7 +7,8 @@
                  [--dtype float32|bfloat16] [--json FILE] [--against FILE.safetensors [--path jax|eager|sdpa]]
                  [--grad [--documents N] [--dtype float64]] [--fp8 tensorwise|rowwise]
     kimi lora merge --checkpoint BASE --adapter DIR --out DIR
-    kimi plan    --gpus N [--preset NAME] [--gpu-memory GB] [--nodes M] [--seq-len S] [--lora-rank R] [--fp8 RECIPE] [--json]
+    kimi plan    --gpus N [--preset NAME] [--layers N] [--gpu-memory GB] [--nodes M] [--seq-len S] [--lora-rank R]
+                 [--fp8 RECIPE] [--json]: the layouts that fit, each with its torchrun ... kimi train command
     kimi logits  [--preset NAME | --checkpoint DIR] [--layers N] [--backend jax|eager|sdpa] (--text FILE | --ids FILE)
                  --out FILE.safetensors [--hidden] [--tokens N]
 
