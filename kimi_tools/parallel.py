@@ -335,6 +335,14 @@ class TrainParallel:
             total, n = total + float(nll), n + b.num_targets
         return self.sum_cp([total])[0] / max(n, 1)
 
+    def reshard(self, model: nn.Module) -> None:
+        """Free the FSDP2 units a forward-only pass left gathered (``kernels_torch.parallel.fsdp.reshard``): call
+        after an evaluation, so that the optimizer's sharded parameters are the model's again."""
+        if self.enabled:
+            from kernels_torch.parallel.fsdp import reshard
+
+            reshard(model)
+
     def sum_pp(self, x: float) -> float:
         """Sum over this rank's pipeline group (a count of parameters: each rank holds its stages')."""
         return x if self.pipe is None else self._sum([x], self.mesh["pp"].get_group())[0]

@@ -40,6 +40,7 @@ __all__ = [
     "parallelize",
     "apply_fsdp",
     "RESHARD_POLICIES",
+    "reshard",
     "check_ignored",
     "check_expert_layout",
     "own_cp_group",
@@ -260,6 +261,18 @@ def _expert_placement(efsdp: int):
 
 
 RESHARD_POLICIES = ("auto", "always", "never")
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every gathered FSDP2 unit under ``module`` (``FSDPModule.reshard``). A forward without a backward (an
+    evaluation) leaves the units that do not reshard after their forward (``reshard_after_forward`` ``"auto"``: the
+    last decoder layer and the root) holding their gathered parameters, and ``module.parameters()`` then yields those
+    instead of the sharded DTensors the optimizer steps; call this after such a forward, before a state dict."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _reshard_policy(policy: bool | str):

@@ -391,6 +391,7 @@ class Trainer:
                         extra[key] = extra.get(key, 0.0) + float(v) * k
         finally:
             model.train(was_training)
+            par.reshard(model)  # the units kept gathered after a forward (FSDP2), as after a backward
         keys = sorted(extra)
         sums = par.sum_cp([total, *(extra[k] for k in keys)])  # context parallel: each rank holds its shard's share
         return sums[0] / max(n, 1), {f"eval_{k}": v / max(n, 1) for k, v in zip(keys, sums[1:])}
@@ -422,6 +423,7 @@ class Trainer:
                 for key, v in m.items():
                     extra[key] = extra.get(key, 0.0) + float(v) * w
             par.reduce_replicated()
+            par.reshard(model)  # units a no-grad forward left gathered (the distillation stages' teacher pass)
             step_loss = par.sum_all(step_loss)
             extra = par.sum_all_dict(extra)
         if self.lora_settings is not None and step == self.start + 1:  # LoRA is never silently skipped (vLLM's bug)
