@@ -645,9 +645,13 @@ class Trainer:
     def _layout_line(self) -> str:
         """The header's line of the parallel layout (under torchrun), as torchtitan logs its mesh at start-up."""
         lay = self.layout()
+        n = lay["microbatches_per_dp_group"]
         line = (
-            f"parallel: world {lay['world']} = pp {lay['pp']} x dp {lay['dp']} x cp {lay['cp']}, ep {lay['ep']} "
-            f"({lay['backend']}); {lay['microbatches_per_dp_group']} micro-batch(es) per dp group and step"
+            f"parallel: world {lay['world']} = "
+            + f"pp {lay['pp']} x " * (lay["pp"] > 1)
+            + f"dp {lay['dp']} x cp {lay['cp']}"
+            + f", ep {lay['ep']}" * (lay["ep"] > 1)
+            + f" ({lay['backend']}); {n} micro-batch{'es' * (n > 1)} per data-parallel group and step"
         )
         if lay["pp_layout"] is not None:
             line += f"; pipeline {lay['pp_schedule']}, layers per stage {','.join(map(str, lay['pp_layout']))}"
@@ -666,7 +670,9 @@ class Trainer:
         loss = result.final_loss if result.final_loss is not None else float("nan")
         ran = result.tokens_seen - self.start_tokens  # this launch's tokens, over this launch's time
         tokens = f"{ran:,} tokens in {result.wall_s:.0f} s" + (
-            f" (steps {result.start_step + 1} to {result.step}; {result.tokens_seen:,} in all)"
+            f" (step{'s' * (result.step > result.start_step + 1)} {result.start_step + 1}"
+            + f" to {result.step}" * (result.step > result.start_step + 1)
+            + f"; {result.tokens_seen:,} in all)"
             if result.start_step
             else ""
         )
