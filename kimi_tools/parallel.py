@@ -7,7 +7,9 @@ divides ``D x C`` and adds no rank: the routed experts take a second view of the
 and FSDP2 over the ``efsdp = D x C / X`` ranks that hold the same experts), FSDP2 of everything else over all
 ``D x C`` ranks (``kernels_torch.parallel.fsdp.parallelize``). Every rank reads the same data in the same order (the
 loader state stays one state); the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so
-``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need),
+``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need;
+without ``--batch-tokens`` a step is :attr:`TrainParallel.min_microbatches` micro-batches, one per ``dp`` group and
+pipeline stage),
 and inside a group each rank takes its contiguous shard of the row. Losses are weighted by the step's global target
 count, so the gradient is the sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone
 writes ``run.json``, metrics and the plot; all ranks write their shards of the DCP ``step-N/`` folder (the expert
@@ -97,10 +99,11 @@ class TrainParallel:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
             ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
             a ``--pp-layout`` that is not counts, or of a stage count
-            the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
-            ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep`` not
+            the schedule cannot take; at :meth:`setup`, a layout the model refuses or more stages than the default
+            layout cuts; ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
-            without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``.
+            without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``,
+            or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B).
     """
 
     def __init__(

@@ -616,8 +616,8 @@ def resume_defaults(args: TrainArgs, saved: dict | None) -> TrainArgs:
     """``args`` with an unset ``micro_batch_tokens`` / ``batch_tokens`` taken from ``saved`` (the ``args`` of the
     resumed run's ``run.json``): a resumed run keeps its tokens per step (part of the fingerprint) and, unless told
     otherwise, its micro-batch. ``args`` unchanged without ``--resume`` or without a record."""
-    if not args.resume or not isinstance(saved, dict):
-        return args
+    if not args.resume or not isinstance(saved, dict) or saved.get("seq_len") != args.seq_len:
+        return args  # (another --seq-len: the fingerprint check names it)
     kept = {
         k: saved[k]
         for k in ("micro_batch_tokens", "batch_tokens")
