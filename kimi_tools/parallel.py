@@ -134,6 +134,7 @@ class TrainParallel:
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
                     "--nproc-per-node N -m kimi_tools.cli train ...)"
                 )
+        pp_schedule = pp_schedule or "1F1B"  # (None: --pp-schedule not given)
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
         self.pp_counts = None

@@ -195,20 +195,20 @@ class Trainer:
         except CliError as e:
             raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
-        self.par = par = TrainParallel(
-            a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule or "1F1B", pp_layout=a.pp_layout
-        )  # torchrun: one mesh; else a no-op
-        a.dp = par.dp_size  # resolved: the rest of the world
-        batch_given = a.batch_tokens is not None  # typed, or the resumed run's
-        if not batch_given:  # one micro-batch per dp group and pipeline stage: the one-process command runs as is
-            a.batch_tokens = default_batch_tokens(a.micro_batch_tokens, par.min_microbatches)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
+        self.par = par = TrainParallel(
+            a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout
+        )  # torchrun: one mesh; else a no-op
         par.check_pipeline(a, lora=self.lora_settings is not None)
         if a.compile and par.enabled:
             raise ValueError(
                 "--compile: got a torchrun launch, expected one process (compiled blocks were not tried under FSDP2, "
                 "CP, EP or PP)"
             )
+        a.dp = par.dp_size  # resolved: the rest of the world
+        if a.batch_tokens is None:  # not typed, nor the resumed run's: one micro-batch per dp group and pipeline
+            a.batch_tokens = default_batch_tokens(a.micro_batch_tokens, par.min_microbatches)  # stage
+            self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)  # with the tokens per step
         self.out = Path(a.out)
         check_out(a, self.fingerprint, self.fingerprint_of)
         par.barrier()  # every rank has checked --out before rank 0 writes into it
