@@ -7,7 +7,9 @@ divides ``D x C`` and adds no rank: the routed experts take a second view of the
 and FSDP2 over the ``efsdp = D x C / X`` ranks that hold the same experts), FSDP2 of everything else over all
 ``D x C`` ranks (``kernels_torch.parallel.fsdp.parallelize``). Every rank reads the same data in the same order (the
 loader state stays one state); the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so
-``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need),
+``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need;
+without ``--batch-tokens`` a step is :attr:`TrainParallel.min_microbatches` micro-batches, one per ``dp`` group and
+pipeline stage),
 and inside a group each rank takes its contiguous shard of the row. Losses are weighted by the step's global target
 count, so the gradient is the sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone
 writes ``run.json``, metrics and the plot; all ranks write their shards of the DCP ``step-N/`` folder (the expert
@@ -48,6 +50,7 @@ Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, `
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Callable
@@ -100,10 +103,11 @@ class TrainParallel:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
             ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
             a ``--pp-layout`` that is not counts, or of a stage count
-            the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
-            ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep`` not
+            the schedule cannot take; at :meth:`setup`, a layout the model refuses or more stages than the default
+            layout cuts; ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
-            without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``.
+            without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``,
+            or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B).
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class TrainParallel:
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
                     "--nproc-per-node N -m kimi_tools.cli train ...)"
                 )
+        pp_schedule = pp_schedule or "1F1B"  # (None: --pp-schedule not given)
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
         self.pp_counts = None
@@ -210,17 +215,75 @@ class TrainParallel:
         """:func:`refuse_pipeline` for this layout's ``--pp``."""
         refuse_pipeline(self.pp_size, a, lora)
 
-    def check_accum(self, accum: int, micro_batch_tokens: int) -> None:
-        """Refuse a step whose ``accum`` micro-batches cannot be dealt evenly to the ``dp`` groups; with ``--pp``
-        each group's micro-batches are the pipeline's (:attr:`n_microbatches`)."""
+    @property
+    def stages_needed(self) -> int:
+        """The micro-batches each data-parallel group needs at least per step: the pipeline's stages under 1F1B and
+        Interleaved1F1B (torch's schedules refuse fewer; GPipe takes any count), else 1."""
+        if self.pp_size == 1 or self.pp_schedule == "GPipe":
+            return 1
+        return self.pp_size * self.stages_per_rank
+
+    @property
+    def min_microbatches(self) -> int:
+        """The fewest micro-batches a step needs under this layout: ``dp x`` :attr:`stages_needed` (what
+        ``kimi_tools.train.args.default_batch_tokens`` gives a run without ``--batch-tokens``)."""
+        return self.dp_size * self.stages_needed
+
+    def _deals(self, accum: int) -> bool:
+        """Whether ``accum`` micro-batches a step deal evenly to the ``dp`` groups, :attr:`stages_needed` or more
+        each, in whole rounds of ``pp`` under Interleaved1F1B (torch's rule: a multiple of ``max(1, n // pp)``)."""
+        n = accum // self.dp_size
+        ok = accum % self.dp_size == 0 and n >= self.stages_needed
+        return ok and (self.stages_per_rank == 1 or n % max(1, n // self.pp_size) == 0)
+
+    def check_accum(self, accum: int, micro_batch_tokens: int, seq_len: int | None = None, resumed: bool = False):
+        """Refuse a step whose ``accum`` micro-batches of ``micro_batch_tokens`` cannot be dealt to the ``dp`` groups
+        (evenly: FSDP2's collectives need every rank to run the same forwards; with ``--pp`` at least
+        :attr:`stages_needed` each, which become the pipeline's micro-batches, :attr:`n_microbatches`). The one
+        line names the sizes and what works: a ``--micro-batch-tokens`` (whole rows of ``seq_len``) that deals the
+        same tokens per step, a ``--batch-tokens`` (not when ``resumed``: a run keeps its tokens per step), or
+        another layout."""
         self.n_microbatches = max(accum // self.dp_size, 1)
-        if accum % self.dp_size:
-            raise ValueError(
-                f"--batch-tokens: {accum} micro-batch(es) of {micro_batch_tokens} tokens per step cannot be dealt "
-                f"evenly to the {self.dp_size} data-parallel groups (--dp {self.dp_size} = world "
-                f"{self.dp_size * self.cp_size} / --cp {self.cp_size}); expected --batch-tokens a multiple of "
-                f"{self.dp_size * micro_batch_tokens}"
+        if self._deals(accum):
+            return
+        dp, need, batch = self.dp_size, self.stages_needed, accum * micro_batch_tokens
+        world = self.pp_size * dp * self.cp_size
+        sizes = f"--dp {dp} of world {world} = " + f"--pp {self.pp_size} x " * (self.pp_size > 1)
+        sizes += f"--dp {dp} x --cp {self.cp_size}"
+        pipe = f"; --pp {self.pp_size} --pp-schedule {self.pp_schedule} runs {need} stages" if need > 1 else ""
+        row_tokens = seq_len or micro_batch_tokens
+        rows = batch // row_tokens
+        fits = [m for m in range(1, rows + 1) if rows % m == 0 and self._deals(rows // m)]
+        ways = []
+        if fits:
+            smaller = [m for m in fits if m * row_tokens <= micro_batch_tokens]
+            m = max(smaller) if smaller else min(fits)
+            ways.append(f"--micro-batch-tokens {m * row_tokens:,} (the same tokens per step)")
+        if not resumed:  # dp x need x j micro-batches always deal, so the search ends
+            k = next(k for k in itertools.count(accum + 1) if self._deals(k))
+            default = self.min_microbatches * micro_batch_tokens
+            if k * micro_batch_tokens != default:
+                ways.append(f"--batch-tokens {k * micro_batch_tokens:,}")
+            ways.append(f"no --batch-tokens (the default: {default:,})")
+        elif not fits:
+            ways.append(
+                f"a layout that deals the step's {rows} row(s) of {row_tokens:,} tokens (e.g. --cp in place of --dp, "
+                "or --pp with --pp-schedule GPipe)"
             )
+        n = f"{accum} micro-batch" + "es" * (accum > 1)
+        raise ValueError(
+            f"--batch-tokens: {batch:,} tokens per step"
+            + (" (the run's, kept on --resume)" if resumed else "")
+            + f" = {n} of --micro-batch-tokens {micro_batch_tokens:,}, which cannot be dealt to the {dp} "
+            f"data-parallel group{'s' * (dp > 1)} ({sizes}{pipe})"
+            + (f" at {need} or more each" if need > 1 else " evenly")
+            + (
+                f" (under {self.pp_schedule}: a multiple of n // {self.pp_size} each)"
+                if self.stages_per_rank > 1
+                else ""
+            )
+            + f"; expected {' or '.join(ways)}"
+        )
 
     def setup(self, model: nn.Module, lora: bool, replicated: Callable[[str], bool] | None = None) -> None:
         """Context, expert and FSDP2 parallelism on the model (module docstring), before the optimizer is built
@@ -271,14 +334,7 @@ class TrainParallel:
         from kernels_torch.parallel.fsdp import own_cp_group
         from kernels_torch.parallel.pipeline import Pipeline, shard_stages
 
-        stages = self.pp_size * self.stages_per_rank
-        if self.pp_schedule != "GPipe" and self.n_microbatches < stages:
-            raise ValueError(
-                f"--batch-tokens: {self.n_microbatches} micro-batch(es) per data-parallel group and step, fewer than "
-                f"the {stages} pipeline stages that --pp {self.pp_size} --pp-schedule {self.pp_schedule} needs at "
-                f"least; expected --batch-tokens >= {stages * self.dp_size} x --micro-batch-tokens, or --pp-schedule "
-                "GPipe"
-            )
+        self._check_stage_count(model.config)
         if self.cp_size > 1:
             self.ctx = ContextParallel(model, own_cp_group(self.mesh))
         if self.ep_size > 1:
@@ -301,6 +357,33 @@ class TrainParallel:
             raise ValueError(f"{flag}: {e}") from None
         self.replicated = [p for p in self.pipe.parameters() if p in ignored and p.requires_grad]
         shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
+
+    def _check_stage_count(self, config) -> None:
+        """Refuse (one line naming ``--pp``, the schedule's stages and what fits) more stages than the default layout
+        can cut: it gives each stage one AttnRes block (a layer without AttnRes) at least; a ``--pp-layout`` with
+        0 layers on the first and / or last stage (the embedding, or the head, alone) fits up to two more."""
+        from kernels_torch.parallel.pipeline import stage_layout
+
+        stages, spr = self.pp_size * self.stages_per_rank, self.stages_per_rank
+        L = config.num_hidden_layers
+        bs = config.attn_res_block_size if config.has_attn_res else 1
+        n_blocks = -(-L // bs)
+        if self.pp_counts is not None or stages <= n_blocks:
+            return
+        per = f" ({spr} per rank under --pp-schedule {self.pp_schedule})" if spr > 1 else ""
+        unit = f"AttnRes blocks of {bs} layers" if config.has_attn_res else "layers"
+        fixes = [f"--pp at most {n_blocks // spr}"] if n_blocks // spr >= 2 else []
+        if spr > 1 and self.pp_size <= n_blocks:
+            fixes.append(f"--pp-schedule 1F1B ({self.pp_size} stages)")
+        if stages <= n_blocks + 2:
+            counts = [len(r) for r in stage_layout(config, n_blocks)]
+            counts = [0, *counts] + [0] * (stages - n_blocks - 1)
+            fixes.append(f"--pp-layout {','.join(map(str, counts))} (the embedding and / or the head alone on a stage)")
+        raise ValueError(
+            f"--pp {self.pp_size}: {stages} pipeline stages{per}, but the model's {L} layers are {n_blocks} {unit} and "
+            f"the default layout gives each stage one at least; expected "
+            + (" or ".join(fixes) or "more layers or no --pp")
+        )
 
     def _cp_rows(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids and labels ``[R, T_r]`` of ``batches`` (``[1, T]`` each): with ``--cp`` this rank's context shard

@@ -73,10 +73,12 @@ def _same_export(a_dir: Path, b_dir: Path, flips_share: float = EXPORT_FLIPS) ->
 def test_torchrun_pp2_equals_one_process(tmp_path, data, one, layout):
     """--pp 2 on 2 ranks, 1F1B with one AttnRes block per stage, or Interleaved1F1B with 2 stages per rank (the
     embedding alone on stage 0, the head alone on stage 3): the one-process losses, gradient norms, eval losses (steps
-    0 and 3) and export."""
+    0 and 3) and export; and no rank prints FSDP2's warning about the view outputs of a later stage's layers
+    (spurious: ``kernels_torch.parallel.pipeline.shard_stages`` says why)."""
     out = tmp_path / "pp2"
     r = _torchrun(2, [*COMMON, "--data", str(data), "--pp", "2", *layout, "--out", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "returned a view tensor" not in r.stderr, r.stderr[-3000:]
     want, got = _records(one), _records(out)
     _assert_same(got, want, (1, 2, 3))
     for step in (0, 3):

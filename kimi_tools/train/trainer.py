@@ -23,8 +23,24 @@ from typing import TYPE_CHECKING, Any
 
 from kimi.checkpoint import write_atomic
 from kimi_tools.common import CliError, refuse_adapter_folder
-from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, resolve
-from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
+from kimi_tools.train.args import (
+    TrainArgs,
+    default_batch_tokens,
+    fingerprint,
+    parse_save_every,
+    resolve,
+    resume_defaults,
+)
+from kimi_tools.train.checkpoint import (
+    DIVERGED,
+    METRICS,
+    RUN_JSON,
+    Checkpointer,
+    check_out,
+    export,
+    recorded_args,
+    restart,
+)
 from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
 from kimi_tools.train.metrics import RECORD_KEYS, MetricsLog, peak_mem_bytes, plot_losses
 from kimi_tools.train.schedule import ScheduleState, build_scheduler
@@ -167,7 +183,8 @@ class Trainer:
         from kimi_tools.parallel import TrainParallel
 
         self.t_start = time.perf_counter()
-        a = self.args = resolve(args)
+        # --resume: an unset --micro-batch-tokens / --batch-tokens is the run's (its tokens per step stay)
+        a = self.args = resolve(resume_defaults(args, recorded_args(args.out) if args.resume and args.out else None))
         self.lora_settings = _lora_settings(a) if a.lora_rank is not None else None
         if a.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -189,6 +206,10 @@ class Trainer:
                 "--compile: got a torchrun launch, expected one process (compiled blocks were not tried under FSDP2, "
                 "CP, EP or PP)"
             )
+        a.dp = par.dp_size  # resolved: the rest of the world
+        if a.batch_tokens is None:  # not typed, nor the resumed run's: one micro-batch per dp group and pipeline
+            a.batch_tokens = default_batch_tokens(a.micro_batch_tokens, par.min_microbatches)  # stage
+            self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)  # with the tokens per step
         self.out = Path(a.out)
         check_out(a, self.fingerprint, self.fingerprint_of)
         par.barrier()  # every rank has checked --out before rank 0 writes into it
@@ -198,7 +219,7 @@ class Trainer:
         self.eval_len = check_sizes(a, docs, eval_docs, _eval_source(a))
         self.rows = a.micro_batch_tokens // a.seq_len
         self.accum = a.batch_tokens // a.micro_batch_tokens
-        par.check_accum(self.accum, a.micro_batch_tokens)
+        par.check_accum(self.accum, a.micro_batch_tokens, a.seq_len, resumed=a.resume)
         self.num_docs, self.num_tokens = len(docs), sum(map(len, docs))
         self.loader = PackedLoader(docs, a.seq_len, rows=self.rows, seed=a.seed, shuffle=a.shuffle)
         self.evals = eval_batches(eval_docs, self.eval_len, self.rows, a.eval_tokens)
@@ -252,7 +273,7 @@ class Trainer:
             self.flops_per_token = estimate_flops(cfg, a.seq_len, backward=True)["flops_per_token"]
 
         # ---- state
-        self.step, self.tokens_seen, self.start = 0, 0, 0
+        self.step, self.tokens_seen, self.start, self.start_tokens = 0, 0, 0, 0
         self.checkpointer = Checkpointer(self.out, a.keep, par)
         self.metrics = MetricsLog(self.out / METRICS, writer=par.is_writer)
         self.trainable_params = int(par.sum_pp(self.masters.numel))  # --pp: each rank holds its stages'
@@ -313,6 +334,12 @@ class Trainer:
                 self.checkpointer.clean_stale()  # what a killed save left (.step-N.tmp-PID/)
             par.barrier()
             self._load_latest()
+            if par.is_writer:  # this launch's arguments and layout (which may differ from the run's earlier ones)
+                run = json.loads((out / RUN_JSON).read_text(encoding="utf-8"))
+                run.update(fingerprint=self.fingerprint, fingerprint_of=self.fingerprint_of, args=asdict(a))
+                run["layout"] = self.layout()
+                run["launches"] = [*run.get("launches", []), {"start_step": self.step, "layout": run["layout"]}]
+                write_atomic(out / RUN_JSON, json.dumps(run, indent=1).encode())
         else:
             if a.restart and par.is_writer:
                 restart(out)
@@ -326,12 +353,14 @@ class Trainer:
                     "tokenizer": self.tokenizer.name,
                     "trainable_params": self.trainable_params,
                     "total_params": self.total_params,
+                    "layout": self.layout(),
                 }
+                run["launches"] = [{"start_step": 0, "layout": run["layout"]}]
                 if self.conversions:
                     run["conversions"] = self.conversions
                 write_atomic(out / RUN_JSON, json.dumps(run, indent=1).encode())
                 self.metrics.start()
-        self.start = self.step
+        self.start, self.start_tokens = self.step, self.tokens_seen
         if a.resume and self.start >= (a.stop_after or a.steps):
             if self.start < a.steps:  # stopped early by --stop-after, and asked to stop there again
                 raise ValueError(
@@ -342,6 +371,23 @@ class Trainer:
                 f"--resume: the run in {out} already finished step {self.start} of {a.steps}; nothing to train (its "
                 f"model and metrics are there; choose another --out for a new run)"
             )
+
+    def layout(self) -> dict[str, Any]:
+        """The parallel layout this launch runs (``run.json``'s ``layout``): the world size, ``dp``, ``cp``, ``ep``,
+        ``pp``, the pipeline schedule and its layer counts per stage (None without ``--pp``), the micro-batches a
+        ``dp`` group runs per step, and the process group backend (None in one process)."""
+        par = self.par
+        return {
+            "world": par.pp_size * par.dp_size * par.cp_size,
+            "dp": par.dp_size,
+            "cp": par.cp_size,
+            "ep": par.ep_size,
+            "pp": par.pp_size,
+            "pp_schedule": self.args.pp_schedule,
+            "pp_layout": None if par.pipe is None else [len(r) for r in par.pipe.layout],
+            "microbatches_per_dp_group": self.accum // par.dp_size,
+            "backend": ("nccl" if par.device == "cuda" else "gloo") if par.enabled else None,
+        }
 
     def _load_latest(self) -> None:
         a, out = self.args, self.out
@@ -588,9 +634,31 @@ class Trainer:
                 if (self._save_steps, self._save_minutes) == (0, 0.0)
                 else f"resume state every {a.save_every}" + (" steps" if self._save_steps else "")
             )
-            + (f"\n  resumed from {self.out}/step-{self.start}" if a.resume else ""),
+            + (f"\n  resumed from {self.out}/step-{self.start}" if a.resume else "")
+            + (f"\n  {self._layout_line()}" if self.par.enabled else "")
+            + (
+                f"\n  compiling the decoder blocks ({a.compile_backend}) on their first forward: the step-0 evaluation "
+                "and step 1 take longer"
+                if a.compile
+                else ""
+            ),
             flush=True,
         )
+
+    def _layout_line(self) -> str:
+        """The header's line of the parallel layout (under torchrun), as torchtitan logs its mesh at start-up."""
+        lay = self.layout()
+        n = lay["microbatches_per_dp_group"]
+        line = (
+            f"parallel: world {lay['world']} = "
+            + f"pp {lay['pp']} x " * (lay["pp"] > 1)
+            + f"dp {lay['dp']} x cp {lay['cp']}"
+            + f", ep {lay['ep']}" * (lay["ep"] > 1)
+            + f" ({lay['backend']}); {n} micro-batch{'es' * (n > 1)} per data-parallel group and step"
+        )
+        if lay["pp_layout"] is not None:
+            line += f"; pipeline {lay['pp_schedule']}, layers per stage {','.join(map(str, lay['pp_layout']))}"
+        return line
 
     def _summary(self, result: TrainResult) -> str:
         """The closing lines: losses, where the eval loss went, and what was written."""
@@ -603,6 +671,14 @@ class Trainer:
         else:
             ev = f"eval loss {evals[first]:.4f} (step {first}) -> {evals[last]:.4f} (step {last})"
         loss = result.final_loss if result.final_loss is not None else float("nan")
+        ran = result.tokens_seen - self.start_tokens  # this launch's tokens, over this launch's time
+        tokens = f"{ran:,} tokens in {result.wall_s:.0f} s" + (
+            f" (step{'s' * (result.step > result.start_step + 1)} {result.start_step + 1}"
+            + f" to {result.step}" * (result.step > result.start_step + 1)
+            + f"; {result.tokens_seen:,} in all)"
+            if result.start_step
+            else ""
+        )
         head = f"step {result.step}/{a.steps}" + (" (--stop-after)" if result.step < a.steps else "")
         if not a.save:
             what = "no weights or resume state (--no-save)"
@@ -618,9 +694,8 @@ class Trainer:
                 else "model (safetensors)"
             )
             what = f"{kind}, step-{result.step}/ (resume state)"
-        return (
-            f"{head}: loss {loss:.4f}; {ev}; {result.tokens_seen:,} tokens in {result.wall_s:.0f} s"
-            f"\nwrote {self.out}: {what}, metrics.jsonl" + (", loss.png" if a.plot else "")
+        return f"{head}: loss {loss:.4f}; {ev}; {tokens}\nwrote {self.out}: {what}, metrics.jsonl" + (
+            ", loss.png" if a.plot else ""
         )
 
 
