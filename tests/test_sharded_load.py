@@ -228,7 +228,7 @@ def _lora_build_worker(rank: int, world: int, port: int, ckpt: str, out: str) ->
 def test_lora_run_builds_and_loads_only_its_shard(tmp_path, ckpt):
     """Under torchrun a LoRA run is built on ``meta`` and each rank loads its own shards, as full fine-tuning: the
     trainer's constructor grows each rank's resident memory by at most 1.1 x (the bytes it owns, base and adapters,
-    + the largest stored tensor). Built whole first on every rank (as it was), a rank grew by 2.5 x that bound here."""
+    + the largest stored tensor). Built whole on every rank before the sharding, a rank grows by 2.5 x that bound here."""
     world = 2
     spawn(_lora_build_worker, world, str(ckpt), str(tmp_path))
     for rank in range(world):
