@@ -3,6 +3,8 @@
 * :func:`kimi_tools.lora.initial_adapters` of a model on ``meta`` equals, bit for bit, what ``apply_lora`` gives the
   one-process model from the same RNG state (fp32 and bf16 bases), and leaves the RNG where ``apply_lora`` on
   ``meta`` then leaves it: the state one process has after ``apply_lora`` (LoRA dropout draws from it next);
+* ``load_sharded`` of a LoRA-wrapped meta model (base layers under their checkpoint names, adapters from ``extra``)
+  equals ``load_model`` + ``apply_lora``; a missing, misshaped or foreign ``extra`` tensor is refused, named;
 * ``kimi train --lora-rank`` on two gloo ranks (spawned processes with torchrun's environment, running the trainer
   as ``torchrun`` would: meta build, sharding, ``load_sharded`` of the checkpoint with the adapters' initial values)
   gives the one-process run's losses, gradient norms, eval loss and adapter, also when stopped and resumed: with
@@ -78,6 +80,46 @@ def test_initial_adapters_on_meta_equal_one_process(dtype):
         assert torch.equal(got[n], w), n  # bit for bit: peft's own draws and cast
     assert any(".lora_A." in n and got[n].abs().sum() > 0 for n in got)
     assert all(not got[n].any() for n in got if ".lora_B." in n)  # B starts at zero
+
+
+def test_load_sharded_fills_a_lora_model_as_one_process(tmp_path):
+    """One process, no sharding: a LoRA-wrapped meta model filled by ``load_sharded`` (base layers under their
+    checkpoint names, adapters from ``extra``) equals ``load_model`` + ``apply_lora`` bit for bit; an adapter left out
+    of ``extra``, one of another shape, or a name the model lacks is refused, named."""
+    from kernels_torch.model import load_model
+    from kernels_torch.parallel.load import load_sharded, to_empty
+    from kimi.init import init_checkpoint
+    from kimi_tools import lora
+
+    cfg = load_config("tiny").truncated(4)
+    init_checkpoint(tmp_path / "k", load_config("tiny"), seed=3, layers=4)
+    settings = lora.LoraSettings(rank=2, alpha=4.0)
+    torch.manual_seed(7)
+    one = load_model(tmp_path / "k")
+    lora.apply_lora(one, settings)
+
+    def wrapped():
+        torch.manual_seed(7)
+        meta = _meta_model(cfg, torch.float32)
+        init = lora.initial_adapters(meta, settings)
+        lora.apply_lora(meta, settings)
+        return to_empty(meta, "cpu"), init
+
+    model, init = wrapped()
+    load_sharded(model, tmp_path / "k", extra=init)
+    want, got = one.state_dict(), model.state_dict()
+    assert want.keys() == got.keys() and any(".base_layer." in k for k in got)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    a_name = next(n for n in init if ".lora_A." in n)
+    for extra, match in (
+        ({n: t for n, t in init.items() if n != a_name}, f"not in the checkpoint's layout: {a_name}"),
+        ({**init, a_name: init[a_name][:1]}, rf"wrong shape: {a_name} \(extra \[1, "),
+        ({**init, "model.layers.0.nope.lora_A.default.weight": init[a_name]}, "extra: model.layers.0.nope.lora_A"),
+    ):
+        model, _ = wrapped()
+        with pytest.raises(ValueError, match=match):
+            load_sharded(model, tmp_path / "k", extra=extra)
 
 
 def _train_worker(rank: int, world: int, port: int, kw: dict, phases: list[tuple[int | None, dict]]) -> None:
