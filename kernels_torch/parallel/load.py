@@ -25,7 +25,7 @@ run's random init, the same weights as one process).
 A layer wrapped by an adapter (peft's ``LoraLayer`` keeps the original layer as its ``base_layer``:
 ``q_proj.base_layer.weight``) is filled under the original name (``q_proj.weight``). Tensors the checkpoint does not
 hold (the LoRA adapters' initial values, ``kimi_tools.lora.initial_adapters``) come whole in ``extra`` and each
-rank copies its block of them, as of the others.
+rank copies its block of them, as it does of the others.
 
 The model has no non-persistent buffers (NoPE: nothing cached at init). Should a module gain one, ``to_empty``
 leaves it uninitialised: :func:`load_sharded` calls that module's ``reset_buffers()`` to recompute it, and refuses a
