@@ -4,8 +4,8 @@ parallelism (:mod:`kernels_torch.parallel.context`) and expert parallelism (:mod
 DCP checkpoints (``torch.distributed.checkpoint``) and the full-weight export for the HF safetensors writer.
 
 Layout (torchtitan's ``dp_shard_cp`` and ``efsdp``): parameters are sharded over all ``dp x cp`` ranks (the mesh's
-flattened ``dp_cp``), one FSDP unit per decoder layer plus the root (embedding, final norm, lm_head, AttnRes output
-mix); under expert parallelism each MoE layer's routed experts are a unit of their own, ``Shard(0)`` over ``ep`` and
+flattened ``dp_cp``), one FSDP unit per decoder layer, one for the input embedding (untied) and the root (final norm,
+lm_head, AttnRes output mix); under expert parallelism each MoE layer's routed experts are a unit of their own, ``Shard(0)`` over ``ep`` and
 FSDP2 over ``efsdp``. The ``cp`` dimension's ranks hold the same sequences cut into shards; their parameter
 gradients are parts of one gradient and must be **summed**, while ``dp`` replicas average: the reduce-scatter
 therefore divides by ``dp``, not by the world size (:func:`parallelize`), and each rank's loss is its tokens' sum

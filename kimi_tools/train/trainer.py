@@ -231,12 +231,12 @@ class Trainer:
 
         # ---- model: build, prepare, LoRA, trainable set, conversion, sharding; then masters and optimizer
         torch.manual_seed(a.seed)
-        # under torchrun the model is built on meta and each rank materialises its shards after the sharding; with
-        # LoRA the adapters' init happens at apply_lora, so that path still builds the whole model first
-        sharded_build = par.enabled and self.lora_settings is None
+        # under torchrun the model is built on meta and each rank materialises its shards after the sharding (with
+        # LoRA, the adapters' one-process initial values taken on meta before apply_lora: lora.initial_adapters)
+        sharded_build = par.enabled
         self.model = model = build_model(a, cfg, meta=sharded_build)
-        self.base_fingerprint = None
-        if self.lora_settings is not None and a.checkpoint is not None:
+        self.base_fingerprint, adapters = None, None
+        if self.lora_settings is not None and a.checkpoint is not None and par.is_writer:  # the writer's export
             from kimi_tools.lora import base_fingerprint
 
             self.base_fingerprint = base_fingerprint(a.checkpoint)
@@ -245,6 +245,7 @@ class Trainer:
         if self.lora_settings is not None:
             from kimi_tools import lora
 
+            adapters = lora.initial_adapters(model, self.lora_settings) if sharded_build else None
             lora.apply_lora(model, self.lora_settings)
         freeze(model, stage, a.freeze)
         self.conversions = convert_model(model, a)
@@ -252,7 +253,7 @@ class Trainer:
         if par.pipe is not None:  # --pp: this rank trains its pipeline stages (one-process names), sharded over dp
             self.model = model = par.pipe.rank_module()
         if sharded_build:
-            materialise(model, a, cfg, partial=par.pipe is not None)  # each rank its own shards (--pp: its stages')
+            materialise(model, a, cfg, partial=par.pipe is not None, adapters=adapters)  # each rank its own shards
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
         self.masters = MasterWeights(model)

@@ -4,8 +4,9 @@ Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model
 ``kernels_torch.model.load_model``, or a ``--preset`` random init), the stage's ``prepare``, LoRA
 (``kimi_tools.lora.apply_lora``), :func:`freeze` (the stage's trainable set and ``--freeze``), :func:`convert_model`
 (the model-conversion hook: :data:`CONVERTERS`), then FSDP2 (``kimi_tools.parallel``), :class:`MasterWeights` and
-:func:`build_optimizer`. Under torchrun (without LoRA) the model is built on ``meta`` and the same steps run on it
-(they set flags and swap modules, never read weights); after the sharding :func:`materialise` allocates and fills
+:func:`build_optimizer`. Under torchrun the model is built on ``meta`` and the same steps run on it (they set flags
+and swap modules, never read weights; LoRA's adapters are injected there too, their one-process initial values
+taken first by ``kimi_tools.lora.initial_adapters``); after the sharding :func:`materialise` allocates and fills
 each rank's shards only. Parameters stay in the checkpoint's dtypes (``A_log``, ``dt_bias``, conv weights,
 ``o_norm`` in fp32); in bf16 the optimizer steps fp32 master copies of the trainable parameters.
 """
@@ -77,7 +78,13 @@ def build_model(a: TrainArgs, cfg: KimiConfig, meta: bool = False) -> nn.Module:
     return model_from_params(cfg, params, a.backend, dtype, a.device)
 
 
-def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool = False) -> None:
+def materialise(
+    model: nn.Module,
+    a: TrainArgs,
+    cfg: KimiConfig,
+    partial: bool = False,
+    adapters: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Give a model built by ``build_model(..., meta=True)`` and then sharded its weights, each rank only its shards:
     ``to_empty`` on ``a.device`` allocates the local shards, then ``--checkpoint`` is read by
     ``kernels_torch.parallel.load.load_sharded`` (each rank reads and decodes only its blocks), or the ``--preset``
@@ -85,6 +92,9 @@ def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool =
     (``fill_sharded``). The weights are those :func:`build_model` gives in one process, bit for bit.
 
     ``partial``: the model is a pipeline rank's stages (``Pipeline.rank_module``), holding some tensors only.
+    ``adapters``: with LoRA, ``kimi_tools.lora.initial_adapters`` of the meta model taken before ``apply_lora``
+    (the adapters one process starts from, by ``state_dict`` name); each rank copies its block of them. A LoRA
+    base layer (``...q_proj.base_layer.weight``) is filled from the checkpoint's ``...q_proj.weight``.
 
     Raises:
         kimi.checkpoint.CheckpointError, ValueError: see ``load_sharded``."""
@@ -92,13 +102,13 @@ def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool =
 
     to_empty(model, a.device)  # parameters keep their objects (TrainParallel holds the replicated ones)
     if a.checkpoint is not None:
-        load_sharded(model, a.checkpoint, partial=partial)
+        load_sharded(model, a.checkpoint, partial=partial, extra=adapters)
         return
     from kimi.config import load_config
     from kimi.init import init_params
 
     params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
-    fill_sharded(model, params, partial=partial)
+    fill_sharded(model, params, partial=partial, extra=adapters)
 
 
 # A model converter rewrites the built model in place before it is sharded and its optimizer built (torchtitan's
