@@ -16,7 +16,7 @@ import torch
 
 from kimi_tools.data import PackedLoader
 from kimi_tools.train import LMStage, TrainArgs, recompute_layers, train
-from kimi_tools.train.activations import MIN_OFFLOAD_BYTES, layer_kind, offload_activations, saved_bytes_by_block
+from kimi_tools.train.activations import layer_kind, offload_activations, saved_bytes_by_block
 from kimi_tools.train.args import resolve
 
 LR = 1e-2  # the SGD step between the two compared steps (moves every weight well past fp64 rounding)
@@ -136,8 +136,8 @@ def test_recompute_modes_recompute_the_named_block_in_the_named_kinds(tiny4):
 def test_offload_takes_the_named_block_off_the_device(tiny4):
     """``saved_bytes_by_block`` (what autograd keeps on the device, per layer and block) with the attention
     offloaded in the DSA layer: that block keeps only small tensors, every other attention block keeps what it keeps
-    without offload, to the byte, every MLP block too (up to a small storage shared with the attention); with the
-    MLP recomputed, that block keeps its input alone."""
+    without offload, to the byte, every MLP block too (a storage it shares with an offloaded attention now counts
+    there); with the MLP recomputed, that block keeps its input alone."""
     cfg, make, batch = tiny4
     T, D = batch.input_ids.shape[1], cfg.hidden_size
 
@@ -156,8 +156,8 @@ def test_offload_takes_the_named_block_off_the_device(tiny4):
             assert got[i]["attn"] == base[i]["attn"], i
         if i in (1, 2):  # recomputed: the checkpoint keeps its input, [1, T, D] fp64
             assert got[i]["mlp"] == T * D * 8, (got[i], base[i])
-        else:  # a small storage both blocks save counts where it is first seen, which the offload can move
-            assert abs(got[i]["mlp"] - base[i]["mlp"]) < MIN_OFFLOAD_BYTES, (i, got[i], base[i])
+        else:  # a storage both blocks save counts where first seen: in the MLP once the attention's is offloaded
+            assert base[i]["mlp"] <= got[i]["mlp"] <= base[i]["mlp"] + TOL_LEFT * base[i]["attn"], (i, got[i], base[i])
         assert base[i]["layer"] >= base[i]["attn"] + base[i]["mlp"] > 0
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -199,53 +200,64 @@ def offload_activations(model: nn.Module, mode: str, kinds: tuple[str, ...] | No
     return out
 
 
-class _count_saved(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd saves inside it (each storage once: a view and its base, or a tensor saved by two
-    ops, are one allocation) into ``seen`` (storage key -> bytes); the tensors stay as they are."""
-
-    def __init__(self, seen: dict):
-        def pack(t: torch.Tensor):
-            if type(t) is torch.Tensor and not _is_parameter(t):
-                s = t.untyped_storage()
-                seen.setdefault((s.data_ptr(), t.device.type), s.nbytes())
-            return t
-
-        super().__init__(pack, lambda t: t)
-
-
 def saved_bytes_by_block(model: nn.Module, step) -> dict[int, dict[str, int]]:
-    """Bytes of activations the autograd graph keeps between the forward and the backward, by decoder layer and
-    block, for one call of ``step()`` (a forward, e.g. ``lambda: model.loss(ids, labels)``), without running the
-    backward: ``{layer index: {"attn": B, "mlp": B, "layer": B}}`` where ``layer`` is the whole layer (the blocks,
-    the AttnRes mixes and residual adds). Each storage is counted once, where it is first saved; parameters and their
-    views are not counted. With recomputation or offload wrappers in place, what they keep is what is counted
-    (inputs of a recomputed region; nothing of an offloaded one).
+    """Bytes of activations the autograd graph keeps on the device between the forward and the backward, by decoder
+    layer and block, for one call of ``step()`` (a forward, e.g. ``lambda: model.loss(ids, labels)``), without
+    running the backward: ``{layer index: {"attn": B, "mlp": B, "layer": B}}``, ``layer`` the whole layer (its
+    blocks, the AttnRes mixes and the residual adds).
 
-    The model must not be compiled (the hooks would run at trace time)."""
+    One ``saved_tensors_hooks`` around ``step()`` sees every tensor that no inner hook took: with recomputation or
+    offload wrappers in place it counts what they leave on the device (a recomputed region's inputs; an offloaded
+    region's tensors under ``MIN_OFFLOAD_BYTES``, which stay, are not counted). Each tensor is attributed to the
+    innermost block running when it is saved (the blocks' methods are wrapped for the call, with no hook of their
+    own, and restored after); each storage is counted once, where it is first saved (a view and its base, a tensor
+    saved by two ops: one allocation); a tensor that a graph the forward dropped saved (no output of ``step()``
+    reaches it) is not counted, nor are parameters and their views. Works on any device, ``meta``
+    included. The model must not be compiled (the hooks would run at trace time)."""
     per: dict[int, dict[str, int]] = {}
-    seen: dict = {}
+    saved: list[tuple[weakref.ref, tuple]] = []  # every tensor saved in a block, in order, and where
+    where: list[tuple[int, str]] = []  # the blocks running now, innermost last
+
+    def pack(t: torch.Tensor):
+        if type(t) is torch.Tensor and not _is_parameter(t) and where:
+            saved.append((weakref.ref(t), tuple(where)))
+        return t
+
+    @contextlib.contextmanager
+    def running(i: int, block: str):
+        where.append((i, block))
+        try:
+            yield
+        finally:
+            where.pop()
+
     originals = []
     for i, layer in decoder_layers(model):
-        per[i] = {}
+        per[i] = {"layer": 0, "attn": 0, "mlp": 0}
         for block, name in (("layer", "forward"), ("attn", "attention"), ("mlp", "feed_forward")):
-            had = name in layer.__dict__
-            originals.append((layer, name, layer.__dict__.get(name), had))
-            _wrap(layer, name, functools.partial(_measure, seen, per[i], block))
+            originals.append((layer, name, layer.__dict__.get(name), name in layer.__dict__))
+            _wrap(layer, name, functools.partial(running, i, block))
     try:
-        step()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = step()  # held: its graph holds what the backward will read
     finally:
         for layer, name, fn, had in reversed(originals):
             if had:
                 setattr(layer, name, fn)
             else:
                 delattr(layer, name)
+    seen = set()
+    for ref, stack in saved:
+        t = ref()
+        if t is None:  # saved by a graph the forward dropped (e.g. the indexer's, whose top-k carries no gradient)
+            continue
+        st = t.untyped_storage()
+        if st._cdata in seen:  # the storage's identity (data_ptr is 0 for every meta tensor); alive, so unique
+            continue
+        seen.add(st._cdata)
+        i, block = stack[-1]
+        per[i][block] += st.nbytes()
+        if block != "layer" and (i, "layer") in stack:
+            per[i]["layer"] += st.nbytes()
+    del result
     return per
-
-
-@contextlib.contextmanager
-def _measure(seen: dict, into: dict, block: str):
-    """Adds to ``into[block]`` the bytes of the storages first saved while the context is open."""
-    n0 = sum(seen.values())
-    with _count_saved(seen):
-        yield
-    into[block] = into.get(block, 0) + sum(seen.values()) - n0
