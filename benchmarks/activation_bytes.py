@@ -74,9 +74,9 @@ def build_layer(cfg, idx: int, backend: str, dtype: torch.dtype) -> DecoderLayer
     return layer
 
 
-def measure(cfg, idx: int, T: int, policy: str, backend: str, dtype: torch.dtype) -> dict:
+def measure(cfg, idx: int, layer: DecoderLayer, T: int, policy: str, dtype: torch.dtype) -> dict:
+    """One forward of ``layer`` under ``policy``; the policy's wrappers are removed after."""
     rc, off = policy.split("+")
-    layer = build_layer(cfg, idx, backend, dtype)
     holder = _Holder(idx, layer)
     if rc != "none":
         recompute_layers(holder, rc)
@@ -90,6 +90,8 @@ def measure(cfg, idx: int, T: int, policy: str, backend: str, dtype: torch.dtype
     out = []
     per = saved_bytes_by_block(holder, lambda: out.append(holder.model.layers[str(idx)](blocks, p, cu)))
     host = sum(s["bytes"] for s in stats.values())
+    for name in ("forward", "attention", "feed_forward"):  # the wrappers are instance attributes
+        layer.__dict__.pop(name, None)
     return {
         "kind": layer_kind(cfg, idx),
         "layer": idx,
@@ -129,13 +131,14 @@ def main() -> int:
         ap.error(f"--kinds: got {missing}, expected kinds of {args.preset}: {sorted(first)}")
     rows = []
     for kind in args.kinds:
+        layer = build_layer(cfg, first[kind], args.backend, dtype)
         for pol in args.policies:
             t0 = time.perf_counter()
-            with torch.random.fork_rng():
-                row = measure(cfg, first[kind], args.seq_len, pol, args.backend, dtype)
+            row = measure(cfg, first[kind], layer, args.seq_len, pol, dtype)
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             print(json.dumps(row), flush=True)
+        del layer
     out = {
         "preset": args.preset,
         "seq_len": args.seq_len,
