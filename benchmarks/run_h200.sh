@@ -59,6 +59,13 @@
 #                (reshard:reduce:masters words, e.g. "always:bf16:fp32"), each profiled
 #   rank_rehearsal  benchmarks/rank_rehearsal.py: one rank of kimi plan's layouts at real dimensions against the
 #                planner's memory and time (REHEARSAL_ARGS, default "--seq-len 8192")
+#   offload_copy (not in the default STEPS): benchmarks/offload_copy.py, the host copy rate of kimi train's
+#                --offload-activations (device -> pinned host on a side stream, back, and beside bf16 matmuls), 1 MB
+#                to 1 GB
+#   tests_offload (not in the default STEPS): tests/gpu/test_gpu_offload.py, activation offload on CUDA equal to
+#                none (side-stream copies to pinned memory and back)
+#   train_step_offload (not in the default STEPS): benchmark 5 at 16 experts, 8K, under each activation policy of
+#                $ACT_POLICIES (recompute:offload words, e.g. "attn:none mlp:attn none:all"), one JSON each
 #   tests_fp8_model  the FP8 tiny-model test alone (per-layer outputs and gradients against bf16)
 #   tests_train_gpu  the gpu-marked tests outside tests/gpu (tests/test_train.py: the CUDA RNG restored on resume)
 #   init112      kimi init of the 4-layer checkpoint with 112 experts top-16 at $CKPT112 (CPU, in the background;
@@ -244,6 +251,17 @@ run_step() {  # run_step NAME: one step of the list above
     tests/gpu/test_gpu_kda_cudnn.py tests/gpu/test_gpu_dsa_cudnn.py tests/gpu/test_gpu_short_conv.py
     save_autotune ;;
   situ_glu) step situ_glu 300 python3 benchmarks/situ_glu.py --out "$dir/situ_glu.json" ;;
+  tests_offload) step tests_offload 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_offload.py ;;
+  offload_copy) step offload_copy 300 python3 benchmarks/offload_copy.py --out "$dir/offload_copy.json" ;;
+  train_step_offload)  # benchmark 5's 8K row under each recompute:offload policy (none:none is the baseline)
+    for pol in ${ACT_POLICIES:-none:none attn:none mlp:attn attn:mlp none:all}; do
+      IFS=: read -r rc off <<< "$pol"
+      local lens=(--seq-lens 8192 --recompute-seq-lens)
+      [ "$rc" != none ] && lens=(--seq-lens --recompute-seq-lens 8192 --recompute-mode "$rc")
+      step "train_step_offload_${rc}_${off}" 600 python3 benchmarks/train_step_4layers.py --experts 16 \
+        --experts-per-token 8 --backends cudnn "${lens[@]}" --offload-activations "$off" \
+        --out "$dir/train_step_offload_${rc}_${off}.json"
+    done ;;
   indexer_topk) step indexer_topk 400 python3 benchmarks/indexer_topk.py --out "$dir/indexer_topk.json" ;;
   profile)
     ncu_one=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)" --clock-control none

@@ -11,13 +11,17 @@ accumulates in fp32). One step = forward + backward of that loss; timed with CUD
 median of ``--repeats``.
 
 Rows in ``--recompute-seq-lens`` wrap every decoder layer in ``torch.utils.checkpoint`` (non-reentrant; with
-``--recompute-mode mlp`` only each layer's MLP / MoE block, and the row's ``recompute`` is ``"mlp"``): its
+``--recompute-mode mlp`` only each layer's MLP / MoE block, with ``attn`` only its attention block, and the row's
+``recompute`` is the mode): its
 activations are recomputed in the backward (``--recompute-full-layers N``: the first N layers whole, the others' MLP;
 several values are tried in order, and the row's ``recompute_full_layers`` is the first that fits), which is what
 lets 32K tokens fit (the eager MLP/MoE keep fp32 SiTU
 intermediates: about 1.3 MB per token in the dense layer 0 alone); rows in ``--seq-lens`` run without it (32K
 there is the row that asks whether the chunked loss lets a whole 32K step fit). Each row is written to ``--out`` as
 it finishes.
+``--offload-activations all|attn|mlp`` keeps, in every row, what each layer (or block) saves for the backward in
+pinned host memory (``kimi_tools.train.activations.offload_activations``, kimi train's flag; the row's
+``offload_activations``); ``benchmarks/offload_copy.py`` measures the copy rate alone.
 The script sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the variable is already set.
 
     python benchmarks/train_step_4layers.py --seq-lens 2048 8192 32768 --recompute-seq-lens 8192 32768 \
@@ -45,7 +49,7 @@ the checkpoint's fp32 tensors whole; every rank runs its own ``T`` tokens, rank 
 
 Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "fp8_matmul_ceiling_tflops", "rows": [...]}``, rows
 with ``seq_len``, ``backend``, ``fp8``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
-``recompute_full_layers``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``mfu_fp8_ceiling``, ``kernels``, ``status``, and prints a
+``recompute_full_layers``, ``offload_activations``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``mfu_fp8_ceiling``, ``kernels``, ``status``, and prints a
 table with the cudnn/sdpa speed-up. A backend that runs out of memory is reported as ``status: "oom"``.
 """
 
@@ -74,6 +78,8 @@ from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi.layout import param_layout  # noqa: E402
 from kimi_tools.train import recompute_layers  # noqa: E402
+from kimi_tools.train.activations import offload_activations  # noqa: E402
+from kimi_tools.train.args import OFFLOAD_MODES, RECOMPUTE_MODES  # noqa: E402
 
 
 def build(cfg, backend: str) -> KimiK3Model:
@@ -194,7 +200,7 @@ def planner_prediction(cfg, T: int, recompute, sharded: bool) -> dict | None:
     try:
         from kimi_tools import plan as P
 
-        mode = {False: "none", "mlp": "mlp", "layer": "full"}[recompute]
+        mode = {False: "none", "mlp": "mlp", "attn": "attn", "layer": "full"}[recompute]
         hw = P.Hardware(gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
         r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(recompute=mode), hw, P.load_calibration(),
                        seq_len=T, global_batch=T)  # fmt: skip
@@ -256,16 +262,23 @@ def main() -> int:
     )
     ap.add_argument(
         "--recompute-mode",
-        choices=["layer", "mlp"],
+        choices=list(RECOMPUTE_MODES),
         default="layer",
-        help="what the recompute rows recompute: the whole layer, or only its MLP / MoE block",
+        help="what the recompute rows recompute: the whole layer, only its MLP / MoE block, or only its attention",
+    )
+    ap.add_argument(
+        "--offload-activations",
+        choices=list(OFFLOAD_MODES),
+        default="none",
+        help="every row: the saved activations of each layer (all), its attention or its MLP / MoE block kept in "
+        "pinned host memory (kimi train's --offload-activations), around the recompute wrappers",
     )
     ap.add_argument(
         "--recompute-full-layers",
         type=int,
         nargs="+",
         default=[0],
-        help="with --recompute-mode mlp: the first N layers recomputed whole (kimi train's --recompute-full-layers); "
+        help="with --recompute-mode mlp or attn: the first N layers recomputed whole (kimi train's --recompute-full-layers); "
         "several values are tried in order per recompute row until one fits (the others' rows are kept)",
     )
     ap.add_argument("--backends", nargs="+", default=["cudnn", "sdpa"])
@@ -361,6 +374,7 @@ def main() -> int:
             "backend": backend,
             "recompute": recompute and args.recompute_mode,
             "recompute_full_layers": full if recompute else None,
+            "offload_activations": args.offload_activations,
             "loss": args.loss,
             "loss_chunk_size": chunk if args.loss == "chunked" else None,
             "layers": [cfg.layer_type(i) for i in range(4)],
@@ -391,6 +405,7 @@ def main() -> int:
                 par.setup(model, lora=False)
             if recompute:
                 recompute_layers(model, args.recompute_mode, full)  # kimi train's --recompute-mode
+            offload_activations(model, args.offload_activations)  # around the recompute wrappers, as kimi train
             kernel_choice.reset_used()
             held = held_bytes(model)  # before the step: parameters (and FSDP2's fp32 masters)
             stats0 = torch.cuda.memory_stats()
@@ -441,6 +456,7 @@ def main() -> int:
     )
     for r in rows:
         rc = str(r["recompute"]) + (f"+{r['recompute_full_layers']}" if r.get("recompute_full_layers") else "")
+        rc += f"/off:{r['offload_activations']}" if r.get("offload_activations", "none") != "none" else ""
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"

@@ -126,10 +126,12 @@ def test_compile_blocks_model_loss_and_grads():
         model.loss(ids, labels, torch.tensor([0, 30, 20, 48]))
 
 
-@pytest.mark.parametrize("mode, full_layers", [("layer", 0), ("mlp", 1)], ids=["layer", "mlp-first-whole"])
+@pytest.mark.parametrize(
+    "mode, full_layers", [("layer", 0), ("mlp", 1), ("attn", 0)], ids=["layer", "mlp-first-whole", "attn"]
+)
 def test_compiled_blocks_under_recomputation_match_eager(mode, full_layers):
     """``compile_blocks`` after ``kimi_tools.train.recompute_layers`` (the trainer's order): whole layers compiled
-    inside their checkpoint, MLP-only recomputation traced inside the compiled layer. The loss and every gradient
+    inside their checkpoint, MLP-only and attention-only recomputation traced inside the compiled layer. The loss and every gradient
     equal eager recomputation's, with 0 graph breaks, over two micro-batches of other document counts."""
     from kimi_tools.train import recompute_layers
 
@@ -142,7 +144,8 @@ def test_compiled_blocks_under_recomputation_match_eager(mode, full_layers):
     counter = CompileCounterWithBackend("aot_eager")
     compile_blocks(model, backend=counter)
     for i, layer in enumerate(model.model.layers):  # the recomputation stays around the compiled function
-        wrapped = layer.__dict__.get("forward" if mode == "layer" or i < full_layers else "feed_forward")
+        block = {"layer": "forward", "mlp": "feed_forward", "attn": "attention"}[mode]
+        wrapped = layer.__dict__.get("forward" if i < full_layers else block)
         assert wrapped is not None and wrapped.func is torch.utils.checkpoint.checkpoint, i
     _steps_match(eager, model, cfg)
     assert _breaks() == 0, dict(torch._dynamo.utils.counters["graph_break"])

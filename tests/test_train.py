@@ -208,8 +208,8 @@ def test_recompute_gives_the_same_loss_and_grads(tiny4):
         assert g0.keys() == g1.keys() and len(g0) > 50
         for n in g0:  # the same ops recomputed in the same order: equal to the bit on CPU
             assert torch.equal(g0[n], g1[n]), n
-    with pytest.raises(ValueError, match="--recompute-mode: got 'attn'"):
-        recompute_layers(make("sdpa"), "attn")
+    with pytest.raises(ValueError, match="--recompute-mode: got 'moe'"):
+        recompute_layers(make("sdpa"), "moe")
     with pytest.raises(ValueError, match=rf"--recompute-full-layers: got {L + 1}, expected an int in \[0, {L}\]"):
         recompute_layers(make("sdpa"), "mlp", L + 1)
     with pytest.raises(ValueError, match="--recompute-full-layers: got 1 with --recompute-mode layer"):

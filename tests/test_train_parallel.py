@@ -252,6 +252,25 @@ def test_torchrun_expert_parallel_equals_one_process(tmp_path, data, one, varian
         assert_exports_close(a, b)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_recompute_and_offload_equal_one_process(tmp_path, data, one):
+    """Attention recomputation with the MLP / MoE blocks offloaded to the host (saved-tensor hooks inside FSDP2's
+    units, the routed experts split by --ep 2; the gathered parameters are never copied) and the dense and DSA layers
+    recomputed whole with their inputs offloaded: the one-process run's losses, gradient norms and eval loss."""
+    for name, policy in (
+        ("attn_mlp", ["--recompute-mode", "attn", "--offload-activations", "mlp"]),
+        ("layer_all", ["--recompute-layers", "dense,dsa", "--offload-activations", "all", "--offload-layers", "dsa"]),
+    ):
+        out = tmp_path / name
+        argv = [*COMMON, "--data", str(data), "--ep", "2", "--recompute", *policy, "--no-save", "--out", str(out)]
+        r = _torchrun(2, argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+        want, got = _records(one), _records(out)
+        _assert_same(got, want, (1, 2, 3))
+        assert _close(got[3]["eval_loss"], want[3]["eval_loss"], TOL["eval_loss"])
+
+
 def test_layout_flags_refused_in_one_line():
     """Sizes that cannot make a layout are refused before any process group, naming the flags and values."""
     from kimi_tools.parallel import TrainParallel

@@ -72,6 +72,7 @@ __all__ = [
     "ContextParallel",
     "attached_context_parallel",
     "recompute_context",
+    "cp_attached",
 ]
 
 
@@ -425,6 +426,11 @@ def _shards_set(saved: list[tuple[ContextParallel, Shard | None]]):
     finally:
         for cp, s in before:
             cp._shard = s
+
+
+def cp_attached() -> bool:
+    """Whether a :class:`ContextParallel` is attached now (its current shard is read by the token mixers)."""
+    return len(_ATTACHED) > 0
 
 
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

@@ -45,7 +45,8 @@ What a run does, in order:
 5. **Step**: AdamW (``torch.optim``; weight decay on matrices only, never on norms, biases, ``A_log``,
    ``dt_bias``), warm-up + cosine (:func:`lr_multiplier`: step k applies ``lr * lr_multiplier(k - 1)``), gradient
    clipping at ``--grad-clip`` (the record holds the norm before clipping), per-layer activation recomputation with
-   ``--recompute`` (``--recompute-mode layer | mlp``).
+   ``--recompute`` (``--recompute-mode layer | mlp | attn``, ``--recompute-layers`` by layer kind) and activation
+   offload to host memory (``--offload-activations all | attn | mlp``: :mod:`~kimi_tools.train.activations`).
 6. **Output folder** ``--out``: ``run.json`` (resolved arguments, model config, fingerprint); ``metrics.jsonl``
    (one record per step, keys :data:`RECORD_KEYS` plus the stage's metrics; a ``step`` 0 record holds the first
    eval loss); ``step-N/`` resume states (trainable weights as fp32 masters, AdamW, schedule, data position, RNG,

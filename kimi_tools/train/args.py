@@ -44,10 +44,15 @@ __all__ = [
     "diff_json",
     "as_flags",
     "RECOMPUTE_MODES",
+    "OFFLOAD_MODES",
+    "LAYER_KINDS",
+    "parse_layer_kinds",
     "DEFAULT_SAVE_EVERY",
 ]
 
-RECOMPUTE_MODES = ("layer", "mlp")
+RECOMPUTE_MODES = ("layer", "mlp", "attn")  # the whole decoder layer, its MLP / MoE block, its attention block
+OFFLOAD_MODES = ("none", "all", "attn", "mlp")  # kimi_tools.train.activations.offload_activations
+LAYER_KINDS = ("dense", "kda", "dsa", "mla")  # kimi_tools.train.activations.layer_kind
 # Fields added after runs were written, whose default (None or False) is the behaviour from before them: left out of
 # the fingerprint at that default, so a run written before they existed still resumes.
 ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim")
@@ -222,8 +227,8 @@ class TrainArgs:
     recompute_mode: str = field(
         default="layer",
         metadata=arg(
-            "with --recompute: each whole decoder layer, or only its MLP / MoE block (less recompute, more memory); "
-            "the same numbers either way",
+            "with --recompute: each whole decoder layer (layer), only its MLP / MoE block (mlp) or only its "
+            "attention block with its norm (attn): less recompute, more memory; the same numbers either way",
             numbers=False,
             choices=RECOMPUTE_MODES,
         ),
@@ -231,9 +236,37 @@ class TrainArgs:
     recompute_full_layers: int = field(
         default=0,
         metadata=arg(
-            "with --recompute-mode mlp: recompute the first N decoder layers whole, the others' MLP / MoE block "
-            "(Megatron's block recomputation: a memory knob between the two modes)",
+            "with --recompute-mode mlp or attn: recompute the first N decoder layers whole, the others' block "
+            "(Megatron's block recomputation: a memory knob between the modes)",
             numbers=False,
+        ),
+    )
+    recompute_layers: str | None = field(
+        default=None,
+        metadata=arg(
+            "with --recompute: the layer kinds it applies to, comma-separated from dense (the dense-MLP layers), "
+            "kda, dsa, mla (the other layers by their attention); default every layer",
+            numbers=False,
+            metavar="KIND,...",
+        ),
+    )
+    offload_activations: str = field(
+        default="none",
+        metadata=arg(
+            "keep the activations of each decoder layer (all), of its attention block (attn) or of its MLP / MoE "
+            "block (mlp) in pinned host memory between the forward and the backward (copied on a side CUDA stream; "
+            "kimi_tools/train/activations.py); around a recomputed block it holds the block's inputs; the same "
+            "numbers (default %(default)s)",
+            numbers=False,
+            choices=OFFLOAD_MODES,
+        ),
+    )
+    offload_layers: str | None = field(
+        default=None,
+        metadata=arg(
+            "with --offload-activations: the layer kinds it applies to (as --recompute-layers); default every layer",
+            numbers=False,
+            metavar="KIND,...",
         ),
     )
     fp8: str | None = field(
@@ -613,11 +646,12 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"--recompute-mode: got {a.recompute_mode!r} without --recompute, expected --recompute too")
     if a.recompute_full_layers < 0:
         raise ValueError(f"--recompute-full-layers: got {a.recompute_full_layers}, expected >= 0")
-    if a.recompute_full_layers and (not a.recompute or a.recompute_mode != "mlp"):
+    if a.recompute_full_layers and (not a.recompute or a.recompute_mode == "layer"):
         raise ValueError(
             f"--recompute-full-layers: got {a.recompute_full_layers}, expected it only with --recompute "
-            "--recompute-mode mlp"
+            "--recompute-mode mlp or attn"
         )
+    _check_activation_policy(a)
     lora_opts = (a.lora_alpha, a.lora_targets, a.lora_dropout or None)
     if a.lora_rank is None and any(o is not None for o in lora_opts):
         raise ValueError("--lora-alpha/--lora-dropout/--lora-targets: given without --lora-rank, expected it too")
@@ -654,6 +688,58 @@ def default_batch_tokens(micro_batch_tokens: int, microbatches: int) -> int:
     micro-batch per data-parallel rank and pipeline stage, as torchtitan's and Megatron's global batch defaults
     to the local batch times ``dp``, so that the command of one process runs unchanged under any layout."""
     return micro_batch_tokens * microbatches
+
+
+def parse_layer_kinds(value: str | None, flag: str) -> tuple[str, ...] | None:
+    """``"kda,dsa"`` -> ``("kda", "dsa")`` in :data:`LAYER_KINDS` order; None (every kind) stays None.
+
+    Raises:
+        ValueError: an empty list or a name outside :data:`LAYER_KINDS`, naming ``flag``.
+    """
+    if value is None:
+        return None
+    names = [s.strip() for s in str(value).split(",") if s.strip()]
+    bad = [n for n in names if n not in LAYER_KINDS]
+    if bad or not names:
+        raise ValueError(f"{flag}: got {value!r}, expected kinds from {list(LAYER_KINDS)}, comma-separated")
+    return tuple(k for k in LAYER_KINDS if k in names)
+
+
+def _check_activation_policy(a: TrainArgs) -> None:
+    """The layer kinds of ``--recompute-layers`` / ``--offload-layers`` (normalised to :data:`LAYER_KINDS` order)
+    and what does not compose: offload under ``--compile``, a kinds flag without its policy, and an attention or MLP
+    offload on layers that ``--recompute-mode layer`` recomputes whole (the per-layer check, with
+    ``--recompute-full-layers``, is ``kimi_tools.train.activations.offload_activations``'s)."""
+    if a.offload_activations not in OFFLOAD_MODES:
+        raise ValueError(f"--offload-activations: got {a.offload_activations!r}, expected one of {list(OFFLOAD_MODES)}")
+    rk = parse_layer_kinds(a.recompute_layers, "--recompute-layers")
+    ok = parse_layer_kinds(a.offload_layers, "--offload-layers")
+    if rk is not None and not a.recompute:
+        raise ValueError(
+            f"--recompute-layers: got {a.recompute_layers!r} without --recompute, expected --recompute too"
+        )
+    if ok is not None and a.offload_activations == "none":
+        raise ValueError(
+            f"--offload-layers: got {a.offload_layers!r} with --offload-activations none, expected a mode "
+            "(all, attn or mlp)"
+        )
+    a.recompute_layers = None if rk is None else ",".join(rk)
+    a.offload_layers = None if ok is None else ",".join(ok)
+    if a.offload_activations == "none":
+        return
+    if a.compile:
+        raise ValueError(
+            f"--offload-activations: got {a.offload_activations} with --compile, expected one of them (the "
+            "offload's saved-tensor hooks were not tried inside compiled blocks)"
+        )
+    both = set(rk or LAYER_KINDS) & set(ok or LAYER_KINDS)
+    if a.recompute and a.recompute_mode == "layer" and a.offload_activations != "all" and both:
+        raise ValueError(
+            f"--offload-activations: got {a.offload_activations} with --recompute-mode layer on the same layers "
+            f"({','.join(k for k in LAYER_KINDS if k in both)}): a layer recomputed whole keeps no block activation "
+            "to offload; expected all (the layer inputs on the host), another --recompute-mode, or disjoint "
+            "--recompute-layers / --offload-layers"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint

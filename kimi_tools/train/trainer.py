@@ -27,6 +27,7 @@ from kimi_tools.train.args import (
     TrainArgs,
     default_batch_tokens,
     fingerprint,
+    parse_layer_kinds,
     parse_save_every,
     resolve,
     resume_defaults,
@@ -83,6 +84,11 @@ class TrainResult:
     def final_loss(self) -> float | None:
         losses = [r["loss"] for r in self.records if r.get("loss") is not None]
         return losses[-1] if losses else None
+
+
+def _kinds(kinds: str | None) -> str:
+    """The header's ``", kda,dsa layers"`` of ``--recompute-layers`` / ``--offload-layers`` (``""``: every layer)."""
+    return f", {kinds} layers" if kinds else ""
 
 
 def _eval_source(a: TrainArgs) -> str:
@@ -262,7 +268,16 @@ class Trainer:
             self.optimizer, warmup_steps=a.warmup_steps, total_steps=a.steps, min_lr_ratio=a.min_lr_ratio
         )
         if a.recompute:
-            recompute_layers(model, a.recompute_mode, a.recompute_full_layers)
+            recompute_layers(
+                model,
+                a.recompute_mode,
+                a.recompute_full_layers,
+                parse_layer_kinds(a.recompute_layers, "--recompute-layers"),
+            )
+        if a.offload_activations != "none":  # around the recomputed blocks: they keep only their inputs
+            from kimi_tools.train.activations import offload_activations
+
+            offload_activations(model, a.offload_activations, parse_layer_kinds(a.offload_layers, "--offload-layers"))
         if a.compile:  # after every wrapper the blocks run under (conversions, LoRA, recomputation)
             from kernels_torch.compile import compile_blocks
 
@@ -619,9 +634,14 @@ class Trainer:
             + (f" (LoRA rank {a.lora_rank})" if self.lora_settings is not None else "")
             + (f"; stage {a.stage}" if a.stage != "lm" else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
-            + (f", recompute ({a.recompute_mode})" if a.recompute else "")
+            + (f", recompute ({a.recompute_mode}{_kinds(a.recompute_layers)})" if a.recompute else "")
             + (f", compiled blocks ({a.compile_backend})" if a.compile else "")
             + (f", the first {a.recompute_full_layers} layers whole" if a.recompute_full_layers else "")
+            + (
+                f", activations offloaded to the host ({a.offload_activations}{_kinds(a.offload_layers)})"
+                if a.offload_activations != "none"
+                else ""
+            )
             + "".join(f"; {c}" for c in self.conversions)
             + f"\n  data: {self.num_docs} documents, {self.num_tokens:,} tokens ({self.tokenizer.name}); eval "
             f"{sum(b.num_tokens for b in self.evals):,} tokens"
