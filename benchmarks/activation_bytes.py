@@ -3,9 +3,9 @@
 One decoder layer of each kind of a preset (default ``k3.1-pro``: ``dense`` layer 0, the first ``kda`` and the first
 ``dsa`` MoE layer, ``kernels_torch.model.DecoderLayer`` at the preset's real dimensions) runs one forward of ``--seq-len``
 tokens in bf16 with autograd on, under each policy of ``--policies`` (``RECOMPUTE+OFFLOAD`` words: recompute ``none``,
-``attn``, ``mlp`` or ``layer`` (``kimi_tools.train.recompute_layers``), offload ``none``, ``all``, ``attn`` or ``mlp``
-(``kimi_tools.train.activations.offload_activations``)). For each it counts, through
-``kimi_tools.train.activations.saved_bytes_by_block`` (``saved_tensors_hooks``, each storage once, parameters not
+``attn``, ``mlp`` or ``layer`` (``kernels_torch.activation_memory.recompute_layers``), offload ``none``, ``all``, ``attn`` or ``mlp``
+(``kernels_torch.activation_memory.offload_activations``)). For each it counts, through
+``kernels_torch.activation_memory.saved_bytes_by_block`` (``saved_tensors_hooks``, each storage once, parameters not
 counted), the bytes autograd keeps on the device until the backward, for the layer and its attention and MLP / MoE
 blocks, and the bytes the offload holds in host memory; both divided by the token count. The backward is not run.
 
@@ -37,11 +37,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels_torch.activation_memory import (  # noqa: E402
+    layer_kind,
+    offload_activations,
+    recompute_layers,
+    saved_bytes_by_block,  # noqa: E402
+)
 from kernels_torch.model import DecoderLayer  # noqa: E402
 from kernels_torch.parallel.pipeline import sources_after  # noqa: E402
 from kimi.config import load_config  # noqa: E402
-from kimi_tools.train import recompute_layers  # noqa: E402
-from kimi_tools.train.activations import layer_kind, offload_activations, saved_bytes_by_block  # noqa: E402
 
 POLICIES = ("none+none", "attn+none", "mlp+none", "layer+none", "none+attn", "none+mlp", "none+all", "attn+mlp",
             "mlp+attn", "layer+all")  # fmt: skip

@@ -1,6 +1,6 @@
 """The host copy rate of activation offload: device -> pinned host and back, GB/s, from 1 MB to 1 GB (CUDA only).
 
-``kimi train --offload-activations`` (``kimi_tools.train.activations.save_on_host``) copies each saved tensor into a
+``kimi train --offload-activations`` (``kernels_torch.activation_memory.save_on_host``) copies each saved tensor into a
 pinned host tensor by a ``non_blocking`` copy on a side CUDA stream in the forward, and back on the compute stream
 when the backward reads it. This measures those two copies as the hooks issue them, per size:
 

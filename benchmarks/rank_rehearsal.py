@@ -14,7 +14,7 @@ The rank holds:
 * its FSDP2 shards as flat buffers of the planner's sizes (parameters, gradients and optimizer states; those byte
   counts are the meta model's, ``tests/test_plan.py``);
 * the activations of the micro-batches in flight on that stage under 1F1B (``min(pp - s, m)`` forwards before the
-  first backward), with the planner's recomputation mode (``kimi_tools.train.recompute_layers``).
+  first backward), with the planner's recomputation mode (``kernels_torch.activation_memory.recompute_layers``).
 
 The stage is the trainer's pipeline stage module (``kernels_torch.parallel.pipeline.split_stage``): the first stage
 takes token ids, a later one a random received state ``[M, 1, T, D]`` (the AttnRes blocks so far and the partial
@@ -122,8 +122,8 @@ def build_stage(cfg, row: dict, device: str, lora_rank: int | None) -> nn.Module
 def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: int = 0) -> dict:
     """Materialise the rank of ``row`` (a ``kimi plan`` layout) on ``device``, run its in-flight micro-batches'
     forwards and backwards, and return the prediction beside the measurement (bytes, seconds)."""
+    from kernels_torch.activation_memory import recompute_layers
     from kernels_torch.parallel.pipeline import sources_after
-    from kimi_tools.train import recompute_layers
 
     torch.manual_seed(seed)
     cfg = load_config(preset)

@@ -20,7 +20,7 @@ intermediates: about 1.3 MB per token in the dense layer 0 alone); rows in ``--s
 there is the row that asks whether the chunked loss lets a whole 32K step fit). Each row is written to ``--out`` as
 it finishes.
 ``--offload-activations all|attn|mlp`` keeps, in every row, what each layer (or block) saves for the backward in
-pinned host memory (``kimi_tools.train.activations.offload_activations``, kimi train's flag; the row's
+pinned host memory (``kernels_torch.activation_memory.offload_activations``, kimi train's flag; the row's
 ``offload_activations``); ``benchmarks/offload_copy.py`` measures the copy rate alone.
 The script sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the variable is already set.
 
@@ -73,12 +73,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _timing import time_ms  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from kernels_torch import kernel_choice  # noqa: E402
+from kernels_torch.activation_memory import offload_activations, recompute_layers  # noqa: E402
 from kernels_torch.loss import default_chunk_size  # noqa: E402
 from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi.layout import param_layout  # noqa: E402
-from kimi_tools.train import recompute_layers  # noqa: E402
-from kimi_tools.train.activations import offload_activations  # noqa: E402
 from kimi_tools.train.args import OFFLOAD_MODES, RECOMPUTE_MODES  # noqa: E402
 
 

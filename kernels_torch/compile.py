@@ -62,7 +62,7 @@ def _mark_cu_seqlens_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> No
 
 def _checkpointed_forward(layer: nn.Module) -> functools.partial | None:
     """The ``functools.partial(torch.utils.checkpoint.checkpoint, forward, ...)`` that whole-layer recomputation
-    (``kimi_tools.train.recompute_layers``, mode ``layer``) puts in place of ``layer.forward``, or None. (Its MLP-only
+    (``kernels_torch.activation_memory.recompute_layers``, mode ``layer``) puts in place of ``layer.forward``, or None. (Its MLP-only
     and attention-only modes wrap ``feed_forward`` / ``attention`` inside the forward, which dynamo traces as a
     checkpointed region.)"""
     import torch.utils.checkpoint

@@ -438,7 +438,7 @@ def layer_activation_bytes(cfg: KimiConfig, i: int, mode: str = "none", full_lay
       routed slot its rows in and out (``2 Dl + 4 Dl``) and its GLU (``6 I``), the latent norm, up projection and
       shared experts (``6 I x shared``).
 
-    ``mode`` "mlp" (``kimi_tools.train.recompute_layers(model, "mlp", full_layers)``): the MLP / MoE block with its
+    ``mode`` "mlp" (``kernels_torch.activation_memory.recompute_layers(model, "mlp", full_layers)``): the MLP / MoE block with its
     norm keeps only its input (``2 D``), and the first ``full_layers`` layers, recomputed whole, only theirs.
     The count is what a layer saves up to one constant: the planner scales it by each calibration step's measured
     bytes (:class:`Calibration`); ``tests/test_plan.py`` checks its shape against autograd's saved tensors.
@@ -689,7 +689,7 @@ def held_per_microbatch(
     cfg: KimiConfig, layers: range, T: int, *, first: bool, last: bool, lm_head_grad: bool = True
 ) -> int:
     """Bytes one in-flight micro-batch keeps on a pipeline stage between its forward and its backward when every
-    layer is recomputed (``kimi_tools.train.recompute_layers(model, "layer")``), in units of ``u = T x D x 2``
+    layer is recomputed (``kernels_torch.activation_memory.recompute_layers(model, "layer")``), in units of ``u = T x D x 2``
     (bf16 activations, ``T`` tokens per rank), as the stage module (``kernels_torch.parallel.pipeline.
     PipelineStageModule``) and the schedule keep them:
 

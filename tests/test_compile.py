@@ -130,10 +130,10 @@ def test_compile_blocks_model_loss_and_grads():
     "mode, full_layers", [("layer", 0), ("mlp", 1), ("attn", 0)], ids=["layer", "mlp-first-whole", "attn"]
 )
 def test_compiled_blocks_under_recomputation_match_eager(mode, full_layers):
-    """``compile_blocks`` after ``kimi_tools.train.recompute_layers`` (the trainer's order): whole layers compiled
+    """``compile_blocks`` after ``kernels_torch.activation_memory.recompute_layers`` (the trainer's order): whole layers compiled
     inside their checkpoint, MLP-only and attention-only recomputation traced inside the compiled layer. The loss and every gradient
     equal eager recomputation's, with 0 graph breaks, over two micro-batches of other document counts."""
-    from kimi_tools.train import recompute_layers
+    from kernels_torch.activation_memory import recompute_layers
 
     cfg = load_config("tiny").truncated(4)
     eager, model = _twins(cfg)

@@ -682,9 +682,10 @@ def test_fp8_with_recomputation_gives_the_same_loss_and_grads():
     equal those without recomputation, bit for bit on the CPU."""
     from test_train import _packed_batch
 
+    from kernels_torch.activation_memory import recompute_layers
     from kernels_torch.model import model_from_params
     from kimi.init import init_params
-    from kimi_tools.train import LMStage, recompute_layers
+    from kimi_tools.train import LMStage
 
     full = load_config("tiny")
     cfg = full.truncated(4)

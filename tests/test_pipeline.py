@@ -356,15 +356,15 @@ def _cp_worker(
     """pp2 x cp2 on 4 ranks (mesh ``(pp, cp)``): every row cut into 2 context shards (documents cross the cut),
     each stage setting the shard of the micro-batch it runs; the parameters' gradients summed over cp. Each run
     ``(schedule, stages_per_rank, layer_counts, recompute)`` in turn from the same initial weights; ``recompute``
-    None, or ``(mode, full_layers)`` of ``kimi_tools.train.recompute_layers``; ``steps`` AdamW steps each."""
+    None, or ``(mode, full_layers)`` of ``kernels_torch.activation_memory.recompute_layers``; ``steps`` AdamW steps each."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
+        from kernels_torch.activation_memory import recompute_layers
         from kernels_torch.parallel.context import ContextParallel, shard_bounds
         from kernels_torch.parallel.pipeline import Pipeline
-        from kimi_tools.train.weights import recompute_layers
 
         ref = torch.load(ref_path)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))

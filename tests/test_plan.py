@@ -330,8 +330,8 @@ def test_held_per_microbatch_equals_what_autograd_keeps(preset, counts, lm_head_
     (:func:`kimi_tools.plan.held_per_microbatch`: layer inputs, the received and the sent state, the last stage's
     output mix, norm and loss) against the tensors autograd actually saves for every stage of a split bf16 model
     (TOL_HELD: the per-token fp32 scalars of the mix and the ids are not counted)."""
+    from kernels_torch.activation_memory import recompute_layers
     from kernels_torch.parallel.pipeline import sources_after, split_stage, stage_layout
-    from kimi_tools.train import recompute_layers
 
     TOL_HELD = 0.03
     torch.manual_seed(0)

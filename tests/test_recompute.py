@@ -1,5 +1,5 @@
-"""Selective recomputation and activation offload (``kimi_tools.train.recompute_layers``,
-``kimi_tools.train.activations``): every policy gives the loss and every gradient of no recomputation, bit for bit in
+"""Selective recomputation and activation offload (``kernels_torch.activation_memory.recompute_layers``,
+``kernels_torch.activation_memory``): every policy gives the loss and every gradient of no recomputation, bit for bit in
 fp64 on the CPU over two optimizer steps; each recomputes or offloads the block it names, in the layer kinds it
 names; what does not compose is refused in one line; ``kimi train`` records the policy.
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from kernels_torch.activation_memory import layer_kind, offload_activations, recompute_layers, saved_bytes_by_block
 from kimi_tools.data import PackedLoader
-from kimi_tools.train import LMStage, TrainArgs, recompute_layers, train
-from kimi_tools.train.activations import layer_kind, offload_activations, saved_bytes_by_block
+from kimi_tools.train import LMStage, TrainArgs, train
 from kimi_tools.train.args import resolve
 
 LR = 1e-2  # the SGD step between the two compared steps (moves every weight well past fp64 rounding)
@@ -205,3 +205,14 @@ def test_kimi_train_runs_and_records_the_policy(tmp_path, capsys):
     assert {k: args[k] for k in (*policy, "offload_layers")} == {**policy, "offload_layers": None}
     header = capsys.readouterr().out.splitlines()[0]
     assert "recompute (attn, kda layers), activations offloaded to the host (mlp)" in header, header
+
+
+def test_train_args_spell_the_modes_of_activation_memory():
+    """``kimi_tools.train.args`` spells the recompute / offload modes and layer kinds without importing torch; they
+    are ``kernels_torch.activation_memory``'s."""
+    from kernels_torch import activation_memory as am
+    from kimi_tools.train import args
+
+    assert args.RECOMPUTE_MODES == am.RECOMPUTE_MODES
+    assert args.OFFLOAD_MODES == am.OFFLOAD_MODES
+    assert args.LAYER_KINDS == am.LAYER_KINDS

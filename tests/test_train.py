@@ -179,7 +179,7 @@ def test_recompute_gives_the_same_loss_and_grads(tiny4):
     """--recompute in every mode (whole layer; MLP / MoE block only; the first N layers whole and the others' MLP)
     gives the loss and every gradient of no recomputation, bit for bit on CPU, and recomputes what it says: the
     MLP of every layer, the attention of the whole-layer ones; a bad mode or layer count is refused by name."""
-    from kimi_tools.train import recompute_layers
+    from kernels_torch.activation_memory import recompute_layers
 
     cfg, make = tiny4
     batch = _packed_batch()

@@ -331,7 +331,7 @@ class ContextParallel:
     runs again in the backward (activation recomputation, ``torch.utils.checkpoint``) must see the shard of its
     first run, whatever :meth:`shard` was called since (a pipeline stage runs later micro-batches' forwards before
     an earlier one's backward): pass ``context_fn=recompute_context`` to the checkpoint around any layer
-    (``kimi_tools.train.recompute_layers`` does).
+    (``kernels_torch.activation_memory.recompute_layers`` does).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised; a forward whose token count is not the current

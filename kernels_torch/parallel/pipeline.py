@@ -70,7 +70,7 @@ The other dimensions, and what remains:
   by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
   before its layers run. A layer recomputed in the backward (``torch.utils.checkpoint``, e.g.
-  ``kimi_tools.train.recompute_layers``) runs after later micro-batches' forwards set their shards: its checkpoint
+  ``kernels_torch.activation_memory.recompute_layers``) runs after later micro-batches' forwards set their shards: its checkpoint
   takes ``context_fn=kernels_torch.parallel.context.recompute_context``, which replays it with the shard of its
   forward (tested here: 1F1B, Interleaved1F1B and GPipe, whole layers and the MLP-only mode, fp64). With FSDP2 over
   ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` makes

@@ -46,7 +46,7 @@ What a run does, in order:
    ``dt_bias``), warm-up + cosine (:func:`lr_multiplier`: step k applies ``lr * lr_multiplier(k - 1)``), gradient
    clipping at ``--grad-clip`` (the record holds the norm before clipping), per-layer activation recomputation with
    ``--recompute`` (``--recompute-mode layer | mlp | attn``, ``--recompute-layers`` by layer kind) and activation
-   offload to host memory (``--offload-activations all | attn | mlp``: :mod:`~kimi_tools.train.activations`).
+   offload to host memory (``--offload-activations all | attn | mlp``: :mod:`~kernels_torch.activation_memory`).
 6. **Output folder** ``--out``: ``run.json`` (resolved arguments, model config, fingerprint); ``metrics.jsonl``
    (one record per step, keys :data:`RECORD_KEYS` plus the stage's metrics; a ``step`` 0 record holds the first
    eval loss); ``step-N/`` resume states (trainable weights as fp32 masters, AdamW, schedule, data position, RNG,
@@ -85,7 +85,6 @@ from kimi_tools.train.metrics import RECORD_KEYS
 from kimi_tools.train.schedule import lr_multiplier
 from kimi_tools.train.stages import STAGES, LMStage, Stage
 from kimi_tools.train.trainer import Trainer, TrainResult, train
-from kimi_tools.train.weights import recompute_layers
 
 __all__ = [
     "TrainArgs",
@@ -99,7 +98,6 @@ __all__ = [
     "STAGES",
     "RECORD_KEYS",
     "DIVERGED",
-    "recompute_layers",
     "add_parser",
     "cmd_train",
 ]

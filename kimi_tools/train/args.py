@@ -51,8 +51,8 @@ __all__ = [
 ]
 
 RECOMPUTE_MODES = ("layer", "mlp", "attn")  # the whole decoder layer, its MLP / MoE block, its attention block
-OFFLOAD_MODES = ("none", "all", "attn", "mlp")  # kimi_tools.train.activations.offload_activations
-LAYER_KINDS = ("dense", "kda", "dsa", "mla")  # kimi_tools.train.activations.layer_kind
+OFFLOAD_MODES = ("none", "all", "attn", "mlp")  # kernels_torch.activation_memory.offload_activations
+LAYER_KINDS = ("dense", "kda", "dsa", "mla")  # kernels_torch.activation_memory.layer_kind
 # Fields added after runs were written, whose default (None or False) is the behaviour from before them: left out of
 # the fingerprint at that default, so a run written before they existed still resumes.
 ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim")
@@ -255,7 +255,7 @@ class TrainArgs:
         metadata=arg(
             "keep the activations of each decoder layer (all), of its attention block (attn) or of its MLP / MoE "
             "block (mlp) in pinned host memory between the forward and the backward (copied on a side CUDA stream; "
-            "kimi_tools/train/activations.py); around a recomputed block it holds the block's inputs; the same "
+            "kernels_torch/activation_memory.py); around a recomputed block it holds the block's inputs; the same "
             "numbers (default %(default)s)",
             numbers=False,
             choices=OFFLOAD_MODES,
@@ -709,7 +709,7 @@ def _check_activation_policy(a: TrainArgs) -> None:
     """The layer kinds of ``--recompute-layers`` / ``--offload-layers`` (normalised to :data:`LAYER_KINDS` order)
     and what does not compose: offload under ``--compile``, a kinds flag without its policy, and an attention or MLP
     offload on layers that ``--recompute-mode layer`` recomputes whole (the per-layer check, with
-    ``--recompute-full-layers``, is ``kimi_tools.train.activations.offload_activations``'s)."""
+    ``--recompute-full-layers``, is ``kernels_torch.activation_memory.offload_activations``'s)."""
     if a.offload_activations not in OFFLOAD_MODES:
         raise ValueError(f"--offload-activations: got {a.offload_activations!r}, expected one of {list(OFFLOAD_MODES)}")
     rk = parse_layer_kinds(a.recompute_layers, "--recompute-layers")

@@ -56,7 +56,6 @@ from kimi_tools.train.weights import (
     freeze,
     load_run_config,
     materialise,
-    recompute_layers,
 )
 
 if TYPE_CHECKING:
@@ -268,6 +267,8 @@ class Trainer:
             self.optimizer, warmup_steps=a.warmup_steps, total_steps=a.steps, min_lr_ratio=a.min_lr_ratio
         )
         if a.recompute:
+            from kernels_torch.activation_memory import recompute_layers
+
             recompute_layers(
                 model,
                 a.recompute_mode,
@@ -275,7 +276,7 @@ class Trainer:
                 parse_layer_kinds(a.recompute_layers, "--recompute-layers"),
             )
         if a.offload_activations != "none":  # around the recomputed blocks: they keep only their inputs
-            from kimi_tools.train.activations import offload_activations
+            from kernels_torch.activation_memory import offload_activations
 
             offload_activations(model, a.offload_activations, parse_layer_kinds(a.offload_layers, "--offload-layers"))
         if a.compile:  # after every wrapper the blocks run under (conversions, LoRA, recomputation)

@@ -14,7 +14,6 @@ each rank's shards only. Parameters stay in the checkpoint's dtypes (``A_log``, 
 from __future__ import annotations
 
 import fnmatch
-import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -33,7 +32,6 @@ __all__ = [
     "CONVERTERS",
     "convert_model",
     "freeze",
-    "recompute_layers",
     "MasterWeights",
     "OptimizerState",
     "decays",
@@ -193,65 +191,6 @@ def freeze(model: nn.Module, stage, patterns: list[str]) -> None:
     for n, p in model.named_parameters():
         if p.requires_grad and (not stage.trainable(n) or any(fnmatch.fnmatchcase(n, pat) for pat in patterns)):
             p.requires_grad_(False)
-
-
-def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0, kinds=None) -> None:
-    """Activation recomputation (``torch.utils.checkpoint``, non-reentrant) on every decoder layer of ``model``:
-    ``layer`` wraps the whole layer (it keeps only its inputs for the backward; its forward runs twice); ``mlp`` only
-    its MLP / MoE block (``DecoderLayer.feed_forward``: the attention keeps its activations; the block's forward runs
-    twice); ``attn`` only its attention block (``DecoderLayer.attention``: ``input_layernorm`` and the KDA or MLA
-    attention; the MLP / MoE keeps its activations). On the H200, 4 real-dimension layers at 32K tokens (benchmark
-    5): ``layer`` 63 GiB and 44.6% MFU, ``mlp`` 120 GiB and 52.0%, none out of memory. Gradients are the same in
-    every mode (the same ops, recomputed in order). A block that reads context parallelism's current shard (a whole
-    layer, an attention block) is recomputed with the shard of its forward
-    (``kernels_torch.parallel.context.recompute_context``), also under a pipeline schedule.
-
-    ``full_layers`` (``mlp`` or ``attn``) recomputes the first ``full_layers`` decoder layers whole and the others'
-    block: Megatron-LM's "block" recomputation, a memory knob between the modes (each whole layer frees its
-    attention activations, about 14 GiB per real-dimension layer at 32K tokens, for one more attention forward).
-
-    ``kinds`` (``--recompute-layers``): the layer kinds (``kimi_tools.train.activations.layer_kind``: ``dense``,
-    ``kda``, ``dsa``, ``mla``) the mode applies to; None: every layer. The first ``full_layers`` layers are recomputed
-    whole whatever their kind.
-
-    Raises:
-        ValueError: ``mode`` not in :data:`kimi_tools.train.args.RECOMPUTE_MODES`; ``full_layers`` negative, beyond
-            the model's layer count, or non-zero with ``mode="layer"``; a kind outside ``LAYER_KINDS``.
-    """
-    import torch.utils.checkpoint
-
-    from kernels_torch.parallel.context import cp_attached, recompute_context
-    from kimi_tools.train.args import RECOMPUTE_MODES
-
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"--recompute-mode: got {mode!r}, expected one of {list(RECOMPUTE_MODES)}")
-    layers = model.model.layers
-    if not isinstance(full_layers, int) or not 0 <= full_layers <= len(layers):
-        raise ValueError(f"--recompute-full-layers: got {full_layers!r}, expected an int in [0, {len(layers)}]")
-    if full_layers and mode == "layer":
-        raise ValueError(
-            f"--recompute-full-layers: got {full_layers} with --recompute-mode {mode}, expected mode mlp or attn "
-            "(mode layer recomputes every layer whole already)"
-        )
-    from kimi_tools.train.activations import BLOCKS, layer_kind
-    from kimi_tools.train.args import LAYER_KINDS
-
-    if any(k not in LAYER_KINDS for k in kinds or ()):
-        raise ValueError(f"--recompute-layers: got {','.join(kinds)!r}, expected kinds from {list(LAYER_KINDS)}")
-    # a pipeline rank's module (kernels_torch.parallel.pipeline.Pipeline.rank_module) holds its layers in a
-    # ModuleDict keyed by their index in the whole model
-    items = [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
-    for i, layer in items:
-        if i >= full_layers and kinds is not None and layer_kind(layer.config, i) not in kinds:
-            continue
-        name = "forward" if mode == "layer" or i < full_layers else BLOCKS[mode]
-        kw = {"use_reentrant": False}
-        if name != "feed_forward" and cp_attached():
-            # the token mixers read context parallelism's current shard: the recomputation gets its forward's (a
-            # pipeline stage runs later micro-batches' forwards before this one's backward); without context
-            # parallelism no context_fn, so that torch.compile (which takes none) traces the attention block
-            kw["context_fn"] = recompute_context
-        setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, getattr(layer, name), **kw))
 
 
 class MasterWeights:

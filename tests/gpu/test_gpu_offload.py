@@ -1,4 +1,4 @@
-"""Activation offload on CUDA (``kimi_tools.train.activations.save_on_host``): the saved tensors go to pinned host
+"""Activation offload on CUDA (``kernels_torch.activation_memory.save_on_host``): the saved tensors go to pinned host
 memory on a side stream and come back for the backward. The tiny model on the ``sdpa`` backend in fp32, each offload
 mode alone and around a recomputed block: the loss and every gradient equal no offload's bit for bit (the same
 kernels on the same values; a copy read before its side-stream copy finished, or a device tensor reused before it
@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels_torch.activation_memory import offload_activations, recompute_layers, save_on_host
 from kernels_torch.model import KimiK3Model
 from kimi.config import load_config
-from kimi_tools.train import recompute_layers
-from kimi_tools.train.activations import offload_activations, save_on_host
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -6,14 +6,14 @@ Three regions of a :class:`kernels_torch.model.DecoderLayer` can be wrapped (:da
 / MoE block (``feed_forward``: ``post_attention_layernorm`` and the dense MLP or the MoE). The AttnRes depth mixes and
 the residual adds sit between the blocks, in the layer's forward only.
 
-* Recomputation (``kimi_tools.train.recompute_layers``) wraps a region in non-reentrant ``torch.utils.checkpoint``.
+* Recomputation (:func:`recompute_layers`) wraps a region in non-reentrant ``torch.utils.checkpoint``.
 * Offload (:func:`offload_activations`) runs a region under :class:`save_on_host`, torch's
   ``saved_tensors_hooks``: every tensor the region's autograd graph saves (its activations; never a parameter or a
   view of one) is copied to pinned host memory in the forward, on a side CUDA stream, and copied back when the
   backward reads it. On a CPU the copy is a plain host copy (the same code path, for the tests).
 * :func:`saved_bytes_by_block` counts the bytes each region saves, per layer (``benchmarks/activation_bytes.py``).
 
-Layer kinds (:data:`kimi_tools.train.args.LAYER_KINDS`, :func:`layer_kind`): ``dense`` is a layer whose feed-forward
+Layer kinds (:data:`LAYER_KINDS`, :func:`layer_kind`): ``dense`` is a layer whose feed-forward
 is the dense MLP (the first ``first_k_dense_replace`` layers, whatever their attention), the others are named by
 their attention: ``kda``, ``dsa`` (MLA with the indexer) or ``mla``. Each layer has exactly one kind.
 
@@ -37,22 +37,28 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kimi_tools.train.args import LAYER_KINDS, OFFLOAD_MODES, parse_layer_kinds
-
 if TYPE_CHECKING:
     from kimi.config import KimiConfig
 
 __all__ = [
+    "RECOMPUTE_MODES",
+    "OFFLOAD_MODES",
+    "LAYER_KINDS",
     "BLOCKS",
     "MIN_OFFLOAD_BYTES",
     "layer_kind",
-    "parse_layer_kinds",
+    "recompute_layers",
     "decoder_layers",
     "save_on_host",
     "offload_activations",
     "saved_bytes_by_block",
 ]
 
+# kimi train's --recompute-mode, --offload-activations and layer kinds (kimi_tools.train.args spells the same tuples
+# without importing torch; tests/test_recompute.py checks they agree)
+RECOMPUTE_MODES = ("layer", "mlp", "attn")  # the whole decoder layer, its MLP / MoE block, its attention block
+OFFLOAD_MODES = ("none", "all", "attn", "mlp")
+LAYER_KINDS = ("dense", "kda", "dsa", "mla")
 # the method of a DecoderLayer each recompute / offload region wraps
 BLOCKS = {"layer": "forward", "all": "forward", "attn": "attention", "mlp": "feed_forward"}
 # tensors below this stay on the device: a copy's fixed cost (a few microseconds) outweighs the bytes (torchtune's
@@ -71,6 +77,61 @@ def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     ``model.layers`` list, or a pipeline rank's module, which keys them by their index in a ``ModuleDict``."""
     layers = model.model.layers
     return [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
+
+
+def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0, kinds=None) -> None:
+    """Activation recomputation (``torch.utils.checkpoint``, non-reentrant) on every decoder layer of ``model``:
+    ``layer`` wraps the whole layer (it keeps only its inputs for the backward; its forward runs twice); ``mlp`` only
+    its MLP / MoE block (``DecoderLayer.feed_forward``: the attention keeps its activations; the block's forward runs
+    twice); ``attn`` only its attention block (``DecoderLayer.attention``: ``input_layernorm`` and the KDA or MLA
+    attention; the MLP / MoE keeps its activations). On the H200, 4 real-dimension layers at 32K tokens (benchmark
+    5): ``layer`` 63 GiB and 44.6% MFU, ``mlp`` 120 GiB and 52.0%, none out of memory. Gradients are the same in
+    every mode (the same ops, recomputed in order). A block that reads context parallelism's current shard (a whole
+    layer, an attention block) is recomputed with the shard of its forward
+    (``kernels_torch.parallel.context.recompute_context``), also under a pipeline schedule.
+
+    ``full_layers`` (``mlp`` or ``attn``) recomputes the first ``full_layers`` decoder layers whole and the others'
+    block: Megatron-LM's "block" recomputation, a memory knob between the modes (each whole layer frees its
+    attention activations, about 14 GiB per real-dimension layer at 32K tokens, for one more attention forward).
+
+    ``kinds`` (``--recompute-layers``): the layer kinds (:func:`layer_kind`: ``dense``,
+    ``kda``, ``dsa``, ``mla``) the mode applies to; None: every layer. The first ``full_layers`` layers are recomputed
+    whole whatever their kind.
+
+    Raises:
+        ValueError: ``mode`` not in :data:`RECOMPUTE_MODES`; ``full_layers`` negative, beyond
+            the model's layer count, or non-zero with ``mode="layer"``; a kind outside ``LAYER_KINDS``.
+    """
+    import torch.utils.checkpoint
+
+    from kernels_torch.parallel.context import cp_attached, recompute_context
+
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"--recompute-mode: got {mode!r}, expected one of {list(RECOMPUTE_MODES)}")
+    layers = model.model.layers
+    if not isinstance(full_layers, int) or not 0 <= full_layers <= len(layers):
+        raise ValueError(f"--recompute-full-layers: got {full_layers!r}, expected an int in [0, {len(layers)}]")
+    if full_layers and mode == "layer":
+        raise ValueError(
+            f"--recompute-full-layers: got {full_layers} with --recompute-mode {mode}, expected mode mlp or attn "
+            "(mode layer recomputes every layer whole already)"
+        )
+    if any(k not in LAYER_KINDS for k in kinds or ()):
+        raise ValueError(f"--recompute-layers: got {','.join(kinds)!r}, expected kinds from {list(LAYER_KINDS)}")
+    # a pipeline rank's module (kernels_torch.parallel.pipeline.Pipeline.rank_module) holds its layers in a
+    # ModuleDict keyed by their index in the whole model
+    items = [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
+    for i, layer in items:
+        if i >= full_layers and kinds is not None and layer_kind(layer.config, i) not in kinds:
+            continue
+        name = "forward" if mode == "layer" or i < full_layers else BLOCKS[mode]
+        kw = {"use_reentrant": False}
+        if name != "feed_forward" and cp_attached():
+            # the token mixers read context parallelism's current shard: the recomputation gets its forward's (a
+            # pipeline stage runs later micro-batches' forwards before this one's backward); without context
+            # parallelism no context_fn, so that torch.compile (which takes none) traces the attention block
+            kw["context_fn"] = recompute_context
+        setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, getattr(layer, name), **kw))
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -174,7 +235,7 @@ def offload_activations(model: nn.Module, mode: str, kinds: tuple[str, ...] | No
     with every forward).
 
     Raises:
-        ValueError: ``mode`` outside :data:`kimi_tools.train.args.OFFLOAD_MODES`, a kind outside
+        ValueError: ``mode`` outside :data:`OFFLOAD_MODES`, a kind outside
             :data:`LAYER_KINDS`, or ``attn`` / ``mlp`` on a layer recomputed whole (the offload would sit inside the
             checkpoint and take its saved tensors).
     """
