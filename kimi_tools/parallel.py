@@ -42,6 +42,14 @@ the gradient norm sums over ``pp`` (:attr:`TrainParallel.norm_group`; each rank'
 ``dp x cp`` and ``efsdp x ep`` meshes, its replicated tensors count once), the export per rank from its stages
 (``export_sharded``). Refused with ``--pp`` > 1: LoRA, the distillation stages and FP8 (:func:`refuse_pipeline`).
 
+Optimizer and offload policies: under ``--optimizer adamw-bf16`` the trainable bf16 parameters stay bf16 shards
+(``apply_fsdp(master_dtype=None)``: no fp32 masters; gradients reduce-scattered in fp32, then held in bf16), stepped
+by torchao's AdamW with bf16 moments (``kimi_tools.train.weights.build_optimizer``). ``--offload cpu`` passes FSDP2's
+``CPUOffloadPolicy`` (pinned host memory on CUDA) to every unit: the shards, their gradients and the optimizer state
+live on the host, and the optimizer steps there; the tensors FSDP2 leaves whole stay on the device. On CUDA the
+process group then gets a gloo backend for host tensors beside NCCL (``cpu:gloo,cuda:nccl``, as torchtitan does), for
+the gradient norm of host shards.
+
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
 """
@@ -90,10 +98,12 @@ class TrainParallel:
     Args:
         cp, dp, ep, pp: ``--cp``, ``--dp`` (None: the rest of the world), ``--ep``, ``--pp``. pp_schedule,
             pp_layout: ``--pp-schedule``, ``--pp-layout`` (the text). device: ``cpu`` (gloo) or ``cuda`` (NCCL).
-            world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1).
+            world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1). offload: ``--offload`` (``none``
+            or ``cpu``).
 
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
+            ``--offload cpu`` without torchrun;
             ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
             a ``--pp-layout`` that is not counts, or of a stage count
             the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
@@ -113,6 +123,7 @@ class TrainParallel:
         pp_schedule: str = "1F1B",
         pp_layout: str | None = None,
         world: int | None = None,
+        offload: str = "none",
     ):
         from kernels_torch.parallel.mesh import ParallelDims
         from kernels_torch.parallel.pipeline import SCHEDULES, parse_stage_layout
@@ -129,6 +140,11 @@ class TrainParallel:
                 raise ValueError(
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
                     "--nproc-per-node N -m kimi_tools.cli train ...)"
+                )
+            if offload != "none":
+                raise ValueError(
+                    f"--offload {offload}: given in one process, expected a launch under torchrun (it is FSDP2's "
+                    "CPUOffloadPolicy; one process keeps its weights and optimizer state on --device)"
                 )
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
@@ -174,13 +190,13 @@ class TrainParallel:
             )
         self.dims = ParallelDims(world, dp=dp, cp=cp, ep=ep, pp=pp)
         self.cp_size, self.dp_size, self.ep_size, self.pp_size, self.device = cp, dp, ep, pp, device
-        self.pp_schedule = pp_schedule
+        self.pp_schedule, self.offload = pp_schedule, offload
         self.rank, self.mesh, self.ctx, self.pipe, self.n_microbatches = 0, None, None, None, 1
         self.replicated: list[nn.Parameter] = []
         if self.enabled:
             from kernels_torch.parallel.fsdp import init_mesh
 
-            self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep, pp=pp)
+            self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep, pp=pp, host_collectives=offload != "none")
             self.rank = dist.get_rank()
 
     @property
@@ -203,11 +219,18 @@ class TrainParallel:
                 f"{self.dp_size * micro_batch_tokens}"
             )
 
-    def setup(self, model: nn.Module, lora: bool, replicated: Callable[[str], bool] | None = None) -> None:
+    def setup(
+        self,
+        model: nn.Module,
+        lora: bool,
+        replicated: Callable[[str], bool] | None = None,
+        master_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
         """Context, expert and FSDP2 parallelism on the model (module docstring), before the optimizer is built
         (``fully_shard`` replaces the parameters); ``replicated(name)``: trainable parameters FSDP2 leaves whole.
         The model may be on ``meta`` (materialised after this by the caller). ``lora`` is accepted for the record
-        (its frozen base stays in its dtype, the adapters train as fp32 masters)."""
+        (its frozen base stays in its dtype, the adapters train as masters). ``master_dtype``: of the trainable
+        bf16 parameters' shards (fp32 masters; None under ``--optimizer adamw-bf16``: they stay bf16)."""
         if not self.enabled:
             return
         from kernels_torch.moe import KimiMoE
@@ -224,21 +247,30 @@ class TrainParallel:
         param_dtype = torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in model.parameters()) else None
         ignored = {p for n, p in model.named_parameters() if replicated is not None and replicated(n)}
         ignored |= set(fp32_compute_params(model, param_dtype))
+        policy = {"master_dtype": master_dtype, "offload_policy": self._offload_policy()}
         if self.pp_size > 1:
-            return self._setup_pipeline(model, param_dtype, ignored)
+            return self._setup_pipeline(model, param_dtype, ignored, policy)
         self.replicated = [p for p in model.parameters() if p in ignored and p.requires_grad]
         self.ctx = parallelize(
-            model, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored
+            model, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored, **policy
         )
 
-    def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set) -> None:
+    def _offload_policy(self):
+        """FSDP2's ``CPUOffloadPolicy`` for ``--offload cpu`` (host memory pinned on CUDA), else None."""
+        if self.offload != "cpu":
+            return None
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return CPUOffloadPolicy(pin_memory=self.device == "cuda")
+
+    def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set, policy: dict) -> None:
         """Context parallelism (a ``ContextParallel`` over a ``cp`` group of its own, as ``parallelize`` makes) and
         expert parallelism (``shard_experts`` over ``ep``) on the whole ``model``, then cut it into this rank's
         pipeline stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group, ``--pp-schedule``,
         ``--pp-layout``, the ``ContextParallel`` as its ``context``) and shard them with FSDP2 as ``parallelize``
         shards a model, over the ``dp x cp`` ranks of this pipeline coordinate (``shard_stages``; the experts over
-        ``efsdp``; bf16 with fp32 masters, ``ignored`` whole on every rank). :attr:`pipe` then holds them; the loop
-        trains ``pipe.rank_module()``."""
+        ``efsdp``; bf16 with ``policy``'s masters and offload, ``ignored`` whole on every rank). :attr:`pipe` then
+        holds them; the loop trains ``pipe.rank_module()``."""
         from kernels_torch.parallel.context import ContextParallel
         from kernels_torch.parallel.expert import shard_experts
         from kernels_torch.parallel.fsdp import own_cp_group
@@ -273,7 +305,9 @@ class TrainParallel:
             flag = "--pp-layout" if self.pp_counts is not None else "--pp"
             raise ValueError(f"{flag}: {e}") from None
         self.replicated = [p for p in self.pipe.parameters() if p in ignored and p.requires_grad]
-        shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored)
+        shard_stages(
+            self.pipe, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored, **policy
+        )
 
     def _cp_rows(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids and labels ``[R, T_r]`` of ``batches`` (``[1, T]`` each): with ``--cp`` this rank's context shard

@@ -51,11 +51,18 @@ __all__ = [
 
 
 def init_mesh(
-    dp: int | None = None, cp: int = 1, device_type: str = "cpu", *, ep: int = 1, pp: int = 1
+    dp: int | None = None,
+    cp: int = 1,
+    device_type: str = "cpu",
+    *,
+    ep: int = 1,
+    pp: int = 1,
+    host_collectives: bool = False,
 ) -> ParallelMesh:
     """The meshes of a ``dp x cp`` layout with expert parallelism over ``ep`` of its ranks
     (:class:`kernels_torch.parallel.mesh.ParallelMesh`), initialising the default process group from the
-    ``torchrun`` environment if needed (NCCL on CUDA, gloo on CPU); ``dp`` fills the world when None.
+    ``torchrun`` environment if needed (NCCL on CUDA, gloo on CPU; ``host_collectives``: gloo beside NCCL for host
+    tensors, ``kernels_torch.parallel.mesh.init_distributed``); ``dp`` fills the world when None.
 
     Raises:
         ValueError: a non-positive size, ``dp x cp`` not the world size, ``ep`` not dividing ``dp x cp``.
@@ -63,7 +70,7 @@ def init_mesh(
     for name, v in (("dp", dp), ("cp", cp), ("ep", ep), ("pp", pp)):
         if v is not None and v < 1:
             raise ValueError(f"mesh: got {name}={v}, expected a positive size")
-    world = init_distributed(device_type)
+    world = init_distributed(device_type, host_collectives)
     return ParallelDims.fill(world, dp=dp, cp=cp, ep=ep, pp=pp).build_mesh(device_type)
 
 
@@ -86,6 +93,8 @@ def parallelize(
     reshard_after_forward: bool = True,
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    master_dtype: torch.dtype | None = torch.float32,
+    offload_policy=None,
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), expert parallelism over ``mesh["ep"]``
     (when > 1: :func:`kernels_torch.parallel.expert.shard_experts`, unless the model's experts are expert-parallel
@@ -103,6 +112,11 @@ def parallelize(
             fp32, FSDP2 all-gathers bf16 copies), frozen ones stay bf16; parameters in another dtype
             (:func:`fp32_compute_params`) must be in ``ignored_params`` (else ValueError): whole on every rank, in
             their own dtype. reduce_dtype: of the gradient reduce-scatter (fp32 by default; fp64 for fp64 models).
+        master_dtype: the dtype of the sharded trainable ``param_dtype`` parameters: fp32 masters (the default), or
+            None (or ``param_dtype``): they stay ``param_dtype`` shards, their gradients too (after a ``reduce_dtype``
+            reduce-scatter), for an optimizer that steps them in that dtype (bf16 with stochastic rounding).
+        offload_policy: FSDP2's ``CPUOffloadPolicy`` (the sharded parameters, their gradients and so the optimizer
+            state on the host, copied to the device for each all-gather), or None.
         reshard_after_forward: free the gathered parameters after each layer's forward (ZeRO-3).
         gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
             rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
@@ -132,7 +146,7 @@ def parallelize(
     apply_fsdp(
         list(model.model.layers), [model], mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
-        ignored_params=ignored_params,
+        ignored_params=ignored_params, master_dtype=master_dtype, offload_policy=offload_policy,
     )  # fmt: skip
     return ctx
 
@@ -163,6 +177,8 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    master_dtype: torch.dtype | None = torch.float32,
+    offload_policy=None,
 ) -> None:
     """The FSDP2 part of :func:`parallelize`, for a whole model or a pipeline rank's stages
     (``kernels_torch.parallel.pipeline.shard_stages``): one ``fully_shard`` per decoder layer of ``layers`` and
@@ -175,9 +191,10 @@ def apply_fsdp(
         layers: the decoder layers to wrap. roots: the modules to wrap last (their parameters not in a layer).
         mesh: a :class:`~kernels_torch.parallel.mesh.ParallelMesh`, or a 1-D ``DeviceMesh`` of data-parallel ranks
             (no expert parallelism: ``dp_cp`` is that mesh).
-        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params: as
-            :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's size); with
-            ``param_dtype``, the trainable parameters of that dtype in ``roots`` become fp32 masters.
+        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params, master_dtype,
+            offload_policy: as :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's
+            size); with ``param_dtype``, the trainable parameters of that dtype in ``roots`` become ``master_dtype``
+            masters.
 
     Raises:
         ValueError: a ``DeviceMesh`` that is not 1-D; parameters outside ``param_dtype`` not ignored
@@ -198,13 +215,15 @@ def apply_fsdp(
     ignored = set(ignored_params or ())
     for root in roots:
         check_ignored(root, param_dtype, ignored)
-    if param_dtype is not None:  # fp32 sharded masters of the trainable low-precision parameters
+    if param_dtype is not None and master_dtype not in (None, param_dtype):  # sharded masters (fp32)
         for root in roots:
-            _upcast_trainable(root, param_dtype, ignored)
+            _upcast_trainable(root, param_dtype, ignored, master_dtype)
     if any(p.dtype == torch.float64 for root in roots for p in root.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
     if ignored:
         kw["ignored_params"] = ignored
     units = []  # (module, its mesh)
@@ -236,15 +255,15 @@ def _expert_placement(efsdp: int):
     return lambda p: Shard(1) if p.ndim > 1 and p.shape[1] % efsdp == 0 else Shard(0)
 
 
-def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set) -> None:
-    """Replace each trainable ``dtype`` parameter (not ignored) by an fp32 one (a new ``nn.Parameter``: assigning
+def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set, to: torch.dtype = torch.float32) -> None:
+    """Replace each trainable ``dtype`` parameter (not ignored) by a ``to`` one (a new ``nn.Parameter``: assigning
     ``.data`` does not change a DTensor's dtype); a parameter shared by two modules (tied embeddings) stays shared."""
     memo: dict[int, nn.Parameter] = {}
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.requires_grad and p.dtype == dtype and p not in ignored:
                 if id(p) not in memo:
-                    memo[id(p)] = nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
+                    memo[id(p)] = nn.Parameter(p.detach().to(to), requires_grad=True)
                 setattr(mod, name, memo[id(p)])
 
 
