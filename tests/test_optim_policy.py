@@ -220,6 +220,60 @@ def _dcp_dtypes(step_dir: Path) -> dict[str, torch.dtype]:
     return {k: v.properties.dtype for k, v in meta.items() if hasattr(v, "properties")}
 
 
+def _policy_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of :func:`test_policies_reach_fsdp2`: the trainer built under a torchrun environment, each policy."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from kimi_tools.train.args import TrainArgs
+    from kimi_tools.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        for optimizer, offload, ep in (("adamw-bf16", "cpu", 2), ("adamw-fp32", "none", 1)):
+            a = TrainArgs(
+                out=f"{out}/{optimizer}", data=[str(DEFAULT_TEXT)], layers=2, seq_len=16, batch_tokens=32, dtype="bfloat16",
+                optimizer=optimizer, offload=offload, ep=ep, quiet=True,
+            )  # fmt: skip
+            tr = Trainer(a)
+            units = [m for m in tr.model.modules() if isinstance(m, FSDPModule)]
+            assert len(units) >= 3 + (ep > 1), len(units)  # the layers, the root (and the experts)
+            for m in units:
+                policy = m._get_fsdp_state()._fsdp_param_group.offload_policy
+                assert isinstance(policy, CPUOffloadPolicy) == (offload == "cpu"), (m, policy)
+            sharded = [p for p in tr.model.parameters() if isinstance(p, DTensor) and p.requires_grad]
+            whole = [p for p in tr.model.parameters() if not isinstance(p, DTensor) and p.requires_grad]
+            assert sharded and whole  # the checkpoint's fp32 tensors stay whole (FSDP2 ignores them)
+            want = torch.bfloat16 if optimizer == "adamw-bf16" else torch.float32  # no fp32 masters under bf16
+            assert {p.dtype for p in sharded} == {want}, {p.dtype for p in sharded}
+            assert {p.dtype for p in whole} == {torch.float32}
+            assert tr.masters.module is tr.model  # every trainable parameter its own master
+            is_ao = type(tr.optimizer).__module__.startswith("torchao.optim")
+            assert is_ao == (optimizer == "adamw-bf16"), type(tr.optimizer)
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_policies_reach_fsdp2(tmp_path):
+    """On 2 gloo ranks: ``--offload cpu`` puts FSDP2's ``CPUOffloadPolicy`` on every unit (the layers, the root, the
+    expert-parallel experts); ``--optimizer adamw-bf16`` keeps the sharded trainable parameters bf16 (no fp32
+    master) and builds torchao's AdamW, ``adamw-fp32`` upcasts them to fp32 masters (torch's AdamW); the checkpoint's
+    fp32 tensors stay whole and fp32 either way."""
+    from helpers import spawn
+
+    spawn(_policy_worker, 2, str(tmp_path))
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_offload_cpu_at_dp2_equals_no_offload_and_resumes(tmp_path, data):
