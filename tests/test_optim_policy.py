@@ -30,6 +30,10 @@ COMMON = (
     "--eval-every 0 --warmup-steps 1 --lr 3e-3 --quiet --no-plot"
 ).split()
 BF16 = ["--dtype", "bfloat16", "--optimizer", "adamw-bf16"]
+# adamw-bf16 on another layout draws other rounding bits (each rank rounds its own shards): after the first update
+# the runs are two draws. Three draws in one process (8 layers, lr 3e-3, step 3) spread the loss over 1.5% (5.693 to
+# 5.778) and the eval loss over 0.2% (5.850 to 5.861; fp32 AdamW: 5.925); allowed: twice the spread
+SR_TOL = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -311,8 +315,8 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_adamw_bf16_under_torchrun(tmp_path, data, variant):
     """``--optimizer adamw-bf16`` on 2 ranks (dp 2; ep 2; LoRA at cp 2; pp 2; the last three with ``--offload
-    cpu``) against the one-process ``adamw-bf16`` run: the losses, gradient norms and eval loss within bf16's
-    tolerance (``BF16_TOL``: the rounding draws differ, each rank rounding its own shards). The resume state holds
+    cpu``) against the one-process ``adamw-bf16`` run: step 1 (before any rounding draw) within bf16's tolerance
+    (``BF16_TOL``), the later losses and the eval loss within the spread of the draws (``SR_TOL``). The resume state holds
     the sharded trainable weights in bf16 (no fp32 master: FSDP2 kept them bf16) with bf16 moments, the checkpoint's
     fp32 tensors in fp32 with fp32 moments; ``run.json`` records the policies. dp 2: stopped at step 2, it resumes
     in one process (another layout) and reaches the one-process step 3."""
@@ -341,8 +345,11 @@ def test_adamw_bf16_under_torchrun(tmp_path, data, variant):
     if stop:  # the dp 2 resume state in one process
         assert main(["train", *model_flags, "--resume", "--out", str(two)]) == 0
     want, got = _records(one), _records(two)
-    for step in (1, 2, 3):
-        for key in ("loss", "grad_norm"):
-            assert _close(got[step][key], want[step][key], BF16_TOL[key]), (step, key, got[step], want[step])
-    assert _close(got[3]["eval_loss"], want[3]["eval_loss"], BF16_TOL["eval_loss"])
-    assert got[1]["loss"] != got[2]["loss"] != got[3]["loss"]  # it trains
+    # step 1 is before any rounding draw: bf16's tolerance of another layout
+    assert _close(got[1]["loss"], want[1]["loss"], BF16_TOL["loss"]), (got[1], want[1])
+    assert _close(got[1]["grad_norm"], want[1]["grad_norm"], BF16_TOL["grad_norm"]), (got[1], want[1])
+    for step in (2, 3):  # the gradient norm moves with the draws (step 3, 4 layers: 5.76 to 6.33), so not compared
+        assert _close(got[step]["loss"], want[step]["loss"], SR_TOL), (step, got[step], want[step])
+        assert math.isfinite(got[step]["grad_norm"])
+    assert _close(got[3]["eval_loss"], want[3]["eval_loss"], SR_TOL), (got[3], want[3])
+    assert got[3]["loss"] < got[1]["loss"]  # it trains
