@@ -17,8 +17,8 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   the trainer shards it: ``tests/test_plan.py``) times the bytes per element of the optimizer policy
   (:data:`OPTIMIZERS`): ``adamw-fp32`` = fp32 masters (4) + fp32 gradients (4) + two fp32 moments (8), FSDP2's
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``adamw-bf16`` = bf16 parameters, gradients and
-  moments (2 + 2 + 4; an AdamW with stochastic rounding such as torchao's, which the trainer does not have);
-  ``--offload cpu`` keeps all three on the host (FSDP2 ``CPUOffloadPolicy``). The tensors the checkpoint keeps in
+  moments (2 + 2 + 4; torchao's AdamW with stochastic rounding: ``kimi train --optimizer adamw-bf16``);
+  ``--offload cpu`` keeps all three on the host (FSDP2 ``CPUOffloadPolicy``: ``kimi train --offload cpu``). The tensors the checkpoint keeps in
   fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the router's
   ``e_score_correction_bias`` has no gradient and no state (:func:`state_bytes`). LoRA: the frozen base in bf16
   (2 B, no gradient, no state), the adapters (``kimi_tools.lora.DEFAULT_TARGETS``: attention projections) trained
