@@ -124,6 +124,19 @@ def test_master_weights_and_optimizer_of_each_policy():
     assert type(build_optimizer(masters, fp32)) is torch.optim.AdamW
 
 
+def test_offload_materialise_moves_only_what_fsdp2_leaves():
+    """Under ``--offload cpu`` on a device the model is materialised on the host (FSDP2 wants its shards there) and
+    ``_plain_to`` then moves the tensors FSDP2 does not manage, the plain parameters and the buffers, to the device,
+    each parameter keeping its object (the trainer holds references to them). ``meta`` stands in for the device."""
+    from kimi_tools.train.weights import _plain_to
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    params = list(model.parameters())
+    _plain_to(model, "meta")
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+
+
 # ---------------------------------------------------------------------------------------------- the bound
 
 

@@ -110,12 +110,13 @@ def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool =
 def _plain_to(model: nn.Module, device: str) -> None:
     """Move the parameters FSDP2 does not manage (plain tensors: those it ignores, kept whole on every rank) and the
     buffers of ``model`` to ``device``, in place (each parameter keeps its object); its ``DTensor`` shards stay."""
+    import torch
     from torch.distributed.tensor import DTensor
 
     for mod in model.modules():
         for p in mod._parameters.values():
-            if p is not None and not isinstance(p, DTensor):
-                p.data = p.data.to(device)
+            if p is not None and not isinstance(p, DTensor):  # swapped: .data cannot change some device types
+                torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 mod._buffers[name] = b.to(device)
