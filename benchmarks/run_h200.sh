@@ -53,7 +53,10 @@
 #   fp8_bound    benchmarks/fp8_bound.py (CPU, seconds): the FP8 step's bound at 112 experts from this run's fp8_gemm,
 #                train_step_e112 and train_step_e112_fp8 (run those first)
 #   train_step_e16_torchrun, train_step_e112_torchrun   benchmark 5 under torchrun (--parallel: kimi train's FSDP2
-#                path with bf16 mixed precision and NCCL), beside train_step_e16 / _e112 of the same run
+#                path with bf16 mixed precision and NCCL), beside train_step_e16 / _e112 of the same run (PAR_ARGS: the
+#                FSDP2 policy flags; PROFILE=1: a profiler table per row)
+#   train_step_e16_policies (not in the default STEPS): the torchrun row at 8K under each FSDP2 policy of $POLICIES
+#                (reshard:reduce:masters words, e.g. "always:bf16:fp32"), each profiled
 #   rank_rehearsal  benchmarks/rank_rehearsal.py: one rank of kimi plan's layouts at real dimensions against the
 #                planner's memory and time (REHEARSAL_ARGS, default "--seq-len 8192")
 #   tests_fp8_model  the FP8 tiny-model test alone (per-layer outputs and gradients against bf16)
@@ -149,12 +152,25 @@ run_step() {  # run_step NAME: one step of the list above
     # *_torchrun: the same rows through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters) under
     # torchrun with NCCL on this one GPU (TORCHRUN_ARGS, e.g. "--nproc-per-node 2" on a larger machine)
     local launch=(python3)
-    case $1 in *_torchrun) launch=(torchrun --standalone ${TORCHRUN_ARGS:---nproc-per-node 1}); extra="--parallel" ;; esac
+    # PAR_ARGS: the FSDP2 policy of the torchrun rows (e.g. "--reduce-dtype bf16 --reshard-after-forward always");
+    # PROFILE=1: every row also writes a torch profiler table of one step beside its JSON
+    case $1 in *_torchrun) launch=(torchrun --standalone ${TORCHRUN_ARGS:---nproc-per-node 1})
+      extra="$extra --parallel ${PAR_ARGS:-}" ;; esac
+    [ "${PROFILE:-0}" = 1 ] && extra="$extra --profile"
     # shellcheck disable=SC2086
     step "$1" 900 "${launch[@]}" benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \
       ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --recompute-full-layers $full \
       --backends cudnn} \
       --out "$dir/$1.json" ;;
+  train_step_e16_policies)  # the torchrun row at 8K under each FSDP2 policy (POLICIES: reshard:reduce words), profiled
+    for pol in ${POLICIES:-always:fp32:fp32 always:bf16:fp32 always:bf16:bf16 auto:bf16:bf16}; do
+      IFS=: read -r rs rd ms <<< "$pol"
+      # shellcheck disable=SC2086
+      step "train_step_e16_torchrun_${rs}_${rd}_${ms}" 600 torchrun --standalone --nproc-per-node 1 \
+        benchmarks/train_step_4layers.py --experts 16 --experts-per-token 8 --parallel --profile \
+        --reshard-after-forward "$rs" --reduce-dtype "$rd" --masters "$ms" ${POLICY_BENCH5_ARGS:---seq-lens 8192 \
+        --recompute-seq-lens --backends cudnn} --out "$dir/train_step_e16_torchrun_${rs}_${rd}_${ms}.json"
+    done ;;
   init112)
     step init112 1500 python3 -m kimi_tools.cli init --preset k3.1-pro --layers 4 --out "$CKPT112" --force \
       --set num_experts=112 --set num_experts_per_token=16 &

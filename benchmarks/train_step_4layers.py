@@ -117,6 +117,115 @@ def step_time(model: KimiK3Model, T: int, repeats: int, loss_kind: str = "chunke
     return time_ms(step, warmup=2, min_reps=repeats, max_reps=repeats)[0]
 
 
+def _loss_step(model: KimiK3Model, T: int, loss_kind: str, chunk_size) -> None:
+    """One forward + backward of random ids (the gradients are left in place)."""
+    V = model.config.vocab_size
+    ids = torch.randint(0, V, (1, T), device="cuda")
+    target = torch.randint(0, V, (T,), device="cuda")
+    if loss_kind == "chunked":
+        (model.loss(ids, target[None], chunk_size=chunk_size) / T).backward()
+    else:
+        torch.nn.functional.cross_entropy(model(ids)[0], target).backward()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_bytes(model: KimiK3Model) -> dict[str, int]:
+    """Bytes of the parameters this rank holds between steps, by dtype (local shards under FSDP2)."""
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        t = _local(p)
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def memory_by_kind(model: KimiK3Model, T: int, loss_kind: str, chunk_size, held: dict, sharded: bool) -> dict:
+    """The row's memory by kind, GiB: ``parameters`` (the compute-dtype tensors held between steps: bf16 and the
+    checkpoint's fp32 ones), ``masters`` (FSDP2's fp32 shards of the bf16-compute parameters; none in one process,
+    where this step keeps no masters), ``gradients`` (held after the backward), ``optimizer`` (0: this benchmark
+    steps no optimizer), ``peak`` (of one more step), and ``activations_and_buffers`` = peak - parameters - masters -
+    gradients (saved activations, FSDP2's gathered copies and reduce buffers, the allocator's transients)."""
+    gib = 2**30
+    fp32_names = {s.name for s in param_layout(model.config) if s.dtype == "float32"}
+    fp32_held = sum(
+        _local(p).numel() * 4 for n, p in model.named_parameters() if p.dtype == torch.float32 and n in fp32_names
+    )
+    total = sum(held.values())
+    masters = held.get("float32", 0) - fp32_held if sharded else 0
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    _loss_step(model, T, loss_kind, chunk_size)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    grads = sum(
+        _local(p.grad).numel() * _local(p.grad).element_size() for p in model.parameters() if p.grad is not None
+    )
+    model.zero_grad(set_to_none=True)
+    params = total - masters
+    return {
+        "parameters": params / gib,
+        "masters": masters / gib,
+        "gradients": grads / gib,
+        "optimizer": 0.0,
+        "activations_and_buffers": (peak - total - grads) / gib,
+        "peak": peak / gib,
+    }
+
+
+def allocator_counts(before: dict, after: dict) -> dict:
+    """The caching allocator's events over the timed steps (warm-ups included): ``retries`` (a failed cudaMalloc
+    freed the cache and synchronised; ``num_alloc_retries``), ``cuda_malloc`` / ``cuda_free`` (device calls), ``ooms``."""
+    keys = {"retries": "num_alloc_retries", "cuda_malloc": "num_device_alloc", "cuda_free": "num_device_free",
+            "ooms": "num_ooms"}  # fmt: skip
+    return {k: after.get(v, 0) - before.get(v, 0) for k, v in keys.items()}
+
+
+def planner_prediction(cfg, T: int, recompute, sharded: bool) -> dict | None:
+    """``kimi plan``'s prediction for this row's one-rank layout (pp1 dp1 cp1 ep1, one micro-batch of ``T``): its
+    memory by kind (bytes -> GiB) and step time; ``compare_gib``: its total less the optimizer states, which this
+    benchmark does not allocate. The one-process row has no FSDP2 (bf16 parameters and gradients, no masters), so
+    only a ``--parallel`` row is compared; None on a planner error (recorded)."""
+    try:
+        from kimi_tools import plan as P
+
+        mode = {False: "none", "mlp": "mlp", "layer": "full"}[recompute]
+        hw = P.Hardware(gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
+        r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(recompute=mode), hw, P.load_calibration(),
+                       seq_len=T, global_batch=T)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the prediction is a record, not the measurement
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+    mem = {k: v / 2**30 for k, v in r["memory"].items() if isinstance(v, (int, float))}
+    out = {"memory_gib": mem, "step_s": r["time"].get("step"), "policy": r["policy"]}
+    if sharded:
+        out["compare_gib"] = mem.get("total", 0.0) - mem.get("optimizer", 0.0)
+    return out
+
+
+def profile_step(model: KimiK3Model, T: int, loss_kind: str, chunk_size, out: Path, tag: str) -> Path:
+    """One step under ``torch.profiler`` (CPU and CUDA); writes its op tables (by CUDA time, then by CPU self time)
+    beside ``out`` and returns the path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _loss_step(model, T, loss_kind, chunk_size)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    path = out.with_name(f"{out.stem}.profile.{tag}.txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "by CUDA time\n" + ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
+        + "\nby CPU self time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+    )  # fmt: skip
+    return path
+
+
 def matmul_ceiling() -> float:
     """bf16 8192^3 matmul TFLOP/s on this GPU, now."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -183,6 +292,29 @@ def main() -> int:
         help="under torchrun: each model through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters)",
     )
     ap.add_argument("--ep", type=int, default=1, help="with --parallel: expert-parallel ranks (kimi train --ep)")
+    ap.add_argument(
+        "--reduce-dtype", default="fp32", choices=["fp32", "bf16"], help="with --parallel: kimi train --reduce-dtype"
+    )
+    ap.add_argument(
+        "--reshard-after-forward",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="with --parallel: kimi train --reshard-after-forward",
+    )
+    ap.add_argument(
+        "--masters",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="with --parallel: the dtype of FSDP2's sharded trainable parameters (fp32: AdamW's fp32 masters, kimi "
+        "train's default; bf16: the bf16 weights and gradients an optimizer with stochastic rounding steps, "
+        "kimi plan's adamw-bf16)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each row's timed steps, one more step under torch.profiler: its op table (CUDA and CPU time) is "
+        "written beside --out as <out>.profile.<seq_len>_<backend>.txt",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
     args = ap.parse_args()
     par = None
@@ -191,9 +323,14 @@ def main() -> int:
 
         if not under_torchrun():
             ap.error("--parallel: expected a launch under torchrun (torchrun --nproc-per-node N ...)")
-        par = TrainParallel(1, "cuda", ep=args.ep)
-    elif args.ep != 1:
-        ap.error(f"--ep: got {args.ep} without --parallel, expected --parallel under torchrun")
+        par = TrainParallel(
+            1, "cuda", ep=args.ep, reduce_dtype=args.reduce_dtype, reshard_after_forward=args.reshard_after_forward,
+            bf16_masters=args.masters == "bf16",
+        )  # fmt: skip
+    elif args.ep != 1 or args.reduce_dtype != "fp32" or args.reshard_after_forward != "auto" or args.masters != "fp32":
+        ap.error(
+            "--ep, --reduce-dtype, --reshard-after-forward, --masters: given without --parallel, expected --parallel"
+        )
     writer = par is None or par.is_writer
     cfg = (
         load_config("k3.1-pro")
@@ -232,6 +369,13 @@ def main() -> int:
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "fp8": args.fp8,
             "parallel": None if par is None else f"torchrun, {par.dims.describe()}, FSDP2 bf16 / fp32 masters",
+            "fsdp_policy": None
+            if par is None
+            else {
+                "reduce_dtype": args.reduce_dtype,
+                "reshard_after_forward": args.reshard_after_forward,
+                "masters": args.masters,
+            },
         }
         t0 = time.perf_counter()
         model = None
@@ -248,8 +392,15 @@ def main() -> int:
             if recompute:
                 recompute_layers(model, args.recompute_mode, full)  # kimi train's --recompute-mode
             kernel_choice.reset_used()
+            held = held_bytes(model)  # before the step: parameters (and FSDP2's fp32 masters)
+            stats0 = torch.cuda.memory_stats()
             ms = step_time(model, T, args.repeats, args.loss, chunk)
+            row["allocator"] = allocator_counts(stats0, torch.cuda.memory_stats())
             row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
+            row["memory_gib"] = memory_by_kind(model, T, args.loss, chunk, held, par is not None)
+            row["planner"] = planner_prediction(cfg, T, recompute and args.recompute_mode, par is not None)
+            if args.profile:
+                row["profile"] = str(profile_step(model, T, args.loss, chunk, args.out, f"{T}_{backend}"))
             fitted.add((T, recompute, backend))
             tf, detail = model_tflop(cfg, T)
             row.update(model_tflop=tf, flops_detail=detail)
@@ -286,7 +437,7 @@ def main() -> int:
         return 0
     print(
         f"\nloss: {args.loss}\n{'seq_len':>8} {'recompute':>9} {'backend':>7} {'ms/step':>10} {'tokens/s':>10} "
-        f"{'peak GiB':>9} {'MFU':>6} {'MFU/fp8':>7} status"
+        f"{'peak GiB':>9} {'MFU':>6} {'MFU/fp8':>7} {'retries':>7} status"
     )
     for r in rows:
         rc = str(r["recompute"]) + (f"+{r['recompute_full_layers']}" if r.get("recompute_full_layers") else "")
@@ -296,7 +447,7 @@ def main() -> int:
         mfu8 = f"{r['mfu_fp8_ceiling']:.1%}" if r.get("mfu_fp8_ceiling") else "-"
         print(
             f"{r['seq_len']:>8} {rc:>9} {r['backend']:>7} {ms:>10} {tps:>10} {r['peak_gib']:>9.1f} "
-            f"{mfu:>6} {mfu8:>7} {r['status'][:60]}"
+            f"{mfu:>6} {mfu8:>7} {r.get('allocator', {}).get('retries', '-'):>7} {r['status'][:60]}"
         )
     for T, recompute in plan:
         by = {r["backend"]: r for r in rows if (r["seq_len"], bool(r["recompute"])) == (T, recompute) and r["ms"]}

@@ -29,7 +29,7 @@ import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from kimi.config import KimiConfig
 from kimi.layout import TensorSpec, param_layout, stored_layout
 from kimi.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
-__all__ = ["init_params", "init_tensor", "init_array", "init_checkpoint"]
+__all__ = ["init_params", "init_tensor", "init_array", "init_checkpoint", "checkpoint_nbytes", "layer_nbytes"]
 
 _RESIDUAL_OUT = (
     ".o_proj.weight",
@@ -147,6 +147,39 @@ def _checkpoint_files(path: Path) -> list[str]:
     )
 
 
+_HEADER_BYTES_PER_TENSOR = 160  # a generous bound on one tensor's safetensors header entry (name, dtype, shape)
+
+
+def layer_nbytes(config: KimiConfig) -> tuple[int, list[int]]:
+    """The bytes :func:`init_checkpoint` writes for ``config``: ``(global, per_layer)``, ``global`` for the
+    embedding, final norm and head, ``per_layer[i]`` for decoder layer ``i`` (0-based). Each counts the stored
+    layout's tensor data (``kimi.layout.stored_layout``: routed experts of an MXFP4 config as packed nibbles and
+    scales, their shapes times their dtypes' sizes) plus at most 160 bytes of safetensors header per tensor; the
+    ``config.json`` and index (kilobytes) are not counted. A layer's size depends only on its attention kind and
+    whether it is an MoE layer, so each kind is laid out once: milliseconds for the full K3.1 model (half a million
+    tensors). ``global + sum(per_layer[:N])`` is what ``layers=N`` writes."""
+
+    def size(specs: list[TensorSpec]) -> int:
+        return sum(s.numel * numpy_dtype(s.dtype).itemsize + _HEADER_BYTES_PER_TENSOR for s in specs)
+
+    glob = size(stored_layout(config, []))
+    kinds: dict[tuple[str, bool], int] = {}
+    per_layer = []
+    for i in range(config.num_hidden_layers):
+        key = (config.layer_type(i), config.is_moe_layer(i))
+        if key not in kinds:
+            kinds[key] = size(stored_layout(config, [i])) - glob
+        per_layer.append(kinds[key])
+    return glob, per_layer
+
+
+def checkpoint_nbytes(config: KimiConfig, layers: int | None = None) -> int:
+    """About the bytes ``init_checkpoint(path, config, layers=layers)`` writes (:func:`layer_nbytes`: tensor data
+    plus a bound on the headers), for a free-space check before writing."""
+    glob, per_layer = layer_nbytes(config)
+    return glob + sum(per_layer[: config.num_hidden_layers if layers is None else int(layers)])
+
+
 def init_checkpoint(
     path: str | os.PathLike,
     config: KimiConfig,
@@ -155,6 +188,7 @@ def init_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     *,
     force: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> KimiConfig:
     """Write a random checkpoint in the real layout (atomic, as :func:`kimi.checkpoint.write_checkpoint`).
 
@@ -165,6 +199,8 @@ def init_checkpoint(
         layers: ``None`` for all layers, or N: the checkpoint holds ``config.truncated(N)`` and the same first-N-layer
             weights as the full model (the residual scale still uses the full layer count).
         force: replace a checkpoint already in ``path`` (``kimi init --force``); without it one is refused.
+        on_bytes: called with each stored tensor's data size in bytes as it is written (a progress bar's
+            ``update``; the sizes add up to the data part of :func:`checkpoint_nbytes`).
 
     Returns:
         The config written to ``config.json``.
@@ -214,7 +250,14 @@ def init_checkpoint(
                 current.clear()
                 current.update(pending.pop(canonical_name(spec.name)).result())
                 refill(pool)
-            return current.pop(spec.name)
+            t = current.pop(spec.name)
+            if on_bytes is not None:
+                on_bytes(int(t.nbytes))
+            return t
 
-        write_stream(path, specs, produce, out_cfg, max_shard_bytes)
+        try:
+            write_stream(path, specs, produce, out_cfg, max_shard_bytes)
+        except BaseException:  # an error or a signal: do not draw the tensors still queued before unwinding
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     return out_cfg

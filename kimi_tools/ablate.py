@@ -52,7 +52,15 @@ from pathlib import Path
 from typing import Any
 
 from kimi.checkpoint import write_atomic
-from kimi_tools.common import DEFAULT_TEXT, CliError, positive_int, refuse_adapter_folder, set_item_error
+from kimi_tools.common import (
+    DEFAULT_TEXT,
+    CliError,
+    check_out_folder,
+    materialise_checkpoint,
+    positive_int,
+    refuse_adapter_folder,
+    set_item_error,
+)
 
 __all__ = [
     "parse_grid",
@@ -539,17 +547,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from kimi.config import load_config
-    from kimi.init import init_checkpoint
+    """``kimi ablate``: the grid of ``--set`` axes over ``--checkpoint`` (or a random init of ``--preset`` in a
+    temporary folder, :func:`kimi_tools.common.materialise_checkpoint`), results in ``--out``. Returns 0.
+
+    Raises:
+        CliError: no ``--set``; an ``--out`` that is a file (or under one); a bad ``--checkpoint``; a random init
+            larger than the temporary folder's free space.
+    """
+    import contextlib
 
     if not args.sets:
         raise CliError("--set: give at least one grid axis, e.g. --set index_topk=16,32,dense")
+    check_out_folder("--out", args.out)
     refuse_adapter_folder(args.checkpoint, "kimi ablate")
-    with tempfile.TemporaryDirectory(prefix="kimi-") as tmp:
-        ckpt = args.checkpoint
-        if ckpt is None:
-            init_checkpoint(tmp, load_config(args.preset or "tiny"), seed=args.seed)
-            ckpt = tmp
+    with contextlib.ExitStack() as stack:
+        ckpt, _ = materialise_checkpoint(args, stack)
         train_kwargs = {"data": args.data, "stage": args.stage, "lr": args.lr, "seq_len": args.seq_len}
         rows = run_grid(
             ckpt,

@@ -7,38 +7,50 @@
                  [--dtype float32|bfloat16] [--json FILE] [--against FILE.safetensors [--path jax|eager|sdpa]]
                  [--grad [--documents N] [--dtype float64]] [--fp8 tensorwise|rowwise]
     kimi lora merge --checkpoint BASE --adapter DIR --out DIR
-    kimi plan    --gpus N [--preset NAME] [--gpu-memory GB] [--nodes M] [--seq-len S] [--lora-rank R] [--fp8 RECIPE] [--json]
+    kimi plan    --gpus N [--preset NAME] [--layers N] [--gpu-memory GB] [--nodes M] [--seq-len S] [--lora-rank R]
+                 [--fp8 RECIPE] [--json]: the layouts that fit, each with its torchrun ... kimi train command
     kimi logits  [--preset NAME | --checkpoint DIR] [--layers N] [--backend jax|eager|sdpa] (--text FILE | --ids FILE)
                  --out FILE.safetensors [--hidden] [--tokens N]
 
 Every expected failure (bad config, bad checkpoint, bad argument) prints one line ``kimi: error: ...`` on stderr and
-exits with status 2; no traceback.
+exits with status 2; no traceback. SIGINT (Ctrl-C) and SIGTERM print one line ``kimi CMD: interrupted by SIGINT``
+and exit with 130 (143 for SIGTERM), after removing the temporary folders the command made (``kimi train`` handles
+both itself: it saves a resume state). Under ``torchrun`` only rank 0 prints these lines; the other ranks exit with
+the same status silently.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from kimi.checkpoint import check_replaceable
 from kimi.config import PRESETS, KimiConfig, load_config
 from kimi.layout import layer_plan, param_counts
 from kimi_tools import ablate, lora, plan, train
 from kimi_tools import generate as generate_cmd
 from kimi_tools.common import (
     CliError,
+    Interrupted,
     Parser,
     Progress,
     add_source,
     apply_overrides,
+    check_fits,
+    check_out_file,
+    check_out_folder,
+    is_quiet_rank,
     materialise_checkpoint,
     positive_int,
     refuse_adapter_folder,
+    stop_on_signals,
     token_ids,
     write_atomic,
+    write_random_init,
 )
 
 __all__ = ["main"]
@@ -133,18 +145,20 @@ def cmd_init(args: argparse.Namespace) -> int:
     """``kimi init``: write a random-initialised checkpoint of ``--preset`` (``--layers N`` keeps the first N,
     ``--set`` overrides config fields) to ``--out``, atomically. Returns 0.
 
-    Raises:
-        CliError: ``--layers`` beyond the preset, a non-empty ``--out`` without ``--force``, or a bad ``--set``.
-    """
-    from kimi.init import init_checkpoint
+    A checkpoint of a gigabyte or more draws a progress bar on stderr.
 
+    Raises:
+        CliError: ``--layers`` beyond the preset, an ``--out`` that is a file (or under one), a non-empty ``--out``
+            without ``--force``, a checkpoint larger than the free space there, or a bad ``--set``.
+    """
     cfg = apply_overrides(load_config(args.preset), args.set or [])
     if args.layers is not None and args.layers > cfg.num_hidden_layers:
         raise CliError(f"--layers: got {args.layers}, expected at most num_hidden_layers={cfg.num_hidden_layers}")
-    out = Path(args.out)
+    out = check_out_folder("--out", args.out, force="--force")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise CliError(f"--out: {out} exists and is not empty; pass --force to overwrite its checkpoint files")
-    init_checkpoint(out, cfg, seed=args.seed, layers=args.layers, force=args.force)
+    check_fits(cfg, args.layers, out, f"--preset {args.preset}", f"--out {out}", "write")
+    write_random_init(out, cfg, seed=args.seed, layers=args.layers, force=args.force)
     n = args.layers or cfg.num_hidden_layers
     print(f"wrote {out} ({n} layers of {cfg.num_hidden_layers}, seed {args.seed})")
     return 0
@@ -219,7 +233,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
 
     if args.json:
-        check_replaceable(args.json)  # --json /dev/full: refused before the run, not replaced after it
+        check_out_file("--json", args.json)  # --json /dev/full or a/file/x: refused before the run
     if args.fp8 is not None:
         _check_fp8_args(args)  # before anything is loaded: a CPU or a pre-Ada GPU is refused here
     args.dtype = args.dtype or "float32"
@@ -466,7 +480,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
     from kimi_tools.compare import first_nonfinite
 
-    check_replaceable(args.out)  # --out /dev/full: refused before the run, not replaced after it
+    check_out_file("--out", args.out)  # --out /dev/full or a/file/x: refused before the run
     if not args.text and not args.ids:
         raise CliError("input: expected one of --text FILE or --ids FILE")
     with contextlib.ExitStack() as stack:
@@ -592,14 +606,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kimi`` command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status. Every expected
-    failure (CliError, ValueError, OSError) prints one ``kimi: error: ...`` line on stderr and returns 2."""
+    failure (CliError, ValueError, OSError) prints one ``kimi: error: ...`` line on stderr and returns 2; SIGINT and
+    SIGTERM print one line and return 130 / 143 (module docstring). Under torchrun, ranks other than 0 print
+    nothing (:func:`kimi_tools.common.is_quiet_rank`)."""
     args = build_parser().parse_args(argv)
+    # kimi train installs its own handlers (finish the step, save, exit); every other command unwinds on a signal.
+    signals = contextlib.nullcontext() if args.cmd == "train" else stop_on_signals()
     try:
-        return args.func(args)
+        with signals:
+            return args.func(args)
     except (CliError, ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        print("kimi: error: " + "; ".join(lines), file=sys.stderr)
+        lines = [ln.strip() for ln in _with_flag(e, args).splitlines() if ln.strip()]
+        _say("kimi: error: " + "; ".join(lines))
         return 2
+    except Interrupted as e:
+        _say(f"kimi {args.cmd}: interrupted by {e.signal_name}")
+        return e.exit_code
+    except KeyboardInterrupt:  # a Ctrl-C that kimi train did not turn into its own line
+        _say(f"kimi {args.cmd}: interrupted by SIGINT")
+        return 130
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr, from rank 0 only under torchrun."""
+    if not is_quiet_rank():
+        print(line, file=sys.stderr, flush=True)
+
+
+def _with_flag(e: BaseException, args: argparse.Namespace) -> str:
+    """The message of ``e``; for a bare ``OSError`` (``[Errno 20] Not a directory: 'x'``) it names the option whose
+    path the failing file is or lies under: ``--out: runs/x: Not a directory (runs/x/y)``."""
+    text = str(e)
+    if not (isinstance(e, OSError) and e.filename and text.startswith("[Errno")):
+        return text
+    failed = Path(os.fspath(e.filename)).absolute()
+    for dest, value in vars(args).items():
+        if not isinstance(value, str) or dest in ("cmd", "func") or not value:
+            continue
+        given = Path(value).absolute()
+        if failed == given or given in failed.parents:
+            where = "" if failed == given else f" ({e.filename})"
+            return f"--{dest.replace('_', '-')}: {value}: {e.strerror}{where}"
+    return text
 
 
 if __name__ == "__main__":

@@ -7,9 +7,14 @@ Every subcommand module (``cli``, and the tools that add commands: train, genera
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +31,13 @@ __all__ = [
     "DEFAULT_TEXT",
     "Progress",
     "materialise_checkpoint",
+    "write_random_init",
+    "human_bytes",
+    "Interrupted",
+    "stop_on_signals",
+    "is_quiet_rank",
+    "check_out_folder",
+    "check_out_file",
     "refuse_adapter_folder",
     "token_ids",
     "copy_tokenizer",
@@ -41,8 +53,9 @@ class Parser(argparse.ArgumentParser):
     ``--help`` still shows the usage."""
 
     def error(self, message: str):  # type: ignore[override]
-        """Print ``kimi: error: <message> (see `<prog> --help`)`` on stderr and exit with status 2."""
-        self.exit(2, f"kimi: error: {message} (see `{self.prog} --help`)\n")
+        """Print ``kimi: error: <message> (see `<prog> --help`)`` on stderr and exit with status 2 (silently on a
+        torchrun rank other than 0: :func:`is_quiet_rank`)."""
+        self.exit(2, None if is_quiet_rank() else f"kimi: error: {message} (see `{self.prog} --help`)\n")
 
 
 def positive_int(s: str) -> int:
@@ -136,14 +149,17 @@ ADAPTER_CONFIG = "adapter_config.json"  # peft's CONFIG_NAME: what marks a LoRA 
 
 
 def refuse_adapter_folder(checkpoint: str | Path | None, command: str = "the same command") -> None:
-    """Refuse a LoRA adapter folder (peft's ``adapter_config.json``, what ``kimi train --lora-rank`` writes) given
-    as ``--checkpoint``: it holds the adapters only, not a model. The one-line error says how to merge it into its
+    """Refuse a ``--checkpoint`` that is no folder, or a LoRA adapter folder (peft's ``adapter_config.json``, what
+    ``kimi train --lora-rank`` writes): it holds the adapters only, not a model. The one-line error says how to merge it into its
     base (recorded in the adapter's ``base_model_name_or_path`` when known) and then run ``command`` on the merged
     folder. ``checkpoint`` None (a preset) passes.
 
     Raises:
-        CliError: ``checkpoint`` is an adapter folder.
+        CliError: ``checkpoint`` is not a folder (missing, or a file), or is an adapter folder.
     """
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        what = "is a file" if Path(checkpoint).exists() else "does not exist"
+        raise CliError(f"--checkpoint: {checkpoint} {what}; expected a checkpoint folder (config.json + safetensors)")
     if checkpoint is None or not (Path(checkpoint) / ADAPTER_CONFIG).is_file():
         return
     try:
@@ -160,22 +176,196 @@ def refuse_adapter_folder(checkpoint: str | Path | None, command: str = "the sam
 
 
 def materialise_checkpoint(args: argparse.Namespace, stack) -> tuple[Path, str]:
-    """The checkpoint to run: ``--checkpoint DIR``, or a deterministic random init of ``--preset`` (default tiny)
-    written once to a temporary directory. Returns (path, description).
+    """The checkpoint to run: ``--checkpoint DIR``, or a deterministic random init of ``--preset`` (default tiny,
+    ``--layers N`` its first N layers) written once to a temporary directory (``tempfile``'s, ``$TMPDIR``), removed
+    when ``stack`` closes: on return, on an error, and on SIGINT / SIGTERM under :func:`stop_on_signals`. Its size
+    is checked against the free space there before anything is written (:func:`write_random_init`). Returns
+    (path, description).
 
     Raises:
-        CliError: ``--checkpoint`` is a LoRA adapter folder (:func:`refuse_adapter_folder`).
+        CliError: ``--checkpoint`` is not a folder or is a LoRA adapter folder (:func:`refuse_adapter_folder`); the
+            random init does not fit in the temporary folder (naming the preset, its size, the free space and the
+            ``--layers N`` that fits).
     """
-    from kimi.init import init_checkpoint
-
     if args.checkpoint is not None:
         refuse_adapter_folder(args.checkpoint, f"kimi {getattr(args, 'cmd', None) or '...'}")
         return Path(args.checkpoint), f"checkpoint {args.checkpoint}"
     name = args.preset or "tiny"
     cfg = load_config(name)
+    layers = getattr(args, "layers", None)
+    layers = None if layers is None else min(layers, cfg.num_hidden_layers)
+    seed = getattr(args, "seed", 0)
+    tmp_root = Path(tempfile.gettempdir())
+    check_fits(cfg, layers, tmp_root, f"--preset {name}", f"the temporary folder {tmp_root}", "run", tmp=True)
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kimi-"))
-    init_checkpoint(tmp, cfg, seed=args.seed, layers=args.layers)
-    return Path(tmp), f"preset {name}, random init seed {args.seed}"
+    write_random_init(tmp, cfg, seed=seed, layers=layers, quiet=getattr(args, "quiet", False))
+    return Path(tmp), f"preset {name}, random init seed {seed}"
+
+
+PROGRESS_BYTES = 1 << 30  # a random init of this many bytes or more draws a progress bar (stderr)
+
+
+def human_bytes(n: int) -> str:
+    """Decimal units, 3 significant digits or more: 1560402206848 -> '1.56 TB', 74000000000 -> '74.0 GB'."""
+    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            x = n / scale
+            return f"{x:.2f} {unit}" if x < 10 else f"{x:.1f} {unit}" if x < 100 else f"{x:.0f} {unit}"
+    return f"{n} B"
+
+
+def _free_space(folder: Path) -> tuple[Path, int]:
+    """The nearest existing folder at or above ``folder`` and its free bytes (``shutil.disk_usage``)."""
+    p = Path(folder).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p, shutil.disk_usage(p).free
+
+
+def check_fits(
+    cfg: KimiConfig, layers: int | None, folder: Path, source: str, where: str, verb: str, tmp: bool = False
+) -> None:
+    """Refuse a random init of ``cfg`` (``layers``: its first N, None all) that does not fit in the free space of
+    ``folder`` (:func:`kimi.init.checkpoint_nbytes`), before anything is written. ``source`` names the flag
+    (``--preset k3.1-pro``), ``where`` the folder in words, ``verb`` what ``--layers N`` does (``run``/``write``),
+    ``tmp`` adds the ``TMPDIR`` way out.
+
+    Raises:
+        CliError: one line with the preset, the size, the free space and the largest ``--layers N`` that fits.
+    """
+    from kimi.init import layer_nbytes
+
+    glob, per_layer = layer_nbytes(cfg)
+    n = cfg.num_hidden_layers if layers is None else layers
+    need = glob + sum(per_layer[:n])
+    _, free = _free_space(folder)
+    if need <= free:
+        return
+    fits, total = 0, glob
+    for k, b in enumerate(per_layer[: n - 1], start=1):
+        if total + b > free:
+            break
+        fits, total = k, total + b
+    hint = (
+        f"pass --layers N to {verb} the first N layers (at most --layers {fits} fits: {human_bytes(total)})"
+        if fits
+        else f"even --layers 1 needs {human_bytes(glob + per_layer[0])}"
+    )
+    raise CliError(
+        f"{source}: a random init of {n} layers is {human_bytes(need)}, to be written to {where}, which has "
+        f"{human_bytes(free)} free; {hint}, or give --checkpoint DIR"
+        + ("; or set TMPDIR to a folder with more space" if tmp else "")
+    )
+
+
+def write_random_init(
+    path: str | Path, cfg: KimiConfig, *, seed: int, layers: int | None, force: bool = False, quiet: bool = False
+) -> KimiConfig:
+    """:func:`kimi.init.init_checkpoint` with a byte progress bar (``tqdm`` on stderr) when the checkpoint is
+    :data:`PROGRESS_BYTES` or more (and not ``quiet``). Returns the config written."""
+    from kimi.init import checkpoint_nbytes, init_checkpoint
+
+    need = checkpoint_nbytes(cfg, layers)
+    if quiet or need < PROGRESS_BYTES or is_quiet_rank():
+        return init_checkpoint(path, cfg, seed=seed, layers=layers, force=force)
+    from tqdm import tqdm
+
+    with tqdm(total=need, desc="random init", unit="B", unit_scale=True, file=sys.stderr, leave=False) as bar:
+        return init_checkpoint(path, cfg, seed=seed, layers=layers, force=force, on_bytes=bar.update)
+
+
+def is_quiet_rank() -> bool:
+    """Whether this process is a ``torchrun`` rank other than 0 (``$RANK`` set and not 0): such ranks print no
+    error line, so that an error that every rank meets is printed once (by rank 0)."""
+    return os.environ.get("RANK", "0").strip() not in ("", "0")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM under :func:`stop_on_signals`, raised in the main thread so that ``with`` blocks and
+    ``finally`` clauses unwind (temporary folders and half-written files are removed). ``exit_code`` is 128 plus
+    the signal number (130 for SIGINT, 143 for SIGTERM); ``signal_name`` is ``"SIGINT"`` or ``"SIGTERM"``."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+        super().__init__(self.signal_name)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Within the block, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (SIGTERM would otherwise
+    end the process without running any cleanup); a repeated SIGTERM while the first unwinds is ignored. A signal
+    already ignored (``nohup``, a shell's background job) stays ignored. The previous handlers are restored on exit. Outside the main thread (where no handler can be installed) it does
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised: list[int] = []
+
+    def handle(signum, frame):
+        if raised and signum == signal.SIGTERM:
+            return
+        raised.append(signum)
+        raise Interrupted(signum)
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved = {s: h for s, h in saved.items() if h is not signal.SIG_IGN}  # ignored (nohup, a background job): stays
+    for s in saved:
+        signal.signal(s, handle)
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def check_out_folder(flag: str, value: str | Path, force: str | None = None) -> Path:
+    """Refuse an output folder that cannot be one, before any work: ``value`` exists and is not a folder, or a
+    folder above it is a file (where ``mkdir`` would fail with ``File exists`` / ``Not a directory``), or the
+    nearest existing folder above it is not writable. ``force``: the flag that allows writing into a non-empty
+    folder, named in the message. Returns ``Path(value)``.
+
+    Raises:
+        CliError: one line naming ``flag``, ``value`` and what was expected.
+    """
+    p = Path(value)
+    expected = "a new folder" + (f" (or an existing one with {force})" if force else " or an existing one")
+    if p.exists() and not p.is_dir():
+        raise CliError(f"{flag}: {value} exists and is not a folder; expected {expected}")
+    for parent in p.absolute().parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise CliError(f"{flag}: {value}: {parent} is a file, not a folder; expected {expected}")
+            if not p.exists() and not os.access(parent, os.W_OK | os.X_OK):
+                raise CliError(f"{flag}: {value}: cannot create it, {parent} is not writable; expected {expected}")
+            break
+    return p
+
+
+def check_out_file(flag: str, value: str | Path) -> Path:
+    """Refuse an output file that cannot be written, before any work: ``value`` is a folder, a device or another
+    entry a rename would replace (:func:`kimi.checkpoint.check_replaceable`), or a folder above it is a file, or
+    the nearest existing folder above it is not writable. Returns ``Path(value)``.
+
+    Raises:
+        CliError: one line naming ``flag``, ``value`` and what was expected.
+    """
+    from kimi.checkpoint import check_replaceable
+
+    try:
+        check_replaceable(value)
+    except FileExistsError as e:
+        raise CliError(f"{flag}: {e}") from None
+    p = Path(value)
+    for parent in p.absolute().parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise CliError(f"{flag}: {value}: {parent} is a file, not a folder; expected a file path in a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise CliError(f"{flag}: {value}: {parent} is not writable; expected a file path in a writable folder")
+            break
+    return p
 
 
 def token_ids(args: argparse.Namespace, checkpoint: Path, cfg: KimiConfig):

@@ -46,6 +46,7 @@ __all__ = [
     "check_lora_supported",
     "resolve_targets",
     "apply_lora",
+    "initial_adapters",
     "lora_modules",
     "adapters_without_gradient",
     "save_adapter",
@@ -285,6 +286,54 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
     return names
 
 
+def initial_adapters(model: nn.Module, settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """The adapter tensors that ``apply_lora(model, settings)`` called now gives ``model``, without touching the
+    model or the torch RNG: for a model built on ``meta`` (no values), whose adapters a sharded run fills after
+    materialising (``kernels_torch.parallel.load.load_sharded(..., extra=)``), equal to one process's.
+
+    peft creates each adapter on the CPU in fp32 (``nn.Linear(in, r)``, ``nn.Linear(r, out)``, then A
+    kaiming-uniform and B zero), drawing from the global CPU generator layer after layer, and then casts it to its
+    base layer's device and dtype. Here peft itself wraps a stand-in of the target layers (the same names, order,
+    shapes and dtypes; each base weight a zero-stride CPU tensor, one element of memory) from the current RNG state,
+    under ``torch.random.fork_rng``; ``apply_lora`` afterwards draws the same numbers again (on ``meta`` too: peft
+    creates and initialises on the CPU, then moves to the base's device).
+
+    Returns:
+        ``{"<module>.lora_A.default.weight": [r, in], "<module>.lora_B.default.weight": [out, r]}`` (the wrapped
+        model's ``state_dict`` names), CPU tensors in each base weight's dtype.
+
+    Raises:
+        ValueError, ImportError: as :func:`apply_lora`.
+    """
+    import torch
+    from torch import nn
+
+    require_peft()
+    _import_peft()
+    from peft import inject_adapter_in_model
+
+    check_lora_supported(settings, getattr(model, "backend", "eager"))
+    if lora_modules(model):
+        raise ValueError("model: already has LoRA adapters; initial_adapters needs the model before apply_lora")
+    names = resolve_targets(model, settings)
+    shadow = nn.Module()
+    for name in names:
+        base = model.get_submodule(name)
+        stand_in = nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+        w = torch.zeros((), dtype=base.weight.dtype).expand(base.weight.shape)
+        stand_in.weight = nn.Parameter(w, requires_grad=False)
+        *path, leaf = name.split(".")
+        parent = shadow
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(leaf, stand_in)
+    with torch.random.fork_rng(devices=[]):
+        inject_adapter_in_model(settings.peft_config(names), shadow, adapter_name=_ADAPTER)
+    return {n: p.detach() for n, p in shadow.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
 def adapters_without_gradient(model: nn.Module) -> list[str]:
     """After a backward pass: the wrapped layers whose ``lora_A`` or ``lora_B`` got no gradient (``.grad is None``),
     i.e. adapters some code path skipped. A training loop can check this once after its first backward and refuse
@@ -318,20 +367,20 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def base_fingerprint(checkpoint: str | Path) -> str:
     """A fingerprint of a base checkpoint folder: ``"sha256:<hex>"`` over its config (``KimiConfig.to_dict()``) and,
-    for every tensor in name order, its name, dtype, shape and every stored byte, read through
-    ``safetensors.safe_open`` slices of about 2**26 bytes (so memory stays bounded whatever the tensor's size).
+    for every tensor in name order, its name, its safetensors dtype code and shape (``f"{name}|BF16|[out, in]|"``)
+    and every stored byte (the tensor's data as the file holds it, little-endian).
 
-    Any edit of the config or of any stored value changes it. It reads the whole checkpoint once, about as long as
-    loading the model (which a LoRA run or a merge does anyway).
+    The bytes are read with plain file reads through one 4 MiB buffer (the offsets from the safetensors header,
+    which ``kimi.checkpoint.CheckpointReader`` has checked), not through a memory map: the process's resident
+    memory grows by that buffer only, whatever the checkpoint's size (a mapped file would keep every page it read
+    resident until closed: a whole shard). Any edit of the config or of any stored value changes it. It reads the
+    whole checkpoint once, about as long as loading the model.
 
     Raises:
-        kimi.checkpoint.CheckpointError: not a checkpoint folder, a missing or unreadable shard.
+        kimi.checkpoint.CheckpointError: not a checkpoint folder, a missing or unreadable shard, a shard shorter
+            than its header says.
     """
     import hashlib
-    import math
-
-    import torch
-    from safetensors import safe_open
 
     from kimi.checkpoint import CheckpointError, CheckpointReader
 
@@ -340,26 +389,31 @@ def base_fingerprint(checkpoint: str | Path) -> str:
     prefix = reader.config.key_prefix
     by_file: dict[str, list[str]] = {}
     for name in sorted(reader.keys()):
+        reader.shape(name)  # the shard's header checked (a damaged file is refused in the reader's words)
         by_file.setdefault(reader.file_of(name), []).append(name)
+    buf = memoryview(bytearray(1 << 22))
     for file in sorted(by_file):
+        path = reader.path / file
         try:
-            with safe_open(str(reader.path / file), framework="pt") as f:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
                 for name in by_file[file]:
-                    sl = f.get_slice(prefix + name)
-                    shape = list(sl.get_shape())
-                    h.update(f"{name}|{sl.get_dtype()}|{shape}|".encode())
-                    if len(shape) < 2 or 0 in shape:
-                        parts = [f.get_tensor(prefix + name)]
-                    else:  # whole rows of the first dimension, 2**26 bytes or so at a time
-                        row_bytes = math.prod(shape[1:]) * 4  # (an upper bound: at most 4 bytes per value)
-                        step = max(1, (1 << 26) // row_bytes)
-                        parts = (sl[i : i + step] for i in range(0, shape[0], step))
-                    for t in parts:
-                        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                    entry = header[prefix + name]
+                    h.update(f"{name}|{entry['dtype']}|{list(entry['shape'])}|".encode())
+                    begin, stop = entry["data_offsets"]
+                    f.seek(8 + n + begin)
+                    left = stop - begin
+                    while left:
+                        got = f.readinto(buf[: min(left, len(buf))])
+                        if not got:
+                            raise EOFError(f"{name}: the file ends {left} bytes early")
+                        h.update(buf[:got])
+                        left -= got
         except CheckpointError:
             raise
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise CheckpointError(f"{reader.path / file}: cannot read it for the base fingerprint ({e})") from None
+        except Exception as e:  # noqa: BLE001 - an unreadable or damaged file, whatever the reason
+            raise CheckpointError(f"{path}: cannot read it for the base fingerprint ({e})") from None
     return "sha256:" + h.hexdigest()
 
 
@@ -584,9 +638,9 @@ def cmd_lora(args: argparse.Namespace) -> int:
     import torch
 
     from kernels_torch.model import load_model, save_model
-    from kimi_tools.common import CliError, copy_tokenizer, refuse_adapter_folder
+    from kimi_tools.common import CliError, check_out_folder, copy_tokenizer, refuse_adapter_folder
 
-    out = Path(args.out)
+    out = check_out_folder("--out", args.out, force="--force")  # a file, or a path under one: refused here
     for name, src in (("--checkpoint", args.checkpoint), ("--adapter", args.adapter)):
         if out.resolve() == Path(src).resolve():  # even with --force: the inputs are read while the output is written
             raise CliError(f"--out: {args.out} is the {name} folder; write the merged checkpoint to another folder")

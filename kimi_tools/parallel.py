@@ -7,7 +7,9 @@ divides ``D x C`` and adds no rank: the routed experts take a second view of the
 and FSDP2 over the ``efsdp = D x C / X`` ranks that hold the same experts), FSDP2 of everything else over all
 ``D x C`` ranks (``kernels_torch.parallel.fsdp.parallelize``). Every rank reads the same data in the same order (the
 loader state stays one state); the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so
-``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need),
+``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need;
+without ``--batch-tokens`` a step is :attr:`TrainParallel.min_microbatches` micro-batches, one per ``dp`` group and
+pipeline stage),
 and inside a group each rank takes its contiguous shard of the row. Losses are weighted by the step's global target
 count, so the gradient is the sum of every rank's part (FSDP reduce-scatter with divide factor 1). Rank 0 alone
 writes ``run.json``, metrics and the plot; all ranks write their shards of the DCP ``step-N/`` folder (the expert
@@ -43,12 +45,12 @@ the gradient norm sums over ``pp`` (:attr:`TrainParallel.norm_group`; each rank'
 (``export_sharded``). Refused with ``--pp`` > 1: LoRA, the distillation stages and FP8 (:func:`refuse_pipeline`).
 
 Optimizer and offload policies: under ``--optimizer adamw-bf16`` the trainable bf16 parameters stay bf16 shards
-(``apply_fsdp(master_dtype=None)``: no fp32 masters; gradients reduce-scattered in fp32, then held in bf16), stepped
-by torchao's AdamW with bf16 moments (``kimi_tools.train.weights.build_optimizer``). ``--offload cpu`` passes FSDP2's
-``CPUOffloadPolicy`` (pinned host memory on CUDA) to every unit: the shards, their gradients and the optimizer state
-live on the host, and the optimizer steps there; the tensors FSDP2 leaves whole stay on the device. On CUDA the
-process group then gets a gloo backend for host tensors beside NCCL (``cpu:gloo,cuda:nccl``, as torchtitan does), for
-the gradient norm of host shards.
+(``bf16_masters``: ``apply_fsdp(master_dtype=None)``, no fp32 masters; gradients reduce-scattered in ``--reduce-dtype``,
+then held in bf16), stepped by torchao's AdamW with bf16 moments (``kimi_tools.train.weights.build_optimizer``).
+``--offload cpu`` passes FSDP2's ``CPUOffloadPolicy`` (pinned host memory on CUDA) to every unit: the shards, their
+gradients and the optimizer state live on the host, and the optimizer steps there; the tensors FSDP2 leaves whole
+stay on the device. On CUDA the process group then gets a gloo backend for host tensors beside NCCL
+(``cpu:gloo,cuda:nccl``, as torchtitan does), for the gradient norm of host shards.
 
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
@@ -56,6 +58,7 @@ Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, `
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Callable
@@ -64,7 +67,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainParallel", "under_torchrun", "refuse_pipeline"]
+__all__ = ["TrainParallel", "under_torchrun", "refuse_pipeline", "REDUCE_DTYPES"]
+
+# --reduce-dtype: the dtype FSDP2 reduce-scatters the gradients in (the sharded gradients are fp32 either way: the
+# masters'); bf16 halves the reduce-scatter's bytes and its buffers and rounds each rank's part once before the sum
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def under_torchrun() -> bool:
@@ -106,10 +113,11 @@ class TrainParallel:
             ``--offload cpu`` without torchrun;
             ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
             a ``--pp-layout`` that is not counts, or of a stage count
-            the schedule cannot take; at :meth:`setup`, a layout the model refuses, or fewer micro-batches per
-            ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep`` not
+            the schedule cannot take; at :meth:`setup`, a layout the model refuses or more stages than the default
+            layout cuts; ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
-            without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``.
+            without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``,
+            or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B).
     """
 
     def __init__(
@@ -123,6 +131,9 @@ class TrainParallel:
         pp_schedule: str = "1F1B",
         pp_layout: str | None = None,
         world: int | None = None,
+        reduce_dtype: str = "fp32",
+        reshard_after_forward: str = "auto",
+        bf16_masters: bool = False,
         offload: str = "none",
     ):
         from kernels_torch.parallel.mesh import ParallelDims
@@ -136,16 +147,15 @@ class TrainParallel:
         if not self.enabled:
             sizes = (("--pp", pp), ("--cp", cp), ("--dp", dp), ("--ep", ep))
             given = [f"{f} {v}" for f, v in sizes if v is not None and v > 1]
+            given += [f"--reduce-dtype {reduce_dtype}"] * (reduce_dtype != "fp32")
+            given += [f"--reshard-after-forward {reshard_after_forward}"] * (reshard_after_forward != "auto")
+            given += [f"--offload {offload}"] * (offload != "none")  # FSDP2's CPUOffloadPolicy
             if given:
                 raise ValueError(
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
                     "--nproc-per-node N -m kimi_tools.cli train ...)"
                 )
-            if offload != "none":
-                raise ValueError(
-                    f"--offload {offload}: given in one process, expected a launch under torchrun (it is FSDP2's "
-                    "CPUOffloadPolicy; one process keeps its weights and optimizer state on --device)"
-                )
+        pp_schedule = pp_schedule or "1F1B"  # (None: --pp-schedule not given)
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
         self.pp_counts = None
@@ -190,7 +200,18 @@ class TrainParallel:
             )
         self.dims = ParallelDims(world, dp=dp, cp=cp, ep=ep, pp=pp)
         self.cp_size, self.dp_size, self.ep_size, self.pp_size, self.device = cp, dp, ep, pp, device
-        self.pp_schedule, self.offload = pp_schedule, offload
+        self.pp_schedule = pp_schedule
+        from kernels_torch.parallel.fsdp import RESHARD_POLICIES
+
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"--reduce-dtype: got {reduce_dtype!r}, expected one of {list(REDUCE_DTYPES)}")
+        if reshard_after_forward not in RESHARD_POLICIES:
+            raise ValueError(
+                f"--reshard-after-forward: got {reshard_after_forward!r}, expected one of {list(RESHARD_POLICIES)}"
+            )
+        self.reduce_dtype, self.reshard_after_forward = reduce_dtype, reshard_after_forward
+        self.bf16_masters = bf16_masters  # the trainable bf16 parameters stay bf16 shards (a bf16 optimizer)
+        self.offload = offload
         self.rank, self.mesh, self.ctx, self.pipe, self.n_microbatches = 0, None, None, None, 1
         self.replicated: list[nn.Parameter] = []
         if self.enabled:
@@ -207,30 +228,81 @@ class TrainParallel:
         """:func:`refuse_pipeline` for this layout's ``--pp``."""
         refuse_pipeline(self.pp_size, a, lora)
 
-    def check_accum(self, accum: int, micro_batch_tokens: int) -> None:
-        """Refuse a step whose ``accum`` micro-batches cannot be dealt evenly to the ``dp`` groups; with ``--pp``
-        each group's micro-batches are the pipeline's (:attr:`n_microbatches`)."""
-        self.n_microbatches = max(accum // self.dp_size, 1)
-        if accum % self.dp_size:
-            raise ValueError(
-                f"--batch-tokens: {accum} micro-batch(es) of {micro_batch_tokens} tokens per step cannot be dealt "
-                f"evenly to the {self.dp_size} data-parallel groups (--dp {self.dp_size} = world "
-                f"{self.dp_size * self.cp_size} / --cp {self.cp_size}); expected --batch-tokens a multiple of "
-                f"{self.dp_size * micro_batch_tokens}"
-            )
+    @property
+    def stages_needed(self) -> int:
+        """The micro-batches each data-parallel group needs at least per step: the pipeline's stages under 1F1B and
+        Interleaved1F1B (torch's schedules refuse fewer; GPipe takes any count), else 1."""
+        if self.pp_size == 1 or self.pp_schedule == "GPipe":
+            return 1
+        return self.pp_size * self.stages_per_rank
 
-    def setup(
-        self,
-        model: nn.Module,
-        lora: bool,
-        replicated: Callable[[str], bool] | None = None,
-        master_dtype: torch.dtype | None = torch.float32,
-    ) -> None:
+    @property
+    def min_microbatches(self) -> int:
+        """The fewest micro-batches a step needs under this layout: ``dp x`` :attr:`stages_needed` (what
+        ``kimi_tools.train.args.default_batch_tokens`` gives a run without ``--batch-tokens``)."""
+        return self.dp_size * self.stages_needed
+
+    def _deals(self, accum: int) -> bool:
+        """Whether ``accum`` micro-batches a step deal evenly to the ``dp`` groups, :attr:`stages_needed` or more
+        each, in whole rounds of ``pp`` under Interleaved1F1B (torch's rule: a multiple of ``max(1, n // pp)``)."""
+        n = accum // self.dp_size
+        ok = accum % self.dp_size == 0 and n >= self.stages_needed
+        return ok and (self.stages_per_rank == 1 or n % max(1, n // self.pp_size) == 0)
+
+    def check_accum(self, accum: int, micro_batch_tokens: int, seq_len: int | None = None, resumed: bool = False):
+        """Refuse a step whose ``accum`` micro-batches of ``micro_batch_tokens`` cannot be dealt to the ``dp`` groups
+        (evenly: FSDP2's collectives need every rank to run the same forwards; with ``--pp`` at least
+        :attr:`stages_needed` each, which become the pipeline's micro-batches, :attr:`n_microbatches`). The one
+        line names the sizes and what works: a ``--micro-batch-tokens`` (whole rows of ``seq_len``) that deals the
+        same tokens per step, a ``--batch-tokens`` (not when ``resumed``: a run keeps its tokens per step), or
+        another layout."""
+        self.n_microbatches = max(accum // self.dp_size, 1)
+        if self._deals(accum):
+            return
+        dp, need, batch = self.dp_size, self.stages_needed, accum * micro_batch_tokens
+        world = self.pp_size * dp * self.cp_size
+        sizes = f"--dp {dp} of world {world} = " + f"--pp {self.pp_size} x " * (self.pp_size > 1)
+        sizes += f"--dp {dp} x --cp {self.cp_size}"
+        pipe = f"; --pp {self.pp_size} --pp-schedule {self.pp_schedule} runs {need} stages" if need > 1 else ""
+        row_tokens = seq_len or micro_batch_tokens
+        rows = batch // row_tokens
+        fits = [m for m in range(1, rows + 1) if rows % m == 0 and self._deals(rows // m)]
+        ways = []
+        if fits:
+            smaller = [m for m in fits if m * row_tokens <= micro_batch_tokens]
+            m = max(smaller) if smaller else min(fits)
+            ways.append(f"--micro-batch-tokens {m * row_tokens:,} (the same tokens per step)")
+        if not resumed:  # dp x need x j micro-batches always deal, so the search ends
+            k = next(k for k in itertools.count(accum + 1) if self._deals(k))
+            default = self.min_microbatches * micro_batch_tokens
+            if k * micro_batch_tokens != default:
+                ways.append(f"--batch-tokens {k * micro_batch_tokens:,}")
+            ways.append(f"no --batch-tokens (the default: {default:,})")
+        elif not fits:
+            ways.append(
+                f"a layout that deals the step's {rows} row(s) of {row_tokens:,} tokens (e.g. --cp in place of --dp, "
+                "or --pp with --pp-schedule GPipe)"
+            )
+        n = f"{accum} micro-batch" + "es" * (accum > 1)
+        raise ValueError(
+            f"--batch-tokens: {batch:,} tokens per step"
+            + (" (the run's, kept on --resume)" if resumed else "")
+            + f" = {n} of --micro-batch-tokens {micro_batch_tokens:,}, which cannot be dealt to the {dp} "
+            f"data-parallel group{'s' * (dp > 1)} ({sizes}{pipe})"
+            + (f" at {need} or more each" if need > 1 else " evenly")
+            + (
+                f" (under {self.pp_schedule}: a multiple of n // {self.pp_size} each)"
+                if self.stages_per_rank > 1
+                else ""
+            )
+            + f"; expected {' or '.join(ways)}"
+        )
+
+    def setup(self, model: nn.Module, lora: bool, replicated: Callable[[str], bool] | None = None) -> None:
         """Context, expert and FSDP2 parallelism on the model (module docstring), before the optimizer is built
         (``fully_shard`` replaces the parameters); ``replicated(name)``: trainable parameters FSDP2 leaves whole.
         The model may be on ``meta`` (materialised after this by the caller). ``lora`` is accepted for the record
-        (its frozen base stays in its dtype, the adapters train as masters). ``master_dtype``: of the trainable
-        bf16 parameters' shards (fp32 masters; None under ``--optimizer adamw-bf16``: they stay bf16)."""
+        (its frozen base stays in its dtype, the adapters train as fp32 masters)."""
         if not self.enabled:
             return
         from kernels_torch.moe import KimiMoE
@@ -247,43 +319,37 @@ class TrainParallel:
         param_dtype = torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in model.parameters()) else None
         ignored = {p for n, p in model.named_parameters() if replicated is not None and replicated(n)}
         ignored |= set(fp32_compute_params(model, param_dtype))
-        policy = {"master_dtype": master_dtype, "offload_policy": self._offload_policy()}
         if self.pp_size > 1:
-            return self._setup_pipeline(model, param_dtype, ignored, policy)
+            return self._setup_pipeline(model, param_dtype, ignored)
         self.replicated = [p for p in model.parameters() if p in ignored and p.requires_grad]
-        self.ctx = parallelize(
-            model, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored, **policy
+        self.ctx = parallelize(model, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
+
+    def _fsdp_policy(self) -> dict:
+        """The FSDP2 keywords of this run's policy (``apply_fsdp``): every rank's loss is weighted by the step's global
+        target count (divide factor 1), ``--reduce-dtype``, ``--reshard-after-forward``, the masters' dtype (none under
+        ``--optimizer adamw-bf16``: ``bf16_masters``), ``--offload``."""
+        return dict(
+            gradient_divide_factor=1.0,
+            reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
+            reshard_after_forward=self.reshard_after_forward,
+            master_dtype=None if self.bf16_masters else torch.float32,
+            offload_policy=self._offload_policy(),
         )
 
-    def _offload_policy(self):
-        """FSDP2's ``CPUOffloadPolicy`` for ``--offload cpu`` (host memory pinned on CUDA), else None."""
-        if self.offload != "cpu":
-            return None
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        return CPUOffloadPolicy(pin_memory=self.device == "cuda")
-
-    def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set, policy: dict) -> None:
+    def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set) -> None:
         """Context parallelism (a ``ContextParallel`` over a ``cp`` group of its own, as ``parallelize`` makes) and
         expert parallelism (``shard_experts`` over ``ep``) on the whole ``model``, then cut it into this rank's
         pipeline stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group, ``--pp-schedule``,
         ``--pp-layout``, the ``ContextParallel`` as its ``context``) and shard them with FSDP2 as ``parallelize``
         shards a model, over the ``dp x cp`` ranks of this pipeline coordinate (``shard_stages``; the experts over
-        ``efsdp``; bf16 with ``policy``'s masters and offload, ``ignored`` whole on every rank). :attr:`pipe` then
-        holds them; the loop trains ``pipe.rank_module()``."""
+        ``efsdp``; bf16 with fp32 masters, ``ignored`` whole on every rank). :attr:`pipe` then holds them; the loop
+        trains ``pipe.rank_module()``."""
         from kernels_torch.parallel.context import ContextParallel
         from kernels_torch.parallel.expert import shard_experts
         from kernels_torch.parallel.fsdp import own_cp_group
         from kernels_torch.parallel.pipeline import Pipeline, shard_stages
 
-        stages = self.pp_size * self.stages_per_rank
-        if self.pp_schedule != "GPipe" and self.n_microbatches < stages:
-            raise ValueError(
-                f"--batch-tokens: {self.n_microbatches} micro-batch(es) per data-parallel group and step, fewer than "
-                f"the {stages} pipeline stages that --pp {self.pp_size} --pp-schedule {self.pp_schedule} needs at "
-                f"least; expected --batch-tokens >= {stages * self.dp_size} x --micro-batch-tokens, or --pp-schedule "
-                "GPipe"
-            )
+        self._check_stage_count(model.config)
         if self.cp_size > 1:
             self.ctx = ContextParallel(model, own_cp_group(self.mesh))
         if self.ep_size > 1:
@@ -305,8 +371,41 @@ class TrainParallel:
             flag = "--pp-layout" if self.pp_counts is not None else "--pp"
             raise ValueError(f"{flag}: {e}") from None
         self.replicated = [p for p in self.pipe.parameters() if p in ignored and p.requires_grad]
-        shard_stages(
-            self.pipe, self.mesh, param_dtype=param_dtype, gradient_divide_factor=1.0, ignored_params=ignored, **policy
+        shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
+
+    def _offload_policy(self):
+        """FSDP2's ``CPUOffloadPolicy`` for ``--offload cpu`` (host memory pinned on CUDA), else None."""
+        if self.offload != "cpu":
+            return None
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return CPUOffloadPolicy(pin_memory=self.device == "cuda")
+
+    def _check_stage_count(self, config) -> None:
+        """Refuse (one line naming ``--pp``, the schedule's stages and what fits) more stages than the default layout
+        can cut: it gives each stage one AttnRes block (a layer without AttnRes) at least; a ``--pp-layout`` with
+        0 layers on the first and / or last stage (the embedding, or the head, alone) fits up to two more."""
+        from kernels_torch.parallel.pipeline import stage_layout
+
+        stages, spr = self.pp_size * self.stages_per_rank, self.stages_per_rank
+        L = config.num_hidden_layers
+        bs = config.attn_res_block_size if config.has_attn_res else 1
+        n_blocks = -(-L // bs)
+        if self.pp_counts is not None or stages <= n_blocks:
+            return
+        per = f" ({spr} per rank under --pp-schedule {self.pp_schedule})" if spr > 1 else ""
+        unit = f"AttnRes blocks of {bs} layers" if config.has_attn_res else "layers"
+        fixes = [f"--pp at most {n_blocks // spr}"] if n_blocks // spr >= 2 else []
+        if spr > 1 and self.pp_size <= n_blocks:
+            fixes.append(f"--pp-schedule 1F1B ({self.pp_size} stages)")
+        if stages <= n_blocks + 2:
+            counts = [len(r) for r in stage_layout(config, n_blocks)]
+            counts = [0, *counts] + [0] * (stages - n_blocks - 1)
+            fixes.append(f"--pp-layout {','.join(map(str, counts))} (the embedding and / or the head alone on a stage)")
+        raise ValueError(
+            f"--pp {self.pp_size}: {stages} pipeline stages{per}, but the model's {L} layers are {n_blocks} {unit} and "
+            f"the default layout gives each stage one at least; expected "
+            + (" or ".join(fixes) or "more layers or no --pp")
         )
 
     def _cp_rows(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,6 +440,14 @@ class TrainParallel:
             nll = self.pipe.evaluate(ids, labels, [b.cu_seqlens], n_tokens=1)
             total, n = total + float(nll), n + b.num_targets
         return self.sum_cp([total])[0] / max(n, 1)
+
+    def reshard(self, model: nn.Module) -> None:
+        """Free the FSDP2 units a forward-only pass left gathered (``kernels_torch.parallel.fsdp.reshard``): call
+        after an evaluation, so that the optimizer's sharded parameters are the model's again."""
+        if self.enabled:
+            from kernels_torch.parallel.fsdp import reshard
+
+            reshard(model)
 
     def sum_pp(self, x: float) -> float:
         """Sum over this rank's pipeline group (a count of parameters: each rank holds its stages')."""
@@ -378,12 +485,18 @@ class TrainParallel:
         count, as FSDP's reduce-scatter with divide factor 1 sums the sharded ones)."""
         if not self.replicated:
             return
-        group = self.mesh["dp_cp"].get_group()
-        for p in self.replicated:
-            if p.grad is not None:
-                g = p.grad.float()  # summed in fp32 (a bf16 gradient rounds once, after the sum)
-                dist.all_reduce(g, group=group)
-                p.grad.copy_(g)
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if not grads or self.mesh["dp_cp"].size() == 1:
+            return
+        # one flat all-reduce per accumulation dtype (fp32, or fp64 for an fp64 model: a bf16 gradient rounds once,
+        # after the sum), not one per tensor
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(torch.promote_types(g.dtype, torch.float32), []).append(g)
+        for dtype, gs in by_dtype.items():
+            flat = torch.cat([g.reshape(-1).to(dtype) for g in gs])
+            dist.all_reduce(flat, group=self.mesh["dp_cp"].get_group())
+            torch._foreach_copy_(gs, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in gs]), gs)])
 
     def _sum(self, xs: list[float], group) -> list[float]:
         if not self.enabled or not xs:

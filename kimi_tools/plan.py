@@ -17,29 +17,35 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   the trainer shards it: ``tests/test_plan.py``) times the bytes per element of the optimizer policy
   (:data:`OPTIMIZERS`): ``adamw-fp32`` = fp32 masters (4) + fp32 gradients (4) + two fp32 moments (8), FSDP2's
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``adamw-bf16`` = bf16 parameters, gradients and
-  moments (2 + 2 + 4; torchao's AdamW with stochastic rounding: ``kimi train --optimizer adamw-bf16``);
-  ``--offload cpu`` keeps all three on the host (FSDP2 ``CPUOffloadPolicy``: ``kimi train --offload cpu``). The tensors the checkpoint keeps in
-  fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the router's
-  ``e_score_correction_bias`` has no gradient and no state (:func:`state_bytes`). LoRA: the frozen base in bf16
+  moments (2 + 2 + 4; ``kimi train --optimizer adamw-bf16``: an AdamW with stochastic rounding);
+  ``--offload cpu`` keeps all three on the host (``kimi train --offload cpu``: FSDP2 ``CPUOffloadPolicy``). The
+  tensors the checkpoint keeps in fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the
+  router's ``e_score_correction_bias`` has no gradient and no state (:func:`state_bytes`). LoRA: the frozen base in bf16
   (2 B, no gradient, no state), the adapters (``kimi_tools.lora.DEFAULT_TARGETS``: attention projections) trained
   under the policy.
-* **gathered**: FSDP2's unsharded working set. ``fsdp="layer"`` (ZeRO-3, ``reshard_after_forward=True``, gradients
+* **gathered**: FSDP2's unsharded working set, under the policy the trainer runs for the layout
+  (:func:`trainer_fsdp`). ``fsdp="layer"`` (no pipeline: ZeRO-3, ``reshard_after_forward=True``, gradients
   reduce-scattered every micro-batch): two layers' bf16 parameters (the current and the prefetched) and one layer's
-  fp32 unsharded gradients. ``fsdp="stage"`` (torchtitan's policy under pipelining: gathered once per step, kept,
-  gradients accumulated unsharded in fp32, reduce-scattered once): the whole stage's.
-* **activations**: calibrated per token per layer from the measured 4-layer step (``plan_calibration.json``: peak
-  allocated minus parameter bytes, over ``T x 4`` layers; it holds the saved activations, the gradients in flight,
-  the loss chunk and one recompute working set) for ``recompute="none"`` (8K, no recomputation) and ``"mlp"`` (32K,
-  the MLP/MoE blocks recomputed, layer 0 whole); ``"full"`` (every layer recomputed) keeps what
-  :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B per token) plus one layer's ``"none"`` working
-  set. In every mode each in-flight micro-batch also keeps the stage's received and sent states and, on the last
-  stage, the output mix, norm and loss tensors (:func:`held_per_microbatch`; not in the 4-layer calibration, which
-  has no pipeline). A stage under 1F1B holds ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``);
-  ``T = seq_len / cp`` tokens per rank.
+  fp32 unsharded gradients. ``fsdp="stage"`` (``pp`` > 1: torch's ``PipelineStage`` turns resharding after the
+  backward and gradient sync off until the step's last backward): every unit of the stage gathered in bf16, with
+  FSDP2's padding, and the gradients of its trained parameters unsharded in the reduce dtype
+  (:func:`stage_fsdp_bytes`, measured on the pipeline trainer by ``tests/test_plan.py``).
+* **activations**: per layer from the config's widths (:func:`layer_activation_bytes`: bytes per token each layer
+  keeps for its backward), scaled by the measured 4-layer step (``plan_calibration.json``: peak allocated minus
+  parameter bytes over ``T`` x the count of its 4 layers; the scale holds what the count leaves out: workspaces,
+  the gradients in flight, the loss chunk, one recompute working set) for ``recompute="none"`` (8K, no
+  recomputation) and ``"mlp"`` (32K, the MLP/MoE blocks recomputed, layer 0 whole: ``--recompute-full-layers 1``);
+  ``"full"`` (every layer recomputed) keeps what :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B
+  per token) plus the stage's largest layer's ``"none"`` working set. In every mode each in-flight micro-batch also
+  keeps the stage's received and sent states and, on the last stage, the output mix, norm and loss tensors
+  (:func:`held_per_microbatch`; not in the 4-layer calibration, which has no pipeline). A stage under 1F1B holds
+  ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``); ``T = seq_len / cp`` tokens per rank.
 
 Communication per step per rank (bytes a rank sends/receives; rings move ``(n - 1) / n`` of the gathered size):
-FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``), per layer and micro-batch or once
-per step; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
+FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``): ``"layer"`` two gathers and a
+reduce per layer and micro-batch; ``"stage"`` ``m + 1`` gathers of each unit per step (a forward after a backward
+finds the unit gathered and reshards it, the next backward gathers it again; a unit that does not reshard after its
+forward gathers once, so this is the most) and one reduce; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
 the same again, and once more when the MoE block is recomputed), ``(ep - 1) / ep`` of it leaving the rank; pipeline
 sends between stages (the hidden state and the AttnRes blocks stored so far, ``(b + 1) x D x 2`` B per token,
 forward and backward).
@@ -53,7 +59,12 @@ all-to-all is added unhidden (the code's ``all_to_all_single`` blocks the stream
 compute as DualPipe-style schedules do); FSDP traffic overlaps compute (FSDP2's prefetch) and only its excess
 counts; 1F1B's bubble multiplies the slowest stage by ``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer
 step reads and writes its states at HBM (or host) bandwidth. MFU = model FLOPs per token
-(``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
+(``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak. The rates are k3.1-pro's: for a
+narrower preset the times are upper bounds (``kimi plan`` says so).
+
+Each row ends with the ``torchrun ... -m kimi_tools.cli train ...`` command that runs it (:func:`train_command`);
+layouts the trainer refuses are left out (:func:`plan`), and a global batch that is not a whole number of
+sequences per data-parallel rank is rounded down, announced.
 
 Link bandwidths (:class:`Hardware`, documented in ``docs/scaling.md``): effective, not nominal.
 """
@@ -101,6 +112,8 @@ FROZEN_BYTES = 2  # a LoRA base weight, bf16, no gradient and no state
 GATHER_BYTES = 2  # FSDP2 all-gathers bf16 parameters (MixedPrecisionPolicy param_dtype)
 RECOMPUTE = ("none", "mlp", "full")
 FSDP_POLICIES = ("layer", "stage")
+# --recompute-full-layers of the "mlp" mode: layer 0 (the dense MLP) recomputed whole, as in its calibration step
+MLP_FULL_LAYERS = 1
 
 
 @dataclass(frozen=True)
@@ -168,12 +181,22 @@ class Layout:
 @dataclass(frozen=True)
 class Policy:
     """How a layout is run: ``optimizer`` (:data:`OPTIMIZERS`), ``offload`` ("none" or "cpu"), ``recompute``
-    ("none", "mlp", "full"), ``fsdp`` ("layer" or "stage", module docstring)."""
+    ("none", "mlp", "full"), ``fsdp`` ("layer" or "stage", module docstring; "auto": the trainer's for the layout,
+    :func:`trainer_fsdp`)."""
 
     optimizer: str = "adamw-fp32"
     offload: str = "none"
     recompute: str = "none"
-    fsdp: str = "layer"
+    fsdp: str = "auto"
+
+
+def trainer_fsdp(pp: int) -> str:
+    """The FSDP policy ``kimi train`` runs at ``pp`` stages: "layer" without a pipeline (one unit per layer,
+    resharded after its forward, gradients reduce-scattered every micro-batch), "stage" with one (torch's
+    ``PipelineStage`` sets ``reshard_after_backward`` and ``requires_gradient_sync`` off until the step's last
+    backward: every unit of the stage stays gathered from a micro-batch's backward on, its gradients accumulate
+    unsharded in the reduce dtype and are reduce-scattered once per step; ``tests/test_plan.py`` measures it)."""
+    return "layer" if pp == 1 else "stage"
 
 
 def shard_rows(rows: int, n: int, coord: int) -> int:
@@ -325,6 +348,134 @@ def _unsharded(cfg: KimiConfig, layer: int | None, ep: int, lora_rank: int | Non
     return out
 
 
+def _gets_gradient(name: str) -> bool:
+    """Whether the LM loss gives parameter ``name`` a gradient: not the DSA indexer (reached through its top-k
+    selection only; the distillation stages train it) nor layer 0's attention-side AttnRes mix (one source)."""
+    return ".indexer." not in name and not name.startswith("model.layers.0.self_attention_res_")
+
+
+@functools.lru_cache(maxsize=4096)
+def _fsdp_unit(cfg: KimiConfig, layer: int | None, n_dc: int, ep: int, efsdp: int, lora_rank: int | None, glob: str):
+    """One FSDP2 unit of a rank as the trainer builds it (``kernels_torch.parallel.fsdp.apply_fsdp``, bf16 with the
+    checkpoint's fp32 tensors ignored: whole on every rank, never gathered): ``(gathered, graded)`` elements, the
+    all-gather output of its bf16 parameters (each padded to whole ``torch.chunk`` shards: dense ``ceil(rows / n_dc)
+    x n_dc`` rows; the ``E / ep`` expert rows over ``efsdp`` along dim 1 when it divides, else padded dim 0 rows,
+    ``kernels_torch.parallel.fsdp._expert_placement``) and the elements of those that get a gradient (trained,
+    :func:`_gets_gradient`; with ``lora_rank`` the adapters only). ``layer`` None: the root's globals, ``glob``
+    "first" (the embedding) or "last" (the rest)."""
+    glob_specs, per = _layout_specs(cfg)
+    specs = (
+        list(per[layer])
+        if layer is not None
+        else [s for s in glob_specs if (s.name == "model.embed_tokens.weight") == (glob == "first")]
+    )
+    if lora_rank and layer is not None:
+        specs += lora_specs(cfg, lora_rank).get(layer, [])
+    gathered = graded = 0
+    for s in specs:
+        lora = ".lora_" in s.name
+        if s.dtype == "float32" and not lora:  # ignored by FSDP2 (a LoRA adapter is an fp32 master, gathered bf16)
+            continue
+        inner = math.prod(s.shape[1:])
+        if _is_expert(s.name):
+            rows = s.shape[0] // ep
+            split = len(s.shape) > 1 and s.shape[1] % efsdp == 0
+            g = s.numel // ep if split else -(-rows // efsdp) * efsdp * inner
+        else:
+            g = -(-s.shape[0] // n_dc) * n_dc * inner
+        gathered += g
+        if (lora or not lora_rank) and _gets_gradient(s.name):
+            graded += s.numel // ep if _is_expert(s.name) else s.numel
+    return gathered, graded
+
+
+def stage_fsdp_bytes(cfg: KimiConfig, layout: Layout, stage: int, *, reduce_bytes: int = 4, lora_rank=None) -> int:
+    """Bytes FSDP2 holds unsharded on a rank of pipeline stage ``stage`` under the trainer's "stage" policy
+    (:func:`trainer_fsdp`, ``pp`` > 1) from the first backward of a step to its end: every unit of the stage (its
+    layers, their routed experts, the stage module's root) gathered in bf16 (:func:`_fsdp_unit`, with FSDP2's
+    padding) and the gradients of its trained parameters, unsharded, in the reduce dtype (``reduce_bytes``: 4 for
+    fp32, 2 for bf16). ``tests/test_plan.py`` measures it on the pipeline trainer between micro-batches."""
+    layers = stage_ranges(cfg, layout.pp)[stage]
+    n_dc = layout.dp * layout.cp
+    units = [_fsdp_unit(cfg, i, n_dc, layout.ep, layout.efsdp, lora_rank, "") for i in layers]
+    if stage == 0:
+        units.append(_fsdp_unit(cfg, None, n_dc, 1, 1, None, "first"))
+    if stage == layout.pp - 1:
+        units.append(_fsdp_unit(cfg, None, n_dc, 1, 1, None, "last"))
+    return sum(g * GATHER_BYTES + t * reduce_bytes for g, t in units)
+
+
+def _mix_sources(cfg: KimiConfig, i: int) -> tuple[int, int]:
+    """Sources of layer ``i``'s two AttnRes mixes (attention side, MLP side): the blocks stored before it plus the
+    partial sum (``kernels_torch.model.DecoderLayer.forward``); (1, 1) without AttnRes (no mix)."""
+    if not cfg.has_attn_res:
+        return 1, 1
+    b = cfg.attn_res_block_size
+    return (math.ceil(i / b) + 1 if i else 1), i // b + 2
+
+
+@functools.lru_cache(maxsize=64)
+def _act_table(cfg: KimiConfig, full_layers: int = MLP_FULL_LAYERS) -> tuple[tuple[int, int], ...]:
+    """:func:`layer_activation_bytes` of every layer, ("none", "mlp")."""
+    return tuple(
+        (layer_activation_bytes(cfg, i, "none"), layer_activation_bytes(cfg, i, "mlp", full_layers))
+        for i in range(cfg.num_hidden_layers)
+    )
+
+
+def layer_activation_bytes(cfg: KimiConfig, i: int, mode: str = "none", full_layers: int = MLP_FULL_LAYERS) -> int:
+    """Bytes per token that layer ``i`` keeps for its backward, from the config's widths (bf16 activations 2 B, the
+    tensors the code computes in fp32 4 B), the principal saved tensors of each part (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", section 4's count, for this model's layers):
+
+    * each AttnRes mix over ``M > 1`` sources (:func:`_mix_sources`): three fp32 copies of them, ``12 M D``; each
+      RMSNorm ``6 D``;
+    * KDA (``P = H x K``): the q/k/v projections and convolutions, the fp32 L2-normalised q, k, the gate and its
+      fp32 decay, the output gate and the fp32 gated norm, ``42 P + 2 R + 4 H`` (``R`` the gate rank);
+    * MLA: the q and kv latents and their fp32 norms, q, the expanded k and v, the output and its fp32 sigmoid
+      gate; DSA adds the selected key ids (``4 x index_topk``);
+    * dense MLP ``6 I + 2 D``; MoE: the fp32 router scores (``4 E``), the routing (``12 k``), the latent input, per
+      routed slot its rows in and out (``2 Dl + 4 Dl``) and its GLU (``6 I``), the latent norm, up projection and
+      shared experts (``6 I x shared``).
+
+    ``mode`` "mlp" (``kimi_tools.train.recompute_layers(model, "mlp", full_layers)``): the MLP / MoE block with its
+    norm keeps only its input (``2 D``), and the first ``full_layers`` layers, recomputed whole, only theirs.
+    The count is what a layer saves up to one constant: the planner scales it by each calibration step's measured
+    bytes (:class:`Calibration`); ``tests/test_plan.py`` checks its shape against autograd's saved tensors.
+
+    Raises:
+        ValueError: ``mode`` not "none" or "mlp"."""
+    if mode not in ("none", "mlp"):
+        raise ValueError(f"mode: got {mode!r}, expected 'none' or 'mlp'")
+    c, D = cfg, cfg.hidden_size
+    if mode == "mlp" and i < full_layers:
+        return 2 * D
+    m_attn, m_mlp = _mix_sources(cfg, i)
+    mix = lambda M: 12 * M * D if M > 1 else 0  # noqa: E731
+    out = mix(m_attn) + mix(m_mlp) + 6 * D  # the mixes, the attention's input norm
+    if c.layer_type(i) == "kda":
+        P, H, R = c.kda_num_heads * c.kda_head_dim, c.kda_num_heads, c.kda_gate_rank
+        out += 42 * P + 2 * R + 4 * H
+    else:
+        H, Kn, Rr, V, L = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        out += 6 * (c.q_lora_rank or 0) + 2 * (L + Rr) + 4 * L  # latents, their norms
+        out += 2 * H * (Kn + Rr) * 2 + 2 * H * (Kn + V)  # q, k, the kv expansion
+        out += 2 * H * V + 8 * H * V + 2 * H * V  # attention output, fp32 gate, gated output
+        if c.layer_type(i) == "dsa":
+            out += 4 * c.index_topk
+    if mode == "mlp":
+        return out + 2 * D
+    out += 6 * D  # the MLP's input norm
+    if c.is_moe_layer(i):
+        E, k, inter = c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
+        Dl = c.routed_expert_hidden_size or D
+        out += 4 * E + 12 * k + 2 * Dl + k * (6 * Dl + 6 * inter) + 4 * Dl + 2 * D
+        out += 6 * c.num_shared_experts * inter + 2 * D if c.num_shared_experts else 0
+    else:
+        out += 6 * c.intermediate_size + 2 * D
+    return out
+
+
 def state_bytes(n: dict, optimizer: str) -> dict[str, int]:
     """Bytes of a rank's sharded parameters, gradients and optimizer states from :func:`rank_numel`'s counts under
     ``optimizer`` (:data:`OPTIMIZERS`): the tensors the checkpoint keeps fp32 stay fp32 under either policy (fp32
@@ -412,6 +563,9 @@ class Calibration:
         sources: {mode: "file (date, commit), seq_len, ms, peak GiB"} of each point used.
         rows_per_expert: {mode: rows per expert in that calibration step} (``T k / E`` of the benchmark).
         density: ((rows per expert, TFLOP/s), ...) of the routed experts alone (``expert_density``).
+        act_scale: {mode: measured activation bytes / :func:`layer_activation_bytes` of the calibration step's
+            layers} for "none" and "mlp": what the count leaves out (workspaces, gradients in flight, the loss
+            chunk, the allocator), applied to any config's count (:meth:`layer_bytes`).
     """
 
     tflops: dict
@@ -419,6 +573,20 @@ class Calibration:
     sources: dict = field(default_factory=dict)
     rows_per_expert: dict = field(default_factory=dict)
     density: tuple = ()
+    act_scale: dict = field(default_factory=dict)
+
+    def layer_bytes(self, cfg: KimiConfig, layers: range, T: int, mode: str) -> float:
+        """Activation bytes of ``layers`` of ``cfg`` for ``T`` tokens under recompute ``mode`` ("none" or "mlp"):
+        :func:`layer_activation_bytes` scaled by :attr:`act_scale`."""
+        col = 0 if mode == "none" else 1
+        table = _act_table(cfg)
+        return self.act_scale[mode] * T * sum(table[i][col] for i in layers)
+
+    def working_set(self, cfg: KimiConfig, layers: range, T: int) -> float:
+        """One layer's no-recompute activation bytes (the largest of ``layers``), for ``T`` tokens: what a layer
+        recomputed whole holds while its backward runs."""
+        table = _act_table(cfg)
+        return self.act_scale["none"] * T * max((table[i][0] for i in layers), default=0)
 
     def expert_rate(self, rows: float) -> float:
         """The routed experts' TFLOP/s at ``rows`` per expert (``expert_density`` points: log-linear between them,
@@ -449,14 +617,19 @@ def load_calibration(fp8: str | None = None, path: Path = CALIBRATION_FILE) -> C
         ValueError: no calibration point for that recipe (naming the recipes that have one)."""
     doc = json.loads(Path(path).read_text())
     key = "bf16" if fp8 is None else f"fp8-{fp8}"
-    tflops, act, src, rows = {}, {}, {}, {}
+    tflops, act, src, rows, scale = {}, {}, {}, {}, {}
     for p in doc["points"]:
         use = p.get("use")
         if not use or not use.startswith(key + "-"):
             continue
         mode = use[len(key) + 1 :]
         tflops[mode] = p["model_tflop"] / (p["ms"] * 1e-3)
-        act[mode] = (p["peak_gib"] * 2**30 - p["param_bytes"]) / (p["seq_len"] * 4)
+        measured = p["peak_gib"] * 2**30 - p["param_bytes"]
+        act[mode] = measured / (p["seq_len"] * CALIBRATION_LAYERS)
+        ccfg = calibration_config(p["experts"], p["experts_per_token"])
+        full = p.get("recompute_full_layers") or 0
+        count = sum(layer_activation_bytes(ccfg, i, mode, full) for i in range(CALIBRATION_LAYERS))
+        scale[mode] = measured / (p["seq_len"] * count)
         rows[mode] = p["seq_len"] * p["experts_per_token"] / p["experts"]
         src[mode] = (
             f"{p['file']} ({p['date']}, {p['commit']}): {p['seq_len']} tokens, {p['experts']} experts, "
@@ -467,7 +640,20 @@ def load_calibration(fp8: str | None = None, path: Path = CALIBRATION_FILE) -> C
         raise ValueError(f"--fp8: got {fp8!r}, no calibration points for it; calibrated: {have}")
     tflops["full"] = tflops["none"] * 3 / 4
     dens = tuple((q["rows_per_expert"], q["tflops"]) for q in doc.get("expert_density", {}).get("points", []))
-    return Calibration(tflops, act, src, rows, dens)
+    return Calibration(tflops, act, src, rows, dens, scale)
+
+
+CALIBRATION_LAYERS = 4  # the calibration steps' model: k3.1-pro's first 4 layers (plan_calibration.json "about")
+
+
+def calibration_config(experts: int, experts_per_token: int) -> KimiConfig:
+    """The config of a calibration step: k3.1-pro truncated to :data:`CALIBRATION_LAYERS` layers, with the step's
+    routed experts."""
+    return (
+        load_config("k3.1-pro")
+        .truncated(CALIBRATION_LAYERS)
+        .replace(num_experts=experts, num_experts_per_token=experts_per_token)
+    )
 
 
 def _bw(group: int, stride: int, hw: Hardware) -> float:
@@ -586,6 +772,13 @@ def evaluate(
         optimizer, step), ``tokens_per_s_per_gpu``, ``tflops_per_gpu``, ``mfu``, ``fits``.
     """
     L = layout
+    fsdp = trainer_fsdp(L.pp)
+    if policy.fsdp not in ("auto", fsdp):
+        raise ValueError(
+            f"fsdp: got {policy.fsdp!r} with pp={L.pp}, expected {fsdp!r}, the policy the trainer runs there "
+            "(trainer_fsdp)"
+        )
+    policy = dataclasses.replace(policy, fsdp=fsdp)
     m = max(1, global_batch // (L.dp * seq_len))
     T = seq_len // L.cp
     pb, gb, ob = OPTIMIZERS[policy.optimizer]
@@ -603,20 +796,19 @@ def evaluate(
     static = _stage_static(cfg, L, lora_rank)
     for s, layers in enumerate(ranges):
         n, sizes, full, moe = static[s]
-        if policy.fsdp == "layer":
+        if fsdp == "layer":
             big = max(sizes)
             gathered = 2 * big[0] * GATHER_BYTES + big[1] * 4
         else:
-            gathered = sum(a for a, _ in sizes) * GATHER_BYTES + sum(t for _, t in sizes) * 4
+            gathered = stage_fsdp_bytes(cfg, L, s, reduce_bytes=rb, lora_rank=lora_rank)
         inflight = min(L.pp - s, m)
-        a_none = cal.act_per_token_layer["none"]
         first, last = s == 0, s == L.pp - 1
         held = held_per_microbatch(cfg, layers, T, first=first, last=last, lm_head_grad=not lora_rank)
         if policy.recompute == "full":  # the layer inputs are in `held`; one layer's working set beside them
-            act = inflight * held + T * a_none
+            act = inflight * held + cal.working_set(cfg, layers, T)
         else:  # the calibrated per-layer bytes replace the layer inputs; the stage's I/O and head come on top
             extra = held - _layer_inputs(layers, T, D, first)
-            act = inflight * (len(layers) * T * cal.act_per_token_layer[policy.recompute] + extra)
+            act = inflight * (cal.layer_bytes(cfg, layers, T, policy.recompute) + extra)
         on_gpu = policy.offload == "none"
         sb = state_bytes(n, policy.optimizer)
         mem = {
@@ -629,8 +821,13 @@ def evaluate(
         mem["total"] = sum(mem.values())
         host = 0 if on_gpu else sum(sb.values())
         # communication per step (bytes per rank)
-        gathers = 2 * m if policy.fsdp == "layer" else 1  # forward + backward re-gather, per micro-batch
-        reduces = m if policy.fsdp == "layer" else 1
+        # "layer": a forward and a backward gather per micro-batch, a reduce-scatter per micro-batch; "stage": each
+        # forward after a backward finds the units still gathered and reshards them (reshard_after_forward), so
+        # 1F1B and GPipe gather once per micro-batch's backward plus once for the first forward, m + 1, and reduce
+        # once (measured in tests/test_plan.py); a unit that keeps its gathered copy after the forward (FSDP2's
+        # reshard policy: torchtitan's leaves the last layer and the root) gathers once: m + 1 is the most
+        gathers = 2 * m if fsdp == "layer" else m + 1
+        reduces = m if fsdp == "layer" else 1
         f_dc, f_ef = (n_dc - 1) / n_dc, (L.efsdp - 1) / L.efsdp
         ag_d = full["dense"] * GATHER_BYTES * f_dc * gathers
         ag_e = full["experts"] * GATHER_BYTES * f_ef * gathers
@@ -710,6 +907,33 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _batch_refusal(L: Layout, seq_len: int, global_batch: int) -> str | None:
+    """Why ``kimi train`` cannot run layout ``L`` with steps of ``global_batch`` tokens in ``seq_len`` sequences
+    (``kimi_tools.parallel.TrainParallel.check_accum`` and its pipeline check), or None."""
+    m = global_batch // (L.dp * seq_len)
+    if m < 1:
+        return (
+            f"--global-batch {global_batch:,} is less than one --seq-len {seq_len:,} sequence for each of the "
+            f"{L.dp} data-parallel ranks"
+        )
+    if m < L.pp:
+        return f"{m} micro-batch(es) per pipeline, fewer than its {L.pp} stages (1F1B needs one in flight per stage)"
+    return None
+
+
+def _pipeline_refusal(lora_rank: int | None, fp8: str | None) -> str | None:
+    """The trainer's refusal of ``--pp`` > 1 for this run (``kimi_tools.parallel.refuse_pipeline``), or None."""
+    import types
+
+    from kimi_tools.parallel import refuse_pipeline
+
+    try:
+        refuse_pipeline(2, types.SimpleNamespace(lora_rank=lora_rank, stage="lm", fp8=fp8), bool(lora_rank))
+    except ValueError as e:
+        return "kimi train " + str(e).replace("--pp 2 with", "refuses --pp > 1 with", 1)
+    return None
+
+
 def plan(
     cfg: KimiConfig,
     gpus: int,
@@ -724,20 +948,35 @@ def plan(
     overlap_a2a: bool = False,
     cps: tuple[int, ...] = (1, 2, 4, 8),
     only: Layout | None = None,
+    dropped: list[tuple[str, str]] | None = None,
 ) -> list[dict]:
     """Every layout of ``gpus`` GPUs (``pp`` dividing the AttnRes blocks, ``cp`` in ``cps`` dividing ``seq_len``,
-    ``ep`` dividing ``dp x cp`` and the expert count), each with the fastest policy (recompute mode, FSDP policy,
-    then the first of ``optimizers`` x ``offloads`` in order) that fits; layouts where none fits come with their
-    smallest-memory policy and ``fits`` false. Sorted: fitting first, then by predicted MFU (descending).
+    ``ep`` dividing ``dp x cp`` and the expert count) that ``kimi train`` runs, each with the fastest policy
+    (recompute mode, then the first of ``optimizers`` x ``offloads`` in order; the FSDP policy the trainer's for the
+    layout, :func:`trainer_fsdp`) that fits; layouts where none fits come with their smallest-memory policy and
+    ``fits`` false. Sorted: fitting first, then by predicted MFU (descending).
+
+    A step is ``m = global_batch // (dp x seq_len)`` micro-batches of one sequence per pipeline (rounded down: the
+    row's ``global_batch_tokens`` says what runs). Left out, with the reason appended to ``dropped``: layouts whose
+    ``dp`` ranks cannot each get a sequence (``m`` < 1), pipelines with fewer micro-batches than stages (the
+    trainer's 1F1B refuses them), and ``pp`` > 1 where the trainer refuses the pipeline (LoRA, FP8:
+    ``kimi_tools.parallel.refuse_pipeline``); each as ``(layout, reason)`` in ``dropped``.
 
     Raises:
-        ValueError: ``gpus`` < 1, ``seq_len`` < 1."""
+        ValueError: ``gpus`` < 1, ``seq_len`` < 1, ``global_batch`` below one sequence; ``only`` not a layout of
+            ``gpus`` the trainer runs (naming the flag and why)."""
     if gpus < 1:
         raise ValueError(f"--gpus: got {gpus}, expected a positive integer")
     if seq_len < 1:
         raise ValueError(f"--seq-len: got {seq_len}, expected a positive integer")
+    if global_batch < seq_len:
+        raise ValueError(
+            f"--global-batch: got {global_batch:,} tokens, expected at least one --seq-len sequence ({seq_len:,} "
+            "tokens) per step: each data-parallel rank trains whole sequences"
+        )
     cal = load_calibration(fp8)
     blocks = -(-cfg.num_hidden_layers // (cfg.attn_res_block_size or 1))
+    refusal = _pipeline_refusal(lora_rank, fp8)
     if only is not None:
         if only.world != gpus:
             raise ValueError(f"--layout: got {only.name()} = {only.world} GPUs, expected --gpus {gpus}")
@@ -746,10 +985,17 @@ def plan(
             raise ValueError(f"--layout: got ep={only.ep}, expected a divisor of the {cfg.num_experts} experts")
         if seq_len % only.cp:
             raise ValueError(f"--layout: got cp={only.cp}, expected a divisor of --seq-len {seq_len}")
+        why = _batch_refusal(only, seq_len, global_batch) or (refusal if only.pp > 1 else None)
+        if why:
+            raise ValueError(f"--layout: got {only.name()}, which kimi train does not run: {why}")
         cps = (only.cp,)
     out = []
     for pp in _divisors(blocks):
         if gpus % pp:
+            continue
+        if pp > 1 and refusal:
+            if dropped is not None:
+                dropped.append((f"pp{pp}", refusal))
             continue
         n_dc = gpus // pp
         for cp in cps:
@@ -763,32 +1009,32 @@ def plan(
                 L = Layout(pp, n_dc // cp, cp, ep)
                 if only is not None and L != only:
                     continue
+                why = _batch_refusal(L, seq_len, global_batch)
+                if why:
+                    if dropped is not None:
+                        dropped.append((L.name(), why))
+                    continue
                 best = None
                 for opt in optimizers:
                     for off in offloads:
                         for rc in RECOMPUTE:
-                            for fs in FSDP_POLICIES:
-                                r = evaluate(
-                                    cfg,
-                                    L,
-                                    Policy(opt, off, rc, fs),
-                                    hw,
-                                    cal,
-                                    seq_len=seq_len,
-                                    global_batch=global_batch,
-                                    lora_rank=lora_rank,
-                                    overlap_a2a=overlap_a2a,
-                                )
-                                if best is None:
-                                    best = r
-                                elif r["fits"] and (not best["fits"] or r["mfu"] > best["mfu"]):
-                                    best = r
-                                elif (
-                                    not r["fits"]
-                                    and not best["fits"]
-                                    and r["memory"]["total"] < best["memory"]["total"]
-                                ):
-                                    best = r
+                            r = evaluate(
+                                cfg,
+                                L,
+                                Policy(opt, off, rc),
+                                hw,
+                                cal,
+                                seq_len=seq_len,
+                                global_batch=global_batch,
+                                lora_rank=lora_rank,
+                                overlap_a2a=overlap_a2a,
+                            )
+                            if best is None:
+                                best = r
+                            elif r["fits"] and (not best["fits"] or r["mfu"] > best["mfu"]):
+                                best = r
+                            elif not r["fits"] and not best["fits"] and r["memory"]["total"] < best["memory"]["total"]:
+                                best = r
                         if best["fits"]:
                             break
                     if best["fits"]:
@@ -824,13 +1070,79 @@ HEADER = (
 
 def render_markdown(rows: list[dict], top: int = 5) -> str:
     """A markdown table of the first ``top`` fitting rows (or, when none fits, of the ``top`` smallest), memory per
-    rank (worst stage) and communication per step per rank in GB."""
+    rank (worst stage) and communication per step per rank in GB, then each shown row's ``kimi train`` command
+    (its ``command``, when :func:`run_plan` added one)."""
     fit = [r for r in rows if r["fits"]]
     shown = (fit or rows)[:top]
     lines = [HEADER] + [_row(r) for r in shown]
     if not fit:
         lines.insert(0, f"Nothing fits; the {len(shown)} layouts with the least memory per rank:\n")
+    cmds = [(r, r["command"]) for r in shown if r.get("command")]
+    if cmds:
+        lines += ["", COMMANDS_NOTE, ""]
+        lines += [f"* {_layout_name(r)}: `{c}`" for r, c in cmds]
     return "\n".join(lines)
+
+
+COMMANDS_NOTE = (
+    "The `kimi train` command of each row (the same on every node; DATA and OUT to fill in, HOST the first node's "
+    "address; `--preset` trains a random init, `--checkpoint DIR` instead fine-tunes a checkpoint):"
+)
+
+
+def _layout_name(r: dict) -> str:
+    L = r["layout"]
+    return f"pp{L['pp']} dp{L['dp']} cp{L['cp']} ep{L['ep']}"
+
+
+def train_command(
+    row: dict,
+    *,
+    preset: str,
+    seq_len: int,
+    layers: int | None = None,
+    lora_rank: int | None = None,
+    fp8: str | None = None,
+    gpus_per_node: int = 8,
+) -> list[str]:
+    """The ``torchrun ... -m kimi_tools.cli train ...`` command (argv) that runs ``row`` (an :func:`evaluate`
+    result): ``torchrun --standalone`` on one node, else ``--nnodes N`` with a c10d rendezvous at ``HOST:29500``
+    (``N`` the fewest nodes of at most ``gpus_per_node`` ranks that divide the world); the layout (``--pp``, with
+    ``--pp-schedule 1F1B`` and the planned ``--pp-layout``, ``--dp``, ``--cp``, ``--ep``); one ``--seq-len``
+    sequence per micro-batch (``--micro-batch-tokens``) and the planned tokens per step (``--batch-tokens`` =
+    ``dp x micro-batches x seq_len``); bf16 on the cudnn backend; the recomputation (``--recompute``,
+    ``--recompute-mode``, and ``--recompute-full-layers`` :data:`MLP_FULL_LAYERS` for "mlp", as calibrated); LoRA,
+    FP8; the optimizer and offload policies where they differ from the trainer's defaults (``--optimizer
+    adamw-bf16`` with ``--reduce-dtype bf16``, ``--offload cpu``). ``DATA`` and ``OUT`` are placeholders."""
+    L, p = row["layout"], row["policy"]
+    world = L["world"]
+    per_node = max(d for d in _divisors(world) if d <= max(1, gpus_per_node))
+    if per_node == world:
+        cmd = ["torchrun", "--standalone", "--nproc-per-node", str(world)]
+    else:
+        cmd = ["torchrun", "--nnodes", str(world // per_node), "--nproc-per-node", str(per_node)]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:29500"]
+    cmd += ["-m", "kimi_tools.cli", "train", "--preset", preset] + (["--layers", str(layers)] if layers else [])
+    cmd += ["--data", "DATA", "--out", "OUT", "--device", "cuda", "--backend", "cudnn", "--dtype", "bfloat16"]
+    tokens = row["global_batch_tokens"]
+    cmd += ["--seq-len", str(seq_len), "--micro-batch-tokens", str(seq_len), "--batch-tokens", str(tokens)]
+    if L["pp"] > 1:
+        counts = ",".join(str(b - a) for a, b in row["stages"])
+        cmd += ["--pp", str(L["pp"]), "--pp-schedule", "1F1B", "--pp-layout", counts]
+    cmd += ["--dp", str(L["dp"]), "--cp", str(L["cp"]), "--ep", str(L["ep"])]
+    if p["recompute"] == "full":
+        cmd += ["--recompute", "--recompute-mode", "layer"]
+    elif p["recompute"] == "mlp":
+        cmd += ["--recompute", "--recompute-mode", "mlp", "--recompute-full-layers", str(MLP_FULL_LAYERS)]
+    if lora_rank:
+        cmd += ["--lora-rank", str(lora_rank)]
+    if fp8:
+        cmd += ["--fp8", fp8]
+    if p["optimizer"] != "adamw-fp32":
+        cmd += ["--optimizer", p["optimizer"], "--reduce-dtype", "bf16"]
+    if p["offload"] != "none":
+        cmd += ["--offload", p["offload"]]
+    return cmd
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -839,12 +1151,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser("plan", help="parallel layouts that fit a cluster: memory, communication, step time, MFU")
     p.add_argument("--preset", choices=sorted(PRESETS), default="k3.1-pro")
+    p.add_argument("--layers", type=positive_int, help="keep the first N layers (as kimi train --layers)")
     p.add_argument("--gpus", type=positive_int, required=True, help="world size")
     p.add_argument("--gpu-memory", type=float, default=141.0, metavar="GB", help="HBM per GPU in GB (default 141)")
     p.add_argument("--reserve", type=float, default=5.0, metavar="GB", help="HBM kept free per GPU (default 5 GB)")
     p.add_argument("--nodes", type=positive_int, help="nodes (GPUs per node = gpus / nodes; default 8 per node)")
     p.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
-    p.add_argument("--global-batch", type=positive_int, default=1 << 24, help="tokens per step (default 2^24)")
+    p.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=1 << 24,
+        help="tokens per step (default 2^24; rounded down to whole sequences per data-parallel rank, as announced)",
+    )
     p.add_argument("--lora-rank", type=positive_int, help="LoRA of the attention projections, frozen base in bf16")
     p.add_argument("--fp8", metavar="RECIPE", help="calibrate on the FP8 step of this recipe (rowwise)")
     p.add_argument(
@@ -900,22 +1218,34 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
         peak_tflops=args.peak_tflops,
     )
     cfg = load_config(args.preset)
+    layers = getattr(args, "layers", None)
+    if layers:
+        if layers > cfg.num_hidden_layers:
+            raise CliError(f"--layers: got {layers}, expected at most the {cfg.num_hidden_layers} of {args.preset}")
+        cfg = cfg.truncated(layers)
     only = None
     if args.layout:
-        try:
-            only = Layout(*(int(x) for x in args.layout.split(",")))
-        except (TypeError, ValueError) as e:
+        parts = args.layout.split(",")
+        if len(parts) != 4 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
             raise CliError(
-                f"--layout: got {args.layout!r}, expected four positive integers PP,DP,CP,EP ({e})"
-            ) from None
+                f"--layout: got {args.layout!r}, expected four positive integers PP,DP,CP,EP (e.g. 8,16,1,16)"
+            )
+        try:
+            only = Layout(*(int(x) for x in parts))
+        except ValueError as e:
+            raise CliError(str(e).replace("layout:", "--layout:", 1)) from None
     notes = []
-    if cfg.hidden_size != load_config("k3.1-pro").hidden_size:
+    ref = load_config("k3.1-pro").hidden_size
+    if cfg.hidden_size != ref:
         notes.append(
-            f"activations and rates are calibrated on k3.1-pro's dimensions (hidden 7168); --preset {args.preset} "
-            f"(hidden {cfg.hidden_size}) gets them unscaled: its parameter bytes are exact, its activations are not"
+            f"compute rates are k3.1-pro's measured ones (hidden {ref}); --preset {args.preset} (hidden "
+            f"{cfg.hidden_size}) runs its far narrower matmuls far below them, so its step times, tokens/s and MFU "
+            "are upper bounds, not predictions (its memory is counted from its own dimensions)"
         )
     rows: list[dict] = []
+    dropped: list[tuple[str, str]] = []
     for opts, offs in _modes(args.optimizer):
+        dropped.clear()
         rows = plan(
             cfg,
             args.gpus,
@@ -928,7 +1258,10 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
             offloads=offs,
             overlap_a2a=args.overlap_a2a,
             only=only,
+            dropped=dropped,
         )
+        if not rows:
+            raise CliError(f"--gpus {args.gpus}: no layout that kimi train runs ({_left_out(dropped)})")
         if rows and rows[0]["fits"]:
             break
         least = min((r["memory"]["total"] for r in rows), default=float("nan"))
@@ -938,7 +1271,40 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
             f"(least memory per rank {least / GB:,.0f} GB"
             + (f"; host memory per GPU {host / GB:,.0f} GB, {hw.host_memory_gb:g} GB available)" if host else ")")
         )
+    short = sorted(
+        {(r["layout"]["dp"], r["global_batch_tokens"]) for r in rows if r["global_batch_tokens"] != args.global_batch}
+    )
+    if short:
+        runs = ", ".join(f"dp {dp}: {t:,}" for dp, t in short)
+        notes.append(
+            f"--global-batch {args.global_batch:,} is not a whole number of --seq-len {args.seq_len:,} sequences per "
+            f"data-parallel rank for every layout: rounded down to whole micro-batches, those run fewer tokens per "
+            f"step ({runs}); their rates are for those steps"
+        )
+    if dropped:
+        notes.append(f"left out, as kimi train does not run them: {_left_out(dropped)}")
+    for r in rows:
+        argv = train_command(
+            r,
+            preset=args.preset,
+            seq_len=args.seq_len,
+            layers=layers,
+            lora_rank=args.lora_rank,
+            fp8=args.fp8,
+            gpus_per_node=gpn,
+        )
+        r["command"] = " ".join(argv)
     return rows, notes
+
+
+def _left_out(dropped: list[tuple[str, str]]) -> str:
+    """``plan``'s ``dropped`` grouped by reason: "pp2, pp4: reason; ..." (at most 4 layouts named per reason)."""
+    by: dict[str, list[str]] = {}
+    for name, why in dropped:
+        by.setdefault(why, []).append(name)
+    return "; ".join(
+        ", ".join(n[:4]) + (f" and {len(n) - 4} more" if len(n) > 4 else "") + f": {why}" for why, n in by.items()
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -1022,8 +1388,13 @@ def render_docs() -> str:
         "Generated by `kimi plan` (`kimi_tools/plan.py`, its docstring has the model) with the defaults: 8,192-token "
         "sequences, 2^24 tokens per step, 8 GPUs per node, 1F1B. Per-rank parameter, gradient and optimizer bytes are "
         "the meta model sharded as the trainer shards it (`tests/test_plan.py` builds each layout on `meta` with "
-        "torch's fake process group and compares); activations and compute rates are calibrated on the measured "
-        "4-layer step; the all-to-all is counted unhidden (the code's `all_to_all_single` blocks). LoRA rows count "
+        "torch's fake process group and compares); activations are counted per layer from the config's widths "
+        "(`layer_activation_bytes`) and scaled to the measured 4-layer step, whose rates the compute takes; the "
+        "FSDP2 working set is the trainer's (one layer at a time without a pipeline; under pp the whole stage "
+        "gathered and its gradients unsharded in fp32 until the step's end, as torch's `PipelineStage` keeps them, "
+        "measured on the pipeline trainer by `tests/test_plan.py`); layouts `kimi train` does not run (LoRA or FP8 "
+        "under pp, fewer micro-batches than stages) are left out, and each table ends with the `kimi train` command "
+        "of each row. The all-to-all is counted unhidden (the code's `all_to_all_single` blocks). LoRA rows count "
         "the model FLOPs of a frozen-weight step (forward and input gradients: 2/3 of the weight matmuls of full "
         "training). Not modelled: interleaved schedules, expert load imbalance, tensor parallelism. Memory per rank "
         "is the worst pipeline stage; communication is per step per rank. GB = 10^9 B. "
@@ -1055,7 +1426,8 @@ def render_docs() -> str:
     for mode in ("none", "mlp"):
         out.append(
             f"* recompute {mode}: {cal.tflops[mode]:.1f} TFLOP/s of model FLOPs, "
-            f"{cal.act_per_token_layer[mode] / 1e6:.3f} MB of activations per token per layer; {cal.sources[mode]}"
+            f"{cal.act_per_token_layer[mode] / 1e6:.3f} MB of activations per token per layer, "
+            f"{cal.act_scale[mode]:.2f}x the width count of its layers; {cal.sources[mode]}"
         )
     out.append(
         f"* recompute full: {cal.tflops['full']:.1f} TFLOP/s (the no-recompute rate x 3/4: one more forward), each "
@@ -1111,6 +1483,8 @@ def render_docs() -> str:
             f"| {r['mfu']:.1%} ({h['mfu']:.1%}) | `kimi plan --gpus {gpus}` |"
         )
     none = cal.tflops["none"] / hw.peak_tflops
+    k31 = load_config("k3.1-pro")
+    per_layer = cal.layer_bytes(k31, range(k31.num_hidden_layers), 1, "none") / k31.num_hidden_layers
     extra = [
         r["microbatches"]
         * r["time"]["all_to_all_per_microbatch"]
@@ -1126,9 +1500,10 @@ def render_docs() -> str:
         f"recomputation, {none:.1%} of the {hw.peak_tflops:g} peak (the H200's bf16 matmuls reach about 778 TFLOP/s in "
         "the same run, so that is 57% of what a matmul gets). No layout can beat this rate in this model.",
         f"2. **Activations force recomputation**: without it a layer holds "
-        f"{cal.act_per_token_layer['none'] / 1e6:.2f} MB per token, and a rank holds all 93 layers (pp = 1) or "
+        f"{per_layer / 1e6:.2f} MB per token (K3.1's 93 layers on average; the deeper layers' AttnRes mixes hold "
+        "more sources), and a rank holds all 93 layers (pp = 1) or "
         "12 layers x pp micro-batches in flight (1F1B at pp = 8, the first stage): 93 to 96 layer-micro-batches either "
-        f"way, {96 * 8192 * cal.act_per_token_layer['none'] / 1e12:.1f} TB at 8K tokens. Full recomputation keeps "
+        f"way, {96 * 8192 * per_layer / 1e12:.1f} TB at 8K tokens. Full recomputation keeps "
         f"14.3 KB per token per layer and costs one more forward: the rate drops to {cal.tflops['full']:.0f} TFLOP/s "
         f"({cal.tflops['full'] / hw.peak_tflops:.1%}). Shorter micro-batches (cp) fit MLP-only recomputation "
         f"({cal.tflops['mlp'] / hw.peak_tflops:.1%}) but starve the experts (fewer rows per expert).",

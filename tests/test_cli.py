@@ -259,7 +259,7 @@ def test_argument_errors_have_the_one_line_form(argv, capsys):
 
 @pytest.mark.parametrize("command", ["compare", "logits"])
 def test_output_that_is_not_a_regular_file_is_refused_before_the_run(tmp_path, command, capsys, monkeypatch):
-    """``--json`` / ``--out`` naming a device (a link to /dev/null here) is refused in one line naming the path,
+    """``--json`` / ``--out`` naming a device (a link to /dev/null here) is refused in one line naming the flag and path,
     before any model is loaded, and the link is left in place (a rename would have replaced it)."""
     import os
 
@@ -275,5 +275,5 @@ def test_output_that_is_not_a_regular_file_is_refused_before_the_run(tmp_path, c
     flag = "--json" if command == "compare" else "--out"
     assert main([command, "--layers", "1", "--tokens", "8", flag, str(dev), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"kimi: error: {dev}: exists and is a character device" in err[0], err
+    assert len(err) == 1 and f"kimi: error: {flag}: {dev}: exists and is a character device" in err[0], err
     assert os.readlink(dev) == "/dev/null"

@@ -157,8 +157,9 @@ def _run_block(lang: str, body: str, cwd: Path, env: dict[str, str]) -> str:
             while "=" in words[0] and not words[0].startswith("-"):
                 key, value = words.pop(0).split("=", 1)
                 extra[key] = value
-            assert words[0] == "kimi", f"README block runs {words[0]!r}; this test runs only kimi commands"
-            cmds.append(([sys.executable, "-m", "kimi_tools.cli", *words[1:]], extra, None))
+            assert words[0] in ("kimi", "torchrun"), f"README block runs {words[0]!r}; this test runs kimi and torchrun"
+            run = ["kimi_tools.cli"] if words[0] == "kimi" else ["torch.distributed.run"]  # torchrun: gloo on the CPU
+            cmds.append(([sys.executable, "-m", *run, *words[1:]], extra, None))
     out = []
     for argv, extra, stdin in cmds:
         r = subprocess.run(
@@ -169,10 +170,14 @@ def _run_block(lang: str, body: str, cwd: Path, env: dict[str, str]) -> str:
     return "".join(out)
 
 
-def test_readme_outputs_are_what_the_commands_print(tmp_path):
-    """Each fenced ``text`` block is the output of the nearest ``bash`` / ``python`` block above it, run in order in
-    one folder (the fine-tune writes the checkpoint the later blocks read), from a fresh clone's point of view:
-    ``kimi/`` (the bundled text) is the only thing the folder holds. A failure prints the real output to paste."""
+def _torchrun(src: tuple[str, str]) -> bool:
+    """Whether a README block (``(language, body)``) launches ``torchrun``."""
+    return src[0] == "bash" and any(re.search(r"(^|\s)torchrun\s", line) for line in _shell_lines(src[1]))
+
+
+def _readme_outputs(tmp_path: Path, torchrun: bool) -> None:
+    """Run the README's commands whose output it quotes (the ``torchrun`` ones, or the others) in ``tmp_path`` and
+    compare; see :func:`test_readme_outputs_are_what_the_commands_print`."""
     (tmp_path / "kimi").symlink_to(ROOT / "kimi", target_is_directory=True)
     env = {
         **os.environ,
@@ -187,8 +192,11 @@ def test_readme_outputs_are_what_the_commands_print(tmp_path):
             source = [b for b in blocks[:i] if b[0] in ("bash", "python")]
             assert source, "a quoted output with no command above it"
             pairs.append((source[-1], body))
-    shown = " ".join(src[1] for src, _ in pairs)
-    assert all(c in shown for c in CHECKED), f"README must show the output of each of {CHECKED}"
+    if not torchrun:
+        shown = " ".join(src[1] for src, _ in pairs)
+        assert all(c in shown for c in CHECKED), f"README must show the output of each of {CHECKED}"
+    pairs = [(src, quoted) for src, quoted in pairs if _torchrun(src) == torchrun]
+    assert pairs, "README quotes no output of a torchrun command" if torchrun else "README quotes no output"
     bad = []
     for (lang, body), quoted in pairs:
         printed = _run_block(lang, body, tmp_path, env)
@@ -196,6 +204,20 @@ def test_readme_outputs_are_what_the_commands_print(tmp_path):
         if diff:
             bad.append(f"{body.strip()}\n  " + "\n  ".join(diff) + f"\n--- it printed:\n{printed}")
     assert not bad, "README's quoted output is stale:\n" + "\n".join(bad)
+
+
+def test_readme_outputs_are_what_the_commands_print(tmp_path):
+    """Each fenced ``text`` block is the output of the nearest ``bash`` / ``python`` block above it, run in order in
+    one folder (the fine-tune writes the checkpoint the later blocks read), from a fresh clone's point of view:
+    ``kimi/`` (the bundled text) is the only thing the folder holds. A failure prints the real output to paste. The
+    ``torchrun`` blocks run in :func:`test_readme_torchrun_outputs`."""
+    _readme_outputs(tmp_path, torchrun=False)
+
+
+@pytest.mark.distributed
+def test_readme_torchrun_outputs(tmp_path):
+    """The README's CPU ``torchrun`` example (gloo processes) prints what the README quotes."""
+    _readme_outputs(tmp_path, torchrun=True)
 
 
 def test_readme_claims_match_the_code():

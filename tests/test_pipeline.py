@@ -2,8 +2,9 @@
 AdamW steps at pp2 (1F1B on an uneven 2 + 6 layout, GPipe), pp4 (1F1B) and 2 ranks x 2 stages (Interleaved1F1B),
 micro-batches of packed documents (a different ``cu_seqlens`` per micro-batch, targets masked), gloo processes in
 fp64; pp2 x dp2 (stages sharded by FSDP2), pp2 x ep2 (experts split over ep) and pp2 x cp2 (rows cut into
-context shards, a different one current per micro-batch) the same, and the DCP state of
-pp2 x dp2 resumed at pp4 and in one process (weights and AdamW moments). Without processes: the stages chained by
+context shards, a different one current per micro-batch; also with activation recomputation, whose replayed
+forwards must see their own micro-batch's shard) the same, and the DCP state of pp2 x dp2 resumed at pp4 and in
+one process (weights and AdamW moments). Without processes: the stages chained by
 hand equal ``KimiK3Model.loss``, and the layout, ``cu_seqlens`` and batch checks refuse bad input.
 
 The model: tiny with AttnRes blocks of 2 layers over 8 layers (block writes at 0, 2, 4, 6), so that four stages cut
@@ -23,29 +24,37 @@ from kimi.config import load_config
 T = 24
 M = 4  # micro-batches = rows of a step
 CUS = [[0, 5, 13, 24], [0, 24], [0, 2, 3, 17, 24], [0, 11, 24]]  # a packed row per micro-batch
+# Rows whose context shards (2 of 12 tokens) hold documents of the same lengths in every micro-batch, [6, 6] each,
+# but the second shard's first document either continues the one begun at 6 ([0, 6, 18, 24]: carried KDA state,
+# conv window and keys) or starts at 12 ([0, 6, 12, 18, 24]): a forward replayed with another micro-batch's shard
+# runs the same shapes (no checkpoint error) on other documents. With the first block's MLPs dense (no routing
+# whose token counts would change the shapes), a wrong replay gives wrong gradients silently.
+CARRY_CUS = [[0, 6, 18, 24], [0, 6, 12, 18, 24], [0, 6, 12, 18, 24], [0, 6, 18, 24]]
 TOL = {"loss": 1e-12, "grad": 1e-9, "state": 1e-9}
 STEPS = 3
 
 
-def _cfg():
-    return load_config("tiny").replace(index_topk=8, attn_res_block_size=2).truncated(8)
+def _cfg(dense: int = 1):
+    """``dense``: the first layers with a dense MLP (``first_k_dense_replace``)."""
+    return load_config("tiny").replace(index_topk=8, attn_res_block_size=2, first_k_dense_replace=dense).truncated(8)
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, dense: int = 1):
     from kernels_torch.model import KimiK3Model
 
     torch.manual_seed(seed)
-    return KimiK3Model(_cfg()).double()
+    return KimiK3Model(_cfg(dense)).double()
 
 
-def _batch(step: int):
-    """The step's rows: ids [M, T], labels [M, T] with some -100, per-row offsets (rolled with the step)."""
+def _batch(step: int, cus_set=CUS):
+    """The step's rows: ids [M, T], labels [M, T] with some -100, per-row offsets from ``cus_set`` (rolled with
+    the step)."""
     g = torch.Generator().manual_seed(100 + step)
     V = _cfg().vocab_size
     ids = torch.randint(0, V, (M, T + 1), generator=g)
     labels = ids[:, 1:].clone()
     labels[torch.rand(M, T, generator=g) < 0.2] = -100
-    cus = [torch.tensor(CUS[(r + step) % M]) for r in range(M)]
+    cus = [torch.tensor(cus_set[(r + step) % M]) for r in range(M)]
     return ids[:, :T], labels, cus
 
 
@@ -59,13 +68,13 @@ def _ref_loss(model, ids, labels, cus):
     return sum(model.loss(ids[r : r + 1], labels[r : r + 1], cus[r]) for r in range(M)) / n
 
 
-def _one_process_run() -> dict:
-    """The reference: ``STEPS`` AdamW steps of the whole model in this process, each step's loss and gradients."""
-    model = _model()
+def _one_process_run(cus_set=CUS, dense: int = 1, steps: int = STEPS) -> dict:
+    """The reference: ``steps`` AdamW steps of the whole model in this process, each step's loss and gradients."""
+    model = _model(dense=dense)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, grads = [], []
-    for step in range(STEPS):
-        loss = _ref_loss(model, *_batch(step))
+    for step in range(steps):
+        loss = _ref_loss(model, *_batch(step, cus_set))
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: _grad(p).clone() for n, p in model.named_parameters()})
@@ -133,6 +142,14 @@ def reference(tmp_path_factory) -> str:
     """:func:`_one_process_run` once for every layout, saved for the spawned ranks."""
     path = tmp_path_factory.mktemp("pipeline") / "reference.pt"
     torch.save(_one_process_run(), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def carry_reference(tmp_path_factory) -> str:
+    """:func:`_one_process_run` on the rows of ``CARRY_CUS``, the first 2 layers dense, one step."""
+    path = tmp_path_factory.mktemp("pipeline") / "carry_reference.pt"
+    torch.save(_one_process_run(CARRY_CUS, dense=2, steps=1), path)
     return str(path)
 
 
@@ -333,9 +350,13 @@ def test_pp2_ep2_matches_one_process(reference):
     spawn(_ep_worker, 4, reference)
 
 
-def _cp_worker(rank: int, world: int, port: int, ref_path: str, schedule: str, stages_per_rank: int) -> None:
+def _cp_worker(
+    rank: int, world: int, port: int, ref_path: str, runs, cus_set=CUS, dense: int = 1, steps: int = STEPS
+) -> None:
     """pp2 x cp2 on 4 ranks (mesh ``(pp, cp)``): every row cut into 2 context shards (documents cross the cut),
-    each stage setting the shard of the micro-batch it runs; the parameters' gradients summed over cp."""
+    each stage setting the shard of the micro-batch it runs; the parameters' gradients summed over cp. Each run
+    ``(schedule, stages_per_rank, layer_counts, recompute)`` in turn from the same initial weights; ``recompute``
+    None, or ``(mode, full_layers)`` of ``kimi_tools.train.recompute_layers``; ``steps`` AdamW steps each."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -343,39 +364,44 @@ def _cp_worker(rank: int, world: int, port: int, ref_path: str, schedule: str, s
 
         from kernels_torch.parallel.context import ContextParallel, shard_bounds
         from kernels_torch.parallel.pipeline import Pipeline
+        from kimi_tools.train.weights import recompute_layers
 
         ref = torch.load(ref_path)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
         pp, cp_mesh = mesh["pp"], mesh["cp"]
-        model = _model()
-        cp = ContextParallel(model, cp_mesh.get_group())
-        pipe = Pipeline(
-            model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M, group=pp.get_group(),
-            schedule=schedule, stages_per_rank=stages_per_rank, context=cp,
-        )  # fmt: skip
-        del model
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-        start, stop = shard_bounds(T, 2)[cp.rank]
-        errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, cp {cp.rank}) {schedule}"
-        for step in range(STEPS):
-            ids, labels, cus = _batch(step)
-            n = int((labels != -100).sum())
-            loss = pipe.step(ids[:, start:stop], labels[:, start:stop], cus, n_tokens=n)
-            dist.all_reduce(loss, group=cp_mesh.get_group())
-            try:
-                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
-            except AssertionError as e:
-                errors.append(str(e))
-            for n, p in pipe.named_parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=cp_mesh.get_group())
+        errors = []
+        for schedule, stages_per_rank, counts, recompute in runs:
+            model = _model(dense=dense)
+            cp = ContextParallel(model, cp_mesh.get_group())
+            if recompute is not None:
+                recompute_layers(model, *recompute)
+            pipe = Pipeline(
+                model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M, group=pp.get_group(),
+                schedule=schedule, stages_per_rank=stages_per_rank, layer_counts=counts, context=cp,
+            )  # fmt: skip
+            del model
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+            start, stop = shard_bounds(T, 2)[cp.rank]
+            where = f"rank {rank} (pp {pp.get_local_rank()}, cp {cp.rank}) {schedule} recompute {recompute}"
+            for step in range(steps):
+                ids, labels, cus = _batch(step, cus_set)
+                n = int((labels != -100).sum())
+                loss = pipe.step(ids[:, start:stop], labels[:, start:stop], cus, n_tokens=n)
+                dist.all_reduce(loss, group=cp_mesh.get_group())
                 try:
-                    check_rel(f"{where} step {step} {n}.grad", p.grad, ref["grad"][step][n], TOL["grad"])
+                    check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
                 except AssertionError as e:
                     errors.append(str(e))
-            opt.step()
-            opt.zero_grad()
+                for n, p in pipe.named_parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=cp_mesh.get_group())
+                    try:
+                        check_rel(f"{where} step {step} {n}.grad", p.grad, ref["grad"][step][n], TOL["grad"])
+                    except AssertionError as e:
+                        errors.append(str(e))
+                opt.step()
+                opt.zero_grad()
         if errors:
             raise AssertionError("\n".join(errors[:20]))
     finally:
@@ -386,7 +412,23 @@ def _cp_worker(rank: int, world: int, port: int, ref_path: str, schedule: str, s
 def test_pp2_cp2_matches_one_process(reference):
     """pp2 x cp2 (1F1B: several micro-batches of different documents in flight on a rank, each with its own
     context shard): the cp-summed loss and every gradient of 3 steps."""
-    spawn(_cp_worker, 4, reference, "1F1B", 1)
+    spawn(_cp_worker, 4, reference, [("1F1B", 1, None, None)])
+
+
+@pytest.mark.distributed
+def test_pp2_cp2_recompute_matches_one_process(carry_reference):
+    """pp2 x cp2 with activation recomputation: a non-last stage runs a micro-batch's backward (and so its
+    recomputed forward) after later micro-batches' forwards made their shards current; the micro-batches' shards
+    run the same shapes with and without a carried document (``CARRY_CUS``). Whole layers under 1F1B (2 + 6: the
+    first stage's layers dense) and Interleaved1F1B, and the MLP-only mode with its first 2 layers whole under
+    GPipe: the cp-summed loss and every gradient of a step (both transitions between the two kinds of rows) equal
+    one process."""
+    runs = [
+        ("1F1B", 1, (2, 6), ("layer", 0)),
+        ("Interleaved1F1B", 2, None, ("layer", 0)),
+        ("GPipe", 1, None, ("mlp", 2)),
+    ]
+    spawn(_cp_worker, 4, carry_reference, runs, CARRY_CUS, 2, 1)
 
 
 # ------------------------------------------------------------------------------------------------ no processes

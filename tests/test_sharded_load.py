@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,70 @@ def test_fsdp_load_reads_and_holds_only_its_shard(tmp_path, ckpt, world):
             covered[n] += local.numel()
     # the experts' stacks are cut by FSDP2 along the experts: each rank read and decoded its own range only
     assert all(covered[n] == ref[n].numel() for n in ref), [n for n in ref if covered[n] != ref[n].numel()]
+
+
+# ------------------------------------------------------------------------------------ LoRA: the trainer's build
+
+
+def _lora_build_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    """``kimi train --lora-rank 4`` as torchrun's rank ``rank`` (its environment): the trainer's constructor (build,
+    LoRA, sharding, load; data, masters, optimizer) once to warm every code path, its memory handed back, then once
+    measured (module docstring)."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default, kept fixed (module docstring)
+    from kernels_torch.parallel.load import local_block
+    from kimi.arrays import numpy_dtype
+    from kimi.layout import stored_layout
+    from kimi_tools.common import DEFAULT_TEXT
+    from kimi_tools.train import TrainArgs
+    from kimi_tools.train.trainer import Trainer
+
+    kw = dict(
+        checkpoint=ckpt, data=[str(DEFAULT_TEXT)], out=f"{out}/run", lora_rank=4, seq_len=32, micro_batch_tokens=32,
+        batch_tokens=64, eval_tokens=32, quiet=True, plot=False,
+    )  # fmt: skip
+    warm = Trainer(TrainArgs(**kw))
+    warm.par.barrier()
+    del warm
+    gc.collect()
+    libc.malloc_trim(0)
+
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+    before = _status("VmRSS")
+    t = Trainer(TrainArgs(**kw))
+    grown = _status("VmHWM") - before
+    blocks = {n: local_block(t.model, n, x)[0] for n, x in t.model.state_dict(keep_vars=True).items()}
+    cfg = _config()
+    torch.save(
+        {
+            "grown": grown,
+            "owned": sum(b.numel() * b.element_size() for b in blocks.values()),
+            "model": sum(x.numel() * x.element_size() for x in t.model.state_dict().values()),
+            "largest": max(s.numel * numpy_dtype(s.dtype).itemsize for s in stored_layout(cfg)),
+            "adapters": sum(b.numel() for n, b in blocks.items() if ".lora_" in n),
+        },
+        f"{out}/lora{rank}.pt",
+    )
+    t.par.close()  # a barrier, then the group torn down
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset and glibc")
+def test_lora_run_builds_and_loads_only_its_shard(tmp_path, ckpt):
+    """Under torchrun a LoRA run is built on ``meta`` and each rank loads its own shards, as full fine-tuning: the
+    trainer's constructor grows each rank's resident memory by at most 1.1 x (the bytes it owns, base and adapters,
+    + the largest stored tensor). Built whole on every rank before the sharding, a rank grows by 2.5 x that bound here."""
+    world = 2
+    spawn(_lora_build_worker, world, str(ckpt), str(tmp_path))
+    for rank in range(world):
+        r = torch.load(tmp_path / f"lora{rank}.pt")
+        assert r["adapters"] > 0 and r["owned"] < 0.6 * r["model"], r
+        bound = SLACK * (r["owned"] + r["largest"])
+        assert 0 < r["grown"] <= bound, (rank, r["grown"], bound, r["owned"], r["largest"], r["model"])
 
 
 # ------------------------------------------------------------------------------------ placements cutting an expert

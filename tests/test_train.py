@@ -501,7 +501,8 @@ def test_resume_refuses_another_run_and_another_model(runs, tmp_path, capsys):
         f"kimi: error: --resume: {root / 'a'} holds a run with another model config: "
         "text_config.linear_attn_config.kda_layers (run: [1, 2], now: [1, 2, 3]); "
         "text_config.num_hidden_layers (run: 2, now: 3) and other settings: --layers (run: 2, now: 3); "
-        "resume with the run's own settings, or choose another --out"
+        "resume with the run's own settings (the layout, --micro-batch-tokens, --compile and --recompute may "
+        "change), or choose another --out"
     )
     rc, err = _cli(argv, capsys)  # a full folder without --resume
     assert rc == 2 and "exists and is not empty" in err[0], err
@@ -1056,8 +1057,13 @@ def test_micro_batches_must_deal_evenly_to_data_parallel_groups():
     par.check_accum(3, 16)  # one process: anything goes
     par.dp_size, par.cp_size = 2, 2  # as under torchrun --nproc-per-node 4 --cp 2
     par.check_accum(4, 16)
-    with pytest.raises(ValueError, match=r"--batch-tokens: 3 micro-batch\(es\) of 16 tokens .* multiple of 32"):
-        par.check_accum(3, 16)
+    with pytest.raises(
+        ValueError,
+        match=r"^--batch-tokens: 48 tokens per step = 3 micro-batches of --micro-batch-tokens 16, which cannot be dealt "
+        r"to the 2 data-parallel groups \(--dp 2 of world 4 = --dp 2 x --cp 2\) evenly; expected --batch-tokens 64 "
+        r"or no --batch-tokens \(the default: 32\)$",
+    ):
+        par.check_accum(3, 16, 16)
 
 
 def test_fp8_run_converts_records_and_exports_the_checkpoint_layout(tmp_path, monkeypatch):

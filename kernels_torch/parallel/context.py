@@ -47,7 +47,9 @@ documents of one rank; use ``eager`` or ``sdpa``); its KDA layers run (fla kerne
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +71,7 @@ __all__ = [
     "gather_sequence",
     "ContextParallel",
     "attached_context_parallel",
+    "recompute_context",
 ]
 
 
@@ -323,8 +326,11 @@ class ContextParallel:
     Args:
         model: the module; group: the CP process group (default: the world group; ``dist`` must be initialised).
 
-    Call :meth:`shard` before each forward (also under activation recomputation the shard in force at the forward
-    is the one the backward replays: call the next :meth:`shard` after ``backward``).
+    Call :meth:`shard` before each forward. The layers read the current shard when they run, so a forward that
+    runs again in the backward (activation recomputation, ``torch.utils.checkpoint``) must see the shard of its
+    first run, whatever :meth:`shard` was called since (a pipeline stage runs later micro-batches' forwards before
+    an earlier one's backward): pass ``context_fn=recompute_context`` to the checkpoint around any layer
+    (``kimi_tools.train.recompute_layers`` does).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised; a forward whose token count is not the current
@@ -341,6 +347,7 @@ class ContextParallel:
         for m in self._layers:
             fn = _kda_forward if isinstance(m, KimiDeltaAttention) else _mla_forward
             m.forward = functools.partial(fn, m, self)
+        _ATTACHED.add(self)
 
     def remove(self) -> None:
         """Give the layers their own ``forward`` back."""
@@ -348,6 +355,7 @@ class ContextParallel:
             if "forward" in vars(m):
                 del m.forward
         self._layers = []
+        _ATTACHED.discard(self)
 
     def shard(self, input_ids: torch.Tensor, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Set the current packed row and return this rank's part of it.
@@ -401,3 +409,33 @@ def attached_context_parallel(module: nn.Module) -> ContextParallel | None:
         if isinstance(f, functools.partial) and f.func in (_kda_forward, _mla_forward):
             return f.args[1]
     return None
+
+
+_ATTACHED: weakref.WeakSet[ContextParallel] = weakref.WeakSet()  # every attached (not removed) ContextParallel
+
+
+@contextlib.contextmanager
+def _shards_set(saved: list[tuple[ContextParallel, Shard | None]]):
+    """Make each ``ContextParallel``'s saved shard the current one for the block, then put back the ones before."""
+    before = [(cp, cp._shard) for cp, _ in saved]
+    for cp, s in saved:
+        cp._shard = s
+    try:
+        yield
+    finally:
+        for cp, s in before:
+            cp._shard = s
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around a layer that may
+    run under context parallelism: called at the forward, it records every attached :class:`ContextParallel`'s
+    current shard, and the recomputation in the backward runs with those shards current (the ones current before
+    it are put back after), so it replays the forward's documents, conv windows, carried KDA state and attention
+    geometry even when later micro-batches set other shards in between (pipeline schedules). Returns
+    ``(forward context, recomputation context)``; with no ``ContextParallel`` attached both do nothing.
+
+    Eager checkpoints only: ``torch.compile`` accepts no ``context_fn`` but selective-checkpoint policies inside a
+    compiled region (the token-local MLP / MoE blocks read no shard and need none)."""
+    saved = [(cp, cp._shard) for cp in _ATTACHED]
+    return contextlib.nullcontext(), _shards_set(saved)

@@ -4,8 +4,8 @@ parallelism (:mod:`kernels_torch.parallel.context`) and expert parallelism (:mod
 DCP checkpoints (``torch.distributed.checkpoint``) and the full-weight export for the HF safetensors writer.
 
 Layout (torchtitan's ``dp_shard_cp`` and ``efsdp``): parameters are sharded over all ``dp x cp`` ranks (the mesh's
-flattened ``dp_cp``), one FSDP unit per decoder layer plus the root (embedding, final norm, lm_head, AttnRes output
-mix); under expert parallelism each MoE layer's routed experts are a unit of their own, ``Shard(0)`` over ``ep`` and
+flattened ``dp_cp``), one FSDP unit per decoder layer, one for the input embedding (untied) and the root (final norm,
+lm_head, AttnRes output mix); under expert parallelism each MoE layer's routed experts are a unit of their own, ``Shard(0)`` over ``ep`` and
 FSDP2 over ``efsdp``. The ``cp`` dimension's ranks hold the same sequences cut into shards; their parameter
 gradients are parts of one gradient and must be **summed**, while ``dp`` replicas average: the reduce-scatter
 therefore divides by ``dp``, not by the world size (:func:`parallelize`), and each rank's loss is its tokens' sum
@@ -39,6 +39,8 @@ __all__ = [
     "fp32_compute_params",
     "parallelize",
     "apply_fsdp",
+    "RESHARD_POLICIES",
+    "reshard",
     "check_ignored",
     "check_expert_layout",
     "own_cp_group",
@@ -90,7 +92,7 @@ def parallelize(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = "auto",
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     master_dtype: torch.dtype | None = torch.float32,
@@ -112,12 +114,16 @@ def parallelize(
             fp32, FSDP2 all-gathers bf16 copies), frozen ones stay bf16; parameters in another dtype
             (:func:`fp32_compute_params`) must be in ``ignored_params`` (else ValueError): whole on every rank, in
             their own dtype. reduce_dtype: of the gradient reduce-scatter (fp32 by default; fp64 for fp64 models).
-        master_dtype: the dtype of the sharded trainable ``param_dtype`` parameters: fp32 masters (the default), or
-            None (or ``param_dtype``): they stay ``param_dtype`` shards, their gradients too (after a ``reduce_dtype``
-            reduce-scatter), for an optimizer that steps them in that dtype (bf16 with stochastic rounding).
-        offload_policy: FSDP2's ``CPUOffloadPolicy`` (the sharded parameters, their gradients and so the optimizer
-            state on the host, copied to the device for each all-gather), or None.
-        reshard_after_forward: free the gathered parameters after each layer's forward (ZeRO-3).
+        master_dtype: as :func:`apply_fsdp`. offload_policy: FSDP2's ``CPUOffloadPolicy`` (the sharded parameters,
+            their gradients and so the optimizer state on the host, copied to the device for each all-gather), or
+            None.
+        reshard_after_forward: the reshard policy (:data:`RESHARD_POLICIES`): ``"auto"`` (default, torchtitan's)
+            frees the gathered parameters after each unit's forward (ZeRO-3) except where the backward comes right
+            after: the last decoder layer and the root; ``True`` / ``"always"`` every unit, ``False`` / ``"never"``
+            none (ZeRO-2: one all-gather per unit and step, every gathered copy held from the forward to the
+            backward). Also on one rank: there the gathered bf16 copies are copies of the fp32 masters, and holding
+            them all (``"never"``) ran the 4-layer step out of allocator headroom on an 80 GB card
+            (``benchmarks/README.md``, benchmark 5 under torchrun).
         gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
             rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
             global batch (``kimi_tools.parallel``). The expert units use the same factor: their gradients are the
@@ -174,7 +180,7 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = "auto",
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     master_dtype: torch.dtype | None = torch.float32,
@@ -191,10 +197,12 @@ def apply_fsdp(
         layers: the decoder layers to wrap. roots: the modules to wrap last (their parameters not in a layer).
         mesh: a :class:`~kernels_torch.parallel.mesh.ParallelMesh`, or a 1-D ``DeviceMesh`` of data-parallel ranks
             (no expert parallelism: ``dp_cp`` is that mesh).
-        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params, master_dtype,
-            offload_policy: as :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's
-            size); with ``param_dtype``, the trainable parameters of that dtype in ``roots`` become ``master_dtype``
-            masters.
+        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params, offload_policy:
+            as :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's size); with
+            ``param_dtype``, the trainable parameters of that dtype in ``roots`` become ``master_dtype`` masters.
+        master_dtype: the dtype of the sharded masters of the trainable ``param_dtype`` parameters (fp32); None
+            keeps them in ``param_dtype`` (an optimizer that steps bf16 weights itself, e.g. with stochastic
+            rounding: no fp32 copy, the gradients reduced into bf16 shards).
 
     Raises:
         ValueError: a ``DeviceMesh`` that is not 1-D; parameters outside ``param_dtype`` not ignored
@@ -215,28 +223,39 @@ def apply_fsdp(
     ignored = set(ignored_params or ())
     for root in roots:
         check_ignored(root, param_dtype, ignored)
-    if param_dtype is not None and master_dtype not in (None, param_dtype):  # sharded masters (fp32)
+    if param_dtype is not None and master_dtype is not None:  # sharded masters of the trainable bf16 parameters
         for root in roots:
             _upcast_trainable(root, param_dtype, ignored, master_dtype)
     if any(p.dtype == torch.float64 for root in roots for p in root.parameters()):
         reduce_dtype = torch.float64
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kw = dict(mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    reshard = _reshard_policy(reshard_after_forward)
+    kw = dict(mp_policy=policy)
     if offload_policy is not None:
         kw["offload_policy"] = offload_policy
     if ignored:
         kw["ignored_params"] = ignored
     units = []  # (module, its mesh)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         moe = getattr(layer, "block_sparse_moe", None)
+        last = i == len(layers) - 1
         if experts is not None and moe is not None:
-            fully_shard(moe.experts, mesh=experts, shard_placement_fn=_expert_placement(experts.size()), **kw)
+            fully_shard(
+                moe.experts, mesh=experts, shard_placement_fn=_expert_placement(experts.size()),
+                reshard_after_forward=reshard(experts, last), **kw,
+            )  # fmt: skip
             register_fsdp_forward_method(moe.experts, "rows_forward")  # expert parallelism's call of the experts
             units.append((moe.experts, experts))
-        fully_shard(layer, mesh=dense, **kw)
+        fully_shard(layer, mesh=dense, reshard_after_forward=reshard(dense, last), **kw)
         units.append((layer, dense))
     for root in roots:
-        fully_shard(root, mesh=dense, **kw)
+        # the input embedding is a unit of its own (torchtitan's): its gathered copy ([vocab, D], as large as a
+        # few layers) is freed after its forward instead of being held by the root through the whole step
+        embed = _own_embedding(root)
+        if embed is not None:
+            fully_shard(embed, mesh=dense, reshard_after_forward=reshard(dense, False), **kw)
+            units.append((embed, dense))
+        fully_shard(root, mesh=dense, reshard_after_forward=reshard(dense, True), **kw)
         units.append((root, dense))
         if hasattr(root, "loss"):  # KimiK3Model.loss is a forward of its own: gather the root's parameters for it too
             register_fsdp_forward_method(root, "loss")
@@ -255,15 +274,60 @@ def _expert_placement(efsdp: int):
     return lambda p: Shard(1) if p.ndim > 1 and p.shape[1] % efsdp == 0 else Shard(0)
 
 
-def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set, to: torch.dtype = torch.float32) -> None:
-    """Replace each trainable ``dtype`` parameter (not ignored) by a ``to`` one (a new ``nn.Parameter``: assigning
+RESHARD_POLICIES = ("auto", "always", "never")
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every gathered FSDP2 unit under ``module`` (``FSDPModule.reshard``). A forward without a backward (an
+    evaluation) leaves the units that do not reshard after their forward (``reshard_after_forward`` ``"auto"``: the
+    last decoder layer and the root) holding their gathered parameters, and ``module.parameters()`` then yields those
+    instead of the sharded DTensors the optimizer steps; call this after such a forward, before a state dict."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _reshard_policy(policy: bool | str):
+    """``reshard(mesh, last) -> bool``: whether a unit on ``mesh`` reshards after its forward under ``policy``
+    (:func:`parallelize`'s ``reshard_after_forward``); ``last``: the unit's backward comes right after its forward
+    (the last decoder layer, the root).
+
+    Raises:
+        ValueError: a policy outside :data:`RESHARD_POLICIES` and the booleans."""
+    if policy in (True, "always"):
+        return lambda mesh, last: True
+    if policy in (False, "never"):
+        return lambda mesh, last: False
+    if policy != "auto":
+        raise ValueError(f"reshard_after_forward: got {policy!r}, expected a bool or one of {list(RESHARD_POLICIES)}")
+    return lambda mesh, last: not last
+
+
+def _own_embedding(root: nn.Module) -> nn.Module | None:
+    """The input embedding (``embed_tokens``) under ``root`` that can be an FSDP2 unit of its own: an
+    ``nn.Embedding`` whose weight nothing else in ``root`` shares (tied embeddings stay in the root, as the LM head
+    reads the same tensor), not a unit already; None otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, mod in root.named_modules():
+        if name.split(".")[-1] != "embed_tokens" or not isinstance(mod, nn.Embedding) or isinstance(mod, FSDPModule):
+            continue
+        shared = sum(p is mod.weight for _, p in root.named_parameters(remove_duplicate=False))
+        return mod if shared == 1 else None
+    return None
+
+
+def _upcast_trainable(model: nn.Module, dtype: torch.dtype, ignored: set, master_dtype=torch.float32) -> None:
+    """Replace each trainable ``dtype`` parameter (not ignored) by an fp32 one (a new ``nn.Parameter``: assigning
     ``.data`` does not change a DTensor's dtype); a parameter shared by two modules (tied embeddings) stays shared."""
     memo: dict[int, nn.Parameter] = {}
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.requires_grad and p.dtype == dtype and p not in ignored:
                 if id(p) not in memo:
-                    memo[id(p)] = nn.Parameter(p.detach().to(to), requires_grad=True)
+                    memo[id(p)] = nn.Parameter(p.detach().to(master_dtype), requires_grad=True)
                 setattr(mod, name, memo[id(p)])
 
 
@@ -294,12 +358,15 @@ def check_expert_layout(moes: list, mesh: ParallelMesh) -> None:
 def _set_divide_factor(module, factor: float, mesh: DeviceMesh) -> None:
     """FSDP2's gradient divide factor of one unit; gloo (CPU) has no AVG / PREMUL_SUM: sum, then divide.
 
-    On a 1-rank mesh (the experts' ``efsdp`` at ``ep = dp x cp``) FSDP2 with a forced sum (and fp64 reductions)
-    divides a copied gradient by the factor twice (torch 2.13 ``foreach_reduce``: the one-rank copy, then the
-    post-divide); there the unit divides by 1 and a hook on the reduced gradient divides by the factor once."""
-    if mesh.size() == 1 and factor != 1.0:
-        module.set_gradient_divide_factor(1.0)
-        module.set_all_reduce_hook(lambda g: g.div_(factor))
+    On a 1-rank mesh (one rank, or the experts' ``efsdp`` at ``ep = dp x cp``) FSDP2 with a factor copies the
+    gradient through ``input / factor`` (a temporary the size of the unit's gradients) and, with a forced sum (and
+    fp64 reductions), divides it twice (torch 2.13 ``foreach_reduce``: the one-rank copy, then the post-divide);
+    there the unit's factor stays unset (a plain copy) and a hook on the reduced gradient divides once, in place."""
+    if mesh.size() == 1:
+        # nothing to reduce: FSDP2 copies the gradient (with a factor set, through a temporary as large as the
+        # unit's gradients: ``input / factor``); leave the factor unset and divide in place when it is not 1
+        if factor != 1.0:
+            module.set_all_reduce_hook(lambda g: g.div_(factor))
     else:
         module.set_gradient_divide_factor(factor)
     if mesh.device_type == "cpu":

@@ -22,6 +22,11 @@ are cast on copy (``Tensor.copy_``) to the parameter's dtype, as ``kernels_torch
 :func:`fill_sharded` does the same from canonical arrays held in memory (``kimi.init.init_params``: a ``--preset``
 run's random init, the same weights as one process).
 
+A layer wrapped by an adapter (peft's ``LoraLayer`` keeps the original layer as its ``base_layer``:
+``q_proj.base_layer.weight``) is filled under the original name (``q_proj.weight``). Tensors the checkpoint does not
+hold (the LoRA adapters' initial values, ``kimi_tools.lora.initial_adapters``) come whole in ``extra`` and each
+rank copies its block of them, as it does of the others.
+
 The model has no non-persistent buffers (NoPE: nothing cached at init). Should a module gain one, ``to_empty``
 leaves it uninitialised: :func:`load_sharded` calls that module's ``reset_buffers()`` to recompute it, and refuses a
 module that has none.
@@ -130,6 +135,11 @@ def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.state_dict(keep_vars=True))
 
 
+def _layout_name(name: str) -> str:
+    """The checkpoint layout's name of a model tensor: an adapter-wrapped layer's ``base_layer`` level dropped."""
+    return name.replace(".base_layer.", ".")
+
+
 def _all_finite(t: torch.Tensor, piece: int = 2**20) -> bool:
     """Whether every value of a floating ``t`` is finite, checked ``piece`` elements at a time."""
     if not t.is_floating_point():
@@ -160,6 +170,7 @@ def _fill(
     stats: LoadStats,
     check_finite: bool,
     partial: bool = False,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     from kimi.checkpoint import nonfinite_tensors
 
@@ -168,19 +179,26 @@ def _fill(
     want = {s.name: s for s in stacked_layout(config)}
     canon = {s.name: s for s in param_layout(config)}
     targets = _targets(module)
+    extra = dict(extra or {})
+    layout = {n: _layout_name(n) for n in targets}  # model name -> checkpoint layout name
+    held = set(layout.values())
     problems = [
         f"missing from the model: {n} (expected {list(s.shape)})"
         for n, s in want.items()
-        if n not in targets and not partial
+        if n not in held and not partial
     ]
-    problems += [f"not in the checkpoint's layout: {n}" for n in targets if n not in want]
+    problems += [f"not in the checkpoint's layout: {n}" for n in targets if layout[n] not in want and n not in extra]
+    problems += [f"extra: {n} is not a tensor of the model" for n in extra if n not in targets and not partial]
+    problems += [f"extra: {n} is in the checkpoint's layout too" for n in extra if layout.get(n) in want]
     blocks = {}
     for n, t in targets.items():
-        if n not in want:
+        expected = want[layout[n]].shape if layout[n] in want else tuple(extra[n].shape) if n in extra else None
+        if expected is None:
             continue
         local, gshape, offset = local_block(module, n, t)
-        if gshape != want[n].shape:
-            problems.append(f"wrong shape: {n} (checkpoint layout {list(want[n].shape)}, model {list(gshape)})")
+        if gshape != expected:
+            source = "checkpoint layout" if layout[n] in want else "extra"
+            problems.append(f"wrong shape: {n} ({source} {list(expected)}, model {list(gshape)})")
             continue
         if local.device.type == "meta":
             problems.append(f"on the meta device: {n} (expected model.to_empty(device=...) before loading)")
@@ -218,12 +236,18 @@ def _fill(
         stats.owned_elements += local.numel()
         stats.owned_bytes += local.numel() * local.element_size()
         block = tuple((o, o + s) for o, s in zip(offset, local.shape))
-        if n in canon:
-            put_rows(local, canon[n], block)
+        if n in extra:  # held whole in memory: a view of the block, copied (and cast) in one go
+            with torch.no_grad():
+                local.copy_(extra[n][tuple(slice(*b) for b in block)])
+            stats.blocks += 1
+            continue
+        name = layout[n]
+        if name in canon:
+            put_rows(local, canon[name], block)
             continue
         # a routed-expert stack [E, out, in]: its rows are experts, each stored (and read) on its own
         for i, e in enumerate(range(*block[0])):
-            put_rows(local[i], canon[expert_param_name(n, e)], block[1:])
+            put_rows(local[i], canon[expert_param_name(name, e)], block[1:])
     _reset_nonpersistent_buffers(module)
 
 
@@ -234,6 +258,7 @@ def load_sharded(
     check_finite: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     partial: bool = False,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> LoadStats:
     """Fill every parameter and persistent buffer of ``model`` (a :class:`kernels_torch.model.KimiK3Model`, built on
     ``meta``, parallelised, then ``to_empty``-materialised; or any model with its ``config`` and the checkpoint's
@@ -246,6 +271,9 @@ def load_sharded(
         chunk_bytes: the most bytes of one read (dimension 0 is cut into pieces beyond it).
         partial: the model holds some of the layout's tensors only (a pipeline rank's stages,
             ``kernels_torch.parallel.pipeline.Pipeline.rank_module``): those it lacks are not a problem.
+        extra: ``{model state_dict name: whole tensor}`` for tensors outside the checkpoint's layout (the LoRA
+            adapters' initial values, ``kimi_tools.lora.initial_adapters``): each rank copies its block, cast to the
+            model tensor's dtype; not checked for finiteness, not counted in ``bytes_read``.
 
     Returns:
         :class:`LoadStats` of this rank (bytes read, owned elements and bytes).
@@ -254,8 +282,9 @@ def load_sharded(
         kimi.checkpoint.CheckpointError: the checkpoint's tensors do not match the layout of ``model.config`` (all
             problems, by key with expected and found shape and dtype, before anything is read), an unreadable
             shard, non-finite weights.
-        ValueError: model tensors missing from or foreign to the layout, a global shape that differs from the
-            layout's (key and both shapes named), a tensor still on ``meta``, a ``Partial`` placement.
+        ValueError: model tensors missing from or foreign to the layout (and not in ``extra``), an ``extra`` name
+            the model lacks or the layout holds, a global shape that differs from the layout's or ``extra``'s (key
+            and both shapes named), a tensor still on ``meta``, a ``Partial`` placement.
     """
     from kimi.checkpoint import CheckpointReader, check_checkpoint, read_canonical_block
 
@@ -264,7 +293,11 @@ def load_sharded(
     check_checkpoint(reader, cfg, range(cfg.num_hidden_layers))
     start = reader.bytes_read
     stats = LoadStats()
-    _fill(model, cfg, lambda s, b: read_canonical_block(reader, cfg, s, b), chunk_bytes, stats, check_finite, partial)
+
+    def read(spec: TensorSpec, block: tuple[tuple[int, int], ...]) -> np.ndarray:
+        return read_canonical_block(reader, cfg, spec, block)
+
+    _fill(model, cfg, read, chunk_bytes, stats, check_finite, partial, extra)
     stats.bytes_read = reader.bytes_read - start
     if stats.nonfinite:
         from kimi.checkpoint import CheckpointError
@@ -276,11 +309,16 @@ def load_sharded(
 
 
 def fill_sharded(
-    model: nn.Module, params: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, partial: bool = False
+    model: nn.Module,
+    params: Mapping[str, Any],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    partial: bool = False,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> LoadStats:
     """:func:`load_sharded` from canonical parameters in memory (``{name: numpy array or torch tensor}`` as
     ``kimi.init.init_params`` gives them, every rank holding the whole set): each rank copies its blocks
-    (``partial``: as :func:`load_sharded`'s).
+    (``partial``, ``extra``: as :func:`load_sharded`'s).
 
     Raises:
         ValueError: as :func:`load_sharded`; a canonical parameter missing from ``params`` or of another shape.
@@ -298,5 +336,5 @@ def fill_sharded(
         return to_numpy(a)[tuple(slice(*b) for b in block)]
 
     stats = LoadStats()
-    _fill(model, model.config, read, chunk_bytes, stats, check_finite=False, partial=partial)
+    _fill(model, model.config, read, chunk_bytes, stats, check_finite=False, partial=partial, extra=extra)
     return stats

@@ -69,8 +69,12 @@ The other dimensions, and what remains:
 * Context parallelism: ``Pipeline(context=cp)`` (tested here: pp2 x cp2 under 1F1B, the gradients summed over cp
   by the test): ``ContextParallel`` keeps **one** current shard, and several micro-batches of different documents
   are in flight on a rank, so each stage makes its micro-batch's shard current from the global ``cu_seqlens``
-  before its layers run. With FSDP2 over ``dp x cp`` the ``ContextParallel`` takes a group of its own, as
-  ``kernels_torch.parallel.fsdp.parallelize`` makes (``own_cp_group``).
+  before its layers run. A layer recomputed in the backward (``torch.utils.checkpoint``, e.g.
+  ``kimi_tools.train.recompute_layers``) runs after later micro-batches' forwards set their shards: its checkpoint
+  takes ``context_fn=kernels_torch.parallel.context.recompute_context``, which replays it with the shard of its
+  forward (tested here: 1F1B, Interleaved1F1B and GPipe, whole layers and the MLP-only mode, fp64). With FSDP2 over
+  ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` makes
+  (``own_cp_group``).
 * ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
   and ``--dtype bfloat16`` (``kimi_tools.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
   evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
@@ -87,6 +91,7 @@ The other dimensions, and what remains:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -151,8 +156,10 @@ def stage_layout(config: KimiConfig, num_stages: int, layer_counts: Sequence[int
         if num_stages > n_blocks:
             unit = f"AttnRes blocks of {bs} layers" if config.has_attn_res else "layers"
             raise ValueError(
-                f"pipeline stages: got {num_stages}, but the model has only {n_blocks} {unit} "
-                f"({L} layers): expected at most {n_blocks} stages"
+                f"pipeline stages: got {num_stages}, but the model has only {n_blocks} {unit} ({L} layers) and the "
+                f"default layout gives each stage one at least: expected at most {n_blocks} stages, or up to "
+                f"{n_blocks + 2} with layer_counts putting 0 layers on the first stage (the embedding alone) and / or "
+                "the last (the head alone)"
             )
         # block boundaries nearest to an even split of the layers, strictly increasing, the last at L
         bounds, prev = [], 0
@@ -233,7 +240,8 @@ class PipelineStageModule(nn.Module):
       ``[M, B, T, D]`` (stored blocks then the partial sum, :func:`sources_after`).
     * ``cu_seqlens``: None, or one padded row ``[1, N_max + 1]`` int64 from :func:`pack_cu_seqlens` (B must be 1);
       under context parallelism (:attr:`context` set) the row's **global** offsets, from which the stage makes the
-      micro-batch's shard the current one before its layers run (several micro-batches are in flight on a rank).
+      micro-batch's shard the current one before its layers run (several micro-batches are in flight on a rank; a
+      recomputed layer's checkpoint restores its forward's shard: ``context.recompute_context``).
     * ``labels``: ``[B, T]`` int64 targets (-100: none); read by the last stage only.
 
     Returns the state ``[M', B, T, D]`` for the next stage, or (last stage) the summed NLL of the micro-batch, a
@@ -632,7 +640,7 @@ def shard_stages(
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str = "auto",
     gradient_divide_factor: float | None = 1.0,
     ignored_params: set[nn.Parameter] | None = None,
     master_dtype: torch.dtype | None = torch.float32,
@@ -686,6 +694,15 @@ def shard_stages(
     else:
         check_expert_layout(moes, mesh)
     layers = [layer for st in pipe.stages for layer in st.model.layers.values()]
+    # A stage after the first unbinds the state it receives into the stored blocks and the partial sum (views of one
+    # tensor), and a decoder layer returns the stored blocks it was given unchanged, so FSDP2 finds views among a
+    # layer's outputs and warns, once per rank, that an in-place op on one "can produce wrong gradients" (it would
+    # skip the pre-backward hook). Nothing writes into them: the AttnRes mixes and the stack sent to the next stage
+    # only read them, and the gradients equal one process's (tests/test_pipeline.py, tests/test_train_pipeline.py).
+    # Spurious here, so silenced for the decoder layers' view outputs alone; a copy would cost a state per micro-batch.
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(FSDPDecoderLayer\) returned a view tensor", category=UserWarning
+    )
     apply_fsdp(
         layers, list(pipe.stages), mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,

@@ -37,8 +37,9 @@ What a run does, in order:
    (``fnmatch`` on the canonical parameter name), and with LoRA only the adapters. Frozen parameters have
    ``requires_grad=False`` and are not in the optimizer.
 4. **Data** (:mod:`kimi_tools.data`): documents packed into rows of ``--seq-len`` tokens with ``cu_seqlens``;
-   ``--micro-batch-tokens`` per forward (whole rows), ``--batch-tokens`` per optimizer step (gradient
-   accumulation). The loss is the mean cross-entropy over the step's target tokens (micro-batches weighted by their
+   ``--micro-batch-tokens`` per forward on each rank (whole rows), ``--batch-tokens`` per optimizer step over all
+   ranks (gradient accumulation; default one micro-batch per data-parallel group and per pipeline stage the schedule
+   needs, so a one-process command runs under any layout). The loss is the mean cross-entropy over the step's target tokens (micro-batches weighted by their
    target count, so accumulation equals one big batch). Eval: ``--eval-data`` or the last ``--eval-fraction`` of
    the tokens held out; up to ``--eval-tokens`` tokens, in eval mode (no dropout), at step 0, every
    ``--eval-every`` steps and at the end.
@@ -57,8 +58,11 @@ What a run does, in order:
    diverged run has its resume state and no model. Routed experts of an MXFP4 checkpoint are re-quantised on
    export (the checkpoint format); the resume state keeps the exact weights.
 7. **Resume** (``--resume``, same arguments): the fingerprint of the model config and of every argument that
-   changes the numbers must match ``run.json``; the latest complete ``step-N`` is loaded (a damaged one is named,
-   with the previous complete step) and the run continues exactly (bitwise on CPU in fp32). ``--stop-after N``
+   changes the numbers (the tokens per step among them: left out, the run's) must match ``run.json``; the latest
+   complete ``step-N`` is loaded (a damaged one is named, with the previous complete step) and the run continues
+   exactly (bitwise on CPU in fp32). The layout and world size, ``--micro-batch-tokens`` (left out: the run's),
+   ``--compile`` and ``--recompute`` may change (only the rounding changes); ``run.json`` then records the new
+   layout and launch. ``--stop-after N``
    ends a run early at step N (the schedule still spans ``--steps``). ``--restart`` starts a run folder again from
    scratch (it deletes only the files a run writes).
 8. **Interrupt**: the first SIGINT (Ctrl-C) or SIGTERM lets the current step finish, saves its resume state and

@@ -3,11 +3,14 @@
 Each :class:`TrainArgs` field carries its command-line help in ``field(metadata=arg(...))``; :func:`add_arguments`
 turns the fields into flags (``seq_len`` -> ``--seq-len``; a ``bool`` defaulting to True -> ``--no-X``; a list ->
 ``nargs="+"``; ``X | None`` -> an optional ``X``), so a new field is a new flag with no second list to keep in step.
-A field marked ``numbers=False`` (run control: where the run writes, how often it saves, what it prints) may
-differ between a run and its resumption; every other field is part of the run's fingerprint
-(:func:`fingerprint`), which ``--resume`` checks against ``run.json``.
+A field marked ``numbers=False`` (run control: where the run writes, how often it saves, what it prints, and how it
+computes the same numbers: the parallel layout, the micro-batch, compilation, recomputation) may differ between a run
+and its resumption; every other field (the model, the data, the tokens per step, the schedule, ...) is part of the
+run's fingerprint (:func:`fingerprint`), which ``--resume`` checks against ``run.json``.
 
-:func:`resolve` fills the ``None`` defaults and checks every plain argument before anything is read or written.
+:func:`resolve` fills the ``None`` defaults and checks every plain argument before anything is read or written;
+:func:`resume_defaults` gives an unset ``--micro-batch-tokens`` / ``--batch-tokens`` the resumed run's values and
+:func:`default_batch_tokens` the tokens per step of a new run under its layout.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ __all__ = [
     "run_control_fields",
     "parse_save_every",
     "resolve",
+    "resume_defaults",
+    "default_batch_tokens",
     "fingerprint",
+    "numbers_args",
     "diff_json",
     "as_flags",
     "RECOMPUTE_MODES",
@@ -46,7 +52,7 @@ __all__ = [
 RECOMPUTE_MODES = ("layer", "mlp")
 # Fields added after runs were written, whose default (None or False) is the behaviour from before them: left out of
 # the fingerprint at that default, so a run written before they existed still resumes.
-ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim", "compile", "compile_backend")
+ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim")
 # The same for fields whose earlier behaviour is a named default: left out of the fingerprint at that value.
 ADDED_AT_DEFAULT = {"optimizer": "adamw-fp32"}
 # --optimizer: fp32 AdamW over fp32 masters (torch.optim.AdamW), or bf16 weights, gradients and moments with
@@ -124,7 +130,10 @@ class TrainArgs:
 
     Sizes are in tokens, ``lr`` is the peak learning rate, ``steps`` the schedule's length in optimizer steps.
     ``None`` defaults are resolved by :func:`resolve` (and written to ``run.json``): ``preset`` "tiny" when no
-    ``checkpoint``; ``micro_batch_tokens`` = ``seq_len``; ``batch_tokens`` = ``micro_batch_tokens``; ``dtype``
+    ``checkpoint``; ``micro_batch_tokens`` = ``seq_len`` (on ``--resume``: the run's, :func:`resume_defaults`);
+    ``batch_tokens`` by :func:`default_batch_tokens` once the layout is known (``micro_batch_tokens`` x ``dp`` x the
+    micro-batches the pipeline schedule needs per rank; ``micro_batch_tokens`` in one process; on ``--resume`` the
+    run's); ``pp_schedule`` "1F1B" with ``pp`` > 1; ``dp`` the world size / (``pp`` x ``cp``); ``dtype``
     "bfloat16" on the cudnn backend else "float32"; ``device`` "cuda" for cudnn, else "cpu"; ``warmup_steps``
     ``min(10, steps // 10)``; ``lora_alpha`` = 2 * ``lora_rank``; ``save_every`` :data:`DEFAULT_SAVE_EVERY`.
     """
@@ -171,13 +180,25 @@ class TrainArgs:
         default=25, metadata=arg("steps between evals (0: start and end; default %(default)s)", numbers=False)
     )
     seq_len: int = field(default=256, metadata=arg("tokens per packed row (default %(default)s)"))
+    # the micro-batch changes only the rounding of the sums (micro-batches are weighted by their target count, so
+    # accumulation equals one big batch: tests/test_train.py) and, with --lora-dropout, the dropout draws: run
+    # control, so a resume on another layout deals the run's tokens per step out in other micro-batches
     micro_batch_tokens: int | None = field(
-        default=None, metadata=arg("tokens per forward (whole rows; default --seq-len)", type=positive_int)
+        default=None,
+        metadata=arg(
+            "tokens per forward on each data-parallel rank (whole rows; default --seq-len, on --resume the run's; "
+            "may change on --resume)",
+            numbers=False,
+            type=positive_int,
+        ),
     )
     batch_tokens: int | None = field(
         default=None,
         metadata=arg(
-            "tokens per optimizer step (gradient accumulation; default --micro-batch-tokens)", type=positive_int
+            "tokens per optimizer step over all ranks (gradient accumulation; default --micro-batch-tokens x --dp x "
+            "the micro-batches the --pp schedule needs per rank, i.e. --micro-batch-tokens in one process; on "
+            "--resume the run's, which stays)",
+            type=positive_int,
         ),
     )
     lr: float = field(default=3e-4, metadata=arg("peak learning rate (default %(default)s)"))
@@ -209,7 +230,13 @@ class TrainArgs:
     device: str | None = field(
         default=None, metadata=arg("device (default cuda on cudnn, else cpu)", choices=("cpu", "cuda"))
     )
-    recompute: bool = field(default=False, metadata=arg("recompute activations in the backward (see --recompute-mode)"))
+    recompute: bool = field(
+        default=False,
+        metadata=arg(
+            "recompute activations in the backward (see --recompute-mode; the same numbers, may change on --resume)",
+            numbers=False,
+        ),
+    )
     recompute_mode: str = field(
         default="layer",
         metadata=arg(
@@ -260,13 +287,16 @@ class TrainArgs:
         default=False,
         metadata=arg(
             "compile each decoder layer (torch.compile, per block, no graph break: kernels_torch/compile.py); the "
-            "embedding, output mix and loss stay eager; eager or sdpa backend, one process"
+            "embedding, output mix and loss stay eager; eager or sdpa backend, one process; the same numbers up to "
+            "rounding, so it may change on --resume",
+            numbers=False,
         ),
     )
     compile_backend: str | None = field(
         default=None,
         metadata=arg(
             "with --compile: the torch.compile backend (default inductor; aot_eager generates no code)",
+            numbers=False,
             choices=COMPILE_BACKENDS,
         ),
     )
@@ -342,11 +372,11 @@ class TrainArgs:
             type=positive_int,
         ),
     )
-    pp_schedule: str = field(
-        default="1F1B",
+    pp_schedule: str | None = field(
+        default=None,
         metadata=arg(
-            "pipeline schedule with --pp > 1 (default %(default)s; Interleaved1F1B: 2 stages per rank unless "
-            "--pp-layout gives more)",
+            "pipeline schedule with --pp > 1 (default 1F1B; Interleaved1F1B: 2 stages per rank unless --pp-layout "
+            "gives more)",
             numbers=False,
             choices=("1F1B", "GPipe", "Interleaved1F1B"),
         ),
@@ -355,7 +385,8 @@ class TrainArgs:
         default=None,
         metadata=arg(
             "layers per pipeline stage, comma-separated (e.g. 12,24,24,33; 0 on the first stage: the embedding "
-            "alone, on the last: the output norm and lm_head alone); default: the AttnRes blocks dealt evenly",
+            "alone, on the last: the output norm and lm_head alone; with --pp > 1); default: the AttnRes blocks "
+            "dealt evenly",
             numbers=False,
             metavar="N,N,...",
         ),
@@ -367,6 +398,27 @@ class TrainArgs:
             "of --dp x --cp (it adds no GPU) and of the model's experts (kimi_tools/parallel.py)",
             numbers=False,
             type=positive_int,
+        ),
+    )
+    # FSDP2 policies: they change the speed and memory of a step, and (--reduce-dtype bf16) the rounding of the
+    # gradient sums, as the layout does: run control, so a run resumes under another policy
+    reduce_dtype: str = field(
+        default="fp32",
+        metadata=arg(
+            "under torchrun: the dtype FSDP2 reduce-scatters gradients in (default %(default)s; bf16 halves the "
+            "reduction's bytes and buffers; the sharded gradients and masters stay fp32)",
+            numbers=False,
+            choices=("fp32", "bf16"),
+        ),
+    )
+    reshard_after_forward: str = field(
+        default="auto",
+        metadata=arg(
+            "under torchrun: which FSDP2 units free their gathered parameters after the forward (default "
+            "%(default)s: every unit except the last decoder layer and the root (torchtitan's); "
+            "always: every unit, ZeRO-3; never: none, ZeRO-2)",
+            numbers=False,
+            choices=("auto", "always", "never"),
         ),
     )
     # where the shards live changes no number (tests/test_optim_policy.py): run control, so a run resumes either way
@@ -457,6 +509,7 @@ def flag_of(name: str) -> str:
 
 def resolve(args: TrainArgs) -> TrainArgs:
     """A copy of ``args`` with the ``None`` defaults filled and every plain argument checked (no file is read).
+    ``batch_tokens`` stays None unless given: its default depends on the layout (:func:`default_batch_tokens`).
 
     Raises:
         ValueError: one line naming the flag, the value and what was expected.
@@ -538,12 +591,18 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(
             f"--micro-batch-tokens: got {a.micro_batch_tokens}, expected a positive multiple of --seq-len {a.seq_len}"
         )
-    a.batch_tokens = a.batch_tokens or a.micro_batch_tokens
-    if a.batch_tokens < a.micro_batch_tokens or a.batch_tokens % a.micro_batch_tokens:
+    if a.batch_tokens is not None and (a.batch_tokens < a.micro_batch_tokens or a.batch_tokens % a.micro_batch_tokens):
         raise ValueError(
             f"--batch-tokens: got {a.batch_tokens}, expected a positive multiple of --micro-batch-tokens "
             f"{a.micro_batch_tokens}"
         )
+    for flag, v in (("--pp-schedule", a.pp_schedule), ("--pp-layout", a.pp_layout)):
+        if v is not None and a.pp == 1:  # it would be ignored: no pipeline
+            raise ValueError(
+                f"{flag}: got {v!r} without --pp, expected --pp N > 1 too (pipeline stages under torchrun)"
+            )
+    if a.pp > 1:
+        a.pp_schedule = a.pp_schedule or "1F1B"
     if a.stop_after is not None and not 1 <= a.stop_after <= a.steps:
         raise ValueError(f"--stop-after: got {a.stop_after}, expected a step in [1, {a.steps}] (--steps)")
     for name in ("eval_every", "warmup_steps"):
@@ -611,22 +670,51 @@ def resolve(args: TrainArgs) -> TrainArgs:
     return a
 
 
+def resume_defaults(args: TrainArgs, saved: dict | None) -> TrainArgs:
+    """``args`` with an unset ``micro_batch_tokens`` / ``batch_tokens`` taken from ``saved`` (the ``args`` of the
+    resumed run's ``run.json``): a resumed run keeps its tokens per step (part of the fingerprint) and, unless told
+    otherwise, its micro-batch. ``args`` unchanged without ``--resume`` or without a record."""
+    if not args.resume or not isinstance(saved, dict) or saved.get("seq_len") != args.seq_len:
+        return args  # (another --seq-len: the fingerprint check names it)
+    kept = {
+        k: saved[k]
+        for k in ("micro_batch_tokens", "batch_tokens")
+        if getattr(args, k) is None and isinstance(saved.get(k), int) and not isinstance(saved.get(k), bool)
+    }
+    return dataclasses.replace(args, **kept)
+
+
+def default_batch_tokens(micro_batch_tokens: int, microbatches: int) -> int:
+    """The tokens per step of a run without ``--batch-tokens``: ``micro_batch_tokens x microbatches``, where
+    ``microbatches`` is the fewest micro-batches a step needs under the layout, ``dp x`` (with ``--pp`` and a
+    1F1B-type schedule) the pipeline's stages (``kimi_tools.parallel.TrainParallel.min_microbatches``): one
+    micro-batch per data-parallel rank and pipeline stage, as torchtitan's and Megatron's global batch defaults
+    to the local batch times ``dp``, so that the command of one process runs unchanged under any layout."""
+    return micro_batch_tokens * microbatches
+
+
 # ---------------------------------------------------------------------------------------------- fingerprint
 
 
 def fingerprint(args: TrainArgs, config: KimiConfig) -> tuple[str, dict]:
     """``(sha256 hex, body)``: the hash of the model config and of the arguments that change the numbers (every
     field but :func:`run_control_fields`); ``body`` is what was hashed (``run.json``'s ``fingerprint_of``)."""
+    body = {"args": numbers_args(dataclasses.asdict(args)), "config": config.to_dict()}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(), body
+
+
+def numbers_args(recorded: dict) -> dict:
+    """A ``fingerprint_of["args"]`` recorded by an earlier version, less the fields that are run control now (e.g.
+    ``micro_batch_tokens``, ``compile``) and the fields added off by default at their default: what
+    :func:`fingerprint` hashes today, so that a run written before a field became run control still resumes."""
     control = set(run_control_fields())
-    relevant = {
+    return {
         k: v
-        for k, v in dataclasses.asdict(args).items()
+        for k, v in recorded.items()
         if k not in control
         and not (k in ADDED_OFF_BY_DEFAULT and v in (None, False))
         and not (k in ADDED_AT_DEFAULT and v == ADDED_AT_DEFAULT[k])
     }
-    body = {"args": relevant, "config": config.to_dict()}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(), body
 
 
 _ABSENT = object()  # a key one side of a diff_json lacks

@@ -35,7 +35,17 @@ if TYPE_CHECKING:
 
     from kimi_tools.train.args import TrainArgs
 
-__all__ = ["Checkpointer", "DIVERGED", "RUN_JSON", "METRICS", "check_out", "restart", "export", "run_files"]
+__all__ = [
+    "Checkpointer",
+    "DIVERGED",
+    "RUN_JSON",
+    "METRICS",
+    "check_out",
+    "recorded_args",
+    "restart",
+    "export",
+    "run_files",
+]
 
 RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
@@ -275,7 +285,7 @@ def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
             config key with both values), or without a complete step; a non-empty folder without ``--resume`` or
             ``--restart``; ``--restart`` on a folder that is not a ``kimi train`` run or holds other files.
     """
-    from kimi_tools.train.args import as_flags, diff_json
+    from kimi_tools.train.args import as_flags, diff_json, numbers_args
 
     out = Path(a.out)
     if a.resume:
@@ -285,24 +295,34 @@ def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
                 raise ValueError(_not_a_run(out, "--resume"))
             raise ValueError(f"--resume: {out} holds no run (no {RUN_JSON}); start it without --resume")
         saved = json.loads(run_json.read_text(encoding="utf-8"))
-        if saved.get("fingerprint") != fingerprint:
-            was = saved.get("fingerprint_of", {})
-            flags = [
-                f"--{k.replace('_', '-')} ({v}"
-                for k, _, v in (
-                    d.partition(" (") for d in diff_json(as_flags(was.get("args", {})), as_flags(body["args"]))
-                )
-            ]
+        was = saved.get("fingerprint_of", {})
+        was_args = numbers_args(was.get("args", {})) if isinstance(was.get("args"), dict) else {}
+        flags = [
+            f"--{k.replace('_', '-')} ({v}"
+            for k, _, v in (
+                d.partition(" (") for d in diff_json(as_flags(was_args), as_flags(numbers_args(body["args"])))
+            )
+        ]
+        cfg_diffs = diff_json(was.get("config", {}), body["config"])
+        # an older run.json hashed fields that are run control now (the micro-batch, --compile): its recorded
+        # settings, less those, equal to today's are the same run
+        if saved.get("fingerprint") != fingerprint and (flags or cfg_diffs or not was):
             parts = []
-            cfg_diffs = diff_json(was.get("config", {}), body["config"])
             for what, diffs in (("another model config", cfg_diffs), ("other settings", flags)):
                 if diffs:
                     more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
                     parts.append(f"{what}: {'; '.join(diffs[:4])}{more}")
+            batch = (
+                "; --batch-tokens is the run's tokens per step, which a resume keeps: leave it out (the run's value "
+                "is taken) and deal it to another layout with --micro-batch-tokens"
+                if any(f.startswith("--batch-tokens ") for f in flags)
+                else ""
+            )
             raise ValueError(
                 f"--resume: {out} holds a run with "
                 + (" and ".join(parts) or "another fingerprint (run.json has no readable record of its settings)")
-                + "; resume with the run's own settings, or choose another --out"
+                + f"; resume with the run's own settings (the layout, --micro-batch-tokens, --compile and --recompute "
+                f"may change), or choose another --out{batch}"
             )
         if not Checkpointer(out).steps():
             raise ValueError(
@@ -320,6 +340,16 @@ def check_out(a: TrainArgs, fingerprint: str, body: dict) -> None:
                 "start it again from scratch (deleting it), or choose another --out"
             )
         raise ValueError(_not_a_run(out, "--out"))
+
+
+def recorded_args(out: str | Path) -> dict | None:
+    """The ``args`` that ``run.json`` in ``out`` records (the resolved arguments of the run's latest launch), or
+    None when there is no readable record (:func:`check_out` then says what is wrong)."""
+    try:
+        args = json.loads((Path(out) / RUN_JSON).read_text(encoding="utf-8")).get("args")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return args if isinstance(args, dict) else None
 
 
 def _not_a_run(out: Path, flag: str) -> str:

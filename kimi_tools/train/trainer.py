@@ -23,8 +23,24 @@ from typing import TYPE_CHECKING, Any
 
 from kimi.checkpoint import write_atomic
 from kimi_tools.common import CliError, refuse_adapter_folder
-from kimi_tools.train.args import TrainArgs, fingerprint, parse_save_every, resolve
-from kimi_tools.train.checkpoint import DIVERGED, METRICS, RUN_JSON, Checkpointer, check_out, export, restart
+from kimi_tools.train.args import (
+    TrainArgs,
+    default_batch_tokens,
+    fingerprint,
+    parse_save_every,
+    resolve,
+    resume_defaults,
+)
+from kimi_tools.train.checkpoint import (
+    DIVERGED,
+    METRICS,
+    RUN_JSON,
+    Checkpointer,
+    check_out,
+    export,
+    recorded_args,
+    restart,
+)
 from kimi_tools.train.interrupt import StopRequest, TrainInterrupted, note
 from kimi_tools.train.metrics import RECORD_KEYS, MetricsLog, peak_mem_bytes, plot_losses
 from kimi_tools.train.schedule import ScheduleState, build_scheduler
@@ -168,7 +184,8 @@ class Trainer:
         from kimi_tools.parallel import TrainParallel
 
         self.t_start = time.perf_counter()
-        a = self.args = resolve(args)
+        # --resume: an unset --micro-batch-tokens / --batch-tokens is the run's (its tokens per step stay)
+        a = self.args = resolve(resume_defaults(args, recorded_args(args.out) if args.resume and args.out else None))
         self.lora_settings = _lora_settings(a) if a.lora_rank is not None else None
         if a.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -180,17 +197,22 @@ class Trainer:
             raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
-        # torchrun: one mesh; else a no-op
+        low_precision = a.optimizer == "adamw-bf16"  # bf16 weights and moments: no fp32 masters
         self.par = par = TrainParallel(
             a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout,
+            reduce_dtype=a.reduce_dtype, reshard_after_forward=a.reshard_after_forward, bf16_masters=low_precision,
             offload=a.offload,
-        )  # fmt: skip
+        )  # fmt: skip  # torchrun: one mesh; else a no-op
         par.check_pipeline(a, lora=self.lora_settings is not None)
         if a.compile and par.enabled:
             raise ValueError(
                 "--compile: got a torchrun launch, expected one process (compiled blocks were not tried under FSDP2, "
                 "CP, EP or PP)"
             )
+        a.dp = par.dp_size  # resolved: the rest of the world
+        if a.batch_tokens is None:  # not typed, nor the resumed run's: one micro-batch per dp group and pipeline
+            a.batch_tokens = default_batch_tokens(a.micro_batch_tokens, par.min_microbatches)  # stage
+            self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)  # with the tokens per step
         self.out = Path(a.out)
         check_out(a, self.fingerprint, self.fingerprint_of)
         par.barrier()  # every rank has checked --out before rank 0 writes into it
@@ -200,7 +222,7 @@ class Trainer:
         self.eval_len = check_sizes(a, docs, eval_docs, _eval_source(a))
         self.rows = a.micro_batch_tokens // a.seq_len
         self.accum = a.batch_tokens // a.micro_batch_tokens
-        par.check_accum(self.accum, a.micro_batch_tokens)
+        par.check_accum(self.accum, a.micro_batch_tokens, a.seq_len, resumed=a.resume)
         self.num_docs, self.num_tokens = len(docs), sum(map(len, docs))
         self.loader = PackedLoader(docs, a.seq_len, rows=self.rows, seed=a.seed, shuffle=a.shuffle)
         self.evals = eval_batches(eval_docs, self.eval_len, self.rows, a.eval_tokens)
@@ -212,12 +234,12 @@ class Trainer:
 
         # ---- model: build, prepare, LoRA, trainable set, conversion, sharding; then masters and optimizer
         torch.manual_seed(a.seed)
-        # under torchrun the model is built on meta and each rank materialises its shards after the sharding; with
-        # LoRA the adapters' init happens at apply_lora, so that path still builds the whole model first
-        sharded_build = par.enabled and self.lora_settings is None
+        # under torchrun the model is built on meta and each rank materialises its shards after the sharding (with
+        # LoRA, the adapters' one-process initial values taken on meta before apply_lora: lora.initial_adapters)
+        sharded_build = par.enabled
         self.model = model = build_model(a, cfg, meta=sharded_build)
-        self.base_fingerprint = None
-        if self.lora_settings is not None and a.checkpoint is not None:
+        self.base_fingerprint, adapters = None, None
+        if self.lora_settings is not None and a.checkpoint is not None and par.is_writer:  # the writer's export
             from kimi_tools.lora import base_fingerprint
 
             self.base_fingerprint = base_fingerprint(a.checkpoint)
@@ -226,20 +248,15 @@ class Trainer:
         if self.lora_settings is not None:
             from kimi_tools import lora
 
+            adapters = lora.initial_adapters(model, self.lora_settings) if sharded_build else None
             lora.apply_lora(model, self.lora_settings)
         freeze(model, stage, a.freeze)
         self.conversions = convert_model(model, a)
-        low_precision = a.optimizer == "adamw-bf16"  # bf16 weights and moments: no fp32 masters
-        par.setup(
-            model,
-            lora=self.lora_settings is not None,
-            replicated=getattr(stage, "replicated", None),
-            master_dtype=None if low_precision else torch.float32,
-        )
+        par.setup(model, lora=self.lora_settings is not None, replicated=getattr(stage, "replicated", None))
         if par.pipe is not None:  # --pp: this rank trains its pipeline stages (one-process names), sharded over dp
             self.model = model = par.pipe.rank_module()
         if sharded_build:
-            materialise(model, a, cfg, partial=par.pipe is not None)  # each rank its own shards (--pp: its stages')
+            materialise(model, a, cfg, partial=par.pipe is not None, adapters=adapters)  # each rank its own shards
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
         self.masters = MasterWeights(model, low_precision=low_precision, replicated=par.replicated)
@@ -260,7 +277,7 @@ class Trainer:
             self.flops_per_token = estimate_flops(cfg, a.seq_len, backward=True)["flops_per_token"]
 
         # ---- state
-        self.step, self.tokens_seen, self.start = 0, 0, 0
+        self.step, self.tokens_seen, self.start, self.start_tokens = 0, 0, 0, 0
         self.checkpointer = Checkpointer(self.out, a.keep, par)
         self.metrics = MetricsLog(self.out / METRICS, writer=par.is_writer)
         self.trainable_params = int(par.sum_pp(self.masters.numel))  # --pp: each rank holds its stages'
@@ -321,6 +338,12 @@ class Trainer:
                 self.checkpointer.clean_stale()  # what a killed save left (.step-N.tmp-PID/)
             par.barrier()
             self._load_latest()
+            if par.is_writer:  # this launch's arguments and layout (which may differ from the run's earlier ones)
+                run = json.loads((out / RUN_JSON).read_text(encoding="utf-8"))
+                run.update(fingerprint=self.fingerprint, fingerprint_of=self.fingerprint_of, args=asdict(a))
+                run["layout"] = self.layout()
+                run["launches"] = [*run.get("launches", []), {"start_step": self.step, "layout": run["layout"]}]
+                write_atomic(out / RUN_JSON, json.dumps(run, indent=1).encode())
         else:
             if a.restart and par.is_writer:
                 restart(out)
@@ -334,12 +357,14 @@ class Trainer:
                     "tokenizer": self.tokenizer.name,
                     "trainable_params": self.trainable_params,
                     "total_params": self.total_params,
+                    "layout": self.layout(),
                 }
+                run["launches"] = [{"start_step": 0, "layout": run["layout"]}]
                 if self.conversions:
                     run["conversions"] = self.conversions
                 write_atomic(out / RUN_JSON, json.dumps(run, indent=1).encode())
                 self.metrics.start()
-        self.start = self.step
+        self.start, self.start_tokens = self.step, self.tokens_seen
         if a.resume and self.start >= (a.stop_after or a.steps):
             if self.start < a.steps:  # stopped early by --stop-after, and asked to stop there again
                 raise ValueError(
@@ -350,6 +375,23 @@ class Trainer:
                 f"--resume: the run in {out} already finished step {self.start} of {a.steps}; nothing to train (its "
                 f"model and metrics are there; choose another --out for a new run)"
             )
+
+    def layout(self) -> dict[str, Any]:
+        """The parallel layout this launch runs (``run.json``'s ``layout``): the world size, ``dp``, ``cp``, ``ep``,
+        ``pp``, the pipeline schedule and its layer counts per stage (None without ``--pp``), the micro-batches a
+        ``dp`` group runs per step, and the process group backend (None in one process)."""
+        par = self.par
+        return {
+            "world": par.pp_size * par.dp_size * par.cp_size,
+            "dp": par.dp_size,
+            "cp": par.cp_size,
+            "ep": par.ep_size,
+            "pp": par.pp_size,
+            "pp_schedule": self.args.pp_schedule,
+            "pp_layout": None if par.pipe is None else [len(r) for r in par.pipe.layout],
+            "microbatches_per_dp_group": self.accum // par.dp_size,
+            "backend": ("nccl" if par.device == "cuda" else "gloo") if par.enabled else None,
+        }
 
     def _load_latest(self) -> None:
         a, out = self.args, self.out
@@ -399,6 +441,7 @@ class Trainer:
                         extra[key] = extra.get(key, 0.0) + float(v) * k
         finally:
             model.train(was_training)
+            par.reshard(model)  # the units kept gathered after a forward (FSDP2), as after a backward
         keys = sorted(extra)
         sums = par.sum_cp([total, *(extra[k] for k in keys)])  # context parallel: each rank holds its shard's share
         return sums[0] / max(n, 1), {f"eval_{k}": v / max(n, 1) for k, v in zip(keys, sums[1:])}
@@ -430,6 +473,7 @@ class Trainer:
                 for key, v in m.items():
                     extra[key] = extra.get(key, 0.0) + float(v) * w
             par.reduce_replicated()
+            par.reshard(model)  # units a no-grad forward left gathered (the distillation stages' teacher pass)
             step_loss = par.sum_all(step_loss)
             extra = par.sum_all_dict(extra)
         if self.lora_settings is not None and step == self.start + 1:  # LoRA is never silently skipped (vLLM's bug)
@@ -596,9 +640,31 @@ class Trainer:
                 if (self._save_steps, self._save_minutes) == (0, 0.0)
                 else f"resume state every {a.save_every}" + (" steps" if self._save_steps else "")
             )
-            + (f"\n  resumed from {self.out}/step-{self.start}" if a.resume else ""),
+            + (f"\n  resumed from {self.out}/step-{self.start}" if a.resume else "")
+            + (f"\n  {self._layout_line()}" if self.par.enabled else "")
+            + (
+                f"\n  compiling the decoder blocks ({a.compile_backend}) on their first forward: the step-0 evaluation "
+                "and step 1 take longer"
+                if a.compile
+                else ""
+            ),
             flush=True,
         )
+
+    def _layout_line(self) -> str:
+        """The header's line of the parallel layout (under torchrun), as torchtitan logs its mesh at start-up."""
+        lay = self.layout()
+        n = lay["microbatches_per_dp_group"]
+        line = (
+            f"parallel: world {lay['world']} = "
+            + f"pp {lay['pp']} x " * (lay["pp"] > 1)
+            + f"dp {lay['dp']} x cp {lay['cp']}"
+            + f", ep {lay['ep']}" * (lay["ep"] > 1)
+            + f" ({lay['backend']}); {n} micro-batch{'es' * (n > 1)} per data-parallel group and step"
+        )
+        if lay["pp_layout"] is not None:
+            line += f"; pipeline {lay['pp_schedule']}, layers per stage {','.join(map(str, lay['pp_layout']))}"
+        return line
 
     def _summary(self, result: TrainResult) -> str:
         """The closing lines: losses, where the eval loss went, and what was written."""
@@ -611,6 +677,14 @@ class Trainer:
         else:
             ev = f"eval loss {evals[first]:.4f} (step {first}) -> {evals[last]:.4f} (step {last})"
         loss = result.final_loss if result.final_loss is not None else float("nan")
+        ran = result.tokens_seen - self.start_tokens  # this launch's tokens, over this launch's time
+        tokens = f"{ran:,} tokens in {result.wall_s:.0f} s" + (
+            f" (step{'s' * (result.step > result.start_step + 1)} {result.start_step + 1}"
+            + f" to {result.step}" * (result.step > result.start_step + 1)
+            + f"; {result.tokens_seen:,} in all)"
+            if result.start_step
+            else ""
+        )
         head = f"step {result.step}/{a.steps}" + (" (--stop-after)" if result.step < a.steps else "")
         if not a.save:
             what = "no weights or resume state (--no-save)"
@@ -626,9 +700,8 @@ class Trainer:
                 else "model (safetensors)"
             )
             what = f"{kind}, step-{result.step}/ (resume state)"
-        return (
-            f"{head}: loss {loss:.4f}; {ev}; {result.tokens_seen:,} tokens in {result.wall_s:.0f} s"
-            f"\nwrote {self.out}: {what}, metrics.jsonl" + (", loss.png" if a.plot else "")
+        return f"{head}: loss {loss:.4f}; {ev}; {tokens}\nwrote {self.out}: {what}, metrics.jsonl" + (
+            ", loss.png" if a.plot else ""
         )
 
 

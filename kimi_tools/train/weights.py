@@ -4,8 +4,9 @@ Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model
 ``kernels_torch.model.load_model``, or a ``--preset`` random init), the stage's ``prepare``, LoRA
 (``kimi_tools.lora.apply_lora``), :func:`freeze` (the stage's trainable set and ``--freeze``), :func:`convert_model`
 (the model-conversion hook: :data:`CONVERTERS`), then FSDP2 (``kimi_tools.parallel``), :class:`MasterWeights` and
-:func:`build_optimizer`. Under torchrun (without LoRA) the model is built on ``meta`` and the same steps run on it
-(they set flags and swap modules, never read weights); after the sharding :func:`materialise` allocates and fills
+:func:`build_optimizer`. Under torchrun the model is built on ``meta`` and the same steps run on it (they set flags
+and swap modules, never read weights; LoRA's adapters are injected there too, their one-process initial values
+taken first by ``kimi_tools.lora.initial_adapters``); after the sharding :func:`materialise` allocates and fills
 each rank's shards only. Parameters stay in the checkpoint's dtypes (``A_log``, ``dt_bias``, conv weights,
 ``o_norm`` in fp32); in bf16 the optimizer steps fp32 master copies of the trainable parameters
 (``--optimizer adamw-fp32``), or the bf16 parameters themselves with bf16 moments and stochastic rounding
@@ -80,7 +81,13 @@ def build_model(a: TrainArgs, cfg: KimiConfig, meta: bool = False) -> nn.Module:
     return model_from_params(cfg, params, a.backend, dtype, a.device)
 
 
-def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool = False) -> None:
+def materialise(
+    model: nn.Module,
+    a: TrainArgs,
+    cfg: KimiConfig,
+    partial: bool = False,
+    adapters: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Give a model built by ``build_model(..., meta=True)`` and then sharded its weights, each rank only its shards:
     ``to_empty`` on ``a.device`` allocates the local shards, then ``--checkpoint`` is read by
     ``kernels_torch.parallel.load.load_sharded`` (each rank reads and decodes only its blocks), or the ``--preset``
@@ -88,6 +95,9 @@ def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool =
     (``fill_sharded``). The weights are those :func:`build_model` gives in one process, bit for bit.
 
     ``partial``: the model is a pipeline rank's stages (``Pipeline.rank_module``), holding some tensors only.
+    ``adapters``: with LoRA, ``kimi_tools.lora.initial_adapters`` of the meta model taken before ``apply_lora``
+    (the adapters one process starts from, by ``state_dict`` name); each rank copies its block of them. A LoRA
+    base layer (``...q_proj.base_layer.weight``) is filled from the checkpoint's ``...q_proj.weight``.
 
     Raises:
         kimi.checkpoint.CheckpointError, ValueError: see ``load_sharded``."""
@@ -98,13 +108,13 @@ def materialise(model: nn.Module, a: TrainArgs, cfg: KimiConfig, partial: bool =
     if offload:  # --offload cpu: FSDP2's shards stay on the host; the tensors it does not manage compute on the device
         _plain_to(model, a.device)
     if a.checkpoint is not None:
-        load_sharded(model, a.checkpoint, partial=partial)
+        load_sharded(model, a.checkpoint, partial=partial, extra=adapters)
         return
     from kimi.config import load_config
     from kimi.init import init_params
 
     params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
-    fill_sharded(model, params, partial=partial)
+    fill_sharded(model, params, partial=partial, extra=adapters)
 
 
 def _plain_to(model: nn.Module, device: str) -> None:
@@ -212,6 +222,8 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
     its MLP / MoE block (``DecoderLayer.feed_forward``: the attention keeps its activations; the block's forward runs
     twice). On the H200, 4 real-dimension layers at 32K tokens (benchmark 5): ``layer`` 63 GiB and 44.6% MFU, ``mlp``
     120 GiB and 52.0%, none out of memory. Gradients are the same either way (the same ops, recomputed in order).
+    A whole layer is recomputed with the context-parallel shard of its forward
+    (``kernels_torch.parallel.context.recompute_context``), also under a pipeline schedule.
 
     ``full_layers`` (``mlp`` only) recomputes the first ``full_layers`` decoder layers whole and the others' MLP /
     MoE block: Megatron-LM's "block" recomputation, a memory knob between the two modes (each whole layer frees its
@@ -223,6 +235,7 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
     """
     import torch.utils.checkpoint
 
+    from kernels_torch.parallel.context import recompute_context
     from kimi_tools.train.args import RECOMPUTE_MODES
 
     if mode not in RECOMPUTE_MODES:
@@ -239,9 +252,16 @@ def recompute_layers(model: nn.Module, mode: str = "layer", full_layers: int = 0
     # ModuleDict keyed by their index in the whole model
     items = [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
     for i, layer in items:
-        name = "forward" if mode == "layer" or i < full_layers else "feed_forward"
-        fn = getattr(layer, name)
-        setattr(layer, name, functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False))
+        if mode == "layer" or i < full_layers:
+            # the token mixers read context parallelism's current shard: the recomputation gets its forward's
+            # (a pipeline stage runs later micro-batches' forwards before this one's backward)
+            wrap = functools.partial(
+                torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False, context_fn=recompute_context
+            )
+            layer.forward = wrap
+        else:  # token-local (reads no shard); traced by torch.compile, which takes no context_fn
+            wrap = functools.partial(torch.utils.checkpoint.checkpoint, layer.feed_forward, use_reentrant=False)
+            layer.feed_forward = wrap
 
 
 class MasterWeights:
@@ -461,18 +481,17 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, sum_group=None) 
         groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     if len(groups) <= 1 and sum_group is None:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    sq = torch.zeros((), dtype=torch.float64)
+    dev = grads[0].grad.device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=dev)  # on the device: the one host read is the norm returned
     for group in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True if dev.type == "cuda" else None)
         n = n.full_tensor() if isinstance(n, DTensor) else n
-        sq = sq + n.detach().to("cpu", torch.float64) ** 2
+        sq = sq + n.detach().to(dev, torch.float64) ** 2
     if sum_group is not None:
-        dev = grads[0].device if grads else torch.device("cpu")
-        sq = sq.to(dev)
         dist.all_reduce(sq, group=sum_group)
     total = float(sq.sqrt())
     coef = max_norm / (total + 1e-6)  # clip_grad_norm_'s coefficient, as a number (a DTensor takes no plain tensor)
     if coef < 1.0:
-        for p in grads:
-            p.grad.mul_(coef)
+        for group in groups.values():  # one foreach kernel per mesh (a DTensor list shares one mesh)
+            torch._foreach_mul_([p.grad for p in group], coef)
     return total

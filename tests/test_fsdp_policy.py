@@ -1,0 +1,124 @@
+"""The FSDP2 policy of ``kernels_torch.parallel.fsdp.apply_fsdp``: which units reshard after their forward
+(``reshard_after_forward``), the input embedding as a unit of its own, the gradient divide factor on a one-rank mesh
+(a plain copy, then an in-place division), ``reshard`` after a forward-only pass, ``master_dtype``, and
+``--reduce-dtype``. Gloo ranks spawned by the test, the tiny preset in fp64 (bf16 for the masters case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import run_workers
+from helpers import rel
+
+from kimi.config import load_config
+
+TOL = {"loss": 1e-12, "grad": 1e-10}
+
+
+def _model(tied: bool = False, dtype=torch.float64):
+    from kernels_torch.model import KimiK3Model
+
+    cfg = load_config("tiny").truncated(4).replace(tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return KimiK3Model(cfg).to(dtype), cfg
+
+
+def _ids(cfg, T: int = 33):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g)
+    return ids[:, :T], ids[:, 1:]
+
+
+def test_reshard_policy_values_and_refusal():
+    from kernels_torch.parallel.fsdp import RESHARD_POLICIES, _reshard_policy
+
+    class Mesh:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    for mesh in (Mesh(1), Mesh(4)):
+        assert _reshard_policy("auto")(mesh, False) and not _reshard_policy("auto")(mesh, True)
+        assert _reshard_policy("always")(mesh, True) and _reshard_policy(True)(mesh, True)
+        assert not _reshard_policy("never")(mesh, False) and not _reshard_policy(False)(mesh, False)
+    assert RESHARD_POLICIES == ("auto", "always", "never")
+    with pytest.raises(ValueError, match=r"reshard_after_forward: got 'sometimes', expected a bool or one of"):
+        _reshard_policy("sometimes")
+
+
+def test_own_embedding_only_when_untied():
+    from kernels_torch.parallel.fsdp import _own_embedding
+
+    untied, _ = _model(tied=False)
+    assert _own_embedding(untied) is untied.model.embed_tokens
+    tied, _ = _model(tied=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight or tied.config.tie_word_embeddings
+    assert _own_embedding(tied) is None
+
+
+def _policy_worker(rank: int, world: int, factor: float) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from kernels_torch.parallel.fsdp import init_mesh, parallelize, reshard
+
+    model, cfg = _model()
+    ids, labels = _ids(cfg)
+    ref, _ = _model()
+    loss_r = ref.loss(ids, labels) / labels.numel()
+    loss_r.backward()
+
+    parallelize(model, init_mesh(dp=world), gradient_divide_factor=factor)
+    layers = list(model.model.layers)
+    assert isinstance(model.model.embed_tokens, FSDPModule), "the untied embedding is a unit of its own"
+
+    # a forward without backward: "auto" leaves the last layer and the root gathered, reshards the others
+    with torch.no_grad():
+        model.loss(ids, labels)
+    assert all(isinstance(p, DTensor) for p in layers[0].parameters()), "layer 0 resharded after its forward"
+    gathered = [p for p in layers[-1].parameters() if not isinstance(p, DTensor)]
+    assert gathered, "the last layer keeps its gathered parameters (auto)"
+    reshard(model)
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "reshard frees every unit"
+
+    # every rank the same batch: the reduce sums world copies of the gradient, divided by factor
+    loss = model.loss(ids, labels) / labels.numel()
+    loss.backward()
+    assert rel(loss.detach(), loss_r.detach()) < TOL["loss"]
+    want = {n: p.grad * (world / factor) for n, p in ref.named_parameters() if p.grad is not None}
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    bad = {n: rel(got[n], want[n]) for n in want if rel(got[n], want[n]) > TOL["grad"]}
+    assert not bad, bad
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world", "factor"), [(1, 1.0), (1, 4.0), (2, 1.0), (2, 2.0)], ids=lambda v: str(v))
+def test_fsdp_policy_gradients_and_reshard(world, factor):
+    """One rank (the plain-copy reduce, and the in-place division by a factor) and two (gloo's forced sum) give the
+    single-process gradient times world / factor; the auto policy keeps the last layer gathered after a forward
+    until ``reshard``."""
+    run_workers(_policy_worker, world, factor)
+
+
+def _masters_worker(rank: int, world: int) -> None:
+    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh, parallelize
+
+    model, cfg = _model(dtype=torch.float32)
+    from kernels_torch.model import cast_model
+
+    model = cast_model(model, torch.bfloat16)
+    ignored = set(fp32_compute_params(model, torch.bfloat16))
+    parallelize(model, init_mesh(dp=world), param_dtype=torch.bfloat16, ignored_params=ignored, master_dtype=None)
+    low = [p for p in model.parameters() if p not in ignored]
+    assert low and all(p.dtype == torch.bfloat16 for p in low), "master_dtype=None keeps bf16 shards"
+    ids, labels = _ids(cfg)
+    (model.loss(ids, labels) / labels.numel()).backward()
+    assert all(p.grad.dtype == torch.bfloat16 for p in low if p.grad is not None)
+
+
+@pytest.mark.distributed
+def test_bf16_masters_keep_bf16_shards_and_gradients():
+    run_workers(_masters_worker, 2)
