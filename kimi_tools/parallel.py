@@ -44,6 +44,14 @@ the gradient norm sums over ``pp`` (:attr:`TrainParallel.norm_group`; each rank'
 ``dp x cp`` and ``efsdp x ep`` meshes, its replicated tensors count once), the export per rank from its stages
 (``export_sharded``). Refused with ``--pp`` > 1: LoRA, the distillation stages and FP8 (:func:`refuse_pipeline`).
 
+Optimizer and offload policies: under ``--optimizer adamw-bf16`` the trainable bf16 parameters stay bf16 shards
+(``bf16_masters``: ``apply_fsdp(master_dtype=None)``, no fp32 masters; gradients reduce-scattered in ``--reduce-dtype``,
+then held in bf16), stepped by torchao's AdamW with bf16 moments (``kimi_tools.train.weights.build_optimizer``).
+``--offload cpu`` passes FSDP2's ``CPUOffloadPolicy`` (pinned host memory on CUDA) to every unit: the shards, their
+gradients and the optimizer state live on the host, and the optimizer steps there; the tensors FSDP2 leaves whole
+stay on the device. On CUDA the process group then gets a gloo backend for host tensors beside NCCL
+(``cpu:gloo,cuda:nccl``, as torchtitan does), for the gradient norm of host shards.
+
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
 """
@@ -97,10 +105,12 @@ class TrainParallel:
     Args:
         cp, dp, ep, pp: ``--cp``, ``--dp`` (None: the rest of the world), ``--ep``, ``--pp``. pp_schedule,
             pp_layout: ``--pp-schedule``, ``--pp-layout`` (the text). device: ``cpu`` (gloo) or ``cuda`` (NCCL).
-            world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1).
+            world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1). offload: ``--offload`` (``none``
+            or ``cpu``).
 
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
+            ``--offload cpu`` without torchrun;
             ``--pp``/``--cp``/``--ep``/``--dp`` > 1 without torchrun; ``--pp x --dp x --cp`` not the world size;
             a ``--pp-layout`` that is not counts, or of a stage count
             the schedule cannot take; at :meth:`setup`, a layout the model refuses or more stages than the default
@@ -124,6 +134,7 @@ class TrainParallel:
         reduce_dtype: str = "fp32",
         reshard_after_forward: str = "auto",
         bf16_masters: bool = False,
+        offload: str = "none",
     ):
         from kernels_torch.parallel.mesh import ParallelDims
         from kernels_torch.parallel.pipeline import SCHEDULES, parse_stage_layout
@@ -138,6 +149,7 @@ class TrainParallel:
             given = [f"{f} {v}" for f, v in sizes if v is not None and v > 1]
             given += [f"--reduce-dtype {reduce_dtype}"] * (reduce_dtype != "fp32")
             given += [f"--reshard-after-forward {reshard_after_forward}"] * (reshard_after_forward != "auto")
+            given += [f"--offload {offload}"] * (offload != "none")  # FSDP2's CPUOffloadPolicy
             if given:
                 raise ValueError(
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
@@ -199,12 +211,13 @@ class TrainParallel:
             )
         self.reduce_dtype, self.reshard_after_forward = reduce_dtype, reshard_after_forward
         self.bf16_masters = bf16_masters  # the trainable bf16 parameters stay bf16 shards (a bf16 optimizer)
+        self.offload = offload
         self.rank, self.mesh, self.ctx, self.pipe, self.n_microbatches = 0, None, None, None, 1
         self.replicated: list[nn.Parameter] = []
         if self.enabled:
             from kernels_torch.parallel.fsdp import init_mesh
 
-            self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep, pp=pp)
+            self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep, pp=pp, host_collectives=offload != "none")
             self.rank = dist.get_rank()
 
     @property
@@ -313,12 +326,14 @@ class TrainParallel:
 
     def _fsdp_policy(self) -> dict:
         """The FSDP2 keywords of this run's policy (``apply_fsdp``): every rank's loss is weighted by the step's global
-        target count (divide factor 1), ``--reduce-dtype``, ``--reshard-after-forward``."""
+        target count (divide factor 1), ``--reduce-dtype``, ``--reshard-after-forward``, the masters' dtype (none under
+        ``--optimizer adamw-bf16``: ``bf16_masters``), ``--offload``."""
         return dict(
             gradient_divide_factor=1.0,
             reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
             reshard_after_forward=self.reshard_after_forward,
             master_dtype=None if self.bf16_masters else torch.float32,
+            offload_policy=self._offload_policy(),
         )
 
     def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set) -> None:
@@ -357,6 +372,14 @@ class TrainParallel:
             raise ValueError(f"{flag}: {e}") from None
         self.replicated = [p for p in self.pipe.parameters() if p in ignored and p.requires_grad]
         shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
+
+    def _offload_policy(self):
+        """FSDP2's ``CPUOffloadPolicy`` for ``--offload cpu`` (host memory pinned on CUDA), else None."""
+        if self.offload != "cpu":
+            return None
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return CPUOffloadPolicy(pin_memory=self.device == "cuda")
 
     def _check_stage_count(self, config) -> None:
         """Refuse (one line naming ``--pp``, the schedule's stages and what fits) more stages than the default layout

@@ -53,11 +53,18 @@ __all__ = [
 
 
 def init_mesh(
-    dp: int | None = None, cp: int = 1, device_type: str = "cpu", *, ep: int = 1, pp: int = 1
+    dp: int | None = None,
+    cp: int = 1,
+    device_type: str = "cpu",
+    *,
+    ep: int = 1,
+    pp: int = 1,
+    host_collectives: bool = False,
 ) -> ParallelMesh:
     """The meshes of a ``dp x cp`` layout with expert parallelism over ``ep`` of its ranks
     (:class:`kernels_torch.parallel.mesh.ParallelMesh`), initialising the default process group from the
-    ``torchrun`` environment if needed (NCCL on CUDA, gloo on CPU); ``dp`` fills the world when None.
+    ``torchrun`` environment if needed (NCCL on CUDA, gloo on CPU; ``host_collectives``: gloo beside NCCL for host
+    tensors, ``kernels_torch.parallel.mesh.init_distributed``); ``dp`` fills the world when None.
 
     Raises:
         ValueError: a non-positive size, ``dp x cp`` not the world size, ``ep`` not dividing ``dp x cp``.
@@ -65,7 +72,7 @@ def init_mesh(
     for name, v in (("dp", dp), ("cp", cp), ("ep", ep), ("pp", pp)):
         if v is not None and v < 1:
             raise ValueError(f"mesh: got {name}={v}, expected a positive size")
-    world = init_distributed(device_type)
+    world = init_distributed(device_type, host_collectives)
     return ParallelDims.fill(world, dp=dp, cp=cp, ep=ep, pp=pp).build_mesh(device_type)
 
 
@@ -89,6 +96,7 @@ def parallelize(
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     master_dtype: torch.dtype | None = torch.float32,
+    offload_policy=None,
 ) -> ContextParallel | None:
     """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), expert parallelism over ``mesh["ep"]``
     (when > 1: :func:`kernels_torch.parallel.expert.shard_experts`, unless the model's experts are expert-parallel
@@ -106,6 +114,9 @@ def parallelize(
             fp32, FSDP2 all-gathers bf16 copies), frozen ones stay bf16; parameters in another dtype
             (:func:`fp32_compute_params`) must be in ``ignored_params`` (else ValueError): whole on every rank, in
             their own dtype. reduce_dtype: of the gradient reduce-scatter (fp32 by default; fp64 for fp64 models).
+        master_dtype: as :func:`apply_fsdp`. offload_policy: FSDP2's ``CPUOffloadPolicy`` (the sharded parameters,
+            their gradients and so the optimizer state on the host, copied to the device for each all-gather), or
+            None.
         reshard_after_forward: the reshard policy (:data:`RESHARD_POLICIES`): ``"auto"`` (default, torchtitan's)
             frees the gathered parameters after each unit's forward (ZeRO-3) except where the backward comes right
             after: the last decoder layer and the root; ``True`` / ``"always"`` every unit, ``False`` / ``"never"``
@@ -141,7 +152,7 @@ def parallelize(
     apply_fsdp(
         list(model.model.layers), [model], mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
-        ignored_params=ignored_params, master_dtype=master_dtype,
+        ignored_params=ignored_params, master_dtype=master_dtype, offload_policy=offload_policy,
     )  # fmt: skip
     return ctx
 
@@ -173,6 +184,7 @@ def apply_fsdp(
     gradient_divide_factor: float | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     master_dtype: torch.dtype | None = torch.float32,
+    offload_policy=None,
 ) -> None:
     """The FSDP2 part of :func:`parallelize`, for a whole model or a pipeline rank's stages
     (``kernels_torch.parallel.pipeline.shard_stages``): one ``fully_shard`` per decoder layer of ``layers`` and
@@ -185,8 +197,8 @@ def apply_fsdp(
         layers: the decoder layers to wrap. roots: the modules to wrap last (their parameters not in a layer).
         mesh: a :class:`~kernels_torch.parallel.mesh.ParallelMesh`, or a 1-D ``DeviceMesh`` of data-parallel ranks
             (no expert parallelism: ``dp_cp`` is that mesh).
-        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params: as
-            :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's size); with
+        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params, offload_policy:
+            as :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's size); with
             ``param_dtype``, the trainable parameters of that dtype in ``roots`` become ``master_dtype`` masters.
         master_dtype: the dtype of the sharded masters of the trainable ``param_dtype`` parameters (fp32); None
             keeps them in ``param_dtype`` (an optimizer that steps bf16 weights itself, e.g. with stochastic
@@ -219,6 +231,8 @@ def apply_fsdp(
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = _reshard_policy(reshard_after_forward)
     kw = dict(mp_policy=policy)
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
     if ignored:
         kw["ignored_params"] = ignored
     units = []  # (module, its mesh)

@@ -40,12 +40,14 @@ DENSE_DIMS = ("pp", "dp", "cp")
 SPARSE_DIMS = ("pp", "efsdp", "ep")
 
 
-def init_distributed(device_type: str = "cpu") -> int:
+def init_distributed(device_type: str = "cpu", host_collectives: bool = False) -> int:
     """Initialise the default process group from the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``) if it is not yet: NCCL on ``cuda`` (and ``torch.cuda.set_device(LOCAL_RANK)``), gloo on ``cpu``.
-    Returns the world size."""
+    ``host_collectives`` on ``cuda``: gloo beside NCCL for tensors in host memory (``cpu:gloo,cuda:nccl``; FSDP2's
+    CPU offload). Returns the world size."""
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        cuda = "cpu:gloo,cuda:nccl" if host_collectives else "nccl"
+        dist.init_process_group(cuda if device_type == "cuda" else "gloo")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_world_size()

@@ -643,6 +643,8 @@ def shard_stages(
     reshard_after_forward: bool | str = "auto",
     gradient_divide_factor: float | None = 1.0,
     ignored_params: set[nn.Parameter] | None = None,
+    master_dtype: torch.dtype | None = torch.float32,
+    offload_policy=None,
 ) -> None:
     """FSDP2 over the ranks of one pipeline coordinate that hold the same stages, as
     ``kernels_torch.parallel.fsdp.parallelize`` shards a whole model (the same code:
@@ -662,10 +664,10 @@ def shard_stages(
         mesh: a ``kernels_torch.parallel.mesh.ParallelMesh`` (its ``dp_cp`` and, with ``ep`` > 1, ``efsdp``
             meshes), or a 1-D ``DeviceMesh`` of the ranks that hold the same stages (``world_mesh["dp"]``; no
             expert parallelism then).
-        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params: as
-            ``kernels_torch.parallel.fsdp.parallelize`` (with ``bfloat16``: the trainable bf16 parameters become
-            fp32 masters, the stages' parameters in another dtype must be ignored; fp64 parameters reduce in fp64),
-            except that the divide factor defaults to 1.0 (None: the mesh's ``dp``).
+        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params, master_dtype,
+            offload_policy: as ``kernels_torch.parallel.fsdp.parallelize`` (with ``bfloat16``: the trainable bf16
+            parameters become ``master_dtype`` masters, the stages' parameters in another dtype must be ignored; fp64
+            parameters reduce in fp64), except that the divide factor defaults to 1.0 (None: the mesh's ``dp``).
 
     Raises:
         ValueError: ``mesh`` a DeviceMesh that is not 1-D; the stages already sharded; the experts expert-parallel
@@ -704,7 +706,7 @@ def shard_stages(
     apply_fsdp(
         layers, list(pipe.stages), mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
-        ignored_params=ignored_params,
+        ignored_params=ignored_params, master_dtype=master_dtype, offload_policy=offload_policy,
     )  # fmt: skip
     if param_dtype is not None:
         pipe.dtype = param_dtype  # the activations sent between stages

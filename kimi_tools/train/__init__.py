@@ -29,7 +29,8 @@ What a run does, in order:
    (random init, :func:`kimi.init.init_params`, ``--seed``), on ``--backend`` in ``--dtype``. Parameters stay in
    the checkpoint's dtypes (``A_log``, ``dt_bias``, conv weights, ``o_norm`` in fp32). In bf16 the optimizer
    works on **fp32 master copies** of the trainable parameters (gradients are copied up, the update is rounded
-   down into the model after every step), so AdamW state and updates are fp32.
+   down into the model after every step), so AdamW state and updates are fp32; ``--optimizer adamw-bf16`` keeps no
+   masters: torchao's AdamW steps the bf16 weights with bf16 moments and stochastic rounding.
 3. **Trainable parameters** = those the stage allows (``lm``: everything except the DSA indexer, which the hard
    top-k gives no LM-loss gradient, and the router's ``e_score_correction_bias``, which aux-loss-free balancing
    updates by a rule, not by gradient: DeepSeek-V3 section 2.1.2), minus ``--freeze`` glob patterns
@@ -42,14 +43,14 @@ What a run does, in order:
    target count, so accumulation equals one big batch). Eval: ``--eval-data`` or the last ``--eval-fraction`` of
    the tokens held out; up to ``--eval-tokens`` tokens, in eval mode (no dropout), at step 0, every
    ``--eval-every`` steps and at the end.
-5. **Step**: AdamW (``torch.optim``; weight decay on matrices only, never on norms, biases, ``A_log``,
+5. **Step**: AdamW (``torch.optim``, or torchao's under ``--optimizer adamw-bf16``; weight decay on matrices only, never on norms, biases, ``A_log``,
    ``dt_bias``), warm-up + cosine (:func:`lr_multiplier`: step k applies ``lr * lr_multiplier(k - 1)``), gradient
    clipping at ``--grad-clip`` (the record holds the norm before clipping), per-layer activation recomputation with
    ``--recompute`` (``--recompute-mode layer | mlp | attn``, ``--recompute-layers`` by layer kind) and activation
    offload to host memory (``--offload-activations all | attn | mlp``: :mod:`~kernels_torch.activation_memory`).
 6. **Output folder** ``--out``: ``run.json`` (resolved arguments, model config, fingerprint); ``metrics.jsonl``
    (one record per step, keys :data:`RECORD_KEYS` plus the stage's metrics; a ``step`` 0 record holds the first
-   eval loss); ``step-N/`` resume states (trainable weights as fp32 masters, AdamW, schedule, data position, RNG,
+   eval loss); ``step-N/`` resume states (trainable weights as their masters, AdamW, schedule, data position, RNG,
    step and tokens seen; the latest ``--keep``), saved every ``--save-every`` (default every 10 minutes; ``N``
    steps; 0: only at the end), at ``--stop-after`` and at the end; and, **once the run reaches ``--steps``**, the
    model in the HF safetensors layout (``kernels_torch.model.save_model``: ``config.json``, shards, index; loadable

@@ -47,6 +47,8 @@ __all__ = [
     "OFFLOAD_MODES",
     "LAYER_KINDS",
     "parse_layer_kinds",
+    "OPTIMIZERS",
+    "OFFLOADS",
     "DEFAULT_SAVE_EVERY",
 ]
 
@@ -56,6 +58,12 @@ LAYER_KINDS = ("dense", "kda", "dsa", "mla")  # kernels_torch.activation_memory.
 # Fields added after runs were written, whose default (None or False) is the behaviour from before them: left out of
 # the fingerprint at that default, so a run written before they existed still resumes.
 ADDED_OFF_BY_DEFAULT = ("fp8", "fp8_compile", "fp8_min_dim")
+# The same for fields whose earlier behaviour is a named default: left out of the fingerprint at that value.
+ADDED_AT_DEFAULT = {"optimizer": "adamw-fp32"}
+# --optimizer: fp32 AdamW over fp32 masters (torch.optim.AdamW), or bf16 weights, gradients and moments with
+# stochastic rounding (torchao's AdamW); kimi_tools.plan.OPTIMIZERS counts their bytes
+OPTIMIZERS = ("adamw-fp32", "adamw-bf16")
+OFFLOADS = ("none", "cpu")  # --offload: FSDP2's sharded parameters, gradients and optimizer state on the host
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # kernels_torch.compile.COMPILE_BACKENDS (no torch to parse)
 FP8_RECIPES = ("tensorwise", "rowwise")  # kernels_torch.fp8.FP8_RECIPES, spelled here so parsing needs no torch
 DEFAULT_SAVE_EVERY = "10min"  # resume state every 10 minutes of training unless --save-every says otherwise
@@ -207,6 +215,16 @@ class TrainArgs:
     beta1: float = field(default=0.9, metadata=arg("AdamW beta1 (default %(default)s)"))
     beta2: float = field(default=0.95, metadata=arg("AdamW beta2 (default %(default)s)"))
     grad_clip: float = field(default=1.0, metadata=arg("max gradient norm (0: none; default %(default)s)"))
+    optimizer: str = field(
+        default="adamw-fp32",
+        metadata=arg(
+            "adamw-fp32: torch's AdamW over fp32 weights (fp32 masters of bf16 parameters) and fp32 moments; "
+            "adamw-bf16 (needs --dtype bfloat16): bf16 weights, gradients and moments, each update rounded "
+            "stochastically to bf16 (torchao's AdamW), no fp32 masters; the tensors the checkpoint keeps in fp32 "
+            "step in fp32 either way (default %(default)s)",
+            choices=OPTIMIZERS,
+        ),
+    )
     backend: str = field(
         default="sdpa", metadata=arg("torch backend (default %(default)s)", choices=("eager", "sdpa", "cudnn"))
     )
@@ -436,6 +454,16 @@ class TrainArgs:
             choices=("auto", "always", "never"),
         ),
     )
+    # where the shards live changes no number (tests/test_optim_policy.py): run control, so a run resumes either way
+    offload: str = field(
+        default="none",
+        metadata=arg(
+            "cpu: FSDP2 keeps the sharded parameters, their gradients and the optimizer state in host memory "
+            "(CPUOffloadPolicy) and the optimizer steps on the CPU; under torchrun only (default %(default)s)",
+            numbers=False,
+            choices=OFFLOADS,
+        ),
+    )
 
 
 def _hint(tp) -> tuple[type, bool, bool]:
@@ -540,6 +568,15 @@ def resolve(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"--device: got {a.device!r}, expected cpu or cuda")
     if a.backend == "cudnn" and (a.device != "cuda" or a.dtype != "bfloat16"):
         raise ValueError(f"--backend cudnn: runs on cuda in bfloat16, got --device {a.device} --dtype {a.dtype}")
+    if a.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer: got {a.optimizer!r}, expected one of {list(OPTIMIZERS)}")
+    if a.optimizer == "adamw-bf16" and a.dtype != "bfloat16":
+        raise ValueError(
+            f"--optimizer adamw-bf16: got --dtype {a.dtype}, expected --dtype bfloat16 (it steps bf16 weights with "
+            "bf16 moments; fp32 weights train with --optimizer adamw-fp32)"
+        )
+    if a.offload not in OFFLOADS:
+        raise ValueError(f"--offload: got {a.offload!r}, expected one of {list(OFFLOADS)}")
     if a.fp8_min_dim is not None and a.fp8_min_dim < 0:
         raise ValueError(f"--fp8-min-dim: got {a.fp8_min_dim}, expected a width >= 0 (0: every projection)")
     if a.fp8 is not None:
@@ -758,7 +795,11 @@ def numbers_args(recorded: dict) -> dict:
     :func:`fingerprint` hashes today, so that a run written before a field became run control still resumes."""
     control = set(run_control_fields())
     return {
-        k: v for k, v in recorded.items() if k not in control and not (k in ADDED_OFF_BY_DEFAULT and v in (None, False))
+        k: v
+        for k, v in recorded.items()
+        if k not in control
+        and not (k in ADDED_OFF_BY_DEFAULT and v in (None, False))
+        and not (k in ADDED_AT_DEFAULT and v == ADDED_AT_DEFAULT[k])
     }
 
 

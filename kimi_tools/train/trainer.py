@@ -56,6 +56,7 @@ from kimi_tools.train.weights import (
     freeze,
     load_run_config,
     materialise,
+    step_optimizer,
 )
 
 if TYPE_CHECKING:
@@ -201,9 +202,11 @@ class Trainer:
             raise ValueError(str(e)) from None
         self.config = cfg = load_run_config(a)
         self.fingerprint, self.fingerprint_of = fingerprint(a, cfg)
+        low_precision = a.optimizer == "adamw-bf16"  # bf16 weights and moments: no fp32 masters
         self.par = par = TrainParallel(
             a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout,
-            reduce_dtype=a.reduce_dtype, reshard_after_forward=a.reshard_after_forward,
+            reduce_dtype=a.reduce_dtype, reshard_after_forward=a.reshard_after_forward, bf16_masters=low_precision,
+            offload=a.offload,
         )  # fmt: skip  # torchrun: one mesh; else a no-op
         par.check_pipeline(a, lora=self.lora_settings is not None)
         if a.compile and par.enabled:
@@ -261,7 +264,7 @@ class Trainer:
             materialise(model, a, cfg, partial=par.pipe is not None, adapters=adapters)  # each rank its own shards
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
-        self.masters = MasterWeights(model)
+        self.masters = MasterWeights(model, low_precision=low_precision, replicated=par.replicated)
         self.optimizer = build_optimizer(self.masters, a)
         self.scheduler = build_scheduler(
             self.optimizer, warmup_steps=a.warmup_steps, total_steps=a.steps, min_lr_ratio=a.min_lr_ratio
@@ -504,8 +507,8 @@ class Trainer:
         )
         if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             self._diverged(step, step_loss, grad_norm, before)
-        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step applies
-        self.optimizer.step()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the lr this step applies (torchao's: a tensor)
+        step_optimizer(self.optimizer, a, step, par.rank)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.masters.to_model()  # masters down to the model (a no-op in fp32)
@@ -635,6 +638,8 @@ class Trainer:
             + (f" (LoRA rank {a.lora_rank})" if self.lora_settings is not None else "")
             + (f"; stage {a.stage}" if a.stage != "lm" else "")
             + f"; backend {a.backend}, {a.dtype}, {a.device}"
+            + (f", {a.optimizer} (torchao, stochastic rounding)" if a.optimizer == "adamw-bf16" else "")
+            + (f", offload {a.offload}" if a.offload != "none" else "")
             + (f", recompute ({a.recompute_mode}{_kinds(a.recompute_layers)})" if a.recompute else "")
             + (f", compiled blocks ({a.compile_backend})" if a.compile else "")
             + (f", the first {a.recompute_full_layers} layers whole" if a.recompute_full_layers else "")

@@ -8,7 +8,9 @@ Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model
 and swap modules, never read weights; LoRA's adapters are injected there too, their one-process initial values
 taken first by ``kimi_tools.lora.initial_adapters``); after the sharding :func:`materialise` allocates and fills
 each rank's shards only. Parameters stay in the checkpoint's dtypes (``A_log``, ``dt_bias``, conv weights,
-``o_norm`` in fp32); in bf16 the optimizer steps fp32 master copies of the trainable parameters.
+``o_norm`` in fp32); in bf16 the optimizer steps fp32 master copies of the trainable parameters
+(``--optimizer adamw-fp32``), or the bf16 parameters themselves with bf16 moments and stochastic rounding
+(``--optimizer adamw-bf16``: torchao's AdamW, :func:`build_optimizer`, :func:`step_optimizer`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "OptimizerState",
     "decays",
     "build_optimizer",
+    "step_optimizer",
     "clip_grad_norm",
 ]
 
@@ -98,7 +101,10 @@ def materialise(
         kimi.checkpoint.CheckpointError, ValueError: see ``load_sharded``."""
     from kernels_torch.parallel.load import fill_sharded, load_sharded, to_empty
 
-    to_empty(model, a.device)  # parameters keep their objects (TrainParallel holds the replicated ones)
+    offload = getattr(a, "offload", "none") == "cpu" and a.device != "cpu"
+    to_empty(model, "cpu" if offload else a.device)  # parameters keep their objects (TrainParallel holds some)
+    if offload:  # --offload cpu: FSDP2's shards stay on the host; the tensors it does not manage compute on the device
+        _plain_to(model, a.device)
     if a.checkpoint is not None:
         load_sharded(model, a.checkpoint, partial=partial, extra=adapters)
         return
@@ -107,6 +113,21 @@ def materialise(
 
     params = init_params(load_config(a.preset), seed=a.seed, layers=cfg.num_hidden_layers)
     fill_sharded(model, params, partial=partial, extra=adapters)
+
+
+def _plain_to(model: nn.Module, device: str) -> None:
+    """Move the parameters FSDP2 does not manage (plain tensors: those it ignores, kept whole on every rank) and the
+    buffers of ``model`` to ``device``, in place (each parameter keeps its object); its ``DTensor`` shards stay."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None and not isinstance(p, DTensor):  # swapped: .data cannot change some device types
+                torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad))
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = b.to(device)
 
 
 # A model converter rewrites the built model in place before it is sharded and its optimizer built (torchtitan's
@@ -197,6 +218,11 @@ class MasterWeights:
     """The parameters the optimizer steps, and the ``weights`` entry of a ``step-N/`` resume state (a DCP
     ``Stateful``).
 
+    ``low_precision`` (``--optimizer adamw-bf16``): a trainable bf16 parameter is its own master too (the optimizer
+    steps it in bf16 with stochastic rounding), except those in ``replicated`` (the parameters a parallel layout
+    keeps whole on every rank, ``TrainParallel.replicated``): they keep fp32 masters, stepped without randomness, so
+    that every rank holds the same values. Otherwise:
+
     A trainable parameter in fp32 is its own master (so under ``torchrun``, where FSDP2's mixed precision holds the
     trainable parameters as fp32 shards and computes in bf16, ``kimi_tools.parallel``, nothing is copied). Each other
     trainable parameter (bf16 in one process; a bf16 parameter a stage keeps whole on every rank) gets an fp32 copy:
@@ -208,18 +234,23 @@ class MasterWeights:
     into the model).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, low_precision: bool = False, replicated=()):
         import torch
         from torch import nn
 
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if all(p.dtype == torch.float32 for _, p in trainable):
+        whole = {id(p) for p in replicated}
+
+        def own(p) -> bool:  # the parameter is its own master
+            return p.dtype == torch.float32 or (low_precision and p.dtype == torch.bfloat16 and id(p) not in whole)
+
+        if all(own(p) for _, p in trainable):
             self.module = model
         else:
             self.module = nn.Module()
             for n, p in trainable:
-                m = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
+                m = p if own(p) else nn.Parameter(p.detach().float().clone())
                 *path, leaf = n.split(".")
                 parent = self.module
                 for part in path:
@@ -229,7 +260,7 @@ class MasterWeights:
                 parent.register_parameter(leaf, m)
         params = dict(self.module.named_parameters())
         self.names = [n for n, _ in trainable]
-        self.pairs = [(p, params[n]) for n, p in trainable]  # (model parameter, its fp32 master; the same in fp32)
+        self.pairs = [(p, params[n]) for n, p in trainable]  # (model parameter, its master; the same if its own)
 
     @property
     def masters(self) -> list[torch.Tensor]:
@@ -307,8 +338,19 @@ def decays(p: torch.Tensor) -> bool:
 
 
 def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` over the masters: ``--weight-decay`` on :func:`decays` tensors, 0 on the others (a
-    group only when it holds a tensor); fused on CUDA (one kernel, no foreach temporaries)."""
+    """AdamW over the masters (``--beta1``, ``--beta2``, eps 1e-8, decoupled decay): ``--weight-decay`` on
+    :func:`decays` tensors, 0 on the others (a group only when it holds a tensor).
+
+    ``--optimizer adamw-fp32``: ``torch.optim.AdamW``, fused on CUDA (one kernel, no foreach temporaries) unless
+    ``--offload cpu`` (the shards step on the host). ``--optimizer adamw-bf16``: torchao's AdamW
+    (``torchao.optim._AdamW``, ``bf16_stochastic_round=True``; step it through :func:`step_optimizer`): each step
+    computes in fp32 from the stored tensors, keeps the two moments in the parameter's dtype (bf16, round to
+    nearest) and writes a bf16 parameter back rounded stochastically (up with probability equal to the fraction of
+    the bf16 spacing, so the rounding is unbiased: Zamirai et al. 2020, arXiv:2010.06192); an fp32 parameter steps
+    in fp32 with fp32 moments. Its ``lr`` is a 0-dim tensor (the schedule fills it in place).
+
+    Raises:
+        ImportError: ``adamw-bf16`` without torchao (``pip install torchao``)."""
     import torch
 
     decay = [m for m in masters.masters if decays(m)]
@@ -316,12 +358,57 @@ def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimiz
     groups = [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # an empty group is left out (a pipeline stage holding the embedding alone has no vector; DCP's optimizer
     # state_dict cannot load into a rank that has an empty group)
+    groups = [g for g in groups if g["params"]] or groups[:1]
+    if getattr(a, "optimizer", "adamw-fp32") == "adamw-bf16":
+        return _torchao_adamw()(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, bf16_stochastic_round=True)
+    on_host = getattr(a, "offload", "none") == "cpu"
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]] or groups[:1],
-        lr=a.lr,
-        betas=(a.beta1, a.beta2),
-        fused=a.device == "cuda" or None,
+        groups, lr=a.lr, betas=(a.beta1, a.beta2), fused=(a.device == "cuda" and not on_host) or None
     )
+
+
+def _torchao_adamw():
+    """torchao's AdamW class (``torchao.optim._AdamW`` in torchao 0.17 and 0.18; ``AdamW`` in releases that make it
+    public), the one with ``bf16_stochastic_round``."""
+    try:
+        import torchao.optim as ao_optim
+    except ImportError as e:
+        raise ImportError(
+            f"--optimizer adamw-bf16: needs torchao (pip install 'torchao>=0.17,<0.19'), got: {e}"
+        ) from None
+    cls = getattr(ao_optim, "AdamW", None) or getattr(ao_optim, "_AdamW", None)
+    if cls is None:
+        raise ImportError(f"--optimizer adamw-bf16: torchao {ao_optim.__name__} has no AdamW (_AdamW) class")
+    return cls
+
+
+def sr_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The seed of step ``step``'s stochastic rounding on rank ``rank`` of a run of ``--seed`` ``seed``: a 63-bit
+    hash of the three, so each step and rank draws its own bits whatever came before (a resumed run rounds as the
+    uninterrupted one)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()[:8], "little") >> 1
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer, a: TrainArgs, step: int, rank: int = 0) -> None:
+    """``optimizer.step()``; under ``--optimizer adamw-bf16`` with the random bits of the stochastic rounding drawn
+    from a generator seeded by :func:`sr_seed` (``torch.random.fork_rng``: the run's own RNG, which dropout and the
+    resume state use, is left as it was), and, for parameters on the CPU, torchao's per-parameter step run eagerly
+    (``torch.compiler.set_stance("force_eager")``: the same function; inductor's CPU compile costs about 40 s at the
+    first step and again for each new shape). With every parameter on CUDA torchao compiles it."""
+    import contextlib
+
+    import torch
+
+    if getattr(a, "optimizer", "adamw-fp32") != "adamw-bf16":
+        optimizer.step()
+        return
+    devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
+    eager = torch.compiler.set_stance("force_eager") if "cpu" in devices else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if "cuda" in devices else []), eager:
+        torch.manual_seed(sr_seed(a.seed, step, rank))
+        optimizer.step()
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, sum_group=None) -> float:
