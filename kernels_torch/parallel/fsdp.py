@@ -8,13 +8,13 @@ flattened ``dp_cp``), one FSDP unit per decoder layer, one for the input embeddi
 lm_head, AttnRes output mix); under expert parallelism each MoE layer's routed experts are a unit of their own, ``Shard(0)`` over ``ep`` and
 FSDP2 over ``efsdp``. The ``cp`` dimension's ranks hold the same sequences cut into shards; their parameter
 gradients are parts of one gradient and must be **summed**, while ``dp`` replicas average: the reduce-scatter
-therefore divides by ``dp``, not by the world size (:func:`parallelize`), and each rank's loss is its tokens' sum
+therefore divides by ``dp``, not by the world size (:func:`apply_fsdp`), and each rank's loss is its tokens' sum
 divided by the token count of its whole (all-``cp``) sequence batch (:func:`global_token_count`).
 
 Under ``torchrun``::
 
     mesh = init_mesh(dp=2, cp=2, device_type="cuda", ep=2)  # reads RANK / WORLD_SIZE / MASTER_ADDR from torchrun
-    cp = parallelize(model, mesh)                         # CP + EP + FSDP2; returns the ContextParallel (None if cp=1)
+    cp = parallelize(model, mesh).ctx                     # kernels_torch.parallel.parallelize: CP + EP + FSDP2
     ids, cu = cp.shard(input_ids, cu_seqlens)             # the same global row on every cp rank
     loss = model.loss(ids, cp.shard_like(labels), cu) / n_tokens  # summed NLL, lm_head gathered, no logits
     save_checkpoint(path, model, optimizer)               # DCP: loads on any other layout or world size
@@ -30,14 +30,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from kernels_torch.parallel.context import ContextParallel
 from kernels_torch.parallel.expert import shard_experts
 from kernels_torch.parallel.mesh import ParallelDims, ParallelMesh, init_distributed
 
 __all__ = [
     "init_mesh",
     "fp32_compute_params",
-    "parallelize",
     "apply_fsdp",
     "RESHARD_POLICIES",
     "reshard",
@@ -86,77 +84,6 @@ def fp32_compute_params(model: nn.Module, param_dtype: torch.dtype | None) -> li
     return [p for p in model.parameters() if p.is_floating_point() and p.dtype != param_dtype]
 
 
-def parallelize(
-    model: nn.Module,
-    mesh: ParallelMesh,
-    *,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    reshard_after_forward: bool | str = "auto",
-    gradient_divide_factor: float | None = None,
-    ignored_params: set[nn.Parameter] | None = None,
-    master_dtype: torch.dtype | None = torch.float32,
-    offload_policy=None,
-) -> ContextParallel | None:
-    """Apply context parallelism over ``mesh["cp"]`` (when its size is > 1), expert parallelism over ``mesh["ep"]``
-    (when > 1: :func:`kernels_torch.parallel.expert.shard_experts`, unless the model's experts are expert-parallel
-    over that mesh already), then FSDP2 (:func:`apply_fsdp`): one ``fully_shard`` per ``model.model.layers[i]`` and one for the root over
-    the flattened ``dp x cp`` ranks (``mesh["dp_cp"]``), and under expert parallelism one more per MoE layer's routed
-    experts over ``mesh["efsdp"]`` (the ranks that hold the same experts), applied first so that the layer's unit
-    leaves them out (torchtitan's ``ParallelDims``: ``kernels_torch.parallel.mesh``).
-
-    Args:
-        model: a :class:`kernels_torch.model.KimiK3Model` (its parameters on the mesh's device type, or ``meta``).
-        mesh: from :func:`init_mesh` / ``ParallelDims.build_mesh``.
-        param_dtype: FSDP2 ``MixedPrecisionPolicy`` compute dtype (None keeps the parameters' dtype). With
-            ``bfloat16``: pass a model whose parameters are in their compute dtypes (bf16, and fp32 where the
-            checkpoint keeps fp32); the trainable bf16 parameters become fp32 sharded masters (the optimizer steps
-            fp32, FSDP2 all-gathers bf16 copies), frozen ones stay bf16; parameters in another dtype
-            (:func:`fp32_compute_params`) must be in ``ignored_params`` (else ValueError): whole on every rank, in
-            their own dtype. reduce_dtype: of the gradient reduce-scatter (fp32 by default; fp64 for fp64 models).
-        master_dtype: as :func:`apply_fsdp`. offload_policy: FSDP2's ``CPUOffloadPolicy`` (the sharded parameters,
-            their gradients and so the optimizer state on the host, copied to the device for each all-gather), or
-            None.
-        reshard_after_forward: the reshard policy (:data:`RESHARD_POLICIES`): ``"auto"`` (default, torchtitan's)
-            frees the gathered parameters after each unit's forward (ZeRO-3) except where the backward comes right
-            after: the last decoder layer and the root; ``True`` / ``"always"`` every unit, ``False`` / ``"never"``
-            none (ZeRO-2: one all-gather per unit and step, every gathered copy held from the forward to the
-            backward). Also on one rank: there the gathered bf16 copies are copies of the fp32 masters, and holding
-            them all (``"never"``) ran the 4-layer step out of allocator headroom on an 80 GB card
-            (``benchmarks/README.md``, benchmark 5 under torchrun).
-        gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
-            rank's loss is the mean over its own batch); 1.0 when every rank's loss is already weighted by the
-            global batch (``kimi_tools.parallel``). The expert units use the same factor: their gradients are the
-            sums over every token routed to them, from any rank.
-        ignored_params: parameters FSDP2 leaves whole on every rank (``fully_shard(ignored_params=)``): not sharded,
-            their gradients not reduced (the caller all-reduces them); for parameters used outside their module's
-            forward, where FSDP2 has not gathered them (the indexer re-run of ``kimi_tools.distill``), and the fp32
-            parameters of a bf16 model.
-
-    Returns:
-        The :class:`ContextParallel` to call ``shard`` on before each forward, or None when ``cp == 1``.
-
-    Raises:
-        ValueError: the model's experts are expert-parallel already but not over ``mesh["ep"]`` (FSDP2 would shard
-            each rank's own experts as if they were the global stack: both ranks of an ep 2 model ended up with
-            global experts [0, 1, 6, 7]); parameters outside ``param_dtype`` not ignored.
-    """
-    from kernels_torch.moe import KimiMoE
-
-    check_ignored(model, param_dtype, ignored_params)
-    moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
-    check_expert_layout(moes, mesh)
-    ctx = ContextParallel(model, own_cp_group(mesh)) if mesh.dims.cp > 1 else None
-    if mesh.dims.ep > 1 and moes and moes[0].experts.expert_ids == range(moes[0].config.num_experts):
-        shard_experts(model, mesh=mesh["ep"])
-    apply_fsdp(
-        list(model.model.layers), [model], mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-        reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
-        ignored_params=ignored_params, master_dtype=master_dtype, offload_policy=offload_policy,
-    )  # fmt: skip
-    return ctx
-
-
 def check_ignored(module: nn.Module, param_dtype: torch.dtype | None, ignored_params) -> None:
     """Refuse parameters of ``module`` outside ``param_dtype`` (:func:`fp32_compute_params`) that are not in
     ``ignored_params``: FSDP2 would cast them to ``param_dtype`` in every forward.
@@ -186,7 +113,7 @@ def apply_fsdp(
     master_dtype: torch.dtype | None = torch.float32,
     offload_policy=None,
 ) -> None:
-    """The FSDP2 part of :func:`parallelize`, for a whole model or a pipeline rank's stages
+    """FSDP2, step 6 of ``kernels_torch.parallel.parallelize.parallelize``, for a whole model or a pipeline rank's stages
     (``kernels_torch.parallel.pipeline.shard_stages``): one ``fully_shard`` per decoder layer of ``layers`` and
     one per root module of ``roots`` (each holding some of ``layers`` and the parameters outside them: the model,
     or a pipeline stage module) over the flattened ``dp x cp`` ranks (``mesh["dp_cp"]``); under expert parallelism
@@ -197,9 +124,28 @@ def apply_fsdp(
         layers: the decoder layers to wrap. roots: the modules to wrap last (their parameters not in a layer).
         mesh: a :class:`~kernels_torch.parallel.mesh.ParallelMesh`, or a 1-D ``DeviceMesh`` of data-parallel ranks
             (no expert parallelism: ``dp_cp`` is that mesh).
-        param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params, offload_policy:
-            as :func:`parallelize` (the divide factor's default is the mesh's ``dp``; a 1-D mesh's size); with
-            ``param_dtype``, the trainable parameters of that dtype in ``roots`` become ``master_dtype`` masters.
+        param_dtype: FSDP2 ``MixedPrecisionPolicy`` compute dtype (None keeps the parameters' dtype). With
+            ``bfloat16``: pass modules whose parameters are in their compute dtypes (bf16, and fp32 where the
+            checkpoint keeps fp32); the trainable bf16 parameters become ``master_dtype`` sharded masters (FSDP2
+            all-gathers bf16 copies), frozen ones stay bf16; parameters in another dtype
+            (:func:`fp32_compute_params`) must be in ``ignored_params`` (else ValueError).
+        reduce_dtype: of the gradient reduce-scatter (fp32 by default; fp64 for fp64 models, forced).
+        reshard_after_forward: the reshard policy (:data:`RESHARD_POLICIES`): ``"auto"`` (default, torchtitan's)
+            frees the gathered parameters after each unit's forward (ZeRO-3) except where the backward comes right
+            after: the last decoder layer and the root; ``True`` / ``"always"`` every unit, ``False`` / ``"never"``
+            none (ZeRO-2: one all-gather per unit and step, every gathered copy held from the forward to the
+            backward). Also on one rank: there the gathered bf16 copies are copies of the fp32 masters, and holding
+            them all (``"never"``) ran the 4-layer step out of allocator headroom on an 80 GB card
+            (``benchmarks/README.md``, benchmark 5 under torchrun).
+        gradient_divide_factor: what the reduce-scatter divides the summed gradients by; default ``dp`` (each dp
+            rank's loss the mean over its own batch; a 1-D mesh's size); 1.0 when every rank's loss is already
+            weighted by the global batch (``kimi_tools.train.parallel``). The expert units use the same factor: their
+            gradients are the sums over every token routed to them, from any rank.
+        ignored_params: parameters FSDP2 leaves whole on every rank (``fully_shard(ignored_params=)``): not sharded,
+            their gradients not reduced (the caller all-reduces them); for parameters used outside their module's
+            forward (the indexer re-run of ``kimi_tools.distill``) and the fp32 parameters of a bf16 model.
+        offload_policy: FSDP2's ``CPUOffloadPolicy`` (the sharded parameters, their gradients and so the optimizer
+            state on the host, copied to the device for each all-gather), or None.
         master_dtype: the dtype of the sharded masters of the trainable ``param_dtype`` parameters (fp32); None
             keeps them in ``param_dtype`` (an optimizer that steps bf16 weights itself, e.g. with stochastic
             rounding: no fp32 copy, the gradients reduced into bf16 shards).
@@ -291,7 +237,7 @@ def reshard(module: nn.Module) -> None:
 
 def _reshard_policy(policy: bool | str):
     """``reshard(mesh, last) -> bool``: whether a unit on ``mesh`` reshards after its forward under ``policy``
-    (:func:`parallelize`'s ``reshard_after_forward``); ``last``: the unit's backward comes right after its forward
+    (:func:`apply_fsdp`'s ``reshard_after_forward``); ``last``: the unit's backward comes right after its forward
     (the last decoder layer, the root).
 
     Raises:

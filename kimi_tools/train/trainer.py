@@ -27,7 +27,6 @@ from kimi_tools.train.args import (
     TrainArgs,
     default_batch_tokens,
     fingerprint,
-    parse_layer_kinds,
     parse_save_every,
     resolve,
     resume_defaults,
@@ -257,9 +256,9 @@ class Trainer:
             lora.apply_lora(model, self.lora_settings)
         freeze(model, stage, a.freeze)
         self.conversions = convert_model(model, a)
-        par.setup(model, lora=self.lora_settings is not None, replicated=getattr(stage, "replicated", None))
-        if par.pipe is not None:  # --pp: this rank trains its pipeline stages (one-process names), sharded over dp
-            self.model = model = par.pipe.rank_module()
+        # context, experts, pipeline stages, recomputation and activation offload, compile, FSDP2: one parallelize
+        par.setup(model, lora=self.lora_settings is not None, replicated=getattr(stage, "replicated", None), args=a)
+        self.model = model = par.module  # --pp: this rank's pipeline stages (one-process names), sharded over dp
         if sharded_build:
             materialise(model, a, cfg, partial=par.pipe is not None, adapters=adapters)  # each rank its own shards
         if not any(p.requires_grad for p in model.parameters()):
@@ -269,23 +268,6 @@ class Trainer:
         self.scheduler = build_scheduler(
             self.optimizer, warmup_steps=a.warmup_steps, total_steps=a.steps, min_lr_ratio=a.min_lr_ratio
         )
-        if a.recompute:
-            from kernels_torch.activation_memory import recompute_layers
-
-            recompute_layers(
-                model,
-                a.recompute_mode,
-                a.recompute_full_layers,
-                parse_layer_kinds(a.recompute_layers, "--recompute-layers"),
-            )
-        if a.offload_activations != "none":  # around the recomputed blocks: they keep only their inputs
-            from kernels_torch.activation_memory import offload_activations
-
-            offload_activations(model, a.offload_activations, parse_layer_kinds(a.offload_layers, "--offload-layers"))
-        if a.compile:  # after every wrapper the blocks run under (conversions, LoRA, recomputation)
-            from kernels_torch.compile import compile_blocks
-
-            compile_blocks(model, backend=a.compile_backend)
         self.flops_per_token = None
         if a.peak_tflops is not None:
             from kimi.flops import estimate_flops

@@ -213,6 +213,7 @@ class TrainParallel:
         self.bf16_masters = bf16_masters  # the trainable bf16 parameters stay bf16 shards (a bf16 optimizer)
         self.offload = offload
         self.rank, self.mesh, self.ctx, self.pipe, self.n_microbatches = 0, None, None, None, 1
+        self.module: nn.Module | None = None  # what trains, after setup: the model or this rank's stages
         self.replicated: list[nn.Parameter] = []
         if self.enabled:
             from kernels_torch.parallel.fsdp import init_mesh
@@ -298,15 +299,27 @@ class TrainParallel:
             + f"; expected {' or '.join(ways)}"
         )
 
-    def setup(self, model: nn.Module, lora: bool, replicated: Callable[[str], bool] | None = None) -> None:
-        """Context, expert and FSDP2 parallelism on the model (module docstring), before the optimizer is built
-        (``fully_shard`` replaces the parameters); ``replicated(name)``: trainable parameters FSDP2 leaves whole.
-        The model may be on ``meta`` (materialised after this by the caller). ``lora`` is accepted for the record
-        (its frozen base stays in its dtype, the adapters train as fp32 masters)."""
+    def setup(self, model: nn.Module, lora: bool, replicated: Callable[[str], bool] | None = None, args=None) -> None:
+        """Parallelize ``model`` for this run through the one ``kernels_torch.parallel.parallelize.parallelize``
+        (context, experts, pipeline stages, recomputation and activation offload, compile, FSDP2, in that order),
+        before the optimizer is built (``fully_shard`` replaces the parameters): :attr:`ctx`, :attr:`pipe` and
+        :attr:`module` (what trains) are set. In one process only ``args``' recomputation, offload and compile apply.
+
+        Args:
+            model: the model (on ``meta`` under torchrun, materialised afterwards by the caller).
+            lora: accepted for the record (the frozen base stays in its dtype, the adapters train as masters).
+            replicated: ``replicated(name)``: trainable parameters FSDP2 leaves whole on every rank.
+            args: the run's ``TrainArgs`` for the activation memory and compile policy (None: none of them).
+        """
+        from kernels_torch.parallel.parallelize import parallelize
+
+        self.module = model
+        policy = self._policy(model, args)
         if not self.enabled:
+            self.module = parallelize(model, None, policy).module
             return
         from kernels_torch.moe import KimiMoE
-        from kernels_torch.parallel.fsdp import fp32_compute_params, parallelize
+        from kernels_torch.parallel.fsdp import fp32_compute_params
 
         moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
         if self.ep_size > 1 and not moes:
@@ -316,70 +329,58 @@ class TrainParallel:
                 f"--ep: got {self.ep_size}, expected a divisor of the model's {moes[0].config.num_experts} routed "
                 "experts (each rank owns num_experts / ep of them)"
             )
-        param_dtype = torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in model.parameters()) else None
         ignored = {p for n, p in model.named_parameters() if replicated is not None and replicated(n)}
-        ignored |= set(fp32_compute_params(model, param_dtype))
+        ignored |= set(fp32_compute_params(model, policy.param_dtype))
         if self.pp_size > 1:
-            return self._setup_pipeline(model, param_dtype, ignored)
-        self.replicated = [p for p in model.parameters() if p in ignored and p.requires_grad]
-        self.ctx = parallelize(model, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
+            self._check_stage_count(model.config)
+        try:
+            done = parallelize(model, self.mesh, policy, ignored_params=ignored)
+        except ValueError as e:  # the pipeline's cut: name the flag that asked for it
+            if self.pp_size == 1 or not str(e).startswith("pipeline: "):
+                raise
+            flag = "--pp-layout" if self.pp_counts is not None else "--pp"
+            raise ValueError(f"{flag}: {str(e).removeprefix('pipeline: ')}") from None
+        self.ctx, self.pipe, self.module = done.ctx, done.pipe, done.module
+        self.replicated = [p for p in self.module.parameters() if p in ignored and p.requires_grad]
 
-    def _fsdp_policy(self) -> dict:
-        """The FSDP2 keywords of this run's policy (``apply_fsdp``): every rank's loss is weighted by the step's global
-        target count (divide factor 1), ``--reduce-dtype``, ``--reshard-after-forward``, the masters' dtype (none under
-        ``--optimizer adamw-bf16``: ``bf16_masters``), ``--offload``."""
-        return dict(
-            gradient_divide_factor=1.0,
+    def _policy(self, model: nn.Module, args):
+        """This run's :class:`kernels_torch.parallel.parallelize.ParallelPolicy`: bf16 compute for a bf16 model,
+        every rank's loss weighted by the step's global target count (divide factor 1), ``--reduce-dtype``,
+        ``--reshard-after-forward``, the masters' dtype (none under ``--optimizer adamw-bf16``: ``bf16_masters``),
+        ``--offload``, the pipeline's schedule and cut, and from ``args`` the recomputation, activation offload and
+        compile flags."""
+        from kernels_torch.parallel.parallelize import ParallelPolicy, PipelineSpec
+
+        memory = {}
+        if args is not None:
+            from kimi_tools.train.args import parse_layer_kinds
+
+            if args.recompute:
+                memory.update(
+                    recompute=args.recompute_mode,
+                    recompute_full_layers=args.recompute_full_layers,
+                    recompute_kinds=parse_layer_kinds(args.recompute_layers, "--recompute-layers"),
+                )
+            memory.update(
+                offload_activations=args.offload_activations,
+                offload_kinds=parse_layer_kinds(args.offload_layers, "--offload-layers"),
+                compile_backend=args.compile_backend if args.compile else None,
+            )
+        return ParallelPolicy(
+            param_dtype=torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in model.parameters()) else None,
+            master_dtype=None if self.bf16_masters else torch.float32,
             reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
             reshard_after_forward=self.reshard_after_forward,
-            master_dtype=None if self.bf16_masters else torch.float32,
-            offload_policy=self._offload_policy(),
-        )
-
-    def _setup_pipeline(self, model: nn.Module, param_dtype: torch.dtype | None, ignored: set) -> None:
-        """Context parallelism (a ``ContextParallel`` over a ``cp`` group of its own, as ``parallelize`` makes) and
-        expert parallelism (``shard_experts`` over ``ep``) on the whole ``model``, then cut it into this rank's
-        pipeline stages (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group, ``--pp-schedule``,
-        ``--pp-layout``, the ``ContextParallel`` as its ``context``) and shard them with FSDP2 as ``parallelize``
-        shards a model, over the ``dp x cp`` ranks of this pipeline coordinate (``shard_stages``; the experts over
-        ``efsdp``; bf16 with fp32 masters, ``ignored`` whole on every rank). :attr:`pipe` then holds them; the loop
-        trains ``pipe.rank_module()``."""
-        from kernels_torch.parallel.context import ContextParallel
-        from kernels_torch.parallel.expert import shard_experts
-        from kernels_torch.parallel.fsdp import own_cp_group
-        from kernels_torch.parallel.pipeline import Pipeline, shard_stages
-
-        self._check_stage_count(model.config)
-        if self.cp_size > 1:
-            self.ctx = ContextParallel(model, own_cp_group(self.mesh))
-        if self.ep_size > 1:
-            shard_experts(model, mesh=self.mesh["ep"])  # the stages share the layer instances
-        try:
-            self.pipe = Pipeline(
-                model,
-                pp_size=self.pp_size,
-                pp_rank=self.mesh["pp"].get_local_rank(),
-                n_microbatches=self.n_microbatches,
+            offload=self.offload,
+            gradient_divide_factor=1.0,
+            pipeline=PipelineSpec(
                 schedule=self.pp_schedule,
+                layer_counts=None if self.pp_counts is None else tuple(self.pp_counts),
                 stages_per_rank=self.stages_per_rank,
-                layer_counts=self.pp_counts,
-                group=self.mesh["pp"].get_group(),
-                device=self.device,
-                context=self.ctx,
-            )
-        except ValueError as e:
-            flag = "--pp-layout" if self.pp_counts is not None else "--pp"
-            raise ValueError(f"{flag}: {e}") from None
-        self.replicated = [p for p in self.pipe.parameters() if p in ignored and p.requires_grad]
-        shard_stages(self.pipe, self.mesh, param_dtype=param_dtype, ignored_params=ignored, **self._fsdp_policy())
-
-    def _offload_policy(self):
-        """FSDP2's ``CPUOffloadPolicy`` for ``--offload cpu`` (host memory pinned on CUDA), else None."""
-        if self.offload != "cpu":
-            return None
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        return CPUOffloadPolicy(pin_memory=self.device == "cuda")
+                n_microbatches=self.n_microbatches,
+            ),
+            **memory,
+        )
 
     def _check_stage_count(self, config) -> None:
         """Refuse (one line naming ``--pp``, the schedule's stages and what fits) more stages than the default layout
