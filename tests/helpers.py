@@ -1,7 +1,8 @@
 """What the tests share: the relative error every numerics test compares by, a check that names the tensor and its
-tolerance, and the gloo process spawner of the distributed tests. No test lives here; importing it needs no GPU.
+tolerance (the distributed tests' process helpers are in ``dist_helpers``). No test lives here; importing it needs no
+GPU.
 
-``from helpers import rel, check_rel, spawn``: ``tests/conftest.py`` puts ``tests/`` on pytest's path (its
+``from helpers import rel, check_rel``: ``tests/conftest.py`` puts ``tests/`` on pytest's path (its
 default ``prepend`` import mode), so the tests in ``tests/gpu`` import it the same way.
 """
 
@@ -78,11 +79,11 @@ def free_port() -> int:
 
 
 def spawn(worker: Callable, world: int, *args) -> None:
-    """Run ``worker(rank, world, port, *args)`` in ``world`` processes (``torch.multiprocessing.spawn``, joined; a
-    rank's exception fails the test with its traceback), ``port`` a free one for the group's ``tcp://`` rendezvous."""
-    import torch.multiprocessing as mp
+    """``dist_helpers.run_workers``: ``worker(rank, world, *args)`` in ``world`` gloo ranks (the group made, barriered
+    and destroyed around it; a ``worker(rank, world, port, ...)`` of the old contract is refused with the fix)."""
+    from dist_helpers import run_workers
 
-    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+    run_workers(worker, world, *args)
 
 
 class RouterTape:
