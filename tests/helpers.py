@@ -1,7 +1,8 @@
 """What the tests share: the relative error every numerics test compares by, a check that names the tensor and its
-tolerance, and the gloo process spawner of the distributed tests. No test lives here; importing it needs no GPU.
+tolerance (the distributed tests' process helpers are in ``dist_helpers``). No test lives here; importing it needs no
+GPU.
 
-``from helpers import rel, check_rel, spawn``: ``tests/conftest.py`` puts ``tests/`` on pytest's path (its
+``from helpers import rel, check_rel``: ``tests/conftest.py`` puts ``tests/`` on pytest's path (its
 default ``prepend`` import mode), so the tests in ``tests/gpu`` import it the same way.
 """
 
@@ -78,11 +79,21 @@ def free_port() -> int:
 
 
 def spawn(worker: Callable, world: int, *args) -> None:
-    """Run ``worker(rank, world, port, *args)`` in ``world`` processes (``torch.multiprocessing.spawn``, joined; a
-    rank's exception fails the test with its traceback), ``port`` a free one for the group's ``tcp://`` rendezvous."""
-    import torch.multiprocessing as mp
+    """``worker(rank, world, *args)`` in ``world`` gloo ranks through ``dist_helpers.run_workers`` (the group made,
+    barriered and destroyed around it). A worker that takes a ``port`` third parameter runs the trainer as a
+    torchrun rank would (its ``RANK`` / ``MASTER_PORT`` environment, its own group made and destroyed by
+    ``TrainParallel``, once per phase): it gets a free port and ``torch.multiprocessing.spawn``."""
+    import inspect
 
-    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+    from dist_helpers import run_workers
+
+    params = list(inspect.signature(worker).parameters)
+    if len(params) >= 3 and params[2] == "port":
+        import torch.multiprocessing as mp
+
+        mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+        return
+    run_workers(worker, world, *args)
 
 
 class RouterTape:

@@ -1,6 +1,6 @@
 """Context parallelism (kernels_torch.parallel.context) equals one rank: outputs, logits and every gradient.
 
-Processes are spawned by the test (torch.multiprocessing, gloo on CPU, a free TCP port); each rank also runs the
+Processes are spawned by the test (``dist_helpers.run_workers``: gloo on CPU); each rank also runs the
 single-rank reference itself from the same seed. fp64 throughout, so the tolerances below measure the algorithm
 (summary-and-merge, the all-gathers), not rounding. The packed row: T = 45 tokens (not a multiple of world x chunk
 size 64), documents [0, 3) (shorter than a shard), [3, 12), [12, 40) (crosses the shard boundaries; at world 4 rank
@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rel, spawn
+from dist_helpers import run_workers
+from helpers import rel
 
 from kernels_torch.parallel.context import make_shard, shard_bounds
 from kimi.config import load_config
@@ -125,66 +126,61 @@ def _layer_case(layer, x, cu, errors, tag, aux_weight=None, form="expanded"):
     cp.remove()
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from kernels_torch.kda import KimiDeltaAttention
-        from kernels_torch.mla import GatedMLA
-        from kernels_torch.model import KimiK3Model
-        from kernels_torch.parallel.context import ContextParallel
+def _worker(rank: int, world: int) -> None:
+    from kernels_torch.kda import KimiDeltaAttention
+    from kernels_torch.mla import GatedMLA
+    from kernels_torch.model import KimiK3Model
+    from kernels_torch.parallel.context import ContextParallel
 
-        cfg = load_config("tiny").replace(index_topk=8)  # top-8 of up to 45 keys: real sparse selection
-        errors: list[str] = []
-        g = torch.Generator().manual_seed(0)
+    cfg = load_config("tiny").replace(index_topk=8)  # top-8 of up to 45 keys: real sparse selection
+    errors: list[str] = []
+    g = torch.Generator().manual_seed(0)
 
-        torch.manual_seed(0)
-        kda = KimiDeltaAttention(cfg, 0).double()
-        x = torch.randn(1, T, cfg.hidden_size, generator=g, dtype=torch.float64)
-        _layer_case(kda, x, CU, errors, "kda packed")
-        if world == 2:  # batch rows without cu_seqlens (every row one sequence): once is enough
-            x2 = torch.randn(2, T, cfg.hidden_size, generator=g, dtype=torch.float64)
-            _layer_case(kda, x2, None, errors, "kda B=2")
-        # shards of 2 and 1 tokens, shorter than the conv window (W - 1 = 3): the window spans several earlier ranks
-        xs = torch.randn(1, 2 * world - 1, cfg.hidden_size, generator=g, dtype=torch.float64)
-        _layer_case(kda, xs, [0, 1, 2 * world - 1], errors, "kda short shards")
+    torch.manual_seed(0)
+    kda = KimiDeltaAttention(cfg, 0).double()
+    x = torch.randn(1, T, cfg.hidden_size, generator=g, dtype=torch.float64)
+    _layer_case(kda, x, CU, errors, "kda packed")
+    if world == 2:  # batch rows without cu_seqlens (every row one sequence): once is enough
+        x2 = torch.randn(2, T, cfg.hidden_size, generator=g, dtype=torch.float64)
+        _layer_case(kda, x2, None, errors, "kda B=2")
+    # shards of 2 and 1 tokens, shorter than the conv window (W - 1 = 3): the window spans several earlier ranks
+    xs = torch.randn(1, 2 * world - 1, cfg.hidden_size, generator=g, dtype=torch.float64)
+    _layer_case(kda, xs, [0, 1, 2 * world - 1], errors, "kda short shards")
 
-        torch.manual_seed(1)
-        dsa = GatedMLA(cfg, 3).double()
-        w_sc = torch.randn(1, T, T, generator=g, dtype=torch.float64)  # a loss on index_scores: indexer grads
-        _layer_case(dsa, x, CU, errors, "dsa packed", aux_weight=w_sc)
-        _layer_case(dsa, x, CU, errors, "dsa packed absorbed", form="absorbed")
-        if world == 2:  # indexer RoPE at global positions: rank 1 starts inside the document [12, 40), at its 11th
-            for style in ("half", "interleaved"):
-                torch.manual_seed(3)
-                dsa_rope = GatedMLA(cfg.replace(indexer_rope=style), 3).double()
-                _layer_case(dsa_rope, x, CU, errors, f"dsa indexer_rope={style}", aux_weight=w_sc)
-        if world == 4:  # ranks 1 and 2 carry a document in and start a new one: their summaries must not be affine
-            _layer_case(kda, x, CU_CARRY_AND_START, errors, "kda carry-in and start")
+    torch.manual_seed(1)
+    dsa = GatedMLA(cfg, 3).double()
+    w_sc = torch.randn(1, T, T, generator=g, dtype=torch.float64)  # a loss on index_scores: indexer grads
+    _layer_case(dsa, x, CU, errors, "dsa packed", aux_weight=w_sc)
+    _layer_case(dsa, x, CU, errors, "dsa packed absorbed", form="absorbed")
+    if world == 2:  # indexer RoPE at global positions: rank 1 starts inside the document [12, 40), at its 11th
+        for style in ("half", "interleaved"):
+            torch.manual_seed(3)
+            dsa_rope = GatedMLA(cfg.replace(indexer_rope=style), 3).double()
+            _layer_case(dsa_rope, x, CU, errors, f"dsa indexer_rope={style}", aux_weight=w_sc)
+    if world == 4:  # ranks 1 and 2 carry a document in and start a new one: their summaries must not be affine
+        _layer_case(kda, x, CU_CARRY_AND_START, errors, "kda carry-in and start")
 
-        # the whole model: 5 layers of the tiny preset (KDA 0-2, DSA 3, KDA 4; dense then MoE; AttnRes writes 0, 4)
-        torch.manual_seed(2)
-        model = KimiK3Model(cfg.truncated(5)).double()
-        ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
-        Rl = torch.randn(1, T, cfg.vocab_size, generator=g, dtype=torch.float64)
-        logits_r = model(ids, torch.tensor(CU))
-        (logits_r * Rl).sum().backward()
-        ref = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad()
-        cp = ContextParallel(model)
-        ids_l, cu_l = cp.shard(ids, torch.tensor(CU))
-        logits = model(ids_l, cu_l)
-        (logits * cp.shard_like(Rl)).sum().backward()
-        _check("model logits", logits, cp.shard_like(logits_r), TOL["logits"], errors)
-        for n, gsum in _grads_summed(model).items():
-            _check(f"model {n}.grad", gsum, ref[n], TOL["param.grad"], errors)
-        if errors:
-            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
-    finally:
-        dist.destroy_process_group()
+    # the whole model: 5 layers of the tiny preset (KDA 0-2, DSA 3, KDA 4; dense then MoE; AttnRes writes 0, 4)
+    torch.manual_seed(2)
+    model = KimiK3Model(cfg.truncated(5)).double()
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    Rl = torch.randn(1, T, cfg.vocab_size, generator=g, dtype=torch.float64)
+    logits_r = model(ids, torch.tensor(CU))
+    (logits_r * Rl).sum().backward()
+    ref = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    cp = ContextParallel(model)
+    ids_l, cu_l = cp.shard(ids, torch.tensor(CU))
+    logits = model(ids_l, cu_l)
+    (logits * cp.shard_like(Rl)).sum().backward()
+    _check("model logits", logits, cp.shard_like(logits_r), TOL["logits"], errors)
+    for n, gsum in _grads_summed(model).items():
+        _check(f"model {n}.grad", gsum, ref[n], TOL["param.grad"], errors)
+    if errors:
+        raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_equals_one_rank(world):
-    spawn(_worker, world)
+    run_workers(_worker, world)

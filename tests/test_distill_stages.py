@@ -161,41 +161,34 @@ def test_stages_refuse_context_parallelism_and_keep_indexers_whole(setup):
         assert {n for n in params if st.replicated(n)} == {n for n in params if ".indexer." in n}
 
 
-def _cp_worker(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
+def _cp_worker(rank: int, world: int) -> None:
+    from kernels_torch.parallel.context import ContextParallel, attached_context_parallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from kernels_torch.parallel.context import ContextParallel, attached_context_parallel
-
-        cfg = load_config("tiny")
-        params = init_params(cfg, seed=0)
-        ids = torch.randint(0, 256, (1, T + 1), generator=torch.Generator().manual_seed(0))
-        batch = Batch(ids[:, :-1], ids[:, 1:].clone(), torch.tensor([0, 80, T]))
-        model = fresh(cfg, params)
-        cp = ContextParallel(model)
-        assert attached_context_parallel(model) is cp
-        local_ids, local_cu = cp.shard(batch.input_ids, batch.cu_seqlens)
-        part = Batch(local_ids, cp.shard_like(batch.labels), local_cu)
-        message = rf"model: runs under ContextParallel \({world} ranks\), but the indexer distillation"
-        for st in (WarmupStage(cfg), SparseStage(cfg)):
-            with pytest.raises(ValueError, match=message):
-                st.loss(model, part)
+    cfg = load_config("tiny")
+    params = init_params(cfg, seed=0)
+    ids = torch.randint(0, 256, (1, T + 1), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids[:, :-1], ids[:, 1:].clone(), torch.tensor([0, 80, T]))
+    model = fresh(cfg, params)
+    cp = ContextParallel(model)
+    assert attached_context_parallel(model) is cp
+    local_ids, local_cu = cp.shard(batch.input_ids, batch.cu_seqlens)
+    part = Batch(local_ids, cp.shard_like(batch.labels), local_cu)
+    message = rf"model: runs under ContextParallel \({world} ranks\), but the indexer distillation"
+    for st in (WarmupStage(cfg), SparseStage(cfg)):
         with pytest.raises(ValueError, match=message):
-            model_recall(model, local_ids, local_cu)
-        from kimi_tools.distill import dsa_layers
+            st.loss(model, part)
+    with pytest.raises(ValueError, match=message):
+        model_recall(model, local_ids, local_cu)
+    from kimi_tools.distill import dsa_layers
 
-        attn = next(iter(dsa_layers(model).values()))
-        x = torch.randn(1, local_ids.shape[1], cfg.hidden_size)
-        with pytest.raises(ValueError, match=message):
-            layer_terms(attn, x, local_cu, "warmup")
-        cp.remove()  # the whole row again: the stage runs
-        assert attached_context_parallel(model) is None
-        loss, _ = WarmupStage(cfg).loss(model, batch)
-        assert torch.isfinite(loss)
-    finally:
-        dist.destroy_process_group()
+    attn = next(iter(dsa_layers(model).values()))
+    x = torch.randn(1, local_ids.shape[1], cfg.hidden_size)
+    with pytest.raises(ValueError, match=message):
+        layer_terms(attn, x, local_cu, "warmup")
+    cp.remove()  # the whole row again: the stage runs
+    assert attached_context_parallel(model) is None
+    loss, _ = WarmupStage(cfg).loss(model, batch)
+    assert torch.isfinite(loss)
 
 
 @pytest.mark.distributed
@@ -203,6 +196,6 @@ def test_stages_called_from_the_library_refuse_a_model_under_context_parallel():
     """What ``kimi train --cp 2`` refuses up front, the library refuses too: the stages' loss, ``model_recall`` and
     ``layer_terms`` on a model (or layer) under ``ContextParallel`` raise one error naming it (today's alternative:
     a KL over each rank's shard, wrong without an error); after ``ContextParallel.remove()`` the stage runs."""
-    from helpers import spawn
+    from dist_helpers import run_workers
 
-    spawn(_cp_worker, 2)
+    run_workers(_cp_worker, 2)

@@ -1,6 +1,6 @@
 """Expert parallelism (kernels_torch.parallel.expert) equals one process: outputs, routing and every gradient.
 
-Processes are spawned by the test (torch.multiprocessing, gloo on CPU, a free TCP port). Every rank builds the same
+Processes are spawned by the test (``dist_helpers.run_workers``: gloo on CPU). Every rank builds the same
 full ``KimiMoE`` from one seed and all ranks' token batches from one generator, and runs the single-process
 reference itself on the concatenation of all ranks' tokens (the MoE is token-local, so rank r's rows of it are what
 EP must give on rank r). The EP layer is a fresh ``KimiMoE`` (another seed) sharded by ``shard_experts`` and loaded
@@ -14,13 +14,13 @@ groups, k = 4); and a 3-layer model (dense layer 0, two MoE layers) end to end.
 
 from __future__ import annotations
 
-import datetime
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rel, spawn
+from dist_helpers import run_workers
+from helpers import rel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -197,85 +197,73 @@ def _model_case(cfg, world, rank, errors):
         _check(f"model {n}.grad", gr, ref_grads[n], TOL_MODEL_GRAD, errors)
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    # a collective one rank never joins (a mismatched graph) fails after 60 s instead of hanging the suite
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+def _worker(rank: int, world: int) -> None:
+    from kernels_torch.moe import KimiMoE
+    from kernels_torch.parallel.expert import shard_experts
+
+    tiny = load_config("tiny")
+    errors: list[str] = []
+    E = tiny.num_experts
+    _moe_case(tiny.replace(routed_scaling_factor=2.5), torch.float64, world, rank, errors, "tiny")
+
+    # starve the last rank's experts and expert 0: the last rank receives nothing, expert 0 has no token anywhere
+    El = E // world
+    bias = torch.zeros(E)
+    bias[0] = bias[E - El :] = -10.0
+    ids = _moe_case(tiny, torch.float64, world, rank, errors, "starved", bias=bias)
+    if bool((ids == 0).any()) or bool((ids >= E - El).any()):
+        errors.append("starved: the bias did not starve the experts it should (test setup)")
+
+    linear = tiny.replace(
+        routed_expert_hidden_size=None,
+        hidden_act="silu",
+        activation_situ_linear_beta=None,
+        moe_router_activation_func="softmax",
+        moe_renormalize=False,
+        quant_method=None,
     )
+    _moe_case(linear, torch.float32, world, rank, errors, "kimi-linear fp32")
+    # the local experts on the grouped GEMMs (torch._grouped_mm runs fp32 on a CPU), starved experts included
+    _moe_case(linear, torch.float32, world, rank, errors, "grouped_mm fp32", bias=bias, moe_kernel="grouped_mm")
+    grouped = tiny.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)
+    _moe_case(grouped, torch.float64, world, rank, errors, "grouped 4x2")
+
+    if world == 2:  # the whole model once
+        _model_case(tiny.truncated(3), world, rank, errors)
+
+    # a clear error when the experts do not divide over the group
     try:
-        from kernels_torch.moe import KimiMoE
-        from kernels_torch.parallel.expert import shard_experts
+        shard_experts(KimiMoE(tiny.replace(num_experts=2 * world + 1)))
+        errors.append("num_experts not divisible by the world size was accepted")
+    except ValueError as e:
+        if f"num_experts: got {2 * world + 1} for an expert-parallel group of {world} ranks" not in str(e):
+            errors.append(f"unclear error for indivisible num_experts: {e}")
 
-        tiny = load_config("tiny")
-        errors: list[str] = []
-        E = tiny.num_experts
-        _moe_case(tiny.replace(routed_scaling_factor=2.5), torch.float64, world, rank, errors, "tiny")
+    # a group without this rank: refused (rank -1 took the last experts, counted from the end, silently)
+    first = dist.new_group([0])  # every rank calls new_group; the others get a non-member handle
+    try:
+        ep = shard_experts(KimiMoE(tiny), first)
+        if rank != 0:
+            errors.append(f"a group without rank {rank} was accepted (local experts {list(ep.local_experts)})")
+    except ValueError as e:
+        if rank == 0 or f"global rank {rank}) is not a member of the expert-parallel group" not in str(e):
+            errors.append(f"group [0] on rank {rank}: {e}")
 
-        # starve the last rank's experts and expert 0: the last rank receives nothing, expert 0 has no token anywhere
-        El = E // world
-        bias = torch.zeros(E)
-        bias[0] = bias[E - El :] = -10.0
-        ids = _moe_case(tiny, torch.float64, world, rank, errors, "starved", bias=bias)
-        if bool((ids == 0).any()) or bool((ids >= E - El).any()):
-            errors.append("starved: the bias did not starve the experts it should (test setup)")
-
-        linear = tiny.replace(
-            routed_expert_hidden_size=None,
-            hidden_act="silu",
-            activation_situ_linear_beta=None,
-            moe_router_activation_func="softmax",
-            moe_renormalize=False,
-            quant_method=None,
-        )
-        _moe_case(linear, torch.float32, world, rank, errors, "kimi-linear fp32")
-        # the local experts on the grouped GEMMs (torch._grouped_mm runs fp32 on a CPU), starved experts included
-        _moe_case(linear, torch.float32, world, rank, errors, "grouped_mm fp32", bias=bias, moe_kernel="grouped_mm")
-        grouped = tiny.replace(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)
-        _moe_case(grouped, torch.float64, world, rank, errors, "grouped 4x2")
-
-        if world == 2:  # the whole model once
-            _model_case(tiny.truncated(3), world, rank, errors)
-
-        # a clear error when the experts do not divide over the group
-        try:
-            shard_experts(KimiMoE(tiny.replace(num_experts=2 * world + 1)))
-            errors.append("num_experts not divisible by the world size was accepted")
-        except ValueError as e:
-            if f"num_experts: got {2 * world + 1} for an expert-parallel group of {world} ranks" not in str(e):
-                errors.append(f"unclear error for indivisible num_experts: {e}")
-
-        # a group without this rank: refused (rank -1 took the last experts, counted from the end, silently)
-        first = dist.new_group([0])  # every rank calls new_group; the others get a non-member handle
-        try:
-            ep = shard_experts(KimiMoE(tiny), first)
-            if rank != 0:
-                errors.append(f"a group without rank {rank} was accepted (local experts {list(ep.local_experts)})")
-        except ValueError as e:
-            if rank == 0 or f"global rank {rank}) is not a member of the expert-parallel group" not in str(e):
-                errors.append(f"group [0] on rank {rank}: {e}")
-
-        # a refusal changes nothing: one MoE layer already sharded, the model's other one is left as it was
-        model = nn.Sequential(KimiMoE(tiny), KimiMoE(tiny))
-        shard_experts(model[1])
-        try:
-            shard_experts(model)
-            errors.append("a model holding an expert-parallel MoE was sharded again")
-        except ValueError:
-            first_ok = model[0].experts.expert_ids == range(E) and model[0].experts.num_experts == E
-            if not first_ok or model[0].routed_experts.__self__ is not model[0]:
-                errors.append("a refused shard_experts left the first MoE layer sharded")
-        if errors:
-            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
-    finally:
-        dist.destroy_process_group()
+    # a refusal changes nothing: one MoE layer already sharded, the model's other one is left as it was
+    model = nn.Sequential(KimiMoE(tiny), KimiMoE(tiny))
+    shard_experts(model[1])
+    try:
+        shard_experts(model)
+        errors.append("a model holding an expert-parallel MoE was sharded again")
+    except ValueError:
+        first_ok = model[0].experts.expert_ids == range(E) and model[0].experts.num_experts == E
+        if not first_ok or model[0].routed_experts.__self__ is not model[0]:
+            errors.append("a refused shard_experts left the first MoE layer sharded")
+    if errors:
+        raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_equals_one_process(world):
-    spawn(_worker, world)
+    run_workers(_worker, world)

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import rel, spawn
+from dist_helpers import run_workers
+from helpers import rel
 
 from kimi.config import load_config
 
@@ -35,70 +36,65 @@ def _loss(logits, labels, n_tokens):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum") / n_tokens
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from kernels_torch.model import save_model
-        from kernels_torch.parallel.fsdp import (
-            export_safetensors,
-            global_token_count,
-            init_mesh,
-            parallelize,
-            save_checkpoint,
-        )
+def _worker(rank: int, world: int, out: str) -> None:
+    from kernels_torch.model import save_model
+    from kernels_torch.parallel.fsdp import (
+        export_safetensors,
+        global_token_count,
+        init_mesh,
+        parallelize,
+        save_checkpoint,
+    )
 
-        model, ids, labels = _setup()
-        ref = copy.deepcopy(model)
-        errors = []
+    model, ids, labels = _setup()
+    ref = copy.deepcopy(model)
+    errors = []
 
-        # one process: loss, gradients, one AdamW step
-        opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-        loss_r = _loss(ref(ids, torch.tensor(CU)), labels, T)
-        loss_r.backward()
-        ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
-        opt_r.step()
+    # one process: loss, gradients, one AdamW step
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    loss_r = _loss(ref(ids, torch.tensor(CU)), labels, T)
+    loss_r.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    opt_r.step()
 
-        # FSDP2 over the flattened (dp, cp) mesh + context parallelism over cp
-        mesh = init_mesh(dp=1, cp=world)
-        cp = parallelize(model, mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-        ids_l, cu_l = cp.shard(ids, torch.tensor(CU))
-        n_tok = global_token_count(ids_l.numel(), mesh)
-        loss = _loss(model(ids_l, cu_l), cp.shard_like(labels), n_tok)
-        loss.backward()
-        loss_sum = loss.detach().clone()
-        dist.all_reduce(loss_sum)
-        if not rel(loss_sum, loss_r.detach()) <= TOL["loss"]:  # NaN fails
-            errors.append(f"loss {float(loss_sum)} vs {float(loss_r)}")
-        for n, p in model.named_parameters():
-            got = torch.zeros_like(p).full_tensor() if p.grad is None else p.grad.full_tensor()
-            want = ref_grads.get(n, torch.zeros_like(got))
-            err = rel(got, want) if want.norm() > 0 else float(got.norm())
-            if not err <= TOL["grad"]:
-                errors.append(f"{n}.grad: rel err {err:.3e}")
-        opt.step()
-        ref_params = dict(ref.named_parameters())
-        for n, p in model.named_parameters():
-            err = rel(p.detach().full_tensor(), ref_params[n].detach())
-            if not err <= TOL["param"]:
-                errors.append(f"{n} after one AdamW step: rel err {err:.3e}")
+    # FSDP2 over the flattened (dp, cp) mesh + context parallelism over cp
+    mesh = init_mesh(dp=1, cp=world)
+    cp = parallelize(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ids_l, cu_l = cp.shard(ids, torch.tensor(CU))
+    n_tok = global_token_count(ids_l.numel(), mesh)
+    loss = _loss(model(ids_l, cu_l), cp.shard_like(labels), n_tok)
+    loss.backward()
+    loss_sum = loss.detach().clone()
+    dist.all_reduce(loss_sum)
+    if not rel(loss_sum, loss_r.detach()) <= TOL["loss"]:  # NaN fails
+        errors.append(f"loss {float(loss_sum)} vs {float(loss_r)}")
+    for n, p in model.named_parameters():
+        got = torch.zeros_like(p).full_tensor() if p.grad is None else p.grad.full_tensor()
+        want = ref_grads.get(n, torch.zeros_like(got))
+        err = rel(got, want) if want.norm() > 0 else float(got.norm())
+        if not err <= TOL["grad"]:
+            errors.append(f"{n}.grad: rel err {err:.3e}")
+    opt.step()
+    ref_params = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        err = rel(p.detach().full_tensor(), ref_params[n].detach())
+        if not err <= TOL["param"]:
+            errors.append(f"{n} after one AdamW step: rel err {err:.3e}")
 
-        # DCP checkpoint, logits after the step (gathered), the HF export of both
-        save_checkpoint(f"{out}/dcp", model, opt)
-        with torch.no_grad():
-            cp.shard(ids, torch.tensor(CU))
-            local = model(ids_l, cu_l)
-        parts = [None] * world
-        dist.all_gather_object(parts, local)
-        export_safetensors(model, f"{out}/hf_fsdp")
-        if rank == 0:
-            torch.save(torch.cat(parts, dim=1), f"{out}/logits.pt")
-            save_model(ref, f"{out}/hf_ref")
-        if errors:
-            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
-    finally:
-        dist.destroy_process_group()
+    # DCP checkpoint, logits after the step (gathered), the HF export of both
+    save_checkpoint(f"{out}/dcp", model, opt)
+    with torch.no_grad():
+        cp.shard(ids, torch.tensor(CU))
+        local = model(ids_l, cu_l)
+    parts = [None] * world
+    dist.all_gather_object(parts, local)
+    export_safetensors(model, f"{out}/hf_fsdp")
+    if rank == 0:
+        torch.save(torch.cat(parts, dim=1), f"{out}/logits.pt")
+        save_model(ref, f"{out}/hf_ref")
+    if errors:
+        raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
 
 
 @pytest.mark.distributed
@@ -110,7 +106,7 @@ def test_fsdp_cp_step_dcp_and_export(tmp_path):
 
     from kimi.checkpoint import CheckpointReader
 
-    spawn(_worker, 2, str(tmp_path))
+    run_workers(_worker, 2, str(tmp_path))
 
     # the DCP folder written by 2 ranks loads in this process (world size 1) and gives the same logits
     model, ids, _ = _setup()
@@ -143,45 +139,40 @@ def _reshard_cfg():
     return load_config("tiny").replace(num_experts=2, num_experts_per_token=1).truncated(3)
 
 
-def _reshard_worker(rank: int, world: int, port: int, out: str, mode: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def _reshard_worker(rank: int, world: int, out: str, mode: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        from kernels_torch.model import KimiK3Model
-        from kernels_torch.parallel.fsdp import (
-            full_state_dict,
-            init_mesh,
-            load_checkpoint,
-            parallelize,
-            save_checkpoint,
-        )
+    from kernels_torch.model import KimiK3Model
+    from kernels_torch.parallel.fsdp import (
+        full_state_dict,
+        init_mesh,
+        load_checkpoint,
+        parallelize,
+        save_checkpoint,
+    )
 
-        torch.manual_seed(0 if mode == "save" else 5)  # the loading run starts from other weights
-        model = KimiK3Model(_reshard_cfg()).double()
-        parallelize(model, init_mesh(dp=world, cp=1))
-        # lr 0: AdamW's moments move, the weights do not (the weight checks below compare with the initial ones)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
-        if mode == "save":
-            g = torch.Generator().manual_seed(10 + rank)  # each rank its own batch
-            ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=g)
-            for _ in range(2):
-                model(ids).double().square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            save_checkpoint(f"{out}/dcp", model, opt)
-        else:
-            load_checkpoint(f"{out}/dcp", model, opt)
-            sd = full_state_dict(model)
-            if rank == 0:
-                torch.save(sd, f"{out}/loaded_{world}.pt")
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        osd = get_optimizer_state_dict(model, opt, options=full)
+    torch.manual_seed(0 if mode == "save" else 5)  # the loading run starts from other weights
+    model = KimiK3Model(_reshard_cfg()).double()
+    parallelize(model, init_mesh(dp=world, cp=1))
+    # lr 0: AdamW's moments move, the weights do not (the weight checks below compare with the initial ones)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    if mode == "save":
+        g = torch.Generator().manual_seed(10 + rank)  # each rank its own batch
+        ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=g)
+        for _ in range(2):
+            model(ids).double().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        save_checkpoint(f"{out}/dcp", model, opt)
+    else:
+        load_checkpoint(f"{out}/dcp", model, opt)
+        sd = full_state_dict(model)
         if rank == 0:
-            torch.save(osd, f"{out}/optim_{mode}_{world}.pt")
-    finally:
-        dist.destroy_process_group()
+            torch.save(sd, f"{out}/loaded_{world}.pt")
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    osd = get_optimizer_state_dict(model, opt, options=full)
+    if rank == 0:
+        torch.save(osd, f"{out}/optim_{mode}_{world}.pt")
 
 
 @pytest.mark.distributed
@@ -192,8 +183,8 @@ def test_dcp_reshards_stacked_experts(tmp_path):
     from kernels_torch.model import KimiK3Model
     from kernels_torch.parallel.fsdp import load_checkpoint
 
-    spawn(_reshard_worker, 2, str(tmp_path), "save")
-    spawn(_reshard_worker, 3, str(tmp_path), "load")
+    run_workers(_reshard_worker, 2, str(tmp_path), "save")
+    run_workers(_reshard_worker, 3, str(tmp_path), "load")
     torch.manual_seed(0)
     want = KimiK3Model(_reshard_cfg()).double().state_dict()
     got = torch.load(tmp_path / "loaded_3.pt")

@@ -14,14 +14,14 @@ micro-batch in turn, losses averaged), then the parallel layouts one after the o
 
 from __future__ import annotations
 
-import datetime
 import re
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rel, spawn
+from dist_helpers import run_workers
+from helpers import rel
 
 from kernels_torch.parallel.mesh import ParallelDims
 from kimi.config import load_config
@@ -207,29 +207,21 @@ def _resume(cfg, layout: str, path: str, ref, errors: list[str]) -> None:
     _compare_state(model, opt, ref, f"resumed at {layout}", errors)
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
-    try:
-        cfg = _config()
-        errors: list[str] = []
-        refs = {dp: _reference(cfg, dp) for dp in sorted({v[0] for v in LAYOUTS.values()})}
-        for layout, (dp, _, _) in LAYOUTS.items():
-            _parallel_run(cfg, layout, errors, refs[dp], save=f"{out}/dcp" if layout == "dp4_ep2" else None)
-        for layout in ("dp4_ep4", "dp2_cp2"):  # the ep 2 state at ep 4 and without expert parallelism
-            _resume(cfg, layout, f"{out}/dcp", refs[4], errors)
-        if rank == 0:
-            ref_model, ref_opt = refs[4][0], refs[4][1]
-            names = {id(p): n for n, p in ref_model.named_parameters()}
-            moments = {names[id(p)]: {k: s[k] for k in ("exp_avg", "exp_avg_sq")} for p, s in ref_opt.state.items()}
-            torch.save({"model": ref_model.state_dict(), "moments": moments}, f"{out}/ref.pt")
-        if errors:
-            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors[:40]))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out: str) -> None:
+    cfg = _config()
+    errors: list[str] = []
+    refs = {dp: _reference(cfg, dp) for dp in sorted({v[0] for v in LAYOUTS.values()})}
+    for layout, (dp, _, _) in LAYOUTS.items():
+        _parallel_run(cfg, layout, errors, refs[dp], save=f"{out}/dcp" if layout == "dp4_ep2" else None)
+    for layout in ("dp4_ep4", "dp2_cp2"):  # the ep 2 state at ep 4 and without expert parallelism
+        _resume(cfg, layout, f"{out}/dcp", refs[4], errors)
+    if rank == 0:
+        ref_model, ref_opt = refs[4][0], refs[4][1]
+        names = {id(p): n for n, p in ref_model.named_parameters()}
+        moments = {names[id(p)]: {k: s[k] for k in ("exp_avg", "exp_avg_sq")} for p, s in ref_opt.state.items()}
+        torch.save({"model": ref_model.state_dict(), "moments": moments}, f"{out}/ref.pt")
+    if errors:
+        raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors[:40]))
 
 
 @pytest.mark.distributed
@@ -237,7 +229,7 @@ def test_layouts_equal_one_process_and_dcp_reshards(tmp_path):
     from kernels_torch.model import KimiK3Model
     from kernels_torch.parallel.fsdp import load_checkpoint
 
-    spawn(_worker, 4, str(tmp_path))
+    run_workers(_worker, 4, str(tmp_path))
     # the DCP state of dp 4 x ep 2 in one process (no process group): the same weights and AdamW moments
     ref = torch.load(tmp_path / "ref.pt")
     torch.manual_seed(7)
@@ -256,58 +248,53 @@ def test_layouts_equal_one_process_and_dcp_reshards(tmp_path):
 # ------------------------------------------------------------------------------------------------ silent failures
 
 
-def _silent_worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _silent_worker(rank: int, world: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from kernels_torch.model import KimiK3Model
+    from kernels_torch.parallel.expert import shard_experts
+    from kernels_torch.parallel.fsdp import init_mesh, parallelize
+
+    cfg = _config()
+    errors = []
+    torch.manual_seed(0)
+    full = KimiK3Model(cfg).double().state_dict()
+    # 1. DCP of an expert-parallel model (no FSDP): every rank's experts are written
+    model = KimiK3Model(cfg).double()
+    ep = shard_experts(model)
+    ep.load_full_state_dict(full)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{out}/ep_dcp")
+
+    # 2. parallelize over a mesh without ep, applied to a model already expert-parallel over the world group:
+    # refused (it sharded each rank's own experts as if they were the global stack)
+    model = KimiK3Model(cfg).double()
+    shard_experts(model).load_full_state_dict(full)
     try:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        parallelize(model, init_mesh(dp=world))
+        w1 = model.model.layers[1].block_sparse_moe.experts.w1.full_tensor()
+        name = "model.layers.1.block_sparse_moe.experts.w1"
+        if not torch.equal(w1, full[name]):
+            errors.append("parallelize of an expert-parallel model ran and holds other experts than the model's")
+    except ValueError as e:
+        if "expert-parallel already" not in str(e):
+            errors.append(f"unclear refusal: {e}")
 
-        from kernels_torch.model import KimiK3Model
-        from kernels_torch.parallel.expert import shard_experts
-        from kernels_torch.parallel.fsdp import init_mesh, parallelize
-
-        cfg = _config()
-        errors = []
-        torch.manual_seed(0)
-        full = KimiK3Model(cfg).double().state_dict()
-        # 1. DCP of an expert-parallel model (no FSDP): every rank's experts are written
-        model = KimiK3Model(cfg).double()
-        ep = shard_experts(model)
-        ep.load_full_state_dict(full)
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{out}/ep_dcp")
-
-        # 2. parallelize over a mesh without ep, applied to a model already expert-parallel over the world group:
-        # refused (it sharded each rank's own experts as if they were the global stack)
-        model = KimiK3Model(cfg).double()
-        shard_experts(model).load_full_state_dict(full)
-        try:
-            parallelize(model, init_mesh(dp=world))
-            w1 = model.model.layers[1].block_sparse_moe.experts.w1.full_tensor()
-            name = "model.layers.1.block_sparse_moe.experts.w1"
-            if not torch.equal(w1, full[name]):
-                errors.append("parallelize of an expert-parallel model ran and holds other experts than the model's")
-        except ValueError as e:
-            if "expert-parallel already" not in str(e):
-                errors.append(f"unclear refusal: {e}")
-
-        # 3. the mesh's own expert parallelism: each rank holds its global experts, FSDP2-sharded over efsdp
-        model = KimiK3Model(cfg).double()
-        model.load_state_dict(full)
-        parallelize(model, init_mesh(dp=world, ep=world))
-        bank = model.model.layers[1].block_sparse_moe.experts
-        E = cfg.num_experts
-        lo, hi = rank * E // world, (rank + 1) * E // world
-        if bank.expert_ids != range(lo, hi):
-            errors.append(f"rank {rank} holds experts {bank.expert_ids}, expected range({lo}, {hi})")
-        for w in ("w1", "w3", "w2"):
-            if not torch.equal(getattr(bank, w).full_tensor(), full[f"model.layers.1.block_sparse_moe.experts.{w}"]):
-                errors.append(f"experts.{w}: the global stack differs from the model's")
-        _bf16_case(cfg, world, rank, errors)
-        if errors:
-            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
-    finally:
-        dist.destroy_process_group()
+    # 3. the mesh's own expert parallelism: each rank holds its global experts, FSDP2-sharded over efsdp
+    model = KimiK3Model(cfg).double()
+    model.load_state_dict(full)
+    parallelize(model, init_mesh(dp=world, ep=world))
+    bank = model.model.layers[1].block_sparse_moe.experts
+    E = cfg.num_experts
+    lo, hi = rank * E // world, (rank + 1) * E // world
+    if bank.expert_ids != range(lo, hi):
+        errors.append(f"rank {rank} holds experts {bank.expert_ids}, expected range({lo}, {hi})")
+    for w in ("w1", "w3", "w2"):
+        if not torch.equal(getattr(bank, w).full_tensor(), full[f"model.layers.1.block_sparse_moe.experts.{w}"]):
+            errors.append(f"experts.{w}: the global stack differs from the model's")
+    _bf16_case(cfg, world, rank, errors)
+    if errors:
+        raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
 
 
 def _bf16_case(cfg, world: int, rank: int, errors: list[str]) -> None:
@@ -361,7 +348,7 @@ def test_expert_parallel_dcp_and_parallelize_are_not_silent(tmp_path):
 
     from kernels_torch.model import KimiK3Model
 
-    spawn(_silent_worker, 2, str(tmp_path))
+    run_workers(_silent_worker, 2, str(tmp_path))
     torch.manual_seed(0)
     want = KimiK3Model(_config()).double().state_dict()
     torch.manual_seed(5)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import check_rel, spawn
+from dist_helpers import run_workers
+from helpers import check_rel
 from torch.distributed.tensor import DTensor
 
 from kimi.config import load_config
@@ -153,58 +154,53 @@ def carry_reference(tmp_path_factory) -> str:
     return str(path)
 
 
-def _worker(rank: int, world: int, port: int, ref_path: str, layouts, dcp_path: str | None = None) -> None:
+def _worker(rank: int, world: int, ref_path: str, layouts, dcp_path: str | None = None) -> None:
     """Each layout ``(schedule, stages_per_rank, layer_counts)`` in turn, from the same initial weights, on this
     group of ``world`` ranks (one spawn for several layouts: process start-up is most of a small test's time)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from kernels_torch.parallel.pipeline import Pipeline
+    from kernels_torch.parallel.pipeline import Pipeline
 
-        ref = torch.load(ref_path)
-        errors = []
-        for schedule, stages_per_rank, counts in layouts:
-            model = _model()
-            all_names = sorted(n for n, _ in model.named_parameters())
-            pipe = Pipeline(
-                model, pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
-                stages_per_rank=stages_per_rank, layer_counts=counts,
-            )  # fmt: skip
-            del model
-            names = [n for n, _ in pipe.named_parameters()]
-            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-            where = f"rank {rank}/{world} {schedule} x{stages_per_rank} {counts or 'default'}"
-            for step in range(STEPS):
-                loss = pipe.step(*_batch(step))
+    ref = torch.load(ref_path)
+    errors = []
+    for schedule, stages_per_rank, counts in layouts:
+        model = _model()
+        all_names = sorted(n for n, _ in model.named_parameters())
+        pipe = Pipeline(
+            model, pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
+            stages_per_rank=stages_per_rank, layer_counts=counts,
+        )  # fmt: skip
+        del model
+        names = [n for n, _ in pipe.named_parameters()]
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        where = f"rank {rank}/{world} {schedule} x{stages_per_rank} {counts or 'default'}"
+        for step in range(STEPS):
+            loss = pipe.step(*_batch(step))
+            try:
+                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+            except AssertionError as e:
+                errors.append(str(e))
+            for n, p in pipe.named_parameters():
                 try:
-                    check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+                    check_rel(f"{where} step {step} {n}.grad", _grad(p), ref["grad"][step][n], TOL["grad"])
                 except AssertionError as e:
                     errors.append(str(e))
-                for n, p in pipe.named_parameters():
-                    try:
-                        check_rel(f"{where} step {step} {n}.grad", _grad(p), ref["grad"][step][n], TOL["grad"])
-                    except AssertionError as e:
-                        errors.append(str(e))
-                opt.step()
-                opt.zero_grad()
-            # every parameter of the model is held by exactly one rank
-            held = [None] * world
-            dist.all_gather_object(held, names)
-            every = sorted(n for part in held for n in part)
-            if every != all_names:
-                errors.append(f"{where}: {len(every)} parameter names held, expected the model's {len(all_names)} once")
-        if dcp_path is not None:  # the state saved at pp2 x dp2 loads here into other weights, by name
-            schedule, stages_per_rank, counts = layouts[-1]
-            pipe = Pipeline(_model(seed=5), pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
-                            stages_per_rank=stages_per_rank, layer_counts=counts)  # fmt: skip
-            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-            _load_dcp(dcp_path, pipe.rank_module(), opt)
-            got = _trained_state(pipe.named_parameters(), opt)
-            errors += _check_trained_state(f"rank {rank}/{world} DCP of pp2 x dp2", got, ref["final"])
-        if errors:
-            raise AssertionError("\n".join(errors[:20]))
-    finally:
-        dist.destroy_process_group()
+            opt.step()
+            opt.zero_grad()
+        # every parameter of the model is held by exactly one rank
+        held = [None] * world
+        dist.all_gather_object(held, names)
+        every = sorted(n for part in held for n in part)
+        if every != all_names:
+            errors.append(f"{where}: {len(every)} parameter names held, expected the model's {len(all_names)} once")
+    if dcp_path is not None:  # the state saved at pp2 x dp2 loads here into other weights, by name
+        schedule, stages_per_rank, counts = layouts[-1]
+        pipe = Pipeline(_model(seed=5), pp_size=world, pp_rank=rank, n_microbatches=M, schedule=schedule,
+                        stages_per_rank=stages_per_rank, layer_counts=counts)  # fmt: skip
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        _load_dcp(dcp_path, pipe.rank_module(), opt)
+        got = _trained_state(pipe.named_parameters(), opt)
+        errors += _check_trained_state(f"rank {rank}/{world} DCP of pp2 x dp2", got, ref["final"])
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
 
 
 @pytest.mark.distributed
@@ -212,66 +208,61 @@ def test_pp2_matches_one_process(reference):
     """pp2: 1F1B on an uneven layout (2 + 6 layers), Interleaved1F1B with 2 stages per rank (4 stages of 2
     layers, looped: rank 0 holds stages 0 and 2), GPipe on the default layout (4 + 4)."""
     layouts = [("1F1B", 1, (2, 6)), ("Interleaved1F1B", 2, None), ("GPipe", 1, None)]
-    spawn(_worker, 2, reference, layouts)
+    run_workers(_worker, 2, reference, layouts)
 
 
 @pytest.mark.distributed
 def test_pp4_matches_one_process(reference, pp2_dp2_dcp):
     """pp4, 1F1B: one AttnRes block of 2 layers per stage; the last stage receives 4 stacked sources. Then the DCP
     state saved at pp2 x dp2 loads into a pp4 pipeline of other weights equal to the one-process run's."""
-    spawn(_worker, 4, reference, [("1F1B", 1, None)], pp2_dp2_dcp)
+    run_workers(_worker, 4, reference, [("1F1B", 1, None)], pp2_dp2_dcp)
 
 
-def _dp_worker(rank: int, world: int, port: int, ref_path: str, dcp_path: str) -> None:
+def _dp_worker(rank: int, world: int, ref_path: str, dcp_path: str) -> None:
     """pp2 x dp2 on 4 ranks (mesh ``(pp, dp)``): each dp rank runs half the rows (2 micro-batches) through its
     pipeline, the stages FSDP2-sharded over dp; the loss is weighted by the global target count."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        from kernels_torch.parallel.pipeline import Pipeline, shard_stages
+    from kernels_torch.parallel.pipeline import Pipeline, shard_stages
 
-        ref = torch.load(ref_path)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-        pp, dp = mesh["pp"], mesh["dp"]
-        pipe = Pipeline(_model(), pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group())
-        shard_stages(pipe, dp)
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-        errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, dp {dp.get_local_rank()})"
-        rows = slice(2 * dp.get_local_rank(), 2 * dp.get_local_rank() + 2)
-        for step in range(STEPS):
-            ids, labels, cus = _batch(step)
-            n = int((labels != -100).sum())
-            loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=n)
-            dist.all_reduce(loss, group=dp.get_group())
+    ref = torch.load(ref_path)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    pipe = Pipeline(_model(), pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group())
+    shard_stages(pipe, dp)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+    errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, dp {dp.get_local_rank()})"
+    rows = slice(2 * dp.get_local_rank(), 2 * dp.get_local_rank() + 2)
+    for step in range(STEPS):
+        ids, labels, cus = _batch(step)
+        n = int((labels != -100).sum())
+        loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=n)
+        dist.all_reduce(loss, group=dp.get_group())
+        try:
+            check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+        except AssertionError as e:
+            errors.append(str(e))
+        for n, p in pipe.named_parameters():
+            got = torch.zeros_like(p).full_tensor() if p.grad is None else p.grad.full_tensor()
             try:
-                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+                check_rel(f"{where} step {step} {n}.grad", got, ref["grad"][step][n], TOL["grad"])
             except AssertionError as e:
                 errors.append(str(e))
-            for n, p in pipe.named_parameters():
-                got = torch.zeros_like(p).full_tensor() if p.grad is None else p.grad.full_tensor()
-                try:
-                    check_rel(f"{where} step {step} {n}.grad", got, ref["grad"][step][n], TOL["grad"])
-                except AssertionError as e:
-                    errors.append(str(e))
-            opt.step()
-            opt.zero_grad()
-        errors += _check_trained_state(where, _trained_state(pipe.named_parameters(), opt), ref["final"])
-        from kernels_torch.parallel.fsdp import save_checkpoint
+        opt.step()
+        opt.zero_grad()
+    errors += _check_trained_state(where, _trained_state(pipe.named_parameters(), opt), ref["final"])
+    from kernels_torch.parallel.fsdp import save_checkpoint
 
-        save_checkpoint(dcp_path, pipe.rank_module(), opt)
-        if errors:
-            raise AssertionError("\n".join(errors[:20]))
-    finally:
-        dist.destroy_process_group()
+    save_checkpoint(dcp_path, pipe.rank_module(), opt)
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
 
 
 @pytest.fixture(scope="module")
 def pp2_dp2_dcp(reference, tmp_path_factory) -> str:
     """The pp2 x dp2 run (its parity checks run in the ranks) and the DCP state it saves after its 3 steps."""
     path = str(tmp_path_factory.mktemp("pipeline_dcp") / "step-3")
-    spawn(_dp_worker, 4, reference, path)
+    run_workers(_dp_worker, 4, reference, path)
     return path
 
 
@@ -289,130 +280,118 @@ def test_pp2_dp2_matches_one_process(reference, pp2_dp2_dcp):
     assert not errors, "\n".join(errors[:20])
 
 
-def _ep_worker(rank: int, world: int, port: int, ref_path: str) -> None:
+def _ep_worker(rank: int, world: int, ref_path: str) -> None:
     """pp2 x ep2 on 4 ranks (mesh ``(pp, ep)``): the routed experts of the model split over ep
     (``kernels_torch.parallel.expert.shard_experts``, all-to-all dispatch inside the stages), each ep rank runs half
     the rows; the replicated parameters' gradients are summed over ep, the experts' are whole on their owner."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        from kernels_torch.parallel.expert import shard_experts
-        from kernels_torch.parallel.pipeline import Pipeline
+    from kernels_torch.parallel.expert import shard_experts
+    from kernels_torch.parallel.pipeline import Pipeline
 
-        ref = torch.load(ref_path)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
-        pp, ep_mesh = mesh["pp"], mesh["ep"]
-        model = _model()
-        ep = shard_experts(model, ep_mesh.get_group())
-        pipe = Pipeline(model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group())
-        del model
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-        lo, hi = ep.local_experts.start, ep.local_experts.stop
-        errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, ep {ep.rank})"
-        rows = slice(2 * ep.rank, 2 * ep.rank + 2)
-        for step in range(STEPS):
-            ids, labels, cus = _batch(step)
-            loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=int((labels != -100).sum()))
-            dist.all_reduce(loss, group=ep.group)
+    ref = torch.load(ref_path)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    pp, ep_mesh = mesh["pp"], mesh["ep"]
+    model = _model()
+    ep = shard_experts(model, ep_mesh.get_group())
+    pipe = Pipeline(model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group())
+    del model
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+    lo, hi = ep.local_experts.start, ep.local_experts.stop
+    errors, where = [], f"rank {rank} (pp {pp.get_local_rank()}, ep {ep.rank})"
+    rows = slice(2 * ep.rank, 2 * ep.rank + 2)
+    for step in range(STEPS):
+        ids, labels, cus = _batch(step)
+        loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=int((labels != -100).sum()))
+        dist.all_reduce(loss, group=ep.group)
+        try:
+            check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+        except AssertionError as e:
+            errors.append(str(e))
+        for n, p in pipe.named_parameters():
+            want = ref["grad"][step][n]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad
+            if isinstance(grad, DTensor):  # a routed-expert stack, Shard(0) over ep: this rank's rows, whole
+                grad, want = grad.to_local(), want[lo:hi]
+            elif p.shape != want.shape:  # a plain stack of this rank's rows
+                want = want[lo:hi]
+            else:  # replicated: this rank's tokens' part
+                dist.all_reduce(grad, group=ep.group)
             try:
-                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+                check_rel(f"{where} step {step} {n}.grad", grad, want, TOL["grad"])
             except AssertionError as e:
                 errors.append(str(e))
-            for n, p in pipe.named_parameters():
-                want = ref["grad"][step][n]
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grad = p.grad
-                if isinstance(grad, DTensor):  # a routed-expert stack, Shard(0) over ep: this rank's rows, whole
-                    grad, want = grad.to_local(), want[lo:hi]
-                elif p.shape != want.shape:  # a plain stack of this rank's rows
-                    want = want[lo:hi]
-                else:  # replicated: this rank's tokens' part
-                    dist.all_reduce(grad, group=ep.group)
-                try:
-                    check_rel(f"{where} step {step} {n}.grad", grad, want, TOL["grad"])
-                except AssertionError as e:
-                    errors.append(str(e))
-            opt.step()
-            opt.zero_grad()
-        if errors:
-            raise AssertionError("\n".join(errors[:20]))
-    finally:
-        dist.destroy_process_group()
+        opt.step()
+        opt.zero_grad()
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
 
 
 @pytest.mark.distributed
 def test_pp2_ep2_matches_one_process(reference):
     """pp2 x ep2 (1F1B, experts split over ep, all-to-alls inside the stages): the ep-summed loss and every
     gradient of 3 steps."""
-    spawn(_ep_worker, 4, reference)
+    run_workers(_ep_worker, 4, reference)
 
 
-def _cp_worker(
-    rank: int, world: int, port: int, ref_path: str, runs, cus_set=CUS, dense: int = 1, steps: int = STEPS
-) -> None:
+def _cp_worker(rank: int, world: int, ref_path: str, runs, cus_set=CUS, dense: int = 1, steps: int = STEPS) -> None:
     """pp2 x cp2 on 4 ranks (mesh ``(pp, cp)``): every row cut into 2 context shards (documents cross the cut),
     each stage setting the shard of the micro-batch it runs; the parameters' gradients summed over cp. Each run
     ``(schedule, stages_per_rank, layer_counts, recompute)`` in turn from the same initial weights; ``recompute``
     None, or ``(mode, full_layers)`` of ``kernels_torch.activation_memory.recompute_layers``; ``steps`` AdamW steps each."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        from kernels_torch.activation_memory import recompute_layers
-        from kernels_torch.parallel.context import ContextParallel, shard_bounds
-        from kernels_torch.parallel.pipeline import Pipeline
+    from kernels_torch.activation_memory import recompute_layers
+    from kernels_torch.parallel.context import ContextParallel, shard_bounds
+    from kernels_torch.parallel.pipeline import Pipeline
 
-        ref = torch.load(ref_path)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
-        pp, cp_mesh = mesh["pp"], mesh["cp"]
-        errors = []
-        for schedule, stages_per_rank, counts, recompute in runs:
-            model = _model(dense=dense)
-            cp = ContextParallel(model, cp_mesh.get_group())
-            if recompute is not None:
-                recompute_layers(model, *recompute)
-            pipe = Pipeline(
-                model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M, group=pp.get_group(),
-                schedule=schedule, stages_per_rank=stages_per_rank, layer_counts=counts, context=cp,
-            )  # fmt: skip
-            del model
-            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
-            start, stop = shard_bounds(T, 2)[cp.rank]
-            where = f"rank {rank} (pp {pp.get_local_rank()}, cp {cp.rank}) {schedule} recompute {recompute}"
-            for step in range(steps):
-                ids, labels, cus = _batch(step, cus_set)
-                n = int((labels != -100).sum())
-                loss = pipe.step(ids[:, start:stop], labels[:, start:stop], cus, n_tokens=n)
-                dist.all_reduce(loss, group=cp_mesh.get_group())
+    ref = torch.load(ref_path)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    pp, cp_mesh = mesh["pp"], mesh["cp"]
+    errors = []
+    for schedule, stages_per_rank, counts, recompute in runs:
+        model = _model(dense=dense)
+        cp = ContextParallel(model, cp_mesh.get_group())
+        if recompute is not None:
+            recompute_layers(model, *recompute)
+        pipe = Pipeline(
+            model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M, group=pp.get_group(),
+            schedule=schedule, stages_per_rank=stages_per_rank, layer_counts=counts, context=cp,
+        )  # fmt: skip
+        del model
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        start, stop = shard_bounds(T, 2)[cp.rank]
+        where = f"rank {rank} (pp {pp.get_local_rank()}, cp {cp.rank}) {schedule} recompute {recompute}"
+        for step in range(steps):
+            ids, labels, cus = _batch(step, cus_set)
+            n = int((labels != -100).sum())
+            loss = pipe.step(ids[:, start:stop], labels[:, start:stop], cus, n_tokens=n)
+            dist.all_reduce(loss, group=cp_mesh.get_group())
+            try:
+                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+            except AssertionError as e:
+                errors.append(str(e))
+            for n, p in pipe.named_parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=cp_mesh.get_group())
                 try:
-                    check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+                    check_rel(f"{where} step {step} {n}.grad", p.grad, ref["grad"][step][n], TOL["grad"])
                 except AssertionError as e:
                     errors.append(str(e))
-                for n, p in pipe.named_parameters():
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=cp_mesh.get_group())
-                    try:
-                        check_rel(f"{where} step {step} {n}.grad", p.grad, ref["grad"][step][n], TOL["grad"])
-                    except AssertionError as e:
-                        errors.append(str(e))
-                opt.step()
-                opt.zero_grad()
-        if errors:
-            raise AssertionError("\n".join(errors[:20]))
-    finally:
-        dist.destroy_process_group()
+            opt.step()
+            opt.zero_grad()
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
 
 
 @pytest.mark.distributed
 def test_pp2_cp2_matches_one_process(reference):
     """pp2 x cp2 (1F1B: several micro-batches of different documents in flight on a rank, each with its own
     context shard): the cp-summed loss and every gradient of 3 steps."""
-    spawn(_cp_worker, 4, reference, [("1F1B", 1, None, None)])
+    run_workers(_cp_worker, 4, reference, [("1F1B", 1, None, None)])
 
 
 @pytest.mark.distributed
@@ -428,7 +407,7 @@ def test_pp2_cp2_recompute_matches_one_process(carry_reference):
         ("Interleaved1F1B", 2, None, ("layer", 0)),
         ("GPipe", 1, None, ("mlp", 2)),
     ]
-    spawn(_cp_worker, 4, carry_reference, runs, CARRY_CUS, 2, 1)
+    run_workers(_cp_worker, 4, carry_reference, runs, CARRY_CUS, 2, 1)
 
 
 # ------------------------------------------------------------------------------------------------ no processes

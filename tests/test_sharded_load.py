@@ -32,8 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import spawn
+from dist_helpers import run_workers
 from torch.distributed.tensor import DTensor
 
 from kimi.config import load_config
@@ -104,49 +103,44 @@ def _fsdp_model(cfg, mesh):
     return model
 
 
-def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from kernels_torch.parallel.load import load_sharded, local_block
+def _load_worker(rank: int, world: int, ckpt: str, out: str) -> None:
+    from kernels_torch.parallel.load import load_sharded, local_block
 
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default, kept fixed (module docstring)
-        from kernels_torch.parallel.fsdp import init_mesh
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default, kept fixed (module docstring)
+    from kernels_torch.parallel.fsdp import init_mesh
 
-        cfg = _config()
-        mesh = init_mesh(dp=world, cp=1)  # one mesh for both models (its process groups made once)
-        warm = _fsdp_model(cfg, mesh)  # warm-up: the same code paths, then its memory handed back
-        warm.to_empty(device="cpu")
-        load_sharded(warm, ckpt)
-        del warm
-        gc.collect()
-        libc.malloc_trim(0)
+    cfg = _config()
+    mesh = init_mesh(dp=world, cp=1)  # one mesh for both models (its process groups made once)
+    warm = _fsdp_model(cfg, mesh)  # warm-up: the same code paths, then its memory handed back
+    warm.to_empty(device="cpu")
+    load_sharded(warm, ckpt)
+    del warm
+    gc.collect()
+    libc.malloc_trim(0)
 
-        model = _fsdp_model(cfg, mesh)
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
-        before = _status("VmRSS")
-        model.to_empty(device="cpu")
-        stats = load_sharded(model, ckpt)
-        grown = _status("VmHWM") - before
-        stored_owned, largest = _stored_owned(model, cfg)
-        owned = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
-        shards = {n: t.to_local().clone() for n, t in model.state_dict().items()}
-        torch.save(
-            {
-                "bytes_read": stats.bytes_read,
-                "stored_owned": stored_owned,
-                "largest": largest,
-                "grown": grown,
-                "owned": owned,
-                "stats_owned": stats.owned_bytes,
-                "shards": shards,
-                "offsets": {n: local_block(model, n, t)[2] for n, t in model.state_dict(keep_vars=True).items()},
-            },
-            f"{out}/rank{rank}.pt",
-        )
-    finally:
-        dist.destroy_process_group()
+    model = _fsdp_model(cfg, mesh)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+    before = _status("VmRSS")
+    model.to_empty(device="cpu")
+    stats = load_sharded(model, ckpt)
+    grown = _status("VmHWM") - before
+    stored_owned, largest = _stored_owned(model, cfg)
+    owned = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values())
+    shards = {n: t.to_local().clone() for n, t in model.state_dict().items()}
+    torch.save(
+        {
+            "bytes_read": stats.bytes_read,
+            "stored_owned": stored_owned,
+            "largest": largest,
+            "grown": grown,
+            "owned": owned,
+            "stats_owned": stats.owned_bytes,
+            "shards": shards,
+            "offsets": {n: local_block(model, n, t)[2] for n, t in model.state_dict(keep_vars=True).items()},
+        },
+        f"{out}/rank{rank}.pt",
+    )
 
 
 @pytest.mark.distributed
@@ -155,7 +149,7 @@ def _load_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
 def test_fsdp_load_reads_and_holds_only_its_shard(tmp_path, ckpt, world):
     from kernels_torch.model import load_model
 
-    spawn(_load_worker, world, str(ckpt), str(tmp_path))
+    run_workers(_load_worker, world, str(ckpt), str(tmp_path))
     ref = load_model(ckpt).state_dict()
     covered = dict.fromkeys(ref, 0)
     for rank in range(world):
@@ -241,44 +235,39 @@ def test_lora_run_builds_and_loads_only_its_shard(tmp_path, ckpt):
 # ------------------------------------------------------------------------------------ placements cutting an expert
 
 
-def _cut_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+def _cut_worker(rank: int, world: int, ckpt: str, out: str) -> None:
     """A 2 x 2 mesh; every parameter a DTensor: stacks [E, out, in] Shard(1) x Shard(2) (each rank a quarter of every
     expert; w2 [64, 96] cut at column 48, inside an MXFP4 group of 32), matrices Shard(0) x Shard(1), vectors
     Replicate x Shard(0)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-        from kernels_torch.moe import GroupedExperts
-        from kernels_torch.parallel.load import load_sharded
+    from kernels_torch.moe import GroupedExperts
+    from kernels_torch.parallel.load import load_sharded
 
-        cfg = _cut_config()
-        mesh = init_device_mesh("cpu", (2, 2))
-        model = _meta_model(cfg)
-        for mod in model.modules():
-            for n, p in list(mod.named_parameters(recurse=False)):
-                if isinstance(mod, GroupedExperts):
-                    pl = [Shard(1), Shard(2)]
-                elif p.ndim >= 2:
-                    pl = [Shard(0), Shard(1)]
-                else:
-                    pl = [Replicate(), Shard(0)]
-                mod.register_parameter(n, torch.nn.Parameter(distribute_tensor(p, mesh, pl), p.requires_grad))
-        model.to_empty(device="cpu")
-        stats = load_sharded(model, ckpt)
-        from kernels_torch.parallel.load import local_block
+    cfg = _cut_config()
+    mesh = init_device_mesh("cpu", (2, 2))
+    model = _meta_model(cfg)
+    for mod in model.modules():
+        for n, p in list(mod.named_parameters(recurse=False)):
+            if isinstance(mod, GroupedExperts):
+                pl = [Shard(1), Shard(2)]
+            elif p.ndim >= 2:
+                pl = [Shard(0), Shard(1)]
+            else:
+                pl = [Replicate(), Shard(0)]
+            mod.register_parameter(n, torch.nn.Parameter(distribute_tensor(p, mesh, pl), p.requires_grad))
+    model.to_empty(device="cpu")
+    stats = load_sharded(model, ckpt)
+    from kernels_torch.parallel.load import local_block
 
-        torch.save(
-            {
-                "bytes_read": stats.bytes_read,
-                "shards": {n: local_block(model, n, t) for n, t in model.state_dict(keep_vars=True).items()},
-            },
-            f"{out}/cut{rank}.pt",
-        )
-    finally:
-        dist.destroy_process_group()
+    torch.save(
+        {
+            "bytes_read": stats.bytes_read,
+            "shards": {n: local_block(model, n, t) for n, t in model.state_dict(keep_vars=True).items()},
+        },
+        f"{out}/cut{rank}.pt",
+    )
 
 
 def _cut_config():
@@ -295,7 +284,7 @@ def test_load_into_blocks_cut_inside_experts(tmp_path):
     ckpt = tmp_path / "k"
     cfg = _cut_config()
     save_params(ckpt, init_params(cfg, seed=4), cfg)
-    spawn(_cut_worker, 4, str(ckpt), str(tmp_path))
+    run_workers(_cut_worker, 4, str(ckpt), str(tmp_path))
     ref = load_model(ckpt).state_dict()
     cuts = set()
     for rank in range(4):
@@ -309,20 +298,15 @@ def test_load_into_blocks_cut_inside_experts(tmp_path):
     assert cuts == {0, 48 % cfg.quant_group_size}, cuts  # a column block starting inside an MXFP4 group
 
 
-def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from kernels_torch.parallel.expert import shard_experts
-        from kernels_torch.parallel.load import load_sharded
+def _ep_worker(rank: int, world: int, ckpt: str, out: str) -> None:
+    from kernels_torch.parallel.expert import shard_experts
+    from kernels_torch.parallel.load import load_sharded
 
-        model = _meta_model(_cut_config())
-        shard_experts(model)  # plain tensors: each rank's stacks hold experts [r E / 2, (r + 1) E / 2)
-        model.to_empty(device="cpu")
-        stats = load_sharded(model, ckpt)
-        torch.save({"sd": model.state_dict(), "bytes_read": stats.bytes_read}, f"{out}/ep{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    model = _meta_model(_cut_config())
+    shard_experts(model)  # plain tensors: each rank's stacks hold experts [r E / 2, (r + 1) E / 2)
+    model.to_empty(device="cpu")
+    stats = load_sharded(model, ckpt)
+    torch.save({"sd": model.state_dict(), "bytes_read": stats.bytes_read}, f"{out}/ep{rank}.pt")
 
 
 @pytest.mark.distributed
@@ -335,7 +319,7 @@ def test_load_into_expert_parallel_ranges(tmp_path):
 
     cfg = _cut_config()
     save_params(tmp_path / "k", init_params(cfg, seed=9), cfg)
-    spawn(_ep_worker, 2, str(tmp_path / "k"), str(tmp_path))
+    run_workers(_ep_worker, 2, str(tmp_path / "k"), str(tmp_path))
     ref = load_model(tmp_path / "k").state_dict()
     E = cfg.num_experts
     for rank in range(2):
@@ -350,33 +334,27 @@ def test_load_into_expert_parallel_ranges(tmp_path):
 # ------------------------------------------------------------------------------------------------ parallel export
 
 
-def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, max_bytes: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from kernels_torch.parallel.export import export_sharded
-        from kernels_torch.parallel.fsdp import init_mesh
-        from kernels_torch.parallel.load import load_sharded
-        from kimi.config import KimiConfig
+def _export_worker(rank: int, world: int, ckpt: str, out: str, max_bytes: int) -> None:
+    from kernels_torch.parallel.export import export_sharded
+    from kernels_torch.parallel.fsdp import init_mesh
+    from kernels_torch.parallel.load import load_sharded
+    from kimi.config import KimiConfig
 
-        cfg = KimiConfig.from_json(Path(ckpt) / "config.json")
-        model = _fsdp_model(cfg, init_mesh(dp=world, cp=1))
-        model.to_empty(device="cpu")
-        load_sharded(model, ckpt)
-        g = torch.Generator().manual_seed(rank)
-        with torch.no_grad():  # fp32 weights that are no round trip of the stored ones: the cast and quantiser act
-            for p in model.parameters():
-                local = p.to_local()
-                local.mul_(1.0 + 0.3 * torch.rand(local.shape, generator=g, dtype=local.dtype))
-        wrote = export_sharded(model, f"{out}/par", max_shard_bytes=max_bytes)
-        export_sharded(model, f"{out}/par_default")  # one 5 GB file: save_model's own layout
-        sd = {n: t.full_tensor() for n, t in model.state_dict().items()}
-        if rank == 0:
-            torch.save(sd, f"{out}/full.pt")
-        (Path(out) / f"wrote{rank}.json").write_text(json.dumps(wrote))
-        dist.barrier()  # every rank done before any tears its gloo pairs down (a rank ahead aborted the other)
-    finally:
-        dist.destroy_process_group()
+    cfg = KimiConfig.from_json(Path(ckpt) / "config.json")
+    model = _fsdp_model(cfg, init_mesh(dp=world, cp=1))
+    model.to_empty(device="cpu")
+    load_sharded(model, ckpt)
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():  # fp32 weights that are no round trip of the stored ones: the cast and quantiser act
+        for p in model.parameters():
+            local = p.to_local()
+            local.mul_(1.0 + 0.3 * torch.rand(local.shape, generator=g, dtype=local.dtype))
+    wrote = export_sharded(model, f"{out}/par", max_shard_bytes=max_bytes)
+    export_sharded(model, f"{out}/par_default")  # one 5 GB file: save_model's own layout
+    sd = {n: t.full_tensor() for n, t in model.state_dict().items()}
+    if rank == 0:
+        torch.save(sd, f"{out}/full.pt")
+    (Path(out) / f"wrote{rank}.json").write_text(json.dumps(wrote))
 
 
 @pytest.mark.distributed
@@ -386,7 +364,7 @@ def test_parallel_export_equals_single_process(tmp_path, world, quant):
 
     ckpt = _write(tmp_path / "k", quant, EXPORT_VOCAB)
     max_bytes = 2**18  # several files: every rank writes some
-    spawn(_export_worker, world, str(ckpt), str(tmp_path), max_bytes)
+    run_workers(_export_worker, world, str(ckpt), str(tmp_path), max_bytes)
     cfg = _config(quant, EXPORT_VOCAB)
     one = cast_model(KimiK3Model(cfg), torch.float32)
     one.load_state_dict(torch.load(tmp_path / "full.pt"))
@@ -435,57 +413,52 @@ def _pp_model(dtype: str):
     return cast_model(KimiK3Model(_pp_config()), getattr(torch, dtype))
 
 
-def _pp_export_worker(rank: int, world: int, port: int, out: str, dp: int, dtype: str, max_bytes: int) -> None:
+def _pp_export_worker(rank: int, world: int, out: str, dp: int, dtype: str, max_bytes: int) -> None:
     """pp2 (x dp): each rank keeps its stage (FSDP2-sharded over dp when dp > 1) and exports
     ``Pipeline.rank_module()``; records what it holds, wrote and the largest block it gathered; then the same view
     without ``lm_head`` must be refused on every rank, naming the tensor."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import kernels_torch.parallel.export as export
+    from kernels_torch.parallel.pipeline import Pipeline, shard_stages
+
+    pp = world // dp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    pipe = Pipeline(
+        _pp_model(dtype),
+        pp_size=pp,
+        pp_rank=mesh["pp"].get_local_rank(),
+        n_microbatches=pp,
+        group=mesh["pp"].get_group(),
+    )
+    if dp > 1:
+        shard_stages(pipe, mesh["dp"])
+    view = pipe.rank_module()
+    held = {n: t.to_local().numel() if isinstance(t, DTensor) else t.numel() for n, t in view.state_dict().items()}
+    gathered = []
+    gather = export.gather_block
+
+    def counting(*args, **kwargs):
+        t = gather(*args, **kwargs)
+        gathered.append(0 if t is None else t.numel())
+        return t
+
+    export.gather_block = counting  # export_sharded looks it up in its module
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        import kernels_torch.parallel.export as export
-        from kernels_torch.parallel.pipeline import Pipeline, shard_stages
-
-        pp = world // dp
-        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-        pipe = Pipeline(
-            _pp_model(dtype),
-            pp_size=pp,
-            pp_rank=mesh["pp"].get_local_rank(),
-            n_microbatches=pp,
-            group=mesh["pp"].get_group(),
-        )
-        if dp > 1:
-            shard_stages(pipe, mesh["dp"])
-        view = pipe.rank_module()
-        held = {n: t.to_local().numel() if isinstance(t, DTensor) else t.numel() for n, t in view.state_dict().items()}
-        gathered = []
-        gather = export.gather_block
-
-        def counting(*args, **kwargs):
-            t = gather(*args, **kwargs)
-            gathered.append(0 if t is None else t.numel())
-            return t
-
-        export.gather_block = counting  # export_sharded looks it up in its module
-        try:
-            wrote = export.export_sharded(view, f"{out}/par", max_shard_bytes=max_bytes)
-            export.export_sharded(view, f"{out}/par_default")
-        finally:
-            export.gather_block = gather
-        if hasattr(view, "lm_head"):
-            del view.lm_head  # now no rank holds lm_head.weight
-        try:
-            export.export_sharded(view, f"{out}/missing")
-            refused = ""
-        except ValueError as e:
-            refused = str(e)
-        record = {"held": held, "wrote": wrote, "largest_gathered": max(gathered), "refused": refused}
-        (Path(out) / f"wrote{rank}.json").write_text(json.dumps(wrote))
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+        wrote = export.export_sharded(view, f"{out}/par", max_shard_bytes=max_bytes)
+        export.export_sharded(view, f"{out}/par_default")
     finally:
-        dist.destroy_process_group()
+        export.gather_block = gather
+    if hasattr(view, "lm_head"):
+        del view.lm_head  # now no rank holds lm_head.weight
+    try:
+        export.export_sharded(view, f"{out}/missing")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    record = {"held": held, "wrote": wrote, "largest_gathered": max(gathered), "refused": refused}
+    (Path(out) / f"wrote{rank}.json").write_text(json.dumps(wrote))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.distributed
@@ -499,7 +472,7 @@ def test_pipeline_export_equals_single_process(tmp_path, dp, dtype):
     from kimi.layout import param_layout, stacked_layout
 
     world, max_bytes = 2 * dp, 2**16
-    spawn(_pp_export_worker, world, str(tmp_path), dp, dtype, max_bytes)
+    run_workers(_pp_export_worker, world, str(tmp_path), dp, dtype, max_bytes)
     _assert_export_equals(tmp_path, _pp_model(dtype), max_bytes, world)
     cfg = _pp_config()
     layout = {s.name: s.numel for s in stacked_layout(cfg)}

@@ -11,18 +11,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from dist_helpers import torchrun
 from safetensors.torch import load_file
 
 from kimi_tools.cli import main
 from kimi_tools.common import DEFAULT_TEXT
 
-ROOT = Path(__file__).resolve().parents[1]
 # fp32 sums in another order (sharded reductions): the gradient norm is the most sensitive, seen 1.0e-4 at step 3
 # of dp 2 x cp 2 (after two updates); the fp32 masters after 3 steps: 1e-5 seen; the export stores them in bf16,
 # where fp32 differences of 1e-6 can flip a rounding
@@ -77,11 +76,8 @@ def _close(a, b, tol) -> bool:
 
 
 def _torchrun(nproc: int, argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.update(OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    return subprocess.run(cmd + ["-m", "kimi_tools.cli", "train", *argv], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    """``kimi train *argv`` on ``nproc`` torchrun ranks (``dist_helpers.torchrun``)."""
+    return torchrun(nproc, ["-m", "kimi_tools.cli", "train", *argv])
 
 
 def _assert_same(got: dict, want: dict, steps, keys=("loss", "grad_norm")) -> None:
