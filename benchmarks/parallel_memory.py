@@ -1,6 +1,6 @@
 """Memory of one rank for the real K3.1 Pro under the parallel layouts ``kimi train`` supports, computed by the code:
 the model built on the ``meta`` device and sharded exactly as the trainer shards it
-(``kimi_tools.parallel.TrainParallel.setup``: ``kernels_torch.parallel.fsdp.parallelize`` over a
+(``kimi_tools.train.parallel.TrainParallel.setup``: ``kernels_torch.parallel.parallelize.parallelize`` over a
 ``ParallelMesh``, bf16 mixed precision with fp32 sharded masters, the checkpoint's fp32 tensors whole), in one process
 per layout under a fake process group (``torch.testing._internal.distributed.fake_pg``: no communication, every
 collective a no-op), then each parameter's local shard counted on rank 0 (the rank FSDP2's uneven chunks give the
@@ -37,7 +37,8 @@ def one(world: int, ep: int, cp: int, layers: int | None) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from kernels_torch.model import KimiK3Model
-    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh, parallelize
+    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh
+    from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
     from kimi.config import load_config
     from kimi.layout import param_layout
     from kimi_tools.train.stages import LMStage
@@ -53,8 +54,8 @@ def one(world: int, ep: int, cp: int, layers: int | None) -> dict:
         p.data = p.data.to(torch.float32 if n in fp32 else torch.bfloat16)
         p.requires_grad_(stage.trainable(n))
     ignored = set(fp32_compute_params(model, torch.bfloat16))
-    parallelize(model, init_mesh(dp=world // cp, cp=cp, ep=ep), param_dtype=torch.bfloat16,
-                gradient_divide_factor=1.0, ignored_params=ignored)  # fmt: skip
+    policy = ParallelPolicy(param_dtype=torch.bfloat16, gradient_divide_factor=1.0)
+    parallelize(model, init_mesh(dp=world // cp, cp=cp, ep=ep), policy, ignored_params=ignored)
     states = params = 0
     for p in model.parameters():
         local = (p.to_local() if isinstance(p, DTensor) else p).numel()

@@ -14,7 +14,9 @@ The rank holds:
 * its FSDP2 shards as flat buffers of the planner's sizes (parameters, gradients and optimizer states; those byte
   counts are the meta model's, ``tests/test_plan.py``);
 * the activations of the micro-batches in flight on that stage under 1F1B (``min(pp - s, m)`` forwards before the
-  first backward), with the planner's recomputation mode (``kernels_torch.activation_memory.recompute_layers``).
+  first backward), with the planner's recomputation mode applied as the trainer applies it
+  (``kernels_torch.parallel.parallelize.parallelize``, its activation memory step; the FSDP2 shards stand as
+  flat buffers of the planner's sizes).
 
 The stage is the trainer's pipeline stage module (``kernels_torch.parallel.pipeline.split_stage``): the first stage
 takes token ids, a later one a random received state ``[M, 1, T, D]`` (the AttnRes blocks so far and the partial
@@ -122,7 +124,7 @@ def build_stage(cfg, row: dict, device: str, lora_rank: int | None) -> nn.Module
 def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: int = 0) -> dict:
     """Materialise the rank of ``row`` (a ``kimi plan`` layout) on ``device``, run its in-flight micro-batches'
     forwards and backwards, and return the prediction beside the measurement (bytes, seconds)."""
-    from kernels_torch.activation_memory import recompute_layers
+    from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
     from kernels_torch.parallel.pipeline import sources_after
 
     torch.manual_seed(seed)
@@ -136,8 +138,9 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: i
     states = [torch.empty(int(mem[k]), dtype=torch.uint8, device=device) for k in ("params", "grads", "optimizer")]
     stage = build_stage(cfg, row, device, lora_rank)
     rc = row["policy"]["recompute"]
-    if rc != "none":
-        recompute_layers(stage, "layer" if rc == "full" else "mlp", 0 if rc == "full" else 1)
+    if rc != "none":  # the trainer's activation memory step (kernels_torch.parallel.parallelize, one process)
+        mode, full = ("layer", 0) if rc == "full" else ("mlp", 1)
+        parallelize(stage, None, ParallelPolicy(recompute=mode, recompute_full_layers=full))
     weights = sum(p.numel() * p.element_size() for p in stage.parameters())
     grads = sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)
     T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size

@@ -1,7 +1,7 @@
 """Each rank's peak host memory while it loads its shards of a real-dimension checkpoint, beside the checkpoint's size.
 
 For each world size, gloo ranks on the CPU (``torch.multiprocessing``) build the model on ``meta``, shard it with
-FSDP2 (``kernels_torch.parallel.fsdp.parallelize``: every decoder layer and the root ``Shard(0)`` over all ranks, the
+FSDP2 (``kernels_torch.parallel.parallelize.parallelize``: every decoder layer and the root ``Shard(0)`` over all ranks, the
 stacked routed experts by expert), materialise it (``to_empty``) and fill it with
 ``kernels_torch.parallel.load.load_sharded``. A rank reports its bytes read, the bytes it owns (in the model dtype),
 and its resident memory: ``VmHWM`` of ``/proc/self/status`` (the peak resident set, anonymous and file pages)
@@ -59,8 +59,9 @@ def _rank(rank: int, world: int, port: int, ckpt: str, dtype: str, out: str, exp
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from kernels_torch.model import KimiK3Model, cast_model
-        from kernels_torch.parallel.fsdp import init_mesh, parallelize
+        from kernels_torch.parallel.fsdp import init_mesh
         from kernels_torch.parallel.load import load_sharded
+        from kernels_torch.parallel.parallelize import parallelize
         from kimi.checkpoint import CheckpointReader
 
         reader = CheckpointReader(ckpt)

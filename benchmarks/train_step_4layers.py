@@ -41,7 +41,7 @@ projections narrower than ``--fp8-min-dim`` stay bf16 (default as ``kimi train``
 the row's ``fp8.min_dim`` and ``fp8.skipped``).
 
 ``--parallel`` (under ``torchrun``, e.g. ``torchrun --nproc-per-node 1 benchmarks/train_step_4layers.py --parallel
-...``) puts each model through ``kimi train``'s parallel path (``kimi_tools.parallel.TrainParallel.setup``, after the
+...``) puts each model through ``kimi train``'s parallel path (``kimi_tools.train.parallel.TrainParallel.setup``, after the
 FP8 conversion and before the recompute wrappers, as the trainer orders them): FSDP2 over the ranks (``--ep N``:
 the routed experts split over groups of N ranks), bf16 compute through FSDP2's ``MixedPrecisionPolicy`` with fp32
 sharded parameters (the trainer's masters: one rank holds 4 B per parameter where the plain row holds bf16's 2 B),
@@ -331,7 +331,7 @@ def main() -> int:
     args = ap.parse_args()
     par = None
     if args.parallel:
-        from kimi_tools.parallel import TrainParallel, under_torchrun
+        from kimi_tools.train.parallel import TrainParallel, under_torchrun
 
         if not under_torchrun():
             ap.error("--parallel: expected a launch under torchrun (torchrun --nproc-per-node N ...)")

@@ -248,7 +248,7 @@ class KimiK3Model(nn.Module):
         ``chunk_size`` rows at a time (None: 1 GiB of fp32 logits per chunk). Its value and gradients equal
         ``F.cross_entropy(logits.float(), labels, reduction="sum")`` on the logits path. Tied embeddings use the
         embedding weight; an ``lm_head`` that is not a plain ``nn.Linear`` takes the logits path (same value).
-        Under FSDP2 this method is registered as a forward method (``kernels_torch.parallel.fsdp.parallelize``), so
+        Under FSDP2 this method is registered as a forward method (``kernels_torch.parallel.parallelize.parallelize``), so
         the gathered ``lm_head`` is the one used.
 
         Raises:

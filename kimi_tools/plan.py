@@ -909,7 +909,7 @@ def _divisors(n: int) -> list[int]:
 
 def _batch_refusal(L: Layout, seq_len: int, global_batch: int) -> str | None:
     """Why ``kimi train`` cannot run layout ``L`` with steps of ``global_batch`` tokens in ``seq_len`` sequences
-    (``kimi_tools.parallel.TrainParallel.check_accum`` and its pipeline check), or None."""
+    (``kimi_tools.train.parallel.TrainParallel.check_accum`` and its pipeline check), or None."""
     m = global_batch // (L.dp * seq_len)
     if m < 1:
         return (
@@ -922,10 +922,10 @@ def _batch_refusal(L: Layout, seq_len: int, global_batch: int) -> str | None:
 
 
 def _pipeline_refusal(lora_rank: int | None, fp8: str | None) -> str | None:
-    """The trainer's refusal of ``--pp`` > 1 for this run (``kimi_tools.parallel.refuse_pipeline``), or None."""
+    """The trainer's refusal of ``--pp`` > 1 for this run (``kimi_tools.train.parallel.refuse_pipeline``), or None."""
     import types
 
-    from kimi_tools.parallel import refuse_pipeline
+    from kimi_tools.train.parallel import refuse_pipeline
 
     try:
         refuse_pipeline(2, types.SimpleNamespace(lora_rank=lora_rank, stage="lm", fp8=fp8), bool(lora_rank))
@@ -960,7 +960,7 @@ def plan(
     row's ``global_batch_tokens`` says what runs). Left out, with the reason appended to ``dropped``: layouts whose
     ``dp`` ranks cannot each get a sequence (``m`` < 1), pipelines with fewer micro-batches than stages (the
     trainer's 1F1B refuses them), and ``pp`` > 1 where the trainer refuses the pipeline (LoRA, FP8:
-    ``kimi_tools.parallel.refuse_pipeline``); each as ``(layout, reason)`` in ``dropped``.
+    ``kimi_tools.train.parallel.refuse_pipeline``); each as ``(layout, reason)`` in ``dropped``.
 
     Raises:
         ValueError: ``gpus`` < 1, ``seq_len`` < 1, ``global_batch`` below one sequence; ``only`` not a layout of

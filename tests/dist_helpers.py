@@ -193,7 +193,7 @@ def torchrun(nproc: int, argv: Sequence[str], timeout_s: float = 900) -> subproc
     to its ranks (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is cleared so that it does), so no port is drawn here and
     none is released before use. A launch is redone (at most :data:`TORCHRUN_ATTEMPTS` in all) only when it failed
     binding an address before any rank started (no ``ChildFailedError`` in its output): never when a rank failed.
-    The ranks' own teardown (a barrier before the group is destroyed) is ``kimi_tools.parallel.TrainParallel.close``.
+    The ranks' own teardown (a barrier before the group is destroyed) is ``kimi_tools.train.parallel.TrainParallel.close``.
 
     Raises:
         subprocess.TimeoutExpired: the launch ran past ``timeout_s`` seconds.

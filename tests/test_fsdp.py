@@ -42,9 +42,9 @@ def _worker(rank: int, world: int, out: str) -> None:
         export_safetensors,
         global_token_count,
         init_mesh,
-        parallelize,
         save_checkpoint,
     )
+    from kernels_torch.parallel.parallelize import parallelize
 
     model, ids, labels = _setup()
     ref = copy.deepcopy(model)
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 
     # FSDP2 over the flattened (dp, cp) mesh + context parallelism over cp
     mesh = init_mesh(dp=1, cp=world)
-    cp = parallelize(model, mesh)
+    cp = parallelize(model, mesh).ctx
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     ids_l, cu_l = cp.shard(ids, torch.tensor(CU))
     n_tok = global_token_count(ids_l.numel(), mesh)
@@ -147,9 +147,9 @@ def _reshard_worker(rank: int, world: int, out: str, mode: str) -> None:
         full_state_dict,
         init_mesh,
         load_checkpoint,
-        parallelize,
         save_checkpoint,
     )
+    from kernels_torch.parallel.parallelize import parallelize
 
     torch.manual_seed(0 if mode == "save" else 5)  # the loading run starts from other weights
     model = KimiK3Model(_reshard_cfg()).double()

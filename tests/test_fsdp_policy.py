@@ -62,7 +62,8 @@ def _policy_worker(rank: int, world: int, factor: float) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from kernels_torch.parallel.fsdp import init_mesh, parallelize, reshard
+    from kernels_torch.parallel.fsdp import init_mesh, reshard
+    from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
 
     model, cfg = _model()
     ids, labels = _ids(cfg)
@@ -70,7 +71,7 @@ def _policy_worker(rank: int, world: int, factor: float) -> None:
     loss_r = ref.loss(ids, labels) / labels.numel()
     loss_r.backward()
 
-    parallelize(model, init_mesh(dp=world), gradient_divide_factor=factor)
+    parallelize(model, init_mesh(dp=world), ParallelPolicy(gradient_divide_factor=factor))
     layers = list(model.model.layers)
     assert isinstance(model.model.embed_tokens, FSDPModule), "the untied embedding is a unit of its own"
 
@@ -104,14 +105,16 @@ def test_fsdp_policy_gradients_and_reshard(world, factor):
 
 
 def _masters_worker(rank: int, world: int) -> None:
-    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh, parallelize
+    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh
+    from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
 
     model, cfg = _model(dtype=torch.float32)
     from kernels_torch.model import cast_model
 
     model = cast_model(model, torch.bfloat16)
     ignored = set(fp32_compute_params(model, torch.bfloat16))
-    parallelize(model, init_mesh(dp=world), param_dtype=torch.bfloat16, ignored_params=ignored, master_dtype=None)
+    policy = ParallelPolicy(param_dtype=torch.bfloat16, master_dtype=None)
+    parallelize(model, init_mesh(dp=world), policy, ignored_params=ignored)
     low = [p for p in model.parameters() if p not in ignored]
     assert low and all(p.dtype == torch.bfloat16 for p in low), "master_dtype=None keeps bf16 shards"
     ids, labels = _ids(cfg)

@@ -1,4 +1,4 @@
-"""One mesh for data, context and expert parallelism (kernels_torch.parallel.mesh, fsdp.parallelize) equals one
+"""One mesh for data, context and expert parallelism (kernels_torch.parallel.mesh, parallelize) equals one
 process: loss and every gradient (the expert stacks' global gradients included) for 3 AdamW steps, fp64, at
 dp 4 x ep 2 (efsdp 2), dp 2 x cp 2 x ep 2, dp 4 x ep 4 (efsdp 1) and dp 2 x cp 2; the DCP state written at
 dp 4 x ep 2 resumes at ep 4, without expert parallelism and in one process with the same weights and AdamW moments.
@@ -125,7 +125,8 @@ def _full(t):
 def _parallel_run(cfg, layout: str, errors: list[str], ref, save: str | None = None):
     """The layout's 3 steps against the reference: loss, every gradient, the weights after the steps."""
     from kernels_torch.model import KimiK3Model
-    from kernels_torch.parallel.fsdp import global_token_count, init_mesh, parallelize, save_checkpoint
+    from kernels_torch.parallel.fsdp import global_token_count, init_mesh, save_checkpoint
+    from kernels_torch.parallel.parallelize import parallelize
 
     dp, cp, ep = LAYOUTS[layout]
     _, ref_opt, ref_losses, ref_grads = ref
@@ -135,7 +136,7 @@ def _parallel_run(cfg, layout: str, errors: list[str], ref, save: str | None = N
         model = KimiK3Model(cfg).double()
     torch.manual_seed(0)
     full = KimiK3Model(cfg).double().state_dict()
-    ctx = parallelize(_freeze(model), mesh)
+    ctx = parallelize(_freeze(model), mesh).ctx
     model.to_empty(device="cpu")
     _load_full(model, full)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -196,7 +197,8 @@ def _compare_state(model, opt, ref, tag: str, errors: list[str]) -> None:
 def _resume(cfg, layout: str, path: str, ref, errors: list[str]) -> None:
     """Load the DCP state into a fresh model of another layout: the reference's weights and moments."""
     from kernels_torch.model import KimiK3Model
-    from kernels_torch.parallel.fsdp import init_mesh, load_checkpoint, parallelize
+    from kernels_torch.parallel.fsdp import init_mesh, load_checkpoint
+    from kernels_torch.parallel.parallelize import parallelize
 
     dp, cp, ep = LAYOUTS[layout]
     torch.manual_seed(7)  # other weights than the saved ones
@@ -254,7 +256,8 @@ def _silent_worker(rank: int, world: int, out: str) -> None:
 
     from kernels_torch.model import KimiK3Model
     from kernels_torch.parallel.expert import shard_experts
-    from kernels_torch.parallel.fsdp import init_mesh, parallelize
+    from kernels_torch.parallel.fsdp import init_mesh
+    from kernels_torch.parallel.parallelize import parallelize
 
     cfg = _config()
     errors = []
@@ -302,7 +305,8 @@ def _bf16_case(cfg, world: int, rank: int, errors: list[str]) -> None:
     the checkpoint's fp32 tensors stay fp32 (in the forward too), the loss and gradients within a bf16 bound of one
     process in bf16 (each rank's micro-batch; the gradients summed)."""
     from kernels_torch.model import model_from_params
-    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh, parallelize
+    from kernels_torch.parallel.fsdp import fp32_compute_params, init_mesh
+    from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
     from kimi.init import init_params
 
     params = init_params(load_config("tiny"), seed=0, layers=cfg.num_hidden_layers)
@@ -314,7 +318,8 @@ def _bf16_case(cfg, world: int, rank: int, errors: list[str]) -> None:
     total.backward()
     ignored = set(fp32_compute_params(model, torch.bfloat16))
     mesh = init_mesh(dp=world, ep=world)
-    parallelize(model, mesh, param_dtype=torch.bfloat16, ignored_params=ignored, gradient_divide_factor=1.0)
+    policy = ParallelPolicy(param_dtype=torch.bfloat16, gradient_divide_factor=1.0)
+    parallelize(model, mesh, policy, ignored_params=ignored)
     attn = model.model.layers[0].self_attn
     seen = {}
     hook = attn.register_forward_pre_hook(lambda m, a: seen.update(A_log=m.A_log.dtype, q=m.q_proj.weight.dtype))

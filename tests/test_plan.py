@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kernels_torch.model import KimiK3Model, cast_model
-from kernels_torch.parallel.fsdp import parallelize
 from kernels_torch.parallel.mesh import ParallelDims
+from kernels_torch.parallel.parallelize import parallelize
 from kimi.config import load_config
 from kimi.flops import estimate_flops
 from kimi_tools import plan as P
@@ -49,7 +49,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, lora_rank=None) -> dict:
     """Local elements and bytes of the stage model on fake rank ``rank`` of ``dp x cp`` after the trainer's sharding
-    (``kernels_torch.parallel.fsdp.parallelize`` over the :class:`ParallelDims` mesh: the experts ``Shard(0)`` over
+    (``kernels_torch.parallel.parallelize.parallelize`` over the :class:`ParallelDims` mesh: the experts ``Shard(0)`` over
     ``ep`` and FSDP2 over ``efsdp``, ep innermost; everything else FSDP2 over ``dp x cp``)."""
     world = layout.dp * layout.cp
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -424,7 +424,7 @@ PP_T = 32  # tokens per micro-batch
 
 
 def _pipeline_held_worker(rank: int, world: int, port: int, out: str) -> None:
-    """One rank of the pipeline trainer at pp 2 x dp 2 x ep 2 (``kimi_tools.parallel.TrainParallel``: its setup,
+    """One rank of the pipeline trainer at pp 2 x dp 2 x ep 2 (``kimi_tools.train.parallel.TrainParallel``: its setup,
     its ``Pipeline`` step), tiny preset cut to 8 layers, bf16: the largest number of bytes FSDP2 holds unsharded
     in this rank's stage before each micro-batch's forward of a step, and the all-gathers and reduce-scatters
     that step issues."""
@@ -436,7 +436,7 @@ def _pipeline_held_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    from kimi_tools.parallel import TrainParallel
+    from kimi_tools.train.parallel import TrainParallel
 
     calls = {"all_gather": 0, "reduce_scatter": 0}
     gather, reduce = fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce

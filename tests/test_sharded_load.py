@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_workers
+from helpers import spawn
 from torch.distributed.tensor import DTensor
 
 from kimi.config import load_config
@@ -96,7 +97,7 @@ def _stored_owned(model, cfg) -> tuple[int, int]:
 
 
 def _fsdp_model(cfg, mesh):
-    from kernels_torch.parallel.fsdp import parallelize
+    from kernels_torch.parallel.parallelize import parallelize
 
     model = _meta_model(cfg)
     parallelize(model, mesh)

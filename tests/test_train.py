@@ -1051,7 +1051,7 @@ def test_a_real_signal_saves_and_exits_with_one_line(tmp_path, sig, code):
 def test_micro_batches_must_deal_evenly_to_data_parallel_groups():
     """Under torchrun every rank runs the same number of forwards (FSDP2's collectives): a step of 3 micro-batches
     for 2 dp groups is refused naming --batch-tokens and the multiple it needs."""
-    from kimi_tools.parallel import TrainParallel
+    from kimi_tools.train.parallel import TrainParallel
 
     par = TrainParallel(1, "cpu")
     par.check_accum(3, 16)  # one process: anything goes

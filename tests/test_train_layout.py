@@ -35,7 +35,7 @@ COMPILE_TOL = 1e-6
 def _par(dp=1, cp=1, pp=1, schedule="1F1B", spr=1):
     """A :class:`TrainParallel` of one process with the sizes of a torchrun layout (no process group: the checks of
     the step's micro-batches and stages are pure arithmetic)."""
-    from kimi_tools.parallel import TrainParallel
+    from kimi_tools.train.parallel import TrainParallel
 
     par = TrainParallel(1, "cpu")
     par.dp_size, par.cp_size, par.pp_size, par.pp_schedule, par.stages_per_rank = dp, cp, pp, schedule, spr

@@ -269,7 +269,7 @@ def test_torchrun_recompute_and_offload_equal_one_process(tmp_path, data, one):
 
 def test_layout_flags_refused_in_one_line():
     """Sizes that cannot make a layout are refused before any process group, naming the flags and values."""
-    from kimi_tools.parallel import TrainParallel
+    from kimi_tools.train.parallel import TrainParallel
 
     with pytest.raises(ValueError, match=r"^--ep: got 3, expected a divisor of --dp x --cp = 2 x 2 = 4"):
         TrainParallel(2, "cpu", ep=3, world=4)

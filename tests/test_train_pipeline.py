@@ -119,7 +119,7 @@ def test_torchrun_pp2_dp2_resumes_at_pp4_and_in_one_process(tmp_path, data, one)
 
 def test_pipeline_flags_refused_in_one_line():
     """What the pipeline path does not run is refused before any process group, naming the flags and values."""
-    from kimi_tools.parallel import TrainParallel
+    from kimi_tools.train.parallel import TrainParallel
 
     with pytest.raises(ValueError, match=r"^--ep: got 4, expected a divisor of --dp x --cp = 1 x 2 = 2"):
         TrainParallel(2, "cpu", pp=2, ep=4, world=4)
@@ -150,7 +150,7 @@ def test_pipeline_refuses_lora_distillation_fp8(change, said):
     """LoRA, the distillation stages and FP8 with --pp: refused in one line, naming the flags; bf16 runs."""
     from types import SimpleNamespace
 
-    from kimi_tools.parallel import refuse_pipeline
+    from kimi_tools.train.parallel import refuse_pipeline
 
     a = SimpleNamespace(**{"lora_rank": None, "stage": "lm", "dtype": "float32", "fp8": None, **change})
     refuse_pipeline(1, a, lora=a.lora_rank is not None)  # no pipeline: nothing refused

@@ -137,7 +137,7 @@ class ExpertParallel:
     other ranks' experts are freed. Being DTensors, the stacks carry their placement: DCP
     (``torch.distributed.checkpoint``) writes every rank's experts under their global offsets and reshards them on
     load, and FSDP2 shards them further over the ranks that hold the same experts
-    (``kernels_torch.parallel.fsdp.parallelize``: the ``efsdp`` mesh). ``moe.routed_experts`` is replaced on the
+    (``kernels_torch.parallel.parallelize.parallelize``: the ``efsdp`` mesh). ``moe.routed_experts`` is replaced on the
     instance by the all-to-all version (module docstring), which computes on the local tensors
     (``GroupedExperts.local_weights``). Build the model on the ``meta`` device, attach, then ``to_empty`` and
     :meth:`load_full_state_dict`, to never hold all experts at once.

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from kernels_torch.parallel.expert import shard_experts
 from kernels_torch.parallel.mesh import ParallelDims, ParallelMesh, init_distributed
 
 __all__ = [

@@ -73,10 +73,10 @@ The other dimensions, and what remains:
   ``kernels_torch.activation_memory.recompute_layers``) runs after later micro-batches' forwards set their shards: its checkpoint
   takes ``context_fn=kernels_torch.parallel.context.recompute_context``, which replays it with the shard of its
   forward (tested here: 1F1B, Interleaved1F1B and GPipe, whole layers and the MLP-only mode, fp64). With FSDP2 over
-  ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.fsdp.parallelize`` makes
+  ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.parallelize.parallelize`` makes
   (``own_cp_group``).
 * ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
-  and ``--dtype bfloat16`` (``kimi_tools.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
+  and ``--dtype bfloat16`` (``kimi_tools.train.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
   evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
   written per rank from its stages, ``kernels_torch.parallel.export.export_sharded`` on :meth:`Pipeline.rank_module`;
   the model built on ``meta``, each rank materialising and reading only its stages' shards). Remaining: LoRA, FP8
@@ -647,7 +647,7 @@ def shard_stages(
     offload_policy=None,
 ) -> None:
     """FSDP2 over the ranks of one pipeline coordinate that hold the same stages, as
-    ``kernels_torch.parallel.fsdp.parallelize`` shards a whole model (the same code:
+    ``kernels_torch.parallel.parallelize.parallelize`` shards a whole model (the same code:
     ``kernels_torch.parallel.fsdp.apply_fsdp``): ``fully_shard`` on every decoder layer of this rank's stages and on
     each stage module (its embedding, or its final norm, output mix and ``lm_head``) over the flattened ``dp x cp``
     ranks, and under expert parallelism on each MoE layer's routed experts over ``efsdp``. Call it before the
@@ -665,7 +665,7 @@ def shard_stages(
             meshes), or a 1-D ``DeviceMesh`` of the ranks that hold the same stages (``world_mesh["dp"]``; no
             expert parallelism then).
         param_dtype, reduce_dtype, reshard_after_forward, gradient_divide_factor, ignored_params, master_dtype,
-            offload_policy: as ``kernels_torch.parallel.fsdp.parallelize`` (with ``bfloat16``: the trainable bf16
+            offload_policy: as ``kernels_torch.parallel.parallelize.parallelize`` (with ``bfloat16``: the trainable bf16
             parameters become ``master_dtype`` masters, the stages' parameters in another dtype must be ignored; fp64
             parameters reduce in fp64), except that the divide factor defaults to 1.0 (None: the mesh's ``dp``).
 

@@ -75,7 +75,7 @@ What a run does, in order:
    then what ``--stop-after N-1`` would have left plus ``diverged.json``: ``--resume`` continues from step N-1
    (and removes the marker).
 
-Under ``torchrun`` (:mod:`kimi_tools.parallel`): FSDP2 over all ranks, context parallelism over ``--cp`` ranks.
+Under ``torchrun`` (:mod:`kimi_tools.train.parallel`): FSDP2 over all ranks, context parallelism over ``--cp`` ranks.
 """
 
 from kimi_tools.train.args import TrainArgs

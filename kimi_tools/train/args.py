@@ -382,7 +382,7 @@ class TrainArgs:
     cp: int = field(
         default=1,
         metadata=arg(
-            "context-parallel ranks under torchrun (kimi_tools/parallel.py)", numbers=False, type=positive_int
+            "context-parallel ranks under torchrun (kimi_tools/train/parallel.py)", numbers=False, type=positive_int
         ),
     )
     # the layout sizes change only the rounding of the sums (tests/test_train_parallel.py, tests/test_mesh.py): run
@@ -428,7 +428,7 @@ class TrainArgs:
         default=1,
         metadata=arg(
             "expert-parallel ranks under torchrun: the routed experts are split over groups of EP ranks, a divisor "
-            "of --dp x --cp (it adds no GPU) and of the model's experts (kimi_tools/parallel.py)",
+            "of --dp x --cp (it adds no GPU) and of the model's experts (kimi_tools/train/parallel.py)",
             numbers=False,
             type=positive_int,
         ),
@@ -721,7 +721,7 @@ def resume_defaults(args: TrainArgs, saved: dict | None) -> TrainArgs:
 def default_batch_tokens(micro_batch_tokens: int, microbatches: int) -> int:
     """The tokens per step of a run without ``--batch-tokens``: ``micro_batch_tokens x microbatches``, where
     ``microbatches`` is the fewest micro-batches a step needs under the layout, ``dp x`` (with ``--pp`` and a
-    1F1B-type schedule) the pipeline's stages (``kimi_tools.parallel.TrainParallel.min_microbatches``): one
+    1F1B-type schedule) the pipeline's stages (``kimi_tools.train.parallel.TrainParallel.min_microbatches``): one
     micro-batch per data-parallel rank and pipeline stage, as torchtitan's and Megatron's global batch defaults
     to the local batch times ``dp``, so that the command of one process runs unchanged under any layout."""
     return micro_batch_tokens * microbatches

@@ -54,7 +54,7 @@ DIVERGED = "diverged.json"  # written beside step-N when a step's loss or gradie
 
 class Checkpointer:
     """``step-N/`` DCP folders in ``out`` (module docstring). ``par``: the run's
-    :class:`kimi_tools.parallel.TrainParallel` (all ranks write their shards into one folder; rank 0 renames it)."""
+    :class:`kimi_tools.train.parallel.TrainParallel` (all ranks write their shards into one folder; rank 0 renames it)."""
 
     def __init__(self, out: str | Path, keep: int = 2, par=None):
         self.out, self.keep, self.par = Path(out), keep, par

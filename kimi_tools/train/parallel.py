@@ -5,7 +5,7 @@ processes over one mesh (:mod:`kernels_torch.parallel.mesh`): ``D x C = N`` (``-
 unless given), context parallelism over groups of ``C`` ranks, expert parallelism over groups of ``X`` ranks (``X``
 divides ``D x C`` and adds no rank: the routed experts take a second view of the same ranks, ``Shard(0)`` over ``ep``
 and FSDP2 over the ``efsdp = D x C / X`` ranks that hold the same experts), FSDP2 of everything else over all
-``D x C`` ranks (``kernels_torch.parallel.fsdp.parallelize``). Every rank reads the same data in the same order (the
+``D x C`` ranks (``kernels_torch.parallel.parallelize.parallelize``). Every rank reads the same data in the same order (the
 loader state stays one state); the ``accum`` micro-batches of a step are dealt round-robin to the ``dp`` groups (so
 ``accum`` must be a multiple of ``dp``: every rank runs the same number of forwards, which FSDP2's collectives need;
 without ``--batch-tokens`` a step is :attr:`TrainParallel.min_microbatches` micro-batches, one per ``dp`` group and

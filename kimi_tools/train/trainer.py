@@ -172,7 +172,7 @@ def _lora_settings(a: TrainArgs):
 
 class Trainer:
     """One training run (module docstring). Attributes are its components: ``args`` (resolved), ``config``,
-    ``par`` (:class:`kimi_tools.parallel.TrainParallel`), ``loader`` and ``evals``, ``stage``, ``model``, ``masters``
+    ``par`` (:class:`kimi_tools.train.parallel.TrainParallel`), ``loader`` and ``evals``, ``stage``, ``model``, ``masters``
     (:class:`~kimi_tools.train.weights.MasterWeights`), ``optimizer``, ``scheduler``, ``checkpointer``, ``metrics``;
     its own state is ``step`` and ``tokens_seen`` (plus the RNG, in :meth:`state_dict`).
 
@@ -185,7 +185,7 @@ class Trainer:
         import torch
 
         from kimi_tools.data import PackedLoader, eval_batches
-        from kimi_tools.parallel import TrainParallel
+        from kimi_tools.train.parallel import TrainParallel
 
         self.t_start = time.perf_counter()
         # --resume: an unset --micro-batch-tokens / --batch-tokens is the run's (its tokens per step stay)

@@ -3,7 +3,7 @@
 Order (:class:`kimi_tools.train.trainer.Trainer` follows it): :func:`build_model` (``--checkpoint`` through
 ``kernels_torch.model.load_model``, or a ``--preset`` random init), the stage's ``prepare``, LoRA
 (``kimi_tools.lora.apply_lora``), :func:`freeze` (the stage's trainable set and ``--freeze``), :func:`convert_model`
-(the model-conversion hook: :data:`CONVERTERS`), then FSDP2 (``kimi_tools.parallel``), :class:`MasterWeights` and
+(the model-conversion hook: :data:`CONVERTERS`), then FSDP2 (``kimi_tools.train.parallel``), :class:`MasterWeights` and
 :func:`build_optimizer`. Under torchrun the model is built on ``meta`` and the same steps run on it (they set flags
 and swap modules, never read weights; LoRA's adapters are injected there too, their one-process initial values
 taken first by ``kimi_tools.lora.initial_adapters``); after the sharding :func:`materialise` allocates and fills
@@ -224,7 +224,7 @@ class MasterWeights:
     that every rank holds the same values. Otherwise:
 
     A trainable parameter in fp32 is its own master (so under ``torchrun``, where FSDP2's mixed precision holds the
-    trainable parameters as fp32 shards and computes in bf16, ``kimi_tools.parallel``, nothing is copied). Each other
+    trainable parameters as fp32 shards and computes in bf16, ``kimi_tools.train.parallel``, nothing is copied). Each other
     trainable parameter (bf16 in one process; a bf16 parameter a stage keeps whole on every rank) gets an fp32 copy:
     :meth:`grads_to_masters` moves the gradients up (fp32), the optimizer steps the masters, :meth:`to_model` rounds
     them back into the model (the model's weights are then the masters rounded once, which is what the export holds).
