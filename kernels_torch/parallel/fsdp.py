@@ -256,6 +256,9 @@ def _own_embedding(root: nn.Module) -> nn.Module | None:
     reads the same tensor), not a unit already; None otherwise."""
     from torch.distributed.fsdp import FSDPModule
 
+    config = getattr(root, "config", None) or getattr(getattr(root, "model", None), "config", None)
+    if getattr(config, "tie_word_embeddings", False):  # the LM head reads the embedding's weight in the root's loss
+        return None
     for name, mod in root.named_modules():
         if name.split(".")[-1] != "embed_tokens" or not isinstance(mod, nn.Embedding) or isinstance(mod, FSDPModule):
             continue
