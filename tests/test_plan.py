@@ -473,13 +473,13 @@ def _pipeline_held_worker(rank: int, world: int, port: int, out: str) -> None:
         units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
         # the units sharded over more than one rank gather (the experts' at efsdp 1 issue no collective): m + 1
         # times a step those that reshard after their forward, once those that keep their gathered copy
-        groups = [fully_shard.state(m)._fsdp_param_groups[0] for m in units]
+        groups = [g for m in units for g in fully_shard.state(m)._fsdp_param_groups]  # (a root left no parameter)
         sharded = [g for g in groups if g.mesh_info.shard_mesh_size > 1]
         got = {
             "stage": par.pipe.stage_indices[0],
             "held": max(seen),
             "after_step": _fsdp_held(stage),
-            "units": len(units),
+            "units": len(groups),  # the units holding parameters (each reduce-scatters once)
             "gathers_expected": sum(PP_M + 1 if g._reshard_after_forward else 1 for g in sharded),
             "gathers_most": len(sharded) * (PP_M + 1),
             **calls,

@@ -135,8 +135,17 @@ def test_torchrun_cp2_equals_one_process_and_resumes_on_one(tmp_path, data, one)
             assert err <= TOL["masters"], (k, err)
         else:  # bf16, MXFP4 blocks and scales: a rounding flipped here and there
             flips = int((a[k] != b[k]).sum())
-            assert flips <= max(2, EXPORT_FLIPS * b[k].numel()), (k, flips, b[k].numel())
+            assert flips <= flip_bound(b[k].numel(), EXPORT_FLIPS), (k, flips, b[k].numel())
     assert exact > 20, exact
+
+
+def flip_bound(n: int, share: float) -> float:
+    """The most roundings of an ``n``-value bf16 tensor that may flip between two runs whose masters differ: each
+    value flips with probability at most ``share`` (its master moved across a bf16 rounding boundary), so the count
+    is about Poisson with mean ``share x n``; allowed: the mean plus three standard deviations, and one more (a small
+    tensor's few flips are a count of rare events, not a share)."""
+    mean = share * n
+    return mean + 3 * mean**0.5 + 1
 
 
 def assert_exports_close(
@@ -151,7 +160,7 @@ def assert_exports_close(
             assert err <= TOL["masters"], (k, err)
         else:
             flips = int((a[k] != b[k]).sum())
-            assert flips <= max(2, flips_share * b[k].numel()), (k, flips, b[k].numel())
+            assert flips <= flip_bound(b[k].numel(), flips_share), (k, flips, b[k].numel())
 
 
 def _masters(step_dir: Path) -> dict[str, torch.Tensor]:

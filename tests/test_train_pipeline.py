@@ -311,7 +311,7 @@ def test_torchrun_pp2_bf16_equals_one_process_bf16(tmp_path, data, cp):
     want, got = _records(ref), _records(out)
     for step in (1, 2, 3):
         for key in ("loss", "grad_norm"):
-            assert _close(got[step][key], want[step][key], BF16_TOL[key]), (step, key, got[step][key])
+            assert _close(got[step][key], want[step][key], BF16_TOL[key]), (step, key, got, want)
     for step in (0, 3):
         assert _close(got[step]["eval_loss"], want[step]["eval_loss"], BF16_TOL["eval_loss"]), step
     a, b = load_file(out / "model.safetensors"), load_file(ref / "model.safetensors")
