@@ -16,6 +16,8 @@ ranks): ``TrainParallel`` with ``ep_overlap="chunks"`` at dp 4 x ep 2 (FSDP2 ove
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 
 import pytest
 import torch
@@ -65,6 +67,17 @@ def _init(rank: int, world: int, port: int) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
+
+
+def _end() -> None:
+    """Tear the group down and end this rank without interpreter finalization. The functional collectives (expert
+    parallelism without overlap, ``DTensor.full_tensor``) keep the gloo group alive past ``destroy_process_group``,
+    and its worker threads, torn down during finalization, abort the process now and then (SIGABRT, "terminate
+    called without an active exception": 1 run in ~20, with or without the overlap). Called once the rank passed."""
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _local(t):
@@ -204,8 +217,10 @@ def _layer_worker(rank: int, world: int, port: int) -> None:
         dist.barrier()
         if errors:
             raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _end()
 
 
 @pytest.mark.distributed
@@ -322,10 +337,58 @@ def _train_worker(rank: int, world: int, port: int) -> None:
         dist.barrier()
         if errors:
             raise AssertionError("\n".join(errors[:30]))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _end()
 
 
 @pytest.mark.distributed
 def test_trainer_layouts_with_overlap_equal_one_process():
     spawn(_train_worker, 4)
+
+
+# ------------------------------------------------------------------------------------------------ the planner
+
+
+def test_planner_counts_the_overlap_the_trainer_runs():
+    """``kimi plan --overlap-a2a`` (``evaluate(overlap_a2a=True)``) is ``--ep-overlap chunks``: the routed experts
+    at the calibrated rate for half the rows per expert; half the all-to-all (the first dispatch and last combine
+    of each layer) exposed, the other half only where it outlasts the routed experts' compute; nothing at ep 1."""
+    from kimi_tools import plan as P
+
+    cfg = load_config("k3.1-pro")
+    cal = P.load_calibration()
+    L = P.Layout(pp=1, dp=256, cp=1, ep=8)  # 1,170 rows per expert at 8K tokens: the split runs 585, slower;
+    # one stage, so that the micro-batch time is its compute + exposed all-to-all
+    kw = dict(seq_len=8192, global_batch=1 << 24)
+    for policy in (P.Policy(optimizer="adamw-bf16", recompute="full"), P.Policy(optimizer="adamw-bf16")):
+        for hw in (P.Hardware(), P.Hardware(nvlink_gbps=5.0)):  # the half hidden fits behind the experts, or not
+            plain = P.evaluate(cfg, L, policy, hw, cal, **kw)
+            over = P.evaluate(cfg, L, policy, hw, cal, overlap_a2a=True, **kw)
+            rows = plain["rows_per_expert"]
+            assert over["rows_per_expert"] == rows
+            assert plain["expert_slowdown"] == cal.expert_slowdown(rows, policy.recompute)
+            assert over["expert_slowdown"] == cal.expert_slowdown(rows / 2, policy.recompute) > plain["expert_slowdown"]
+            t, tp = over["time"], plain["time"]
+            assert tp["all_to_all_exposed_per_microbatch"] == tp["all_to_all_per_microbatch"]
+            a2a = t["all_to_all_per_microbatch"]
+            assert a2a == tp["all_to_all_per_microbatch"] > 0  # the same bytes move
+            # the experts' time at the split's rate: the compute grows by the experts' slowdown
+            rate = cal.tflops[policy.recompute] * 1e12
+            grown = t["compute_per_microbatch"] - tp["compute_per_microbatch"]
+            f_exp = grown * rate / (over["expert_slowdown"] - plain["expert_slowdown"])  # the experts' FLOPs
+            t_exp = f_exp * over["expert_slowdown"] / rate
+            want = a2a / 2 + max(0.0, a2a / 2 - t_exp)
+            assert t["all_to_all_exposed_per_microbatch"] == pytest.approx(want, rel=1e-9)
+            assert (want > a2a / 2) == (hw.nvlink_gbps == 5.0), (a2a, t_exp)
+            m = over["microbatches"]
+            busy = t["compute_per_microbatch"] + t["all_to_all_exposed_per_microbatch"]
+            assert t["busy"] == pytest.approx(m * (busy + t["pipeline_send_per_microbatch"]), rel=1e-9)
+            assert t["bubble"] == 0.0
+            assert t["step"] < tp["step"]  # here the hidden half outweighs the slower experts
+    # no expert parallelism, nothing to overlap: the same prediction
+    one = P.Layout(pp=8, dp=32, cp=1, ep=1)
+    assert P.evaluate(cfg, one, P.Policy(), P.Hardware(), cal, overlap_a2a=True, **kw) == P.evaluate(
+        cfg, one, P.Policy(), P.Hardware(), cal, **kw
+    )
