@@ -400,6 +400,11 @@ class KimiMoE(nn.Module):
     ``forward(x, return_aux=False)``: x ``[B, T, D]`` -> ``[B, T, D]`` in x's dtype (and, with ``return_aux``,
     ``{"expert_ids", "expert_scores"}`` as the JAX twin). ``backend='cudnn'`` gives the experts and shared experts
     the fused activation (``fused_glu``) and the grouped experts (``experts.moe_kernel``).
+
+    ``routed_and_shared`` (a plain attribute, None by default): a callable ``(x, z, ids, weights) -> (r [N, Dl],
+    shared [B, T, D] or None)`` that replaces the routed-expert step and the shared experts together, set by
+    expert parallelism's overlap (``kernels_torch.parallel.expert``: the shared experts run while the last combine
+    travels); the numbers are those of :meth:`routed_experts` and ``shared_experts``.
     """
 
     def __init__(self, config: KimiConfig, backend: str = "eager"):
@@ -416,6 +421,7 @@ class KimiMoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
         if c.num_shared_experts:
             self.shared_experts = DenseMLP(c, c.num_shared_experts * c.moe_intermediate_size, backend)
+        self.routed_and_shared = None
 
     def routed_experts(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``r = Σ_k w_k · E_{ids_k}(z)`` (spec 5.3 steps 4-6) through :class:`GroupedExperts`: ``z`` ``[N, Dl]``,
@@ -432,7 +438,11 @@ class KimiMoE(nn.Module):
         xf = x.reshape(B * T, D)  # [N, D]
         ids, weights = self.gate(xf)  # [N, k], [N, k] fp32 -- router on the full-width x
         z = self.routed_expert_down_proj(xf) if c.has_latent_moe else xf  # [N, Dl]
-        r = self.routed_experts(z, ids, weights).to(x.dtype).reshape(B, T, -1)  # [B, T, Dl]
+        if self.routed_and_shared is None:
+            r, shared = self.routed_experts(z, ids, weights), None
+        else:  # expert parallelism's overlap: the shared experts computed inside, beside the all-to-alls
+            r, shared = self.routed_and_shared(x, z, ids, weights)
+        r = r.to(x.dtype).reshape(B, T, -1)  # [B, T, Dl]
 
         # [B, T, ...] from here: the output is then a fresh tensor, not a view (FSDP2 warns of a wrapped layer that
         # returns a view: an in-place op on it would skip the pre-backward all-gather)
@@ -441,7 +451,7 @@ class KimiMoE(nn.Module):
                 r = self.routed_expert_norm(r)
             r = self.routed_expert_up_proj(r)  # [B, T, D]
         if c.num_shared_experts:  # shared experts on the un-projected x
-            r = r + self.shared_experts(x)
+            r = r + (self.shared_experts(x) if shared is None else shared)
         if r._base is not None:  # neither latent projection nor shared experts: r is a view of the combine
             r = r.clone()
         if not return_aux:

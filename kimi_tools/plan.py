@@ -55,12 +55,13 @@ forward and input gradients only, 2/3 of the weight matmuls) at the calibrated r
 4-layer step per recompute mode; ``"full"`` = the no-recompute rate x 3/4, one more forward per three units of
 work), the routed experts slowed down where a rank's experts get fewer rows than in the calibration step
 (``T k ep / E`` rows per expert, against the measured grouped-GEMM rate: :meth:`Calibration.expert_slowdown`). The
-all-to-all is added unhidden (the code's ``all_to_all_single`` blocks the stream; ``--overlap-a2a`` hides it behind
-compute as DualPipe-style schedules do); FSDP traffic overlaps compute (FSDP2's prefetch) and only its excess
-counts; 1F1B's bubble multiplies the slowest stage by ``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer
-step reads and writes its states at HBM (or host) bandwidth. MFU = model FLOPs per token
-(``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak. The rates are k3.1-pro's: for a
-narrower preset the times are upper bounds (``kimi plan`` says so).
+all-to-all is added unhidden (``kimi train``'s default), or with ``--overlap-a2a`` as ``kimi train --ep-overlap
+chunks`` runs it (each MoE layer's tokens in two chunks: the experts at half the rows per expert, the first dispatch
+and the last combine of each layer exposed, the rest hidden behind the routed experts' compute); FSDP traffic
+overlaps compute (FSDP2's prefetch) and only its excess counts; 1F1B's bubble multiplies the slowest stage by
+``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer step reads and writes its states at HBM (or host)
+bandwidth. MFU = model FLOPs per token (``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
+The rates are k3.1-pro's: for a narrower preset the times are upper bounds (``kimi plan`` says so).
 
 Each row ends with the ``torchrun ... -m kimi_tools.cli train ...`` command that runs it (:func:`train_command`);
 layouts the trainer refuses are left out (:func:`plan`), and a global batch that is not a whole number of
@@ -764,6 +765,7 @@ def evaluate(
     Args:
         seq_len: tokens per sequence (one micro-batch row, cut over ``cp``). global_batch: tokens per optimizer
             step; micro-batches per pipeline ``m = max(1, global_batch // (dp x seq_len))``.
+        overlap_a2a: the all-to-all as ``kimi train --ep-overlap chunks`` runs it (module docstring; ep > 1 only).
 
     Returns:
         A JSON-able dict: ``layout``, ``policy``, ``microbatches``, ``memory`` (bytes: params, grads, optimizer,
@@ -785,7 +787,12 @@ def evaluate(
     rb = 4 if policy.optimizer == "adamw-fp32" else 2  # reduce-scatter dtype
     fl = layer_flops(cfg, seq_len, frozen_weights=bool(lora_rank))
     rows = T * cfg.num_experts_per_token * L.ep / cfg.num_experts if cfg.num_experts else 0.0
-    slow = cal.expert_slowdown(rows, policy.recompute) if rows else 1.0
+    # overlap_a2a: the trainer's --ep-overlap chunks (kernels_torch.parallel.expert): each MoE layer's tokens in two
+    # chunks, so the experts run half the rows per expert (the calibrated rate there); the first dispatch and the
+    # last combine of a layer (and their reverses) stay exposed, half the all-to-all; the other half travels while
+    # the routed experts compute and shows only where it outlasts them
+    chunks = bool(overlap_a2a and L.ep > 1 and rows)
+    slow = cal.expert_slowdown(rows / 2 if chunks else rows, policy.recompute) if rows else 1.0
     ranges = stage_ranges(cfg, L.pp)
     n_dc = L.dp * L.cp
     D, k = cfg.hidden_size, cfg.num_experts_per_token
@@ -848,15 +855,18 @@ def evaluate(
         # per micro-batch: the calibrated rate, the experts slowed down at a lower density than the calibration's
         t_comp = (f_stage + f_exp * (slow - 1.0)) / (cal.tflops[policy.recompute] * 1e12)
         t_a2a = _a2a_time(a2a / m, L.ep, hw) if a2a else 0.0
+        t_exp = f_exp * slow / (cal.tflops[policy.recompute] * 1e12)  # the routed experts' part of t_comp
+        t_shown = t_a2a / 2 + max(0.0, t_a2a / 2 - t_exp) if chunks else t_a2a
         bw_dc = _bw(n_dc, 1, hw)
         bw_ef = _bw(L.efsdp, L.ep, hw)
         t_fsdp = (ag_d + rs_d) / bw_dc + (ag_e + rs_e) / bw_ef
         t_pp = pp_bytes / m / _bw(2, n_dc, hw)
         stages.append(
             dict(stage=s, mem=mem, host=host, comm=comm, t_comp=t_comp, t_a2a=t_a2a, t_fsdp=t_fsdp, t_pp=t_pp, n=n)
+            | {"t_shown": t_shown}
         )
     worst = max(stages, key=lambda st: st["mem"]["total"])
-    t_micro = max(st["t_comp"] + (0.0 if overlap_a2a else st["t_a2a"]) + st["t_pp"] for st in stages)
+    t_micro = max(st["t_comp"] + st["t_shown"] + st["t_pp"] for st in stages)
     busy = m * t_micro
     pipeline = (m + L.pp - 1) * t_micro
     fsdp_exposed = max(max(0.0, st["t_fsdp"] - m * st["t_comp"]) for st in stages)
@@ -878,6 +888,7 @@ def evaluate(
         "microbatches": m,
         "tokens_per_microbatch_per_rank": T,
         "rows_per_expert": rows,
+        "ep_overlap": "chunks" if chunks else "none",
         "expert_slowdown": slow,
         "global_batch_tokens": tokens,
         "worst_stage": worst["stage"],
@@ -889,6 +900,7 @@ def evaluate(
             "compute_per_microbatch": max(st["t_comp"] for st in stages),
             "stage_compute_per_microbatch": [st["t_comp"] for st in stages],
             "all_to_all_per_microbatch": max(st["t_a2a"] for st in stages),
+            "all_to_all_exposed_per_microbatch": max(st["t_shown"] for st in stages),
             "pipeline_send_per_microbatch": max(st["t_pp"] for st in stages),
             "busy": busy,
             "bubble": pipeline - busy,
@@ -1113,7 +1125,8 @@ def train_command(
     ``dp x micro-batches x seq_len``); bf16 on the cudnn backend; the recomputation (``--recompute``,
     ``--recompute-mode``, and ``--recompute-full-layers`` :data:`MLP_FULL_LAYERS` for "mlp", as calibrated); LoRA,
     FP8; the optimizer and offload policies where they differ from the trainer's defaults (``--optimizer
-    adamw-bf16`` with ``--reduce-dtype bf16``, ``--offload cpu``). ``DATA`` and ``OUT`` are placeholders."""
+    adamw-bf16`` with ``--reduce-dtype bf16``, ``--offload cpu``); ``--ep-overlap chunks`` where the row counted it
+    (``--overlap-a2a``). ``DATA`` and ``OUT`` are placeholders."""
     L, p = row["layout"], row["policy"]
     world = L["world"]
     per_node = max(d for d in _divisors(world) if d <= max(1, gpus_per_node))
@@ -1142,6 +1155,8 @@ def train_command(
         cmd += ["--optimizer", p["optimizer"], "--reduce-dtype", "bf16"]
     if p["offload"] != "none":
         cmd += ["--offload", p["offload"]]
+    if row.get("ep_overlap") == "chunks":
+        cmd += ["--ep-overlap", "chunks"]
     return cmd
 
 
@@ -1174,7 +1189,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--layout", metavar="PP,DP,CP,EP", help="evaluate this one layout only (pp x dp x cp = --gpus, ep | dp x cp)"
     )
-    p.add_argument("--overlap-a2a", action="store_true", help="hide the all-to-all behind compute (not in the code)")
+    p.add_argument(
+        "--overlap-a2a", action="store_true", help="the all-to-all as kimi train --ep-overlap chunks runs it"
+    )
     p.add_argument("--top", type=positive_int, default=8, help="rows shown (default 8)")
     p.add_argument("--json", action="store_true", help="print every layout as one JSON list")
     for name, default, help_ in [
@@ -1452,7 +1469,8 @@ def render_docs() -> str:
             hidden, _ = run_plan(_args(gpus, lora, overlap_a2a=True))
             out += [
                 "",
-                f"With the all-to-all hidden behind compute (DualPipe-style overlap; not in the code): best "
+                f"With the all-to-all overlapped as `kimi train --ep-overlap chunks` runs it (two chunks per MoE "
+                f"layer: the experts at half the rows, the first dispatch and last combine exposed): best "
                 f"{hidden[0]['layout']['pp']}/{hidden[0]['layout']['dp']}/{hidden[0]['layout']['cp']}/"
                 f"{hidden[0]['layout']['ep']} (pp/dp/cp/ep), {hidden[0]['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
                 f"MFU {hidden[0]['mfu']:.1%}.",
@@ -1479,7 +1497,7 @@ def render_docs() -> str:
         p = r["policy"]
         out.append(
             f"| this plan: K3.1 Pro, {gpus:,} H200, bf16, {p['optimizer']}, recompute {p['recompute']} "
-            f"| {r['tflops_per_gpu']:.0f} ({h['tflops_per_gpu']:.0f} all-to-all hidden) "
+            f"| {r['tflops_per_gpu']:.0f} ({h['tflops_per_gpu']:.0f} with --ep-overlap chunks) "
             f"| {r['mfu']:.1%} ({h['mfu']:.1%}) | `kimi plan --gpus {gpus}` |"
         )
     none = cal.tflops["none"] / hw.peak_tflops
@@ -1509,8 +1527,9 @@ def render_docs() -> str:
         f"({cal.tflops['mlp'] / hw.peak_tflops:.1%}) but starve the experts (fewer rows per expert).",
         "3. **The all-to-all**: dispatch + combine in the latent width, 4 x T x 16 x 3584 x 2 B per MoE layer per "
         "micro-batch (6 x with the MoE recomputed), (ep - 8) / ep of it across nodes once ep > 8, at 40 GB/s per GPU; "
-        f"unhidden it adds {extra_txt} to the compute time of the best full fine-tuning layouts above. Hiding it behind compute (two micro-batches in flight, "
-        "DualPipe) is the largest single gain in the tables above.",
+        f"unhidden it adds {extra_txt} to the compute time of the best full fine-tuning layouts above. `kimi train --ep-overlap chunks` "
+        "hides at most half of it (the first dispatch and last combine of each layer stay exposed) and runs the "
+        "experts at half the rows; hiding the rest needs another micro-batch's compute behind it (DualPipe).",
         f"4. **States**: fp32 AdamW needs 16 B per parameter ({n_params * 16 / 1e12:.1f} TB): on 256 H200s the states "
         f"alone are {n_params * 16 / 256 / GB:.0f} GB per GPU, so 256 GPUs need bf16 states (8 B per parameter, "
         f"{n_params * 8 / 256 / GB:.0f} GB per GPU) and 64 GPUs fit only LoRA (the frozen bf16 base is "

@@ -40,9 +40,33 @@ Use::
 The all-to-alls' split sizes are host integers, so the dispatch reads the per-expert counts on the host once per
 layer call (the one host sync of an expert-parallel MoE; the single-process grouped path has none).
 
-Not implemented: capacity limits / token dropping (this is dropless, variable counts), overlap of the all-to-alls
-with compute, a reader that fetches only the local experts from a checkpoint directory (``load_full_state_dict``
-takes full tensors; ``kernels_torch.params.load_canonical`` streams canonical pairs and skips other ranks' experts).
+**Overlap** (``shard_experts(..., overlap="chunks")``, ``kimi train --ep-overlap chunks``; default ``"none"``, all
+of the above in sequence): the rank's ``N`` tokens are cut in two chunks (tokens ``[0, ceil(N/2))`` and the rest),
+each with its own dispatch and combine (one counts exchange for both, one host read), issued as asynchronous
+``dist.all_to_all_single(..., async_op=True)`` (on NCCL they run on the process group's own stream while the
+compute stream goes on; on gloo on its worker threads) in this order::
+
+    issue dispatch 0, issue dispatch 1
+    wait dispatch 0 -> experts of chunk 0        (dispatch 1 travels)
+    issue combine 0; wait dispatch 1 -> experts of chunk 1   (combine 0 travels)
+    issue combine 1 -> the shared experts        (combine 1 travels)
+    wait combine 0, 1 -> each chunk's weighted sums
+
+The backward runs the reverse all-to-alls interleaved the same way: each transfer is two autograd nodes (issue and
+wait; ``_Transfer``), the reverse combines of both chunks are issued first (and the shared experts' backward runs
+while they travel), chunk 1's expert backward runs while chunk 0's reverse combine travels, chunk 0's while chunk
+1's reverse dispatch travels. What stays exposed is the first dispatch and the last combine of a layer (and their
+reverses). Numbers: a token's pairs all lie in its chunk and are summed in expert order, so each token's combine
+sum is the one of the path without overlap; what differs is that the experts run each chunk's rows as their own
+GEMMs (half the rows per expert) and each weight gradient is the sum of two per-chunk GEMMs instead of one, so fp32
+results differ by rounding (fp64: to 1e-12; ``tests/test_ep_overlap.py``). ``ExpertParallel.trace`` records the
+order of the transfers' events. With FSDP2 over ``efsdp`` the experts' unit runs twice per layer (one
+``rows_forward`` per chunk): with ``efsdp`` > 1 and resharding after the forward, its all-gather runs twice.
+
+Not implemented: capacity limits / token dropping (this is dropless, variable counts), overlap across
+micro-batches (DualPipe), a reader that fetches only the local experts from a checkpoint directory
+(``load_full_state_dict`` takes full tensors; ``kernels_torch.params.load_canonical`` streams canonical pairs and
+skips other ranks' experts).
 """
 
 from __future__ import annotations
@@ -63,7 +87,9 @@ from kernels_torch.moe import KimiMoE
 from kernels_torch.params import load_canonical
 from kimi.layout import EXPERT_PROJECTIONS
 
-__all__ = ["experts_per_rank", "all_to_all", "ExpertParallel", "shard_experts"]
+__all__ = ["OVERLAPS", "experts_per_rank", "all_to_all", "ExpertParallel", "shard_experts"]
+
+OVERLAPS = ("none", "chunks")  # ExpertParallel.overlap: no overlap, or the two-chunk overlap (module docstring)
 
 _EXPERT_KEY = re.compile(r"(^|\.)experts\.(\d+)\.")  # a canonical per-expert name
 _STACK_KEY = re.compile(r"(^|\.)experts\.w[123]$")  # a stacked name (kimi.layout.stacked_layout)
@@ -85,6 +111,11 @@ def experts_per_rank(num_experts: int, world: int) -> int:
     return num_experts // world
 
 
+def _check_overlap(mode) -> None:
+    if mode not in OVERLAPS:
+        raise ValueError(f"overlap: got {mode!r}, expected one of {list(OVERLAPS)}")
+
+
 def all_to_all(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
     """Differentiable ``all_to_all_single`` along dim 0: rows ``input_split_sizes[j]`` of ``x`` go to rank ``j``;
     the result holds ``output_split_sizes[j]`` rows from rank ``j``, in rank order. Backward: the reverse all-to-all
@@ -96,34 +127,151 @@ def all_to_all(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes
     return funcol.wait_tensor(out)
 
 
+class _Plan:
+    """One chunk's dispatch: its pairs in expert order (``tok``, ``slot``: chunk-local token and top-k slot of each
+    sent row), the split sizes (host ints: rows to / from each rank) and the local expert of each received row."""
+
+    def __init__(self, tok, slot, send_splits, recv_splits, row_expert):
+        self.tok, self.slot, self.send_splits, self.recv_splits, self.row_expert = (
+            tok, slot, send_splits, recv_splits, row_expert,
+        )  # fmt: skip
+
+
+def _plans(ep: ExpertParallel, chunks: list[torch.Tensor], num_experts: int) -> list[_Plan]:
+    """The dispatch plans of ``chunks`` (each ``ids`` ``[n, k]`` of one chunk of the rank's tokens), with one small
+    ``all_to_all_single`` of the per-expert counts of every chunk (``[world, chunks, El]`` int64) and one host read."""
+    world, El = ep.world, ep.experts_per_rank
+    orders, counts = [], []
+    for ids in chunks:
+        flat = ids.reshape(-1)  # [n k]
+        orders.append(torch.sort(flat, stable=True).indices)  # [n k]: pair (tok, slot) = divmod(order, k)
+        counts.append(torch.bincount(flat, minlength=num_experts))  # [E] pairs to each expert (on z's device: NCCL)
+    send = torch.stack([c.view(world, El) for c in counts], 1).contiguous()  # [world (destination), chunks, El]
+    recv = torch.empty_like(send)  # [world (source), chunks, El]: rows from source j for my local expert e
+    dist.all_to_all_single(recv, send, group=ep.group)
+    send, recv = send.cpu(), recv.cpu()  # the split sizes are host integers
+    local = torch.arange(El).repeat(world)  # [world El]: local expert of each (source, expert) block
+    plans = []
+    for c, (ids, order) in enumerate(zip(chunks, orders)):
+        k = ids.shape[1]
+        row_expert = torch.repeat_interleave(local, recv[:, c].reshape(-1)).to(ids.device)  # [R]
+        send_splits, recv_splits = send[:, c].sum(1).tolist(), recv[:, c].sum(1).tolist()
+        plans.append(_Plan(order // k, order % k, send_splits, recv_splits, row_expert))
+    return plans
+
+
+def _weighted_sum(back: torch.Tensor, plan: _Plan, weights: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """The combine's sum on the token's rank: ``back`` ``[n k, Dl]`` (the expert outputs of the chunk's pairs, in
+    the plan's order), ``weights`` ``[n, k]`` fp32 -> ``[n, Dl]`` in ``cd``, each token's outputs weighted by their
+    router weights and added in expert order (``index_add_`` over the expert-sorted pairs)."""
+    r = torch.zeros(weights.shape[0], back.shape[-1], dtype=cd, device=back.device)
+    return r.index_add_(0, plan.tok, back.to(cd) * weights[plan.tok, plan.slot, None].to(cd))
+
+
 def _routed_experts_ep(moe: KimiMoE, ep: ExpertParallel, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
     """``KimiMoE.routed_experts`` under expert parallelism (module docstring, steps 2-4): ``z`` ``[N, Dl]``, ``ids``
     / ``weights`` ``[N, k]`` of this rank's tokens -> ``[N, Dl]`` fp32 (fp64 for fp64 z)."""
-    E, world, El = moe.config.num_experts, ep.world, ep.experts_per_rank
-    N, k = ids.shape
+    (plan,) = _plans(ep, [ids], moe.config.num_experts)  # 2. dispatch: pairs in expert order, counts first
+    recv = all_to_all(z[plan.tok], plan.recv_splits, plan.send_splits, ep.group)  # [R, Dl]: source-major
+    y = moe.experts.rows_forward(recv, plan.row_expert)  # 3. [R, Dl] in z's dtype, in the received order
+    back = all_to_all(y, plan.send_splits, plan.recv_splits, ep.group)  # 4. combine: [N k, Dl] in the plan's order
+    return _weighted_sum(back, plan, weights, compute_dtype(z))
+
+
+class _Transfer:
+    """One all-to-all of the two-chunk overlap, in flight between :meth:`start` and :meth:`finish`, forward and
+    backward: ``x`` ``[sum(in_splits), ...]`` -> ``[sum(out_splits), ...]`` over ``group`` (``dist.all_to_all_single``,
+    ``async_op=True``: on NCCL its own stream, on gloo its worker threads).
+
+    Autograd sees two nodes: :class:`_Start` (made at :meth:`start`: sends ``x``, returns an empty token) and
+    :class:`_Finish` (made at :meth:`finish`: waits, returns the received rows). The backward runs them in reverse:
+    ``_Finish``'s backward *issues* the reverse all-to-all of the rows' gradient (split sizes swapped) and returns,
+    ``_Start``'s backward *waits* for it and returns ``x``'s gradient. Autograd runs ready nodes latest-made first,
+    so what was computed between ``start`` and ``finish`` in the forward (the other chunk's experts) has its backward
+    run while the reverse transfer travels."""
+
+    def __init__(self, ep: ExpertParallel, out_splits: list[int], in_splits: list[int], name: str):
+        self.group, self.trace, self.name = ep.group, ep.trace, name
+        self.out_splits, self.in_splits = out_splits, in_splits
+        self.work = self.out = self.sent = self.token = None
+
+    def log(self, what: str) -> None:
+        if self.trace is not None:
+            self.trace.append(f"{what} {self.name}")
+
+    def start(self, x: torch.Tensor) -> _Transfer:
+        self.token = _Start.apply(x, self)
+        return self
+
+    def finish(self) -> torch.Tensor:
+        return _Finish.apply(self.token, self)
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, t: _Transfer) -> torch.Tensor:
+        x = x.contiguous()
+        t.out = x.new_empty((sum(t.out_splits), *x.shape[1:]))
+        t.sent = x  # held until the transfer is waited for
+        t.work = dist.all_to_all_single(t.out, x, t.out_splits, t.in_splits, group=t.group, async_op=True)
+        t.log("forward issue")
+        ctx.t = t
+        return x.new_empty(0)  # the token: links this node to _Finish's
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        t = ctx.t
+        if t.work is None:
+            raise RuntimeError(f"expert all-to-all {t.name}: the backward waits for a transfer never issued")
+        t.work.wait()
+        t.log("backward wait")
+        grad, t.work, t.out, t.sent = t.out, None, None, None
+        return grad, None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, t: _Transfer) -> torch.Tensor:
+        t.work.wait()
+        t.log("forward wait")
+        out, t.work, t.out, t.sent = t.out, None, None, None
+        ctx.t = t
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        t = ctx.t
+        grad = grad.contiguous()
+        t.out = grad.new_empty((sum(t.in_splits), *grad.shape[1:]))
+        t.sent = grad
+        t.work = dist.all_to_all_single(t.out, grad, t.in_splits, t.out_splits, group=t.group, async_op=True)
+        t.log("backward issue")
+        return grad.new_zeros(0), None
+
+
+def _routed_and_shared_chunks(
+    moe: KimiMoE, ep: ExpertParallel, x: torch.Tensor, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``KimiMoE.routed_and_shared`` under expert parallelism with the two-chunk overlap (module docstring): the
+    rank's ``N`` tokens in two chunks (``[0, ceil(N/2))`` and the rest); chunk 1's dispatch travels while chunk 0's
+    experts run, chunk 0's combine while chunk 1's experts run, chunk 1's combine while the shared experts run.
+    ``x`` ``[B, T, D]``, ``z`` ``[N, Dl]``, ``ids`` / ``weights`` ``[N, k]`` -> (``[N, Dl]`` fp32 (fp64 for fp64 z),
+    the shared experts' ``[B, T, D]`` or None)."""
+    N = ids.shape[0]
+    cuts = [(0, (N + 1) // 2), ((N + 1) // 2, N)]
+    plans = _plans(ep, [ids[a:b] for a, b in cuts], moe.config.num_experts)
+    sent = [
+        _Transfer(ep, p.recv_splits, p.send_splits, f"dispatch {c}").start(z[a:b][p.tok])
+        for c, ((a, b), p) in enumerate(zip(cuts, plans))
+    ]
+    back = []
+    for c, p in enumerate(plans):  # chunk c's experts while the next transfer travels
+        y = moe.experts.rows_forward(sent[c].finish(), p.row_expert)  # [R_c, Dl] in z's dtype
+        back.append(_Transfer(ep, p.send_splits, p.recv_splits, f"combine {c}").start(y))
+    shared = moe.shared_experts(x) if moe.config.num_shared_experts else None  # while the last combine travels
     cd = compute_dtype(z)
-
-    # 2. dispatch: pairs in expert order (= grouped by owner rank), per-expert counts first
-    flat = ids.reshape(-1)  # [N k]
-    order = torch.sort(flat, stable=True).indices  # [N k]: pair (tok, slot) = divmod(order, k)
-    tok, slot = order // k, order % k
-    counts = torch.bincount(flat, minlength=E)  # [E] pairs this rank sends to each expert (on z's device: NCCL)
-    recv_counts = torch.empty_like(counts)  # [E] = [world, El]: rows from source j for my local expert e
-    dist.all_to_all_single(recv_counts, counts, group=ep.group)
-    counts, recv_counts = counts.cpu(), recv_counts.cpu()  # the split sizes are host integers
-    send_splits = counts.view(world, El).sum(1).tolist()
-    recv_splits = recv_counts.view(world, El).sum(1).tolist()
-    recv = all_to_all(z[tok], recv_splits, send_splits, ep.group)  # [R, Dl]: source-major, expert within source
-
-    # 3. the local experts, each row through its own (grouped GEMMs or the loop, as the layer's moe_kernel picks)
-    local = torch.arange(El).repeat(world)  # [world El]: local expert of each (source, expert) block
-    row_expert = torch.repeat_interleave(local, recv_counts).to(z.device)  # [R]
-    y = moe.experts.rows_forward(recv, row_expert)  # [R, Dl] in z's dtype, in the received order
-
-    # 4. combine: the reverse all-to-all, then the weighted fp32 sum per token in expert order
-    back = all_to_all(y, send_splits, recv_splits, ep.group)  # [N k, Dl] in `order`
-    r = torch.zeros(N, z.shape[-1], dtype=cd, device=z.device)
-    return r.index_add_(0, tok, back.to(cd) * weights[tok, slot, None].to(cd))
+    r = [_weighted_sum(t.finish(), p, weights[a:b], cd) for t, p, (a, b) in zip(back, plans, cuts)]
+    return torch.cat(r), shared
 
 
 class ExpertParallel:
@@ -145,19 +293,25 @@ class ExpertParallel:
     Args:
         model: the module holding the MoE layers. group: the EP process group (default: the world group; its
             1-D mesh is made with ``DeviceMesh.from_group``). mesh: the 1-D ``ep`` DeviceMesh instead of a group.
+        overlap: ``"none"`` (one dispatch, the experts, one combine) or ``"chunks"`` (the two-chunk overlap of the
+            module docstring; every rank of the group must use the same).
 
     Attributes:
         model, group, mesh, rank, world; experts_per_rank (``E / world``); local_experts (``range`` of this rank's
-        global ids).
+        global ids); overlap (settable: switches every layer); trace: None, or a list to which the overlapped
+        path appends its all-to-alls' events in the order they happen (``"forward issue dispatch 0"``, ...,
+        ``"backward wait combine 1"``).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised; ``model`` holds no ``KimiMoE``.
         ValueError: ``num_experts`` not divisible by the group size (:func:`experts_per_rank`) or not the same in
             every MoE layer; an MoE already expert-parallel (nothing is changed then); this process not a member of
-            ``group``; both ``group`` and ``mesh``, or a mesh that is not 1-D.
+            ``group``; both ``group`` and ``mesh``, or a mesh that is not 1-D; ``overlap`` not in
+            :data:`OVERLAPS`.
     """
 
-    def __init__(self, model: nn.Module, group=None, *, mesh: DeviceMesh | None = None):
+    def __init__(self, model: nn.Module, group=None, *, mesh: DeviceMesh | None = None, overlap: str = "none"):
+        _check_overlap(overlap)
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallel: torch.distributed is not initialised (init_process_group first)")
         if mesh is not None and group is not None:
@@ -200,6 +354,20 @@ class ExpertParallel:
             m.experts.expert_ids = self.local_experts
             m.experts.ep_mesh = self.mesh
             m.routed_experts = functools.partial(_routed_experts_ep, m, self)
+        self.trace: list[str] | None = None
+        self.overlap = overlap
+
+    @property
+    def overlap(self) -> str:
+        """``"none"`` or ``"chunks"``: how every MoE layer runs its all-to-alls (module docstring)."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, mode: str) -> None:
+        _check_overlap(mode)
+        self._overlap = mode
+        for m in self._layers:
+            m.routed_and_shared = functools.partial(_routed_and_shared_chunks, m, self) if mode == "chunks" else None
 
     def owner(self, expert: int) -> int:
         """The EP rank that owns global expert id ``expert``."""
@@ -245,8 +413,11 @@ class ExpertParallel:
         return load_canonical(self.model, self.shard_state_dict(state_dict), strict=True)
 
 
-def shard_experts(model: nn.Module, group=None, *, mesh: DeviceMesh | None = None) -> ExpertParallel:
+def shard_experts(
+    model: nn.Module, group=None, *, mesh: DeviceMesh | None = None, overlap: str = "none"
+) -> ExpertParallel:
     """Make every MoE layer of ``model`` expert-parallel over ``mesh`` (a 1-D ``ep`` mesh, e.g.
-    ``kernels_torch.parallel.mesh.ParallelMesh['ep']``) or ``group`` (default the world group): see
-    :class:`ExpertParallel` (which this returns; its errors)."""
-    return ExpertParallel(model, group, mesh=mesh)
+    ``kernels_torch.parallel.mesh.ParallelMesh['ep']``) or ``group`` (default the world group), its all-to-alls
+    overlapped with compute as ``overlap`` says (``"none"`` or ``"chunks"``): see :class:`ExpertParallel` (which
+    this returns; its errors)."""
+    return ExpertParallel(model, group, mesh=mesh, overlap=overlap)

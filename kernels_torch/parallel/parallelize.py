@@ -67,6 +67,7 @@ class ParallelPolicy:
             ``full_layers`` and ``kinds``.
         offload_activations, offload_kinds: ``offload_activations``'s mode (``"none"``) and kinds.
         compile_backend: ``compile_blocks``'s backend (None: not compiled).
+        ep_overlap: expert parallelism's all-to-alls, ``"none"`` or ``"chunks"`` (``shard_experts(overlap=)``).
         pipeline: the pipeline's schedule and cut (with ``mesh.dims.pp`` > 1).
     """
 
@@ -82,6 +83,7 @@ class ParallelPolicy:
     offload_activations: str = "none"
     offload_kinds: tuple[str, ...] | None = None
     compile_backend: str | None = None
+    ep_overlap: str = "none"
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
 
 
@@ -149,7 +151,7 @@ def parallelize(
         if mesh.dims.ep > 1 and moes and moes[0].experts.expert_ids == range(moes[0].config.num_experts):
             from kernels_torch.parallel.expert import shard_experts
 
-            shard_experts(model, mesh=mesh["ep"])
+            shard_experts(model, mesh=mesh["ep"], overlap=policy.ep_overlap)
         # 3. this rank's pipeline stages
         if mesh.dims.pp > 1:
             from kernels_torch.parallel.pipeline import Pipeline

@@ -433,6 +433,16 @@ class TrainArgs:
             type=positive_int,
         ),
     )
+    # the overlap changes the rounding of the sums only (tests/test_ep_overlap.py): run control, as the layout
+    ep_overlap: str = field(
+        default="none",
+        metadata=arg(
+            "with --ep > 1: chunks cuts each MoE layer's tokens in two, one chunk's all-to-all travelling while the "
+            "other's experts run, forward and backward (default %(default)s; kernels_torch/parallel/expert.py)",
+            numbers=False,
+            choices=("none", "chunks"),
+        ),
+    )
     # FSDP2 policies: they change the speed and memory of a step, and (--reduce-dtype bf16) the rounding of the
     # gradient sums, as the layout does: run control, so a run resumes under another policy
     reduce_dtype: str = field(

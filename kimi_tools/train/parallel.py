@@ -107,6 +107,7 @@ class TrainParallel:
             pp_layout: ``--pp-schedule``, ``--pp-layout`` (the text). device: ``cpu`` (gloo) or ``cuda`` (NCCL).
             world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1). offload: ``--offload`` (``none``
             or ``cpu``).
+            ep_overlap: ``--ep-overlap`` (``none`` or ``chunks``: ``ParallelPolicy.ep_overlap``).
 
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
@@ -117,7 +118,8 @@ class TrainParallel:
             layout cuts; ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
             without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``,
-            or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B).
+            or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep-overlap`` other than ``none`` /
+            ``chunks``, or ``chunks`` with ``--ep 1``.
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class TrainParallel:
         reshard_after_forward: str = "auto",
         bf16_masters: bool = False,
         offload: str = "none",
+        ep_overlap: str = "none",
     ):
         from kernels_torch.parallel.mesh import ParallelDims
         from kernels_torch.parallel.pipeline import SCHEDULES, parse_stage_layout
@@ -156,6 +159,12 @@ class TrainParallel:
                     "--nproc-per-node N -m kimi_tools.cli train ...)"
                 )
         pp_schedule = pp_schedule or "1F1B"  # (None: --pp-schedule not given)
+        if ep_overlap not in ("none", "chunks") or (ep_overlap != "none" and ep == 1):
+            raise ValueError(
+                f"--ep-overlap: got {ep_overlap!r} with --ep {ep}, expected none, or chunks with --ep > 1 (it overlaps "
+                "the expert all-to-all with compute)"
+            )
+        self.ep_overlap = ep_overlap
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
         self.pp_counts = None
@@ -372,6 +381,7 @@ class TrainParallel:
             reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
             reshard_after_forward=self.reshard_after_forward,
             offload=self.offload,
+            ep_overlap=self.ep_overlap,
             gradient_divide_factor=1.0,
             pipeline=PipelineSpec(
                 schedule=self.pp_schedule,
