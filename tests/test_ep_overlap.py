@@ -90,7 +90,7 @@ def _local(t):
 def test_overlap_refused_in_one_line():
     from kernels_torch.moe import KimiMoE
     from kernels_torch.parallel.expert import shard_experts
-    from kimi_tools.parallel import TrainParallel
+    from kimi_tools.train.parallel import TrainParallel
 
     with pytest.raises(ValueError, match=r"^--ep-overlap: got 'chunks' with --ep 1, expected none, or chunks with"):
         TrainParallel(1, "cpu", ep_overlap="chunks")
@@ -289,7 +289,7 @@ def _full(t):
 def _train_layout(pp: int, ref, errors: list[str], overlap: str = "chunks") -> None:
     """``TrainParallel`` (the trainer's setup) with ``--ep 2 --ep-overlap chunks`` over the 4 ranks, ``--pp pp``:
     3 SGD steps, the loss and every gradient against one process."""
-    from kimi_tools.parallel import TrainParallel
+    from kimi_tools.train.parallel import TrainParallel
 
     par = TrainParallel(1, "cpu", ep=2, pp=pp, world=4, ep_overlap=overlap)
     par.check_accum(M, T)
