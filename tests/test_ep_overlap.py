@@ -1,7 +1,7 @@
 """The two-chunk overlap of the expert all-to-all (``shard_experts(..., overlap="chunks")``, ``kimi train
 --ep-overlap chunks``) equals expert parallelism without overlap and one process.
 
-Processes are spawned by the tests (gloo on CPU, a free TCP port). One MoE layer (``_layer_worker``, 2 ranks): the
+Processes are spawned by the tests (``dist_helpers.run_workers``, gloo on CPU). One MoE layer (``_layer_worker``, 2 ranks): the
 overlapped layer against the same layer without overlap and against one process on every rank's tokens, output and
 every gradient, in fp64 (the algorithm: to 1e-12) and fp32 (rounding: the experts run each chunk's rows as their own
 GEMMs, a BLAS kernel may block one row otherwise than many, and a weight gradient is the sum of two per-chunk GEMMs);
@@ -15,14 +15,11 @@ ranks): ``TrainParallel`` with ``ep_overlap="chunks"`` at dp 4 x ep 2 (FSDP2 ove
 
 from __future__ import annotations
 
-import datetime
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rel, spawn
+from dist_helpers import run_workers
+from helpers import rel
 from torch.distributed.tensor import DTensor
 
 from kimi.config import load_config
@@ -58,26 +55,6 @@ BACKWARD = [
     "backward wait dispatch 1",
     "backward wait dispatch 0",
 ]
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    # a collective one rank never joins fails after 60 s instead of hanging the suite
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-
-
-def _end() -> None:
-    """Tear the group down and end this rank without interpreter finalization. The functional collectives (expert
-    parallelism without overlap, ``DTensor.full_tensor``) keep the gloo group alive past ``destroy_process_group``,
-    and its worker threads, torn down during finalization, abort the process now and then (SIGABRT, "terminate
-    called without an active exception": 1 run in ~20, with or without the overlap). Called once the rank passed."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _local(t):
@@ -197,35 +174,28 @@ def _layer_case(cfg, dtype, rank, world, errors, tag, bias=None, moe_kernel=None
         errors.append(f"{tag}: with row-local experts the overlapped output differs from the plain one")
 
 
-def _layer_worker(rank: int, world: int, port: int) -> None:
-    _init(rank, world, port)
-    try:
-        tiny = load_config("tiny")
-        errors: list[str] = []
-        _layer_case(tiny.replace(routed_scaling_factor=2.5), torch.float64, rank, world, errors, "tiny fp64")
-        _layer_case(tiny, torch.float32, rank, world, errors, "tiny fp32")
-        E, El = tiny.num_experts, tiny.num_experts // world
-        bias = torch.zeros(E)
-        bias[0] = bias[E - El :] = -10.0  # the last rank's experts and expert 0 receive nothing
-        _layer_case(tiny, torch.float64, rank, world, errors, "starved fp64", bias=bias)
-        # no latent projection, no shared experts: the routed sum is the layer's output
-        bare = tiny.replace(
-            routed_expert_hidden_size=None, num_shared_experts=0, hidden_act="silu", activation_situ_linear_beta=None,
-            quant_method=None,
-        )  # fmt: skip
-        _layer_case(bare, torch.float32, rank, world, errors, "grouped_mm fp32", moe_kernel="grouped_mm")
-        dist.barrier()
-        if errors:
-            raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    _end()
+def _layer_worker(rank: int, world: int) -> None:
+    tiny = load_config("tiny")
+    errors: list[str] = []
+    _layer_case(tiny.replace(routed_scaling_factor=2.5), torch.float64, rank, world, errors, "tiny fp64")
+    _layer_case(tiny, torch.float32, rank, world, errors, "tiny fp32")
+    E, El = tiny.num_experts, tiny.num_experts // world
+    bias = torch.zeros(E)
+    bias[0] = bias[E - El :] = -10.0  # the last rank's experts and expert 0 receive nothing
+    _layer_case(tiny, torch.float64, rank, world, errors, "starved fp64", bias=bias)
+    # no latent projection, no shared experts: the routed sum is the layer's output
+    bare = tiny.replace(
+        routed_expert_hidden_size=None, num_shared_experts=0, hidden_act="silu", activation_situ_linear_beta=None,
+        quant_method=None,
+    )  # fmt: skip
+    _layer_case(bare, torch.float32, rank, world, errors, "grouped_mm fp32", moe_kernel="grouped_mm")
+    if errors:
+        raise AssertionError(f"rank {rank}/{world}:\n" + "\n".join(errors))
 
 
 @pytest.mark.distributed
 def test_overlapped_layer_equals_plain_ep_and_one_process():
-    spawn(_layer_worker, 2)
+    run_workers(_layer_worker, 2)
 
 
 # ------------------------------------------------------------------------------------------------ the trainer's layouts
@@ -295,6 +265,10 @@ def _train_layout(pp: int, ref, errors: list[str], overlap: str = "chunks") -> N
     par.check_accum(M, T)
     model = _model()
     par.setup(model, lora=False)
+    from kernels_torch.moe import KimiMoE
+
+    moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
+    assert moes and all(m.routed_and_shared is not None for m in moes), "the overlap is not on every MoE layer"
     module = model if par.pipe is None else par.pipe
     opt = _optimizer(module.parameters())
     dp, my_dp = par.dp_size, par.mesh["dp"].get_local_rank()
@@ -327,25 +301,18 @@ def _train_layout(pp: int, ref, errors: list[str], overlap: str = "chunks") -> N
         opt.zero_grad(set_to_none=True)
 
 
-def _train_worker(rank: int, world: int, port: int) -> None:
-    _init(rank, world, port)
-    try:
-        ref = _one_process()
-        errors: list[str] = []
-        _train_layout(1, ref, errors)  # dp 4 x ep 2: FSDP2 over efsdp 2 runs the experts' unit once per chunk
-        _train_layout(2, ref, errors)  # pp 2 x dp 2 x ep 2, 1F1B
-        dist.barrier()
-        if errors:
-            raise AssertionError("\n".join(errors[:30]))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    _end()
+def _train_worker(rank: int, world: int) -> None:
+    ref = _one_process()
+    errors: list[str] = []
+    _train_layout(1, ref, errors)  # dp 4 x ep 2: FSDP2 over efsdp 2 runs the experts' unit once per chunk
+    _train_layout(2, ref, errors)  # pp 2 x dp 2 x ep 2, 1F1B
+    if errors:
+        raise AssertionError("\n".join(errors[:30]))
 
 
 @pytest.mark.distributed
 def test_trainer_layouts_with_overlap_equal_one_process():
-    spawn(_train_worker, 4)
+    run_workers(_train_worker, 4)
 
 
 # ------------------------------------------------------------------------------------------------ the planner
