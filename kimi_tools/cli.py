@@ -610,6 +610,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM print one line and return 130 / 143 (module docstring). Under torchrun, ranks other than 0 print
     nothing (:func:`kimi_tools.common.is_quiet_rank`)."""
     args = build_parser().parse_args(argv)
+    code = _run(args)
+    _end_after_process_group(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    """:func:`main` once its arguments are parsed."""
     # kimi train installs its own handlers (finish the step, save, exit); every other command unwinds on a signal.
     signals = contextlib.nullcontext() if args.cmd == "train" else stop_on_signals()
     try:
@@ -625,6 +632,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # a Ctrl-C that kimi train did not turn into its own line
         _say(f"kimi {args.cmd}: interrupted by SIGINT")
         return 130
+
+
+def _end_after_process_group(code: int) -> None:
+    """After ``kimi train`` under torchrun closed its process group (every rank past a final barrier, every file
+    written: ``kimi_tools.train.parallel.TrainParallel.close``), end the process with ``code`` without the
+    interpreter's teardown: the gloo groups that torch's functional collectives used (context and expert
+    parallelism's all-gathers and all-to-alls) stay referenced past ``destroy_process_group``, and destroying them
+    at interpreter exit aborted a rank about once in twenty runs (``terminate called without an active exception``,
+    SIGABRT, a failed launch after a complete run). torch.multiprocessing's spawned children end this way too."""
+    train_parallel = sys.modules.get("kimi_tools.train.parallel")
+    if train_parallel is None or not train_parallel.TrainParallel.closed_group:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _say(line: str) -> None:

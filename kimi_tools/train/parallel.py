@@ -122,6 +122,8 @@ class TrainParallel:
             ``chunks``, or ``chunks`` with ``--ep 1``.
     """
 
+    closed_group = False  # a process group of this process was closed by close()
+
     def __init__(
         self,
         cp: int,
@@ -557,6 +559,10 @@ class TrainParallel:
             save_model(model, out)
 
     def close(self) -> None:
+        """Every rank passes a barrier (all transfers done, every file written), then the group is destroyed;
+        :data:`TrainParallel.closed_group` is then set, and ``kimi_tools.cli.main`` ends the process without the
+        interpreter's teardown (see there)."""
         if self.enabled and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+            TrainParallel.closed_group = True
