@@ -97,11 +97,13 @@ def test_long_random_init_shows_progress(tmp_path, monkeypatch, capsys):
 
 _SLOW_INIT = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading, time
     import kimi.init
     draw = kimi.init._init_stored
+    said = threading.Lock()  # the tensors are drawn on several threads: one whole line each
     def slow(*a, **k):  # each tensor takes a while: the signal comes while the checkpoint is being written
-        print("drawing", flush=True)
+        with said:
+            print("drawing", flush=True)
         time.sleep(0.2)
         return draw(*a, **k)
     kimi.init._init_stored = slow
