@@ -1,34 +1,36 @@
-"""One rank of a planned cluster at real dimensions: materialise what the worst pipeline rank of a ``kimi plan`` layout
-holds and run its stage's forward and backward, against the planner's memory and time (``docs/scaling.md`` section 7).
+"""One rank of a planned cluster, built by the trainer's own code on a fake process group, against the planner's
+memory and time (``docs/scaling.md`` section 7).
 
 For each run (``--runs full lora``): full fine-tuning on the smallest cluster of ``--clusters`` where ``kimi plan``
-finds a layout that fits, LoRA (rank ``--lora-rank``) on ``--lora-gpus``. Among the fitting layouts the best one
-whose ranks hold at least ``num_experts_per_token`` experts (``E / ep >= k``, needed for the local routing below).
-The rank holds:
+finds a layout that fits, LoRA (rank ``--lora-rank``) on ``--lora-gpus``; the first fitting row (the plan's best).
+The row's own ``torchrun ... kimi train ...`` command (``kimi_tools.plan.train_command``) is parsed by ``kimi
+train``'s parser, so the rank runs the policy the planner chose, and the rank is built as the trainer builds one:
 
-* its stage's layers at the model's real dimensions, in bf16 (the fp32 ones as stored; layers of one kind share
-  one set of weights, as FSDP2 holds only a couple of layers unsharded at a time), with the MoE layers cut to
-  the rank's ``E / ep`` experts: the router then chooses among the local experts only, so every local expert receives
-  ``T k ep / E`` rows on average, the count the all-to-all would deliver (the all-to-all itself is replaced by this
-  local routing; the per-expert counts follow the random router, balanced in expectation);
-* its FSDP2 shards as flat buffers of the planner's sizes (parameters, gradients and optimizer states; those byte
-  counts are the meta model's, ``tests/test_plan.py``);
-* the activations of the micro-batches in flight on that stage under 1F1B (``min(pp - s, m)`` forwards before the
-  first backward), with the planner's recomputation mode applied as the trainer applies it
-  (``kernels_torch.parallel.parallelize.parallelize``, its activation memory step; the FSDP2 shards stand as
-  flat buffers of the planner's sizes).
+* ``torch.distributed`` initialised in this one process with torch's fake backend (``FakeStore``, world size the
+  layout's ``pp x dp x cp``, this process the first rank of the worst pipeline stage): every process group and
+  DeviceMesh has the layout's real sizes;
+* the model on ``meta``, LoRA applied, then ``TrainParallel.setup`` (``kernels_torch.parallel.parallelize``):
+  expert parallelism, the pipeline stage split, recomputation / activation offload, FSDP2 with the policy's mixed
+  precision, masters, reduce dtype, reshard and parameter offload; then the rank's shards allocated (``to_empty``)
+  and filled with random values, the trainer's masters and optimizer (``MasterWeights``, ``build_optimizer``).
+  The memory is therefore the trainer's: the rank's FSDP2 shards, masters, gradients and optimizer states at the
+  planned sizes, the gathered copies and reduce buffers FSDP2 allocates, the activations the policy keeps.
 
-The stage is the trainer's pipeline stage module (``kernels_torch.parallel.pipeline.split_stage``): the first stage
-takes token ids, a later one a random received state ``[M, 1, T, D]`` (the AttnRes blocks so far and the partial
-sum); a stage before the last returns the state it sends, kept until its backward as the schedule keeps it, and
-gets a random gradient of it; the last stage ends with the output mix, the final norm, ``lm_head`` and the summed
-NLL. The prediction compared is
+The fake backend moves no data, so the rehearsal stands in for the network where values matter
+(:class:`LocalAllGather`, :class:`LocalReduceScatter`, :class:`LoopbackExperts`): an FSDP2 all-gather fills every
+rank's slot with this rank's shard (the weights are random anyway), a reduce-scatter keeps this rank's slot, and the
+expert all-to-all returns each row to its sender, so that this rank's local expert ``e`` receives the rows its own
+tokens routed to expert ``e`` of every rank: ``T k ep / E`` rows per expert on average, the count the real
+all-to-all delivers when every rank routes alike. Those stand-ins are copies on the device: the measured time is the
+stage's compute plus those copies, never the network's. Context parallelism (``cp`` > 1) exchanges key/value state
+whose values matter: not rehearsed (refused).
 
-    sharded states (planner) + the materialised weights and their gradients (counted) + activations (planner)
-
-and the compute time of one micro-batch against the planner's for that stage. Writes one JSON (``--out``): the
-layout, the prediction and the measurement (peak memory on CUDA; ``null`` on CPU), their ratio, the predicted
-cluster tokens/s per GPU and MFU.
+Run: the ``min(pp - s, m)`` micro-batches stage ``s`` holds in flight under 1F1B run their forwards, then their
+backwards; one more micro-batch is timed alone; then the optimizer step (the trainer's ``grads_to_masters``,
+``step_optimizer``, ``to_model``). The first stage takes token ids, a later one a random received state ``[M, 1,
+T, D]``; a stage before the last returns the state it sends and gets a random gradient of it; the last stage ends
+with the summed NLL. Writes one JSON (``--out``): the layout, the command, the planner's prediction beside the
+measurement (peak memory on CUDA; ``null`` on CPU), their ratio, the predicted cluster tokens/s per GPU and MFU.
 
     python benchmarks/rank_rehearsal.py --seq-len 8192 --out benchmarks/results/rank_rehearsal.json
     python benchmarks/rank_rehearsal.py --preset tiny --device cpu --clusters 4 --lora-gpus 4 --gpu-memory 1  # smoke
@@ -37,172 +39,279 @@ cluster tokens/s per GPU and MFU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 if str(Path(__file__).resolve().parent.parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels_torch.model import KimiK3Model, cast_model  # noqa: E402
 from kimi.config import load_config  # noqa: E402
 from kimi_tools import plan as P  # noqa: E402
 
 
 def choose(preset: str, gpus: int, seq_len: int, lora_rank: int | None, gpu_memory: float) -> dict | None:
-    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs whose ranks hold >= top-k experts, or None."""
+    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs without context parallelism, or None."""
     args = P._args(gpus, lora_rank, seq_len=seq_len, preset=preset, gpu_memory=gpu_memory, reserve=0.05 * gpu_memory)
     rows, _ = P.run_plan(args)
-    cfg = load_config(preset)
-    for r in rows:
-        if r["fits"] and cfg.num_experts // r["layout"]["ep"] >= cfg.num_experts_per_token:
-            return r
-    return None
+    return next((r for r in rows if r["fits"] and r["layout"]["cp"] == 1), None)
 
 
-def _materialise(model: nn.Module, device: str) -> None:
-    """``to_empty`` that keeps shared parameters shared (``Module.to_empty`` gives each module its own copy)."""
-    made: dict[int, nn.Parameter] = {}
-    for m in model.modules():
-        for k, p in m._parameters.items():
-            if p is not None:
-                if id(p) not in made:
-                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                m._parameters[k] = made[id(p)]
-        for k, b in m._buffers.items():
-            if b is not None:
-                m._buffers[k] = torch.empty_like(b, device=device)
+def train_args(row: dict, device: str, out: str):
+    """``kimi train``'s resolved ``TrainArgs`` of ``row["command"]`` (the planner's launch line), on ``device``: on
+    ``cpu`` the ``eager`` backend replaces ``cudnn`` (the same layout and policy, bf16)."""
+    from kimi_tools.train.args import TrainArgs, add_arguments, args_from_namespace, resolve
+
+    argv = shlex.split(row["command"])
+    argv = argv[argv.index("train") + 1 :]
+    swap = {"--out": out, "--data": out, "--device": device}
+    if device == "cpu":
+        swap["--backend"] = "eager"
+    argv = [swap.get(argv[i - 1], a) if i else a for i, a in enumerate(argv)]
+    ap = argparse.ArgumentParser()
+    add_arguments(ap, TrainArgs)
+    return resolve(args_from_namespace(ap.parse_args(argv)))
 
 
-def build_stage(cfg, row: dict, device: str, lora_rank: int | None) -> nn.Module:
-    """The worst stage of ``row``'s pipeline as the trainer runs it (``kernels_torch.parallel.pipeline.
-    PipelineStageModule``: the embedding on the first stage; the output AttnRes mix, final norm, ``lm_head`` and
-    loss on the last; a stage before the last returns the state it sends), with ``E / ep`` experts per MoE layer,
-    random weights in bf16 (fp32 where the checkpoint keeps fp32) on ``device``."""
-    from kernels_torch.parallel.pipeline import split_stage
+class LocalAllGather(AllGather):
+    """FSDP2's all-gather on the fake group: every rank's slot of the output holds this rank's shard (a device copy;
+    ``FSDPModule.set_custom_all_gather``)."""
 
-    ep = row["layout"]["ep"]
-    local = cfg.replace(num_experts=cfg.num_experts // ep)
-    with torch.device("meta"):  # the whole model on meta (no memory); only the stage is materialised
-        model = cast_model(KimiK3Model(local, backend="cudnn" if device == "cuda" else "eager"), torch.bfloat16)
-    layout = [range(a, b) for a, b in row["stages"]]
-    lo, hi = row["stages"][row["worst_stage"]]
-    # Layers of one kind (attention kind, dense or MoE MLP) share one set of weights, so the rank holds a few
-    # layers' unsharded weights, as FSDP2 does (two at a time), while every layer keeps its own activations.
-    reps: dict[tuple[str, bool], nn.Module] = {}
-    for i in range(lo, hi):
-        layer = model.model.layers[i]
-        rep = reps.setdefault((local.layer_type(i), local.is_moe_layer(i)), layer)
-        if rep is not layer:
-            for name, p in rep.named_parameters():
-                owner, _, leaf = name.rpartition(".")
-                setattr(layer.get_submodule(owner) if owner else layer, leaf, p)
-    if lora_rank:
-        from kimi_tools.lora import LoraSettings, apply_lora
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
 
-        apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank))
-    stage = split_stage(model, layout, row["worst_stage"])
-    _materialise(stage, device)
-    with torch.no_grad():  # as benchmarks/train_step_4layers.py (the values do not matter, only their ranges)
-        for name, p in stage.named_parameters():
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        n = input_tensor.numel()
+        output_tensor.view(-1, n).copy_(input_tensor.clone().view(1, n).expand(output_tensor.numel() // n, n))
+        return None
+
+
+class LocalReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter on the fake group: this rank's slot of the input (a device copy;
+    ``FSDPModule.set_custom_reduce_scatter``)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        n = output_tensor.numel()
+        output_tensor.copy_(input_tensor.view(-1, n)[dist.get_rank(group)])
+        return None
+
+
+class _Done:
+    """The handle of a loopback transfer (already done)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class LoopbackExperts:
+    """The expert all-to-all of a rank whose peers route as it does: every ``all_to_all_single`` returns its input
+    (``output_split_sizes`` equal to ``input_split_sizes``), so the per-expert counts a rank receives are those it
+    sends and its local expert ``e`` computes the rows its tokens routed to expert ``e`` of each rank. Installed in
+    ``kernels_torch.parallel.expert`` for the rehearsal's duration (:meth:`installed`)."""
+
+    def __getattr__(self, name):  # everything else of torch.distributed as it is
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        output.copy_(input)
+        return _Done() if async_op else None
+
+    @staticmethod
+    def all_to_all(x, output_split_sizes, input_split_sizes, group):
+        return x.clone()  # differentiable identity: its gradient comes back the same way
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls):
+        from kernels_torch.parallel import expert
+
+        saved = expert.dist, expert.all_to_all
+        expert.dist, expert.all_to_all = cls(), cls.all_to_all
+        try:
+            yield
+        finally:
+            expert.dist, expert.all_to_all = saved
+
+
+@contextlib.contextmanager
+def fake_group(world: int, rank: int):
+    """``torch.distributed`` on torch's fake backend: ``world`` ranks, this process ``rank``; destroyed after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fill_random(module: torch.nn.Module) -> None:
+    """Random values in the rank's local shards, in the ranges the model's weights have (as
+    ``benchmarks/train_step_4layers.py``): only the ranges matter here."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
             if name.endswith("A_log"):
-                p.uniform_(0.0, 2.0)
+                t.uniform_(0.0, 2.0)
             elif name.endswith("lora_B.weight"):
-                p.normal_(0.0, 1e-3)
+                t.normal_(0.0, 1e-3)
             elif p.ndim >= 2:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+                t.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
             elif name.endswith(("dt_bias", "e_score_correction_bias", "k_norm.bias")):
-                p.normal_(0.0, 0.01)
+                t.normal_(0.0, 0.01)
             else:
-                p.fill_(1.0)
-    return stage
+                t.fill_(1.0)
 
 
-def rehearse(preset: str, row: dict, device: str, lora_rank: int | None, seed: int = 0) -> dict:
-    """Materialise the rank of ``row`` (a ``kimi plan`` layout) on ``device``, run its in-flight micro-batches'
-    forwards and backwards, and return the prediction beside the measurement (bytes, seconds)."""
-    from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
+def _local_bytes(tensors) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor's local shard only)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def _states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors of more than one element (moments; not the step counters)."""
+    return [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+
+
+def build_rank(a, row: dict):
+    """The rank of ``row`` built by the trainer's code for the resolved ``TrainArgs`` ``a`` (the fake group is
+    initialised): returns ``(TrainParallel, module, MasterWeights, optimizer)``, the shards materialised and filled."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from kernels_torch.parallel.load import to_empty
+    from kimi_tools.train.parallel import TrainParallel
+    from kimi_tools.train.trainer import _lora_settings
+    from kimi_tools.train.weights import MasterWeights, _plain_to, build_model, build_optimizer, convert_model
+
+    par = TrainParallel.from_args(a, world=row["layout"]["world"])
+    cfg = load_config(a.preset)
+    model = build_model(a, cfg, meta=True)
+    lora = _lora_settings(a) if a.lora_rank is not None else None
+    if lora is not None:
+        from kimi_tools.lora import apply_lora
+
+        apply_lora(model, lora)
+    convert_model(model, a)
+    par.setup(model, lora=lora is not None, args=a)
+    module = par.module
+    roots = [module] + (list(par.pipe.stages) if par.pipe is not None else [])
+    for m in {id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}.values():
+        m.set_custom_all_gather(LocalAllGather())
+        m.set_custom_reduce_scatter(LocalReduceScatter())
+    offload = a.offload == "cpu" and a.device != "cpu"
+    to_empty(module, "cpu" if offload else a.device)
+    if offload:
+        _plain_to(module, a.device)
+    _fill_random(module)
+    masters = MasterWeights(module, low_precision=a.optimizer == "adamw-bf16", replicated=par.replicated)
+    return par, module, masters, build_optimizer(masters, a)
+
+
+def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, seed: int = 0) -> dict:
+    """Build the rank of ``row`` (a ``kimi plan`` layout; ``lora_rank`` is read from its command) on ``device``,
+    run its in-flight micro-batches' forwards and backwards and one optimizer step, and return the prediction
+    beside the measurement (bytes, milliseconds).
+
+    Raises:
+        ValueError: a layout with ``cp`` > 1 (not rehearsed: module docstring)."""
     from kernels_torch.parallel.pipeline import sources_after
+    from kimi_tools.train.weights import step_optimizer
 
+    L = row["layout"]
+    if L["cp"] > 1:
+        raise ValueError(f"rank_rehearsal: layout cp {L['cp']}: context parallelism is not rehearsed (expected cp 1)")
     torch.manual_seed(seed)
-    cfg = load_config(preset)
     cuda = device == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    mem = row["memory"]
-    # the FSDP2 shards of the rank: parameters, gradients and optimizer states, as flat buffers of the planner's bytes
-    states = [torch.empty(int(mem[k]), dtype=torch.uint8, device=device) for k in ("params", "grads", "optimizer")]
-    stage = build_stage(cfg, row, device, lora_rank)
-    rc = row["policy"]["recompute"]
-    if rc != "none":  # the trainer's activation memory step (kernels_torch.parallel.parallelize, one process)
-        mode, full = ("layer", 0) if rc == "full" else ("mlp", 1)
-        parallelize(stage, None, ParallelPolicy(recompute=mode, recompute_full_layers=full))
-    weights = sum(p.numel() * p.element_size() for p in stage.parameters())
-    grads = sum(p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad)
-    T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size
     s = row["worst_stage"]
-    inflight = min(row["layout"]["pp"] - s, row["microbatches"])
+    with tempfile.TemporaryDirectory() as tmp, fake_group(L["world"], s * L["dp"] * L["cp"]):
+        a = train_args(row, device, tmp)
+        cfg = load_config(a.preset)
+        par, module, masters, optimizer = build_rank(a, row)
+        stage = par.pipe.stages[0] if par.pipe is not None else None
+        T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size
+        inflight = min(L["pp"] - s, row["microbatches"])
+        first = stage is None or stage.is_first
+        last = stage is None or stage.is_last
 
-    def forward():
-        """One micro-batch through the stage: ids on the first stage, else a received state ``[M, 1, T, D]``;
-        the summed NLL on the last stage, else the state it sends (kept until its backward, as the schedule
-        keeps it)."""
-        if stage.is_first:
-            x = torch.randint(0, cfg.vocab_size, (1, T), device=device)
-        else:
-            x = torch.randn(sources_after(cfg, stage.start), 1, T, D, dtype=torch.bfloat16, device=device)
-            x.requires_grad_(True)
-        labels = torch.randint(0, cfg.vocab_size, (1, T), device=device) if stage.is_last else None
-        return stage(x, labels=labels)
+        def forward():
+            """One micro-batch: ids on the first stage, else a received state ``[M, 1, T, D]``; the summed NLL on
+            the last stage, else the state it sends (kept until its backward, as the schedule keeps it)."""
+            if first:
+                x = torch.randint(0, cfg.vocab_size, (1, T), device=device)
+            else:
+                x = torch.randn(sources_after(cfg, stage.start), 1, T, D, dtype=torch.bfloat16, device=device)
+                x.requires_grad_(True)
+            labels = torch.randint(0, cfg.vocab_size, (1, T), device=device) if last else None
+            return module.loss(x, labels) if stage is None else stage(x, labels=labels)
 
-    def backward(out):
-        """The loss's gradient on the last stage, else a received gradient of the sent state."""
-        if stage.is_last:
-            (out / T).backward()
-        else:
-            out.backward(torch.randn_like(out))
+        def backward(out):
+            """The loss's gradient on the last stage, else a received gradient of the sent state."""
+            if last:
+                (out / T).backward()
+            else:
+                out.backward(torch.randn_like(out))
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+        def sync():
+            if cuda:
+                torch.cuda.synchronize()
 
-    outs = [forward() for _ in range(inflight)]  # 1F1B warm-up: the in-flight forwards
-    for out in outs:
-        backward(out)
-    del outs
-    sync()
-    t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
-    backward(forward())
-    sync()
-    ms = (time.perf_counter() - t0) * 1e3
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    predicted = mem["params"] + mem["grads"] + mem["optimizer"] + weights + grads + mem["activations"]
-    del states
+        with LoopbackExperts.installed():
+            outs = [forward() for _ in range(inflight)]  # 1F1B warm-up: the in-flight forwards
+            for out in outs:
+                backward(out)
+            del outs
+            sync()
+            t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
+            backward(forward())
+            sync()
+            ms = (time.perf_counter() - t0) * 1e3
+            masters.grads_to_masters()
+            step_optimizer(optimizer, a, 1, par.rank)
+            optimizer.zero_grad(set_to_none=True)
+            masters.to_model()
+            sync()
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        held = {"params": _local_bytes(module.parameters()), "optimizer": _local_bytes(_states(optimizer))}
+        del par, module, masters, optimizer
+    mem = row["memory"]
     return {
-        "layout": row["layout"],
+        "layout": L,
         "policy": row["policy"],
+        "command": row["command"],
         "stage": s,
         "stage_layers": row["stages"][s],
         "tokens_per_microbatch": T,
         "microbatches_in_flight": inflight,
-        "experts_per_rank": cfg.num_experts // row["layout"]["ep"],
+        "experts_per_rank": load_config(preset).num_experts // L["ep"],
         "rows_per_expert": row["rows_per_expert"],
+        "rank_bytes": held,
         "predicted": {
-            "sharded_states": mem["params"] + mem["grads"] + mem["optimizer"],
-            "stage_weights_and_grads": weights + grads,
-            "activations": mem["activations"],
-            "total": predicted,
-            "planner_total": mem["total"],
+            **{k: mem[k] for k in ("params", "grads", "optimizer", "gathered", "activations")},
+            "total": mem["total"],
             "compute_ms_per_microbatch": row["time"]["stage_compute_per_microbatch"][s] * 1e3,
         },
         "measured": {"peak_bytes": peak, "ms_per_microbatch": ms},
-        "peak_over_predicted": peak / predicted if peak else None,
+        "peak_over_predicted": peak / mem["total"] if peak else None,
         "cluster": {
-            "gpus": row["layout"]["world"],
+            "gpus": L["world"],
             "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
             "tflops_per_gpu": row["tflops_per_gpu"],
             "mfu": row["mfu"],
@@ -218,11 +327,14 @@ def main(argv=None) -> int:
     ap.add_argument("--clusters", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--lora-gpus", type=int, default=64)
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--gpu-memory", type=float, default=141.0, help="GB per GPU")
+    ap.add_argument("--gpu-memory", type=float, help="GB per GPU (default: 80 on a card under 100 GiB, else 141)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--plan-only", action="store_true", help="print the chosen layouts, materialise nothing")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.gpu_memory is None:  # the planner's card: an 80 GB H100 or a 141 GB H200
+        small = args.device == "cuda" and torch.cuda.get_device_properties(0).total_memory < 100 * 2**30
+        args.gpu_memory = 80.0 if small else 141.0
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%F")}
     report["runs"] = {}
     for run in args.runs:
@@ -245,7 +357,7 @@ def main(argv=None) -> int:
             res = rehearse(args.preset, row, args.device, lora)
             res["status"] = "ok"
         except torch.OutOfMemoryError:
-            res = {"status": "oom", "peak_bytes": torch.cuda.max_memory_allocated()}
+            res = {"status": "oom", "peak_bytes": torch.cuda.max_memory_allocated(), "command": row["command"]}
         report["runs"][run] = res
         print(json.dumps(res), flush=True)
     if args.out:

@@ -57,8 +57,9 @@
 #                FSDP2 policy flags; PROFILE=1: a profiler table per row)
 #   train_step_e16_policies (not in the default STEPS): the torchrun row at 8K under each FSDP2 policy of $POLICIES
 #                (reshard:reduce:masters words, e.g. "always:bf16:fp32"), each profiled
-#   rank_rehearsal  benchmarks/rank_rehearsal.py: one rank of kimi plan's layouts at real dimensions against the
-#                planner's memory and time (REHEARSAL_ARGS, default "--seq-len 8192")
+#   rank_rehearsal  benchmarks/rank_rehearsal.py: one rank of kimi plan's layouts at real dimensions, built by the
+#                trainer's code on torch's fake process group, against the planner's memory and time
+#                (REHEARSAL_ARGS, default "--seq-len 8192"; planned for 80 GB on an H100, 141 GB on an H200)
 #   offload_copy (not in the default STEPS): benchmarks/offload_copy.py, the host copy rate of kimi train's
 #                --offload-activations (device -> pinned host on a side stream, back, and beside bf16 matmuls), 1 MB
 #                to 1 GB

@@ -253,55 +253,6 @@ def test_doc_is_current():
     assert P.splice_docs(text) == text, "docs/scaling.md is stale: run `python -m kimi_tools.plan --write-docs`"
 
 
-def test_rank_rehearsal_cpu(tmp_path):
-    """``benchmarks/rank_rehearsal.py`` on the tiny preset on CPU: picks the planned layout, runs the rank's stage
-    forward and backward, and writes the prediction beside the measurement (no peak memory on CPU)."""
-    import importlib.util
-
-    bench = ROOT / "benchmarks"
-    spec = importlib.util.spec_from_file_location("rank_rehearsal", bench / "rank_rehearsal.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "r.json"
-    argv = ["--preset", "tiny", "--device", "cpu", "--runs", "full", "--clusters", "4", "--gpu-memory", "1"]
-    assert mod.main([*argv, "--seq-len", "64", "--out", str(out)]) == 0
-    run = json.loads(out.read_text())["runs"]["full"]
-    assert run["status"] == "ok" and run["layout"]["world"] == 4
-    p = run["predicted"]
-    assert p["total"] == p["sharded_states"] + p["stage_weights_and_grads"] + p["activations"]
-    assert run["experts_per_rank"] * run["layout"]["ep"] == load_config("tiny").num_experts
-    assert run["measured"]["peak_bytes"] is None and run["measured"]["ms_per_microbatch"] > 0
-
-
-def test_rank_rehearsal_each_stage_of_a_pipeline():
-    """``benchmarks/rank_rehearsal.py``'s ``rehearse`` on every stage of a pp 3 tiny layout: the first stage takes
-    token ids, the later ones a received state, the last ends with the loss; each compares its own stage's predicted
-    compute (not the slowest stage's)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rank_rehearsal", ROOT / "benchmarks" / "rank_rehearsal.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg, cal = load_config("tiny"), P.load_calibration()
-    row = P.evaluate(
-        cfg,
-        P.Layout(pp=3, dp=1, cp=1, ep=1),
-        P.Policy(recompute="full"),
-        P.Hardware(),
-        cal,
-        seq_len=64,
-        global_batch=256,
-    )
-    per_stage = row["time"]["stage_compute_per_microbatch"]
-    assert len(set(per_stage)) == 3  # the stages differ: a wrong stage's prediction shows
-    for s in range(3):
-        res = mod.rehearse("tiny", {**row, "worst_stage": s}, "cpu", None)
-        assert res["stage"] == s and res["stage_layers"] == row["stages"][s]
-        assert res["microbatches_in_flight"] == min(3 - s, row["microbatches"])
-        assert res["predicted"]["compute_ms_per_microbatch"] == per_stage[s] * 1e3
-        assert res["measured"]["ms_per_microbatch"] > 0
-
-
 def _held_by_autograd(stage, x: torch.Tensor, labels: torch.Tensor, params: set) -> int:
     """Bytes one micro-batch keeps between a stage's forward and backward: the distinct non-parameter storages
     autograd saves, plus the sent state of a stage before the last (``torch.distributed.pipelining`` keeps it)."""

@@ -232,6 +232,16 @@ class TrainParallel:
             self.mesh = init_mesh(dp=dp, cp=cp, device_type=device, ep=ep, pp=pp, host_collectives=offload != "none")
             self.rank = dist.get_rank()
 
+    @classmethod
+    def from_args(cls, a, world: int | None = None) -> TrainParallel:
+        """The layout of the resolved ``TrainArgs`` ``a`` (``--cp``, ``--dp``, ``--ep``, ``--pp``, their schedule and
+        policies; ``--optimizer adamw-bf16`` keeps no fp32 masters); ``world`` as the constructor's."""
+        return cls(
+            a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout,
+            reduce_dtype=a.reduce_dtype, reshard_after_forward=a.reshard_after_forward,
+            bf16_masters=a.optimizer == "adamw-bf16", offload=a.offload, ep_overlap=a.ep_overlap, world=world,
+        )  # fmt: skip
+
     @property
     def is_writer(self) -> bool:
         return self.rank == 0

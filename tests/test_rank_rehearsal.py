@@ -1,0 +1,70 @@
+"""``benchmarks/rank_rehearsal.py`` on the CPU: the rank of a planned layout, built by the trainer's code
+(``TrainParallel.setup``) on torch's fake process group from the plan row's own ``kimi train`` command, runs its
+stage's micro-batches and one optimizer step; its shards and optimizer states match the planner's bytes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kimi.config import load_config
+from kimi_tools import plan as P
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE_BYTES_RTOL = 0.02  # the rank's FSDP2 shards and optimizer moments against the planner's count of them
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("rank_rehearsal", ROOT / "benchmarks" / "rank_rehearsal.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rank_rehearsal_full_and_lora(tmp_path):
+    """``main`` on the tiny preset at 4 planned GPUs (dp 4 x ep 4): full fine-tuning and LoRA each build the rank,
+    run and step; the JSON holds the command it ran and the rank's shard bytes within
+    :data:`STATE_BYTES_RTOL` of the planner's (no peak memory on the CPU)."""
+    out = tmp_path / "r.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--clusters", "4", "--lora-gpus", "4", "--gpu-memory", "1"]
+    assert _bench().main([*argv, "--seq-len", "64", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    for name, run in runs.items():
+        assert run["status"] == "ok" and run["layout"]["world"] == 4, name
+        assert ("--lora-rank" in run["command"]) == (name == "lora")
+        assert run["experts_per_rank"] * run["layout"]["ep"] == load_config("tiny").num_experts
+        for kind in ("params", "optimizer"):
+            got, want = run["rank_bytes"][kind], run["predicted"][kind]
+            assert abs(got - want) <= STATE_BYTES_RTOL * want, (name, kind, got, want)
+        assert run["measured"]["peak_bytes"] is None and run["measured"]["ms_per_microbatch"] > 0
+
+
+def test_rank_rehearsal_each_stage_of_a_pipeline():
+    """``rehearse`` on every stage of a pp 3 tiny layout (the fake group's rank in that stage): the first stage takes
+    token ids, the later ones a received state, the last ends with the loss; each compares its own stage's predicted
+    compute (not the slowest stage's)."""
+    mod = _bench()
+    cfg, cal = load_config("tiny"), P.load_calibration()
+    row = P.evaluate(
+        cfg, P.Layout(pp=3, dp=1, cp=1, ep=1), P.Policy(recompute="full"), P.Hardware(), cal, seq_len=64,
+        global_batch=256,
+    )  # fmt: skip
+    row["command"] = " ".join(P.train_command(row, preset="tiny", seq_len=64))
+    per_stage = row["time"]["stage_compute_per_microbatch"]
+    assert len(set(per_stage)) == 3  # the stages differ: a wrong stage's prediction shows
+    for s in range(3):
+        res = mod.rehearse("tiny", {**row, "worst_stage": s}, "cpu")
+        assert res["stage"] == s and res["stage_layers"] == row["stages"][s]
+        assert res["microbatches_in_flight"] == min(3 - s, row["microbatches"])
+        assert res["predicted"]["compute_ms_per_microbatch"] == per_stage[s] * 1e3
+        assert res["measured"]["ms_per_microbatch"] > 0
+
+
+def test_rank_rehearsal_refuses_context_parallelism():
+    """A layout with cp > 1 is refused in one line (its exchanges carry values the fake group cannot stand in for)."""
+    row = {"layout": {"pp": 1, "dp": 2, "cp": 2, "ep": 1, "world": 4}}
+    with pytest.raises(ValueError, match="cp 2: context parallelism is not rehearsed"):
+        _bench().rehearse("tiny", row, "cpu")
