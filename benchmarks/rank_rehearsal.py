@@ -290,7 +290,6 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, 
             sync()
         peak = torch.cuda.max_memory_allocated() if cuda else None
         held = {"params": _local_bytes(module.parameters()), "optimizer": _local_bytes(_states(optimizer))}
-        del par, module, masters, optimizer
     mem = row["memory"]
     return {
         "layout": L,
