@@ -32,6 +32,11 @@ Footguns:
 * Packed documents: contiguous documents only (``cu_seqlens``, or a block-diagonal causal mask that
   :func:`cu_seqlens_from_mask` turns into one). A mask with a hole inside a document is refused: use ``sdpa``.
 
+Under ``torch.compile`` (``kernels_torch.compile``) the indexer top-k and the sparse forward / backward run as the
+``kimi::`` ops ``kimi::indexer_topk``, ``kimi::sparse_mla`` and ``kimi::sparse_mla_backward`` (below; CPU twins on CPU
+tensors), the absorbed ``W_UK`` / ``W_UV`` products as einsums, and the FlashMLA padded-query layout is not used (the
+inputs are contiguous ``[T, H, 576]``, copied into FlashMLA's layout by the op). Eager calls run the kernels directly.
+
 Shapes that the fast kernels do not take (d_qk != 576 or d_v != 512; H_I not in {16, 32, 64} or D_I != 128, e.g. the
 ``tiny`` preset) run the same algorithm with torch ops on the GPU (fp32 scores, gathered sparse attention); the
 cuDNN top-k is used in both cases. MLA layers without an indexer use torch SDPA in the expanded form.

@@ -22,6 +22,11 @@ with a torch stand-in:
   shape, K = V = 128, else fla), recorded in ``kernel_choice.used()``;
 * fla-core's gated RMSNorm around it all (``rms_norm_gated``, sigmoid).
 
+Under ``torch.compile`` (``kernels_torch.compile``) :func:`kda_layer_forward` runs :func:`_kda_layer_forward_compiled`:
+the kernels as ``kimi::`` ops (``kimi::kda_short_conv``, ``kimi::kda_cudnn`` with cuDNN's backward as
+``kimi::kda_cudnn_backward``, ``kimi::kda_fla``), the q/k L2 norm, gate, beta sigmoid and output norm as their
+torch twins for the compiler to fuse. Eager calls run the kernels directly, as described below.
+
 Numerics: g and beta enter every recurrence kernel in fp32, never narrowed to bf16 (bf16 decays close to 1 round to
 1 and channels stop forgetting over long sequences); beta's sigmoid is applied exactly once per path.
 """

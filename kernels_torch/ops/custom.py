@@ -9,7 +9,12 @@ read by breaking the graph (a host sync). The ``kimi::`` ops of the project:
 * ``kimi::experts_loop`` (``kernels_torch.moe``): the routed experts' ``loop`` kernel, one GEMM per expert over the
   tokens ``torch.nonzero`` routes to it;
 * ``kimi::permute_rows``, ``kimi::combine_rows`` and their backwards (``kernels_torch.ops.moe_grouped``): the
-  grouped-expert layout's gather and weighted gather-sum (Triton kernels on CUDA).
+  grouped-expert layout's gather and weighted gather-sum (Triton kernels on CUDA);
+* the ``cudnn`` backend's kernels, whose Python (library launchers, import probes, locks) dynamo cannot trace:
+  ``kimi::situ_glu`` (``kernels_torch.ops.situ``), ``kimi::indexer_topk``, ``kimi::sparse_mla`` and
+  ``kimi::sparse_mla_backward`` (``kernels_torch.dsa_cudnn``), ``kimi::kda_cudnn`` and ``kimi::kda_cudnn_backward``,
+  ``kimi::kda_fla``, ``kimi::kda_short_conv`` (``kernels_torch.kda_cudnn``). These run the GPU kernel on CUDA
+  tensors and a torch twin on CPU tensors; their kernel choices are made while tracing (:func:`trace_constant`).
 
 Each op's implementation *is* the eager function (called unchanged, on every device: on CUDA it picks its GPU kernel
 as in eager mode). The ops are registered beside the function they wrap (this module holds the machinery, as
