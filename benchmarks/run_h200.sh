@@ -45,7 +45,8 @@
 #   situ_glu (not in the default STEPS): benchmarks/situ_glu.py, the fused SiTU-GLU against the plain ops
 #   fp8_wheels   install torchao from .whl/ (benchmarks/fp8_wheels.sh downloads it; carry .whl) into /tmp/site
 #   tests_moe    tests/gpu/test_gpu_moe_grouped.py: grouped experts vs the loop, Triton gather-sums, no host sync
-#   tests_compile tests/gpu/test_gpu_compile.py: decoder blocks compiled by inductor (sdpa, bf16, grouped experts)
+#   tests_compile tests/gpu/test_gpu_compile.py: decoder blocks compiled by inductor (sdpa and cudnn, bf16, grouped
+#                experts), and opcheck of the cudnn backend's kimi:: ops on the device
 #   moe_layer    benchmarks/moe_layer.py: one MoE layer at K3.1's expert shapes, loop vs grouped vs bare GEMMs
 #   tests_fp8    tests/gpu/test_gpu_fp8.py (torchao installed by fp8_wheels)
 #   fp8_gemm     benchmarks/fp8_gemm.py: torchao's FP8 GEMMs at the step's shapes against bf16 (FP8_GEMM_ARGS, e.g.
@@ -55,6 +56,10 @@
 #   train_step_e16_torchrun, train_step_e112_torchrun   benchmark 5 under torchrun (--parallel: kimi train's FSDP2
 #                path with bf16 mixed precision and NCCL), beside train_step_e16 / _e112 of the same run (PAR_ARGS: the
 #                FSDP2 policy flags; PROFILE=1: a profiler table per row)
+#   train_step_compiled (not in the default STEPS): benchmark 5 eager and compiled (--compile: compile_blocks,
+#                inductor) on the cudnn backend, 8K and 32K (32K recomputing the MLP / MoE blocks), one JSON: 112
+#                experts top-16 on an H200 (the first 1, 2 or 4 layers whole at 32K, as train_step_e112), 16 top-8
+#                on any other GPU (COMPILED_ARGS replaces the lengths and recompute options)
 #   train_step_e16_policies (not in the default STEPS): the torchrun row at 8K under each FSDP2 policy of $POLICIES
 #                (reshard:reduce:masters words, e.g. "always:bf16:fp32"), each profiled
 #   rank_rehearsal  benchmarks/rank_rehearsal.py: one rank of kimi plan's layouts at real dimensions, built by the
@@ -170,6 +175,13 @@ run_step() {  # run_step NAME: one step of the list above
       ${BENCH5_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp --recompute-full-layers $full \
       --backends cudnn} \
       --out "$dir/$1.json" ;;
+  train_step_compiled)  # benchmark 5, eager then compiled blocks, cudnn: the density by the GPU (H200: 112 experts)
+    local e=16 k=8 full=0
+    case $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) in *H200*) e=112 k=16 full="1 2 4" ;; esac
+    # shellcheck disable=SC2086
+    step train_step_compiled 2400 python3 benchmarks/train_step_4layers.py --experts $e --experts-per-token $k \
+      --compile --backends cudnn ${COMPILED_ARGS:---seq-lens 8192 --recompute-seq-lens 32768 --recompute-mode mlp \
+      --recompute-full-layers $full} --out "$dir/train_step_compiled.json" ;;
   train_step_e16_policies)  # the torchrun row at 8K under each FSDP2 policy (POLICIES: reshard:reduce words), profiled
     for pol in ${POLICIES:-always:fp32:fp32 always:bf16:fp32 always:bf16:bf16 auto:bf16:bf16}; do
       IFS=: read -r rs rd ms <<< "$pol"

@@ -40,6 +40,11 @@ projection on its own (``compile_linears``; the row's ``fp8.compiled``), the res
 projections narrower than ``--fp8-min-dim`` stay bf16 (default as ``kimi train``'s: ``kernels_torch.fp8.min_dim_for``;
 the row's ``fp8.min_dim`` and ``fp8.skipped``).
 
+``--compile`` runs every row twice, eagerly and then with each decoder block compiled by inductor
+(``kernels_torch.compile.compile_blocks``, ``fullgraph=True``, after the recompute and offload wrappers, as ``kimi
+train --compile``; the row's ``compile``: null or ``"inductor"``); the compilation happens in the two warm-up steps
+(``wall_s`` includes it), and the table ends with the compiled/eager speed-up of each backend.
+
 ``--parallel`` (under ``torchrun``, e.g. ``torchrun --nproc-per-node 1 benchmarks/train_step_4layers.py --parallel
 ...``) puts each model through ``kimi train``'s parallel path (``kimi_tools.train.parallel.TrainParallel.setup``, after the
 FP8 conversion and before the recompute wrappers, as the trainer orders them): FSDP2 over the ranks (``--ep N``:
@@ -48,7 +53,7 @@ sharded parameters (the trainer's masters: one rank holds 4 B per parameter wher
 the checkpoint's fp32 tensors whole; every rank runs its own ``T`` tokens, rank 0 writes (the row's ``parallel``).
 
 Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "fp8_matmul_ceiling_tflops", "rows": [...]}``, rows
-with ``seq_len``, ``backend``, ``fp8``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
+with ``seq_len``, ``backend``, ``fp8``, ``compile``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
 ``recompute_full_layers``, ``offload_activations``, ``tokens_per_s``, ``peak_gib``, ``model_tflop``, ``mfu``, ``mfu_fp8_ceiling``, ``kernels``, ``status``, and prints a
 table with the cudnn/sdpa speed-up. A backend that runs out of memory is reported as ``status: "oom"``.
 """
@@ -300,6 +305,12 @@ def main() -> int:
         "compiled, else 0)",
     )
     ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each row eagerly and then with every decoder block compiled (compile_blocks, inductor; kimi train "
+        "--compile); the row's compile",
+    )
+    ap.add_argument(
         "--parallel",
         action="store_true",
         help="under torchrun: each model through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters)",
@@ -361,10 +372,17 @@ def main() -> int:
         fp8_ceiling = ceilings()[f"fp8_{args.fp8}"]
         print(f"fp8 {args.fp8} matmul ceiling {fp8_ceiling:.1f} TFLOP/s", flush=True)
     rows = []
-    runs = [(T, rc, b, f) for T, rc in plan for b in args.backends for f in (args.recompute_full_layers if rc else [0])]
-    fitted: set[tuple[int, bool, str]] = set()  # recompute rows: the first full-layer count that fits ends the row
-    for T, recompute, backend, full in runs:
-        if (T, recompute, backend) in fitted:
+    compiles = [None, "inductor"] if args.compile else [None]
+    runs = [
+        (T, rc, b, f, comp)
+        for T, rc in plan
+        for b in args.backends
+        for comp in compiles
+        for f in (args.recompute_full_layers if rc else [0])
+    ]
+    fitted: set[tuple] = set()  # recompute rows: the first full-layer count that fits ends the row
+    for T, recompute, backend, full, comp in runs:
+        if (T, recompute, backend, comp) in fitted:
             continue
         gc.collect()  # the previous row's model (recompute wrappers make reference cycles) and OOM tracebacks
         torch.cuda.empty_cache()
@@ -382,6 +400,7 @@ def main() -> int:
             "experts_per_token": args.experts_per_token,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "fp8": args.fp8,
+            "compile": comp,
             "parallel": None if par is None else f"torchrun, {par.dims.describe()}, FSDP2 bf16 / fp32 masters",
             "fsdp_policy": None
             if par is None
@@ -406,6 +425,13 @@ def main() -> int:
             if recompute:
                 recompute_layers(model, args.recompute_mode, full)  # kimi train's --recompute-mode
             offload_activations(model, args.offload_activations)  # around the recompute wrappers, as kimi train
+            if comp:  # last, as kimi train --compile: the blocks compiled inside their wrappers
+                from torch import _dynamo
+
+                from kernels_torch.compile import compile_blocks
+
+                _dynamo.reset()  # the previous row's graphs
+                compile_blocks(model, backend=comp)
             kernel_choice.reset_used()
             held = held_bytes(model)  # before the step: parameters (and FSDP2's fp32 masters)
             stats0 = torch.cuda.memory_stats()
@@ -416,8 +442,9 @@ def main() -> int:
             optimizer = "adamw-bf16" if args.masters == "bf16" else "adamw-fp32"
             row["planner"] = planner_prediction(cfg, T, recompute and args.recompute_mode, par is not None, optimizer)
             if args.profile:
-                row["profile"] = str(profile_step(model, T, args.loss, chunk, args.out, f"{T}_{backend}"))
-            fitted.add((T, recompute, backend))
+                tag = f"{T}_{backend}" + ("_compiled" if comp else "")
+                row["profile"] = str(profile_step(model, T, args.loss, chunk, args.out, tag))
+            fitted.add((T, recompute, backend, comp))
             tf, detail = model_tflop(cfg, T)
             row.update(model_tflop=tf, flops_detail=detail)
             row["mfu"] = tf / (ms * 1e-3) / ceiling if tf else None
@@ -458,6 +485,7 @@ def main() -> int:
     for r in rows:
         rc = str(r["recompute"]) + (f"+{r['recompute_full_layers']}" if r.get("recompute_full_layers") else "")
         rc += f"/off:{r['offload_activations']}" if r.get("offload_activations", "none") != "none" else ""
+        rc += "/compiled" if r.get("compile") else ""
         ms = f"{r['ms']:.1f}" if r["ms"] else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
@@ -467,11 +495,30 @@ def main() -> int:
             f"{mfu:>6} {mfu8:>7} {r.get('allocator', {}).get('retries', '-'):>7} {r['status'][:60]}"
         )
     for T, recompute in plan:
-        by = {r["backend"]: r for r in rows if (r["seq_len"], bool(r["recompute"])) == (T, recompute) and r["ms"]}
-        if "cudnn" in by and "sdpa" in by:
-            print(
-                f"T={T} recompute={recompute}: cudnn is {by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s"
-            )
+        for comp in compiles:
+            by = {
+                r["backend"]: r
+                for r in rows
+                if (r["seq_len"], bool(r["recompute"]), r["compile"]) == (T, recompute, comp) and r["ms"]
+            }
+            if "cudnn" in by and "sdpa" in by:
+                print(
+                    f"T={T} recompute={recompute} compile={comp}: cudnn is "
+                    f"{by['sdpa']['ms'] / by['cudnn']['ms']:.2f}x the sdpa tokens/s"
+                )
+        for backend in args.backends if args.compile else []:
+            pair = [
+                r
+                for c in compiles
+                for r in rows
+                if (r["seq_len"], bool(r["recompute"]), r["backend"], r["compile"]) == (T, recompute, backend, c)
+                and r["ms"]
+            ]
+            if len(pair) == 2:
+                print(
+                    f"T={T} recompute={recompute} {backend}: compiled is {pair[0]['ms'] / pair[1]['ms']:.2f}x the "
+                    "eager tokens/s"
+                )
     return 0
 
 

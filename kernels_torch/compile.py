@@ -5,22 +5,50 @@
 stay eager, and so do the model's input checks, which read ``input_ids`` and ``cu_seqlens`` on the host once
 before the first block (``kernels_torch.common.check_cu_seqlens``).
 
-No graph break inside a block: the blocks whose loops read tensor values (the KDA recurrence and short convolution
-over ``cu_seqlens`` documents, the routed experts' ``loop`` kernel, the grouped layout's Triton gathers) run as
-``kimi::`` custom ops under compilation (``kernels_torch.ops.custom``), single nodes with fake shapes and autograd
-formulas. ``tests/test_compile.py`` counts graph breaks (0) and compilations per block shape.
+No graph break inside a block: every kernel whose Python dynamo cannot trace runs as a ``kimi::`` custom op under
+compilation, one node with a fake (meta) implementation for the shapes and an autograd formula
+(``torch.library.custom_op``, ``register_fake``, ``register_autograd``); the code between the ops is traced and
+left to the compiler. The ops, each registered beside the function it wraps:
+
+* every backend: the KDA recurrence and short convolution of the torch path (``kimi::kda_chunk``,
+  ``kimi::short_conv``, ``kernels_torch.kda``: loops over ``cu_seqlens`` documents), the routed experts' ``loop``
+  kernel (``kimi::experts_loop``, ``kernels_torch.moe``), the grouped layout's Triton gather-sums
+  (``kimi::permute_rows``, ``kimi::combine_rows``, ``kernels_torch.ops.moe_grouped``);
+* the ``cudnn`` backend: the fused SiTU-GLU (``kimi::situ_glu``, ``kernels_torch.ops.situ``); the cuDNN indexer and
+  top-k (``kimi::indexer_topk``) and the sparse MLA forward, FlashMLA's or our Triton kernel, with cuDNN's sparse
+  backward as its own op (``kimi::sparse_mla``, ``kimi::sparse_mla_backward``, ``kernels_torch.dsa_cudnn``);
+  cuDNN FE's KDA forward with its backward op (``kimi::kda_cudnn``, ``kimi::kda_cudnn_backward``), fla's
+  ``chunk_kda`` and the short convolution on cuDNN's or fla's kernel (``kimi::kda_fla``, ``kimi::kda_short_conv``,
+  ``kernels_torch.kda_cudnn``). The q/k L2 norm, the KDA gate, beta's sigmoid and the gated output norm, fla kernels
+  in eager mode, are their torch twins in a compiled block (the compiler fuses them;
+  ``kernels_torch.kda_cudnn._kda_layer_forward_compiled``).
+
+Closed-form backwards where the kernel has one of its own (SiTU-GLU, the sparse MLA, cuDNN's KDA, the
+gather-sums); the others (fla's ``chunk_kda`` and short convolution, cuDNN's short convolution, whose backwards
+live inside their libraries' autograd Functions, and the torch path's loops) recompute their forward under
+autograd in the backward (``kernels_torch.ops.custom.recompute_op``). Each op runs its GPU kernel on CUDA tensors
+and a torch twin on CPU tensors, which the CPU tests check the registrations with (``torch.library.opcheck``).
+``tests/test_compile.py`` counts graph breaks (0) and compilations per block shape, on the ``cudnn`` backend too
+(its blocks traced on the CPU through the twins); ``tests/gpu/test_gpu_compile.py`` runs them with inductor on CUDA.
 
 Compilations. A block's forward reads its kind (``is_kda``, ``is_moe``, ``writes_block``), never its index, so
 blocks of one kind, input shape and AttnRes depth (``len(blocks)``) share one graph: the tiny preset's 9 blocks
 compile 7 graphs per (grad mode, shape), K3's 93 far fewer than 93. ``cu_seqlens``' length (the document count of
 a micro-batch) is marked dynamic before the blocks run, so a new document count never recompiles; a new row length
 ``T`` recompiles once with ``dynamic=None`` (dynamo's automatic dynamic shapes), then ``T`` is symbolic.
+The kernel choices of the ``cudnn`` backend (``kernels_torch.kernel_choice``: the layers' attributes, the
+environment, whether a package imports, the device's capability) are made while tracing and are constants of the
+graph (``kernels_torch.ops.custom.trace_constant``); a cuDNN kernel that declines at the call raises in a compiled
+block (eager mode falls back to fla there).
 
-``kernels_torch.kernel_choice.used()`` counts the eager calls only: a compiled block records nothing (tracing
-the counter's ``+= 1`` would guard on its value and recompile at every call).
+``kernels_torch.kernel_choice.used()`` counts the calls the ops make when they run (their kernels) and the eager
+calls: the Python traced into a block records nothing (tracing the counter's ``+= 1`` would guard on its value and
+recompile at every call).
 
-Not covered here: the ``cudnn`` backend (its cuDNN KDA, FlashMLA and fla kernels are not ``kimi::`` ops yet:
-refused), decode caches (``step=``), and the parallel wrappers (FSDP2, CP, EP, PP), which were not tried compiled.
+Not covered here: decode caches (``step=``), the ``cudnn`` KDA layer's ``kda_prep`` ``triton`` and ``in_kernel``
+kernels (eager only: refused), and the parallel wrappers (FSDP2, CP, EP, PP), which were not tried compiled. Not
+measured yet: the compiled ``cudnn`` blocks' speed and their agreement with eager on a GPU
+(``benchmarks/run_h200.sh`` step ``train_step_compiled``, ``tests/gpu/test_gpu_compile.py``).
 """
 
 from __future__ import annotations
@@ -37,19 +65,30 @@ RECOMPILE_LIMIT = 64  # dynamo graphs per code object: every block shares Decode
 
 
 def check_compile_supported(model_backend: str, compile_backend: str = "inductor") -> None:
-    """Refuse what :func:`compile_blocks` cannot do.
+    """Refuse what :func:`compile_blocks` cannot do, before any block is traced.
+
+    Args:
+        model_backend: the model's backend (``eager``, ``sdpa`` or ``cudnn``; all three compile).
+        compile_backend: a name of :data:`COMPILE_BACKENDS`.
 
     Raises:
-        ValueError: a ``compile_backend`` outside :data:`COMPILE_BACKENDS`, or the ``cudnn`` model backend (its
-            fused GPU kernels are not registered as custom ops yet, so its blocks would break the graph).
+        ValueError: a ``compile_backend`` outside :data:`COMPILE_BACKENDS`; on the ``cudnn`` backend,
+            ``$KIMI_KDA_PREP`` set to ``triton`` or ``in_kernel`` (eager-only kernels: a compiled block computes the
+            q/k L2 norm, gate and beta sigmoid with torch ops that the compiler fuses) or to a value outside
+            ``kernel_choice.CHOICES["kda_prep"]``.
     """
     if compile_backend not in COMPILE_BACKENDS:
         raise ValueError(f"compile-backend: got {compile_backend!r}, expected one of {list(COMPILE_BACKENDS)}")
     if model_backend == "cudnn":
-        raise ValueError(
-            "compile: got --backend cudnn, whose kernels (cuDNN KDA, FlashMLA, fla) are not kimi:: custom ops yet and were "
-            "never run compiled; expected --backend eager or sdpa"
-        )
+        from kernels_torch import kernel_choice
+
+        prep = kernel_choice.resolve("kda_prep", None)
+        if prep in ("triton", "in_kernel"):
+            raise ValueError(
+                f"compile: got KIMI_KDA_PREP={prep} with --backend cudnn; a compiled KDA block computes the q/k L2 "
+                "norm, gate and beta sigmoid with torch ops the compiler fuses: expected KIMI_KDA_PREP unset, auto "
+                "or outside"
+            )
 
 
 def _mark_cu_seqlens_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -93,7 +132,9 @@ def compile_blocks(
         mode: ``torch.compile``'s ``mode`` (e.g. ``"max-autotune-no-cudagraphs"``).
 
     Raises:
-        ValueError: as :func:`check_compile_supported`, or a model without ``model.layers``.
+        ValueError: as :func:`check_compile_supported`, or a model without ``model.layers``. A layer's own refusals
+            (a forced ``kda_prep`` of ``triton`` / ``in_kernel``, a forced kernel that cannot run) come at the
+            first call, when the block is traced.
     """
     check_compile_supported(getattr(model, "backend", "eager"), backend if isinstance(backend, str) else "inductor")
     layers = getattr(getattr(model, "model", None), "layers", None)

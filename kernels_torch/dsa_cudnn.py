@@ -32,6 +32,11 @@ Footguns:
 * Packed documents: contiguous documents only (``cu_seqlens``, or a block-diagonal causal mask that
   :func:`cu_seqlens_from_mask` turns into one). A mask with a hole inside a document is refused: use ``sdpa``.
 
+Under ``torch.compile`` (``kernels_torch.compile``) the indexer top-k and the sparse forward / backward run as the
+``kimi::`` ops ``kimi::indexer_topk``, ``kimi::sparse_mla`` and ``kimi::sparse_mla_backward`` (below; CPU twins on CPU
+tensors), the absorbed ``W_UK`` / ``W_UV`` products as einsums, and the FlashMLA padded-query layout is not used (the
+inputs are contiguous ``[T, H, 576]``, copied into FlashMLA's layout by the op). Eager calls run the kernels directly.
+
 Shapes that the fast kernels do not take (d_qk != 576 or d_v != 512; H_I not in {16, 32, 64} or D_I != 128, e.g. the
 ``tiny`` preset) run the same algorithm with torch ops on the GPU (fp32 scores, gathered sparse attention); the
 cuDNN top-k is used in both cases. MLA layers without an indexer use torch SDPA in the expanded form.
@@ -48,9 +53,10 @@ import torch.nn.functional as F
 
 from kernels_torch import kernel_choice
 from kernels_torch.common import causal_document_mask, check_cu_seqlens, compute_dtype, effective_weight
-from kernels_torch.indexer import indexer_scores
+from kernels_torch.indexer import indexer_scores, topk_indices
+from kernels_torch.ops.custom import own, trace_constant
 from kernels_torch.ops.linears import headwise_matmul
-from kernels_torch.ops.sparse_mla import padded_q, wants_padded_q
+from kernels_torch.ops.sparse_mla import padded_q, sparse_mla_fwd_reference, wants_padded_q
 
 __all__ = [
     "require_cudnn",
@@ -105,6 +111,19 @@ def require_cudnn(x: torch.Tensor, what: str = "x") -> None:
             f"bfloat16 activations ({what} is {x.dtype}; load the model with dtype=torch.bfloat16, "
             "e.g. `kimi compare --dtype bfloat16`)"
         )
+    missing += list(_missing_modules())
+    if missing:
+        raise RuntimeError(
+            "backend='cudnn' needs "
+            + "; ".join(missing)
+            + ". Use backend='eager' or 'sdpa' where these are not available."
+        )
+
+
+@trace_constant  # under torch.compile: probed once, while tracing (importlib is no graph op)
+def _missing_modules() -> tuple[str, ...]:
+    """What :func:`require_cudnn` lists for the modules of the ``gpu`` extra that do not import."""
+    missing = []
     for mod, why in (
         ("cudnn.deepseek_sparse_attention", "cuDNN Frontend >= 1.30 (nvidia-cudnn-frontend)"),
         (  # imported by cudnn.api_base at the indexer's first call, not with the package
@@ -120,12 +139,7 @@ def require_cudnn(x: torch.Tensor, what: str = "x") -> None:
             missing.append(
                 f"the gpu extra: {why} does not import ({type(e).__name__}: {e}); pip install 'kimi-k3[gpu]'"
             )
-    if missing:
-        raise RuntimeError(
-            "backend='cudnn' needs "
-            + "; ".join(missing)
-            + ". Use backend='eager' or 'sdpa' where these are not available."
-        )
+    return tuple(missing)
 
 
 def cu_seqlens_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -432,9 +446,162 @@ def sparse_mla(q, kv, indices, topk_length, sm_scale, d_v=SPARSE_D_V, kernel=Non
     ``"triton"``, ``"auto"`` or None: ``$KIMI_SPARSE_KERNEL``, then auto). ``return_lse``: also return the detached
     natural-log lse ``[T, H]`` of the forward (fp32; over exactly the valid slots, +inf on a row without one)."""
     if q.shape[-1] == SPARSE_D_QK and d_v == SPARSE_D_V and q.dtype == torch.bfloat16:
+        if torch.compiler.is_compiling():  # FlashMLA / Triton forward, cuDNN backward: one node each
+            out, lse = _sparse_mla_op(q, kv, indices, topk_length, float(sm_scale), d_v, kernel)
+            return (out, lse.detach()) if return_lse else out
         return SparseMLAFunction.apply(q, kv, indices, topk_length, sm_scale, kernel, return_lse)
     kernel_choice.record("sparse_mla_fwd", "torch")
     return _sparse_mla_torch(q, kv, indices, topk_length, sm_scale, d_v, return_lse=return_lse)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# custom ops for torch.compile (kernels_torch.ops.custom): the indexer top-k and the sparse MLA forward/backward
+# ----------------------------------------------------------------------------------------------------------
+# Each op runs the GPU kernels above on CUDA tensors and a torch twin of the same contract on CPU tensors (the twins
+# are what the CPU tests check the ops' registration with: torch.library.opcheck, fake shapes, gradients).
+
+
+def _indexer_topk_torch(q_I, k_I, weights, topk, cu_seqlens):
+    """CPU twin of :func:`indexer_topk_cudnn` + :func:`sort_topk_slots`: dense fp32 (fp64) scores
+    (``kernels_torch.indexer.indexer_scores``), the causal document mask, the canonical top-k
+    (``kernels_torch.indexer.topk_indices``: higher score, then the larger key index), slots ascending, ``-1`` last."""
+    T = q_I.shape[0]
+    scores = indexer_scores(q_I[None], k_I[None], weights[None])[0]  # [T, T], +0.0 canonical zeros
+    mask = causal_document_mask(T, cu_seqlens, device=q_I.device)
+    idx = topk_indices(scores[None], mask, topk)[0]  # [T, min(topk, T)]
+    if idx.shape[1] < topk:
+        idx = F.pad(idx, (0, topk - idx.shape[1]), value=-1)
+    return sort_topk_slots(idx), mask.sum(-1).clamp(max=topk).to(torch.int32)
+
+
+@torch.library.custom_op("kimi::indexer_topk", mutates_args=())
+def _indexer_topk_op(
+    q_I: torch.Tensor, k_I: torch.Tensor, weights: torch.Tensor, topk: int, cu_seqlens: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen indexer's selection: :func:`indexer_topk_cudnn` then :func:`sort_topk_slots` on CUDA (the cuDNN
+    indexer and top-k), :func:`_indexer_topk_torch` on the CPU. ``q_I [T, H_I, D_I]``, ``k_I [T, D_I]``, ``weights
+    [T, H_I]``, ``cu_seqlens [N+1]`` or None -> ``(indices [T, topk] int32 ascending with -1 last, topk_length [T]
+    int32)``. No gradient (hard top-k)."""
+    if q_I.is_cuda:
+        idx, tlen = indexer_topk_cudnn(q_I, k_I, weights, topk, cu_seqlens)
+        return sort_topk_slots(idx), tlen
+    return _indexer_topk_torch(q_I, k_I, weights, topk, cu_seqlens)
+
+
+@_indexer_topk_op.register_fake
+def _(q_I, k_I, weights, topk, cu_seqlens):
+    T = q_I.shape[0]
+    return q_I.new_empty(T, topk, dtype=torch.int32), q_I.new_empty(T, dtype=torch.int32)
+
+
+def _sparse_mla_backward_torch(dout, q, kv, out, lse, indices, topk_length, sm_scale):
+    """CPU twin of cuDNN's ``sparse_attention_backward_wrapper``: the softmax backward from the forward's ``out`` and
+    natural-log ``lse`` (FlashAttention's: ``P = exp(s - lse)``, ``dS = P (dP - rowsum(dout * out))``), in the compute
+    dtype; ``dq [T, H, D]`` in q's dtype and ``dkv [S, D]`` in kv's (summed over every query that selected a row)."""
+    T, H, D = q.shape
+    S, K = kv.shape[0], indices.shape[1]
+    d_v = out.shape[-1]
+    dt = compute_dtype(q, kv)
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < S) & (torch.arange(K, device=q.device)[None, :] < topk_length[:, None].long())
+    rows = idx.clamp(0, S - 1)
+    sel = kv.to(dt)[rows].masked_fill(~valid[..., None], 0.0)  # [T, K, D]
+    qf, do = q.to(dt), dout.to(dt)
+    logits = torch.einsum("thd,tkd->thk", qf, sel) * sm_scale
+    p = torch.exp(logits - lse.to(dt)[..., None]).masked_fill(~valid[:, None, :], 0.0)  # 0 on empty rows (lse +inf)
+    dp = torch.einsum("thv,tkv->thk", do, sel[..., :d_v])
+    ds = p * (dp - (do * out.to(dt)).sum(-1, keepdim=True)) * sm_scale  # [T, H, K]
+    dq = torch.einsum("thk,tkd->thd", ds, sel)
+    dsel = torch.einsum("thk,thd->tkd", ds, qf)
+    dsel[..., :d_v] += torch.einsum("thk,thv->tkv", p, do)
+    dsel = dsel.masked_fill(~valid[..., None], 0.0)
+    dkv = torch.zeros(S, D, dtype=dt, device=q.device).index_add_(0, rows.reshape(-1), dsel.reshape(T * K, D))
+    return dq.to(q.dtype), dkv.to(kv.dtype)
+
+
+@torch.library.custom_op("kimi::sparse_mla", mutates_args=())
+def _sparse_mla_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    kernel: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`SparseMLAFunction`'s forward: ``q [T, H, D]``, ``kv [S, D]``, ``indices [T, K]`` int32 (global ids,
+    -1 skipped), ``topk_length [T]`` int32 -> ``(out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` fp32 (fp64 for fp64
+    q), natural-log, +inf on a row without a valid key), both contiguous. CUDA: ``sparse_mla_fwd`` (FlashMLA or
+    Triton, ``kernel``; D = 576, d_v = 512, bf16); CPU: ``sparse_mla_fwd_reference`` (any D, d_v)."""
+    if q.is_cuda:
+        from kernels_torch.ops.sparse_mla import sparse_mla_fwd
+
+        out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, topk_length, d_v, backend=kernel)
+    else:
+        out, _, lse = sparse_mla_fwd_reference(q, kv, indices, sm_scale, topk_length, d_v)
+    return own(out.to(q.dtype), (q, kv)), own(lse.to(compute_dtype(q)), (q, kv))
+
+
+@_sparse_mla_op.register_fake
+def _(q, kv, indices, topk_length, sm_scale, d_v, kernel):
+    T, H, _ = q.shape
+    return q.new_empty(T, H, d_v), q.new_empty(T, H, dtype=compute_dtype(q))
+
+
+@torch.library.custom_op("kimi::sparse_mla_backward", mutates_args=())
+def _sparse_mla_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`SparseMLAFunction`'s backward, ``(dq [T, H, D]``, ``dkv [S, D])`` in q's and kv's dtypes: cuDNN FE's
+    ``sparse_attention_backward_wrapper`` on CUDA (no attention sink; atomics, not bitwise reproducible),
+    :func:`_sparse_mla_backward_torch` on the CPU."""
+    if q.is_cuda:
+        sink = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
+        res = _dsa().sparse_attention_backward_wrapper(
+            q.contiguous(),
+            kv.contiguous(),
+            out.contiguous(),
+            dout.to(q.dtype).contiguous(),
+            lse.contiguous(),
+            sink,
+            indices.contiguous(),
+            softmax_scale=sm_scale,
+            topk_length=topk_length,
+        )
+        dq, dkv = res["dq"], res["dkv"].reshape(kv.shape)
+    else:
+        dq, dkv = _sparse_mla_backward_torch(dout, q, kv, out, lse, indices, topk_length, sm_scale)
+    return own(dq, (dout, q, kv, out, lse)), own(dkv, (dout, q, kv, out, lse))
+
+
+@_sparse_mla_backward_op.register_fake
+def _(dout, q, kv, out, lse, indices, topk_length, sm_scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+
+
+def _sparse_mla_setup(ctx, inputs, output):
+    q, kv, indices, topk_length, sm_scale, d_v, kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, indices, topk_length, out, lse)  # as SparseMLAFunction
+    ctx.sm_scale = sm_scale
+
+
+def _sparse_mla_backward(ctx, dout, dlse):  # lse is a statistic: no gradient flows through it
+    q, kv, indices, topk_length, out, lse = ctx.saved_tensors
+    dq, dkv = _sparse_mla_backward_op(dout, q, kv, out, lse, indices, topk_length, ctx.sm_scale)
+    return dq, dkv, None, None, None, None, None
+
+
+_sparse_mla_op.register_autograd(_sparse_mla_backward, setup_context=_sparse_mla_setup)
+
+CUSTOM_OPS = (_indexer_topk_op, _sparse_mla_op, _sparse_mla_backward_op)  # opcheck'd in tests
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -452,6 +619,15 @@ def _dense_sdpa(q, k, v, cu_seqlens, scale):
         mask = causal_document_mask(T, cu_seqlens, device=q.device)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o.transpose(1, 2)
+
+
+def _headwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``einsum("nhi,hio->nho", x, w)``: :func:`kernels_torch.ops.linears.headwise_matmul` (head-batched ``bmm`` on
+    strided views, no copies) in eager mode; the einsum itself under ``torch.compile``, whose code generation picks
+    the layouts (the eager function's ``bmm(out=...)`` on transposed views is no graph op)."""
+    if torch.compiler.is_compiling():
+        return torch.einsum("nhi,hio->nho", x, w.to(x.dtype))
+    return headwise_matmul(x, w)
 
 
 def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool = False):
@@ -482,6 +658,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
     """
     c = layer.config
     require_cudnn(x, "x")
+    compiling = torch.compiler.is_compiling()
     B, T, D = x.shape
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, T, B)
@@ -505,18 +682,21 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         with torch.no_grad():  # frozen indexer: hard top-k passes no gradient
             # RoPE (config.indexer_rope) is applied here, before the cuDNN call; positions restart per document
             q_I, k_I, weights = layer.indexer.projections(x.detach(), c_q.detach(), cu_seqlens)
-            idx, tlen = indexer_topk_cudnn(
-                q_I.reshape(N, *q_I.shape[2:]), k_I.reshape(N, -1), weights.reshape(N, -1), topk, cu
-            )
-            idx = sort_topk_slots(idx)  # a reproducible forward: see sort_topk_slots
+            q_I, k_I, weights = q_I.reshape(N, *q_I.shape[2:]), k_I.reshape(N, -1), weights.reshape(N, -1)
+            if compiling:  # the cuDNN indexer, top-k and slot sort: one node for the compiler
+                idx, tlen = _indexer_topk_op(q_I, k_I, weights, topk, cu)
+            else:
+                idx, tlen = indexer_topk_cudnn(q_I, k_I, weights, topk, cu)
+                idx = sort_topk_slots(idx)  # a reproducible forward: see sort_topk_slots
         w = effective_weight(layer.kv_b_proj).view(H, Kn + V, L)  # W + scale * B A under LoRA
         w_uk, w_uv = w[:, :Kn], w[:, Kn:]  # [H, Kn, L], [H, V, L]
         kernel = getattr(layer, "sparse_kernel", None)
-        q_lat = headwise_matmul(q_nope.reshape(N, H, Kn), w_uk)  # [N, H, L]: einsum "nhk,hkl->nhl", no copies
+        q_lat = _headwise(q_nope.reshape(N, H, Kn), w_uk)  # [N, H, L]: einsum "nhk,hkl->nhl", no copies
         q_rope = q_pe.reshape(N, H, R)
         # the sparse backward runs (and reads q) when any of its inputs needs a gradient: the KV rows count too
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_lat, q_rope, c_kv, k_pe))
-        if not needs_grad and (L, R) == (SPARSE_D_V, SPARSE_D_QK - SPARSE_D_V) and wants_padded_q(H, x.device, kernel):
+        padded = not compiling and (L, R) == (SPARSE_D_V, SPARSE_D_QK - SPARSE_D_V)  # compiled: no in-place views
+        if not needs_grad and padded and wants_padded_q(H, x.device, kernel):
             # FlashMLA reads 64 or 128 heads: write the absorbed queries straight into its padded layout, so the
             # forward copies nothing in or out. Not under autograd: cuDNN's backward stages contiguous q and out
             # anyway, so the copies would only move there, and the saved tensors would grow by the pad heads.
@@ -530,7 +710,7 @@ def gated_mla_forward(layer, x: torch.Tensor, cu_seqlens=None, return_aux: bool 
         o_lat = sparse_mla(q_abs, kv_rows, idx, tlen, scale, d_v=L, kernel=kernel, return_lse=kl_aux)
         if kl_aux:
             o_lat, lse = o_lat
-        o = headwise_matmul(o_lat, w_uv.transpose(1, 2)).view(B, T, H, V)  # einsum "nhl,hvl->nhv"
+        o = _headwise(o_lat, w_uv.transpose(1, 2)).view(B, T, H, V)  # einsum "nhl,hvl->nhv"
         idx_global = idx
         idx = idx.view(B, T, topk)
         if B > 1:  # the B sequences ran as packed documents: key ids back to positions within each sequence

@@ -22,6 +22,11 @@ with a torch stand-in:
   shape, K = V = 128, else fla), recorded in ``kernel_choice.used()``;
 * fla-core's gated RMSNorm around it all (``rms_norm_gated``, sigmoid).
 
+Under ``torch.compile`` (``kernels_torch.compile``) :func:`kda_layer_forward` runs :func:`_kda_layer_forward_compiled`:
+the kernels as ``kimi::`` ops (``kimi::kda_short_conv``, ``kimi::kda_cudnn`` with cuDNN's backward as
+``kimi::kda_cudnn_backward``, ``kimi::kda_fla``), the q/k L2 norm, gate, beta sigmoid and output norm as their
+torch twins for the compiler to fuse. Eager calls run the kernels directly, as described below.
+
 Numerics: g and beta enter every recurrence kernel in fp32, never narrowed to bf16 (bf16 decays close to 1 round to
 1 and channels stop forgetting over long sequences); beta's sigmoid is applied exactly once per path.
 """
@@ -38,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels_torch import kernel_choice
-from kernels_torch.common import check_cu_seqlens, depthwise_conv_weight, linear
+from kernels_torch.common import check_cu_seqlens, compute_dtype, depthwise_conv_weight, linear
+from kernels_torch.ops.custom import autograd_inside_op, own, recompute_op, trace_constant
 from kernels_torch.ops.linears import shared_input_linears
 from kimi.kda_gate import A_LOG_MAX
 
@@ -64,13 +70,18 @@ GPU_EXTRA_HINT = "pip install 'kimi-k3[gpu]' (fla-core>=0.6, nvidia-cudnn-fronte
 def _cudnn_missing(x: torch.Tensor) -> list[str]:
     """What ``backend='cudnn'`` lacks for activations ``x``: the ``gpu`` extra (fla), CUDA tensors, bf16 activations."""
     missing = []
-    if importlib.util.find_spec("fla") is None:
+    if not _fla_importable():
         missing.append(f"the gpu extra (fla-core is not importable; {GPU_EXTRA_HINT})")
     if not x.is_cuda:
         missing.append(f"CUDA tensors (x is on {x.device})")
     if x.dtype != torch.bfloat16:
         missing.append(f"bfloat16 activations (x is {x.dtype})")
     return missing
+
+
+@trace_constant  # under torch.compile: probed once, while tracing
+def _fla_importable() -> bool:
+    return importlib.util.find_spec("fla") is not None
 
 
 def require_cudnn_backend(x: torch.Tensor) -> None:
@@ -109,6 +120,12 @@ def cudnn_short_conv_unavailable(x: torch.Tensor, W: int) -> str | None:
     """Why cuDNN's ``causal_conv1d`` cannot run KDA's short convolution on activations ``x`` with kernel width ``W``,
     as a reason string, or None when it can (as far as can be told before the call: the CuTe DSL route may still
     decline at the call with ``NotImplementedError``, e.g. without the CUTLASS DSL or on an unlisted device)."""
+    return _short_conv_unavailable_on(x.device, x.dtype, W)
+
+
+@trace_constant  # under torch.compile: probed once per (device, dtype, W), while tracing
+def _short_conv_unavailable_on(device: torch.device, dtype: torch.dtype, W: int) -> str | None:
+    """:func:`cudnn_short_conv_unavailable` for activations on ``device`` in ``dtype``."""
     if importlib.util.find_spec("cudnn") is None:
         return "nvidia-cudnn-frontend is not importable"
     if importlib.util.find_spec("cutlass") is None:  # the CuTe DSL route imports it at the first call
@@ -117,10 +134,10 @@ def cudnn_short_conv_unavailable(x: torch.Tensor, W: int) -> str | None:
         _cudnn_causal_conv1d()
     except Exception as e:  # ImportError / AttributeError (another cuDNN FE version), or a broken install
         return f"cudnn.ops.causal_conv1d is not there ({type(e).__name__}: {e})"
-    if not x.is_cuda:
-        return f"x is on {x.device}"
-    if x.dtype != torch.bfloat16:
-        return f"x is {x.dtype}; cuDNN's route takes bfloat16 activations"
+    if device.type != "cuda":
+        return f"x is on {device}"
+    if dtype != torch.bfloat16:
+        return f"x is {dtype}; cuDNN's route takes bfloat16 activations"
     if W != CUDNN_CONV_WIDTH:
         return f"kernel width W={W}; cuDNN's route takes W = {CUDNN_CONV_WIDTH}"
     return None
@@ -212,15 +229,21 @@ def cudnn_kda_unavailable(x: torch.Tensor, K: int, V: int, lower_bound: float | 
     ``lower_bound`` (``gate_lower_bound``; None = the unbounded softplus gate), as a reason string, or None when it
     can. The SM90 engine is validated at the bounded gate only: with the softplus gate (log-decay far below -5) its
     output is NaN (measured on the H200, 2026-11-30), so that gate runs on fla."""
+    return _cudnn_kda_unavailable_on(x.device, K, V, lower_bound)
+
+
+@trace_constant  # under torch.compile: probed once per (device, shape, gate), while tracing
+def _cudnn_kda_unavailable_on(device: torch.device, K: int, V: int, lower_bound: float | None) -> str | None:
+    """:func:`cudnn_kda_unavailable` for activations on ``device``."""
     if importlib.util.find_spec("cudnn") is None:
         return "nvidia-cudnn-frontend is not importable"
     try:
         importlib.import_module(_CUDNN_KDA_OP)
     except Exception as e:  # ImportError, or a broken install raising at import
         return f"{_CUDNN_KDA_OP} does not import ({type(e).__name__}: {e})"
-    if not x.is_cuda:
-        return f"x is on {x.device}"
-    major = torch.cuda.get_device_capability(x.device)[0]
+    if device.type != "cuda":
+        return f"x is on {device}"
+    major = torch.cuda.get_device_capability(device)[0]
     if major not in (9, 10):
         return f"device capability {major}.x has no cuDNN KDA engine with a backward (SM90 or SM100)"
     if (K, V) != (CUDNN_KDA_HEAD_DIM, CUDNN_KDA_HEAD_DIM):
@@ -598,6 +621,8 @@ def kda_layer_forward(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None)
         RuntimeError: ``kda_kernel='cudnn'`` where the cuDNN op cannot run (with the reason); ``kda_prep='in_kernel'``
             where gradients are needed.
     """
+    if torch.compiler.is_compiling():  # the kernels as kimi:: ops, the code between them traced (see below)
+        return _kda_layer_forward_compiled(layer, x, cu_seqlens, cache)
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
@@ -724,4 +749,301 @@ def kda_layer_forward(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None)
     y = rms_norm_gated(
         o, gate.reshape(B, T, H, K), layer.o_norm.weight, None, activation="sigmoid", eps=layer.o_norm.eps
     )
+    return linear(y.reshape(B, T, P), layer.o_proj), (cq, ck, cv, S)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# under torch.compile: the kernels as kimi:: custom ops (kernels_torch.ops.custom)
+# ------------------------------------------------------------------------------------------------------------------
+# Each op runs the GPU kernel on CUDA tensors and its torch twin (kernels_torch.kda) on CPU tensors, the twin the CPU
+# tests check the op's registration and gradients with.
+
+
+def _kda_twins():
+    """``kernels_torch.kda``, imported at the call: it imports this module (the layer hands its cudnn path here)."""
+    from kernels_torch import kda
+
+    return kda
+
+
+def _short_conv_gpu(x, weight, cu_seqlens, conv_state, kernel: str, forced: bool):
+    """The ``cudnn`` layer's short conv + SiLU on one kernel: ``"cudnn"`` (:func:`short_conv_cudnn`; a decline at the
+    call falls back to fla with one warning unless ``forced``) or ``"fla"`` (fla-core's ``causal_conv1d``); on CPU
+    tensors the twin ``kernels_torch.kda.short_conv``. ``x [B, T, C]``, ``weight [C, 1, W]``, ``cu_seqlens [N+1]``
+    or None, ``conv_state [N, C, W-1]`` or None -> ``(y [B, T, C], new state [N, C, W-1])`` in x's dtype. Records
+    the kernel that ran (``kernel_choice.used()["short_conv"]``)."""
+    if not x.is_cuda:
+        return _kda_twins().short_conv(x, weight, cu_seqlens, conv_state)
+    if kernel == "cudnn":
+        try:
+            out = short_conv_cudnn(x, weight, cu_seqlens, conv_state)
+            kernel_choice.record("short_conv", "cudnn")
+            return out
+        except (NotImplementedError, ImportError) as e:
+            if forced:
+                raise RuntimeError(f"short_conv_kernel: got 'cudnn', but cuDNN's causal_conv1d declined: {e}") from e
+            _warn_fallback(f"the cuDNN short conv declined ({type(e).__name__}: {e}); running fla's causal_conv1d")
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    C = x.shape[-1]
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=x.device, dtype=torch.int32)
+    y, final = causal_conv1d(
+        x=x,
+        weight=depthwise_conv_weight(weight, C),
+        initial_state=_fla_conv_state(conv_state),
+        output_final_state=True,
+        activation="silu",
+        cu_seqlens=cu,
+        cu_seqlens_cpu=None if cu is None else cu.cpu(),
+    )
+    kernel_choice.record("short_conv", "fla")
+    return y, final[..., 1:]
+
+
+def _short_conv_gpu_fake(x, weight, cu_seqlens, conv_state, kernel, forced):
+    B, T, C = x.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return x.new_empty(B, T, C), x.new_empty(N, C, weight.shape[-1] - 1)
+
+
+# the GPU short convolutions (cuDNN's, fla's) keep their backward inside their own autograd Functions, with no entry
+# point of their own: the op's backward recomputes the forward under autograd (one more forward of the conv, the
+# cheapest kernel of the layer: 0.3 of 41 ms at 8K tokens on the H200)
+_short_conv_gpu_op = recompute_op(
+    "kimi::kda_short_conv",
+    _short_conv_gpu,
+    "(Tensor x, Tensor weight, Tensor? cu_seqlens, Tensor? conv_state, str kernel, bool forced) -> (Tensor, Tensor)",
+    _short_conv_gpu_fake,
+)
+
+
+def _kda_fla(q, k, v, g, beta, initial_state, cu_seqlens):
+    """The recurrence (spec 2.2 step 7) on fla-core's ``chunk_kda`` with the inputs already prepared (q, k
+    L2-normalised, g the fp32 log-decay, beta post-sigmoid fp32; scale ``K^-1/2``); on CPU tensors the twin
+    ``kernels_torch.kda.kda_chunk``. Shapes as :func:`kda_recurrence_cudnn`: ``(o [B, T, H, V]`` in v's dtype,
+    ``S [N, H, K, V]`` fp32)."""
+    K = q.shape[-1]
+    if not q.is_cuda:
+        return _kda_twins().kda_chunk(q, k, v, g, beta, K**-0.5, initial_state, cu_seqlens)
+    from fla.ops.kda import chunk_kda
+
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)
+    o, S = chunk_kda(
+        q, k, v, g, beta, scale=K**-0.5, initial_state=initial_state, output_final_state=True, cu_seqlens=cu
+    )
+    kernel_choice.record("kda", "fla")
+    return o, S
+
+
+def _kda_recurrence_fake(q, k, v, g, beta, initial_state, cu_seqlens, *rest):
+    """``(o [B, T, H, V]`` in v's dtype, ``S [N, H, K, V]`` fp32, fp64 for fp64 inputs), as the kernels and twins."""
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    S = q.new_empty(N, H, K, v.shape[-1], dtype=compute_dtype(q, k, v, g, beta))
+    return torch.empty(v.shape, dtype=v.dtype, device=v.device), S
+
+
+# fla's chunk_kda keeps its backward inside its autograd Function: the op's backward recomputes the forward under
+# autograd (the fallback kernel: cuDNN's, below, has a backward op of its own)
+_kda_fla_op = recompute_op(
+    "kimi::kda_fla",
+    _kda_fla,
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, Tensor? cu_seqlens) "
+    "-> (Tensor, Tensor)",
+    _kda_recurrence_fake,
+)
+
+
+@torch.library.custom_op("kimi::kda_cudnn", mutates_args=())
+def _kda_cudnn_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    pieces: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kda_recurrence_cudnn` (cuDNN FE's KDA forward, the SM90 split ``pieces``) as one op: q, k ``[B, T, H,
+    K]`` bf16 L2-normalised, v ``[B, T, H, V]`` bf16, g ``[B, T, H, K]`` fp32, beta ``[B, T, H]`` fp32 post-sigmoid,
+    initial_state ``[N, H, K, V]`` fp32 or None, cu_seqlens ``[N+1]`` or None -> ``(o [B, T, H, V]`` bf16,
+    ``S [N, H, K, V]`` fp32). On CPU tensors the twin ``kernels_torch.kda.kda_chunk`` (o in v's dtype, S in the
+    compute dtype)."""
+    if not q.is_cuda:
+        o, S = _kda_twins().kda_chunk(q, k, v, g, beta, q.shape[-1] ** -0.5, initial_state, cu_seqlens)
+    else:
+        o, S = kda_recurrence_cudnn(q, k, v, g, beta, initial_state, cu_seqlens, pieces=pieces)
+        kernel_choice.record("kda", "cudnn")
+    inputs = (q, k, v, g, beta, initial_state)
+    return own(o, inputs), own(S, inputs)
+
+
+_kda_cudnn_op.register_fake(_kda_recurrence_fake)
+
+
+def _kda_cudnn_backward_cuda(do, dS, q, k, v, g, beta, initial_state, cu_seqlens):
+    """cuDNN FE's KDA backward (``torch.ops.cudnn.kimi_delta_attention_bwd``, the op its forward's autograd calls) on
+    the forward's inputs, in the op's THD layout with V-first states; gradients back in ours."""
+    bwd = (_cudnn_kda_op(), torch.ops.cudnn.kimi_delta_attention_bwd)[1]  # importing the module registers both
+    B, T, H, K, V, cu, S0, plan_name = _cudnn_kda_args(q, v, initial_state, cu_seqlens, "default")
+    dfs = None if dS is None else dS.float().transpose(-1, -2).contiguous()  # K-first -> the op's V-first
+    dq, dk, dv, dg, dbeta, dS0, *_ = bwd(
+        do.to(q.dtype).reshape(B * T, H, V).contiguous(),
+        q.reshape(B * T, H, K),
+        k.reshape(B * T, H, K),
+        v.reshape(B * T, H, V),
+        g.reshape(B * T, H, K),
+        beta.reshape(B * T, H),
+        cu,
+        K**-0.5,
+        initial_state=S0,
+        d_final_state=dfs,
+        plan_name=plan_name,
+    )
+    dS0 = dS0.transpose(-1, -2) if initial_state is not None else dS0
+    return (
+        dq.view(B, T, H, K),
+        dk.view(B, T, H, K),
+        dv.view(B, T, H, V),
+        dg.view(B, T, H, K),
+        dbeta.view(B, T, H),
+        dS0,
+    )
+
+
+def _kda_cudnn_backward_twin(do, dS, q, k, v, g, beta, initial_state, cu_seqlens):
+    """The CPU twin's gradients: autograd over ``kernels_torch.kda.kda_chunk``."""
+    with autograd_inside_op():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+        s0 = None if initial_state is None else initial_state.detach().requires_grad_(True)
+        o, S = _kda_twins().kda_chunk(*leaves, q.shape[-1] ** -0.5, s0, cu_seqlens)
+        wrt = leaves + ([s0] if s0 is not None else [])
+        outs, grads = [o], [do]
+        if dS is not None:
+            outs.append(S)
+            grads.append(dS)
+        got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    got = [torch.zeros_like(t) if d is None else d for t, d in zip(wrt, got)]
+    if s0 is None:
+        got.append(q.new_empty(0, dtype=torch.float32))
+    return tuple(got)
+
+
+@torch.library.custom_op("kimi::kda_cudnn_backward", mutates_args=())
+def _kda_cudnn_backward_op(
+    do: torch.Tensor,
+    dS: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ``kimi::kda_cudnn``: ``(dq, dk, dv, dg, dbeta, d_initial_state)`` shaped and typed as the
+    inputs (``d_initial_state`` empty ``[0]`` fp32 without an initial state), from the output gradient ``do`` and
+    the final state's ``dS`` (None: no gradient reaches the state). cuDNN's backward on CUDA (no recomputation), the
+    twin's autograd on the CPU."""
+    run = _kda_cudnn_backward_cuda if q.is_cuda else _kda_cudnn_backward_twin
+    grads = run(do, dS, q, k, v, g, beta, initial_state, cu_seqlens)
+    inputs = (do, dS, q, k, v, g, beta, initial_state)
+    return tuple(own(t, inputs) for t in grads)
+
+
+@_kda_cudnn_backward_op.register_fake
+def _(do, dS, q, k, v, g, beta, initial_state, cu_seqlens):
+    dS0 = q.new_empty(0, dtype=torch.float32) if initial_state is None else torch.empty_like(initial_state)
+    like = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)  # noqa: E731  (contiguous)
+    return like(q), like(k), like(v), like(g), like(beta), like(dS0)
+
+
+def _kda_cudnn_setup(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, pieces = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)  # what cuDNN's own autograd saves
+
+
+def _kda_cudnn_backward(ctx, do, dS):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta, dS0 = _kda_cudnn_backward_op(do, dS, q, k, v, g, beta, initial_state, cu_seqlens)
+    return dq, dk, dv, dg, dbeta, (dS0 if initial_state is not None else None), None, None
+
+
+_kda_cudnn_op.register_autograd(_kda_cudnn_backward, setup_context=_kda_cudnn_setup)
+
+CUSTOM_OPS = (_short_conv_gpu_op, _kda_fla_op, _kda_cudnn_op, _kda_cudnn_backward_op)  # opcheck'd in tests
+
+
+def _kda_layer_forward_compiled(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None):
+    """:func:`kda_layer_forward` under ``torch.compile``: the same function, with every kernel an op and the
+    elementwise work between them left to the compiler.
+
+    * the short convolutions: ``kimi::kda_short_conv`` (cuDNN's or fla's, chosen as in eager mode while tracing);
+    * the q/k L2 norm, the gate and beta's sigmoid: the torch twins ``kernels_torch.kda.l2norm`` / ``kda_gate``
+      (fp32, eps 1e-6, A_log capped: fla's functions compute the same), q and k rounded to bf16 as fla's ``l2norm``
+      returns them; the compiler fuses them;
+    * the recurrence: ``kimi::kda_cudnn`` (cuDNN's forward and backward ops) or ``kimi::kda_fla`` (fla's
+      ``chunk_kda`` on the prepared inputs), by ``kernel_choice.resolve("kda", layer.kda_kernel)``; a cuDNN decline
+      at the call raises here (no fallback inside a compiled graph);
+    * the output norm: ``kernels_torch.kda.gated_rms_norm`` (fp32, sigmoid gate, as fla's ``rms_norm_gated``);
+    * the projections: plain ``F.linear`` (the compiler schedules the gradient sums the eager path's
+      ``shared_input_linears`` fuses into its GEMMs).
+
+    Raises:
+        ValueError: a cache entry of the wrong shape; ``kda_prep`` forced to ``triton`` or ``in_kernel`` (eager-only
+            kernels).
+        RuntimeError: ``kda_kernel='cudnn'`` where the cuDNN op cannot run (with the reason).
+    """
+    kda = _kda_twins()
+    c = layer.config
+    B, T, _ = x.shape
+    H, K = c.kda_num_heads, c.kda_head_dim
+    P = H * K
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, T, B).to(x.device)  # values: checked by the op
+    N = B if cu is None else cu.shape[0] - 1
+    cq, ck, cv, S0 = (None,) * 4 if cache is None else cache
+    W = layer.q_conv1d.weight.shape[-1]
+    for name, st in (("conv_q", cq), ("conv_k", ck), ("conv_v", cv)):
+        if st is not None and tuple(st.shape) != (N, P, W - 1):
+            raise ValueError(f"cache.{name}: got shape {tuple(st.shape)}, expected [N, P, W-1]=[{N}, {P}, {W - 1}]")
+    prep = kernel_choice.resolve("kda_prep", getattr(layer, "kda_prep", None))
+    if prep in ("triton", "in_kernel"):
+        raise ValueError(
+            f"kda_prep: got {prep!r} under torch.compile, whose blocks compute the q/k L2 norm, the gate and beta's "
+            "sigmoid with torch ops that the compiler fuses; expected 'auto' or 'outside' (or run the layer eagerly)"
+        )
+    choice = kernel_choice.resolve("kda", layer.kda_kernel)
+    why = _cudnn_kda_unavailable_on(x.device, K, K, c.gate_lower_bound) if choice != "fla" else None
+    if choice == "cudnn" and why is not None:
+        raise RuntimeError(f"kda_kernel: got 'cudnn', but the cuDNN KDA op cannot run here: {why}")
+    pieces = kernel_choice.resolve("kda_pieces", getattr(layer, "kda_pieces", None))
+    conv_choice = kernel_choice.resolve("short_conv", getattr(layer, "short_conv_kernel", None))
+    conv_why = _short_conv_unavailable_on(x.device, x.dtype, W) if conv_choice != "fla" else None
+    if conv_why is None and torch.is_grad_enabled() and any(st is not None and st.requires_grad for st in (cq, ck, cv)):
+        conv_why = "a conv state requires a gradient (only fla's causal_conv1d computes one)"
+    if conv_choice == "cudnn" and conv_why is not None:
+        raise RuntimeError(f"short_conv_kernel: got 'cudnn', but cuDNN's causal_conv1d cannot run here: {conv_why}")
+    auto_cudnn = conv_choice == "auto" and kernel_choice.SHORT_CONV_AUTO == "cudnn"
+    conv_kernel = "cudnn" if conv_why is None and (conv_choice == "cudnn" or auto_cudnn) else "fla"
+
+    x_projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj, layer.b_proj]
+    x_projs.append(layer.g_proj if c.use_full_rank_gate else layer.g_a_proj)
+    xq, xk, xv, xf, b_logits, xg = (linear(x, p) for p in x_projs)
+    forced = conv_choice == "cudnn"
+    q, cq = _short_conv_gpu_op(xq, layer.q_conv1d.weight, cu, cq, conv_kernel, forced)
+    k, ck = _short_conv_gpu_op(xk, layer.k_conv1d.weight, cu, ck, conv_kernel, forced)
+    v, cv = _short_conv_gpu_op(xv, layer.v_conv1d.weight, cu, cv, conv_kernel, forced)
+    q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))
+    f = linear(xf, layer.f_b_proj).reshape(B, T, H, K)
+    g = kda.kda_gate(f, layer.A_log, layer.dt_bias, c.gate_lower_bound)  # fp32 (fp64 for fp64 x)
+    beta = torch.sigmoid(b_logits.to(g.dtype))  # [B, T, H]: the one sigmoid on beta
+    qn, kn = kda.l2norm(q).to(q.dtype), kda.l2norm(k).to(k.dtype)
+    S0f = None if S0 is None else S0.to(g.dtype)
+    if choice != "fla" and why is None:
+        o, S = _kda_cudnn_op(qn, kn, v, g, beta, S0f, cu, pieces)
+    else:
+        o, S = _kda_fla_op(qn, kn, v, g, beta, S0f, cu)
+    gate = xg if c.use_full_rank_gate else linear(xg, layer.g_b_proj)
+    y = kda.gated_rms_norm(o, gate.reshape(B, T, H, K), layer.o_norm.weight, layer.o_norm.eps).to(x.dtype)
     return linear(y.reshape(B, T, P), layer.o_proj), (cq, ck, cv, S)

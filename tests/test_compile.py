@@ -4,8 +4,9 @@ and give the eager functions' gradients, and ``kimi train --compile`` reproduces
 
 All on the CPU with the ``aot_eager`` backend (AOTAutograd, the joint forward/backward graph, no code generation):
 it traces exactly what inductor gets, in seconds. Compiled and eager agree bitwise there; the tolerances below allow
-for the reordering a code-generating backend may do. The cudnn backend is refused under compile (its kernels are
-not custom ops yet; never run compiled here).
+for the reordering a code-generating backend may do. The ``cudnn`` backend's blocks are traced here through the
+CPU twins of its ``kimi::`` ops (the kernels themselves run in ``tests/gpu/test_gpu_compile.py``); the ops' own
+checks are in ``tests/test_custom_ops.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kernels_torch.ops import moe_grouped as mg
 from kimi.config import load_config
 
 TOL = {"out": 1e-6, "grad": 1e-6, "loss": 1e-6}  # compiled vs eager, fp32 (aot_eager: bitwise equal in practice)
+TOL_TWIN = 1e-5  # a compiled cudnn-backend layer (CPU twins) vs the eager backend's, fp32: other summation orders
 TOL_OP = {"grad": 1e-12}  # a kimi:: op's gradient vs the eager function's, fp64 (the same autograd, recomputed)
 
 
@@ -152,11 +154,55 @@ def test_compiled_blocks_under_recomputation_match_eager(mode, full_layers):
     assert counter.frame_count >= 2  # the blocks ran compiled
 
 
-def test_compile_refuses_cudnn_and_unknown_backend():
-    with pytest.raises(ValueError, match="cudnn"):
-        check_compile_supported("cudnn")
+def test_compile_refusals(monkeypatch):
+    """The cudnn backend compiles; its eager-only KDA preparations and unknown compile backends are refused."""
+    monkeypatch.delenv("KIMI_KDA_PREP", raising=False)
+    check_compile_supported("cudnn")
+    for prep in ("triton", "in_kernel"):
+        monkeypatch.setenv("KIMI_KDA_PREP", prep)
+        with pytest.raises(ValueError, match=f"KIMI_KDA_PREP={prep}"):
+            check_compile_supported("cudnn")
+    monkeypatch.setenv("KIMI_KDA_PREP", "outside")
+    check_compile_supported("cudnn")
     with pytest.raises(ValueError, match="compile-backend"):
         check_compile_supported("sdpa", "tvm")
+
+
+@pytest.mark.parametrize("idx", [1, 3], ids=["kda-moe", "dsa-moe"])
+def test_cudnn_block_compiles_whole_through_the_op_twins(monkeypatch, idx):
+    """A ``cudnn``-backend decoder layer (KDA + MoE, DSA + MoE) compiled with fullgraph=True on the CPU: every kernel
+    of the layer is a ``kimi::`` op (here running its CPU twin: the backend's device and dtype gate is lifted for
+    the test), the code between them traced. 0 graph breaks, 1 compilation for two micro-batches of one shape, the
+    output and gradients equal to the ``eager`` backend's layer with the same weights (fp32: the twins compute the
+    same functions; the DSA layer's sparse gather and the MoE's fused SiTU-GLU backward reorder sums)."""
+    from kernels_torch import dsa_cudnn, kda_cudnn
+
+    monkeypatch.setattr(kda_cudnn, "require_cudnn_backend", lambda x: None)
+    monkeypatch.setattr(dsa_cudnn, "require_cudnn", lambda x, what="x": None)
+    cfg = load_config("tiny")
+    torch.manual_seed(idx)
+    model = KimiK3Model(cfg, backend="cudnn")
+    ref = KimiK3Model(cfg, backend="eager")
+    ref.load_state_dict(model.state_dict())
+    layer, ref_layer = model.model.layers[idx], ref.model.layers[idx]
+    T, D = 40, cfg.hidden_size
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    for cu in ([0, 13, 40], [0, 29, 40]):
+        p = torch.randn(1, T, D, requires_grad=True)
+        blocks = [torch.randn(1, T, D)]
+        w = torch.randn(1, T, D)
+        want = _layer_run(ref_layer, ref_layer, blocks, p, torch.tensor(cu), w)
+        got = _layer_run(compiled, layer, blocks, p, torch.tensor(cu), w)
+        check_rel("out", got[0], want[0], TOL_TWIN)
+        check_rel("d p", got[1], want[1], TOL_TWIN)
+        for name in got[2]:  # the cudnn layer's indexer is frozen: its parameters have no gradient
+            check_rel(f"d {name}", got[2][name], want[2][name], TOL_TWIN)
+        assert set(got[2]) == {n for n in want[2] if not n.startswith("self_attn.indexer.")}
+    assert _breaks() == 0, dict(torch._dynamo.utils.counters["graph_break"])
+    assert counter.frame_count == 1
 
 
 def _f64(*shape, requires_grad=True):
@@ -241,7 +287,7 @@ def test_recompute_op_outputs_never_alias_inputs():
     torch.library.opcheck(op, (torch.randn(5, 2, dtype=torch.float64, requires_grad=True),))
 
 
-def test_train_compile_matches_uncompiled(tmp_path):
+def test_train_compile_matches_uncompiled(tmp_path, monkeypatch):
     """``kimi train --compile`` (aot_eager) for 2 steps on the tiny preset (2 layers): the losses and eval losses of
     an uncompiled run; ``run.json`` records the flags."""
     import json
@@ -264,5 +310,6 @@ def test_train_compile_matches_uncompiled(tmp_path):
     assert run["args"]["compile"] is True and run["args"]["compile_backend"] == "aot_eager"
     with pytest.raises(ValueError, match="--compile-backend"):
         train(TrainArgs(out=str(tmp_path / "x"), compile_backend="aot_eager", **kw))
-    with pytest.raises(ValueError, match="--compile: got --backend cudnn"):
+    monkeypatch.setenv("KIMI_KDA_PREP", "in_kernel")  # forward only: refused before any model is built
+    with pytest.raises(ValueError, match="--compile: got KIMI_KDA_PREP=in_kernel with --backend cudnn"):
         train(TrainArgs(out=str(tmp_path / "y"), compile=True, backend="cudnn", device="cuda", dtype="bfloat16", **kw))

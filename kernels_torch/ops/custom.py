@@ -9,7 +9,12 @@ read by breaking the graph (a host sync). The ``kimi::`` ops of the project:
 * ``kimi::experts_loop`` (``kernels_torch.moe``): the routed experts' ``loop`` kernel, one GEMM per expert over the
   tokens ``torch.nonzero`` routes to it;
 * ``kimi::permute_rows``, ``kimi::combine_rows`` and their backwards (``kernels_torch.ops.moe_grouped``): the
-  grouped-expert layout's gather and weighted gather-sum (Triton kernels on CUDA).
+  grouped-expert layout's gather and weighted gather-sum (Triton kernels on CUDA);
+* the ``cudnn`` backend's kernels, whose Python (library launchers, import probes, locks) dynamo cannot trace:
+  ``kimi::situ_glu`` (``kernels_torch.ops.situ``), ``kimi::indexer_topk``, ``kimi::sparse_mla`` and
+  ``kimi::sparse_mla_backward`` (``kernels_torch.dsa_cudnn``), ``kimi::kda_cudnn`` and ``kimi::kda_cudnn_backward``,
+  ``kimi::kda_fla``, ``kimi::kda_short_conv`` (``kernels_torch.kda_cudnn``). These run the GPU kernel on CUDA
+  tensors and a torch twin on CPU tensors; their kernel choices are made while tracing (:func:`trace_constant`).
 
 Each op's implementation *is* the eager function (called unchanged, on every device: on CUDA it picks its GPU kernel
 as in eager mode). The ops are registered beside the function they wrap (this module holds the machinery, as
@@ -30,9 +35,10 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._dynamo
 from torch import Tensor
 
-__all__ = ["recompute_op", "own", "recompute_ops"]
+__all__ = ["recompute_op", "own", "recompute_ops", "trace_constant", "autograd_inside_op"]
 
 _REGISTERED: dict[str, tuple] = {}  # name -> (forward op, backward op), for tests (opcheck) and docs
 
@@ -47,8 +53,18 @@ def own(t: Tensor, inputs: Sequence) -> Tensor:
     return t
 
 
+def trace_constant(fn: Callable) -> Callable:
+    """``fn`` marked for ``torch.compile`` as a function whose result is a constant of the trace
+    (``torch._dynamo.assume_constant_result``): dynamo calls it once while tracing and bakes the result into the
+    graph, with no guard on it. For the probes that pick a kernel (does a package import, does the device's
+    capability have an engine): Python that dynamo cannot trace (``importlib``, a device query), whose answer does not
+    change while the process runs. Its arguments must be constants to dynamo (strings, numbers, ``torch.device``,
+    ``torch.dtype``), never tensors. Outside compilation it is ``fn``."""
+    return torch._dynamo.assume_constant_result(fn)
+
+
 @contextlib.contextmanager
-def _autograd_inside_op():
+def autograd_inside_op():
     """Autograd back on inside an op's implementation. The dispatcher calls a custom op's kernel below the autograd
     keys (they stay in the thread's exclude set, eager or compiled), so ``torch.enable_grad`` alone records nothing
     there and ``torch.autograd.grad`` would find no graph: the autograd keys are taken out of the exclude set for
@@ -105,7 +121,7 @@ def recompute_op(name: str, fn: Callable, schema: str, fake: Callable) -> Callab
         *args, needs = rest
         args = list(args)
         leaves = []
-        with _autograd_inside_op():
+        with autograd_inside_op():
             for j, i in enumerate(positions):
                 if needs[j]:
                     args[i] = args[i].detach().requires_grad_(True)

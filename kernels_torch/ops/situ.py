@@ -31,6 +31,7 @@ import torch
 from kernels_torch import kernel_choice
 from kernels_torch.activations import situ
 from kernels_torch.common import compute_dtype
+from kernels_torch.ops.custom import own
 
 try:  # Triton is optional: the CPU CI machine has none; the torch kernel works without it.
     import triton
@@ -304,6 +305,9 @@ def situ_glu(
     if chosen == "triton" and refusal is not None:
         raise ValueError(f"situ_glu: kernel='triton' cannot run: {refusal}")
     run = "triton" if chosen == "triton" or (chosen == "auto" and refusal is None) else "torch"
+    if torch.compiler.is_compiling():  # Triton launches and a recomputing backward: one node for the compiler
+        lb = None if linear_beta is None else float(linear_beta)
+        return _situ_glu_op(a, b, hidden_act, float(beta), lb, run)
     kernel_choice.record("glu", run)
     return _SituGLU.apply(a, b, hidden_act, beta, linear_beta, run)
 
@@ -324,3 +328,66 @@ def glu_act_fused(a: torch.Tensor, b: torch.Tensor, config, kernel: str | None =
     if config.hidden_act == "silu":
         return situ_glu(a, b, 1.0, None, hidden_act="silu", kernel=kernel)
     raise ValueError(f"hidden_act: got {config.hidden_act!r}, expected 'situ' or 'silu'")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# custom ops: situ_glu as one node for torch.compile (kernels_torch.ops.custom), with its closed-form backward
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kimi::situ_glu", mutates_args=())
+def _situ_glu_op(
+    a: torch.Tensor, b: torch.Tensor, hidden_act: str, beta: float, linear_beta: float | None, kernel: str
+) -> torch.Tensor:
+    """:func:`situ_glu`'s forward on the kernel already chosen (``"triton"`` or ``"torch"``): ``[..., I]`` in
+    ``a.dtype``, contiguous."""
+    kernel_choice.record("glu", kernel)
+    if kernel == "triton":
+        return own(_forward_triton(a, b, hidden_act, beta, linear_beta), (a, b))
+    return own(_forward_torch(a, b, hidden_act, beta, linear_beta), (a, b))
+
+
+@_situ_glu_op.register_fake
+def _(a, b, hidden_act, beta, linear_beta, kernel):
+    return torch.empty(a.shape, dtype=a.dtype, device=a.device)
+
+
+@torch.library.custom_op("kimi::situ_glu_backward", mutates_args=())
+def _situ_glu_backward_op(
+    dout: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    hidden_act: str,
+    beta: float,
+    linear_beta: float | None,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(da, db)`` of :func:`situ_glu` from the saved ``a``, ``b`` (the same kernels as the eager backward):
+    ``da`` in ``a.dtype``, ``db`` in ``b.dtype``, both contiguous."""
+    if kernel == "triton":
+        da, db = _backward_triton(dout, a, b, hidden_act, beta, linear_beta)
+    else:
+        da, db = _backward_torch(dout, a, b, hidden_act, beta, linear_beta, True, True)
+    return own(da, (dout, a, b)), own(db, (dout, a, b))
+
+
+@_situ_glu_backward_op.register_fake
+def _(dout, a, b, hidden_act, beta, linear_beta, kernel):
+    return torch.empty(a.shape, dtype=a.dtype, device=a.device), torch.empty(b.shape, dtype=b.dtype, device=b.device)
+
+
+def _situ_setup(ctx, inputs, output):
+    a, b, hidden_act, beta, linear_beta, kernel = inputs
+    ctx.save_for_backward(a, b)  # the inputs only, as the eager Function: the backward recomputes the activation
+    ctx.args = (hidden_act, beta, linear_beta, kernel)
+
+
+def _situ_backward(ctx, dout):
+    a, b = ctx.saved_tensors
+    da, db = _situ_glu_backward_op(dout, a, b, *ctx.args)
+    return da, db, None, None, None, None
+
+
+_situ_glu_op.register_autograd(_situ_backward, setup_context=_situ_setup)
+
+CUSTOM_OPS = (_situ_glu_op, _situ_glu_backward_op)  # opcheck'd in tests
