@@ -105,6 +105,8 @@ from kimi.tokenizer import IGNORE_INDEX
 
 __all__ = [
     "SCHEDULES",
+    "V_SCHEDULES",
+    "stage_ranks",
     "stage_layout",
     "parse_stage_layout",
     "sources_after",
@@ -116,8 +118,9 @@ __all__ = [
     "shard_stages",
 ]
 
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
-_MULTI = ("Interleaved1F1B",)  # schedules with several stages per rank
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble")
+V_SCHEDULES = ("DualPipeV", "ZBVZeroBubble")  # two stages per rank in a V: rank r holds stages r and 2 pp - 1 - r
+_MULTI = ("Interleaved1F1B", *V_SCHEDULES)  # schedules with several stages per rank
 
 
 # ------------------------------------------------------------------------------------------------ layout
@@ -211,6 +214,26 @@ def parse_stage_layout(text: str) -> tuple[int, ...]:
             f"pipeline layout: got {text!r}, expected layer counts per stage like '12,24,24,33' or '0,48,45'"
         )
     return tuple(int(p) for p in parts)
+
+
+def stage_ranks(schedule: str, pp_size: int, num_stages: int) -> tuple[int, ...]:
+    """The pipeline rank that holds each stage: looped (stage ``s`` on rank ``s % pp_size``: ``1F1B``, ``GPipe``,
+    ``Interleaved1F1B``) or, under :data:`V_SCHEDULES`, a V of two stages per rank (rank ``r`` holds stages ``r`` and
+    ``2 pp_size - 1 - r``: the first and the last stage on rank 0, stages ``pp_size - 1`` and ``pp_size`` side by
+    side on the last rank, which hands the state from one to the other without a send). torch's
+    ``torch.distributed.pipelining._utils.generate_stage_to_rank_mapping`` (styles ``loop`` and ``v``).
+
+    Raises:
+        ValueError: a V schedule with ``num_stages`` other than ``2 pp_size``.
+    """
+    if schedule in V_SCHEDULES:
+        if num_stages != 2 * pp_size:
+            raise ValueError(
+                f"pipeline stages: got {num_stages} with {schedule} on {pp_size} ranks, expected {2 * pp_size} "
+                "(two stages per rank)"
+            )
+        return tuple(s if s < pp_size else 2 * pp_size - 1 - s for s in range(num_stages))
+    return tuple(s % pp_size for s in range(num_stages))
 
 
 def sources_after(config: KimiConfig, stop: int) -> int:
@@ -388,6 +411,27 @@ def unpack_cu_seqlens(row: torch.Tensor, T: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ pipeline
 
 
+def _stage_class():
+    """torch's ``PipelineStage``, made to hand no gradient between two stages of one rank in a forward-only run.
+
+    In a V placement the last rank holds two adjacent stages, and torch's runtime passes the input gradient of the
+    later one to the earlier one in memory after each backward action (``get_local_bwd_output`` /
+    ``set_local_bwd_input``), also under ``eval()``, where the stages have no backward and those two calls raise
+    ("can't steal_bwd_input if this stage doesn't have backward"); the backward actions themselves are skipped. Here
+    the hand-over is skipped with them (no gradient exists), so that the V schedules' ``eval`` runs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def get_local_bwd_output(self, mb_index):
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return _Stage
+
+
 class _ScaledNLL:
     """The schedule's ``loss_fn``: the last stage's summed NLL times ``scale`` (1 / the step's target count)."""
 
@@ -442,18 +486,26 @@ class Pipeline:
         for name, v in (("pp_size", pp_size), ("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: got {v!r}, expected a positive int")
+        if schedule in V_SCHEDULES and stages_per_rank != 2:
+            raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected 2 (a V of two stages)")
         if schedule in _MULTI and stages_per_rank < 2:
             raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected >= 2")
         if schedule not in _MULTI and stages_per_rank != 1:
             raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected 1 (or Interleaved1F1B)")
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pp_rank: got {pp_rank}, expected an index in [0, {pp_size})")
+        if schedule == "DualPipeV" and n_microbatches < 2 * pp_size:  # torch's rule, said before the first step
+            raise ValueError(
+                f"n_microbatches: got {n_microbatches} with DualPipeV on {pp_size} ranks, expected at least its "
+                f"{2 * pp_size} stages"
+            )
         self.config = model.config
         self.pp_size, self.pp_rank, self.group = pp_size, pp_rank, group
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.num_stages = pp_size * stages_per_rank
         self.layout = stage_layout(self.config, self.num_stages, layer_counts)
-        self.stage_indices = list(range(pp_rank, self.num_stages, pp_size))  # looped placement
+        self.stage_ranks = stage_ranks(schedule, pp_size, self.num_stages)
+        self.stage_indices = [s for s, r in enumerate(self.stage_ranks) if r == pp_rank]  # ascending
         self.stages = [split_stage(model, self.layout, s, mla_form) for s in self.stage_indices]
         self.context = context
         for st in self.stages:
@@ -462,6 +514,15 @@ class Pipeline:
         self.dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype
         self._loss_fn = _ScaledNLL()
         self._schedules: dict[tuple, object] = {}
+
+    @property
+    def _eval_schedule(self) -> str:
+        """The forward-only schedule of :meth:`evaluate` (any micro-batch count, this placement of the stages):
+        GPipe with one stage per rank, LoopedBFS looped, ZBVZeroBubble in a V (its ``eval``: the backward actions
+        are skipped, and it takes fewer micro-batches than stages)."""
+        if self.schedule_name in V_SCHEDULES:
+            return "ZBVZeroBubble"
+        return "LoopedBFS" if len(self.stages) > 1 else "GPipe"
 
     # -------------------------------------------------------------------------------------------- modules
 
@@ -510,7 +571,6 @@ class Pipeline:
         return self._schedules[key]
 
     def _build(self, rows_per_mb: int, T: int, ids_dtype: torch.dtype, n_microbatches: int, name: str):
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         D, dev, dt = self.config.hidden_size, self.device, self.dtype
@@ -528,7 +588,7 @@ class Pipeline:
                 out = torch.empty(sources_after(self.config, r.stop), rows_per_mb, T, D, dtype=dt, device=dev)
             out.requires_grad_(True)
             pstages.append(
-                PipelineStage(
+                _stage_class()(
                     st, s, self.num_stages, dev, input_args=inp, output_args=out, group=self.group
                 )
             )  # fmt: skip
@@ -619,7 +679,7 @@ class Pipeline:
             raise ValueError(f"n_tokens: got {n_tokens}, expected a positive target count")
         self._loss_fn.scale = 1.0 / float(n_tokens)
         # forward only: GPipe (one stage per rank) or its looped form (several), which take any micro-batch count
-        name = self.schedule_name if backward else ("LoopedBFS" if len(self.stages) > 1 else "GPipe")
+        name = self.schedule_name if backward else self._eval_schedule
         schedule = self._get_schedule(R // M, T, input_ids.dtype, M, name)
         has_last = any(st.is_last for st in self.stages)
         losses: list[torch.Tensor] = []
@@ -628,7 +688,7 @@ class Pipeline:
         run(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
         loss_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         loss = torch.stack(losses).sum().detach() if has_last else torch.zeros((), dtype=loss_dtype, device=self.device)
-        last_rank = (self.num_stages - 1) % self.pp_size
+        last_rank = self.stage_ranks[-1]
         src = dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank
         dist.broadcast(loss, src=src, group=self.group)
         return loss
