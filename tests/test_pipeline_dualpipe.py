@@ -129,13 +129,17 @@ def _pp_worker(rank: int, world: int, ref_path: str, schedules) -> None:
 
     ref = torch.load(ref_path)
     errors = []
-    for schedule, n_mb in schedules:
+    from kernels_torch.activation_memory import recompute_layers
+
+    for schedule, n_mb, recompute in schedules:
         model = _model()
+        if recompute is not None:
+            recompute_layers(model, recompute)
         all_names = sorted(k for k, _ in model.named_parameters())
         pipe = Pipeline(model, pp_size=world, pp_rank=rank, n_microbatches=n_mb, schedule=schedule, stages_per_rank=2)
         del model
         assert pipe.stage_indices == [rank, 2 * world - 1 - rank], pipe.stage_indices
-        errors += _run(pipe, slice(0, M), ref, f"rank {rank} {schedule} x{n_mb}")
+        errors += _run(pipe, slice(0, M), ref, f"rank {rank} {schedule} x{n_mb} recompute {recompute}")
         held = [None] * world
         dist.all_gather_object(held, [k for k, _ in pipe.named_parameters()])
         if sorted(k for part in held for k in part) != all_names:
@@ -149,7 +153,7 @@ def test_pp2_v_schedules_match_one_process(reference):
     """pp2 (2 ranks, 4 stages of 2 layers in a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2): DualPipeV with
     8 micro-batches (its overlapped forward + backward actions in the steady state) and ZBVZeroBubble with 4 (the
     input / weight split of the backward): every loss and gradient of 3 steps, then the evaluation."""
-    run_workers(_pp_worker, 2, reference, [("DualPipeV", 8), ("ZBVZeroBubble", 8)])
+    run_workers(_pp_worker, 2, reference, [("DualPipeV", 8, None), ("ZBVZeroBubble", 8, None)])
 
 
 def _ep_worker(rank: int, world: int, ref_path: str, overlaps) -> None:
@@ -182,3 +186,55 @@ def test_pp2_ep2_dualpipev_matches_one_process(reference):
     """pp2 x ep2 under DualPipeV, the all-to-alls plain and cut in two chunks (``overlap="chunks"``): the ep-summed
     loss and every gradient of 3 steps, then the evaluation."""
     run_workers(_ep_worker, 4, reference, ["none", "chunks"])
+
+
+@pytest.mark.distributed
+def test_pp2_cp2_v_schedules_recompute_match_one_process(tmp_path):
+    """pp2 x cp2 with activation recomputation under the V schedules (``tests/test_pipeline.py``'s context-parallel
+    worker and rows): the backward split into input and weight parts replays a recomputed layer in each part, both
+    times with the context shard of its own micro-batch. DualPipeV with whole layers recomputed, ZBVZeroBubble with
+    the MLP-only mode (its first 2 layers whole): the cp-summed loss and every gradient of a step."""
+    from test_pipeline import CARRY_CUS, _cp_worker, _one_process_run
+
+    path = tmp_path / "reference.pt"
+    torch.save(_one_process_run(CARRY_CUS, dense=2, steps=1), path)
+    runs = [("DualPipeV", 2, None, ("layer", 0)), ("ZBVZeroBubble", 2, None, ("mlp", 2))]
+    run_workers(_cp_worker, 4, str(path), runs, CARRY_CUS, 2, 1)
+
+
+# ------------------------------------------------------------------------------------------------ no processes
+
+
+def test_v_placement_and_refusals():
+    """The V placement (torch's ``v`` style) and what the V schedules refuse, each in one line naming the value."""
+    from kernels_torch.parallel.pipeline import Pipeline, stage_ranks
+
+    assert stage_ranks("DualPipeV", 2, 4) == (0, 1, 1, 0)
+    assert stage_ranks("ZBVZeroBubble", 4, 8) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert stage_ranks("Interleaved1F1B", 2, 4) == (0, 1, 0, 1)
+    with pytest.raises(ValueError, match=r"^pipeline stages: got 6 with DualPipeV on 2 ranks, expected 4 \(two"):
+        stage_ranks("DualPipeV", 2, 6)
+    model = _model()
+    with pytest.raises(ValueError, match=r"^stages_per_rank: got 3 with ZBVZeroBubble, expected 2 \(a V of two"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=3)
+    with pytest.raises(ValueError, match=r"^n_microbatches: got 3 with DualPipeV on 2 ranks, expected at least its 4"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=3, schedule="DualPipeV", stages_per_rank=2)
+    pipe = Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=4, schedule="DualPipeV", stages_per_rank=2)
+    assert pipe.stage_indices == [0, 3] and pipe.stages[0].is_first and pipe.stages[1].is_last
+
+
+def test_train_refuses_v_schedule_misfits():
+    """``kimi train --pp-schedule DualPipeV`` / ``ZBVZeroBubble``: a ``--pp-layout`` of other than 2 x ``--pp``
+    stages, and a step of fewer micro-batches per data-parallel group than stages, refused in one line."""
+    from kimi_tools.train.parallel import TrainParallel
+
+    with pytest.raises(ValueError, match=r"^--pp-layout: got 2 stages with --pp 2 --pp-schedule DualPipeV, expected 4"):
+        TrainParallel(1, "cpu", pp=2, pp_schedule="DualPipeV", pp_layout="4,4", world=2)
+    with pytest.raises(ValueError, match=r"^--pp-layout: got 6 stages with --pp 2 --pp-schedule ZBVZeroBubble, expe"):
+        TrainParallel(1, "cpu", pp=2, pp_schedule="ZBVZeroBubble", pp_layout="0,2,2,2,2,0", world=2)
+    par = TrainParallel(1, "cpu")  # one process; the pipeline's sizes set as under torchrun (no process group)
+    par.pp_size, par.pp_schedule, par.stages_per_rank = 2, "DualPipeV", 2
+    assert par.stages_needed == 4
+    par.check_accum(5, 40, 40)  # any count from the stages up (no rounds of pp, as Interleaved1F1B's)
+    with pytest.raises(ValueError, match=r"--pp 2 --pp-schedule DualPipeV runs 4 stages\) at 4 or more each; "):
+        par.check_accum(2, 40, 40)
