@@ -30,6 +30,28 @@ per rank, looped: stage ``s`` on pipeline rank ``s % pp``). Stage shapes are giv
 (static metadata: no trial forward at the first step), built from the first batch and rebuilt when a batch of
 another shape comes.
 
+``DualPipeV`` and ``ZBVZeroBubble`` (:data:`V_SCHEDULES`; torch's ``ScheduleDualPipeV``, after DeepSeek-V3's
+DualPipe, and ``ScheduleZBVZeroBubble``, Qi et al. 2024 "Zero Bubble Pipeline Parallelism" section 6) run
+``2 pp`` stages, two per rank in a V (:func:`stage_ranks`: rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``, so
+rank 0 holds the embedding's stage and the head's, and the last rank two adjacent stages, handed over in memory);
+the stage cut is the same AttnRes-block layout (``layer_counts`` of ``2 pp`` stages). Both split a stage's backward
+into an input part (``I``: the gradient sent to the previous stage) and a weight part (``W``, run later to fill
+bubbles; torch's ``stage_backward_input`` / ``stage_backward_weight`` re-run from the saved intermediate gradients).
+A layer recomputed in the backward (``torch.utils.checkpoint``) is then replayed in each part, twice per
+micro-batch (correct: its context shard is restored each time, ``context.recompute_context``; the compute is paid
+twice). DualPipeV needs at least ``2 pp`` micro-batches (torch's rule, checked here); its steady state pairs one
+micro-batch's forward on one stage with another's full backward on the other stage as one ``OVERLAP_F_B`` action.
+**That action runs its forward, then its backward, one after the other**: torch's runtime takes a callback for it
+(``register_custom_function(OVERLAP_F_B, ...)``; torchtitan's runs the backward on a second thread with barriers
+at each MoE dispatch and combine, so that one micro-batch's all-to-all travels while the other's experts compute),
+and none is registered here, so the expert all-to-all of one micro-batch is **not** hidden behind the other's
+compute: the V schedules give their smaller bubble, and ``kernels_torch.parallel.expert``'s ``overlap="chunks"``
+(two chunks inside each MoE layer) is the overlap that runs, under these schedules too. Tested on gloo in fp64
+(``tests/test_pipeline_dualpipe.py``): pp2 (both), pp2 x ep2 under DualPipeV (the all-to-alls plain and in two
+chunks), pp2 x cp2 with recomputation (both); ``kimi train --pp 2 --pp-schedule DualPipeV`` in
+``tests/test_train_pipeline.py``. The evaluation runs
+``ZBVZeroBubble``'s ``eval`` (forward only, any micro-batch count) on the same V placement.
+
 Usage (one rank of a ``pp``-rank group; every rank passes the whole step batch)::
 
     pipe = Pipeline(model, pp_size=4, pp_rank=rank, schedule="Interleaved1F1B", stages_per_rank=2,
@@ -75,8 +97,8 @@ The other dimensions, and what remains:
   forward (tested here: 1F1B, Interleaved1F1B and GPipe, whole layers and the MLP-only mode, fp64). With FSDP2 over
   ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.parallelize.parallelize`` makes
   (``own_cp_group``).
-* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
-  and ``--dtype bfloat16`` (``kimi_tools.train.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
+* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (any of :data:`SCHEDULES`) is wired with
+  ``--dp``, ``--cp``, ``--ep`` (``--ep-overlap chunks`` too) and ``--dtype bfloat16`` (``kimi_tools.train.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
   evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
   written per rank from its stages, ``kernels_torch.parallel.export.export_sharded`` on :meth:`Pipeline.rank_module`;
   the model built on ``meta``, each rank materialising and reading only its stages' shards). Remaining: LoRA, FP8
@@ -85,7 +107,10 @@ The other dimensions, and what remains:
   first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
   (see above). Interleaved1F1B needs ``n_microbatches`` divisible by ``max(1, n_microbatches // pp)`` (its
-  rounds; torch's rule, raised by torch).
+  rounds; torch's rule, raised by torch). Under the V schedules a stage holds ``L / (2 pp)`` layers; replaying
+  torch's action order (communication free, ``OVERLAP_F_B`` as its forward then its backward) every rank peaks at
+  ``2 pp + 1`` stage-micro-batches of activations in flight under DualPipeV (``2 pp`` under ZBVZeroBubble):
+  ``pp + 1/2`` micro-batches of a one-stage-per-rank stage, on every rank (1F1B: ``pp - r`` on rank ``r``).
 """
 
 from __future__ import annotations
@@ -451,7 +476,8 @@ class Pipeline:
             stages' modules are kept (:attr:`stages`).
         pp_size: ranks in the pipeline group; pp_rank: this rank's index in it.
         schedule: one of :data:`SCHEDULES`. stages_per_rank: stages per rank (1 for ``1F1B`` / ``GPipe``; >= 2 for
-            ``Interleaved1F1B``, stage ``s`` on rank ``s % pp_size``).
+            ``Interleaved1F1B``, stage ``s`` on rank ``s % pp_size``; 2 for ``DualPipeV`` / ``ZBVZeroBubble``, in a
+            V: :func:`stage_ranks`).
         n_microbatches: micro-batches per step (rows of the step's batch are split evenly into them).
         layer_counts: layers per stage (:func:`stage_layout`); None: the balanced default.
         group: the pipeline process group (None: the default group, whose size must be ``pp_size``).
@@ -463,7 +489,8 @@ class Pipeline:
 
     Raises:
         ValueError: an unknown schedule, ``stages_per_rank`` not matching it, sizes that are not positive, or
-            ``pp_rank`` outside ``[0, pp_size)``; :func:`stage_layout` / :func:`split_stage` errors.
+            ``pp_rank`` outside ``[0, pp_size)``; fewer than ``2 pp_size`` micro-batches under ``DualPipeV``;
+            :func:`stage_layout` / :func:`split_stage` errors.
     """
 
     def __init__(
