@@ -67,12 +67,17 @@ def _same_export(a_dir: Path, b_dir: Path, flips_share: float = EXPORT_FLIPS) ->
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [[], ["--pp-schedule", "Interleaved1F1B", "--pp-layout", "0,4,4,0"]],
-    ids=["1F1B", "Interleaved1F1B"],
+    [
+        [],
+        ["--pp-schedule", "Interleaved1F1B", "--pp-layout", "0,4,4,0"],
+        ["--pp-schedule", "DualPipeV", "--pp-layout", "0,4,4,0"],
+    ],
+    ids=["1F1B", "Interleaved1F1B", "DualPipeV"],
 )
 def test_torchrun_pp2_equals_one_process(tmp_path, data, one, layout):
     """--pp 2 on 2 ranks, 1F1B with one AttnRes block per stage, or Interleaved1F1B with 2 stages per rank (the
-    embedding alone on stage 0, the head alone on stage 3): the one-process losses, gradient norms, eval losses (steps
+    embedding alone on stage 0, the head alone on stage 3), or DualPipeV on the same 4 stages in a V (rank 0 holds
+    the embedding's stage and the head's): the one-process losses, gradient norms, eval losses (steps
     0 and 3) and export; and no rank prints FSDP2's warning about the view outputs of a later stage's layers
     (spurious: ``kernels_torch.parallel.pipeline.shard_stages`` says why)."""
     out = tmp_path / "pp2"

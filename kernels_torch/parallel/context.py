@@ -444,4 +444,21 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
     Eager checkpoints only: ``torch.compile`` accepts no ``context_fn`` but selective-checkpoint policies inside a
     compiled region (the token-local MLP / MoE blocks read no shard and need none)."""
     saved = [(cp, cp._shard) for cp in _ATTACHED]
-    return contextlib.nullcontext(), _shards_set(saved)
+    return contextlib.nullcontext(), _Replay(saved)
+
+
+class _Replay:
+    """:func:`_shards_set` of ``saved`` each time it is entered: a layer may be recomputed more than once (a pipeline
+    schedule that splits the backward into input and weight parts, ``ZBVZeroBubble`` / ``DualPipeV``, replays it in
+    each)."""
+
+    def __init__(self, saved):
+        self.saved, self.open = saved, []
+
+    def __enter__(self):
+        cm = _shards_set(self.saved)
+        self.open.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self.open.pop().__exit__(*exc)

@@ -41,7 +41,7 @@ OFFLOAD_POLICIES = ("none", "cpu")  # FSDP2's parameter offload: none, or CPUOff
 class PipelineSpec:
     """How the ``pp`` ranks cut and run the model (:class:`kernels_torch.parallel.pipeline.Pipeline`):
     ``schedule`` (``SCHEDULES``), ``layer_counts`` (layers per stage, None: the AttnRes blocks dealt evenly),
-    ``stages_per_rank`` (2 or more under Interleaved1F1B), ``n_microbatches`` (per step and data-parallel group)."""
+    ``stages_per_rank`` (2 or more under Interleaved1F1B, 2 under DualPipeV and ZBVZeroBubble), ``n_microbatches`` (per step and data-parallel group)."""
 
     schedule: str = "1F1B"
     layer_counts: tuple[int, ...] | None = None

@@ -30,6 +30,28 @@ per rank, looped: stage ``s`` on pipeline rank ``s % pp``). Stage shapes are giv
 (static metadata: no trial forward at the first step), built from the first batch and rebuilt when a batch of
 another shape comes.
 
+``DualPipeV`` and ``ZBVZeroBubble`` (:data:`V_SCHEDULES`; torch's ``ScheduleDualPipeV``, after DeepSeek-V3's
+DualPipe, and ``ScheduleZBVZeroBubble``, Qi et al. 2024 "Zero Bubble Pipeline Parallelism" section 6) run
+``2 pp`` stages, two per rank in a V (:func:`stage_ranks`: rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``, so
+rank 0 holds the embedding's stage and the head's, and the last rank two adjacent stages, handed over in memory);
+the stage cut is the same AttnRes-block layout (``layer_counts`` of ``2 pp`` stages). Both split a stage's backward
+into an input part (``I``: the gradient sent to the previous stage) and a weight part (``W``, run later to fill
+bubbles; torch's ``stage_backward_input`` / ``stage_backward_weight`` re-run from the saved intermediate gradients).
+A layer recomputed in the backward (``torch.utils.checkpoint``) is then replayed in each part, twice per
+micro-batch (correct: its context shard is restored each time, ``context.recompute_context``; the compute is paid
+twice). DualPipeV needs at least ``2 pp`` micro-batches (torch's rule, checked here); its steady state pairs one
+micro-batch's forward on one stage with another's full backward on the other stage as one ``OVERLAP_F_B`` action.
+**That action runs its forward, then its backward, one after the other**: torch's runtime takes a callback for it
+(``register_custom_function(OVERLAP_F_B, ...)``; torchtitan's runs the backward on a second thread with barriers
+at each MoE dispatch and combine, so that one micro-batch's all-to-all travels while the other's experts compute),
+and none is registered here, so the expert all-to-all of one micro-batch is **not** hidden behind the other's
+compute: the V schedules give their smaller bubble, and ``kernels_torch.parallel.expert``'s ``overlap="chunks"``
+(two chunks inside each MoE layer) is the overlap that runs, under these schedules too. Tested on gloo in fp64
+(``tests/test_pipeline_dualpipe.py``): pp2 (both), pp2 x ep2 under DualPipeV (the all-to-alls plain and in two
+chunks), pp2 x cp2 with recomputation (both); ``kimi train --pp 2 --pp-schedule DualPipeV`` in
+``tests/test_train_pipeline.py``. The evaluation runs
+``ZBVZeroBubble``'s ``eval`` (forward only, any micro-batch count) on the same V placement.
+
 Usage (one rank of a ``pp``-rank group; every rank passes the whole step batch)::
 
     pipe = Pipeline(model, pp_size=4, pp_rank=rank, schedule="Interleaved1F1B", stages_per_rank=2,
@@ -75,8 +97,8 @@ The other dimensions, and what remains:
   forward (tested here: 1F1B, Interleaved1F1B and GPipe, whole layers and the MLP-only mode, fp64). With FSDP2 over
   ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.parallelize.parallelize`` makes
   (``own_cp_group``).
-* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` is wired with ``--dp``, ``--cp``, ``--ep``
-  and ``--dtype bfloat16`` (``kimi_tools.train.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
+* ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (any of :data:`SCHEDULES`) is wired with
+  ``--dp``, ``--cp``, ``--ep`` (``--ep-overlap chunks`` too) and ``--dtype bfloat16`` (``kimi_tools.train.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
   evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
   written per rank from its stages, ``kernels_torch.parallel.export.export_sharded`` on :meth:`Pipeline.rank_module`;
   the model built on ``meta``, each rank materialising and reading only its stages' shards). Remaining: LoRA, FP8
@@ -85,7 +107,10 @@ The other dimensions, and what remains:
   first rank; Interleaved1F1B ``1 + (pp - 1) / (pp * stages_per_rank)`` times that (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
   (see above). Interleaved1F1B needs ``n_microbatches`` divisible by ``max(1, n_microbatches // pp)`` (its
-  rounds; torch's rule, raised by torch).
+  rounds; torch's rule, raised by torch). Under the V schedules a stage holds ``L / (2 pp)`` layers; replaying
+  torch's action order (communication free, ``OVERLAP_F_B`` as its forward then its backward) every rank peaks at
+  ``2 pp + 1`` stage-micro-batches of activations in flight under DualPipeV (``2 pp`` under ZBVZeroBubble):
+  ``pp + 1/2`` micro-batches of a one-stage-per-rank stage, on every rank (1F1B: ``pp - r`` on rank ``r``).
 """
 
 from __future__ import annotations
@@ -105,6 +130,8 @@ from kimi.tokenizer import IGNORE_INDEX
 
 __all__ = [
     "SCHEDULES",
+    "V_SCHEDULES",
+    "stage_ranks",
     "stage_layout",
     "parse_stage_layout",
     "sources_after",
@@ -116,8 +143,9 @@ __all__ = [
     "shard_stages",
 ]
 
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
-_MULTI = ("Interleaved1F1B",)  # schedules with several stages per rank
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble")
+V_SCHEDULES = ("DualPipeV", "ZBVZeroBubble")  # two stages per rank in a V: rank r holds stages r and 2 pp - 1 - r
+_MULTI = ("Interleaved1F1B", *V_SCHEDULES)  # schedules with several stages per rank
 
 
 # ------------------------------------------------------------------------------------------------ layout
@@ -211,6 +239,26 @@ def parse_stage_layout(text: str) -> tuple[int, ...]:
             f"pipeline layout: got {text!r}, expected layer counts per stage like '12,24,24,33' or '0,48,45'"
         )
     return tuple(int(p) for p in parts)
+
+
+def stage_ranks(schedule: str, pp_size: int, num_stages: int) -> tuple[int, ...]:
+    """The pipeline rank that holds each stage: looped (stage ``s`` on rank ``s % pp_size``: ``1F1B``, ``GPipe``,
+    ``Interleaved1F1B``) or, under :data:`V_SCHEDULES`, a V of two stages per rank (rank ``r`` holds stages ``r`` and
+    ``2 pp_size - 1 - r``: the first and the last stage on rank 0, stages ``pp_size - 1`` and ``pp_size`` side by
+    side on the last rank, which hands the state from one to the other without a send). torch's
+    ``torch.distributed.pipelining._utils.generate_stage_to_rank_mapping`` (styles ``loop`` and ``v``).
+
+    Raises:
+        ValueError: a V schedule with ``num_stages`` other than ``2 pp_size``.
+    """
+    if schedule in V_SCHEDULES:
+        if num_stages != 2 * pp_size:
+            raise ValueError(
+                f"pipeline stages: got {num_stages} with {schedule} on {pp_size} ranks, expected {2 * pp_size} "
+                "(two stages per rank)"
+            )
+        return tuple(s if s < pp_size else 2 * pp_size - 1 - s for s in range(num_stages))
+    return tuple(s % pp_size for s in range(num_stages))
 
 
 def sources_after(config: KimiConfig, stop: int) -> int:
@@ -388,6 +436,27 @@ def unpack_cu_seqlens(row: torch.Tensor, T: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ pipeline
 
 
+def _stage_class():
+    """torch's ``PipelineStage``, made to hand no gradient between two stages of one rank in a forward-only run.
+
+    In a V placement the last rank holds two adjacent stages, and torch's runtime passes the input gradient of the
+    later one to the earlier one in memory after each backward action (``get_local_bwd_output`` /
+    ``set_local_bwd_input``), also under ``eval()``, where the stages have no backward and those two calls raise
+    ("can't steal_bwd_input if this stage doesn't have backward"); the backward actions themselves are skipped. Here
+    the hand-over is skipped with them (no gradient exists), so that the V schedules' ``eval`` runs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def get_local_bwd_output(self, mb_index):
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return _Stage
+
+
 class _ScaledNLL:
     """The schedule's ``loss_fn``: the last stage's summed NLL times ``scale`` (1 / the step's target count)."""
 
@@ -407,7 +476,8 @@ class Pipeline:
             stages' modules are kept (:attr:`stages`).
         pp_size: ranks in the pipeline group; pp_rank: this rank's index in it.
         schedule: one of :data:`SCHEDULES`. stages_per_rank: stages per rank (1 for ``1F1B`` / ``GPipe``; >= 2 for
-            ``Interleaved1F1B``, stage ``s`` on rank ``s % pp_size``).
+            ``Interleaved1F1B``, stage ``s`` on rank ``s % pp_size``; 2 for ``DualPipeV`` / ``ZBVZeroBubble``, in a
+            V: :func:`stage_ranks`).
         n_microbatches: micro-batches per step (rows of the step's batch are split evenly into them).
         layer_counts: layers per stage (:func:`stage_layout`); None: the balanced default.
         group: the pipeline process group (None: the default group, whose size must be ``pp_size``).
@@ -419,7 +489,8 @@ class Pipeline:
 
     Raises:
         ValueError: an unknown schedule, ``stages_per_rank`` not matching it, sizes that are not positive, or
-            ``pp_rank`` outside ``[0, pp_size)``; :func:`stage_layout` / :func:`split_stage` errors.
+            ``pp_rank`` outside ``[0, pp_size)``; fewer than ``2 pp_size`` micro-batches under ``DualPipeV``;
+            :func:`stage_layout` / :func:`split_stage` errors.
     """
 
     def __init__(
@@ -442,18 +513,26 @@ class Pipeline:
         for name, v in (("pp_size", pp_size), ("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: got {v!r}, expected a positive int")
+        if schedule in V_SCHEDULES and stages_per_rank != 2:
+            raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected 2 (a V of two stages)")
         if schedule in _MULTI and stages_per_rank < 2:
             raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected >= 2")
         if schedule not in _MULTI and stages_per_rank != 1:
             raise ValueError(f"stages_per_rank: got {stages_per_rank} with {schedule}, expected 1 (or Interleaved1F1B)")
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pp_rank: got {pp_rank}, expected an index in [0, {pp_size})")
+        if schedule == "DualPipeV" and n_microbatches < 2 * pp_size:  # torch's rule, said before the first step
+            raise ValueError(
+                f"n_microbatches: got {n_microbatches} with DualPipeV on {pp_size} ranks, expected at least its "
+                f"{2 * pp_size} stages"
+            )
         self.config = model.config
         self.pp_size, self.pp_rank, self.group = pp_size, pp_rank, group
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.num_stages = pp_size * stages_per_rank
         self.layout = stage_layout(self.config, self.num_stages, layer_counts)
-        self.stage_indices = list(range(pp_rank, self.num_stages, pp_size))  # looped placement
+        self.stage_ranks = stage_ranks(schedule, pp_size, self.num_stages)
+        self.stage_indices = [s for s, r in enumerate(self.stage_ranks) if r == pp_rank]  # ascending
         self.stages = [split_stage(model, self.layout, s, mla_form) for s in self.stage_indices]
         self.context = context
         for st in self.stages:
@@ -462,6 +541,15 @@ class Pipeline:
         self.dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype
         self._loss_fn = _ScaledNLL()
         self._schedules: dict[tuple, object] = {}
+
+    @property
+    def _eval_schedule(self) -> str:
+        """The forward-only schedule of :meth:`evaluate` (any micro-batch count, this placement of the stages):
+        GPipe with one stage per rank, LoopedBFS looped, ZBVZeroBubble in a V (its ``eval``: the backward actions
+        are skipped, and it takes fewer micro-batches than stages)."""
+        if self.schedule_name in V_SCHEDULES:
+            return "ZBVZeroBubble"
+        return "LoopedBFS" if len(self.stages) > 1 else "GPipe"
 
     # -------------------------------------------------------------------------------------------- modules
 
@@ -510,7 +598,6 @@ class Pipeline:
         return self._schedules[key]
 
     def _build(self, rows_per_mb: int, T: int, ids_dtype: torch.dtype, n_microbatches: int, name: str):
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         D, dev, dt = self.config.hidden_size, self.device, self.dtype
@@ -528,7 +615,7 @@ class Pipeline:
                 out = torch.empty(sources_after(self.config, r.stop), rows_per_mb, T, D, dtype=dt, device=dev)
             out.requires_grad_(True)
             pstages.append(
-                PipelineStage(
+                _stage_class()(
                     st, s, self.num_stages, dev, input_args=inp, output_args=out, group=self.group
                 )
             )  # fmt: skip
@@ -619,7 +706,7 @@ class Pipeline:
             raise ValueError(f"n_tokens: got {n_tokens}, expected a positive target count")
         self._loss_fn.scale = 1.0 / float(n_tokens)
         # forward only: GPipe (one stage per rank) or its looped form (several), which take any micro-batch count
-        name = self.schedule_name if backward else ("LoopedBFS" if len(self.stages) > 1 else "GPipe")
+        name = self.schedule_name if backward else self._eval_schedule
         schedule = self._get_schedule(R // M, T, input_ids.dtype, M, name)
         has_last = any(st.is_last for st in self.stages)
         losses: list[torch.Tensor] = []
@@ -628,7 +715,7 @@ class Pipeline:
         run(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
         loss_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         loss = torch.stack(losses).sum().detach() if has_last else torch.zeros((), dtype=loss_dtype, device=self.device)
-        last_rank = (self.num_stages - 1) % self.pp_size
+        last_rank = self.stage_ranks[-1]
         src = dist.get_global_rank(self.group, last_rank) if self.group is not None else last_rank
         dist.broadcast(loss, src=src, group=self.group)
         return loss

@@ -409,9 +409,10 @@ class TrainArgs:
         default=None,
         metadata=arg(
             "pipeline schedule with --pp > 1 (default 1F1B; Interleaved1F1B: 2 stages per rank unless --pp-layout "
-            "gives more)",
+            "gives more; DualPipeV, ZBVZeroBubble: 2 stages per rank in a V, the backward split into input and "
+            "weight parts; kernels_torch/parallel/pipeline.py)",
             numbers=False,
-            choices=("1F1B", "GPipe", "Interleaved1F1B"),
+            choices=("1F1B", "GPipe", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble"),
         ),
     )
     pp_layout: str | None = field(

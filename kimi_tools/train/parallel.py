@@ -118,7 +118,7 @@ class TrainParallel:
             layout cuts; ``--ep`` not
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
             without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``,
-            or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B); ``--ep-overlap`` other than ``none`` /
+            or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B, DualPipeV, ZBVZeroBubble); ``--ep-overlap`` other than ``none`` /
             ``chunks``, or ``chunks`` with ``--ep 1``.
     """
 
@@ -142,7 +142,7 @@ class TrainParallel:
         ep_overlap: str = "none",
     ):
         from kernels_torch.parallel.mesh import ParallelDims
-        from kernels_torch.parallel.pipeline import SCHEDULES, parse_stage_layout
+        from kernels_torch.parallel.pipeline import SCHEDULES, V_SCHEDULES, parse_stage_layout
 
         self.enabled = under_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) > 1 if world is None else True
         world = (int(os.environ.get("WORLD_SIZE", "1")) if self.enabled else 1) if world is None else world
@@ -170,7 +170,7 @@ class TrainParallel:
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
         self.pp_counts = None
-        self.stages_per_rank = 2 if pp_schedule == "Interleaved1F1B" else 1
+        self.stages_per_rank = 2 if pp_schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1
         if pp_layout is not None:
             try:
                 self.pp_counts = parse_stage_layout(pp_layout)
@@ -184,7 +184,12 @@ class TrainParallel:
                     f"--pp-layout: got {n} stages with --pp {pp} --pp-schedule {pp_schedule}, expected a multiple "
                     f"of --pp of at least {2 * pp} (stages_per_rank >= 2)"
                 )
-            if pp_schedule != "Interleaved1F1B" and n != pp:
+            if pp_schedule in V_SCHEDULES and n != 2 * pp:
+                raise ValueError(
+                    f"--pp-layout: got {n} stages with --pp {pp} --pp-schedule {pp_schedule}, expected {2 * pp} "
+                    "(two stages per rank, in a V)"
+                )
+            if pp_schedule not in ("Interleaved1F1B", *V_SCHEDULES) and n != pp:
                 raise ValueError(
                     f"--pp-layout: got {n} stages with --pp {pp} --pp-schedule {pp_schedule}, expected {pp} "
                     "(one stage per rank)"
@@ -252,8 +257,9 @@ class TrainParallel:
 
     @property
     def stages_needed(self) -> int:
-        """The micro-batches each data-parallel group needs at least per step: the pipeline's stages under 1F1B and
-        Interleaved1F1B (torch's schedules refuse fewer; GPipe takes any count), else 1."""
+        """The micro-batches each data-parallel group needs at least per step: the pipeline's stages under 1F1B,
+        Interleaved1F1B and DualPipeV (torch's schedules refuse fewer) and ZBVZeroBubble (which would run fewer with
+        the missing ones as bubbles); GPipe takes any count; else 1."""
         if self.pp_size == 1 or self.pp_schedule == "GPipe":
             return 1
         return self.pp_size * self.stages_per_rank
@@ -269,7 +275,7 @@ class TrainParallel:
         each, in whole rounds of ``pp`` under Interleaved1F1B (torch's rule: a multiple of ``max(1, n // pp)``)."""
         n = accum // self.dp_size
         ok = accum % self.dp_size == 0 and n >= self.stages_needed
-        return ok and (self.stages_per_rank == 1 or n % max(1, n // self.pp_size) == 0)
+        return ok and (self.pp_schedule != "Interleaved1F1B" or n % max(1, n // self.pp_size) == 0)
 
     def check_accum(self, accum: int, micro_batch_tokens: int, seq_len: int | None = None, resumed: bool = False):
         """Refuse a step whose ``accum`` micro-batches of ``micro_batch_tokens`` cannot be dealt to the ``dp`` groups
@@ -314,7 +320,7 @@ class TrainParallel:
             + (f" at {need} or more each" if need > 1 else " evenly")
             + (
                 f" (under {self.pp_schedule}: a multiple of n // {self.pp_size} each)"
-                if self.stages_per_rank > 1
+                if self.pp_schedule == "Interleaved1F1B"
                 else ""
             )
             + f"; expected {' or '.join(ways)}"

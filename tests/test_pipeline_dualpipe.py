@@ -1,0 +1,240 @@
+"""The V-shaped pipeline schedules of ``torch.distributed.pipelining`` (``DualPipeV``, ``ZBVZeroBubble``: two stages
+per rank, rank ``r`` holding stages ``r`` and ``2 pp - 1 - r``) through ``kernels_torch.parallel.pipeline.Pipeline``
+equal one process: the loss and every gradient of 3 AdamW steps, gloo processes in fp64, at pp2 (both schedules,
+the 4 stages cut at AttnRes block boundaries) and at pp2 x ep2 (the routed experts split over ep, their all-to-alls
+inside the stages of the backward-input / backward-weight split and of the overlapped forward + backward actions;
+also with ``overlap="chunks"``); the evaluation (forward only, one micro-batch) equals the one-process loss. Without
+processes: the V placement and the refusals of what the V schedules cannot run.
+
+The model: tiny with AttnRes blocks of 2 layers over 8 layers, so that the four stages of pp2 hold a block each and
+later stages receive 2, 3 and 4 stacked sources (``tests/test_pipeline.py``'s model); 8 rows of packed documents a
+step, so that each ep rank of pp2 x ep2 runs the 4 micro-batches DualPipeV needs (one per stage at least).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_workers
+from helpers import check_rel
+from torch.distributed.tensor import DTensor
+
+from kimi.config import load_config
+
+T = 16
+M = 8  # rows of a step
+CUS = [[0, 5, 9, 16], [0, 16], [0, 2, 3, 11, 16], [0, 7, 16]]  # a packed row, cycled over the rows
+TOL = {"loss": 1e-12, "grad": 1e-9}
+STEPS = 3
+
+
+def _cfg():
+    return load_config("tiny").replace(index_topk=8, attn_res_block_size=2).truncated(8)
+
+
+def _model(seed: int = 0):
+    from kernels_torch.model import KimiK3Model
+
+    torch.manual_seed(seed)
+    return KimiK3Model(_cfg()).double()
+
+
+def _batch(step: int):
+    """The step's rows: ids [M, T], labels [M, T] with some -100, per-row offsets (rolled with the step)."""
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(0, _cfg().vocab_size, (M, T + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[torch.rand(M, T, generator=g) < 0.2] = -100
+    cus = [torch.tensor(CUS[(r + step) % len(CUS)]) for r in range(M)]
+    return ids[:, :T], labels, cus
+
+
+def _grad(p):
+    return torch.zeros_like(p) if p.grad is None else p.grad
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """The whole model in this process: each step's loss and gradients over 3 AdamW steps, and the loss of the
+    first step's batch as an evaluation (no gradient) after them; saved for the spawned ranks."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, grads = [], []
+    for step in range(STEPS):
+        ids, labels, cus = _batch(step)
+        n = int((labels != -100).sum())
+        loss = sum(model.loss(ids[r : r + 1], labels[r : r + 1], cus[r]) for r in range(M)) / n
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({k: _grad(p).clone() for k, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    ids, labels, cus = _batch(0)
+    with torch.no_grad():
+        ev = sum(model.loss(ids[r : r + 1], labels[r : r + 1], cus[r]) for r in range(M)) / int((labels != -100).sum())
+    path = tmp_path_factory.mktemp("dualpipe") / "reference.pt"
+    torch.save({"loss": losses, "grad": grads, "eval": ev}, path)
+    return str(path)
+
+
+def _run(pipe, rows: slice, ref: dict, where: str, group=None, expert_rows=None) -> list[str]:
+    """3 AdamW steps of ``pipe`` on ``rows`` of each step's batch; the loss (summed over ``group``) and every
+    gradient checked against the one-process run (a replicated parameter's gradient summed over ``group``, a
+    routed-expert stack's checked on this rank's ``expert_rows``); then the evaluation of step 0's batch."""
+    errors = []
+
+    def check(name, got, want, tol):
+        try:
+            check_rel(f"{where} {name}", got, want, tol)
+        except AssertionError as e:
+            errors.append(str(e))
+
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        ids, labels, cus = _batch(step)
+        n = int((labels != -100).sum())
+        loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=n)
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+        check(f"step {step} loss", loss, ref["loss"][step], TOL["loss"])
+        for k, p in pipe.named_parameters():
+            want, grad = ref["grad"][step][k], _grad(p)
+            if isinstance(grad, DTensor):  # a routed-expert stack, Shard(0) over ep: this rank's experts
+                grad, want = grad.to_local(), want[expert_rows]
+            elif grad.shape != want.shape:  # a plain stack of this rank's experts
+                want = want[expert_rows]
+            elif group is not None:  # replicated: this rank's tokens' part
+                dist.all_reduce(grad, group=group)
+            check(f"step {step} {k}.grad", grad, want, TOL["grad"])
+        opt.step()
+        opt.zero_grad()
+    # the evaluation after the steps, forward only (ZBVZeroBubble's eval): the first row alone (one micro-batch,
+    # fewer than the stages), then the others (one micro-batch each)
+    ids, labels, cus = (x[rows] for x in _batch(0))
+    n = int((_batch(0)[1] != -100).sum())
+    with torch.no_grad():
+        ev = pipe.evaluate(ids[:1], labels[:1], cus[:1], n_tokens=n)
+        ev = ev + pipe.evaluate(ids[1:], labels[1:], cus[1:], n_tokens=n, n_microbatches=len(cus) - 1)
+    if group is not None:
+        dist.all_reduce(ev, group=group)
+    check("eval loss", ev, ref["eval"], TOL["loss"])
+    return errors
+
+
+def _pp_worker(rank: int, world: int, ref_path: str, schedules) -> None:
+    """pp2 on 2 ranks, each schedule of ``schedules`` in turn from the same initial weights; every parameter held by
+    exactly one rank."""
+    from kernels_torch.parallel.pipeline import Pipeline
+
+    ref = torch.load(ref_path)
+    errors = []
+    from kernels_torch.activation_memory import recompute_layers
+
+    for schedule, n_mb, recompute in schedules:
+        model = _model()
+        if recompute is not None:
+            recompute_layers(model, recompute)
+        all_names = sorted(k for k, _ in model.named_parameters())
+        pipe = Pipeline(model, pp_size=world, pp_rank=rank, n_microbatches=n_mb, schedule=schedule, stages_per_rank=2)
+        del model
+        assert pipe.stage_indices == [rank, 2 * world - 1 - rank], pipe.stage_indices
+        errors += _run(pipe, slice(0, M), ref, f"rank {rank} {schedule} x{n_mb} recompute {recompute}")
+        held = [None] * world
+        dist.all_gather_object(held, [k for k, _ in pipe.named_parameters()])
+        if sorted(k for part in held for k in part) != all_names:
+            errors.append(f"rank {rank} {schedule}: the ranks' parameters are not the model's, each once")
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
+
+
+@pytest.mark.distributed
+def test_pp2_v_schedules_match_one_process(reference):
+    """pp2 (2 ranks, 4 stages of 2 layers in a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2): DualPipeV with
+    8 micro-batches (its overlapped forward + backward actions in the steady state) and ZBVZeroBubble with 4 (the
+    input / weight split of the backward): every loss and gradient of 3 steps, then the evaluation."""
+    run_workers(_pp_worker, 2, reference, [("DualPipeV", 8, None), ("ZBVZeroBubble", 8, None)])
+
+
+def _ep_worker(rank: int, world: int, ref_path: str, overlaps) -> None:
+    """pp2 x ep2 on 4 ranks (mesh ``(pp, ep)``), DualPipeV: the routed experts split over ep (all-to-all dispatch
+    and combine inside the stages), each ep rank its half of the rows (4 micro-batches, one per stage)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kernels_torch.parallel.expert import shard_experts
+    from kernels_torch.parallel.pipeline import Pipeline
+
+    ref = torch.load(ref_path)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    pp, ep_mesh = mesh["pp"], mesh["ep"]
+    errors = []
+    for overlap in overlaps:
+        model = _model()
+        ep = shard_experts(model, ep_mesh.get_group(), overlap=overlap)
+        pipe = Pipeline(model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group(),
+                        schedule="DualPipeV", stages_per_rank=2)  # fmt: skip
+        del model
+        rows = slice(M // 2 * ep.rank, M // 2 * (ep.rank + 1))
+        where = f"rank {rank} (pp {pp.get_local_rank()}, ep {ep.rank}) overlap {overlap}"
+        errors += _run(pipe, rows, ref, where, ep.group, slice(ep.local_experts.start, ep.local_experts.stop))
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
+
+
+@pytest.mark.distributed
+def test_pp2_ep2_dualpipev_matches_one_process(reference):
+    """pp2 x ep2 under DualPipeV, the all-to-alls plain and cut in two chunks (``overlap="chunks"``): the ep-summed
+    loss and every gradient of 3 steps, then the evaluation."""
+    run_workers(_ep_worker, 4, reference, ["none", "chunks"])
+
+
+@pytest.mark.distributed
+def test_pp2_cp2_v_schedules_recompute_match_one_process(tmp_path):
+    """pp2 x cp2 with activation recomputation under the V schedules (``tests/test_pipeline.py``'s context-parallel
+    worker and rows): the backward split into input and weight parts replays a recomputed layer in each part, both
+    times with the context shard of its own micro-batch. DualPipeV with whole layers recomputed, ZBVZeroBubble with
+    the MLP-only mode (its first 2 layers whole): the cp-summed loss and every gradient of a step."""
+    from test_pipeline import CARRY_CUS, _cp_worker, _one_process_run
+
+    path = tmp_path / "reference.pt"
+    torch.save(_one_process_run(CARRY_CUS, dense=2, steps=1), path)
+    runs = [("DualPipeV", 2, None, ("layer", 0)), ("ZBVZeroBubble", 2, None, ("mlp", 2))]
+    run_workers(_cp_worker, 4, str(path), runs, CARRY_CUS, 2, 1)
+
+
+# ------------------------------------------------------------------------------------------------ no processes
+
+
+def test_v_placement_and_refusals():
+    """The V placement (torch's ``v`` style) and what the V schedules refuse, each in one line naming the value."""
+    from kernels_torch.parallel.pipeline import Pipeline, stage_ranks
+
+    assert stage_ranks("DualPipeV", 2, 4) == (0, 1, 1, 0)
+    assert stage_ranks("ZBVZeroBubble", 4, 8) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert stage_ranks("Interleaved1F1B", 2, 4) == (0, 1, 0, 1)
+    with pytest.raises(ValueError, match=r"^pipeline stages: got 6 with DualPipeV on 2 ranks, expected 4 \(two"):
+        stage_ranks("DualPipeV", 2, 6)
+    model = _model()
+    with pytest.raises(ValueError, match=r"^stages_per_rank: got 3 with ZBVZeroBubble, expected 2 \(a V of two"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=3)
+    with pytest.raises(ValueError, match=r"^n_microbatches: got 3 with DualPipeV on 2 ranks, expected at least its 4"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=3, schedule="DualPipeV", stages_per_rank=2)
+    pipe = Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=4, schedule="DualPipeV", stages_per_rank=2)
+    assert pipe.stage_indices == [0, 3] and pipe.stages[0].is_first and pipe.stages[1].is_last
+
+
+def test_train_refuses_v_schedule_misfits():
+    """``kimi train --pp-schedule DualPipeV`` / ``ZBVZeroBubble``: a ``--pp-layout`` of other than 2 x ``--pp``
+    stages, and a step of fewer micro-batches per data-parallel group than stages, refused in one line."""
+    from kimi_tools.train.parallel import TrainParallel
+
+    with pytest.raises(ValueError, match=r"^--pp-layout: got 2 stages with --pp 2 --pp-schedule DualPipeV, expected 4"):
+        TrainParallel(1, "cpu", pp=2, pp_schedule="DualPipeV", pp_layout="4,4", world=2)
+    with pytest.raises(ValueError, match=r"^--pp-layout: got 6 stages with --pp 2 --pp-schedule ZBVZeroBubble, expe"):
+        TrainParallel(1, "cpu", pp=2, pp_schedule="ZBVZeroBubble", pp_layout="0,2,2,2,2,0", world=2)
+    par = TrainParallel(1, "cpu")  # one process; the pipeline's sizes set as under torchrun (no process group)
+    par.pp_size, par.pp_schedule, par.stages_per_rank = 2, "DualPipeV", 2
+    assert par.stages_needed == 4
+    par.check_accum(5, 40, 40)  # any count from the stages up (no rounds of pp, as Interleaved1F1B's)
+    with pytest.raises(ValueError, match=r"--pp 2 --pp-schedule DualPipeV runs 4 stages\) at 4 or more each; "):
+        par.check_accum(2, 40, 40)
