@@ -1,4 +1,4 @@
-"""``kimi plan`` (``kimi_tools/plan.py``): the per-rank parameter counts equal the meta model sharded as the trainer
+"""``kimi plan`` (``kimi_tools/plan/``): the per-rank parameter counts equal the meta model sharded as the trainer
 shards it (one process, torch's fake process group, no memory used), the FLOP split adds up to ``kimi.flops``, the
 calibration file matches the benchmark results it names, the command line, and ``docs/scaling.md`` is current."""
 
