@@ -30,16 +30,22 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   backward and gradient sync off until the step's last backward): every unit of the stage gathered in bf16, with
   FSDP2's padding, and the gradients of its trained parameters unsharded in the reduce dtype
   (:func:`stage_fsdp_bytes`, measured on the pipeline trainer by ``tests/test_plan.py``).
-* **activations**: per layer from the config's widths (:func:`layer_activation_bytes`: bytes per token each layer
-  keeps for its backward), scaled by the measured 4-layer step (``kimi_tools/plan/calibration.json``: peak allocated minus
-  parameter bytes over ``T`` x the count of its 4 layers; the scale holds what the count leaves out: workspaces,
-  the gradients in flight, the loss chunk, one recompute working set) for ``recompute="none"`` (8K, no
-  recomputation) and ``"mlp"`` (32K, the MLP/MoE blocks recomputed, layer 0 whole: ``--recompute-full-layers 1``);
-  ``"full"`` (every layer recomputed) keeps what :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B
-  per token) plus the stage's largest layer's ``"none"`` working set. In every mode each in-flight micro-batch also
-  keeps the stage's received and sent states and, on the last stage, the output mix, norm and loss tensors
-  (:func:`held_per_microbatch`; not in the 4-layer calibration, which has no pipeline). A stage under 1F1B holds
+* **activations**: per layer and region from the config's widths (:func:`block_bytes`: the attention block by
+  kind, the MLP / MoE block, the AttnRes mixes, as the eager twin saves them, checked against
+  ``saved_bytes_by_block`` at two configs), composed per policy (:func:`policy_bytes`: ``recompute`` "none",
+  "attn", "mlp", "full" and ``act_offload`` "none", "attn", "mlp", "all", as ``kimi train --recompute-mode`` and
+  ``--offload-activations`` run them: a recomputed region keeps its input, an offloaded one its tensors on the host)
+  and scaled to the GPU's kernels by the measured 4-layer steps (``kimi_tools/plan/calibration.json``:
+  :class:`Calibration`'s ``act_scale``), plus the largest recomputed region again during its backward. "full"
+  keeps what :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B per token). In every mode each
+  in-flight micro-batch also keeps the stage's received and sent states and, on the last stage, the output mix,
+  norm and loss tensors and the ``lm_head`` gradient (:func:`held_per_microbatch`). A stage under 1F1B holds
   ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``); ``T = seq_len / cp`` tokens per rank.
+* **the peak** comes when a backward starts (all activations in flight, no layer's gradient yet): parameters,
+  optimizer states, FSDP2's gathered units then (:func:`layer_fsdp_bytes` by ``--reshard-after-forward``;
+  :func:`stage_fsdp_bytes` under pp), the activations, and the sharded gradients only where an earlier micro-batch
+  of the step made them (pp = 1, more than one micro-batch); or at the optimizer step (parameters, gradients and
+  states), whichever is larger (``memory["total"]``).
 
 Communication per step per rank (bytes a rank sends/receives; rings move ``(n - 1) / n`` of the gathered size):
 FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``): ``"layer"`` two gathers and a
@@ -51,9 +57,9 @@ sends between stages (the hidden state and the AttnRes blocks stored so far, ``(
 forward and backward).
 
 Time: a stage's compute per micro-batch is its model FLOPs (:func:`layer_flops`, the ``kimi.flops`` count; LoRA:
-forward and input gradients only, 2/3 of the weight matmuls) at the calibrated rate (the model TFLOP/s of the
-4-layer step per recompute mode; ``"full"`` = the no-recompute rate x 3/4, one more forward per three units of
-work), the routed experts slowed down where a rank's experts get fewer rows than in the calibration step
+forward and input gradients only, 2/3 of the weight matmuls) at the measured rate of the 4-layer step without recomputation, the recomputed blocks' forwards added as
+work (:meth:`Flops.recomputed`), and an activation offload's host copies at the calibration's host copy rate (the
+backward's copies exposed, the forward's beyond the forward's compute), the routed experts slowed down where a rank's experts get fewer rows than in the calibration step
 (``T k ep / E`` rows per expert, against the measured grouped-GEMM rate: :meth:`Calibration.expert_slowdown`). The
 all-to-all is added unhidden (``kimi train``'s default), or with ``--overlap-a2a`` as ``kimi train --ep-overlap
 chunks`` runs it (each MoE layer's tokens in two chunks: the experts at half the rows per expert, the first dispatch
@@ -79,7 +85,7 @@ The package's parts: :mod:`~kimi_tools.plan.layout` (the hardware, the mesh, the
 
 from __future__ import annotations
 
-from kimi_tools.plan.activations import held_per_microbatch, layer_activation_bytes
+from kimi_tools.plan.activations import block_bytes, held_per_microbatch, layer_activation_bytes, policy_bytes
 from kimi_tools.plan.calibration import (
     CALIBRATION_FILE,
     CALIBRATION_LAYERS,
@@ -90,6 +96,7 @@ from kimi_tools.plan.calibration import (
 from kimi_tools.plan.cli import add_parser, cmd_plan, run_plan
 from kimi_tools.plan.docs import ANCHORS, BEGIN, DOC, DOC_CASES, END, plan_args, render_docs, splice_docs
 from kimi_tools.plan.layout import (
+    ACT_OFFLOAD,
     FROZEN_BYTES,
     FSDP_POLICIES,
     GATHER_BYTES,
@@ -97,6 +104,7 @@ from kimi_tools.plan.layout import (
     MLP_FULL_LAYERS,
     OPTIMIZERS,
     RECOMPUTE,
+    RESHARD,
     Hardware,
     Layout,
     Policy,
@@ -104,7 +112,7 @@ from kimi_tools.plan.layout import (
     stage_ranges,
     trainer_fsdp,
 )
-from kimi_tools.plan.params import lora_specs, rank_numel, stage_fsdp_bytes, state_bytes
+from kimi_tools.plan.params import layer_fsdp_bytes, lora_specs, rank_numel, stage_fsdp_bytes, state_bytes
 from kimi_tools.plan.render import COMMANDS_NOTE, HEADER, render_markdown, train_command
 from kimi_tools.plan.search import evaluate, plan
 from kimi_tools.plan.timing import Flops, layer_flops
@@ -112,6 +120,7 @@ from kimi_tools.plan.timing import Flops, layer_flops
 _args = plan_args  # the name benchmarks/rank_rehearsal.py calls
 
 __all__ = [
+    "ACT_OFFLOAD",
     "ANCHORS",
     "BEGIN",
     "CALIBRATION_FILE",
@@ -128,22 +137,26 @@ __all__ = [
     "MLP_FULL_LAYERS",
     "OPTIMIZERS",
     "RECOMPUTE",
+    "RESHARD",
     "Calibration",
     "Flops",
     "Hardware",
     "Layout",
     "Policy",
     "add_parser",
+    "block_bytes",
     "calibration_config",
     "cmd_plan",
     "evaluate",
     "held_per_microbatch",
     "layer_activation_bytes",
     "layer_flops",
+    "layer_fsdp_bytes",
     "load_calibration",
     "lora_specs",
     "plan",
     "plan_args",
+    "policy_bytes",
     "rank_numel",
     "render_docs",
     "render_markdown",

@@ -19,66 +19,144 @@ def _mix_sources(cfg: KimiConfig, i: int) -> tuple[int, int]:
     return (math.ceil(i / b) + 1 if i else 1), i // b + 2
 
 
-@functools.lru_cache(maxsize=64)
-def activation_table(cfg: KimiConfig, full_layers: int = MLP_FULL_LAYERS) -> tuple[tuple[int, int], ...]:
-    """:func:`layer_activation_bytes` of every layer, ("none", "mlp")."""
-    return tuple(
-        (layer_activation_bytes(cfg, i, "none"), layer_activation_bytes(cfg, i, "mlp", full_layers))
-        for i in range(cfg.num_hidden_layers)
-    )
+KDA_CHUNK = 64  # the chunk length of the KDA recurrence (kernels_torch.kda.kda_chunk's chunk_size)
+RECOMPUTE_MODES = ("none", "attn", "mlp", "full")  # kimi train --recompute-mode attn / mlp / layer ("full")
+OFFLOAD_MODES = ("none", "attn", "mlp", "all")  # kimi train --offload-activations
 
 
-def layer_activation_bytes(cfg: KimiConfig, i: int, mode: str = "none", full_layers: int = MLP_FULL_LAYERS) -> int:
-    """Bytes per token that layer ``i`` keeps for its backward, from the config's widths (bf16 activations 2 B, the
-    tensors the code computes in fp32 4 B), the principal saved tensors of each part (Korthikanti et al. 2022,
-    "Reducing Activation Recomputation in Large Transformer Models", section 4's count, for this model's layers):
+def _mix_bytes(M: int, D: int, T: int) -> int:
+    """An AttnRes depth mix over ``M > 1`` sources: three fp32 copies of the stacked sources (stacked, transposed,
+    flattened: ``12 M D``) and two fp32 ``[M, T]`` weights (``8 M``) per token, and its norm and projection weights
+    in fp32 (``12 D``, once); nothing when ``M = 1``."""
+    return T * (12 * M * D + 8 * M) + 12 * D if M > 1 else 0
 
-    * each AttnRes mix over ``M > 1`` sources (:func:`_mix_sources`): three fp32 copies of them, ``12 M D``; each
-      RMSNorm ``6 D``;
-    * KDA (``P = H x K``): the q/k/v projections and convolutions, the fp32 L2-normalised q, k, the gate and its
-      fp32 decay, the output gate and the fp32 gated norm, ``42 P + 2 R + 4 H`` (``R`` the gate rank);
-    * MLA: the q and kv latents and their fp32 norms, q, the expanded k and v, the output and its fp32 sigmoid
-      gate; DSA adds the selected key ids (``4 x index_topk``);
-    * dense MLP ``6 I + 2 D``; MoE: the fp32 router scores (``4 E``), the routing (``12 k``), the latent input, per
-      routed slot its rows in and out (``2 Dl + 4 Dl``) and its GLU (``6 I``), the latent norm, up projection and
-      shared experts (``6 I x shared``).
 
-    ``mode`` "mlp" (``kernels_torch.activation_memory.recompute_layers(model, "mlp", full_layers)``): the MLP / MoE block with its
-    norm keeps only its input (``2 D``), and the first ``full_layers`` layers, recomputed whole, only theirs.
-    The count is what a layer saves up to one constant: the planner scales it by each calibration step's measured
-    bytes (:class:`Calibration`); ``tests/test_plan.py`` checks its shape against autograd's saved tensors.
+def _attn_bytes(c: KimiConfig, i: int, T: int) -> int:
+    """The attention block of layer ``i`` (``input_layernorm`` and the token mixer), ``T`` tokens."""
+    D = c.hidden_size
+    norm = T * (8 * D + 4)  # fp32 input, fp32 rstd, bf16 output and its 2-D copy
+    if c.layer_type(i) == "kda":
+        H, K, R = c.kda_num_heads, c.kda_head_dim, c.kda_gate_rank
+        P = H * K
+        # the q/k/v short convs (fp32 padded inputs and outputs), the L2-normalised q, k, the gate and its decay,
+        # the chunked recurrence's per-chunk tensors (fp32 [H, chunk, K] and the [H, K, K] state of each chunk),
+        # the gated norm, the bf16 output; the convs' padding and the chunk masks once
+        per = 74 * P + 20 * H + 2 * R
+        state = 4 * H * K * K * -(-T // KDA_CHUNK)
+        once = 3 * (c.short_conv_kernel_size - 1) * P * 4 + 6 * KDA_CHUNK * KDA_CHUNK + 4 * H
+        return norm + T * per + state + once
+    H, n, r, v, L = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    q = c.q_lora_rank or 0
+    keys = min(T, c.index_topk) if c.layer_type(i) == "dsa" else T
+    per = (8 * q + 4 if q else 0) + 8 * L + 4  # the q and kv latents: fp32 norm inputs, rstd, bf16 outputs
+    per += 8 * H * (n + r) + 4 * H * keys  # fp32 q and k per head, the attention probabilities over the keys
+    per += 14 * H * v + 1  # fp32 values, output and sigmoid gate, the bf16 gated output; the padding mask
+    once = 0
+    if c.layer_type(i) == "dsa":  # the indexer: fp32 input, q heads, the normed key, head weights
+        Hi, dI = c.index_n_heads, c.index_head_dim
+        per += 4 * D + 4 * Hi * dI + 8 * dI + 4 * Hi + 8
+        once += 8 * dI + 4 * D * Hi
+    return norm + T * per + once
+
+
+def _mlp_bytes(c: KimiConfig, i: int, T: int) -> int:
+    """The MLP / MoE block of layer ``i`` (``post_attention_layernorm`` and the feed-forward), ``T`` tokens."""
+    D = c.hidden_size
+    if not c.is_moe_layer(i):  # the norm (fp32 input, rstd, bf16 output and copy), the SiTU GLU (six fp32, one bf16)
+        return T * (8 * D + 4 + 26 * c.intermediate_size)
+    E, k, inter = c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
+    Dl = c.routed_expert_hidden_size or D
+    S = c.num_shared_experts * inter
+    per = 6 * D + 4  # the norm
+    per += 8 * D + 20 * E + 4 * k + 8  # the router: fp32 input (twice), scores, the top-k ids and weights
+    per += 2 * D + 10 * Dl + 4  # the latent down projection, its norm
+    per += k * (10 * Dl + 26 * inter + 20)  # per routed row: its latent rows in and out, the GLU, the ids
+    per += 26 * S  # the shared experts' GLU
+    return T * per + 8 * D * E  # the router's weight in fp32, twice
+
+
+@functools.lru_cache(maxsize=4096)
+def block_bytes(cfg: KimiConfig, i: int, T: int) -> dict[str, int]:
+    """Bytes layer ``i`` saves for its backward with ``T`` tokens, by region (``kernels_torch.activation_memory``'s
+    blocks), with no recomputation or offload: ``attn`` (``input_layernorm`` and the KDA or MLA/DSA mixer),
+    ``mlp`` (``post_attention_layernorm`` and the dense MLP or the MoE), ``glue`` (the two AttnRes depth mixes, in
+    the layer's forward only) and ``input`` (what a recomputed region keeps: its bf16 input, ``2 D`` per token).
+
+    From the config's widths, counting the tensors the eager twin (``sdpa`` backend) saves, each storage once
+    (``kernels_torch.activation_memory.saved_bytes_by_block``: ``tests/test_plan.py`` compares at the tiny preset
+    and at k3.1-pro's widths, ``benchmarks/results/activation_bytes.json``). The fused GPU kernels keep fewer (no
+    fp32 copies of the GLU, no attention probabilities): :class:`~kimi_tools.plan.calibration.Calibration` scales
+    this count to the measured GPU step."""
+    c, D = cfg, cfg.hidden_size
+    m_attn, m_mlp = _mix_sources(cfg, i)
+    return {
+        "attn": _attn_bytes(c, i, T),
+        "mlp": _mlp_bytes(c, i, T),
+        "glue": _mix_bytes(m_attn, D, T) + _mix_bytes(m_mlp, D, T),
+        "input": 2 * D * T,
+    }
+
+
+def policy_bytes(
+    cfg: KimiConfig,
+    i: int,
+    T: int,
+    recompute: str = "none",
+    offload: str = "none",
+    host_ratio: dict | None = None,
+    scale: float = 1.0,
+) -> tuple[float, float]:
+    """``(device, host)`` bytes layer ``i`` keeps between its forward and its backward with ``T`` tokens under a
+    recompute mode (:data:`RECOMPUTE_MODES`: ``kimi train --recompute-mode attn|mlp|layer``, ``"full"`` the
+    last) and an activation offload (:data:`OFFLOAD_MODES`: ``--offload-activations``), composed as
+    ``kernels_torch.activation_memory`` composes them: a recomputed region keeps its input (:func:`block_bytes`'
+    ``input``), an offloaded one keeps nothing on the device and its saved tensors on the host, where each saved
+    tensor is copied on its own (a storage saved through several views goes several times): ``host_ratio``
+    {"attn_kda", "attn_dsa", "attn_mla", "mlp_dense", "mlp_moe", "glue"} host bytes per device byte of each
+    offloaded region (measured: ``Calibration.host_ratio``; default 1). ``scale`` multiplies the regions' own bytes
+    (the GPU kernels against the eager count: ``Calibration.act_scale``), not the inputs a recomputed region keeps
+    (exact). ``benchmarks/results/activation_bytes.json`` has every composition measured at k3.1-pro's widths
+    (``tests/test_plan.py``).
 
     Raises:
-        ValueError: ``mode`` not "none" or "mlp"."""
-    if mode not in ("none", "mlp"):
-        raise ValueError(f"mode: got {mode!r}, expected 'none' or 'mlp'")
-    c, D = cfg, cfg.hidden_size
-    if mode == "mlp" and i < full_layers:
-        return 2 * D
-    m_attn, m_mlp = _mix_sources(cfg, i)
-    mix = lambda M: 12 * M * D if M > 1 else 0  # noqa: E731
-    out = mix(m_attn) + mix(m_mlp) + 6 * D  # the mixes, the attention's input norm
-    if c.layer_type(i) == "kda":
-        P, H, R = c.kda_num_heads * c.kda_head_dim, c.kda_num_heads, c.kda_gate_rank
-        out += 42 * P + 2 * R + 4 * H
+        ValueError: a mode outside those tuples, or ``attn`` / ``mlp`` offload with ``full`` recomputation (the
+            trainer refuses it: the layer keeps no block activation to offload)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute: got {recompute!r}, expected one of {list(RECOMPUTE_MODES)}")
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload: got {offload!r}, expected one of {list(OFFLOAD_MODES)}")
+    b = {k: v * (1.0 if k == "input" else scale) for k, v in block_bytes(cfg, i, T).items()}
+    if recompute == "full":
+        if offload in ("attn", "mlp"):
+            raise ValueError(f"offload: got {offload!r} with recompute 'full', expected 'none' or 'all'")
+        return (0, b["input"]) if offload == "all" else (b["input"], 0)
+    ratio = host_ratio or {}
+    kind = {"attn": "attn_" + cfg.layer_type(i), "mlp": "mlp_" + ("moe" if cfg.is_moe_layer(i) else "dense")}
+    device = host = 0
+    for block in ("attn", "mlp"):
+        kept = b["input"] if recompute == block else b[block]
+        if offload in (block, "all"):
+            host += kept if recompute == block else kept * ratio.get(kind[block], 1.0)
+        else:
+            device += kept
+    if offload == "all":
+        host += b["glue"] * ratio.get("glue", 1.0)
     else:
-        H, Kn, Rr, V, L = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        out += 6 * (c.q_lora_rank or 0) + 2 * (L + Rr) + 4 * L  # latents, their norms
-        out += 2 * H * (Kn + Rr) * 2 + 2 * H * (Kn + V)  # q, k, the kv expansion
-        out += 2 * H * V + 8 * H * V + 2 * H * V  # attention output, fp32 gate, gated output
-        if c.layer_type(i) == "dsa":
-            out += 4 * c.index_topk
-    if mode == "mlp":
-        return out + 2 * D
-    out += 6 * D  # the MLP's input norm
-    if c.is_moe_layer(i):
-        E, k, inter = c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
-        Dl = c.routed_expert_hidden_size or D
-        out += 4 * E + 12 * k + 2 * Dl + k * (6 * Dl + 6 * inter) + 4 * Dl + 2 * D
-        out += 6 * c.num_shared_experts * inter + 2 * D if c.num_shared_experts else 0
-    else:
-        out += 6 * c.intermediate_size + 2 * D
-    return out
+        device += b["glue"]
+    return device, host
+
+
+def layer_activation_bytes(cfg: KimiConfig, i: int, mode: str = "none", full_layers: int = MLP_FULL_LAYERS) -> float:
+    """Device bytes per token that layer ``i`` keeps for its backward under recompute ``mode`` ("none", "attn",
+    "mlp", "full"; with "attn" or "mlp" the first ``full_layers`` layers recomputed whole, as
+    ``--recompute-full-layers``), no offload: :func:`policy_bytes` for one token's share at 8,192 tokens (the
+    per-chunk and once-per-layer terms spread over them).
+
+    Raises:
+        ValueError: ``mode`` outside :data:`RECOMPUTE_MODES`."""
+    if mode in ("attn", "mlp") and i < full_layers:
+        mode = "full"
+    return policy_bytes(cfg, i, 8192, mode)[0] / 8192
 
 
 @functools.lru_cache(maxsize=4096)

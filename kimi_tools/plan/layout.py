@@ -14,7 +14,9 @@ GB = 1e9
 OPTIMIZERS = {"adamw-fp32": (4, 4, 8), "adamw-bf16": (2, 2, 4)}
 FROZEN_BYTES = 2  # a LoRA base weight, bf16, no gradient and no state
 GATHER_BYTES = 2  # FSDP2 all-gathers bf16 parameters (MixedPrecisionPolicy param_dtype)
-RECOMPUTE = ("none", "mlp", "full")
+RECOMPUTE = ("none", "attn", "mlp", "full")  # kimi train --recompute-mode attn, mlp, layer ("full")
+ACT_OFFLOAD = ("none", "attn", "mlp", "all")  # kimi train --offload-activations
+RESHARD = ("auto", "always", "never")  # kimi train --reshard-after-forward
 FSDP_POLICIES = ("layer", "stage")
 # --recompute-full-layers of the "mlp" mode: layer 0 (the dense MLP) recomputed whole, as in its calibration step
 MLP_FULL_LAYERS = 1
@@ -84,14 +86,39 @@ class Layout:
 
 @dataclass(frozen=True)
 class Policy:
-    """How a layout is run: ``optimizer`` (:data:`OPTIMIZERS`), ``offload`` ("none" or "cpu"), ``recompute``
-    ("none", "mlp", "full"), ``fsdp`` ("layer" or "stage", module docstring; "auto": the trainer's for the layout,
-    :func:`trainer_fsdp`)."""
+    """How a layout is run: ``optimizer`` (:data:`OPTIMIZERS`), ``offload`` (the states: "none" or "cpu"),
+    ``recompute`` (:data:`RECOMPUTE`: "none", "attn", "mlp" or "full", ``kimi train --recompute-mode attn|mlp|
+    layer`` on every layer), ``act_offload`` (:data:`ACT_OFFLOAD`, ``--offload-activations`` on every layer; "attn"
+    and "mlp" not with "full"), ``fsdp`` ("layer" or "stage", module docstring; "auto": the trainer's for the
+    layout, :func:`trainer_fsdp`), ``reshard`` (:data:`RESHARD`, ``--reshard-after-forward``: which FSDP2 units
+    stay gathered from their forward to their backward without a pipeline).
+
+    Raises:
+        ValueError: a field outside its choices, or "attn" / "mlp" offload with "full" recomputation."""
 
     optimizer: str = "adamw-fp32"
     offload: str = "none"
     recompute: str = "none"
     fsdp: str = "auto"
+    act_offload: str = "none"
+    reshard: str = "auto"
+
+    def __post_init__(self):
+        for name, choices in (
+            ("optimizer", tuple(OPTIMIZERS)),
+            ("offload", ("none", "cpu")),
+            ("recompute", RECOMPUTE),
+            ("fsdp", ("auto", *FSDP_POLICIES)),
+            ("act_offload", ACT_OFFLOAD),
+            ("reshard", RESHARD),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"policy: got {name}={getattr(self, name)!r}, expected one of {list(choices)}")
+        if self.recompute == "full" and self.act_offload in ("attn", "mlp"):
+            raise ValueError(
+                f"policy: got act_offload={self.act_offload!r} with recompute='full', expected 'none' or 'all' (a "
+                "layer recomputed whole keeps no block activation to offload)"
+            )
 
 
 def trainer_fsdp(pp: int) -> str:

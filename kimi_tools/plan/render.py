@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kimi_tools.plan.layout import GB, MLP_FULL_LAYERS
+from kimi_tools.plan.layout import GB
 from kimi_tools.plan.search import divisors
 
 
@@ -13,8 +13,9 @@ def _gb(x: float) -> str:
 def _row(r: dict) -> str:
     L, p, mem, c, t = r["layout"], r["policy"], r["memory"], r["comm"], r["time"]
     opt = p["optimizer"] + ("+cpu" if p["offload"] == "cpu" else "")
+    rc = p["recompute"] + (f", offload {p['act_offload']}" if p.get("act_offload", "none") != "none" else "")
     return (
-        f"| {L['pp']} | {L['dp']} | {L['cp']} | {L['ep']} | {L['efsdp']} | {opt} | {p['recompute']} | {p['fsdp']} "
+        f"| {L['pp']} | {L['dp']} | {L['cp']} | {L['ep']} | {L['efsdp']} | {opt} | {rc} | {p['fsdp']} "
         f"| {r['microbatches']} | {_gb(mem['params'])} | {_gb(mem['grads'])} | {_gb(mem['optimizer'])} "
         f"| {_gb(mem['gathered'])} | {_gb(mem['activations'])} | **{_gb(mem['total'])}** "
         f"| {_gb(c['all_gather'])} | {_gb(c['reduce_scatter'])} | {_gb(c['all_to_all'])} | {_gb(c['pipeline'])} "
@@ -23,7 +24,7 @@ def _row(r: dict) -> str:
 
 
 HEADER = (
-    "| pp | dp | cp | ep | efsdp | optimizer | recompute | fsdp | micro-batches | params GB | grads GB | optimizer GB "
+    "| pp | dp | cp | ep | efsdp | optimizer | recompute, act. offload | fsdp | micro-batches | params GB | grads GB | optimizer GB "
     "| gathered GB | activations GB | total GB | all-gather GB | reduce-scatter GB | all-to-all GB | pipeline GB "
     "| step s | tokens/s/GPU | TFLOP/s/GPU | MFU |\n"
     "|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -72,8 +73,9 @@ def train_command(
     (``N`` the fewest nodes of at most ``gpus_per_node`` ranks that divide the world); the layout (``--pp``, with
     ``--pp-schedule 1F1B`` and the planned ``--pp-layout``, ``--dp``, ``--cp``, ``--ep``); one ``--seq-len``
     sequence per micro-batch (``--micro-batch-tokens``) and the planned tokens per step (``--batch-tokens`` =
-    ``dp x micro-batches x seq_len``); bf16 on the cudnn backend; the recomputation (``--recompute``,
-    ``--recompute-mode``, and ``--recompute-full-layers`` :data:`MLP_FULL_LAYERS` for "mlp", as calibrated); LoRA,
+    ``dp x micro-batches x seq_len``); bf16 on the cudnn backend; the recomputation (``--recompute
+    --recompute-mode attn|mlp|layer``), the activation offload (``--offload-activations``), a reshard policy other
+    than the trainer's default (``--reshard-after-forward``); LoRA,
     FP8; the optimizer and offload policies where they differ from the trainer's defaults (``--optimizer
     adamw-bf16`` with ``--reduce-dtype bf16``, ``--offload cpu``); ``--ep-overlap chunks`` where the row counted it
     (``--overlap-a2a``). ``DATA`` and ``OUT`` are placeholders."""
@@ -93,10 +95,12 @@ def train_command(
         counts = ",".join(str(b - a) for a, b in row["stages"])
         cmd += ["--pp", str(L["pp"]), "--pp-schedule", "1F1B", "--pp-layout", counts]
     cmd += ["--dp", str(L["dp"]), "--cp", str(L["cp"]), "--ep", str(L["ep"])]
-    if p["recompute"] == "full":
-        cmd += ["--recompute", "--recompute-mode", "layer"]
-    elif p["recompute"] == "mlp":
-        cmd += ["--recompute", "--recompute-mode", "mlp", "--recompute-full-layers", str(MLP_FULL_LAYERS)]
+    if p["recompute"] != "none":
+        cmd += ["--recompute", "--recompute-mode", {"full": "layer"}.get(p["recompute"], p["recompute"])]
+    if p.get("act_offload", "none") != "none":
+        cmd += ["--offload-activations", p["act_offload"]]
+    if p.get("reshard", "auto") != "auto":
+        cmd += ["--reshard-after-forward", p["reshard"]]
     if lora_rank:
         cmd += ["--lora-rank", str(lora_rank)]
     if fp8:

@@ -9,6 +9,7 @@ from kimi.config import KimiConfig
 from kimi_tools.plan.activations import held_per_microbatch, layer_inputs_bytes
 from kimi_tools.plan.calibration import Calibration, load_calibration
 from kimi_tools.plan.layout import (
+    ACT_OFFLOAD,
     GATHER_BYTES,
     GB,
     OPTIMIZERS,
@@ -19,7 +20,7 @@ from kimi_tools.plan.layout import (
     stage_ranges,
     trainer_fsdp,
 )
-from kimi_tools.plan.params import rank_numel, stage_fsdp_bytes, state_bytes, unsharded_numel
+from kimi_tools.plan.params import layer_fsdp_bytes, rank_numel, stage_fsdp_bytes, state_bytes, unsharded_numel
 from kimi_tools.plan.timing import a2a_time, layer_flops, ring_bandwidth
 
 
@@ -100,26 +101,33 @@ def evaluate(
     D, k = cfg.hidden_size, cfg.num_experts_per_token
     Dl = cfg.routed_expert_hidden_size or D
     block = cfg.attn_res_block_size or 1
-    a2a_units = 4 if policy.recompute == "none" else 6  # dispatch + combine, fwd, bwd (and the recomputed fwd)
+    a2a_units = 6 if policy.recompute in ("mlp", "full") else 4  # dispatch + combine, fwd, bwd (+ the recomputed)
     stages = []
     static = stage_static(cfg, L, lora_rank)
+    rate = cal.tflops["none"] * 1e12  # every policy's work runs at the measured rate; recomputation adds work
+    copy_rate = cal.host_copy_gbps * GB
     for s, layers in enumerate(ranges):
         n, sizes, full, moe = static[s]
         if fsdp == "layer":
-            big = max(sizes)
-            gathered = 2 * big[0] * GATHER_BYTES + big[1] * 4
+            gathered = layer_fsdp_bytes(cfg, L, reshard=policy.reshard, lora_rank=lora_rank)
         else:
             gathered = stage_fsdp_bytes(cfg, L, s, reduce_bytes=rb, lora_rank=lora_rank)
         inflight = min(L.pp - s, m)
         first, last = s == 0, s == L.pp - 1
         held = held_per_microbatch(cfg, layers, T, first=first, last=last, lm_head_grad=not lora_rank)
-        if policy.recompute == "full":  # the layer inputs are in `held`; one layer's working set beside them
-            act = inflight * held + cal.working_set(cfg, layers, T)
-        else:  # the calibrated per-layer bytes replace the layer inputs; the stage's I/O and head come on top
-            extra = held - layer_inputs_bytes(layers, T, D, first)
-            act = inflight * (cal.layer_bytes(cfg, layers, T, policy.recompute) + extra)
+        inputs = layer_inputs_bytes(layers, T, D, first)
+        if policy.recompute == "full":  # the layer inputs (exact, in `held`) on the device or the host
+            host_mb = inputs if policy.act_offload == "all" else 0.0
+            dev_mb = held - host_mb
+        else:  # the per-layer bytes replace the layer inputs; the stage's I/O and head come on top
+            dev, host_mb = cal.layer_bytes(cfg, layers, T, policy.recompute, policy.act_offload)
+            dev_mb = dev + held - inputs
+        act = inflight * dev_mb + cal.working_set(cfg, layers, T, policy.recompute)
         on_gpu = policy.offload == "none"
         sb = state_bytes(n, policy.optimizer)
+        # the activation peak comes when the backward starts: the sharded gradients exist only after a first
+        # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end)
+        grads_held = sb["grads"] if on_gpu and fsdp == "layer" and m > 1 else 0
         mem = {
             "params": sb["params"] if on_gpu else 0,
             "grads": sb["grads"] if on_gpu else 0,
@@ -127,8 +135,11 @@ def evaluate(
             "gathered": gathered,
             "activations": act,
         }
-        mem["total"] = sum(mem.values())
-        host = 0 if on_gpu else sum(sb.values())
+        mem["backward_peak"] = mem["params"] + mem["optimizer"] + gathered + act + grads_held
+        mem["step_peak"] = mem["params"] + mem["grads"] + mem["optimizer"]
+        mem["total"] = max(mem["backward_peak"], mem["step_peak"])
+        host_act = inflight * host_mb
+        host = (0 if on_gpu else sum(sb.values())) + host_act
         # communication per step (bytes per rank)
         # "layer": a forward and a backward gather per micro-batch, a reduce-scatter per micro-batch; "stage": each
         # forward after a backward finds the units still gathered and reshards them (reshard_after_forward), so
@@ -154,10 +165,16 @@ def evaluate(
         # time
         f_stage = T * (sum(fl.layers[i] for i in layers) + (fl.head if s == L.pp - 1 else 0.0))
         f_exp = T * sum(fl.experts[i] for i in layers)
-        # per micro-batch: the calibrated rate, the experts slowed down at a lower density than the calibration's
-        t_comp = (f_stage + f_exp * (slow - 1.0)) / (cal.tflops[policy.recompute] * 1e12)
+        rec = [fl.recomputed(i, policy.recompute) for i in layers]
+        f_rec, f_rec_exp = T * sum(r[0] for r in rec), T * sum(r[1] for r in rec)
+        # per micro-batch: the measured rate, the experts slowed down at a lower density than the calibration's
+        t_comp = (f_stage + f_rec + (f_exp + f_rec_exp) * (slow - 1.0)) / rate
+        # activation offload: the forward's copies on a side stream behind the forward, the backward's on the
+        # compute stream (read when needed, not prefetched: kernels_torch.activation_memory.save_on_host)
+        t_copy = host_mb / copy_rate
+        t_off = t_copy + max(0.0, t_copy - (f_stage / 3) / rate) if host_mb else 0.0
         t_a2a = a2a_time(a2a / m, L.ep, hw) if a2a else 0.0
-        t_exp = f_exp * slow / (cal.tflops[policy.recompute] * 1e12)  # the routed experts' part of t_comp
+        t_exp = (f_exp + f_rec_exp) * slow / rate  # the routed experts' part of t_comp
         t_shown = t_a2a / 2 + max(0.0, t_a2a / 2 - t_exp) if chunks else t_a2a
         bw_dc = ring_bandwidth(n_dc, 1, hw)
         bw_ef = ring_bandwidth(L.efsdp, L.ep, hw)
@@ -165,10 +182,10 @@ def evaluate(
         t_pp = pp_bytes / m / ring_bandwidth(2, n_dc, hw)
         stages.append(
             dict(stage=s, mem=mem, host=host, comm=comm, t_comp=t_comp, t_a2a=t_a2a, t_fsdp=t_fsdp, t_pp=t_pp, n=n)
-            | {"t_shown": t_shown}
+            | {"t_shown": t_shown, "t_off": t_off, "host_act": host_act, "share": f_stage / (f_stage + f_rec)}
         )
     worst = max(stages, key=lambda st: st["mem"]["total"])
-    t_micro = max(st["t_comp"] + st["t_shown"] + st["t_pp"] for st in stages)
+    t_micro = max(st["t_comp"] + st["t_shown"] + st["t_pp"] + st["t_off"] for st in stages)
     busy = m * t_micro
     pipeline = (m + L.pp - 1) * t_micro
     fsdp_exposed = max(max(0.0, st["t_fsdp"] - m * st["t_comp"]) for st in stages)
@@ -196,6 +213,7 @@ def evaluate(
         "worst_stage": worst["stage"],
         "memory": worst["mem"],
         "host_memory": worst["host"],
+        "host_activations": worst["host_act"],
         "numel": worst["n"],
         "comm": worst["comm"],
         "time": {
@@ -204,6 +222,9 @@ def evaluate(
             "all_to_all_per_microbatch": max(st["t_a2a"] for st in stages),
             "all_to_all_exposed_per_microbatch": max(st["t_shown"] for st in stages),
             "pipeline_send_per_microbatch": max(st["t_pp"] for st in stages),
+            "offload_copy_per_microbatch": max(st["t_off"] for st in stages),
+            # the model FLOPs' share of the slowest stage's work (recomputation adds the rest)
+            "compute_model_flops_share": max(stages, key=lambda st: st["t_comp"])["share"],
             "busy": busy,
             "bubble": pipeline - busy,
             "fsdp_exposed": fsdp_exposed,
@@ -215,6 +236,10 @@ def evaluate(
         "mfu": f_tok * tps / (hw.peak_tflops * 1e12),
         "fits": fits,
     }
+
+
+# the activation policies the search tries: each recompute mode with each activation offload the trainer composes
+POLICIES = tuple((rc, ao) for rc in RECOMPUTE for ao in ACT_OFFLOAD if not (rc == "full" and ao in ("attn", "mlp")))
 
 
 def divisors(n: int) -> list[int]:
@@ -331,11 +356,11 @@ def plan(
                 best = None
                 for opt in optimizers:
                     for off in offloads:
-                        for rc in RECOMPUTE:
+                        for rc, ao in POLICIES:
                             r = evaluate(
                                 cfg,
                                 L,
-                                Policy(opt, off, rc),
+                                Policy(opt, off, rc, act_offload=ao),
                                 hw,
                                 cal,
                                 seq_len=seq_len,

@@ -14,11 +14,23 @@ from kimi_tools.plan.params import is_expert, layout_specs
 @dataclass(frozen=True)
 class Flops:
     """Model FLOPs per token (:func:`layer_flops`): ``layers`` and ``experts`` (the routed experts' part of each
-    layer) per layer, ``head`` (``lm_head`` and the AttnRes output mix)."""
+    layer) per layer, ``head`` (``lm_head`` and the AttnRes output mix); ``attn_fwd`` / ``mlp_fwd``: the forward
+    alone of each layer's attention and MLP / MoE block (what recomputing that block runs again), ``experts_fwd``
+    the routed experts' part of ``mlp_fwd``."""
 
     layers: tuple[float, ...]
     experts: tuple[float, ...]
     head: float
+    attn_fwd: tuple[float, ...] = ()
+    mlp_fwd: tuple[float, ...] = ()
+    experts_fwd: tuple[float, ...] = ()
+
+    def recomputed(self, i: int, mode: str) -> tuple[float, float]:
+        """``(all, experts)`` FLOPs per token that recompute ``mode`` ("none", "attn", "mlp", "full") adds to layer
+        ``i``: the recomputed block's forward again."""
+        a = self.attn_fwd[i] if mode in ("attn", "full") else 0.0
+        m = self.mlp_fwd[i] if mode in ("mlp", "full") else 0.0
+        return a + m, self.experts_fwd[i] if mode in ("mlp", "full") else 0.0
 
     @property
     def total(self) -> float:
@@ -38,22 +50,43 @@ def layer_flops(cfg: KimiConfig, seq_len: int, frozen_weights: bool = False) -> 
     glob, per = layout_specs(cfg)
     head = sum(w * 2 * s.numel for s in glob if len(s.shape) == 2 and s.name != "model.embed_tokens.weight")
     share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 0.0
-    out, exp = [], []
+    out, exp, a_fwd, m_fwd = [], [], [], []
     for i in range(cfg.num_hidden_layers):
-        f = e = 0.0
+        f = e = fa = fm = 0.0
         for s in per[i]:
+            mlp = ".mlp." in s.name or ".block_sparse_moe." in s.name
             if ".indexer." in s.name and s.name.endswith(".weight") and len(s.shape) == 2:
                 f += 2 * s.numel  # frozen: forward only
+                fa += 2 * s.numel
             elif is_expert(s.name):
                 e += w * 2 * s.numel * share
-            elif "conv1d" in s.name and s.name.endswith(".weight"):
+            elif ("conv1d" in s.name and s.name.endswith(".weight")) or (
+                s.name.endswith(".weight") and len(s.shape) == 2
+            ):
                 f += w * 2 * s.numel
-            elif s.name.endswith(".weight") and len(s.shape) == 2:
-                f += w * 2 * s.numel
-        f += _attention_flops(cfg, i, seq_len)
+                if mlp:
+                    fm += 2 * s.numel
+                else:
+                    fa += 2 * s.numel
+        att = _attention_flops(cfg, i, seq_len)
+        f += att
+        fa += att / 3 if cfg.layer_type(i) != "dsa" else _dsa_forward(cfg, i, seq_len)
         out.append(f + e)
         exp.append(e)
-    return Flops(tuple(out), tuple(exp), head)
+        a_fwd.append(fa)
+        m_fwd.append(fm + e / w)
+    return Flops(tuple(out), tuple(exp), head, tuple(a_fwd), tuple(m_fwd), tuple(e / w for e in exp))
+
+
+def _dsa_forward(cfg: KimiConfig, i: int, seq_len: int) -> float:
+    """The forward alone of a DSA layer's non-matmul terms: the sparse attention (a third of its training count)
+    and the indexer scores (forward only)."""
+    from kimi.flops import causal_keys
+
+    c = cfg
+    d_qk, d_v = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
+    att = 2 * c.num_attention_heads * (d_qk + d_v) * causal_keys(seq_len, c.index_topk)
+    return att + 2 * c.index_n_heads * (c.index_head_dim + 1) * causal_keys(seq_len)
 
 
 def _attention_flops(cfg: KimiConfig, i: int, seq_len: int) -> float:
