@@ -600,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     ablate.add_parser(sub)
     generate_cmd.add_parser(sub)  # kimi generate (kimi_tools/generate.py)
-    plan.add_parser(sub)  # kimi plan (kimi_tools/plan.py)
+    plan.add_parser(sub)  # kimi plan (kimi_tools/plan/)
     return ap
 
 

@@ -1,4 +1,4 @@
-"""``kimi plan`` (``kimi_tools/plan.py``): the per-rank parameter counts equal the meta model sharded as the trainer
+"""``kimi plan`` (``kimi_tools/plan/``): the per-rank parameter counts equal the meta model sharded as the trainer
 shards it (one process, torch's fake process group, no memory used), the FLOP split adds up to ``kimi.flops``, the
 calibration file matches the benchmark results it names, the command line, and ``docs/scaling.md`` is current."""
 
@@ -196,17 +196,76 @@ def test_expert_density():
     )
 
 
-def test_calibration_reproduces_its_own_point():
-    """The planner's one-GPU prediction of the calibration step itself (4 layers, pp = dp = cp = ep = 1, bf16
-    parameters, no optimizer) gives back the measured peak: what the calibration defines."""
+# the measured one-rank rows (benchmark 5 under torchrun at world 1: FSDP2, 4 real-dimension layers, 8K tokens):
+# (file, reshard policy the row ran; the "never" row's JSON records the default's name)
+ONE_RANK_ROWS = [
+    ("train_step_e16_torchrun_h100.json", "auto"),
+    ("train_step_e16_torchrun_h200.json", "auto"),
+    ("train_step_e16_torchrun_always_bf16_bf16_h100.json", "always"),
+    ("train_step_e16_torchrun_always_bf16_fp32_h100.json", "always"),
+    ("train_step_e16_torchrun_always_fp32_fp32_h100.json", "always"),
+    ("train_step_e16_torchrun_never_bf16_bf16_h100.json", "never"),
+    ("train_step_e112_torchrun_h200.json", "auto"),
+]
+TOL_PEAK = 0.05  # the planner's peak within 5% of each measured one-rank peak
+
+
+def _one_rank_prediction(row: dict, reshard: str, cal) -> float:
+    """The planner's peak bytes for a benchmark-5 row's one-rank layout, less the optimizer states (the benchmark
+    steps no optimizer): its masters' policy, its reshard policy, one micro-batch of its tokens."""
+    cfg = P.calibration_config(row["experts"], row["experts_per_token"])
+    masters = (row.get("fsdp_policy") or {}).get("masters", "bf16")
+    policy = P.Policy(optimizer="adamw-bf16" if masters == "bf16" else "adamw-fp32", reshard=reshard)
+    T = row["seq_len"]
+    r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), policy, P.Hardware(), cal, seq_len=T, global_batch=T)
+    return r["memory"]["backward_peak"] - r["memory"]["optimizer"]
+
+
+@pytest.mark.parametrize("name,reshard", ONE_RANK_ROWS)
+def test_one_rank_peak_within_5_percent_of_measured(name, reshard):
+    """The planner against the measured peak of each one-rank row (bf16 or fp32 masters, bf16 or fp32 reduction,
+    each reshard policy): the parameters sharded as the trainer shards them, FSDP2's gathered units when the
+    backward starts (:func:`kimi_tools.plan.params.layer_fsdp_bytes`), the activations (the eager count scaled
+    to the GPU step, the head exact with its ``lm_head`` gradient); no sharded gradient yet at that moment."""
+    row = json.loads((ROOT / "benchmarks" / "results" / name).read_text())["rows"][0]
+    assert row["status"] == "ok" and row["parallel"] and row["recompute"] is False
+    if reshard != "never":
+        assert row["fsdp_policy"]["reshard_after_forward"] == reshard
+    got = _one_rank_prediction(row, reshard, P.load_calibration()) / 2**30
+    assert abs(got / row["peak_gib"] - 1) <= TOL_PEAK, (name, got, row["peak_gib"])
+
+
+def test_reshard_policy_moves_the_peak_as_measured():
+    """The gathered units at the backward's start, against the measured differences of the one-rank rows with
+    bf16 masters: "auto" holds the last layer and the root, "always" one unit, "never" every unit (exact to the
+    allocator's granularity, TOL_GATHERED)."""
+    TOL_GATHERED = 0.01
+    rows = {
+        pol: json.loads((ROOT / "benchmarks" / "results" / name).read_text())["rows"][0]["peak_gib"]
+        for name, pol in ONE_RANK_ROWS[:6]
+        if "bf16_fp32" not in name and "fp32_fp32" not in name and "h200" not in name
+    }
+    cfg = P.calibration_config(16, 8)
+    want = {pol: P.layer_fsdp_bytes(cfg, P.Layout(1, 1, 1, 1), reshard=pol) / 2**30 for pol in rows}
+    for a, b in (("auto", "always"), ("never", "always")):
+        assert abs((rows[a] - rows[b]) - (want[a] - want[b])) <= TOL_GATHERED * rows[a], (a, b, rows, want)
+
+
+def test_recompute_flops_give_the_measured_step_times():
+    """The recompute policies cost their recomputed forwards at the measured no-recompute rate: the planner's
+    one-rank compute against benchmark 5's measured 32K steps with the MLP blocks and with whole layers
+    recomputed (16 experts, one process), TOL_TIME."""
+    TOL_TIME = 0.05
     cal = P.load_calibration()
-    doc = json.loads(P.CALIBRATION_FILE.read_text())
-    for mode in ("none", "mlp"):
-        p = next(q for q in doc["points"] if q["use"] == f"bf16-{mode}")
-        assert (p["recompute_full_layers"] or 0) == (P.MLP_FULL_LAYERS if mode == "mlp" else 0)
-        cfg = P.calibration_config(p["experts"], p["experts_per_token"])
-        act = cal.layer_bytes(cfg, range(P.CALIBRATION_LAYERS), p["seq_len"], mode)
-        assert abs(act + p["param_bytes"] - p["peak_gib"] * 2**30) < 1.0
+    for name, mode in (("train_step_e16_pass17.json", "mlp"), ("train_step_4layers_pass8.json", "full")):
+        rows = json.loads((ROOT / "benchmarks" / "results" / name).read_text())["rows"]
+        row = next(r for r in rows if r["seq_len"] == 32768 and r["recompute"] and r["status"] == "ok")
+        assert row["recompute"] == {"full": "layer"}.get(mode, mode)
+        cfg = P.calibration_config(row["experts"], row["experts_per_token"])
+        r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(recompute=mode), P.Hardware(), cal, seq_len=32768,
+                       global_batch=32768)  # fmt: skip
+        got = r["time"]["compute_per_microbatch"] * 1e3
+        assert abs(got / row["ms"] - 1) <= TOL_TIME, (name, got, row["ms"])
 
 
 def test_cli(capsys):
@@ -315,17 +374,16 @@ def test_activations_count_the_stage_io_and_head_once_in_every_mode():
     T, D = 64, cfg.hidden_size
     for layout in (P.Layout(pp=1, dp=1, cp=1, ep=1), P.Layout(pp=3, dp=1, cp=1, ep=1)):
         heads = {}
-        for rc in ("none", "mlp", "full"):
+        for rc in ("none", "attn", "mlp", "full"):
             r = P.evaluate(cfg, layout, P.Policy(recompute=rc), P.Hardware(), cal, seq_len=T, global_batch=4 * T)
             s = r["worst_stage"]
             layers = range(*r["stages"][s])
             inflight = min(layout.pp - s, r["microbatches"])
-            if rc == "full":  # each layer's input (a later stage's first reads the received state) + one working set
+            per_mb = (r["memory"]["activations"] - cal.working_set(cfg, layers, T, rc)) / inflight
+            if rc == "full":  # each layer's input (a later stage's first reads the received state)
                 kept = (len(layers) - (0 if s == 0 else 1)) * T * D * 2
-                per_mb = (r["memory"]["activations"] - cal.working_set(cfg, layers, T)) / inflight
             else:
-                kept = cal.layer_bytes(cfg, layers, T, rc)
-                per_mb = r["memory"]["activations"] / inflight
+                kept = cal.layer_bytes(cfg, layers, T, rc)[0]
             first, last = s == 0, s == layout.pp - 1
             io = (
                 P.held_per_microbatch(cfg, layers, T, first=first, last=last)
@@ -541,7 +599,7 @@ def test_command_spells_each_policy(capsys):
     for policy, flags in [
         (P.Policy("adamw-bf16", "cpu", "full"), "--recompute --recompute-mode layer --optimizer adamw-bf16 "
          "--reduce-dtype bf16 --offload cpu"),
-        (P.Policy("adamw-fp32", "none", "mlp"), "--recompute --recompute-mode mlp --recompute-full-layers 1"),
+        (P.Policy("adamw-fp32", "none", "mlp"), "--recompute --recompute-mode mlp"),
         (P.Policy("adamw-fp32", "none", "none"), ""),
     ]:  # fmt: skip
         row = P.evaluate(cfg, layout, policy, P.Hardware(), cal, **kw)
@@ -622,53 +680,109 @@ def test_activations_scale_with_the_model(capsys):
     planner says the rates of a narrow preset are upper bounds."""
     tiny, k31 = load_config("tiny"), load_config("k3.1-pro")
     cal = P.load_calibration()
-    per_tiny = cal.layer_bytes(tiny, range(tiny.num_hidden_layers), 1, "none") / tiny.num_hidden_layers
-    per_k31 = cal.layer_bytes(k31, range(k31.num_hidden_layers), 1, "none") / k31.num_hidden_layers
+    per_tiny = cal.layer_bytes(tiny, range(tiny.num_hidden_layers), 8192, "none")[0] / tiny.num_hidden_layers
+    per_k31 = cal.layer_bytes(k31, range(k31.num_hidden_layers), 8192, "none")[0] / k31.num_hidden_layers
     assert per_k31 > 50 * per_tiny
     out = _plan_json(capsys, "--preset", "tiny", "--gpus", "8")
     best = out["layouts"][0]
-    assert best["memory"]["activations"] < 5e9  # was 119 GB: k3.1-pro's bytes per token per layer
+    assert best["memory"]["activations"] < 1e9  # was 119 GB: k3.1-pro's bytes per token per layer
+    assert per_tiny < 100e6  # bytes per tiny layer at 8K tokens
     assert any("upper bounds, not predictions" in n for n in out["notes"])
 
 
-def _saved_bytes_per_layer(preset: str, T: int = 32) -> list[float]:
-    """Bytes per token each decoder layer of ``preset`` (bf16, eager path, no recomputation) has autograd save:
-    distinct non-parameter storages packed while the layer's forward runs. ``T`` short (the eager attention's
-    ``T x T`` masks, which fused kernels do not keep, stay small), but not below the KDA chunk."""
-    torch.manual_seed(0)
+def _measure_layer(preset: str, kind: str, T: int, policy: str) -> dict:
+    """``benchmarks/activation_bytes.py``'s measurement (``saved_bytes_by_block`` on the CPU, bf16, sdpa) of the
+    first layer of ``kind`` of ``preset`` under ``policy`` (``RECOMPUTE+OFFLOAD``): bytes per token."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("activation_bytes", ROOT / "benchmarks" / "activation_bytes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from kernels_torch.activation_memory import layer_kind
+
     cfg = load_config(preset)
-    model = cast_model(KimiK3Model(cfg), torch.bfloat16)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    cur: list = [None]
-    seen: dict[int, tuple[int, int]] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if cur[0] is not None and st.data_ptr() not in params:
-            seen.setdefault(st.data_ptr(), (cur[0], st.nbytes()))
-        return t
-
-    for i, layer in enumerate(model.model.layers):
-        layer.register_forward_pre_hook(lambda mod, a, i=i: cur.__setitem__(0, i))
-        layer.register_forward_hook(lambda mod, a, o: cur.__setitem__(0, None))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(torch.randint(0, cfg.vocab_size, (1, T)))
-    per = [0] * cfg.num_hidden_layers
-    for i, n in seen.values():
-        per[i] += n
-    return [b / T for b in per]
+    idx = next(i for i in range(cfg.num_hidden_layers) if layer_kind(cfg, i) == kind)
+    torch.manual_seed(0)
+    layer = mod.build_layer(cfg, idx, "sdpa", torch.bfloat16)
+    return mod.measure(cfg, idx, layer, T, policy, torch.bfloat16)
 
 
-def test_layer_activation_bytes_follow_autograd():
-    """:func:`kimi_tools.plan.layer_activation_bytes` against what autograd saves per layer on the eager path, for
-    two presets of different layer kinds (KDA, DSA, MLA; dense MLP and MoE): one scale fits every layer within
-    TOL_SHAPE (the count is a shape, its scale calibrated; the eager path saves more than the fused kernels, so the
-    scale here is not the calibration's)."""
-    TOL_SHAPE = 0.2
-    ratios = []
-    for preset in ("tiny", "tiny-linear"):
-        cfg = load_config(preset)
-        got = _saved_bytes_per_layer(preset)
-        ratios += [P.layer_activation_bytes(cfg, i) / got[i] for i in range(cfg.num_hidden_layers)]
-    mid = (max(ratios) + min(ratios)) / 2
-    assert all(abs(r - mid) <= TOL_SHAPE * mid for r in ratios), ratios
+TOL_BYTES = 0.03  # the eager count against autograd's saved storages, per region and per layer
+
+
+@pytest.mark.parametrize("kind", ["dense", "kda", "dsa"])
+def test_block_bytes_equal_what_autograd_saves_tiny(kind):
+    """:func:`kimi_tools.plan.activations.block_bytes` against ``saved_bytes_by_block`` measured now on the tiny
+    preset (64 tokens: one KDA chunk, the DSA top-k), per region and for the layer under each recompute mode
+    (:func:`~kimi_tools.plan.activations.policy_bytes`), within TOL_BYTES."""
+    from kimi_tools.plan.activations import block_bytes, policy_bytes
+
+    cfg, T = load_config("tiny"), 64
+    for rc in ("none", "attn", "mlp", "layer"):
+        row = _measure_layer("tiny", kind, T, f"{rc}+none")
+        i, got = row["layer"], row["device_bytes_per_token"]
+        want, _ = policy_bytes(cfg, i, T, {"layer": "full"}.get(rc, rc))
+        assert abs(want / T / got["layer"] - 1) <= TOL_BYTES, (kind, rc, want / T, got)
+        if rc == "none":
+            b = block_bytes(cfg, i, T)
+            for k in ("attn", "mlp"):
+                assert abs(b[k] / T / got[k] - 1) <= TOL_BYTES, (kind, k, b[k] / T, got)
+
+
+def test_policy_bytes_equal_the_k31_measurement():
+    """The same count at k3.1-pro's widths against ``benchmarks/results/activation_bytes.json`` (measured on the
+    CPU by ``benchmarks/activation_bytes.py``: the dense, KDA and DSA layers, 256 tokens, every recompute and
+    offload composition): device bytes within TOL_BYTES, and the host bytes of each offload."""
+    from kimi_tools.plan.activations import policy_bytes
+
+    doc = json.loads((ROOT / "benchmarks" / "results" / "activation_bytes.json").read_text())
+    cfg, T = load_config("k3.1-pro").replace(num_experts=doc["experts"]), doc["seq_len"]
+    assert cfg.num_experts_per_token == doc["experts_per_token"]
+    ratio = P.load_calibration().host_ratio
+    for r in doc["rows"]:
+        dev, host = policy_bytes(cfg, r["layer"], T, {"layer": "full"}.get(r["recompute"]) or r["recompute"],
+                                 r["offload"], ratio)  # fmt: skip
+        got = r["device_bytes_per_token"]["layer"]
+        assert abs(dev / T - got) <= TOL_BYTES * max(got, 2 * cfg.hidden_size), (r, dev / T)
+        assert abs(host / T - r["host_bytes_per_token"]) <= TOL_BYTES * max(r["host_bytes_per_token"], 1.0), (r, host)
+
+
+def test_train_command_runs_each_policy_it_names():
+    """Every activation policy the search tries becomes the ``kimi train`` flags that run it: the command of a
+    small plan's row parses with ``kimi train``'s own parser and carries the recompute mode, the activation
+    offload and the reshard policy."""
+    import shlex
+
+    from kimi_tools.cli import build_parser
+    from kimi_tools.plan.search import POLICIES
+
+    cfg = load_config("tiny")
+    cal = P.load_calibration()
+    modes = {"full": "layer"}
+    seen = set()
+    for rc, ao in POLICIES:
+        for reshard in ("auto", "never"):
+            policy = P.Policy(recompute=rc, act_offload=ao, reshard=reshard)
+            row = P.evaluate(cfg, P.Layout(1, 2, 1, 2), policy, P.Hardware(), cal, seq_len=64, global_batch=256)
+            argv = shlex.split(" ".join(P.train_command(row, preset="tiny", seq_len=64)))
+            args = build_parser().parse_args(argv[argv.index("kimi_tools.cli") + 1 :])
+            assert args.recompute == (rc != "none") and (rc == "none" or args.recompute_mode == modes.get(rc, rc))
+            assert args.offload_activations == ao and args.reshard_after_forward == reshard
+            seen.add((rc, ao))
+    assert len(seen) == 14  # 4 recompute modes x 4 offloads, less attn / mlp offload inside a layer recomputed whole
+
+
+def test_offload_costs_its_host_copies():
+    """An activation offload moves the region's bytes from the device to the host and adds the host copies' time
+    at the calibration's rate (the datasheet's until ``benchmarks/offload_copy.py`` is measured)."""
+    cfg = load_config("k3.1-pro").truncated(12)
+    cal = P.load_calibration()
+    assert "datasheet, not measured" in cal.host_copy_source
+    kw = dict(seq_len=8192, global_batch=8192)
+    plain = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(), P.Hardware(), cal, **kw)
+    off = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(act_offload="mlp"), P.Hardware(), cal, **kw)
+    moved = plain["memory"]["activations"] - off["memory"]["activations"]
+    assert moved > 0 and off["host_activations"] > moved  # each saved view copied on its own
+    t_copy = off["host_activations"] / (cal.host_copy_gbps * 1e9)
+    assert off["time"]["offload_copy_per_microbatch"] >= t_copy
+    assert off["time"]["step"] > plain["time"]["step"]

@@ -1,0 +1,230 @@
+"""Memory of a rank's parameters, gradients, optimizer states and FSDP2 working set: the meta model's tensors
+(:func:`kimi.layout.stacked_layout`) sharded as the trainer shards them."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from kimi.config import KimiConfig
+from kimi.layout import TensorSpec, stacked_layout
+from kimi_tools.plan.layout import FROZEN_BYTES, GATHER_BYTES, OPTIMIZERS, Layout, shard_rows, stage_ranges
+
+
+def is_expert(name: str) -> bool:
+    return ".experts.w" in name
+
+
+@functools.lru_cache(maxsize=8)
+def layout_specs(cfg: KimiConfig) -> tuple[tuple[TensorSpec, ...], dict[int, tuple[TensorSpec, ...]]]:
+    """(global specs, {layer: specs}) of the torch model's parameters (:func:`kimi.layout.stacked_layout`)."""
+    glob, per = [], {}
+    for s in stacked_layout(cfg):
+        if s.layer is None:
+            glob.append(s)
+        else:
+            per.setdefault(s.layer, []).append(s)
+    return tuple(glob), {k: tuple(v) for k, v in per.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def lora_specs(cfg: KimiConfig, rank: int, targets: tuple[str, ...] | None = None) -> dict[int, list[TensorSpec]]:
+    """The LoRA adapters ``kimi_tools.lora.apply_lora`` adds, per layer: for each ``nn.Linear`` weight ``[out, in]``
+    whose module name ends with a target (default ``kimi_tools.lora.DEFAULT_TARGETS``; never the indexer),
+    ``lora_A.default.weight`` ``[rank, in]`` and ``lora_B.default.weight`` ``[out, rank]`` (peft's names).
+
+    Raises:
+        ValueError: ``rank`` < 1."""
+    from kimi_tools.lora import DEFAULT_TARGETS
+
+    if rank < 1:
+        raise ValueError(f"lora rank: got {rank}, expected a positive integer")
+    targets = DEFAULT_TARGETS if targets is None else targets
+    out: dict[int, list[TensorSpec]] = {}
+    for layer, specs in layout_specs(cfg)[1].items():
+        for s in specs:
+            mod = s.name.removesuffix(".weight")
+            if len(s.shape) != 2 or ".indexer." in s.name or not any(mod.endswith("." + t) for t in targets):
+                continue
+            o, i = s.shape
+            out.setdefault(layer, []).append(TensorSpec(mod + ".lora_A.default.weight", (rank, i), "float32", layer))
+            out.setdefault(layer, []).append(TensorSpec(mod + ".lora_B.default.weight", (o, rank), "float32", layer))
+    return out
+
+
+# Parameters the optimizer never updates (no gradient): the router's balancing bias, moved by its own rule.
+_FIXED = ("e_score_correction_bias",)
+
+
+@functools.lru_cache(maxsize=4096)
+def _groups(cfg: KimiConfig, layer: int | None, lora_rank: int | None) -> tuple[tuple[str, str, int, int, int], ...]:
+    """Parameters of ``layer`` (None: the global ones) as ``(kind, flag, dim-0 rows, elements per row, count)`` with
+    kind "dense", "experts" (stacks, rows = E), "embed" or "lora" (``lora_rank``'s adapters) and flag "fixed" (no
+    gradient: :data:`_FIXED`), "fp32" (kept fp32 by the checkpoint and ``kernels_torch.model.cast_model``) or "";
+    equal shapes merged."""
+    glob, per = layout_specs(cfg)
+    counts: dict[tuple[str, str, int, int], int] = {}
+    specs = list(glob) if layer is None else list(per[layer])
+    for s in specs:
+        kind = "experts" if is_expert(s.name) else "dense"
+        if s.name == "model.embed_tokens.weight":  # the first stage's; the other globals are the last stage's
+            kind = "embed"
+        flag = "fixed" if s.name.endswith(_FIXED) else "fp32" if s.dtype == "float32" else ""
+        key = (kind, flag, s.shape[0], math.prod(s.shape[1:]))
+        counts[key] = counts.get(key, 0) + 1
+    if lora_rank and layer is not None:
+        for s in lora_specs(cfg, lora_rank).get(layer, []):
+            key = ("lora", "", s.shape[0], math.prod(s.shape[1:]))
+            counts[key] = counts.get(key, 0) + 1
+    return tuple((*k, c) for k, c in counts.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_numel(
+    cfg: KimiConfig,
+    layout: Layout,
+    stage: int,
+    *,
+    dp_cp_coord: int = 0,
+    efsdp_coord: int = 0,
+    lora_rank: int | None = None,
+) -> dict[str, int]:
+    """Elements of the parameters one rank of pipeline stage ``stage`` holds: ``dense`` (everything but the routed
+    experts, sharded over ``dp x cp`` at coordinate ``dp_cp_coord``), ``experts`` (the rank's ``E / ep`` rows of each
+    stack, sharded over ``efsdp`` at ``efsdp_coord``), ``lora`` (the adapters, sharded with the dense part); and by
+    role: ``trainable`` (all but the fixed ones; with ``lora_rank`` the adapters only), ``trainable_fp32`` (those
+    the checkpoint keeps fp32), ``frozen`` / ``frozen_fp32`` (the LoRA base), ``fixed`` (no gradient:
+    ``e_score_correction_bias``). FSDP2 shards every parameter along dim 0 (:func:`shard_rows`)."""
+    ranges = stage_ranges(cfg, layout.pp)
+    n_dc = layout.dp * layout.cp
+    tot = dict.fromkeys(("dense", "experts", "lora", "fixed", "fp32"), 0)
+
+    def add(kind, flag, n):
+        tot["dense" if kind == "embed" else kind] += n
+        if flag:
+            tot[flag] += n
+
+    for kind, flag, rows, inner, count in _groups(cfg, None, None):
+        if (stage == 0) if kind == "embed" else (stage == layout.pp - 1):
+            add(kind, flag, count * shard_rows(rows, n_dc, dp_cp_coord) * inner)
+    for i in ranges[stage]:
+        for kind, flag, rows, inner, count in _groups(cfg, i, lora_rank):
+            if kind == "experts":
+                add(kind, flag, count * shard_rows(rows // layout.ep, layout.efsdp, efsdp_coord) * inner)
+            else:
+                add(kind, flag, count * shard_rows(rows, n_dc, dp_cp_coord) * inner)
+    base = tot["dense"] + tot["experts"] - tot["fixed"]
+    fp32 = tot.pop("fp32")
+    if lora_rank:
+        return {**tot, "trainable": tot["lora"], "trainable_fp32": 0, "frozen": base, "frozen_fp32": fp32}
+    return {**tot, "trainable": base, "trainable_fp32": fp32, "frozen": 0, "frozen_fp32": 0}
+
+
+@functools.lru_cache(maxsize=4096)
+def unsharded_numel(
+    cfg: KimiConfig, layer: int | None, ep: int, lora_rank: int | None, stage_of_glob: str = ""
+) -> dict:
+    """Elements one rank gathers of ``layer`` (its ``E / ep`` experts): dense, experts, lora; for the globals,
+    ``stage_of_glob`` "first" (the embedding) or "last" (the rest)."""
+    out = {"dense": 0, "experts": 0, "lora": 0}
+    for kind, _, rows, inner, count in _groups(cfg, layer, lora_rank):
+        if layer is None:
+            if (kind == "embed") != (stage_of_glob == "first"):
+                continue
+            kind = "dense"
+        out[kind] += count * (rows // ep if kind == "experts" else rows) * inner
+    return out
+
+
+def _gets_gradient(name: str) -> bool:
+    """Whether the LM loss gives parameter ``name`` a gradient: not the DSA indexer (reached through its top-k
+    selection only; the distillation stages train it) nor layer 0's attention-side AttnRes mix (one source)."""
+    return ".indexer." not in name and not name.startswith("model.layers.0.self_attention_res_")
+
+
+@functools.lru_cache(maxsize=4096)
+def _fsdp_unit(cfg: KimiConfig, layer: int | None, n_dc: int, ep: int, efsdp: int, lora_rank: int | None, glob: str):
+    """One FSDP2 unit of a rank as the trainer builds it (``kernels_torch.parallel.fsdp.apply_fsdp``, bf16 with the
+    checkpoint's fp32 tensors ignored: whole on every rank, never gathered): ``(gathered, graded)`` elements, the
+    all-gather output of its bf16 parameters (each padded to whole ``torch.chunk`` shards: dense ``ceil(rows / n_dc)
+    x n_dc`` rows; the ``E / ep`` expert rows over ``efsdp`` along dim 1 when it divides, else padded dim 0 rows,
+    ``kernels_torch.parallel.fsdp._expert_placement``) and the elements of those that get a gradient (trained,
+    :func:`_gets_gradient`; with ``lora_rank`` the adapters only). ``layer`` None: the root's globals, ``glob``
+    "first" (the embedding) or "last" (the rest)."""
+    glob_specs, per = layout_specs(cfg)
+    specs = (
+        list(per[layer])
+        if layer is not None
+        else [s for s in glob_specs if (s.name == "model.embed_tokens.weight") == (glob == "first")]
+    )
+    if lora_rank and layer is not None:
+        specs += lora_specs(cfg, lora_rank).get(layer, [])
+    gathered = graded = 0
+    for s in specs:
+        lora = ".lora_" in s.name
+        if s.dtype == "float32" and not lora:  # ignored by FSDP2 (a LoRA adapter is an fp32 master, gathered bf16)
+            continue
+        inner = math.prod(s.shape[1:])
+        if is_expert(s.name):
+            rows = s.shape[0] // ep
+            split = len(s.shape) > 1 and s.shape[1] % efsdp == 0
+            g = s.numel // ep if split else -(-rows // efsdp) * efsdp * inner
+        else:
+            g = -(-s.shape[0] // n_dc) * n_dc * inner
+        gathered += g
+        if (lora or not lora_rank) and _gets_gradient(s.name):
+            graded += s.numel // ep if is_expert(s.name) else s.numel
+    return gathered, graded
+
+
+def stage_fsdp_bytes(cfg: KimiConfig, layout: Layout, stage: int, *, reduce_bytes: int = 4, lora_rank=None) -> int:
+    """Bytes FSDP2 holds unsharded on a rank of pipeline stage ``stage`` under the trainer's "stage" policy
+    (:func:`trainer_fsdp`, ``pp`` > 1) from the first backward of a step to its end: every unit of the stage (its
+    layers, their routed experts, the stage module's root) gathered in bf16 (:func:`_fsdp_unit`, with FSDP2's
+    padding) and the gradients of its trained parameters, unsharded, in the reduce dtype (``reduce_bytes``: 4 for
+    fp32, 2 for bf16). ``tests/test_plan.py`` measures it on the pipeline trainer between micro-batches."""
+    layers = stage_ranges(cfg, layout.pp)[stage]
+    n_dc = layout.dp * layout.cp
+    units = [_fsdp_unit(cfg, i, n_dc, layout.ep, layout.efsdp, lora_rank, "") for i in layers]
+    if stage == 0:
+        units.append(_fsdp_unit(cfg, None, n_dc, 1, 1, None, "first"))
+    if stage == layout.pp - 1:
+        units.append(_fsdp_unit(cfg, None, n_dc, 1, 1, None, "last"))
+    return sum(g * GATHER_BYTES + t * reduce_bytes for g, t in units)
+
+
+def layer_fsdp_bytes(cfg: KimiConfig, layout: Layout, *, reshard: str = "auto", lora_rank=None) -> int:
+    """Bytes FSDP2 holds gathered on a rank without a pipeline (the "layer" policy) when its backward starts, the
+    step's activation peak, by the reshard policy (``kimi train --reshard-after-forward``,
+    ``kernels_torch.parallel.fsdp.apply_fsdp``): "auto" the units that keep their gathered copy from the forward to
+    the backward (the last decoder layer and the root), "always" the largest unit (one at a time), "never" every
+    unit. No gradient is unsharded yet (the step starts with none: ``zero_grad(set_to_none=True)``). On one H100
+    (4 real-dimension layers, 16 experts, 8K tokens, bf16 masters) these are the measured peaks over the one-process
+    step's: 3.96, 2.19 and 12.63 GiB (``benchmarks/results/train_step_e16_torchrun_*_h100.json``)."""
+    n_dc = layout.dp * layout.cp
+    L = cfg.num_hidden_layers
+    layers = [_fsdp_unit(cfg, i, n_dc, layout.ep, layout.efsdp, lora_rank, "")[0] for i in range(L)]
+    root = _fsdp_unit(cfg, None, n_dc, 1, 1, None, "last")[0]
+    embed = _fsdp_unit(cfg, None, n_dc, 1, 1, None, "first")[0]
+    if reshard == "auto":
+        units = layers[-1:] + [root]
+    elif reshard == "always":
+        units = [max([root, embed, *layers])]
+    else:
+        units = [root, embed, *layers]
+    return sum(units) * GATHER_BYTES
+
+
+def state_bytes(n: dict, optimizer: str) -> dict[str, int]:
+    """Bytes of a rank's sharded parameters, gradients and optimizer states from :func:`rank_numel`'s counts under
+    ``optimizer`` (:data:`OPTIMIZERS`): the tensors the checkpoint keeps fp32 stay fp32 under either policy (fp32
+    gradients, fp32 moments), the fixed ones are fp32 without gradient or state, a LoRA base is bf16 (its fp32
+    tensors fp32)."""
+    pb, gb, ob = OPTIMIZERS[optimizer]
+    low = n["trainable"] - n["trainable_fp32"]
+    frozen = (n["frozen"] - n["frozen_fp32"]) * FROZEN_BYTES + n["frozen_fp32"] * 4
+    return {
+        "params": low * pb + n["trainable_fp32"] * 4 + frozen + n["fixed"] * 4,
+        "grads": low * gb + n["trainable_fp32"] * 4,
+        "optimizer": low * ob + n["trainable_fp32"] * 8,
+    }

@@ -1,0 +1,383 @@
+"""The search: :func:`evaluate` (one layout under one policy: memory, communication, time, MFU) and :func:`plan`
+(every layout ``kimi train`` runs, each with its fastest fitting policy; the refusals the trainer makes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kimi.config import KimiConfig
+from kimi_tools.plan.activations import held_per_microbatch, layer_inputs_bytes
+from kimi_tools.plan.calibration import Calibration, load_calibration
+from kimi_tools.plan.layout import (
+    ACT_OFFLOAD,
+    GATHER_BYTES,
+    GB,
+    OPTIMIZERS,
+    RECOMPUTE,
+    Hardware,
+    Layout,
+    Policy,
+    stage_ranges,
+    trainer_fsdp,
+)
+from kimi_tools.plan.params import layer_fsdp_bytes, rank_numel, stage_fsdp_bytes, state_bytes, unsharded_numel
+from kimi_tools.plan.timing import a2a_time, layer_flops, ring_bandwidth
+
+
+def stage_static(cfg: KimiConfig, L: Layout, lora_rank: int | None) -> tuple:
+    """Per stage, what does not depend on the policy: (:func:`rank_numel`, (gathered, trainable) elements of each
+    layer as one FSDP unit, the stage's unsharded elements {dense, experts, lora, train_dense, train_experts}, MoE
+    layers)."""
+    out = []
+    for s, layers in enumerate(stage_ranges(cfg, L.pp)):
+        n = rank_numel(cfg, L, s, lora_rank=lora_rank)
+        per_layer = [unsharded_numel(cfg, i, L.ep, lora_rank) for i in layers]
+        sizes = [
+            (u["dense"] + u["experts"] + u["lora"], u["lora"] if lora_rank else u["dense"] + u["experts"])
+            for u in per_layer
+        ]
+        full = {k: sum(u[k] for u in per_layer) for k in ("dense", "experts", "lora")}
+        if s == 0:
+            full["dense"] += unsharded_numel(cfg, None, 1, None, "first")["dense"]
+        if s == L.pp - 1:
+            full["dense"] += unsharded_numel(cfg, None, 1, None, "last")["dense"]
+        if lora_rank:  # the frozen base is gathered, only the adapters' gradients are reduced
+            full["train_dense"], full["train_experts"] = full["lora"], 0
+            full["dense"] += full["lora"]
+        else:
+            full["train_dense"], full["train_experts"] = full["dense"], full["experts"]
+        moe = sum(1 for i in layers if cfg.is_moe_layer(i))
+        out.append((n, sizes, full, moe))
+    return tuple(out)
+
+
+def evaluate(
+    cfg: KimiConfig,
+    layout: Layout,
+    policy: Policy,
+    hw: Hardware,
+    cal: Calibration,
+    *,
+    seq_len: int,
+    global_batch: int,
+    lora_rank: int | None = None,
+    overlap_a2a: bool = False,
+) -> dict:
+    """One layout under one policy: per-rank bytes (worst stage), communication per step, predicted time and MFU.
+
+    Args:
+        seq_len: tokens per sequence (one micro-batch row, cut over ``cp``). global_batch: tokens per optimizer
+            step; micro-batches per pipeline ``m = max(1, global_batch // (dp x seq_len))``.
+        overlap_a2a: the all-to-all as ``kimi train --ep-overlap chunks`` runs it (module docstring; ep > 1 only).
+
+    Returns:
+        A JSON-able dict: ``layout``, ``policy``, ``microbatches``, ``memory`` (bytes: params, grads, optimizer,
+        gathered, activations, total; host bytes when offloaded), ``comm`` (bytes per step per rank: all_gather,
+        reduce_scatter, all_to_all, pipeline), ``time`` (s: compute, all_to_all, fsdp_exposed, pipeline, bubble,
+        optimizer, step), ``tokens_per_s_per_gpu``, ``tflops_per_gpu``, ``mfu``, ``fits``.
+    """
+    L = layout
+    fsdp = trainer_fsdp(L.pp)
+    if policy.fsdp not in ("auto", fsdp):
+        raise ValueError(
+            f"fsdp: got {policy.fsdp!r} with pp={L.pp}, expected {fsdp!r}, the policy the trainer runs there "
+            "(trainer_fsdp)"
+        )
+    policy = dataclasses.replace(policy, fsdp=fsdp)
+    m = max(1, global_batch // (L.dp * seq_len))
+    T = seq_len // L.cp
+    pb, gb, ob = OPTIMIZERS[policy.optimizer]
+    rb = 4 if policy.optimizer == "adamw-fp32" else 2  # reduce-scatter dtype
+    fl = layer_flops(cfg, seq_len, frozen_weights=bool(lora_rank))
+    rows = T * cfg.num_experts_per_token * L.ep / cfg.num_experts if cfg.num_experts else 0.0
+    # overlap_a2a: the trainer's --ep-overlap chunks (kernels_torch.parallel.expert): each MoE layer's tokens in two
+    # chunks, so the experts run half the rows per expert (the calibrated rate there); the first dispatch and the
+    # last combine of a layer (and their reverses) stay exposed, half the all-to-all; the other half travels while
+    # the routed experts compute and shows only where it outlasts them
+    chunks = bool(overlap_a2a and L.ep > 1 and rows)
+    slow = cal.expert_slowdown(rows / 2 if chunks else rows, policy.recompute) if rows else 1.0
+    ranges = stage_ranges(cfg, L.pp)
+    n_dc = L.dp * L.cp
+    D, k = cfg.hidden_size, cfg.num_experts_per_token
+    Dl = cfg.routed_expert_hidden_size or D
+    block = cfg.attn_res_block_size or 1
+    a2a_units = 6 if policy.recompute in ("mlp", "full") else 4  # dispatch + combine, fwd, bwd (+ the recomputed)
+    stages = []
+    static = stage_static(cfg, L, lora_rank)
+    rate = cal.tflops["none"] * 1e12  # every policy's work runs at the measured rate; recomputation adds work
+    copy_rate = cal.host_copy_gbps * GB
+    for s, layers in enumerate(ranges):
+        n, sizes, full, moe = static[s]
+        if fsdp == "layer":
+            gathered = layer_fsdp_bytes(cfg, L, reshard=policy.reshard, lora_rank=lora_rank)
+        else:
+            gathered = stage_fsdp_bytes(cfg, L, s, reduce_bytes=rb, lora_rank=lora_rank)
+        inflight = min(L.pp - s, m)
+        first, last = s == 0, s == L.pp - 1
+        held = held_per_microbatch(cfg, layers, T, first=first, last=last, lm_head_grad=not lora_rank)
+        inputs = layer_inputs_bytes(layers, T, D, first)
+        if policy.recompute == "full":  # the layer inputs (exact, in `held`) on the device or the host
+            host_mb = inputs if policy.act_offload == "all" else 0.0
+            dev_mb = held - host_mb
+        else:  # the per-layer bytes replace the layer inputs; the stage's I/O and head come on top
+            dev, host_mb = cal.layer_bytes(cfg, layers, T, policy.recompute, policy.act_offload)
+            dev_mb = dev + held - inputs
+        act = inflight * dev_mb + cal.working_set(cfg, layers, T, policy.recompute)
+        on_gpu = policy.offload == "none"
+        sb = state_bytes(n, policy.optimizer)
+        # the activation peak comes when the backward starts: the sharded gradients exist only after a first
+        # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end)
+        grads_held = sb["grads"] if on_gpu and fsdp == "layer" and m > 1 else 0
+        mem = {
+            "params": sb["params"] if on_gpu else 0,
+            "grads": sb["grads"] if on_gpu else 0,
+            "optimizer": sb["optimizer"] if on_gpu else 0,
+            "gathered": gathered,
+            "activations": act,
+        }
+        mem["backward_peak"] = mem["params"] + mem["optimizer"] + gathered + act + grads_held
+        mem["step_peak"] = mem["params"] + mem["grads"] + mem["optimizer"]
+        mem["total"] = max(mem["backward_peak"], mem["step_peak"])
+        host_act = inflight * host_mb
+        host = (0 if on_gpu else sum(sb.values())) + host_act
+        # communication per step (bytes per rank)
+        # "layer": a forward and a backward gather per micro-batch, a reduce-scatter per micro-batch; "stage": each
+        # forward after a backward finds the units still gathered and reshards them (reshard_after_forward), so
+        # 1F1B and GPipe gather once per micro-batch's backward plus once for the first forward, m + 1, and reduce
+        # once (measured in tests/test_plan.py); a unit that keeps its gathered copy after the forward (FSDP2's
+        # reshard policy: torchtitan's leaves the last layer and the root) gathers once: m + 1 is the most
+        gathers = 2 * m if fsdp == "layer" else m + 1
+        reduces = m if fsdp == "layer" else 1
+        f_dc, f_ef = (n_dc - 1) / n_dc, (L.efsdp - 1) / L.efsdp
+        ag_d = full["dense"] * GATHER_BYTES * f_dc * gathers
+        ag_e = full["experts"] * GATHER_BYTES * f_ef * gathers
+        rs_d = full["train_dense"] * rb * f_dc * reduces
+        rs_e = full["train_experts"] * rb * f_ef * reduces
+        a2a = m * moe * a2a_units * T * k * Dl * 2 * (L.ep - 1) / L.ep
+        b_in = layers.start // block  # AttnRes blocks stored when entering this stage
+        b_out = layers.stop // block if layers.stop < cfg.num_hidden_layers else None
+        pp_bytes = 0.0
+        if s > 0:
+            pp_bytes += m * 2 * (b_in + 1) * T * D * 2  # receive forward, send the gradient back
+        if b_out is not None:
+            pp_bytes += m * 2 * (b_out + 1) * T * D * 2
+        comm = {"all_gather": ag_d + ag_e, "reduce_scatter": rs_d + rs_e, "all_to_all": a2a, "pipeline": pp_bytes}
+        # time
+        f_stage = T * (sum(fl.layers[i] for i in layers) + (fl.head if s == L.pp - 1 else 0.0))
+        f_exp = T * sum(fl.experts[i] for i in layers)
+        rec = [fl.recomputed(i, policy.recompute) for i in layers]
+        f_rec, f_rec_exp = T * sum(r[0] for r in rec), T * sum(r[1] for r in rec)
+        # per micro-batch: the measured rate, the experts slowed down at a lower density than the calibration's
+        t_comp = (f_stage + f_rec + (f_exp + f_rec_exp) * (slow - 1.0)) / rate
+        # activation offload: the forward's copies on a side stream behind the forward, the backward's on the
+        # compute stream (read when needed, not prefetched: kernels_torch.activation_memory.save_on_host)
+        t_copy = host_mb / copy_rate
+        t_off = t_copy + max(0.0, t_copy - (f_stage / 3) / rate) if host_mb else 0.0
+        t_a2a = a2a_time(a2a / m, L.ep, hw) if a2a else 0.0
+        t_exp = (f_exp + f_rec_exp) * slow / rate  # the routed experts' part of t_comp
+        t_shown = t_a2a / 2 + max(0.0, t_a2a / 2 - t_exp) if chunks else t_a2a
+        bw_dc = ring_bandwidth(n_dc, 1, hw)
+        bw_ef = ring_bandwidth(L.efsdp, L.ep, hw)
+        t_fsdp = (ag_d + rs_d) / bw_dc + (ag_e + rs_e) / bw_ef
+        t_pp = pp_bytes / m / ring_bandwidth(2, n_dc, hw)
+        stages.append(
+            dict(stage=s, mem=mem, host=host, comm=comm, t_comp=t_comp, t_a2a=t_a2a, t_fsdp=t_fsdp, t_pp=t_pp, n=n)
+            | {"t_shown": t_shown, "t_off": t_off, "host_act": host_act, "share": f_stage / (f_stage + f_rec)}
+        )
+    worst = max(stages, key=lambda st: st["mem"]["total"])
+    t_micro = max(st["t_comp"] + st["t_shown"] + st["t_pp"] + st["t_off"] for st in stages)
+    busy = m * t_micro
+    pipeline = (m + L.pp - 1) * t_micro
+    fsdp_exposed = max(max(0.0, st["t_fsdp"] - m * st["t_comp"]) for st in stages)
+    tr = max(st["n"]["trainable"] for st in stages)
+    if policy.offload == "none":
+        t_opt = tr * (pb + gb + 2 * ob + pb) / (hw.hbm_gbps * GB)  # read p, g, m, v; write p, m, v
+    else:
+        t_opt = tr * (pb + gb + 2 * ob + pb) / (hw.host_gbps * GB) + tr * (pb + gb) / (hw.pcie_gbps * GB)
+    step = pipeline + fsdp_exposed + t_opt
+    tokens = L.dp * m * seq_len
+    tps = tokens / step / L.world
+    f_tok = fl.total  # = kimi.flops.estimate_flops(cfg, seq_len)["flops_per_token"] (2/3 of the matmuls for LoRA)
+    usable = (hw.gpu_memory_gb - hw.reserve_gb) * GB
+    fits = worst["mem"]["total"] <= usable and worst["host"] <= hw.host_memory_gb * GB
+    return {
+        "layout": dataclasses.asdict(L) | {"efsdp": L.efsdp, "world": L.world},
+        "policy": dataclasses.asdict(policy),
+        "stages": [[r.start, r.stop] for r in ranges],
+        "microbatches": m,
+        "tokens_per_microbatch_per_rank": T,
+        "rows_per_expert": rows,
+        "ep_overlap": "chunks" if chunks else "none",
+        "expert_slowdown": slow,
+        "global_batch_tokens": tokens,
+        "worst_stage": worst["stage"],
+        "memory": worst["mem"],
+        "host_memory": worst["host"],
+        "host_activations": worst["host_act"],
+        "numel": worst["n"],
+        "comm": worst["comm"],
+        "time": {
+            "compute_per_microbatch": max(st["t_comp"] for st in stages),
+            "stage_compute_per_microbatch": [st["t_comp"] for st in stages],
+            "all_to_all_per_microbatch": max(st["t_a2a"] for st in stages),
+            "all_to_all_exposed_per_microbatch": max(st["t_shown"] for st in stages),
+            "pipeline_send_per_microbatch": max(st["t_pp"] for st in stages),
+            "offload_copy_per_microbatch": max(st["t_off"] for st in stages),
+            # the model FLOPs' share of the slowest stage's work (recomputation adds the rest)
+            "compute_model_flops_share": max(stages, key=lambda st: st["t_comp"])["share"],
+            "busy": busy,
+            "bubble": pipeline - busy,
+            "fsdp_exposed": fsdp_exposed,
+            "optimizer": t_opt,
+            "step": step,
+        },
+        "tokens_per_s_per_gpu": tps,
+        "tflops_per_gpu": f_tok * tps / 1e12,
+        "mfu": f_tok * tps / (hw.peak_tflops * 1e12),
+        "fits": fits,
+    }
+
+
+# the activation policies the search tries: each recompute mode with each activation offload the trainer composes
+POLICIES = tuple((rc, ao) for rc in RECOMPUTE for ao in ACT_OFFLOAD if not (rc == "full" and ao in ("attn", "mlp")))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _batch_refusal(L: Layout, seq_len: int, global_batch: int) -> str | None:
+    """Why ``kimi train`` cannot run layout ``L`` with steps of ``global_batch`` tokens in ``seq_len`` sequences
+    (``kimi_tools.train.parallel.TrainParallel.check_accum`` and its pipeline check), or None."""
+    m = global_batch // (L.dp * seq_len)
+    if m < 1:
+        return (
+            f"--global-batch {global_batch:,} is less than one --seq-len {seq_len:,} sequence for each of the "
+            f"{L.dp} data-parallel ranks"
+        )
+    if m < L.pp:
+        return f"{m} micro-batch(es) per pipeline, fewer than its {L.pp} stages (1F1B needs one in flight per stage)"
+    return None
+
+
+def _pipeline_refusal(lora_rank: int | None, fp8: str | None) -> str | None:
+    """The trainer's refusal of ``--pp`` > 1 for this run (``kimi_tools.train.parallel.refuse_pipeline``), or None."""
+    import types
+
+    from kimi_tools.train.parallel import refuse_pipeline
+
+    try:
+        refuse_pipeline(2, types.SimpleNamespace(lora_rank=lora_rank, stage="lm", fp8=fp8), bool(lora_rank))
+    except ValueError as e:
+        return "kimi train " + str(e).replace("--pp 2 with", "refuses --pp > 1 with", 1)
+    return None
+
+
+def plan(
+    cfg: KimiConfig,
+    gpus: int,
+    hw: Hardware,
+    *,
+    seq_len: int = 8192,
+    global_batch: int = 1 << 24,
+    lora_rank: int | None = None,
+    fp8: str | None = None,
+    optimizers: tuple[str, ...] = ("adamw-fp32",),
+    offloads: tuple[str, ...] = ("none",),
+    overlap_a2a: bool = False,
+    cps: tuple[int, ...] = (1, 2, 4, 8),
+    only: Layout | None = None,
+    dropped: list[tuple[str, str]] | None = None,
+) -> list[dict]:
+    """Every layout of ``gpus`` GPUs (``pp`` dividing the AttnRes blocks, ``cp`` in ``cps`` dividing ``seq_len``,
+    ``ep`` dividing ``dp x cp`` and the expert count) that ``kimi train`` runs, each with the fastest policy
+    (recompute mode, then the first of ``optimizers`` x ``offloads`` in order; the FSDP policy the trainer's for the
+    layout, :func:`trainer_fsdp`) that fits; layouts where none fits come with their smallest-memory policy and
+    ``fits`` false. Sorted: fitting first, then by predicted MFU (descending).
+
+    A step is ``m = global_batch // (dp x seq_len)`` micro-batches of one sequence per pipeline (rounded down: the
+    row's ``global_batch_tokens`` says what runs). Left out, with the reason appended to ``dropped``: layouts whose
+    ``dp`` ranks cannot each get a sequence (``m`` < 1), pipelines with fewer micro-batches than stages (the
+    trainer's 1F1B refuses them), and ``pp`` > 1 where the trainer refuses the pipeline (LoRA, FP8:
+    ``kimi_tools.train.parallel.refuse_pipeline``); each as ``(layout, reason)`` in ``dropped``.
+
+    Raises:
+        ValueError: ``gpus`` < 1, ``seq_len`` < 1, ``global_batch`` below one sequence; ``only`` not a layout of
+            ``gpus`` the trainer runs (naming the flag and why)."""
+    if gpus < 1:
+        raise ValueError(f"--gpus: got {gpus}, expected a positive integer")
+    if seq_len < 1:
+        raise ValueError(f"--seq-len: got {seq_len}, expected a positive integer")
+    if global_batch < seq_len:
+        raise ValueError(
+            f"--global-batch: got {global_batch:,} tokens, expected at least one --seq-len sequence ({seq_len:,} "
+            "tokens) per step: each data-parallel rank trains whole sequences"
+        )
+    cal = load_calibration(fp8)
+    blocks = -(-cfg.num_hidden_layers // (cfg.attn_res_block_size or 1))
+    refusal = _pipeline_refusal(lora_rank, fp8)
+    if only is not None:
+        if only.world != gpus:
+            raise ValueError(f"--layout: got {only.name()} = {only.world} GPUs, expected --gpus {gpus}")
+        stage_ranges(cfg, only.pp)  # pp must divide the AttnRes blocks
+        if cfg.num_experts and cfg.num_experts % only.ep:
+            raise ValueError(f"--layout: got ep={only.ep}, expected a divisor of the {cfg.num_experts} experts")
+        if seq_len % only.cp:
+            raise ValueError(f"--layout: got cp={only.cp}, expected a divisor of --seq-len {seq_len}")
+        why = _batch_refusal(only, seq_len, global_batch) or (refusal if only.pp > 1 else None)
+        if why:
+            raise ValueError(f"--layout: got {only.name()}, which kimi train does not run: {why}")
+        cps = (only.cp,)
+    out = []
+    for pp in divisors(blocks):
+        if gpus % pp:
+            continue
+        if pp > 1 and refusal:
+            if dropped is not None:
+                dropped.append((f"pp{pp}", refusal))
+            continue
+        n_dc = gpus // pp
+        for cp in cps:
+            if n_dc % cp or seq_len % cp:
+                continue
+            for ep in divisors(n_dc):
+                if cfg.num_experts and cfg.num_experts % ep:
+                    continue
+                if not cfg.num_experts and ep > 1:
+                    continue
+                L = Layout(pp, n_dc // cp, cp, ep)
+                if only is not None and L != only:
+                    continue
+                why = _batch_refusal(L, seq_len, global_batch)
+                if why:
+                    if dropped is not None:
+                        dropped.append((L.name(), why))
+                    continue
+                best = None
+                for opt in optimizers:
+                    for off in offloads:
+                        for rc, ao in POLICIES:
+                            r = evaluate(
+                                cfg,
+                                L,
+                                Policy(opt, off, rc, act_offload=ao),
+                                hw,
+                                cal,
+                                seq_len=seq_len,
+                                global_batch=global_batch,
+                                lora_rank=lora_rank,
+                                overlap_a2a=overlap_a2a,
+                            )
+                            if best is None:
+                                best = r
+                            elif r["fits"] and (not best["fits"] or r["mfu"] > best["mfu"]):
+                                best = r
+                            elif not r["fits"] and not best["fits"] and r["memory"]["total"] < best["memory"]["total"]:
+                                best = r
+                        if best["fits"]:
+                            break
+                    if best["fits"]:
+                        break
+                out.append(best)
+    out.sort(key=lambda r: (not r["fits"], -r["mfu"] if r["fits"] else r["memory"]["total"]))
+    return out
