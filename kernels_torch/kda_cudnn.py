@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels_torch import kernel_choice
+from kernels_torch import kda_functional, kernel_choice
 from kernels_torch.common import check_cu_seqlens, compute_dtype, depthwise_conv_weight, linear
 from kernels_torch.ops.custom import autograd_inside_op, own, recompute_op, trace_constant
 from kernels_torch.ops.linears import shared_input_linears
@@ -755,15 +755,8 @@ def kda_layer_forward(layer: nn.Module, x: torch.Tensor, cu_seqlens, cache=None)
 # ------------------------------------------------------------------------------------------------------------------
 # under torch.compile: the kernels as kimi:: custom ops (kernels_torch.ops.custom)
 # ------------------------------------------------------------------------------------------------------------------
-# Each op runs the GPU kernel on CUDA tensors and its torch twin (kernels_torch.kda) on CPU tensors, the twin the CPU
-# tests check the op's registration and gradients with.
-
-
-def _kda_twins():
-    """``kernels_torch.kda``, imported at the call: it imports this module (the layer hands its cudnn path here)."""
-    from kernels_torch import kda
-
-    return kda
+# Each op runs the GPU kernel on CUDA tensors and its torch twin (kernels_torch.kda_functional) on CPU tensors, the
+# twin the CPU tests check the op's registration and gradients with.
 
 
 def _short_conv_gpu(x, weight, cu_seqlens, conv_state, kernel: str, forced: bool):
@@ -773,7 +766,7 @@ def _short_conv_gpu(x, weight, cu_seqlens, conv_state, kernel: str, forced: bool
     or None, ``conv_state [N, C, W-1]`` or None -> ``(y [B, T, C], new state [N, C, W-1])`` in x's dtype. Records
     the kernel that ran (``kernel_choice.used()["short_conv"]``)."""
     if not x.is_cuda:
-        return _kda_twins().short_conv(x, weight, cu_seqlens, conv_state)
+        return kda_functional.short_conv(x, weight, cu_seqlens, conv_state)
     if kernel == "cudnn":
         try:
             out = short_conv_cudnn(x, weight, cu_seqlens, conv_state)
@@ -824,7 +817,7 @@ def _kda_fla(q, k, v, g, beta, initial_state, cu_seqlens):
     ``S [N, H, K, V]`` fp32)."""
     K = q.shape[-1]
     if not q.is_cuda:
-        return _kda_twins().kda_chunk(q, k, v, g, beta, K**-0.5, initial_state, cu_seqlens)
+        return kda_functional.kda_chunk(q, k, v, g, beta, K**-0.5, initial_state, cu_seqlens)
     from fla.ops.kda import chunk_kda
 
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)
@@ -871,7 +864,7 @@ def _kda_cudnn_op(
     ``S [N, H, K, V]`` fp32). On CPU tensors the twin ``kernels_torch.kda.kda_chunk`` (o in v's dtype, S in the
     compute dtype)."""
     if not q.is_cuda:
-        o, S = _kda_twins().kda_chunk(q, k, v, g, beta, q.shape[-1] ** -0.5, initial_state, cu_seqlens)
+        o, S = kda_functional.kda_chunk(q, k, v, g, beta, q.shape[-1] ** -0.5, initial_state, cu_seqlens)
     else:
         o, S = kda_recurrence_cudnn(q, k, v, g, beta, initial_state, cu_seqlens, pieces=pieces)
         kernel_choice.record("kda", "cudnn")
@@ -917,7 +910,7 @@ def _kda_cudnn_backward_twin(do, dS, q, k, v, g, beta, initial_state, cu_seqlens
     with autograd_inside_op():
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
         s0 = None if initial_state is None else initial_state.detach().requires_grad_(True)
-        o, S = _kda_twins().kda_chunk(*leaves, q.shape[-1] ** -0.5, s0, cu_seqlens)
+        o, S = kda_functional.kda_chunk(*leaves, q.shape[-1] ** -0.5, s0, cu_seqlens)
         wrt = leaves + ([s0] if s0 is not None else [])
         outs, grads = [o], [do]
         if dS is not None:
@@ -995,7 +988,7 @@ def _kda_layer_forward_compiled(layer: nn.Module, x: torch.Tensor, cu_seqlens, c
             kernels).
         RuntimeError: ``kda_kernel='cudnn'`` where the cuDNN op cannot run (with the reason).
     """
-    kda = _kda_twins()
+    kda = kda_functional
     c = layer.config
     B, T, _ = x.shape
     H, K = c.kda_num_heads, c.kda_head_dim

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from helpers import check_rel
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from kernels_torch import kda, kernel_choice, moe
+from kernels_torch import kda, kda_functional, kernel_choice, moe
 from kernels_torch.compile import check_compile_supported, compile_blocks
 from kernels_torch.model import KimiK3Model
 from kernels_torch.ops import moe_grouped as mg
@@ -231,9 +231,9 @@ def _op_cases():
         return kda.kda_chunk(q, k, v, g, beta, scale, s0, cu, C)
 
     return [
-        ("kda_chunk", kda._kda_chunk_op, kda_args, kda_eager),
-        ("short_conv", kda._short_conv_op, (x, cw, cu, cs), kda.short_conv),
-        ("short_conv_no_state", kda._short_conv_op, (x, cw, cu, None), kda.short_conv),
+        ("kda_chunk", kda_functional._kda_chunk_op, kda_args, kda_eager),
+        ("short_conv", kda_functional._short_conv_op, (x, cw, cu, cs), kda.short_conv),
+        ("short_conv_no_state", kda_functional._short_conv_op, (x, cw, cu, None), kda.short_conv),
         ("experts_loop", moe._experts_loop_op, loop_args, moe._experts_loop_flat),
         ("permute_rows", mg._permute_rows_op, (z, lay.row_of_pair, lay.order, lay.rows, kk, "auto"), None),
         ("combine_rows", mg._combine_rows_op, (y, w32, lay.row_of_pair, kk, "auto"), None),

@@ -49,18 +49,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, lora_rank=None) -> dict:
     """Local elements and bytes of the stage model on fake rank ``rank`` of ``dp x cp`` after the trainer's sharding
-    (``kernels_torch.parallel.parallelize.parallelize`` over the :class:`ParallelDims` mesh: the experts ``Shard(0)`` over
-    ``ep`` and FSDP2 over ``efsdp``, ep innermost; everything else FSDP2 over ``dp x cp``)."""
+    of its bf16 model (``kernels_torch.parallel.parallelize.parallelize`` over the :class:`ParallelDims` mesh: the
+    experts ``Shard(0)`` over ``ep`` and FSDP2 over ``efsdp``, ep innermost; everything else FSDP2 over ``dp x cp``;
+    bf16 compute, the checkpoint's fp32 tensors ignored, whole on every rank), with masters in ``dtype`` (fp32:
+    ``adamw-fp32``; bf16: none, ``adamw-bf16``)."""
+    from kernels_torch.parallel.fsdp import fp32_compute_params
+    from kernels_torch.parallel.parallelize import ParallelPolicy
+
     world = layout.dp * layout.cp
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        model = _stage_model(cfg, layout, stage, dtype)
+        model = _stage_model(cfg, layout, stage, torch.bfloat16)
         if lora_rank:
             from kimi_tools.lora import LoraSettings, apply_lora
 
             apply_lora(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank))
         dims = ParallelDims(world_size=world, dp=layout.dp, cp=layout.cp, ep=layout.ep)
-        parallelize(model, dims.build_mesh("cpu"))
+        policy = ParallelPolicy(param_dtype=torch.bfloat16, master_dtype=None if dtype == torch.bfloat16 else dtype)
+        ignored = set(fp32_compute_params(model, torch.bfloat16))
+        parallelize(model, dims.build_mesh("cpu"), policy, ignored_params=ignored)
         # one AdamW step on meta: the sharded gradients and the optimizer's moments as the trainer creates them
         trained = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trained, lr=1e-3, foreach=False)

@@ -94,7 +94,9 @@ def rank_numel(
     stack, sharded over ``efsdp`` at ``efsdp_coord``), ``lora`` (the adapters, sharded with the dense part); and by
     role: ``trainable`` (all but the fixed ones; with ``lora_rank`` the adapters only), ``trainable_fp32`` (those
     the checkpoint keeps fp32), ``frozen`` / ``frozen_fp32`` (the LoRA base), ``fixed`` (no gradient:
-    ``e_score_correction_bias``). FSDP2 shards every parameter along dim 0 (:func:`shard_rows`)."""
+    ``e_score_correction_bias``). FSDP2 shards every bf16 parameter along dim 0 (:func:`shard_rows`); the tensors
+    the checkpoint keeps fp32 (and the fixed bias) are whole on every rank, as the bf16 trainer leaves them to FSDP2's
+    ``ignored_params`` (``kernels_torch.parallel.fsdp.fp32_compute_params``)."""
     ranges = stage_ranges(cfg, layout.pp)
     n_dc = layout.dp * layout.cp
     tot = dict.fromkeys(("dense", "experts", "lora", "fixed", "fp32"), 0)
@@ -104,15 +106,18 @@ def rank_numel(
         if flag:
             tot[flag] += n
 
+    def dense_rows(flag, rows):  # the fp32 tensors (and the fixed fp32 bias) are whole on every rank
+        return rows if flag in ("fp32", "fixed") else shard_rows(rows, n_dc, dp_cp_coord)
+
     for kind, flag, rows, inner, count in _groups(cfg, None, None):
         if (stage == 0) if kind == "embed" else (stage == layout.pp - 1):
-            add(kind, flag, count * shard_rows(rows, n_dc, dp_cp_coord) * inner)
+            add(kind, flag, count * dense_rows(flag, rows) * inner)
     for i in ranges[stage]:
         for kind, flag, rows, inner, count in _groups(cfg, i, lora_rank):
             if kind == "experts":
                 add(kind, flag, count * shard_rows(rows // layout.ep, layout.efsdp, efsdp_coord) * inner)
             else:
-                add(kind, flag, count * shard_rows(rows, n_dc, dp_cp_coord) * inner)
+                add(kind, flag, count * dense_rows(flag, rows) * inner)
     base = tot["dense"] + tot["experts"] - tot["fixed"]
     fp32 = tot.pop("fp32")
     if lora_rank:
