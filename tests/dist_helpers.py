@@ -16,6 +16,12 @@ What makes a rank abort or hang only some of the time, and what these helpers do
 * **Timeouts.** Every collective of a spawned group waits up to :data:`GROUP_TIMEOUT_S` for its peers: long enough
   for a rank starved of CPU on a loaded 2-core machine, short enough that a real hang (a collective one rank never
   joins) fails with gloo's timeout error well before pytest's own timeout (``pyproject.toml``).
+* **Trainer ranks.** A worker that runs the trainer as a torchrun rank would (``kimi_tools.train``: the trainer
+  makes its group from the torchrun environment, or takes one already made, and destroys it when a run ends) takes a
+  third parameter ``groups`` (:class:`TrainerGroups`) instead of a port: ``groups.open()`` sets the torchrun
+  environment and makes the default group through a ``FileStore`` of its own, once per run (phase) of the trainer,
+  so a phase never needs a port drawn before it (one drawn for a second phase minutes earlier could be taken by then,
+  or be another test's store). :func:`run_workers` gives such workers the same timeouts and failure reports.
 * **Exceptions.** A rank that raises writes its traceback; :func:`run_workers` then stops the other ranks (which
   may wait forever in a collective the failed rank never joins) and raises one ``AssertionError`` holding every
   failed rank's traceback, the first to fail first, and naming ranks that died without a Python exception (a signal,
@@ -44,6 +50,37 @@ GROUP_TIMEOUT_S = 600
 FAILURE_GRACE_S = 5.0
 
 
+class TrainerGroups:
+    """The process groups of a trainer worker (module docstring, "Trainer ranks"): :meth:`open` makes the next one.
+
+    Attributes:
+        rank, world: this rank and the world size. opened: how many groups :meth:`open` made so far."""
+
+    def __init__(self, folder: str, rank: int, world: int, timeout_s: float):
+        self.folder, self.rank, self.world, self.timeout_s, self.opened = folder, rank, world, timeout_s, 0
+
+    def open(self) -> None:
+        """Set the torchrun environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``; no ``MASTER_PORT``) and make the
+        default gloo group through a fresh ``FileStore`` (every rank opens its groups in the same order, so the
+        ``n``-th group of each rank meets in the same file). Raises RuntimeError: a group is still open."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("TrainerGroups.open: the previous group is still open (the trainer closes its own)")
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank), WORLD_SIZE=str(self.world))
+        store = dist.FileStore(os.path.join(self.folder, f"group{self.opened}"), self.world)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world, timeout=timeout)
+        self.opened += 1
+
+
+def _takes_groups(worker: Callable) -> bool:
+    params = list(inspect.signature(worker).parameters)
+    return len(params) >= 3 and params[2] == "groups"
+
+
 def _rank_main(worker: Callable, rank: int, world: int, store_file: str, errors: str, timeout_s: float, args) -> None:
     """One spawned rank (the target of each process of :func:`run_workers`; module docstring)."""
     import datetime
@@ -53,12 +90,16 @@ def _rank_main(worker: Callable, rank: int, world: int, store_file: str, errors:
 
     try:
         torch.set_num_threads(1)
-        store = dist.FileStore(store_file, world)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        worker(rank, world, *args)
-        dist.barrier()  # every rank's transfers complete before any closes its connections
-        dist.destroy_process_group()
+        if _takes_groups(worker):  # a trainer worker: its groups, one per run of the trainer
+            worker(rank, world, TrainerGroups(errors, rank, world, timeout_s), *args)
+        else:
+            store = dist.FileStore(store_file, world)
+            timeout = datetime.timedelta(seconds=timeout_s)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+            worker(rank, world, *args)
+        if dist.is_initialized():
+            dist.barrier()  # every rank's transfers complete before any closes its connections
+            dist.destroy_process_group()
         code = 0
     except BaseException:  # noqa: BLE001 - reported to the parent (a SystemExit or KeyboardInterrupt too)
         text = f"{time.time():.6f}\n" + traceback.format_exc()
@@ -76,8 +117,8 @@ def _check_worker(worker: Callable) -> None:
     if len(params) >= 3 and params[2] == "port":
         raise TypeError(
             f"run_workers: {worker.__qualname__}{inspect.signature(worker)} takes a port: a worker is called as "
-            "worker(rank, world, *args) inside a gloo group run_workers made; drop the port parameter and the "
-            "worker's own init_process_group / destroy_process_group"
+            "worker(rank, world, *args) inside a gloo group run_workers made, or worker(rank, world, groups, *args) "
+            "for a trainer worker (TrainerGroups); drop the port and the worker's own init_process_group"
         )
 
 
@@ -86,7 +127,8 @@ def run_workers(worker: Callable, world: int, *args, timeout_s: float = GROUP_TI
 
     Each rank: one torch thread; ``init_process_group("gloo")`` through a ``FileStore`` in a fresh temporary folder
     (no port), every collective timing out after ``timeout_s`` seconds; the worker; a barrier; the group destroyed
-    (module docstring). ``worker`` is a module-level function of the test module (the ranks import it); ``args`` are
+    (module docstring). A trainer worker ``worker(rank, world, groups, *args)`` (third parameter named ``groups``)
+    makes its own groups with :class:`TrainerGroups`; a group it leaves open is barriered and destroyed after it. ``worker`` is a module-level function of the test module (the ranks import it); ``args`` are
     pickled. Subgroups (``new_group``, ``init_device_mesh``) are made by the worker and destroyed with the group.
 
     Raises:

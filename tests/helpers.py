@@ -9,7 +9,6 @@ default ``prepend`` import mode), so the tests in ``tests/gpu`` import it the sa
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Callable
 
 import numpy as np
@@ -52,47 +51,12 @@ def check_rel(name: str, got, want, tol: float) -> float:
     return err
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for ``init_process_group``'s ``tcp://`` rendezvous), drawn below the
-    kernel's ephemeral range: the gloo groups of tests running beside this one (``pytest -n 2``) open connections
-    from ephemeral ports, one of which could take a port the kernel handed out here before the rendezvous binds it."""
-    import os
-    import random
-    from pathlib import Path
-
-    try:
-        lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        lowest = 32768
-    draw = random.Random(os.getpid() * 1_000_003 + os.urandom(4)[0])
-    for _ in range(200):
-        port = draw.randint(max(1024, lowest // 2), lowest - 1)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # every draw taken: any free port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(worker: Callable, world: int, *args) -> None:
     """``worker(rank, world, *args)`` in ``world`` gloo ranks through ``dist_helpers.run_workers`` (the group made,
-    barriered and destroyed around it). A worker that takes a ``port`` third parameter runs the trainer as a
-    torchrun rank would (its ``RANK`` / ``MASTER_PORT`` environment, its own group made and destroyed by
-    ``TrainParallel``, once per phase): it gets a free port and ``torch.multiprocessing.spawn``."""
-    import inspect
-
+    barriered and destroyed around it). A worker that runs the trainer as a torchrun rank would takes a third
+    parameter ``groups`` (``dist_helpers.TrainerGroups``: it opens one group per run of the trainer, no port)."""
     from dist_helpers import run_workers
 
-    params = list(inspect.signature(worker).parameters)
-    if len(params) >= 3 and params[2] == "port":
-        import torch.multiprocessing as mp
-
-        mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
-        return
     run_workers(worker, world, *args)
 
 

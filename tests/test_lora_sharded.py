@@ -15,12 +15,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port, spawn
+from helpers import spawn
 from safetensors.torch import load_file
 
 from kimi.config import load_config
@@ -122,18 +121,15 @@ def test_load_sharded_fills_a_lora_model_as_one_process(tmp_path):
             load_sharded(model, tmp_path / "k", extra=extra)
 
 
-def _train_worker(rank: int, world: int, port: int, kw: dict, phases: list[tuple[int | None, dict]]) -> None:
-    """Run the trainer once per phase ``(port, extra arguments)`` as torchrun's rank ``rank`` of ``world`` (its
-    environment; ``port`` None: spawn's). Each run ends with a barrier and destroys the process group (as a
-    torchrun launch exits); the next makes a new one on its own port."""
+def _train_worker(rank: int, world: int, groups, kw: dict, phases: list[dict]) -> None:
+    """Run the trainer once per phase (its extra arguments) as torchrun's rank ``rank`` of ``world``, each run in a
+    group of its own (``groups.open()``; the trainer ends each run with a barrier and destroys its group, as a torchrun
+    launch exits)."""
     torch.set_num_threads(1)
     from kimi_tools.train import TrainArgs, train
 
-    for p, phase in phases:
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port if p is None else p),
-        )  # fmt: skip
+    for phase in phases:
+        groups.open()
         train(TrainArgs(**kw, **phase))
 
 
@@ -163,7 +159,7 @@ def test_sharded_lora_run_equals_one_process_and_resumes(tmp_path, lora_one, lay
     base, one = lora_one
     out = tmp_path / "two"
     kw = dict(checkpoint=str(base), out=str(out), **RUN, **layout)
-    spawn(_train_worker, 2, kw, [(None, {"stop_after": 2}), (free_port(), {"resume": True})])
+    spawn(_train_worker, 2, kw, [{"stop_after": 2}, {"resume": True}])
     want, got = _records(one), _records(out)
     for step in (1, 2, 3):
         for key in ("loss", "grad_norm"):

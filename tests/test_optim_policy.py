@@ -237,9 +237,8 @@ def _dcp_dtypes(step_dir: Path) -> dict[str, torch.dtype]:
     return {k: v.properties.dtype for k, v in meta.items() if hasattr(v, "properties")}
 
 
-def _policy_worker(rank: int, world: int, port: int, out: str) -> None:
+def _policy_worker(rank: int, world: int, groups, out: str) -> None:
     """One rank of :func:`test_policies_reach_fsdp2`: the trainer built under a torchrun environment, each policy."""
-    import os
 
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
@@ -249,8 +248,7 @@ def _policy_worker(rank: int, world: int, port: int, out: str) -> None:
     from kimi_tools.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    groups.open()
     try:
         for optimizer, offload, ep in (("adamw-bf16", "cpu", 2), ("adamw-fp32", "none", 1)):
             a = TrainArgs(

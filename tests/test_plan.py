@@ -439,19 +439,16 @@ PP_M = 4  # micro-batches per pipeline and step
 PP_T = 32  # tokens per micro-batch
 
 
-def _pipeline_held_worker(rank: int, world: int, port: int, out: str) -> None:
+def _pipeline_held_worker(rank: int, world: int, groups, out: str) -> None:
     """One rank of the pipeline trainer at pp 2 x dp 2 x ep 2 (``kimi_tools.train.parallel.TrainParallel``: its setup,
     its ``Pipeline`` step), tiny preset cut to 8 layers, bf16: the largest number of bytes FSDP2 holds unsharded
     in this rank's stage before each micro-batch's forward of a step, and the all-gathers and reduce-scatters
     that step issues."""
-    import os
 
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
 
     torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    groups.open()
     from kimi_tools.train.parallel import TrainParallel
 
     calls = {"all_gather": 0, "reduce_scatter": 0}

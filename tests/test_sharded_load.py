@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -172,13 +171,11 @@ def test_fsdp_load_reads_and_holds_only_its_shard(tmp_path, ckpt, world):
 # ------------------------------------------------------------------------------------ LoRA: the trainer's build
 
 
-def _lora_build_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+def _lora_build_worker(rank: int, world: int, groups, ckpt: str, out: str) -> None:
     """``kimi train --lora-rank 4`` as torchrun's rank ``rank`` (its environment): the trainer's constructor (build,
     LoRA, sharding, load; data, masters, optimizer) once to warm every code path, its memory handed back, then once
     measured (module docstring)."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    groups.open()
     torch.set_num_threads(1)
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's default, kept fixed (module docstring)
