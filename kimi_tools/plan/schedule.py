@@ -15,9 +15,14 @@ free and every stage alike (``F``, ``I``, ``W`` the times of one stage of the sc
   at pp 2 and 4; at pp 8 exact when ``F = I = W``, and where ``I > F`` the replay gives more (pp 8, ``I = 1.5 F``,
   ``W = 0.5 F``: ``16.5 F`` where the formula gives ``14 F``): an optimistic bound there.
 
-The split of ``B`` into ``I`` and ``W`` is not measured: the planner takes ``W = I = B / 2`` (:data:`W_SHARE`), so a
-V schedule's bubble is ``(pp - 1) F``; an input backward longer than the weight backward (the attention's and the
-KDA recurrence's backward, the all-to-all's reverses, all in ``I``) makes it longer.
+The planner runs that replay itself for its V rows (:func:`replay_bubble`: exact for torch's order, where the formula
+is not: with ``I = W = 2 F``, a layer recomputed in both parts of the backward, pp 4 gives ``5 F`` under DualPipeV
+and ``6 F`` under ZBVZeroBubble against the formula's ``3 F``). The split of ``B`` into ``I`` and ``W`` is not
+measured: the planner assumes ``W = I = B / 2`` (:data:`W_SHARE`; with ``B = 2 F`` the bubble is then ``(pp - 1) F``,
+a sixth of 1F1B's); an input backward longer than the weight backward (the attention's and the KDA recurrence's
+backward and the all-to-all's reverses are all in ``I``) makes it longer. ``F`` is the stage's forward: a third of
+its model FLOPs' time, its forward dispatch and combine, half its pipeline sends, its offload copies beyond the
+forward.
 
 The activation peak: 1F1B keeps ``min(pp - r, m)`` micro-batches in flight on rank ``r`` (``m`` per step);
 the V schedules keep them on every rank: at the peak ``2 pp + 1`` stage-micro-batches under DualPipeV, ``2 pp``
@@ -114,6 +119,30 @@ def inflight_states(schedule: str, pp: int, m: int) -> tuple[tuple[tuple[int, ..
         )
     if schedule not in V_SCHEDULES:
         return tuple(((min(pp - r, m),),) for r in range(pp))
+    out = []
+    for r, ops in enumerate(_actions(schedule, pp, m)):
+        slot = {s: j for j, s in enumerate(rank_stages(schedule, pp, r))}
+        n, states = [0, 0], set()
+        for s, kind, _ in ops:
+            if kind == "F":
+                n[slot[s]] += 1
+                states.add(tuple(n))
+            elif kind in ("B", "W"):
+                n[slot[s]] -= 1
+        if n != [0, 0]:
+            raise AssertionError(f"{schedule} replay: rank {r} ends with {n} micro-batches in flight")
+        # keep the states no other state dominates on both stages
+        out.append(
+            tuple(sorted(s for s in states if not any(t != s and t[0] >= s[0] and t[1] >= s[1] for t in states)))
+        )
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _actions(schedule: str, pp: int, m: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Per rank, torch's compute actions of a V schedule as ``(stage, kind, micro-batch)``, kind "F", "I", "W" or
+    "B" (full backward), in order; ``OVERLAP_F_B`` as its forward then its backward (what runs without a callback):
+    ``ScheduleDualPipeV`` / ``ScheduleZBVZeroBubble._calculate_single_rank_operations``, built without stages."""
     from torch.distributed.pipelining import schedules as S
 
     cls = {"DualPipeV": S.ScheduleDualPipeV, "ZBVZeroBubble": S.ScheduleZBVZeroBubble}[schedule]
@@ -123,28 +152,63 @@ def inflight_states(schedule: str, pp: int, m: int) -> tuple[tuple[tuple[int, ..
         sched.pp_group_size, sched._n_microbatches = pp, m
         sched.num_stages = sched._num_stages = 2 * pp
         sched.n_local_stages = 2
-        ops = sched._calculate_single_rank_operations(r)
-        slot = {s: j for j, s in enumerate(rank_stages(schedule, pp, r))}
-        n, states = [0, 0], set()
-
-        def run(a):
-            kind = a.computation_type.value
-            if kind == "F":
-                n[slot[a.stage_index]] += 1
-                states.add(tuple(n))
-            elif kind in ("B", "W"):
-                n[slot[a.stage_index]] -= 1
-            elif kind == "OVERLAP_F_B":
-                for sub in a.sub_actions:
-                    run(sub)
-
-        for a in ops:
-            if a is not None:
-                run(a)
-        if n != [0, 0]:
-            raise AssertionError(f"{schedule} replay: rank {r} ends with {n} micro-batches in flight")
-        # keep the states no other state dominates on both stages
-        out.append(
-            tuple(sorted(s for s in states if not any(t != s and t[0] >= s[0] and t[1] >= s[1] for t in states)))
-        )
+        flat = []
+        for a in sched._calculate_single_rank_operations(r):
+            if a is None:
+                continue
+            for b in a.sub_actions if a.computation_type.value == "OVERLAP_F_B" else (a,):
+                flat.append((b.stage_index, b.computation_type.value, b.microbatch_index))
+        out.append(tuple(flat))
     return tuple(out)
+
+
+def replay_bubble(schedule: str, pp: int, F: float, I: float, W: float, m: int | None = None) -> float:
+    """The bubble of a V schedule on ``pp`` ranks (the same unit as ``F``): the longest step of any rank less its
+    work ``m x 2 (F + I + W)``, from torch's action lists (:func:`_actions`) run with communication free and every
+    stage alike: a forward waits for the previous stage's forward of its micro-batch, an input (or full) backward for
+    the next stage's input backward (the last stage for its own forward), a weight backward for its input backward,
+    each rank runs its actions in order. ``m``: micro-batches (None: ``2 pp``, the fewest; more do not change the
+    bubble, ``tests/test_plan.py``). Equal to :func:`bubble` where ``F = I = W``; with ``I = W > F`` (a recomputed
+    layer in both parts) longer: pp 4, ``I = W = 2 F``: 5 F (DualPipeV), 6 F (ZBVZeroBubble) against the formula's
+    3 F.
+
+    Raises:
+        ValueError: not a V schedule; a negative time; ``m`` below ``2 pp``."""
+    if schedule not in V_SCHEDULES:
+        raise ValueError(f"schedule: got {schedule!r}, expected one of {list(V_SCHEDULES)} (a V schedule)")
+    if min(F, I, W) < 0:
+        raise ValueError(f"F, I, W: got {F}, {I}, {W}, expected times >= 0")
+    if F == 0 and I == 0 and W == 0:
+        return 0.0
+    m = 2 * pp if m is None else m
+    inflight_states(schedule, pp, m)  # checks pp and m
+    scale = max(F, I, W)
+    return scale * _replay(schedule, pp, m, round(F / scale, 6), round(I / scale, 6), round(W / scale, 6))
+
+
+@functools.lru_cache(maxsize=4096)
+def _replay(schedule: str, pp: int, m: int, F: float, I: float, W: float) -> float:
+    lists, ns = _actions(schedule, pp, m), 2 * pp
+    cost = {"F": F, "I": I, "W": W, "B": I + W}
+    done: dict = {}
+    clock, pos = [0.0] * pp, [0] * pp
+    while any(pos[r] < len(lists[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(lists[r]):
+                s, kind, i = lists[r][pos[r]]
+                if kind == "F":
+                    need = [(s - 1, "F", i)] if s > 0 else []
+                elif kind in ("I", "B"):
+                    need = [(s + 1, "I", i)] if s < ns - 1 else [(s, "F", i)]
+                else:
+                    need = [(s, "I", i)]
+                if any(n not in done for n in need):
+                    break
+                clock[r] = max([clock[r]] + [done[n] for n in need]) + cost[kind]
+                done[(s, "I" if kind == "B" else kind, i)] = clock[r]
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"{schedule} replay on {pp} ranks: no action can run")
+    return max(clock) - m * 2 * (F + I + W)

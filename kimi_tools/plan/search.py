@@ -24,12 +24,14 @@ from kimi_tools.plan.params import layer_fsdp_bytes, rank_numel, stage_fsdp_byte
 from kimi_tools.plan.schedule import (
     PLANNED_SCHEDULES,
     V_SCHEDULES,
+    W_SHARE,
     bubble,
     inflight_states,
     min_microbatches,
     num_stages,
     rank_stages,
     recompute_passes,
+    replay_bubble,
 )
 from kimi_tools.plan.timing import a2a_time, layer_flops, ring_bandwidth
 
@@ -250,9 +252,10 @@ def evaluate(
     busy = m * t_micro
     if sched is None:
         bub = 0.0
-    elif sched in V_SCHEDULES:  # one of the 2 pp stages: the slowest rank's two stages' mean
+    elif sched in V_SCHEDULES:  # one of the 2 pp stages: the slowest rank's two stages' mean, I = W = B / 2
         F = slowest["t_fwd"] / 2
-        bub = bubble(sched, L.pp, F, t_micro / 2 - F)
+        B = t_micro / 2 - F
+        bub = replay_bubble(sched, L.pp, F, B * (1 - W_SHARE), B * W_SHARE)
     else:
         bub = bubble(sched, L.pp, slowest["t_fwd"], t_micro - slowest["t_fwd"])
     pipeline = busy + bub
@@ -334,11 +337,11 @@ def _batch_refusal(L: Layout, seq_len: int, global_batch: int) -> str | None:
 def schedule_refusal(cfg: KimiConfig, L: Layout, seq_len: int, global_batch: int, schedule: str) -> str | None:
     """Why the pipeline of layout ``L`` cannot run ``schedule`` (:data:`~kimi_tools.plan.schedule.PLANNED_SCHEDULES`)
     with steps of ``global_batch`` tokens in ``seq_len`` sequences, or None (always None at ``pp`` = 1, where no
-    schedule runs, for 1F1B alone): fewer micro-batches per pipeline than the schedule's stages
+    schedule runs): fewer micro-batches per pipeline than the schedule's stages
     (:func:`~kimi_tools.plan.schedule.min_microbatches`: ``2 pp`` for a V), or its ``2 pp`` stages not a divisor of
     the AttnRes blocks (the cut at block boundaries, :func:`stage_ranges`)."""
     if L.pp == 1:
-        return None if schedule == "1F1B" else f"{schedule} needs a pipeline (pp > 1)"
+        return None
     ns = num_stages(schedule, L.pp)
     m = global_batch // (L.dp * seq_len)
     if m < ns:
@@ -443,7 +446,9 @@ def plan(
                     if dropped is not None:
                         dropped.append((L.name(), why))
                     continue
-                runs = [x for x in schedules if not schedule_refusal(cfg, L, seq_len, global_batch, x)]
+                runs = [x for x in schedules if not schedule_refusal(cfg, L, seq_len, global_batch, x)][
+                    : 1 if pp == 1 else None
+                ]
                 if not runs:
                     if dropped is not None:
                         why = "; ".join(schedule_refusal(cfg, L, seq_len, global_batch, x) for x in schedules)
