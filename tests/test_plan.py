@@ -757,7 +757,8 @@ def test_policy_bytes_equal_the_k31_measurement():
 def test_train_command_runs_each_policy_it_names():
     """Every activation policy the search tries becomes the ``kimi train`` flags that run it: the command of a
     small plan's row parses with ``kimi train``'s own parser and carries the recompute mode, the activation
-    offload and the reshard policy."""
+    offload and the reshard policy; a V schedule's row carries its schedule and the 2 pp stage counts that ``kimi
+    train``'s pipeline layout takes."""
     import shlex
 
     from kimi_tools.cli import build_parser
@@ -777,6 +778,27 @@ def test_train_command_runs_each_policy_it_names():
             assert args.offload_activations == ao and args.reshard_after_forward == reshard
             seen.add((rc, ao))
     assert len(seen) == 14  # 4 recompute modes x 4 offloads, less attn / mlp offload inside a layer recomputed whole
+    # a V row: its schedule and its 2 pp stage counts, which kimi train's layout takes (fake process group)
+    from kernels_torch.parallel.pipeline import parse_stage_layout, stage_layout
+    from kimi_tools.train.parallel import TrainParallel
+
+    cfg = load_config("tiny-linear").truncated(4)
+    for sched in ("DualPipeV", "ZBVZeroBubble"):
+        row = P.evaluate(cfg, P.Layout(2, 2, 1, 2), P.Policy(recompute="full"), P.Hardware(), cal, seq_len=64,
+                         global_batch=8 * 64, schedule=sched)  # fmt: skip
+        argv = shlex.split(" ".join(P.train_command(row, preset="tiny-linear", layers=4, seq_len=64)))
+        args = build_parser().parse_args(argv[argv.index("kimi_tools.cli") + 1 :])
+        assert (args.pp, args.pp_schedule, args.pp_layout) == (2, sched, "1,1,1,1")
+        assert [[r.start, r.stop] for r in stage_layout(cfg, 4, parse_stage_layout(args.pp_layout))] == row["stages"]
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        try:
+            tp = TrainParallel(args.cp, "cpu", dp=args.dp, ep=args.ep, pp=args.pp, pp_schedule=args.pp_schedule,
+                               pp_layout=args.pp_layout, world=4)  # fmt: skip
+            assert tp.stages_per_rank == 2 and tp.stages_needed == 4
+            tp.check_accum(args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens, args.seq_len)
+            assert tp.n_microbatches == row["microbatches"]
+        finally:
+            dist.destroy_process_group()
 
 
 def test_offload_costs_its_host_copies():
