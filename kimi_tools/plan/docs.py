@@ -73,42 +73,65 @@ def _bounds(r: dict, hw: Hardware, cal: Calibration) -> str:
 
 
 def _schedules(rows: list[dict], hw: Hardware, cal: Calibration) -> str:
-    """One paragraph: the best fitting pipeline row (pp > 1) under its policy with each schedule the planner searches
-    (:data:`~kimi_tools.plan.schedule.PLANNED_SCHEDULES`): MFU, bubble, activations of the worst rank."""
+    """One paragraph: the best fitting pipeline row (pp > 1) and the best pipeline row where the V schedules run (2 pp
+    dividing the AttnRes blocks, at least 2 pp micro-batches; fitting or not), each under its policy with every
+    schedule the planner searches (:data:`~kimi_tools.plan.schedule.PLANNED_SCHEDULES`): MFU, bubble, activations
+    of the worst rank."""
     from kimi_tools.plan.layout import Layout, Policy
     from kimi_tools.plan.schedule import PLANNED_SCHEDULES
     from kimi_tools.plan.search import evaluate, schedule_refusal
 
-    pipe = [r for r in rows if r["fits"] and r["layout"]["pp"] > 1]
-    if not pipe:
-        return "No pipeline layout fits here, so no schedule is compared."
-    r = pipe[0]
-    d = r["layout"]
-    L = Layout(d["pp"], d["dp"], d["cp"], d["ep"])
-    cfg = load_config("k3.1-pro")
-    seq, batch = 8192, r["global_batch_tokens"]
-    parts = []
-    for sched in PLANNED_SCHEDULES:
-        why = schedule_refusal(cfg, L, seq, batch, sched)
-        if why:
-            parts.append(f"{sched} does not run ({why})")
-            continue
-        e = evaluate(cfg, L, Policy(**r["policy"]), hw, cal, seq_len=seq, global_batch=batch, schedule=sched)
-        parts.append(
-            f"{sched} {e['mfu']:.1%} (bubble {e['time']['bubble']:.1f} s of {e['time']['step']:.1f} s, activations "
-            f"{e['memory']['activations'] / GB:.1f} GB on rank {e['worst_rank']}"
-            + (", does not fit" if not e["fits"] else "")
-            + ")"
+    cfg, seq = load_config("k3.1-pro"), 8192
+
+    def layout(r):
+        d = r["layout"]
+        return Layout(d["pp"], d["dp"], d["cp"], d["ep"])
+
+    def compare(r: dict, what: str) -> str:
+        L, batch, p = layout(r), r["global_batch_tokens"], r["policy"]
+        parts = []
+        for sched in PLANNED_SCHEDULES:
+            why = schedule_refusal(cfg, L, seq, batch, sched)
+            if why:
+                parts.append(f"{sched} does not run ({why})")
+                continue
+            e = evaluate(cfg, L, Policy(**p), hw, cal, seq_len=seq, global_batch=batch, schedule=sched)
+            parts.append(
+                f"{sched} {e['mfu']:.1%} (bubble {e['time']['bubble']:.1f} s of {e['time']['step']:.1f} s, "
+                f"activations {e['memory']['activations'] / GB:.1f} GB on rank {e['worst_rank']}"
+                + (f", {e['memory']['total'] / GB:.0f} GB in all: does not fit" if not e["fits"] else "")
+                + ")"
+            )
+        return (
+            f"Schedules on {what} ({L.name()}, {p['optimizer']}"
+            + (", states on the host" if p["offload"] == "cpu" else "")
+            + f", recompute {p['recompute']}"
+            + (f", activation offload {p['act_offload']}" if p["act_offload"] != "none" else "")
+            + f", {r['microbatches']} micro-batches): "
+            + "; ".join(parts)
+            + "."
         )
-    p = r["policy"]
-    return (
-        f"Schedules, on the best pipeline layout here ({L.name()}, {p['optimizer']}"
-        + (", states on the host" if p["offload"] == "cpu" else "")
-        + f", recompute {p['recompute']}, {r['microbatches']} micro-batches): "
-        + "; ".join(parts)
-        + ". The V schedules' bubble is their replay of torch's order with W = I = B / 2 (not measured); a layer "
+
+    pipe = [r for r in rows if r["layout"]["pp"] > 1]
+    fit = [r for r in pipe if r["fits"]]
+    v = [r for r in pipe if not schedule_refusal(cfg, layout(r), seq, r["global_batch_tokens"], "DualPipeV")]
+    out = []
+    if fit:
+        out.append(compare(fit[0], "the best pipeline layout that fits"))
+    else:
+        out.append("No pipeline layout fits here.")
+    if v and (not fit or v[0] is not fit[0]):
+        out.append(
+            compare(
+                v[0],
+                "the best pipeline layout where the V schedules run" + ("" if v[0]["fits"] else ", which does not fit"),
+            )
+        )
+    out.append(
+        "The V schedules' bubble is their replay of torch's order with W = I = B / 2 (not measured); a layer "
         "recomputed in the backward runs twice in their split backward."
     )
+    return " ".join(out)
 
 
 def render_docs() -> str:

@@ -384,14 +384,15 @@ def plan(
 ) -> list[dict]:
     """Every layout of ``gpus`` GPUs (``pp`` dividing the AttnRes blocks, ``cp`` in ``cps`` dividing ``seq_len``,
     ``ep`` dividing ``dp x cp`` and the expert count) that ``kimi train`` runs, each with the fastest policy
-    (recompute mode, then the first of ``optimizers`` x ``offloads`` in order; the FSDP policy the trainer's for the
-    layout, :func:`trainer_fsdp`) that fits; layouts where none fits come with their smallest-memory policy and
+    (recompute mode and, at ``pp`` > 1, the pipeline schedule among ``schedules`` that runs there
+    (:func:`schedule_refusal`), then the first of ``optimizers`` x ``offloads`` in order; the FSDP policy the
+    trainer's for the layout, :func:`trainer_fsdp`) that fits, the row's ``schedule`` saying which; layouts where none fits come with their smallest-memory policy and
     ``fits`` false. Sorted: fitting first, then by predicted MFU (descending).
 
     A step is ``m = global_batch // (dp x seq_len)`` micro-batches of one sequence per pipeline (rounded down: the
     row's ``global_batch_tokens`` says what runs). Left out, with the reason appended to ``dropped``: layouts whose
     ``dp`` ranks cannot each get a sequence (``m`` < 1), pipelines with fewer micro-batches than stages (the
-    trainer's 1F1B refuses them), and ``pp`` > 1 where the trainer refuses the pipeline (LoRA, FP8:
+    trainer's 1F1B refuses them; a V schedule needs ``2 pp``, else 1F1B alone is tried), and ``pp`` > 1 where the trainer refuses the pipeline (LoRA, FP8:
     ``kimi_tools.train.parallel.refuse_pipeline``); each as ``(layout, reason)`` in ``dropped``.
 
     Raises:
