@@ -196,18 +196,21 @@ def allocator_counts(before: dict, after: dict) -> dict:
     return {k: after.get(v, 0) - before.get(v, 0) for k, v in keys.items()}
 
 
-def planner_prediction(cfg, T: int, recompute, sharded: bool, optimizer: str = "adamw-fp32") -> dict | None:
+def planner_prediction(
+    cfg, T: int, recompute, sharded: bool, optimizer: str = "adamw-fp32", reshard: str = "auto"
+) -> dict | None:
     """``kimi plan``'s prediction for this row's one-rank layout (pp1 dp1 cp1 ep1, one micro-batch of ``T``): its
     memory by kind (bytes -> GiB) and step time; ``compare_gib``: its total less the optimizer states, which this
     benchmark does not allocate. ``optimizer``: the planner's policy the row runs (``--masters bf16``: ``adamw-bf16``,
-    bf16 weights and gradients). The one-process row has no FSDP2 (bf16 parameters and gradients, no masters), so
+    bf16 weights and gradients); ``reshard``: the row's ``--reshard-after-forward`` (the planner's ``Policy.reshard``,
+    which moves the gathered units at the peak). The one-process row has no FSDP2 (bf16 parameters and gradients, no masters), so
     only a ``--parallel`` row is compared; an error is recorded in place of the prediction."""
     try:
         from kimi_tools import plan as P
 
         mode = {False: "none", "mlp": "mlp", "attn": "attn", "layer": "full"}[recompute]
         hw = P.Hardware(gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
-        r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(optimizer=optimizer, recompute=mode), hw, P.load_calibration(),
+        r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(optimizer=optimizer, recompute=mode, reshard=reshard), hw, P.load_calibration(),
                        seq_len=T, global_batch=T)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the prediction is a record, not the measurement
         return {"error": f"{type(e).__name__}: {e}"[:200]}
@@ -440,7 +443,9 @@ def main() -> int:
             row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
             row["memory_gib"] = memory_by_kind(model, T, args.loss, chunk, held, par is not None)
             optimizer = "adamw-bf16" if args.masters == "bf16" else "adamw-fp32"
-            row["planner"] = planner_prediction(cfg, T, recompute and args.recompute_mode, par is not None, optimizer)
+            row["planner"] = planner_prediction(
+                cfg, T, recompute and args.recompute_mode, par is not None, optimizer, args.reshard_after_forward
+            )
             if args.profile:
                 tag = f"{T}_{backend}" + ("_compiled" if comp else "")
                 row["profile"] = str(profile_step(model, T, args.loss, chunk, args.out, tag))

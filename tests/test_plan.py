@@ -754,7 +754,8 @@ def test_policy_bytes_equal_the_k31_measurement():
 def test_train_command_runs_each_policy_it_names():
     """Every activation policy the search tries becomes the ``kimi train`` flags that run it: the command of a
     small plan's row parses with ``kimi train``'s own parser and carries the recompute mode, the activation
-    offload and the reshard policy."""
+    offload and the reshard policy; a V schedule's row carries its schedule and the 2 pp stage counts that ``kimi
+    train``'s pipeline layout takes."""
     import shlex
 
     from kimi_tools.cli import build_parser
@@ -774,6 +775,27 @@ def test_train_command_runs_each_policy_it_names():
             assert args.offload_activations == ao and args.reshard_after_forward == reshard
             seen.add((rc, ao))
     assert len(seen) == 14  # 4 recompute modes x 4 offloads, less attn / mlp offload inside a layer recomputed whole
+    # a V row: its schedule and its 2 pp stage counts, which kimi train's layout takes (fake process group)
+    from kernels_torch.parallel.pipeline import parse_stage_layout, stage_layout
+    from kimi_tools.train.parallel import TrainParallel
+
+    cfg = load_config("tiny-linear").truncated(4)
+    for sched in ("DualPipeV", "ZBVZeroBubble"):
+        row = P.evaluate(cfg, P.Layout(2, 2, 1, 2), P.Policy(recompute="full"), P.Hardware(), cal, seq_len=64,
+                         global_batch=8 * 64, schedule=sched)  # fmt: skip
+        argv = shlex.split(" ".join(P.train_command(row, preset="tiny-linear", layers=4, seq_len=64)))
+        args = build_parser().parse_args(argv[argv.index("kimi_tools.cli") + 1 :])
+        assert (args.pp, args.pp_schedule, args.pp_layout) == (2, sched, "1,1,1,1")
+        assert [[r.start, r.stop] for r in stage_layout(cfg, 4, parse_stage_layout(args.pp_layout))] == row["stages"]
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        try:
+            tp = TrainParallel(args.cp, "cpu", dp=args.dp, ep=args.ep, pp=args.pp, pp_schedule=args.pp_schedule,
+                               pp_layout=args.pp_layout, world=4)  # fmt: skip
+            assert tp.stages_per_rank == 2 and tp.stages_needed == 4
+            tp.check_accum(args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens, args.seq_len)
+            assert tp.n_microbatches == row["microbatches"]
+        finally:
+            dist.destroy_process_group()
 
 
 def test_offload_costs_its_host_copies():
@@ -790,3 +812,117 @@ def test_offload_costs_its_host_copies():
     t_copy = off["host_activations"] / (cal.host_copy_gbps * 1e9)
     assert off["time"]["offload_copy_per_microbatch"] >= t_copy
     assert off["time"]["step"] > plain["time"]["step"]
+
+
+# ------------------------------------------------------------------------------ pipeline schedules
+
+
+@pytest.mark.parametrize("schedule", ["DualPipeV", "ZBVZeroBubble"])
+def test_v_bubble_formula_and_replay(schedule):
+    """The V schedules' bubble: the closed form ``(pp - 1)(F + B - 2 W)`` (:func:`kimi_tools.plan.schedule.bubble`)
+    by hand at pp 2, F = I = W = 1: one F, a sixth of 1F1B's 6 on its stages twice as long; the replay of torch's
+    action lists the planner runs (:func:`~kimi_tools.plan.schedule.replay_bubble`) equal to it where F = I = W (pp
+    2, 4, 8), the same for any micro-batch count from 2 pp, the published pp 8 case where the formula is short
+    (I = 1.5 F, W = 0.5 F: 16.5 F under DualPipeV against 14 F), and longer with I = W = 2 F (recomputation in both
+    parts of the backward)."""
+    from kimi_tools.plan import schedule as PS
+
+    assert PS.bubble(schedule, 2, F=1.0, B=2.0, W=1.0) == 1.0  # (2 - 1)(1 + 2 - 2)
+    assert PS.bubble("1F1B", 2, F=2.0, B=4.0) == 6.0  # one 1F1B stage = two V stages
+    assert PS.bubble(schedule, 2, F=1.0, B=2.0) == 1.0  # W = B / 2, the stated assumption
+    tol = 1e-5  # the replay's cache key rounds the ratios to 1e-6
+    for pp in (2, 4, 8):
+        got = [PS.replay_bubble(schedule, pp, 1.0, 1.0, 1.0, m) for m in (2 * pp, 2 * pp + 1, 5 * pp)]
+        assert all(abs(g - PS.bubble(schedule, pp, 1.0, 2.0, 1.0)) < tol for g in got), (pp, got)
+        assert abs(PS.replay_bubble(schedule, pp, 2.0, 2.0, 2.0) - 2 * (pp - 1)) < tol  # linear in the times
+    assert PS.bubble(schedule, 8, 1.0, 2.0, 0.5) == 14.0
+    assert (
+        abs(PS.replay_bubble(schedule, 8, 1.0, 1.5, 0.5) - {"DualPipeV": 16.5, "ZBVZeroBubble": 14.0}[schedule]) < tol
+    )
+    assert abs(PS.replay_bubble(schedule, 4, 1.0, 2.0, 2.0) - {"DualPipeV": 5.0, "ZBVZeroBubble": 6.0}[schedule]) < tol
+    with pytest.raises(ValueError, match="W: got 3"):
+        PS.bubble(schedule, 2, F=1.0, B=2.0, W=3.0)
+    with pytest.raises(ValueError, match="micro-batches: got 3 with"):
+        PS.replay_bubble(schedule, 2, 1.0, 1.0, 1.0, m=3)
+
+
+def test_v_row_counts_every_rank_in_flight_and_recomputes_twice():
+    """A V row's activations are its worst rank's peak over the micro-batches torch's schedule keeps in flight on
+    BOTH of its stages (2 pp + 1 under DualPipeV, 2 pp under ZBVZeroBubble, on every rank, against 1F1B's pp on rank
+    0 and 1 on the last), each stage's per-micro-batch bytes exact under whole-layer recomputation
+    (``held_per_microbatch``); its recomputation is paid twice (the split backward replays it), so the recomputed
+    compute over the V's stages is twice 1F1B's; its bubble is (pp - 1) F of one V stage."""
+    from kimi_tools.plan import schedule as PS
+
+    cfg = load_config("tiny-linear").truncated(4)  # 4 layers, blocks of one: pp 2 runs 2 or 4 stages
+    cal = P.load_calibration()
+    hw = P.Hardware(nvlink_gbps=1e9)  # no pipeline send time: the bubble is the compute's
+    T, pp, m = 64, 2, 8
+    kw = dict(seq_len=T, global_batch=m * T)
+    layout = P.Layout(pp, 1, 1, 1)
+    rows = {}
+    for sched in ("1F1B", "DualPipeV", "ZBVZeroBubble"):
+        for rc in ("none", "full"):
+            rows[sched, rc] = P.evaluate(cfg, layout, P.Policy(recompute=rc), hw, cal, schedule=sched, **kw)
+    for sched, total in (("DualPipeV", 2 * pp + 1), ("ZBVZeroBubble", 2 * pp)):
+        r = rows[sched, "full"]
+        assert r["schedule"] == sched and r["stages"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+        states = PS.inflight_states(sched, pp, m)
+        assert [max(sum(c) for c in st) for st in states] == [total] * pp  # every rank, not only the first
+        want = 0.0
+        for rank in range(pp):
+            stages = PS.rank_stages(sched, pp, rank)
+            held = [P.held_per_microbatch(cfg, range(s, s + 1), T, first=s == 0, last=s == 2 * pp - 1) for s in stages]
+            ws = max(cal.working_set(cfg, range(s, s + 1), T, "full") for s in stages)
+            want = max(want, max(c[0] * held[0] + c[1] * held[1] for c in states[rank]) + ws)
+        assert r["memory"]["activations"] == pytest.approx(want, rel=1e-12)
+        assert sum(r["inflight"]) == total or r["worst_rank"] == 0  # rank 0's peak may keep fewer on its head stage
+        # recomputation twice: the V's extra compute over its stages is twice 1F1B's over the same layers
+        extra_v = sum(rows[sched, "full"]["time"]["stage_compute_per_microbatch"]) - sum(
+            rows[sched, "none"]["time"]["stage_compute_per_microbatch"]
+        )
+        extra_1 = sum(rows["1F1B", "full"]["time"]["stage_compute_per_microbatch"]) - sum(
+            rows["1F1B", "none"]["time"]["stage_compute_per_microbatch"]
+        )
+        assert extra_1 > 0 and extra_v == pytest.approx(2 * extra_1, rel=1e-9)
+        # bubble: (pp - 1) x the forward of one V stage (a third of the model FLOPs' time), W = I = B / 2
+        none = rows[sched, "none"]
+        comp = none["time"]["stage_compute_per_microbatch"]
+        slowest = max(range(pp), key=lambda k: sum(comp[s] for s in PS.rank_stages(sched, pp, k)))
+        F_v = sum(comp[s] for s in PS.rank_stages(sched, pp, slowest)) / 3 / 2
+        assert none["time"]["bubble"] == pytest.approx((pp - 1) * F_v, rel=1e-5)
+        full = rows[sched, "full"]
+        comp = full["time"]["stage_compute_per_microbatch"]
+        t = sum(comp[s] for s in PS.rank_stages(sched, pp, slowest)) / 2
+        F_v = sum(none["time"]["stage_compute_per_microbatch"][s] for s in PS.rank_stages(sched, pp, slowest)) / 6
+        want = PS.replay_bubble(sched, pp, F_v, (t - F_v) / 2, (t - F_v) / 2)
+        assert full["time"]["bubble"] == pytest.approx(want, rel=1e-5)
+    one = rows["1F1B", "none"]
+    assert one["time"]["bubble"] == pytest.approx((pp - 1) * max(one["time"]["stage_compute_per_microbatch"]), rel=1e-6)
+    one = rows["1F1B", "full"]
+    assert one["inflight"] == [pp - one["worst_rank"]]  # 1F1B: pp - r on rank r
+
+
+def test_too_few_microbatches_never_get_a_v_schedule(capsys):
+    """A pp layout with fewer than 2 pp micro-batches per pipeline (but at least pp) runs 1F1B only: ``evaluate``
+    refuses a V there in one line, ``plan`` never gives one; with 2 pp the V schedules are searched."""
+    from kimi_tools.plan.search import schedule_refusal
+
+    cfg = load_config("tiny-linear").truncated(4)
+    cal = P.load_calibration()
+    L = P.Layout(2, 1, 1, 1)
+    for sched in ("DualPipeV", "ZBVZeroBubble"):
+        assert "3 micro-batch(es) per pipeline, fewer than the 4 stages" in schedule_refusal(cfg, L, 64, 3 * 64, sched)
+        with pytest.raises(ValueError, match=f"schedule: got {sched} with 3 micro-batch"):
+            P.evaluate(cfg, L, P.Policy(), P.Hardware(), cal, seq_len=64, global_batch=3 * 64, schedule=sched)
+        assert schedule_refusal(cfg, L, 64, 4 * 64, sched) is None
+    args = ["--preset", "tiny-linear", "--layers", "4", "--gpus", "4", "--seq-len", "64", "--gpu-memory", "1"]
+    for m in (2, 3, 4):  # micro-batches per pipeline at pp 2 x dp 2
+        rows = _plan_json(capsys, *args, "--reserve", "0", "--global-batch", str(m * 2 * 64))["layouts"]
+        assert any(r["layout"]["pp"] == 2 and r["microbatches"] == m for r in rows)
+        assert all(r["schedule"] == "1F1B" for r in rows if r["layout"]["pp"] > 1 and r["microbatches"] < 4), rows
+    for sched in ("DualPipeV", "ZBVZeroBubble"):  # searched where they run
+        kw = dict(seq_len=64, global_batch=4 * 2 * 64, schedules=(sched,))
+        rows = P.plan(cfg, 4, P.Hardware(gpu_memory_gb=1, reserve_gb=0), **kw)
+        assert {r["schedule"] for r in rows if r["layout"]["pp"] == 2} == {sched}
+        assert {r["schedule"] for r in rows if r["layout"]["pp"] == 1} == {None}

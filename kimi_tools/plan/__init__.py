@@ -40,7 +40,9 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   keeps what :func:`held_per_microbatch` counts (each layer's input, ``D x 2`` B per token). In every mode each
   in-flight micro-batch also keeps the stage's received and sent states and, on the last stage, the output mix,
   norm and loss tensors and the ``lm_head`` gradient (:func:`held_per_microbatch`). A stage under 1F1B holds
-  ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``); ``T = seq_len / cp`` tokens per rank.
+  ``min(pp - s, micro-batches)`` micro-batches in flight (stage ``s``); under a V schedule a rank holds the peak
+  of its two stages' in-flight micro-batches as torch's action list orders them
+  (:func:`~kimi_tools.plan.schedule.inflight_states`); ``T = seq_len / cp`` tokens per rank.
 * **the peak** comes when a backward starts (all activations in flight, no layer's gradient yet): parameters,
   optimizer states, FSDP2's gathered units then (:func:`layer_fsdp_bytes` by ``--reshard-after-forward``;
   :func:`stage_fsdp_bytes` under pp), the activations, and the sharded gradients only where an earlier micro-batch
@@ -64,8 +66,14 @@ backward's copies exposed, the forward's beyond the forward's compute), the rout
 all-to-all is added unhidden (``kimi train``'s default), or with ``--overlap-a2a`` as ``kimi train --ep-overlap
 chunks`` runs it (each MoE layer's tokens in two chunks: the experts at half the rows per expert, the first dispatch
 and the last combine of each layer exposed, the rest hidden behind the routed experts' compute); FSDP traffic
-overlaps compute (FSDP2's prefetch) and only its excess counts; 1F1B's bubble multiplies the slowest stage by
-``(m + pp - 1) / m`` for ``m`` micro-batches; the optimizer step reads and writes its states at HBM (or host)
+overlaps compute (FSDP2's prefetch) and only its excess counts; the pipeline schedule (:mod:`~kimi_tools.plan.schedule`,
+searched per layout among 1F1B, DualPipeV and ZBVZeroBubble): 1F1B's bubble multiplies the slowest stage by
+``(m + pp - 1) / m`` for ``m`` micro-batches; a V schedule runs ``2 pp`` stages, two per rank (rank ``r``: stages
+``r`` and ``2 pp - 1 - r``), its bubble replayed from torch's action lists with each stage's backward split into
+equal input and weight parts (an assumption: not measured), its micro-batches in flight on every rank
+(``2 pp + 1`` stage-micro-batches under DualPipeV, ``2 pp`` under ZBVZeroBubble), at least ``2 pp`` micro-batches a
+step, and a recomputed block's forward (and its all-to-all) paid twice, once in each part of the split backward;
+no all-to-all overlap is counted for them beyond ``--ep-overlap chunks``; the optimizer step reads and writes its states at HBM (or host)
 bandwidth. MFU = model FLOPs per token (``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
 The rates are k3.1-pro's: for a narrower preset the times are upper bounds (``kimi plan`` says so).
 
@@ -79,7 +87,8 @@ The package's parts: :mod:`~kimi_tools.plan.layout` (the hardware, the mesh, the
 :mod:`~kimi_tools.plan.params` (parameters, gradients, optimizer states, the FSDP2 working set),
 :mod:`~kimi_tools.plan.activations` (activation bytes), :mod:`~kimi_tools.plan.timing` (FLOPs, links),
 :mod:`~kimi_tools.plan.calibration` (the measured rates, ``calibration.json``), :mod:`~kimi_tools.plan.search`
-(:func:`evaluate`, :func:`plan`), :mod:`~kimi_tools.plan.render` (tables, :func:`train_command`),
+(:func:`evaluate`, :func:`plan`), :mod:`~kimi_tools.plan.schedule` (the pipeline schedules: stages, in-flight
+micro-batches, bubble), :mod:`~kimi_tools.plan.render` (tables, :func:`train_command`),
 :mod:`~kimi_tools.plan.cli` (``kimi plan``) and :mod:`~kimi_tools.plan.docs` (``docs/scaling.md``'s section 7).
 """
 
@@ -114,7 +123,8 @@ from kimi_tools.plan.layout import (
 )
 from kimi_tools.plan.params import layer_fsdp_bytes, lora_specs, rank_numel, stage_fsdp_bytes, state_bytes
 from kimi_tools.plan.render import COMMANDS_NOTE, HEADER, render_markdown, train_command
-from kimi_tools.plan.search import evaluate, plan
+from kimi_tools.plan.schedule import PLANNED_SCHEDULES, W_SHARE, bubble, inflight_states, replay_bubble
+from kimi_tools.plan.search import evaluate, plan, schedule_refusal
 from kimi_tools.plan.timing import Flops, layer_flops
 
 _args = plan_args  # the name benchmarks/rank_rehearsal.py calls
@@ -136,8 +146,10 @@ __all__ = [
     "HEADER",
     "MLP_FULL_LAYERS",
     "OPTIMIZERS",
+    "PLANNED_SCHEDULES",
     "RECOMPUTE",
     "RESHARD",
+    "W_SHARE",
     "Calibration",
     "Flops",
     "Hardware",
@@ -145,10 +157,12 @@ __all__ = [
     "Policy",
     "add_parser",
     "block_bytes",
+    "bubble",
     "calibration_config",
     "cmd_plan",
     "evaluate",
     "held_per_microbatch",
+    "inflight_states",
     "layer_activation_bytes",
     "layer_flops",
     "layer_fsdp_bytes",
@@ -160,7 +174,9 @@ __all__ = [
     "rank_numel",
     "render_docs",
     "render_markdown",
+    "replay_bubble",
     "run_plan",
+    "schedule_refusal",
     "shard_rows",
     "splice_docs",
     "stage_fsdp_bytes",

@@ -88,6 +88,7 @@ def rank_numel(
     dp_cp_coord: int = 0,
     efsdp_coord: int = 0,
     lora_rank: int | None = None,
+    num_stages: int | None = None,
 ) -> dict[str, int]:
     """Elements of the parameters one rank of pipeline stage ``stage`` holds: ``dense`` (everything but the routed
     experts, sharded over ``dp x cp`` at coordinate ``dp_cp_coord``), ``experts`` (the rank's ``E / ep`` rows of each
@@ -96,8 +97,10 @@ def rank_numel(
     the checkpoint keeps fp32), ``frozen`` / ``frozen_fp32`` (the LoRA base), ``fixed`` (no gradient:
     ``e_score_correction_bias``). FSDP2 shards every bf16 parameter along dim 0 (:func:`shard_rows`); the tensors
     the checkpoint keeps fp32 (and the fixed bias) are whole on every rank, as the bf16 trainer leaves them to FSDP2's
-    ``ignored_params`` (``kernels_torch.parallel.fsdp.fp32_compute_params``)."""
-    ranges = stage_ranges(cfg, layout.pp)
+    ``ignored_params`` (``kernels_torch.parallel.fsdp.fp32_compute_params``). ``num_stages``: the stages of the
+    pipeline's cut (None: ``layout.pp``; ``2 pp`` under a V schedule, where a rank holds two of them)."""
+    ns = num_stages or layout.pp
+    ranges = stage_ranges(cfg, ns)
     n_dc = layout.dp * layout.cp
     tot = dict.fromkeys(("dense", "experts", "lora", "fixed", "fp32"), 0)
 
@@ -110,7 +113,7 @@ def rank_numel(
         return rows if flag in ("fp32", "fixed") else shard_rows(rows, n_dc, dp_cp_coord)
 
     for kind, flag, rows, inner, count in _groups(cfg, None, None):
-        if (stage == 0) if kind == "embed" else (stage == layout.pp - 1):
+        if (stage == 0) if kind == "embed" else (stage == ns - 1):
             add(kind, flag, count * dense_rows(flag, rows) * inner)
     for i in ranges[stage]:
         for kind, flag, rows, inner, count in _groups(cfg, i, lora_rank):
@@ -182,18 +185,22 @@ def _fsdp_unit(cfg: KimiConfig, layer: int | None, n_dc: int, ep: int, efsdp: in
     return gathered, graded
 
 
-def stage_fsdp_bytes(cfg: KimiConfig, layout: Layout, stage: int, *, reduce_bytes: int = 4, lora_rank=None) -> int:
+def stage_fsdp_bytes(
+    cfg: KimiConfig, layout: Layout, stage: int, *, reduce_bytes: int = 4, lora_rank=None, num_stages: int | None = None
+) -> int:
     """Bytes FSDP2 holds unsharded on a rank of pipeline stage ``stage`` under the trainer's "stage" policy
     (:func:`trainer_fsdp`, ``pp`` > 1) from the first backward of a step to its end: every unit of the stage (its
     layers, their routed experts, the stage module's root) gathered in bf16 (:func:`_fsdp_unit`, with FSDP2's
     padding) and the gradients of its trained parameters, unsharded, in the reduce dtype (``reduce_bytes``: 4 for
-    fp32, 2 for bf16). ``tests/test_plan.py`` measures it on the pipeline trainer between micro-batches."""
-    layers = stage_ranges(cfg, layout.pp)[stage]
+    fp32, 2 for bf16). ``num_stages``: as :func:`rank_numel`. ``tests/test_plan.py`` measures it on the pipeline
+    trainer between micro-batches."""
+    ns = num_stages or layout.pp
+    layers = stage_ranges(cfg, ns)[stage]
     n_dc = layout.dp * layout.cp
     units = [_fsdp_unit(cfg, i, n_dc, layout.ep, layout.efsdp, lora_rank, "") for i in layers]
     if stage == 0:
         units.append(_fsdp_unit(cfg, None, n_dc, 1, 1, None, "first"))
-    if stage == layout.pp - 1:
+    if stage == ns - 1:
         units.append(_fsdp_unit(cfg, None, n_dc, 1, 1, None, "last"))
     return sum(g * GATHER_BYTES + t * reduce_bytes for g, t in units)
 

@@ -15,7 +15,8 @@ def _row(r: dict) -> str:
     opt = p["optimizer"] + ("+cpu" if p["offload"] == "cpu" else "")
     rc = p["recompute"] + (f", offload {p['act_offload']}" if p.get("act_offload", "none") != "none" else "")
     return (
-        f"| {L['pp']} | {L['dp']} | {L['cp']} | {L['ep']} | {L['efsdp']} | {opt} | {rc} | {p['fsdp']} "
+        f"| {L['pp']} | {r.get('schedule') or '-'} | {L['dp']} | {L['cp']} | {L['ep']} | {L['efsdp']} | {opt} | {rc} "
+        f"| {p['fsdp']} "
         f"| {r['microbatches']} | {_gb(mem['params'])} | {_gb(mem['grads'])} | {_gb(mem['optimizer'])} "
         f"| {_gb(mem['gathered'])} | {_gb(mem['activations'])} | **{_gb(mem['total'])}** "
         f"| {_gb(c['all_gather'])} | {_gb(c['reduce_scatter'])} | {_gb(c['all_to_all'])} | {_gb(c['pipeline'])} "
@@ -24,10 +25,10 @@ def _row(r: dict) -> str:
 
 
 HEADER = (
-    "| pp | dp | cp | ep | efsdp | optimizer | recompute, act. offload | fsdp | micro-batches | params GB | grads GB | optimizer GB "
+    "| pp | schedule | dp | cp | ep | efsdp | optimizer | recompute, act. offload | fsdp | micro-batches | params GB | grads GB | optimizer GB "
     "| gathered GB | activations GB | total GB | all-gather GB | reduce-scatter GB | all-to-all GB | pipeline GB "
     "| step s | tokens/s/GPU | TFLOP/s/GPU | MFU |\n"
-    "|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "|---:|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -71,7 +72,8 @@ def train_command(
     """The ``torchrun ... -m kimi_tools.cli train ...`` command (argv) that runs ``row`` (an :func:`evaluate`
     result): ``torchrun --standalone`` on one node, else ``--nnodes N`` with a c10d rendezvous at ``HOST:29500``
     (``N`` the fewest nodes of at most ``gpus_per_node`` ranks that divide the world); the layout (``--pp``, with
-    ``--pp-schedule 1F1B`` and the planned ``--pp-layout``, ``--dp``, ``--cp``, ``--ep``); one ``--seq-len``
+    the row's ``--pp-schedule`` and its ``--pp-layout``: the layers of each of its stages, ``pp`` for 1F1B, ``2 pp``
+    for DualPipeV and ZBVZeroBubble, as ``kimi train`` checks them; ``--dp``, ``--cp``, ``--ep``); one ``--seq-len``
     sequence per micro-batch (``--micro-batch-tokens``) and the planned tokens per step (``--batch-tokens`` =
     ``dp x micro-batches x seq_len``); bf16 on the cudnn backend; the recomputation (``--recompute
     --recompute-mode attn|mlp|layer``), the activation offload (``--offload-activations``), a reshard policy other
@@ -93,7 +95,7 @@ def train_command(
     cmd += ["--seq-len", str(seq_len), "--micro-batch-tokens", str(seq_len), "--batch-tokens", str(tokens)]
     if L["pp"] > 1:
         counts = ",".join(str(b - a) for a, b in row["stages"])
-        cmd += ["--pp", str(L["pp"]), "--pp-schedule", "1F1B", "--pp-layout", counts]
+        cmd += ["--pp", str(L["pp"]), "--pp-schedule", row.get("schedule") or "1F1B", "--pp-layout", counts]
     cmd += ["--dp", str(L["dp"]), "--cp", str(L["cp"]), "--ep", str(L["ep"])]
     if p["recompute"] != "none":
         cmd += ["--recompute", "--recompute-mode", {"full": "layer"}.get(p["recompute"], p["recompute"])]

@@ -21,16 +21,29 @@ from kimi_tools.plan.layout import (
     trainer_fsdp,
 )
 from kimi_tools.plan.params import layer_fsdp_bytes, rank_numel, stage_fsdp_bytes, state_bytes, unsharded_numel
+from kimi_tools.plan.schedule import (
+    PLANNED_SCHEDULES,
+    V_SCHEDULES,
+    W_SHARE,
+    bubble,
+    inflight_states,
+    min_microbatches,
+    num_stages,
+    rank_stages,
+    recompute_passes,
+    replay_bubble,
+)
 from kimi_tools.plan.timing import a2a_time, layer_flops, ring_bandwidth
 
 
-def stage_static(cfg: KimiConfig, L: Layout, lora_rank: int | None) -> tuple:
-    """Per stage, what does not depend on the policy: (:func:`rank_numel`, (gathered, trainable) elements of each
-    layer as one FSDP unit, the stage's unsharded elements {dense, experts, lora, train_dense, train_experts}, MoE
-    layers)."""
+def stage_static(cfg: KimiConfig, L: Layout, lora_rank: int | None, num_stages: int | None = None) -> tuple:
+    """Per stage of the cut into ``num_stages`` (None: ``L.pp``), what does not depend on the policy:
+    (:func:`rank_numel`, (gathered, trainable) elements of each layer as one FSDP unit, the stage's unsharded
+    elements {dense, experts, lora, train_dense, train_experts}, MoE layers)."""
+    ns = num_stages or L.pp
     out = []
-    for s, layers in enumerate(stage_ranges(cfg, L.pp)):
-        n = rank_numel(cfg, L, s, lora_rank=lora_rank)
+    for s, layers in enumerate(stage_ranges(cfg, ns)):
+        n = rank_numel(cfg, L, s, lora_rank=lora_rank, num_stages=ns)
         per_layer = [unsharded_numel(cfg, i, L.ep, lora_rank) for i in layers]
         sizes = [
             (u["dense"] + u["experts"] + u["lora"], u["lora"] if lora_rank else u["dense"] + u["experts"])
@@ -39,7 +52,7 @@ def stage_static(cfg: KimiConfig, L: Layout, lora_rank: int | None) -> tuple:
         full = {k: sum(u[k] for u in per_layer) for k in ("dense", "experts", "lora")}
         if s == 0:
             full["dense"] += unsharded_numel(cfg, None, 1, None, "first")["dense"]
-        if s == L.pp - 1:
+        if s == ns - 1:
             full["dense"] += unsharded_numel(cfg, None, 1, None, "last")["dense"]
         if lora_rank:  # the frozen base is gathered, only the adapters' gradients are reduced
             full["train_dense"], full["train_experts"] = full["lora"], 0
@@ -62,19 +75,32 @@ def evaluate(
     global_batch: int,
     lora_rank: int | None = None,
     overlap_a2a: bool = False,
+    schedule: str = "1F1B",
 ) -> dict:
-    """One layout under one policy: per-rank bytes (worst stage), communication per step, predicted time and MFU.
+    """One layout under one policy and pipeline schedule: per-rank bytes (worst rank), communication per step,
+    predicted time and MFU.
 
     Args:
         seq_len: tokens per sequence (one micro-batch row, cut over ``cp``). global_batch: tokens per optimizer
             step; micro-batches per pipeline ``m = max(1, global_batch // (dp x seq_len))``.
         overlap_a2a: the all-to-all as ``kimi train --ep-overlap chunks`` runs it (module docstring; ep > 1 only).
+        schedule: ``kimi train --pp-schedule`` for ``pp`` > 1, one of
+            :data:`~kimi_tools.plan.schedule.PLANNED_SCHEDULES` (ignored at ``pp`` = 1):
+            1F1B (``pp`` stages) or a V (``2 pp`` stages, two per rank; its bubble, its in-flight micro-batches on
+            every rank and its recomputation replayed twice: :mod:`kimi_tools.plan.schedule`).
 
     Returns:
-        A JSON-able dict: ``layout``, ``policy``, ``microbatches``, ``memory`` (bytes: params, grads, optimizer,
-        gathered, activations, total; host bytes when offloaded), ``comm`` (bytes per step per rank: all_gather,
-        reduce_scatter, all_to_all, pipeline), ``time`` (s: compute, all_to_all, fsdp_exposed, pipeline, bubble,
-        optimizer, step), ``tokens_per_s_per_gpu``, ``tflops_per_gpu``, ``mfu``, ``fits``.
+        A JSON-able dict: ``layout``, ``policy``, ``schedule`` (None at ``pp`` = 1), ``stages`` (each stage's
+        ``[start, stop)`` layers), ``microbatches``, ``worst_rank`` and its ``worst_rank_stages`` (``worst_stage``
+        the first of them), ``inflight`` (its micro-batches in flight per stage at the activation peak), ``memory``
+        (bytes: params, grads, optimizer, gathered, activations, total; host bytes when offloaded), ``comm`` (bytes
+        per step per rank: all_gather, reduce_scatter, all_to_all, pipeline), ``time`` (s: compute, all_to_all,
+        fsdp_exposed, pipeline, bubble, optimizer, step; per micro-batch the slowest rank's), ``tokens_per_s_per_gpu``,
+        ``tflops_per_gpu``, ``mfu``, ``fits``.
+
+    Raises:
+        ValueError: a policy's FSDP other than the trainer's; a schedule outside ``PLANNED_SCHEDULES``, a V
+            schedule with fewer than ``2 pp`` micro-batches or ``2 pp`` not dividing the AttnRes blocks.
     """
     L = layout
     fsdp = trainer_fsdp(L.pp)
@@ -85,10 +111,24 @@ def evaluate(
         )
     policy = dataclasses.replace(policy, fsdp=fsdp)
     m = max(1, global_batch // (L.dp * seq_len))
+    sched = schedule if L.pp > 1 else None
+    if sched is None:  # one micro-batch at a time without a pipeline
+        ns, inflight, rank_of = 1, (((1,),),), [(0,)]
+    else:
+        ns = num_stages(sched, L.pp)
+        if m < min_microbatches(sched, L.pp):
+            raise ValueError(
+                f"schedule: got {sched} with {m} micro-batch(es) per pipeline, expected at least "
+                f"{min_microbatches(sched, L.pp)} (one per stage)"
+            )
+        inflight = inflight_states(sched, L.pp, m)
+        rank_of = [rank_stages(sched, L.pp, r) for r in range(L.pp)]
+    passes = recompute_passes(sched)
     T = seq_len // L.cp
     pb, gb, ob = OPTIMIZERS[policy.optimizer]
     rb = 4 if policy.optimizer == "adamw-fp32" else 2  # reduce-scatter dtype
     fl = layer_flops(cfg, seq_len, frozen_weights=bool(lora_rank))
+    fwd_share = 1 / 2 if lora_rank else 1 / 3  # the forward's part of a layer's training FLOPs (weights: 1 of 3)
     rows = T * cfg.num_experts_per_token * L.ep / cfg.num_experts if cfg.num_experts else 0.0
     # overlap_a2a: the trainer's --ep-overlap chunks (kernels_torch.parallel.expert): each MoE layer's tokens in two
     # chunks, so the experts run half the rows per expert (the calibrated rate there); the first dispatch and the
@@ -96,24 +136,25 @@ def evaluate(
     # the routed experts compute and shows only where it outlasts them
     chunks = bool(overlap_a2a and L.ep > 1 and rows)
     slow = cal.expert_slowdown(rows / 2 if chunks else rows, policy.recompute) if rows else 1.0
-    ranges = stage_ranges(cfg, L.pp)
+    ranges = stage_ranges(cfg, ns)
     n_dc = L.dp * L.cp
     D, k = cfg.hidden_size, cfg.num_experts_per_token
     Dl = cfg.routed_expert_hidden_size or D
     block = cfg.attn_res_block_size or 1
-    a2a_units = 6 if policy.recompute in ("mlp", "full") else 4  # dispatch + combine, fwd, bwd (+ the recomputed)
+    # dispatch + combine, fwd, bwd (+ the recomputed, once per recompute pass)
+    a2a_units = 4 + 2 * passes if policy.recompute in ("mlp", "full") else 4
     stages = []
-    static = stage_static(cfg, L, lora_rank)
+    static = stage_static(cfg, L, lora_rank, ns)
     rate = cal.tflops["none"] * 1e12  # every policy's work runs at the measured rate; recomputation adds work
     copy_rate = cal.host_copy_gbps * GB
+    v_turn = L.pp if sched in V_SCHEDULES else None  # the V's stage that its predecessor hands over in memory
     for s, layers in enumerate(ranges):
         n, sizes, full, moe = static[s]
         if fsdp == "layer":
             gathered = layer_fsdp_bytes(cfg, L, reshard=policy.reshard, lora_rank=lora_rank)
         else:
-            gathered = stage_fsdp_bytes(cfg, L, s, reduce_bytes=rb, lora_rank=lora_rank)
-        inflight = min(L.pp - s, m)
-        first, last = s == 0, s == L.pp - 1
+            gathered = stage_fsdp_bytes(cfg, L, s, reduce_bytes=rb, lora_rank=lora_rank, num_stages=ns)
+        first, last = s == 0, s == ns - 1
         held = held_per_microbatch(cfg, layers, T, first=first, last=last, lm_head_grad=not lora_rank)
         inputs = layer_inputs_bytes(layers, T, D, first)
         if policy.recompute == "full":  # the layer inputs (exact, in `held`) on the device or the host
@@ -122,24 +163,6 @@ def evaluate(
         else:  # the per-layer bytes replace the layer inputs; the stage's I/O and head come on top
             dev, host_mb = cal.layer_bytes(cfg, layers, T, policy.recompute, policy.act_offload)
             dev_mb = dev + held - inputs
-        act = inflight * dev_mb + cal.working_set(cfg, layers, T, policy.recompute)
-        on_gpu = policy.offload == "none"
-        sb = state_bytes(n, policy.optimizer)
-        # the activation peak comes when the backward starts: the sharded gradients exist only after a first
-        # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end)
-        grads_held = sb["grads"] if on_gpu and fsdp == "layer" and m > 1 else 0
-        mem = {
-            "params": sb["params"] if on_gpu else 0,
-            "grads": sb["grads"] if on_gpu else 0,
-            "optimizer": sb["optimizer"] if on_gpu else 0,
-            "gathered": gathered,
-            "activations": act,
-        }
-        mem["backward_peak"] = mem["params"] + mem["optimizer"] + gathered + act + grads_held
-        mem["step_peak"] = mem["params"] + mem["grads"] + mem["optimizer"]
-        mem["total"] = max(mem["backward_peak"], mem["step_peak"])
-        host_act = inflight * host_mb
-        host = (0 if on_gpu else sum(sb.values())) + host_act
         # communication per step (bytes per rank)
         # "layer": a forward and a backward gather per micro-batch, a reduce-scatter per micro-batch; "stage": each
         # forward after a backward finds the units still gathered and reshards them (reshard_after_forward), so
@@ -157,22 +180,24 @@ def evaluate(
         b_in = layers.start // block  # AttnRes blocks stored when entering this stage
         b_out = layers.stop // block if layers.stop < cfg.num_hidden_layers else None
         pp_bytes = 0.0
-        if s > 0:
+        if s > 0 and s != v_turn:
             pp_bytes += m * 2 * (b_in + 1) * T * D * 2  # receive forward, send the gradient back
-        if b_out is not None:
+        if b_out is not None and s + 1 != v_turn:
             pp_bytes += m * 2 * (b_out + 1) * T * D * 2
         comm = {"all_gather": ag_d + ag_e, "reduce_scatter": rs_d + rs_e, "all_to_all": a2a, "pipeline": pp_bytes}
         # time
-        f_stage = T * (sum(fl.layers[i] for i in layers) + (fl.head if s == L.pp - 1 else 0.0))
+        f_stage = T * (sum(fl.layers[i] for i in layers) + (fl.head if last else 0.0))
         f_exp = T * sum(fl.experts[i] for i in layers)
         rec = [fl.recomputed(i, policy.recompute) for i in layers]
-        f_rec, f_rec_exp = T * sum(r[0] for r in rec), T * sum(r[1] for r in rec)
+        f_rec, f_rec_exp = passes * T * sum(r[0] for r in rec), passes * T * sum(r[1] for r in rec)
         # per micro-batch: the measured rate, the experts slowed down at a lower density than the calibration's
-        t_comp = (f_stage + f_rec + (f_exp + f_rec_exp) * (slow - 1.0)) / rate
+        t_model = (f_stage + f_exp * (slow - 1.0)) / rate
+        t_comp = t_model + (f_rec + f_rec_exp * (slow - 1.0)) / rate
         # activation offload: the forward's copies on a side stream behind the forward, the backward's on the
         # compute stream (read when needed, not prefetched: kernels_torch.activation_memory.save_on_host)
         t_copy = host_mb / copy_rate
-        t_off = t_copy + max(0.0, t_copy - (f_stage / 3) / rate) if host_mb else 0.0
+        t_off_fwd = max(0.0, t_copy - (f_stage / 3) / rate) if host_mb else 0.0
+        t_off = t_copy + t_off_fwd if host_mb else 0.0
         t_a2a = a2a_time(a2a / m, L.ep, hw) if a2a else 0.0
         t_exp = (f_exp + f_rec_exp) * slow / rate  # the routed experts' part of t_comp
         t_shown = t_a2a / 2 + max(0.0, t_a2a / 2 - t_exp) if chunks else t_a2a
@@ -180,16 +205,62 @@ def evaluate(
         bw_ef = ring_bandwidth(L.efsdp, L.ep, hw)
         t_fsdp = (ag_d + rs_d) / bw_dc + (ag_e + rs_e) / bw_ef
         t_pp = pp_bytes / m / ring_bandwidth(2, n_dc, hw)
+        # the forward's part of the micro-batch: its compute, its dispatch and combine, its send, its copies' excess
+        t_fwd = t_model * fwd_share + t_shown * 2 / a2a_units + t_pp / 2 + t_off_fwd
         stages.append(
-            dict(stage=s, mem=mem, host=host, comm=comm, t_comp=t_comp, t_a2a=t_a2a, t_fsdp=t_fsdp, t_pp=t_pp, n=n)
-            | {"t_shown": t_shown, "t_off": t_off, "host_act": host_act, "share": f_stage / (f_stage + f_rec)}
+            dict(n=n, gathered=gathered, dev_mb=dev_mb, host_mb=host_mb, comm=comm, t_comp=t_comp, t_a2a=t_a2a)
+            | dict(t_shown=t_shown, t_fsdp=t_fsdp, t_pp=t_pp, t_off=t_off, t_fwd=t_fwd, f=f_stage, f_rec=f_rec)
+            | {"ws": cal.working_set(cfg, layers, T, policy.recompute)}
         )
-    worst = max(stages, key=lambda st: st["mem"]["total"])
-    t_micro = max(st["t_comp"] + st["t_shown"] + st["t_pp"] + st["t_off"] for st in stages)
+    ranks = []
+    usable = (hw.gpu_memory_gb - hw.reserve_gb) * GB
+    for r, held_stages in enumerate(rank_of):
+        st = [stages[s] for s in held_stages]
+        n = {key: sum(x["n"][key] for x in st) for key in st[0]["n"]}
+        on_gpu = policy.offload == "none"
+        sb = state_bytes(n, policy.optimizer)
+        gathered = sum(x["gathered"] for x in st)
+        counts = inflight[r]
+        peak = max(counts, key=lambda c: sum(c[j] * st[j]["dev_mb"] for j in range(len(st))))
+        act = sum(peak[j] * st[j]["dev_mb"] for j in range(len(st))) + max(x["ws"] for x in st)
+        host_act = max(sum(c[j] * st[j]["host_mb"] for j in range(len(st))) for c in counts)
+        # the activation peak comes when the backward starts: the sharded gradients exist only after a first
+        # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end)
+        grads_held = sb["grads"] if on_gpu and fsdp == "layer" and m > 1 else 0
+        mem = {
+            "params": sb["params"] if on_gpu else 0,
+            "grads": sb["grads"] if on_gpu else 0,
+            "optimizer": sb["optimizer"] if on_gpu else 0,
+            "gathered": gathered,
+            "activations": act,
+        }
+        mem["backward_peak"] = mem["params"] + mem["optimizer"] + gathered + act + grads_held
+        mem["step_peak"] = mem["params"] + mem["grads"] + mem["optimizer"]
+        mem["total"] = max(mem["backward_peak"], mem["step_peak"])
+        host = (0 if on_gpu else sum(sb.values())) + host_act
+        comm = {key: sum(x["comm"][key] for x in st) for key in st[0]["comm"]}
+        t = {key: sum(x[key] for x in st) for key in ("t_comp", "t_a2a", "t_shown", "t_pp", "t_off", "t_fwd", "t_fsdp")}
+        f, f_rec = sum(x["f"] for x in st), sum(x["f_rec"] for x in st)
+        ranks.append(
+            dict(rank=r, stages=held_stages, mem=mem, host=host, host_act=host_act, comm=comm, n=n, peak=peak)
+            | t
+            | {"t_micro": t["t_comp"] + t["t_shown"] + t["t_pp"] + t["t_off"], "share": f / (f + f_rec)}
+        )
+    worst = max(ranks, key=lambda x: x["mem"]["total"])
+    slowest = max(ranks, key=lambda x: x["t_micro"])
+    t_micro = slowest["t_micro"]
     busy = m * t_micro
-    pipeline = (m + L.pp - 1) * t_micro
-    fsdp_exposed = max(max(0.0, st["t_fsdp"] - m * st["t_comp"]) for st in stages)
-    tr = max(st["n"]["trainable"] for st in stages)
+    if sched is None:
+        bub = 0.0
+    elif sched in V_SCHEDULES:  # one of the 2 pp stages: the slowest rank's two stages' mean, I = W = B / 2
+        F = slowest["t_fwd"] / 2
+        B = t_micro / 2 - F
+        bub = replay_bubble(sched, L.pp, F, B * (1 - W_SHARE), B * W_SHARE)
+    else:
+        bub = bubble(sched, L.pp, slowest["t_fwd"], t_micro - slowest["t_fwd"])
+    pipeline = busy + bub
+    fsdp_exposed = max(max(0.0, x["t_fsdp"] - m * x["t_comp"]) for x in ranks)
+    tr = max(x["n"]["trainable"] for x in ranks)
     if policy.offload == "none":
         t_opt = tr * (pb + gb + 2 * ob + pb) / (hw.hbm_gbps * GB)  # read p, g, m, v; write p, m, v
     else:
@@ -198,11 +269,11 @@ def evaluate(
     tokens = L.dp * m * seq_len
     tps = tokens / step / L.world
     f_tok = fl.total  # = kimi.flops.estimate_flops(cfg, seq_len)["flops_per_token"] (2/3 of the matmuls for LoRA)
-    usable = (hw.gpu_memory_gb - hw.reserve_gb) * GB
     fits = worst["mem"]["total"] <= usable and worst["host"] <= hw.host_memory_gb * GB
     return {
         "layout": dataclasses.asdict(L) | {"efsdp": L.efsdp, "world": L.world},
         "policy": dataclasses.asdict(policy),
+        "schedule": sched,
         "stages": [[r.start, r.stop] for r in ranges],
         "microbatches": m,
         "tokens_per_microbatch_per_rank": T,
@@ -210,23 +281,26 @@ def evaluate(
         "ep_overlap": "chunks" if chunks else "none",
         "expert_slowdown": slow,
         "global_batch_tokens": tokens,
-        "worst_stage": worst["stage"],
+        "worst_rank": worst["rank"],
+        "worst_rank_stages": list(worst["stages"]),
+        "worst_stage": worst["stages"][0],
+        "inflight": list(worst["peak"]),
         "memory": worst["mem"],
         "host_memory": worst["host"],
         "host_activations": worst["host_act"],
         "numel": worst["n"],
         "comm": worst["comm"],
         "time": {
-            "compute_per_microbatch": max(st["t_comp"] for st in stages),
-            "stage_compute_per_microbatch": [st["t_comp"] for st in stages],
-            "all_to_all_per_microbatch": max(st["t_a2a"] for st in stages),
-            "all_to_all_exposed_per_microbatch": max(st["t_shown"] for st in stages),
-            "pipeline_send_per_microbatch": max(st["t_pp"] for st in stages),
-            "offload_copy_per_microbatch": max(st["t_off"] for st in stages),
-            # the model FLOPs' share of the slowest stage's work (recomputation adds the rest)
-            "compute_model_flops_share": max(stages, key=lambda st: st["t_comp"])["share"],
+            "compute_per_microbatch": max(x["t_comp"] for x in ranks),
+            "stage_compute_per_microbatch": [x["t_comp"] for x in stages],
+            "all_to_all_per_microbatch": max(x["t_a2a"] for x in ranks),
+            "all_to_all_exposed_per_microbatch": max(x["t_shown"] for x in ranks),
+            "pipeline_send_per_microbatch": max(x["t_pp"] for x in ranks),
+            "offload_copy_per_microbatch": max(x["t_off"] for x in ranks),
+            # the model FLOPs' share of the slowest rank's work (recomputation adds the rest)
+            "compute_model_flops_share": max(ranks, key=lambda x: x["t_comp"])["share"],
             "busy": busy,
-            "bubble": pipeline - busy,
+            "bubble": bub,
             "fsdp_exposed": fsdp_exposed,
             "optimizer": t_opt,
             "step": step,
@@ -260,6 +334,24 @@ def _batch_refusal(L: Layout, seq_len: int, global_batch: int) -> str | None:
     return None
 
 
+def schedule_refusal(cfg: KimiConfig, L: Layout, seq_len: int, global_batch: int, schedule: str) -> str | None:
+    """Why the pipeline of layout ``L`` cannot run ``schedule`` (:data:`~kimi_tools.plan.schedule.PLANNED_SCHEDULES`)
+    with steps of ``global_batch`` tokens in ``seq_len`` sequences, or None (always None at ``pp`` = 1, where no
+    schedule runs): fewer micro-batches per pipeline than the schedule's stages
+    (:func:`~kimi_tools.plan.schedule.min_microbatches`: ``2 pp`` for a V), or its ``2 pp`` stages not a divisor of
+    the AttnRes blocks (the cut at block boundaries, :func:`stage_ranges`)."""
+    if L.pp == 1:
+        return None
+    ns = num_stages(schedule, L.pp)
+    m = global_batch // (L.dp * seq_len)
+    if m < ns:
+        return f"{m} micro-batch(es) per pipeline, fewer than the {ns} stages of {schedule} on {L.pp} ranks"
+    blocks = -(-cfg.num_hidden_layers // (cfg.attn_res_block_size or 1))
+    if blocks % ns:
+        return f"{schedule}'s {ns} stages on {L.pp} ranks do not divide the {blocks} AttnRes blocks"
+    return None
+
+
 def _pipeline_refusal(lora_rank: int | None, fp8: str | None) -> str | None:
     """The trainer's refusal of ``--pp`` > 1 for this run (``kimi_tools.train.parallel.refuse_pipeline``), or None."""
     import types
@@ -288,17 +380,19 @@ def plan(
     cps: tuple[int, ...] = (1, 2, 4, 8),
     only: Layout | None = None,
     dropped: list[tuple[str, str]] | None = None,
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES,
 ) -> list[dict]:
     """Every layout of ``gpus`` GPUs (``pp`` dividing the AttnRes blocks, ``cp`` in ``cps`` dividing ``seq_len``,
     ``ep`` dividing ``dp x cp`` and the expert count) that ``kimi train`` runs, each with the fastest policy
-    (recompute mode, then the first of ``optimizers`` x ``offloads`` in order; the FSDP policy the trainer's for the
-    layout, :func:`trainer_fsdp`) that fits; layouts where none fits come with their smallest-memory policy and
+    (recompute mode and, at ``pp`` > 1, the pipeline schedule among ``schedules`` that runs there
+    (:func:`schedule_refusal`), then the first of ``optimizers`` x ``offloads`` in order; the FSDP policy the
+    trainer's for the layout, :func:`trainer_fsdp`) that fits, the row's ``schedule`` saying which; layouts where none fits come with their smallest-memory policy and
     ``fits`` false. Sorted: fitting first, then by predicted MFU (descending).
 
     A step is ``m = global_batch // (dp x seq_len)`` micro-batches of one sequence per pipeline (rounded down: the
     row's ``global_batch_tokens`` says what runs). Left out, with the reason appended to ``dropped``: layouts whose
     ``dp`` ranks cannot each get a sequence (``m`` < 1), pipelines with fewer micro-batches than stages (the
-    trainer's 1F1B refuses them), and ``pp`` > 1 where the trainer refuses the pipeline (LoRA, FP8:
+    trainer's 1F1B refuses them; a V schedule needs ``2 pp``, else 1F1B alone is tried), and ``pp`` > 1 where the trainer refuses the pipeline (LoRA, FP8:
     ``kimi_tools.train.parallel.refuse_pipeline``); each as ``(layout, reason)`` in ``dropped``.
 
     Raises:
@@ -353,27 +447,41 @@ def plan(
                     if dropped is not None:
                         dropped.append((L.name(), why))
                     continue
+                runs = [x for x in schedules if not schedule_refusal(cfg, L, seq_len, global_batch, x)][
+                    : 1 if pp == 1 else None
+                ]
+                if not runs:
+                    if dropped is not None:
+                        why = "; ".join(schedule_refusal(cfg, L, seq_len, global_batch, x) for x in schedules)
+                        dropped.append((L.name(), why))
+                    continue
                 best = None
                 for opt in optimizers:
                     for off in offloads:
-                        for rc, ao in POLICIES:
-                            r = evaluate(
-                                cfg,
-                                L,
-                                Policy(opt, off, rc, act_offload=ao),
-                                hw,
-                                cal,
-                                seq_len=seq_len,
-                                global_batch=global_batch,
-                                lora_rank=lora_rank,
-                                overlap_a2a=overlap_a2a,
-                            )
-                            if best is None:
-                                best = r
-                            elif r["fits"] and (not best["fits"] or r["mfu"] > best["mfu"]):
-                                best = r
-                            elif not r["fits"] and not best["fits"] and r["memory"]["total"] < best["memory"]["total"]:
-                                best = r
+                        for sched in runs:
+                            for rc, ao in POLICIES:
+                                r = evaluate(
+                                    cfg,
+                                    L,
+                                    Policy(opt, off, rc, act_offload=ao),
+                                    hw,
+                                    cal,
+                                    seq_len=seq_len,
+                                    global_batch=global_batch,
+                                    lora_rank=lora_rank,
+                                    overlap_a2a=overlap_a2a,
+                                    schedule=sched,
+                                )
+                                if best is None:
+                                    best = r
+                                elif r["fits"] and (not best["fits"] or r["mfu"] > best["mfu"]):
+                                    best = r
+                                elif (
+                                    not r["fits"]
+                                    and not best["fits"]
+                                    and r["memory"]["total"] < best["memory"]["total"]
+                                ):
+                                    best = r
                         if best["fits"]:
                             break
                     if best["fits"]:
