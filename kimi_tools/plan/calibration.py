@@ -47,16 +47,22 @@ class Calibration:
     host_ratio: dict = field(default_factory=dict)
     host_copy_gbps: float = 64.0
     host_copy_source: str = ""
+    _memo: dict = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )  # layer_bytes / working_set results
 
     def layer_bytes(self, cfg: KimiConfig, layers: range, T: int, recompute: str, offload: str = "none"):
         """``(device, host)`` activation bytes of ``layers`` of ``cfg`` for ``T`` tokens under a recompute and an
         offload mode: :func:`~kimi_tools.plan.activations.policy_bytes` summed, the device part scaled by
         :attr:`act_scale` (the host part too: the same tensors; the inputs a recomputed region keeps are exact)."""
-        dev = host = 0.0
-        for i in layers:
-            d, h = policy_bytes(cfg, i, T, recompute, offload, self.host_ratio, self.act_scale)
-            dev, host = dev + d, host + h
-        return dev, host
+        key = ("layer_bytes", cfg, tuple(layers), T, recompute, offload)
+        if key not in self._memo:
+            dev = host = 0.0
+            for i in layers:
+                d, h = policy_bytes(cfg, i, T, recompute, offload, self.host_ratio, self.act_scale)
+                dev, host = dev + d, host + h
+            self._memo[key] = dev, host
+        return self._memo[key]
 
     def working_set(self, cfg: KimiConfig, layers: range, T: int, recompute: str) -> float:
         """What a recomputed region holds again while its backward runs: the largest of ``layers``' recomputed
@@ -64,8 +70,12 @@ class Calibration:
         bytes, scaled; 0 for "none"."""
         if recompute == "none":
             return 0.0
-        parts = {"full": ("attn", "mlp", "glue"), "attn": ("attn",), "mlp": ("mlp",)}[recompute]
-        return self.act_scale * max((sum(block_bytes(cfg, i, T)[k] for k in parts) for i in layers), default=0)
+        key = ("working_set", cfg, tuple(layers), T, recompute)
+        if key not in self._memo:
+            parts = {"full": ("attn", "mlp", "glue"), "attn": ("attn",), "mlp": ("mlp",)}[recompute]
+            most = max((sum(block_bytes(cfg, i, T)[k] for k in parts) for i in layers), default=0)
+            self._memo[key] = self.act_scale * most
+        return self._memo[key]
 
     def expert_rate(self, rows: float) -> float:
         """The routed experts' TFLOP/s at ``rows`` per expert (``expert_density`` points: log-linear between them,

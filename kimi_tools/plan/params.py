@@ -185,6 +185,7 @@ def _fsdp_unit(cfg: KimiConfig, layer: int | None, n_dc: int, ep: int, efsdp: in
     return gathered, graded
 
 
+@functools.lru_cache(maxsize=4096)
 def stage_fsdp_bytes(
     cfg: KimiConfig, layout: Layout, stage: int, *, reduce_bytes: int = 4, lora_rank=None, num_stages: int | None = None
 ) -> int:
@@ -205,6 +206,7 @@ def stage_fsdp_bytes(
     return sum(g * GATHER_BYTES + t * reduce_bytes for g, t in units)
 
 
+@functools.lru_cache(maxsize=4096)
 def layer_fsdp_bytes(cfg: KimiConfig, layout: Layout, *, reshard: str = "auto", lora_rank=None) -> int:
     """Bytes FSDP2 holds gathered on a rank without a pipeline (the "layer" policy) when its backward starts, the
     step's activation peak, by the reshard policy (``kimi train --reshard-after-forward``,

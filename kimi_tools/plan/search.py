@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kimi.config import KimiConfig
 from kimi_tools.plan.activations import held_per_microbatch, layer_inputs_bytes
@@ -36,10 +37,11 @@ from kimi_tools.plan.schedule import (
 from kimi_tools.plan.timing import a2a_time, layer_flops, ring_bandwidth
 
 
+@functools.lru_cache(maxsize=256)
 def stage_static(cfg: KimiConfig, L: Layout, lora_rank: int | None, num_stages: int | None = None) -> tuple:
     """Per stage of the cut into ``num_stages`` (None: ``L.pp``), what does not depend on the policy:
     (:func:`rank_numel`, (gathered, trainable) elements of each layer as one FSDP unit, the stage's unsharded
-    elements {dense, experts, lora, train_dense, train_experts}, MoE layers)."""
+    elements {dense, experts, lora, train_dense, train_experts}, MoE layers). Cached: read it, never change it."""
     ns = num_stages or L.pp
     out = []
     for s, layers in enumerate(stage_ranges(cfg, ns)):
