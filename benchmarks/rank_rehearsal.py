@@ -164,16 +164,20 @@ def _fill_random(module: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, p in module.named_parameters():
             t = p.to_local() if isinstance(p, DTensor) else p
+            # host shards (--offload cpu: tens of GB at real size) are drawn on the GPU and copied, minutes faster
+            draw = torch.empty_like(t, device="cuda") if t.device.type == "cpu" and torch.cuda.is_available() else t
             if name.endswith("A_log"):
-                t.uniform_(0.0, 2.0)
+                draw.uniform_(0.0, 2.0)
             elif name.endswith("lora_B.weight"):
-                t.normal_(0.0, 1e-3)
+                draw.normal_(0.0, 1e-3)
             elif p.ndim >= 2:
-                t.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+                draw.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
             elif name.endswith(("dt_bias", "e_score_correction_bias", "k_norm.bias")):
-                t.normal_(0.0, 0.01)
+                draw.normal_(0.0, 0.01)
             else:
-                t.fill_(1.0)
+                draw.fill_(1.0)
+            if draw is not t:
+                t.copy_(draw)
 
 
 def _local_bytes(tensors) -> int:
@@ -244,7 +248,9 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, 
     with tempfile.TemporaryDirectory() as tmp, fake_group(L["world"], s * L["dp"] * L["cp"]):
         a = train_args(row, device, tmp)
         cfg = load_config(a.preset)
+        t_build = time.perf_counter()
         par, module, masters, optimizer = build_rank(a, row)
+        print(f"rank built in {time.perf_counter() - t_build:.0f} s", flush=True)
         stage = par.pipe.stages[0] if par.pipe is not None else None
         T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size
         inflight = min(L["pp"] - s, row["microbatches"])

@@ -221,6 +221,18 @@ def planner_prediction(
     return out
 
 
+def planned_masters(cfg, T: int) -> str:
+    """The masters of the optimizer ``kimi plan`` picks for this row's one-GPU layout (pp1 dp1 cp1 ep1, one
+    micro-batch of ``T`` tokens, the card's memory): ``"fp32"`` when fp32 AdamW fits, else ``"bf16"`` (its
+    adamw-bf16, the order of ``kimi plan --optimizer auto``)."""
+    from kimi_tools import plan as P
+
+    hw = P.Hardware(gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
+    r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(optimizer="adamw-fp32"), hw, P.load_calibration(), seq_len=T,
+                   global_batch=T)  # fmt: skip
+    return "fp32" if r["fits"] else "bf16"
+
+
 def profile_step(model: KimiK3Model, T: int, loss_kind: str, chunk_size, out: Path, tag: str) -> Path:
     """One step under ``torch.profiler`` (CPU and CUDA); writes its op tables (by CUDA time, then by CPU self time)
     beside ``out`` and returns the path."""
@@ -320,7 +332,10 @@ def main() -> int:
     )
     ap.add_argument("--ep", type=int, default=1, help="with --parallel: expert-parallel ranks (kimi train --ep)")
     ap.add_argument(
-        "--reduce-dtype", default="fp32", choices=["fp32", "bf16"], help="with --parallel: kimi train --reduce-dtype"
+        "--reduce-dtype",
+        default=None,
+        choices=["fp32", "bf16"],
+        help="with --parallel: kimi train --reduce-dtype (default fp32; bf16 under --masters planned when it picks bf16)",
     )
     ap.add_argument(
         "--reshard-after-forward",
@@ -331,10 +346,11 @@ def main() -> int:
     ap.add_argument(
         "--masters",
         default="fp32",
-        choices=["fp32", "bf16"],
+        choices=["fp32", "bf16", "planned"],
         help="with --parallel: the dtype of FSDP2's sharded trainable parameters (fp32: AdamW's fp32 masters, kimi "
         "train's default; bf16: the bf16 weights and gradients an optimizer with stochastic rounding steps, "
-        "kimi plan's adamw-bf16)",
+        "kimi plan's adamw-bf16; planned: the optimizer kimi plan picks for this one-GPU layout, fp32 AdamW if it "
+        "fits the card at the first row's length, else adamw-bf16)",
     )
     ap.add_argument(
         "--profile",
@@ -344,6 +360,16 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train_step_4layers.json")
     args = ap.parse_args()
+    cfg = (
+        load_config("k3.1-pro")
+        .truncated(4)
+        .replace(num_experts=args.experts, num_experts_per_token=args.experts_per_token)
+    )
+    if args.masters == "planned" and args.parallel:
+        args.masters = planned_masters(cfg, (args.seq_lens or args.recompute_seq_lens)[0])
+        print(f"--masters planned: {args.masters} (kimi plan's optimizer for pp1 dp1 cp1 ep1)", flush=True)
+    if args.reduce_dtype is None and args.parallel:
+        args.reduce_dtype = "bf16" if args.masters == "bf16" else "fp32"
     par = None
     if args.parallel:
         from kimi_tools.train.parallel import TrainParallel, under_torchrun
@@ -354,16 +380,11 @@ def main() -> int:
             1, "cuda", ep=args.ep, reduce_dtype=args.reduce_dtype, reshard_after_forward=args.reshard_after_forward,
             bf16_masters=args.masters == "bf16",
         )  # fmt: skip
-    elif args.ep != 1 or args.reduce_dtype != "fp32" or args.reshard_after_forward != "auto" or args.masters != "fp32":
+    elif args.ep != 1 or args.reduce_dtype or args.reshard_after_forward != "auto" or args.masters != "fp32":
         ap.error(
             "--ep, --reduce-dtype, --reshard-after-forward, --masters: given without --parallel, expected --parallel"
         )
     writer = par is None or par.is_writer
-    cfg = (
-        load_config("k3.1-pro")
-        .truncated(4)
-        .replace(num_experts=args.experts, num_experts_per_token=args.experts_per_token)
-    )
     chunk = args.loss_chunk_size or default_chunk_size(cfg.vocab_size)
     plan = [(T, False) for T in args.seq_lens] + [(T, True) for T in args.recompute_seq_lens]
     ceiling = matmul_ceiling()

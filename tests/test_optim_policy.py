@@ -68,6 +68,20 @@ def test_policies_refused_in_one_line(tmp_path, capsys, extra, message):
     assert not out.exists()
 
 
+def test_adamw_bf16_without_torchao_refused_before_the_model(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+    )
+    out = tmp_path / "out"
+    argv = ["--layers", "2", "--steps", "2", "--seq-len", "16", "--quiet", "--data", str(DEFAULT_TEXT)]
+    rc, err = _cli([*argv, "--dtype", "bfloat16", "--optimizer", "adamw-bf16", "--out", str(out)], capsys)
+    assert rc == 2 and len(err) == 1 and "--optimizer adamw-bf16: needs torchao" in err[0], err
+    assert not out.exists()
+
+
 def test_fingerprint_keeps_runs_written_before_the_optimizer_flag():
     """The default ``adamw-fp32`` is left out of the fingerprint (a run written before the flag existed resumes);
     ``adamw-bf16`` is in it (other numbers); ``--offload`` is run control (a run resumes with or without it)."""

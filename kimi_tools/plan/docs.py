@@ -207,7 +207,7 @@ def render_docs() -> str:
     out.append(
         f"* activation offload: host bytes per device byte by region measured on the CPU "
         f"({', '.join(f'{k} {v:.2f}' for k, v in sorted(cal.host_ratio.items()))}); host copy rate "
-        f"{cal.host_copy_gbps:g} GB/s ({cal.host_copy_source}); the forward's copies hidden behind the forward, "
+        f"{cal.host_copy_gbps:.1f} GB/s ({cal.host_copy_source}); the forward's copies hidden behind the forward, "
         "the backward's exposed"
     )
     d = json.loads(CALIBRATION_FILE.read_text())["expert_density"]
@@ -286,7 +286,8 @@ def render_docs() -> str:
         f"14.3 KB per token per layer and costs one more forward: the rate drops to {cal.tflops['full']:.0f} TFLOP/s "
         f"({cal.tflops['full'] / hw.peak_tflops:.1%}). The planner also tries recomputing the attention or the MLP "
         "block only and offloading each region's activations to the host (`kimi train --recompute-mode attn|mlp`, "
-        f"`--offload-activations`): at {cal.host_copy_gbps:g} GB/s (a datasheet rate until measured) a layer's "
+        f"`--offload-activations`): at {cal.host_copy_gbps:.1f} GB/s "
+        f"({'the datasheet rate, not measured' if cal.host_copy_source.startswith('datasheet') else 'measured'}) a layer's "
         "offloaded activations take longer to copy back than its backward takes to compute, and what stays on the "
         "GPU still fills it at these layouts, except the layer inputs of whole-layer recomputation.",
         "3. **The all-to-all**: dispatch + combine in the latent width, 4 x T x 16 x 3584 x 2 B per MoE layer per "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import re
@@ -586,6 +587,9 @@ def resolve(args: TrainArgs) -> TrainArgs:
             f"--optimizer adamw-bf16: got --dtype {a.dtype}, expected --dtype bfloat16 (it steps bf16 weights with "
             "bf16 moments; fp32 weights train with --optimizer adamw-fp32)"
         )
+    if a.optimizer == "adamw-bf16" and importlib.util.find_spec("torchao") is None:
+        # checked here, before a model is built: a full-size rank takes minutes to materialise
+        raise ValueError("--optimizer adamw-bf16: needs torchao (pip install 'torchao>=0.17,<0.19'), not installed")
     if a.offload not in OFFLOADS:
         raise ValueError(f"--offload: got {a.offload!r}, expected one of {list(OFFLOADS)}")
     if a.fp8_min_dim is not None and a.fp8_min_dim < 0:
