@@ -57,11 +57,13 @@ _FIXED = ("e_score_correction_bias",)
 
 
 @functools.lru_cache(maxsize=4096)
-def _groups(cfg: KimiConfig, layer: int | None, lora_rank: int | None) -> tuple[tuple[str, str, int, int, int], ...]:
-    """Parameters of ``layer`` (None: the global ones) as ``(kind, flag, dim-0 rows, elements per row, count)`` with
-    kind "dense", "experts" (stacks, rows = E), "embed" or "lora" (``lora_rank``'s adapters) and flag "fixed" (no
-    gradient: :data:`_FIXED`), "fp32" (kept fp32 by the checkpoint and ``kernels_torch.model.cast_model``) or "";
-    equal shapes merged."""
+def _groups(
+    cfg: KimiConfig, layer: int | None, lora_rank: int | None
+) -> tuple[tuple[str, str, int, int, bool, int], ...]:
+    """Parameters of ``layer`` (None: the global ones) as ``(kind, flag, dim-0 rows, elements per row, graded,
+    count)`` with kind "dense", "experts" (stacks, rows = E), "embed" or "lora" (``lora_rank``'s adapters), flag
+    "fixed" (no gradient: :data:`_FIXED`), "fp32" (kept fp32 by the checkpoint and ``kernels_torch.model.cast_model``)
+    or "", and graded whether the LM loss gives it a gradient (:func:`_gets_gradient`); equal shapes merged."""
     glob, per = layout_specs(cfg)
     counts: dict[tuple[str, str, int, int], int] = {}
     specs = list(glob) if layer is None else list(per[layer])
@@ -70,11 +72,11 @@ def _groups(cfg: KimiConfig, layer: int | None, lora_rank: int | None) -> tuple[
         if s.name == "model.embed_tokens.weight":  # the first stage's; the other globals are the last stage's
             kind = "embed"
         flag = "fixed" if s.name.endswith(_FIXED) else "fp32" if s.dtype == "float32" else ""
-        key = (kind, flag, s.shape[0], math.prod(s.shape[1:]))
+        key = (kind, flag, s.shape[0], math.prod(s.shape[1:]), _gets_gradient(s.name))
         counts[key] = counts.get(key, 0) + 1
     if lora_rank and layer is not None:
         for s in lora_specs(cfg, lora_rank).get(layer, []):
-            key = ("lora", "", s.shape[0], math.prod(s.shape[1:]))
+            key = ("lora", "", s.shape[0], math.prod(s.shape[1:]), True)
             counts[key] = counts.get(key, 0) + 1
     return tuple((*k, c) for k, c in counts.items())
 
@@ -102,29 +104,32 @@ def rank_numel(
     ns = num_stages or layout.pp
     ranges = stage_ranges(cfg, ns)
     n_dc = layout.dp * layout.cp
-    tot = dict.fromkeys(("dense", "experts", "lora", "fixed", "fp32"), 0)
+    tot = dict.fromkeys(("dense", "experts", "lora", "fixed", "fp32", "nograd", "nograd_fp32"), 0)
 
-    def add(kind, flag, n):
+    def add(kind, flag, n, graded):
         tot["dense" if kind == "embed" else kind] += n
         if flag:
             tot[flag] += n
+        if not graded and flag != "fixed":
+            tot["nograd_fp32" if flag == "fp32" else "nograd"] += n
 
     def dense_rows(flag, rows):  # the fp32 tensors (and the fixed fp32 bias) are whole on every rank
         return rows if flag in ("fp32", "fixed") else shard_rows(rows, n_dc, dp_cp_coord)
 
-    for kind, flag, rows, inner, count in _groups(cfg, None, None):
+    for kind, flag, rows, inner, graded, count in _groups(cfg, None, None):
         if (stage == 0) if kind == "embed" else (stage == ns - 1):
-            add(kind, flag, count * dense_rows(flag, rows) * inner)
+            add(kind, flag, count * dense_rows(flag, rows) * inner, graded)
     for i in ranges[stage]:
-        for kind, flag, rows, inner, count in _groups(cfg, i, lora_rank):
+        for kind, flag, rows, inner, graded, count in _groups(cfg, i, lora_rank):
             if kind == "experts":
-                add(kind, flag, count * shard_rows(rows // layout.ep, layout.efsdp, efsdp_coord) * inner)
+                add(kind, flag, count * shard_rows(rows // layout.ep, layout.efsdp, efsdp_coord) * inner, graded)
             else:
-                add(kind, flag, count * dense_rows(flag, rows) * inner)
+                add(kind, flag, count * dense_rows(flag, rows) * inner, graded)
     base = tot["dense"] + tot["experts"] - tot["fixed"]
     fp32 = tot.pop("fp32")
-    if lora_rank:
-        return {**tot, "trainable": tot["lora"], "trainable_fp32": 0, "frozen": base, "frozen_fp32": fp32}
+    if lora_rank:  # the base is frozen: only the adapters train, all of them graded
+        frozen = {"frozen": base, "frozen_fp32": fp32, "nograd": 0, "nograd_fp32": 0}
+        return {**tot, "trainable": tot["lora"], "trainable_fp32": 0, **frozen}
     return {**tot, "trainable": base, "trainable_fp32": fp32, "frozen": 0, "frozen_fp32": 0}
 
 
@@ -135,7 +140,7 @@ def unsharded_numel(
     """Elements one rank gathers of ``layer`` (its ``E / ep`` experts): dense, experts, lora; for the globals,
     ``stage_of_glob`` "first" (the embedding) or "last" (the rest)."""
     out = {"dense": 0, "experts": 0, "lora": 0}
-    for kind, _, rows, inner, count in _groups(cfg, layer, lora_rank):
+    for kind, _, rows, inner, _, count in _groups(cfg, layer, lora_rank):
         if layer is None:
             if (kind == "embed") != (stage_of_glob == "first"):
                 continue
@@ -237,8 +242,11 @@ def state_bytes(n: dict, optimizer: str) -> dict[str, int]:
     pb, gb, ob = OPTIMIZERS[optimizer]
     low = n["trainable"] - n["trainable_fp32"]
     frozen = (n["frozen"] - n["frozen_fp32"]) * FROZEN_BYTES + n["frozen_fp32"] * 4
+    # trainable tensors the LM loss gives no gradient keep their weights (and masters) but get no sharded gradient
+    # from FSDP2 and no AdamW moments (torch's optimizers make state on a tensor's first gradient)
+    graded_low, graded_fp32 = low - n.get("nograd", 0), n["trainable_fp32"] - n.get("nograd_fp32", 0)
     return {
         "params": low * pb + n["trainable_fp32"] * 4 + frozen + n["fixed"] * 4,
-        "grads": low * gb + n["trainable_fp32"] * 4,
-        "optimizer": low * ob + n["trainable_fp32"] * 8,
+        "grads": graded_low * gb + graded_fp32 * 4,
+        "optimizer": graded_low * ob + graded_fp32 * 8,
     }
