@@ -57,11 +57,26 @@ from kimi.config import load_config  # noqa: E402
 from kimi_tools import plan as P  # noqa: E402
 
 
-def choose(preset: str, gpus: int, seq_len: int, lora_rank: int | None, gpu_memory: float) -> dict | None:
-    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs without context parallelism, or None."""
-    args = P._args(gpus, lora_rank, seq_len=seq_len, preset=preset, gpu_memory=gpu_memory, reserve=0.05 * gpu_memory)
+def choose(
+    preset: str, gpus: int, seq_len: int, lora_rank: int | None, gpu_memory: float, host_memory: float = 250.0
+) -> dict | None:
+    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs without context parallelism, or None;
+    ``host_memory``: GB of host memory the rank may use (offloaded states)."""
+    args = P._args(gpus, lora_rank, seq_len=seq_len, preset=preset, gpu_memory=gpu_memory, reserve=0.05 * gpu_memory,
+                   host_memory=host_memory)  # fmt: skip
     rows, _ = P.run_plan(args)
     return next((r for r in rows if r["fits"] and r["layout"]["cp"] == 1), None)
+
+
+def available_host_gb() -> float:
+    """This machine's available memory in GB (``MemAvailable`` of ``/proc/meminfo``; 250 where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return 250.0
 
 
 def train_args(row: dict, device: str, out: str):
@@ -333,6 +348,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-gpus", type=int, default=64)
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--gpu-memory", type=float, help="GB per GPU (default: 80 on a card under 100 GiB, else 141)")
+    ap.add_argument(
+        "--host-memory",
+        type=float,
+        help="GB of host memory the rank may hold (offloaded states; default: 90%% of this machine's available "
+        "memory, so that a layout the machine cannot hold is not chosen)",
+    )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--plan-only", action="store_true", help="print the chosen layouts, materialise nothing")
     ap.add_argument("--out", type=Path)
@@ -340,13 +361,15 @@ def main(argv=None) -> int:
     if args.gpu_memory is None:  # the planner's card: an 80 GB H100 or a 141 GB H200
         small = args.device == "cuda" and torch.cuda.get_device_properties(0).total_memory < 100 * 2**30
         args.gpu_memory = 80.0 if small else 141.0
+    if args.host_memory is None:
+        args.host_memory = 0.9 * available_host_gb()
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%F")}
     report["runs"] = {}
     for run in args.runs:
         lora = args.lora_rank if run == "lora" else None
         row = None
         for gpus in [args.lora_gpus] if lora else args.clusters:
-            row = choose(args.preset, gpus, args.seq_len, lora, args.gpu_memory)
+            row = choose(args.preset, gpus, args.seq_len, lora, args.gpu_memory, args.host_memory)
             if row is not None:
                 break
         if row is None:

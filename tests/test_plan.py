@@ -337,6 +337,20 @@ def test_cli(capsys):
     assert "--fp8: got 'tensorwise'" in capsys.readouterr().err
 
 
+def test_host_memory_bounds_offloaded_states(capsys):
+    """``--host-memory`` is the host each rank may fill with offloaded states: the layout whose states need 174 GB
+    per rank on the host (k3.1-pro, 128 GPUs, dp 128 ep 64) fits with the default 250 GB and not with 150 GB;
+    a non-positive value is refused in one line."""
+    from kimi_tools.cli import main
+
+    argv = ["--gpus", "128", "--layout", "1,128,1,64", "--top", "1"]
+    row = _plan_json(capsys, *argv)["layouts"][0]
+    assert row["fits"] and row["policy"]["offload"] == "cpu" and 150e9 < row["host_memory"] <= 250e9
+    assert not _plan_json(capsys, *argv, "--host-memory", "150")["layouts"][0]["fits"]
+    assert main(["plan", "--gpus", "8", "--host-memory", "0"]) == 2
+    assert "--host-memory: got 0.0, expected a positive number" in capsys.readouterr().err
+
+
 def test_doc_is_current():
     """``docs/scaling.md``'s generated section is what ``kimi plan`` prints now (regenerate:
     ``python -m kimi_tools.plan --write-docs``)."""

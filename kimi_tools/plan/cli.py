@@ -22,6 +22,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=positive_int, required=True, help="world size")
     p.add_argument("--gpu-memory", type=float, default=141.0, metavar="GB", help="HBM per GPU in GB (default 141)")
     p.add_argument("--reserve", type=float, default=5.0, metavar="GB", help="HBM kept free per GPU (default 5 GB)")
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        default=250.0,
+        metavar="GB",
+        help="host memory per GPU in GB, for offloaded states (default 250: 2 TB per 8-GPU node)",
+    )
     p.add_argument("--nodes", type=positive_int, help="nodes (GPUs per node = gpus / nodes; default 8 per node)")
     p.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence (default 8192)")
     p.add_argument(
@@ -70,7 +77,7 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
         raise CliError(f"--gpu-memory: got {args.gpu_memory}, expected a positive number of GB")
     if not 0 <= args.reserve < args.gpu_memory:
         raise CliError(f"--reserve: got {args.reserve}, expected a number of GB in [0, --gpu-memory)")
-    for flag in ("nvlink_gbps", "ib_gbps", "peak_tflops"):
+    for flag in ("nvlink_gbps", "ib_gbps", "peak_tflops", "host_memory"):
         if getattr(args, flag) <= 0:
             raise CliError(f"--{flag.replace('_', '-')}: got {getattr(args, flag)}, expected a positive number")
     gpn = 8
@@ -85,6 +92,7 @@ def run_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
         nvlink_gbps=args.nvlink_gbps,
         ib_gbps=args.ib_gbps,
         peak_tflops=args.peak_tflops,
+        host_memory_gb=args.host_memory,
     )
     cfg = load_config(args.preset)
     layers = getattr(args, "layers", None)

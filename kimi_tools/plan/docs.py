@@ -176,7 +176,11 @@ def render_docs() -> str:
         "planner now counts each in-flight micro-batch's received and sent states and the last stage's head "
         "(`held_per_microbatch`); the rehearsal as the trainer's rank has not run on a GPU yet."
     )
-    out += ["", "Hardware (effective rates; `kimi plan --nvlink-gbps/--ib-gbps/--peak-tflops` change them):", ""]
+    out += [
+        "",
+        "Hardware (effective rates; `kimi plan --nvlink-gbps/--ib-gbps/--peak-tflops/--host-memory` change them):",
+        "",
+    ]
     out += [
         "| parameter | default | nominal |",
         "|---|---:|---|",
