@@ -171,7 +171,7 @@ def fake_group(world: int, rank: int):
         dist.destroy_process_group()
 
 
-def _fill_random(module: torch.nn.Module) -> None:
+def _fill_random(module: torch.nn.Module, device: str) -> None:
     """Random values in the rank's local shards, in the ranges the model's weights have (as
     ``benchmarks/train_step_4layers.py``): only the ranges matter here."""
     from torch.distributed.tensor import DTensor
@@ -180,7 +180,7 @@ def _fill_random(module: torch.nn.Module) -> None:
         for name, p in module.named_parameters():
             t = p.to_local() if isinstance(p, DTensor) else p
             # host shards (--offload cpu: tens of GB at real size) are drawn on the GPU and copied, minutes faster
-            draw = torch.empty_like(t, device="cuda") if t.device.type == "cpu" and torch.cuda.is_available() else t
+            draw = torch.empty_like(t, device=device) if t.device.type != device else t
             if name.endswith("A_log"):
                 draw.uniform_(0.0, 2.0)
             elif name.endswith("lora_B.weight"):
@@ -236,7 +236,7 @@ def build_rank(a, row: dict):
     to_empty(module, "cpu" if offload else a.device)
     if offload:
         _plain_to(module, a.device)
-    _fill_random(module)
+    _fill_random(module, a.device)
     masters = MasterWeights(module, low_precision=a.optimizer == "adamw-bf16", replicated=par.replicated)
     return par, module, masters, build_optimizer(masters, a)
 
@@ -266,6 +266,9 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, 
         t_build = time.perf_counter()
         par, module, masters, optimizer = build_rank(a, row)
         print(f"rank built in {time.perf_counter() - t_build:.0f} s", flush=True)
+        if cuda:  # the step's peak from here: the build's transient buffers (the drawn shards) released
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         stage = par.pipe.stages[0] if par.pipe is not None else None
         T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size
         inflight = min(L["pp"] - s, row["microbatches"])

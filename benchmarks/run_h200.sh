@@ -147,7 +147,7 @@ run_step() {  # run_step NAME: one step of the list above
     --upgrade --target /tmp/site .whl/*.whl ;;
   tests_moe) step tests_moe 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_moe_grouped.py ;;
   # 1500 s: on a machine without the opchecks' autotune choices, fla's first calls at their shapes autotune for
-  # minutes (an H100, 2026-12-05: 10 of 14 tests in the first 600 s); the choices are saved for the next lease
+  # minutes (an H100, 2026-12-05: 11 of 14 tests in the first 600 s); the choices are saved for the next lease
   tests_compile) step tests_compile 1500 "${pytest_gpu[@]}" tests/gpu/test_gpu_compile.py; save_autotune ;;
   # shellcheck disable=SC2086
   moe_layer) step moe_layer 600 python3 benchmarks/moe_layer.py ${MOE_ARGS:-} --out "$dir/moe_layer.json" ;;
@@ -166,10 +166,11 @@ run_step() {  # run_step NAME: one step of the list above
     local e=16 k=8 full=0 extra=""
     case $1 in *e112*) e=112 k=16 full="1 2 4" ;; esac
     case $1 in *_fp8) extra="--fp8 rowwise ${FP8_STEP_ARGS:-}" ;; esac  # FP8_STEP_ARGS="--fp8-compile": compiled
-    # *_torchrun: the same rows through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters) under
+    # *_torchrun: the same rows through kimi train's parallel path (FSDP2, bf16 compute, masters by policy) under
     # torchrun with NCCL on this one GPU (TORCHRUN_ARGS, e.g. "--nproc-per-node 2" on a larger machine)
     local launch=(python3)
-    # PAR_ARGS: the FSDP2 policy of the torchrun rows (e.g. "--reduce-dtype fp32 --reshard-after-forward always");
+    # PAR_ARGS: the FSDP2 policy flags of the torchrun rows, replacing the default below (e.g. "--masters bf16
+    # --reshard-after-forward always"; without --masters a row runs fp32 masters);
     # default: at 16 experts bf16 weights, gradients and reduction (adamw-bf16's, the policy the 0.95x target is
     # measured under), at 112 experts the optimizer kimi plan picks for this one-GPU layout (--masters planned: fp32
     # AdamW where it fits the card, else adamw-bf16). PROFILE=1: every row also writes a torch profiler table of one
@@ -220,8 +221,8 @@ run_step() {  # run_step NAME: one step of the list above
   short_conv) step short_conv 600 python3 benchmarks/short_conv.py --out "$dir/short_conv.json" ;;
   tests_gen) step tests_gen 600 "${pytest_gpu[@]}" tests/gpu/test_gpu_generate.py tests/gpu/test_gpu_generate_captured.py ;;
   tests_distill) step tests_distill 500 "${pytest_gpu[@]}" tests/gpu/test_gpu_distill.py ;;
-  # shellcheck disable=SC2086
   # the rehearsal steps adamw-bf16 where kimi plan picks it, through torchao: run fp8_wheels first (carry .whl)
+  # shellcheck disable=SC2086
   rank_rehearsal) step rank_rehearsal 900 python3 benchmarks/rank_rehearsal.py ${REHEARSAL_ARGS:---seq-len 8192} \
     --out "$dir/rank_rehearsal.json" ;;
   tests_fp8_model) step tests_fp8_model 400 "${pytest_gpu[@]}" tests/gpu/test_gpu_fp8.py -k tiny_model ;;

@@ -328,14 +328,14 @@ def main() -> int:
     ap.add_argument(
         "--parallel",
         action="store_true",
-        help="under torchrun: each model through kimi train's parallel path (FSDP2, bf16 mixed precision, fp32 masters)",
+        help="under torchrun: each model through kimi train's parallel path (FSDP2, bf16 compute, --masters)",
     )
     ap.add_argument("--ep", type=int, default=1, help="with --parallel: expert-parallel ranks (kimi train --ep)")
     ap.add_argument(
         "--reduce-dtype",
         default=None,
         choices=["fp32", "bf16"],
-        help="with --parallel: kimi train --reduce-dtype (default fp32; bf16 under --masters planned when it picks bf16)",
+        help="with --parallel: kimi train --reduce-dtype (default: bf16 with bf16 masters, else fp32)",
     )
     ap.add_argument(
         "--reshard-after-forward",
@@ -365,17 +365,19 @@ def main() -> int:
         .truncated(4)
         .replace(num_experts=args.experts, num_experts_per_token=args.experts_per_token)
     )
-    if args.masters == "planned" and args.parallel:
-        args.masters = planned_masters(cfg, (args.seq_lens or args.recompute_seq_lens)[0])
-        print(f"--masters planned: {args.masters} (kimi plan's optimizer for pp1 dp1 cp1 ep1)", flush=True)
-    if args.reduce_dtype is None and args.parallel:
-        args.reduce_dtype = "bf16" if args.masters == "bf16" else "fp32"
+    if not args.seq_lens and not args.recompute_seq_lens:
+        ap.error("--seq-lens, --recompute-seq-lens: both empty, expected at least one length")
     par = None
     if args.parallel:
         from kimi_tools.train.parallel import TrainParallel, under_torchrun
 
         if not under_torchrun():
             ap.error("--parallel: expected a launch under torchrun (torchrun --nproc-per-node N ...)")
+        if args.masters == "planned":
+            args.masters = planned_masters(cfg, (args.seq_lens or args.recompute_seq_lens)[0])
+            print(f"--masters planned: {args.masters} (kimi plan's optimizer for pp1 dp1 cp1 ep1)", flush=True)
+        if args.reduce_dtype is None:  # the gradients' own dtype: bf16 with bf16 masters
+            args.reduce_dtype = "bf16" if args.masters == "bf16" else "fp32"
         par = TrainParallel(
             1, "cuda", ep=args.ep, reduce_dtype=args.reduce_dtype, reshard_after_forward=args.reshard_after_forward,
             bf16_masters=args.masters == "bf16",
@@ -425,7 +427,9 @@ def main() -> int:
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "fp8": args.fp8,
             "compile": comp,
-            "parallel": None if par is None else f"torchrun, {par.dims.describe()}, FSDP2 bf16 / fp32 masters",
+            "parallel": None
+            if par is None
+            else f"torchrun, {par.dims.describe()}, FSDP2 bf16 / {args.masters} masters",
             "fsdp_policy": None
             if par is None
             else {

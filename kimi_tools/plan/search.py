@@ -262,7 +262,8 @@ def evaluate(
         bub = bubble(sched, L.pp, slowest["t_fwd"], t_micro - slowest["t_fwd"])
     pipeline = busy + bub
     fsdp_exposed = max(max(0.0, x["t_fsdp"] - m * x["t_comp"]) for x in ranks)
-    tr = max(x["n"]["trainable"] for x in ranks)
+    # the optimizer steps only the tensors that get a gradient (params.state_bytes)
+    tr = max(x["n"]["trainable"] - x["n"].get("nograd", 0) - x["n"].get("nograd_fp32", 0) for x in ranks)
     if policy.offload == "none":
         t_opt = tr * (pb + gb + 2 * ob + pb) / (hw.hbm_gbps * GB)  # read p, g, m, v; write p, m, v
     else:
