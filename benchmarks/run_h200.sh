@@ -55,7 +55,9 @@
 #                train_step_e112 and train_step_e112_fp8 (run those first)
 #   train_step_e16_torchrun, train_step_e112_torchrun   benchmark 5 under torchrun (--parallel: kimi train's FSDP2
 #                path with bf16 mixed precision and NCCL), beside train_step_e16 / _e112 of the same run (PAR_ARGS: the
-#                FSDP2 policy flags; PROFILE=1: a profiler table per row)
+#                FSDP2 policy flags; PROFILE=1: a profiler table per row). On one GPU with bf16 masters the trainer
+#                leaves FSDP2 out (it would only copy); train_step_e16_torchrun_fsdp / _e112_torchrun_fsdp (not in
+#                the default STEPS) force it (--shard-one-rank), to measure what it costs
 #   train_step_compiled (not in the default STEPS): benchmark 5 eager and compiled (--compile: compile_blocks,
 #                inductor) on the cudnn backend, 8K and 32K (32K recomputing the MLP / MoE blocks), one JSON: 112
 #                experts top-16 on an H200 (the first 1, 2 or 4 layers whole at 32K, as train_step_e112), 16 top-8
@@ -158,7 +160,7 @@ run_step() {  # run_step NAME: one step of the list above
     --bf16 "$dir/train_step_e112.json" --fp8 "$dir/train_step_e112_fp8.json" --out "$dir/fp8_bound.json" ;;
   # benchmark 5 at one density each (bf16, and FP8 through torchao's rowwise recipe: fp8_wheels first)
   train_step_e16 | train_step_e112 | train_step_e16_fp8 | train_step_e112_fp8 | train_step_e16_torchrun | \
-  train_step_e112_torchrun)
+  train_step_e112_torchrun | train_step_e16_torchrun_fsdp | train_step_e112_torchrun_fsdp)
     # 32K rows recompute each layer's MLP / MoE block; at 112 experts that ran out of memory (138.4 GiB on the
     # 139 GiB H200, 2026-12-03: the experts' weights and gradients add ~24 GiB), so there the first 1, 2 or 4 layers
     # (the first count that fits) are recomputed whole too (BENCH5_ARGS replaces the lengths, the recompute options
@@ -177,8 +179,10 @@ run_step() {  # run_step NAME: one step of the list above
     # step beside its JSON
     local par_default="--masters bf16"
     case $1 in *e112*) par_default="--masters planned" ;; esac
-    case $1 in *_torchrun) launch=(torchrun --standalone ${TORCHRUN_ARGS:---nproc-per-node 1})
+    case $1 in *_torchrun | *_torchrun_fsdp) launch=(torchrun --standalone ${TORCHRUN_ARGS:---nproc-per-node 1})
       extra="$extra --parallel ${PAR_ARGS:-$par_default}" ;; esac
+    # *_torchrun_fsdp: FSDP2 forced where one rank would only copy (bf16 masters), to measure what it costs
+    case $1 in *_torchrun_fsdp) extra="$extra --shard-one-rank" ;; esac
     [ "${PROFILE:-0}" = 1 ] && extra="$extra --profile"
     # shellcheck disable=SC2086
     step "$1" 900 "${launch[@]}" benchmarks/train_step_4layers.py --experts $e --experts-per-token $k $extra \

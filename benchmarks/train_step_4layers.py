@@ -51,6 +51,8 @@ FP8 conversion and before the recompute wrappers, as the trainer orders them): F
 the routed experts split over groups of N ranks), bf16 compute through FSDP2's ``MixedPrecisionPolicy`` with fp32
 sharded parameters (the trainer's masters: one rank holds 4 B per parameter where the plain row holds bf16's 2 B),
 the checkpoint's fp32 tensors whole; every rank runs its own ``T`` tokens, rank 0 writes (the row's ``parallel``).
+On one rank with ``--masters bf16`` FSDP2 would only copy, and the trainer leaves the model as it is
+(``kernels_torch.parallel.parallelize.fsdp_only_copies``; ``--shard-one-rank`` applies FSDP2 anyway, to measure it).
 
 Writes ``{"device", "torch", "date", "matmul_ceiling_tflops", "fp8_matmul_ceiling_tflops", "rows": [...]}``, rows
 with ``seq_len``, ``backend``, ``fp8``, ``compile``, ``recompute``, ``loss``, ``loss_chunk_size`` (null for ``full``), ``ms``,
@@ -197,14 +199,15 @@ def allocator_counts(before: dict, after: dict) -> dict:
 
 
 def planner_prediction(
-    cfg, T: int, recompute, sharded: bool, optimizer: str = "adamw-fp32", reshard: str = "auto"
+    cfg, T: int, recompute, compare: bool, optimizer: str = "adamw-fp32", reshard: str = "auto"
 ) -> dict | None:
     """``kimi plan``'s prediction for this row's one-rank layout (pp1 dp1 cp1 ep1, one micro-batch of ``T``): its
     memory by kind (bytes -> GiB) and step time; ``compare_gib``: its total less the optimizer states, which this
     benchmark does not allocate. ``optimizer``: the planner's policy the row runs (``--masters bf16``: ``adamw-bf16``,
     bf16 weights and gradients); ``reshard``: the row's ``--reshard-after-forward`` (the planner's ``Policy.reshard``,
-    which moves the gathered units at the peak). The one-process row has no FSDP2 (bf16 parameters and gradients, no masters), so
-    only a ``--parallel`` row is compared; an error is recorded in place of the prediction."""
+    which moves the gathered units at the peak). ``compare``: the row runs what the trainer runs for this layout (a
+    ``--parallel`` row without ``--shard-one-rank``; the one-process row holds no masters whatever the optimizer);
+    an error is recorded in place of the prediction."""
     try:
         from kimi_tools import plan as P
 
@@ -216,7 +219,7 @@ def planner_prediction(
         return {"error": f"{type(e).__name__}: {e}"[:200]}
     mem = {k: v / 2**30 for k, v in r["memory"].items() if isinstance(v, (int, float))}
     out = {"memory_gib": mem, "step_s": r["time"].get("step"), "policy": r["policy"]}
-    if sharded:
+    if compare:
         out["compare_gib"] = mem.get("total", 0.0) - mem.get("optimizer", 0.0)
     return out
 
@@ -353,6 +356,12 @@ def main() -> int:
         "fits the card at the first row's length, else adamw-bf16)",
     )
     ap.add_argument(
+        "--shard-one-rank",
+        action="store_true",
+        help="with --parallel: FSDP2 even where one rank would only copy (ParallelPolicy.shard_one_rank: bf16 masters, "
+        "no offload, one rank), to measure its cost; by default the trainer leaves such a model as it is",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="after each row's timed steps, one more step under torch.profiler: its op table (CUDA and CPU time) is "
@@ -380,11 +389,18 @@ def main() -> int:
             args.reduce_dtype = "bf16" if args.masters == "bf16" else "fp32"
         par = TrainParallel(
             1, "cuda", ep=args.ep, reduce_dtype=args.reduce_dtype, reshard_after_forward=args.reshard_after_forward,
-            bf16_masters=args.masters == "bf16",
+            bf16_masters=args.masters == "bf16", shard_one_rank=args.shard_one_rank,
         )  # fmt: skip
-    elif args.ep != 1 or args.reduce_dtype or args.reshard_after_forward != "auto" or args.masters != "fp32":
+    elif (
+        args.ep != 1
+        or args.reduce_dtype
+        or args.reshard_after_forward != "auto"
+        or args.masters != "fp32"
+        or args.shard_one_rank
+    ):
         ap.error(
-            "--ep, --reduce-dtype, --reshard-after-forward, --masters: given without --parallel, expected --parallel"
+            "--ep, --reduce-dtype, --reshard-after-forward, --masters, --shard-one-rank: given without --parallel, "
+            "expected --parallel"
         )
     writer = par is None or par.is_writer
     chunk = args.loss_chunk_size or default_chunk_size(cfg.vocab_size)
@@ -450,6 +466,9 @@ def main() -> int:
                 row["fp8"] = rec.to_dict()
             if par is not None:  # kimi train's order: convert, shard, then the recompute wrappers
                 par.setup(model, lora=False)
+                fsdp = "FSDP2 bf16" if par.sharded else "no FSDP2 (one rank: it would only copy), bf16"
+                row["parallel"] = f"torchrun, {par.dims.describe()}, {fsdp} / {args.masters} masters"
+                row["fsdp_policy"]["fsdp2"] = par.sharded
             if recompute:
                 recompute_layers(model, args.recompute_mode, full)  # kimi train's --recompute-mode
             offload_activations(model, args.offload_activations)  # around the recompute wrappers, as kimi train
@@ -466,10 +485,15 @@ def main() -> int:
             ms = step_time(model, T, args.repeats, args.loss, chunk)
             row["allocator"] = allocator_counts(stats0, torch.cuda.memory_stats())
             row.update(ms=ms, tokens_per_s=T / ms * 1e3, status="ok", kernels=kernel_choice.used())
-            row["memory_gib"] = memory_by_kind(model, T, args.loss, chunk, held, par is not None)
+            row["memory_gib"] = memory_by_kind(model, T, args.loss, chunk, held, par is not None and par.sharded)
             optimizer = "adamw-bf16" if args.masters == "bf16" else "adamw-fp32"
             row["planner"] = planner_prediction(
-                cfg, T, recompute and args.recompute_mode, par is not None, optimizer, args.reshard_after_forward
+                cfg,
+                T,
+                recompute and args.recompute_mode,
+                par is not None and not args.shard_one_rank,
+                optimizer,
+                args.reshard_after_forward,
             )
             if args.profile:
                 tag = f"{T}_{backend}" + ("_compiled" if comp else "")

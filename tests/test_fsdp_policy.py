@@ -1,7 +1,8 @@
 """The FSDP2 policy of ``kernels_torch.parallel.fsdp.apply_fsdp``: which units reshard after their forward
 (``reshard_after_forward``), the input embedding as a unit of its own, the gradient divide factor on a one-rank mesh
 (a plain copy, then an in-place division), ``reshard`` after a forward-only pass, ``master_dtype``, and
-``--reduce-dtype``. Gloo ranks spawned by the test, the tiny preset in fp64 (bf16 for the masters case)."""
+``--reduce-dtype``, and the one-rank layout left unwrapped where FSDP2 would only copy. Gloo ranks spawned by the
+test, the tiny preset in fp64 (bf16 for the masters and one-rank cases)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from helpers import rel
 from kimi.config import load_config
 
 TOL = {"loss": 1e-12, "grad": 1e-10}
+TOL_ONE_RANK_GRAD = 2**-7  # bf16 gradients summed in another order: about one bf16 rounding (2**-8) apart
 
 
 def _model(tied: bool = False, dtype=torch.float64):
@@ -71,7 +73,9 @@ def _policy_worker(rank: int, world: int, factor: float) -> None:
     loss_r = ref.loss(ids, labels) / labels.numel()
     loss_r.backward()
 
-    parallelize(model, init_mesh(dp=world), ParallelPolicy(gradient_divide_factor=factor))
+    # FSDP2 forced at one rank too (an fp64 model's would be kept anyway: its reduce is fp64, parallelize's rule)
+    policy = ParallelPolicy(gradient_divide_factor=factor, shard_one_rank=True)
+    assert parallelize(model, init_mesh(dp=world), policy).sharded
     layers = list(model.model.layers)
     assert isinstance(model.model.embed_tokens, FSDPModule), "the untied embedding is a unit of its own"
 
@@ -125,3 +129,79 @@ def _masters_worker(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_bf16_masters_keep_bf16_shards_and_gradients():
     run_workers(_masters_worker, 2)
+
+
+def _bf16_model():
+    from kernels_torch.model import cast_model
+    from kernels_torch.parallel.fsdp import fp32_compute_params
+
+    model, cfg = _model(dtype=torch.float32)
+    model = cast_model(model, torch.bfloat16)
+    return model, cfg, set(fp32_compute_params(model, torch.bfloat16))
+
+
+def test_fsdp_only_copies_on_one_rank_without_masters():
+    """FSDP2 is left out only where it would copy and nothing else: one rank, no fp32 masters, no offload, no
+    divide factor, a reduce no narrower than the parameters; forced by ``shard_one_rank``."""
+    from types import SimpleNamespace
+
+    from kernels_torch.parallel.mesh import ParallelDims
+    from kernels_torch.parallel.parallelize import ParallelPolicy, fsdp_only_copies
+
+    model, _, ignored = _bf16_model()
+    one, two = (SimpleNamespace(dims=ParallelDims.fill(w)) for w in (1, 2))
+    bf16 = dict(param_dtype=torch.bfloat16, master_dtype=None, gradient_divide_factor=1.0)
+    assert fsdp_only_copies(model, one, ParallelPolicy(**bf16, reduce_dtype=torch.bfloat16), ignored)
+    assert fsdp_only_copies(model, one, ParallelPolicy(**bf16, reduce_dtype=torch.float32), ignored)
+    kept = {
+        "two ranks": (two, ParallelPolicy(**bf16)),
+        "fp32 masters": (one, ParallelPolicy(**bf16 | {"master_dtype": torch.float32})),
+        "offload": (one, ParallelPolicy(**bf16, offload="cpu")),
+        "divide factor": (one, ParallelPolicy(**bf16 | {"gradient_divide_factor": 2.0})),
+        "forced": (one, ParallelPolicy(**bf16, shard_one_rank=True)),
+    }
+    for why, (mesh, policy) in kept.items():
+        assert not fsdp_only_copies(model, mesh, policy, ignored), why
+    fp32_model, _ = _model(dtype=torch.float32)  # a bf16 reduce would round its fp32 gradients
+    assert not fsdp_only_copies(fp32_model, one, ParallelPolicy(reduce_dtype=torch.bfloat16))
+    assert fsdp_only_copies(fp32_model, one, ParallelPolicy(reduce_dtype=torch.float32, gradient_divide_factor=1.0))
+
+
+def _one_rank_worker(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from kernels_torch.parallel.fsdp import init_mesh
+    from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
+
+    mesh = init_mesh(dp=1)
+    bf16 = dict(param_dtype=torch.bfloat16, master_dtype=None, reduce_dtype=torch.bfloat16, gradient_divide_factor=1.0)
+    grads, losses = {}, {}
+    for forced in (False, True):
+        model, cfg, ignored = _bf16_model()
+        before = dict(model.named_parameters())
+        done = parallelize(model, mesh, ParallelPolicy(**bf16, shard_one_rank=forced), ignored_params=ignored)
+        assert done.sharded == forced
+        assert any(isinstance(m, FSDPModule) for m in model.modules()) == forced
+        if not forced:  # the model as it was: the same parameter objects
+            assert dict(model.named_parameters()) == before
+        ids, labels = _ids(cfg)
+        loss = model.loss(ids, labels) / labels.numel()
+        loss.backward()
+        losses[forced] = loss.detach().float()
+        full = lambda g: g.full_tensor() if isinstance(g, DTensor) else g
+        grads[forced] = {n: full(p.grad).float() for n, p in model.named_parameters() if p.grad is not None}
+    # FSDP2 at one rank computes the same: its gathers and reduce are copies (bf16 reduce of bf16 gradients); a
+    # gradient summed from several uses (the embedding's) is summed in another order there: one bf16 rounding apart
+    assert rel(losses[False], losses[True]) == 0.0, losses
+    assert set(grads[False]) == set(grads[True])
+    bad = {n: rel(grads[False][n], grads[True][n]) for n in grads[True]}
+    bad = {n: e for n, e in bad.items() if e > TOL_ONE_RANK_GRAD}
+    assert not bad, bad
+
+
+@pytest.mark.distributed
+def test_one_rank_without_masters_runs_the_model_as_it_is():
+    """On one rank with bf16 parameters stepped as they are (no masters), ``parallelize`` leaves the model
+    unwrapped (the same parameters), and its loss and gradients equal FSDP2's forced over that rank bit for bit."""
+    run_workers(_one_rank_worker, 1)

@@ -332,7 +332,9 @@ VARIANTS = {
     "ep2_offload": ([], ["--ep", "2", "--offload", "cpu"]),
     "lora_cp2_offload": (["--lora-rank", "4"], ["--cp", "2", "--offload", "cpu"]),
     "pp2_offload": (["--layers", "8"], ["--pp", "2", "--offload", "cpu"]),  # two AttnRes blocks of 4: one a stage
+    "one_rank": ([], []),  # torchrun with one process: no FSDP2 (it would only copy), the model as in one process
 }
+NPROC = {"one_rank": 1}  # processes per variant (default 2)
 
 
 @pytest.mark.distributed
@@ -340,17 +342,18 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_adamw_bf16_under_torchrun(tmp_path, data, variant):
     """``--optimizer adamw-bf16`` on 2 ranks (dp 2; ep 2; LoRA at cp 2; pp 2; the last three with ``--offload
-    cpu``) against the one-process ``adamw-bf16`` run: step 1 (before any rounding draw) within bf16's tolerance
+    cpu``) and on one rank (torchrun, no FSDP2: ``run.json``'s ``layout.fsdp2``) against the one-process
+    ``adamw-bf16`` run: step 1 (before any rounding draw) within bf16's tolerance
     (``BF16_TOL``), the later losses and the eval loss within the spread of the draws (``SR_TOL``). The resume state holds
     the sharded trainable weights in bf16 (no fp32 master: FSDP2 kept them bf16) with bf16 moments, the checkpoint's
-    fp32 tensors in fp32 with fp32 moments; ``run.json`` records the policies. dp 2: stopped at step 2, it resumes
-    in one process (another layout) and reaches the one-process step 3."""
+    fp32 tensors in fp32 with fp32 moments; ``run.json`` records the policies. dp 2 and one rank: stopped at step 2,
+    each resumes in one process (another layout) and reaches the one-process step 3."""
     model_flags, layout = VARIANTS[variant]
     model_flags = [*COMMON, *BF16, *model_flags, "--data", str(data)]
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", *model_flags, "--out", str(one)]) == 0
-    stop = ["--stop-after", "2"] if variant == "dp2" else []
-    r = _torchrun(2, [*model_flags, *layout, *stop, "--out", str(two)])
+    stop = ["--stop-after", "2"] if variant in ("dp2", "one_rank") else []
+    r = _torchrun(NPROC.get(variant, 2), [*model_flags, *layout, *stop, "--out", str(two)])
     assert r.returncode == 0, r.stderr[-3000:]
     saved = two / ("step-2" if stop else "step-3")
     dtypes = _dcp_dtypes(saved)
@@ -365,8 +368,10 @@ def test_adamw_bf16_under_torchrun(tmp_path, data, variant):
             for moment in ("exp_avg", "exp_avg_sq"):
                 key = f"optimizer.state.{n}.{moment}"
                 assert dtypes.get(key, dtype) == dtype, (key, dtypes.get(key))
-    args = json.loads((two / "run.json").read_text())["args"]
+    run = json.loads((two / "run.json").read_text())
+    args = run["args"]
     assert (args["optimizer"], args["offload"]) == ("adamw-bf16", "cpu" if "--offload" in layout else "none")
+    assert run["layout"]["fsdp2"] == (variant != "one_rank"), run["layout"]
     if stop:  # the dp 2 resume state in one process
         assert main(["train", *model_flags, "--resume", "--out", str(two)]) == 0
     want, got = _records(one), _records(two)

@@ -246,8 +246,10 @@ def _one_rank_prediction(row: dict, reshard: str, cal) -> float:
     """The planner's peak bytes for a benchmark-5 row's one-rank layout, less the optimizer states (the benchmark
     steps no optimizer): its masters' policy, its reshard policy, one micro-batch of its tokens."""
     cfg = P.calibration_config(row["experts"], row["experts_per_token"])
-    masters = (row.get("fsdp_policy") or {}).get("masters", "bf16")
-    policy = P.Policy(optimizer="adamw-bf16" if masters == "bf16" else "adamw-fp32", reshard=reshard)
+    fsdp_policy = row.get("fsdp_policy") or {}
+    masters = fsdp_policy.get("masters", "bf16")
+    fsdp = "layer" if fsdp_policy.get("fsdp2", True) else "none"  # rows before "fsdp2" was recorded ran FSDP2
+    policy = P.Policy(optimizer="adamw-bf16" if masters == "bf16" else "adamw-fp32", reshard=reshard, fsdp=fsdp)
     T = row["seq_len"]
     r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), policy, P.Hardware(), cal, seq_len=T, global_batch=T)
     return r["memory"]["backward_peak"] - r["memory"]["optimizer"]

@@ -15,7 +15,9 @@
    blocks run under;
 6. **FSDP2** (:func:`kernels_torch.parallel.fsdp.apply_fsdp`, or ``shard_stages`` for a rank's stages) over the
    ``dp x cp`` ranks, the experts over ``efsdp``, with the policy's mixed precision (``param_dtype``, masters in
-   ``master_dtype``, reduce in ``reduce_dtype``), reshard and parameter-offload choices.
+   ``master_dtype``, reduce in ``reduce_dtype``), reshard and parameter-offload choices. Not on a one-rank layout
+   where FSDP2 would only copy (:func:`fsdp_only_copies`: nothing to shard, cast, offload or divide), as torchtitan
+   applies ``fully_shard`` only when ``dp_shard > 1 or cp > 1``.
 
 The model may be on ``meta`` (each rank materialises its shards afterwards: ``kernels_torch.parallel.load``). The
 trainer (``kimi_tools.train.parallel.TrainParallel``), the planner's meta check (``tests/test_plan.py``) and the
@@ -32,7 +34,7 @@ from torch import nn
 from kernels_torch.parallel.context import ContextParallel
 from kernels_torch.parallel.mesh import ParallelMesh
 
-__all__ = ["PipelineSpec", "ParallelPolicy", "Parallelized", "parallelize", "OFFLOAD_POLICIES"]
+__all__ = ["PipelineSpec", "ParallelPolicy", "Parallelized", "parallelize", "fsdp_only_copies", "OFFLOAD_POLICIES"]
 
 OFFLOAD_POLICIES = ("none", "cpu")  # FSDP2's parameter offload: none, or CPUOffloadPolicy
 
@@ -69,6 +71,8 @@ class ParallelPolicy:
         compile_backend: ``compile_blocks``'s backend (None: not compiled).
         ep_overlap: expert parallelism's all-to-alls, ``"none"`` or ``"chunks"`` (``shard_experts(overlap=)``).
         pipeline: the pipeline's schedule and cut (with ``mesh.dims.pp`` > 1).
+        shard_one_rank: apply FSDP2 on a one-rank layout even where it would only copy (:func:`fsdp_only_copies`;
+            to measure its cost there, ``benchmarks/train_step_4layers.py --shard-one-rank``).
     """
 
     param_dtype: torch.dtype | None = None
@@ -85,17 +89,20 @@ class ParallelPolicy:
     compile_backend: str | None = None
     ep_overlap: str = "none"
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    shard_one_rank: bool = False
 
 
 @dataclass
 class Parallelized:
     """What :func:`parallelize` made: ``module`` (what trains: the model, or this rank's stages under the model's
     names, ``Pipeline.rank_module()``), ``ctx`` (the ``ContextParallel`` to shard each batch with, or None),
-    ``pipe`` (the ``Pipeline``, or None)."""
+    ``pipe`` (the ``Pipeline``, or None), ``sharded`` (whether FSDP2 was applied: False in one process and on a
+    one-rank layout where it would only copy, :func:`fsdp_only_copies`)."""
 
     module: nn.Module
     ctx: ContextParallel | None = None
     pipe: object | None = None
+    sharded: bool = False
 
 
 def parallelize(
@@ -184,9 +191,33 @@ def parallelize(
 
         compile_blocks(module, backend=policy.compile_backend)
     # 6. FSDP2
-    if mesh is not None:
+    sharded = mesh is not None and not fsdp_only_copies(model, mesh, policy, ignored_params)
+    if sharded:
         _apply_fsdp(model, pipe, mesh, policy, ignored_params)
-    return Parallelized(module=module, ctx=ctx, pipe=pipe)
+    return Parallelized(module=module, ctx=ctx, pipe=pipe, sharded=sharded)
+
+
+def fsdp_only_copies(
+    model: nn.Module, mesh: ParallelMesh, policy: ParallelPolicy, ignored_params: set[nn.Parameter] | None = None
+) -> bool:
+    """Whether FSDP2 on ``mesh`` under ``policy`` would only copy: one rank (``pp x dp x cp`` = 1), no sharded
+    masters in another dtype than the compute dtype (``param_dtype`` None, or ``master_dtype`` None: the
+    optimizer steps the parameters themselves), no parameter offload, no gradient divide factor (None or 1.0), and
+    a ``reduce_dtype`` no narrower than any parameter FSDP2 would manage (its reduce would round the gradients).
+    Then every ``fully_shard`` unit's all-gather copies its shard into a buffer and out, and its reduce copies the
+    gradient in and out (6 % of the 4-layer step on an H100: ``benchmarks/README.md``, benchmark 5 under torchrun),
+    for no sharding; :func:`parallelize` leaves the model as it is, which computes what FSDP2 would (the same
+    parameters in the same dtype, the same gradients). torchtitan's rule is the same
+    (``ParallelDims.fsdp_enabled``: ``dp_shard > 1 or cp > 1``). ``policy.shard_one_rank`` forces FSDP2."""
+    if policy.shard_one_rank or mesh.dims.world_size != 1 or policy.offload != "none":
+        return False
+    if policy.gradient_divide_factor not in (None, 1.0):
+        return False
+    if policy.param_dtype is not None and policy.master_dtype is not None:
+        return False  # FSDP2 holds the masters (fp32) and gathers the compute dtype's copies
+    ignored = set(ignored_params or ())
+    widths = {p.dtype.itemsize for p in model.parameters() if p not in ignored}
+    return policy.reduce_dtype is None or all(policy.reduce_dtype.itemsize >= w for w in widths)
 
 
 def _apply_fsdp(model: nn.Module, pipe, mesh: ParallelMesh, policy: ParallelPolicy, ignored_params) -> None:

@@ -29,7 +29,9 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   fp32 unsharded gradients. ``fsdp="stage"`` (``pp`` > 1: torch's ``PipelineStage`` turns resharding after the
   backward and gradient sync off until the step's last backward): every unit of the stage gathered in bf16, with
   FSDP2's padding, and the gradients of its trained parameters unsharded in the reduce dtype
-  (:func:`stage_fsdp_bytes`, measured on the pipeline trainer by ``tests/test_plan.py``).
+  (:func:`stage_fsdp_bytes`, measured on the pipeline trainer by ``tests/test_plan.py``). ``fsdp="none"`` (one GPU
+  under ``adamw-bf16`` without offload, where FSDP2 would only copy: the trainer leaves the model as it is, as
+  torchtitan applies FSDP2 only to ``dp_shard > 1 or cp > 1``): nothing gathered.
 * **activations**: per layer and region from the config's widths (:func:`block_bytes`: the attention block by
   kind, the MLP / MoE block, the AttnRes mixes, as the eager twin saves them, checked against
   ``saved_bytes_by_block`` at two configs), composed per policy (:func:`policy_bytes`: ``recompute`` "none",

@@ -17,7 +17,7 @@ GATHER_BYTES = 2  # FSDP2 all-gathers bf16 parameters (MixedPrecisionPolicy para
 RECOMPUTE = ("none", "attn", "mlp", "full")  # kimi train --recompute-mode attn, mlp, layer ("full")
 ACT_OFFLOAD = ("none", "attn", "mlp", "all")  # kimi train --offload-activations
 RESHARD = ("auto", "always", "never")  # kimi train --reshard-after-forward
-FSDP_POLICIES = ("layer", "stage")
+FSDP_POLICIES = ("layer", "stage", "none")
 # --recompute-full-layers of the "mlp" mode: layer 0 (the dense MLP) recomputed whole, as in its calibration step
 MLP_FULL_LAYERS = 1
 
@@ -89,7 +89,7 @@ class Policy:
     """How a layout is run: ``optimizer`` (:data:`OPTIMIZERS`), ``offload`` (the states: "none" or "cpu"),
     ``recompute`` (:data:`RECOMPUTE`: "none", "attn", "mlp" or "full", ``kimi train --recompute-mode attn|mlp|
     layer`` on every layer), ``act_offload`` (:data:`ACT_OFFLOAD`, ``--offload-activations`` on every layer; "attn"
-    and "mlp" not with "full"), ``fsdp`` ("layer" or "stage", module docstring; "auto": the trainer's for the
+    and "mlp" not with "full"), ``fsdp`` ("layer", "stage" or "none", module docstring; "auto": the trainer's for the
     layout, :func:`trainer_fsdp`), ``reshard`` (:data:`RESHARD`, ``--reshard-after-forward``: which FSDP2 units
     stay gathered from their forward to their backward without a pipeline).
 
@@ -121,12 +121,16 @@ class Policy:
             )
 
 
-def trainer_fsdp(pp: int) -> str:
-    """The FSDP policy ``kimi train`` runs at ``pp`` stages: "layer" without a pipeline (one unit per layer,
-    resharded after its forward, gradients reduce-scattered every micro-batch), "stage" with one (torch's
-    ``PipelineStage`` sets ``reshard_after_backward`` and ``requires_gradient_sync`` off until the step's last
-    backward: every unit of the stage stays gathered from a micro-batch's backward on, its gradients accumulate
-    unsharded in the reduce dtype and are reduce-scattered once per step; ``tests/test_plan.py`` measures it)."""
+def trainer_fsdp(pp: int, world: int | None = None, optimizer: str = "adamw-fp32", offload: str = "none") -> str:
+    """The FSDP policy ``kimi train`` runs at ``pp`` stages of a ``world``-rank layout: "layer" without a pipeline
+    (one unit per layer, resharded after its forward, gradients reduce-scattered every micro-batch), "stage" with one
+    (torch's ``PipelineStage`` sets ``reshard_after_backward`` and ``requires_gradient_sync`` off until the step's
+    last backward: every unit of the stage stays gathered from a micro-batch's backward on, its gradients accumulate
+    unsharded in the reduce dtype and are reduce-scattered once per step; ``tests/test_plan.py`` measures it), "none"
+    on one rank under ``adamw-bf16`` without ``offload`` (no fp32 masters to shard: FSDP2 would only copy, and the
+    trainer leaves the model as it is, ``kernels_torch.parallel.parallelize.fsdp_only_copies``)."""
+    if world == 1 and optimizer == "adamw-bf16" and offload == "none":
+        return "none"
     return "layer" if pp == 1 else "stage"
 
 

@@ -105,12 +105,14 @@ def evaluate(
             schedule with fewer than ``2 pp`` micro-batches or ``2 pp`` not dividing the AttnRes blocks.
     """
     L = layout
-    fsdp = trainer_fsdp(L.pp)
-    if policy.fsdp not in ("auto", fsdp):
+    fsdp = trainer_fsdp(L.pp, L.world, policy.optimizer, policy.offload)
+    # on one rank "layer" is what the trainer runs with FSDP2 forced (ParallelPolicy.shard_one_rank, the benchmark's)
+    if policy.fsdp not in ("auto", fsdp) and not (fsdp == "none" and policy.fsdp == "layer"):
         raise ValueError(
-            f"fsdp: got {policy.fsdp!r} with pp={L.pp}, expected {fsdp!r}, the policy the trainer runs there "
-            "(trainer_fsdp)"
+            f"fsdp: got {policy.fsdp!r} with pp={L.pp} on {L.world} GPU(s) under {policy.optimizer}, expected "
+            f"{fsdp!r}, the policy the trainer runs there (trainer_fsdp)"
         )
+    fsdp = fsdp if policy.fsdp == "auto" else policy.fsdp
     policy = dataclasses.replace(policy, fsdp=fsdp)
     m = max(1, global_batch // (L.dp * seq_len))
     sched = schedule if L.pp > 1 else None
@@ -152,7 +154,9 @@ def evaluate(
     v_turn = L.pp if sched in V_SCHEDULES else None  # the V's stage that its predecessor hands over in memory
     for s, layers in enumerate(ranges):
         n, sizes, full, moe = static[s]
-        if fsdp == "layer":
+        if fsdp == "none":  # one rank, the parameters in their compute dtype: nothing gathered
+            gathered = 0
+        elif fsdp == "layer":
             gathered = layer_fsdp_bytes(cfg, L, reshard=policy.reshard, lora_rank=lora_rank)
         else:
             gathered = stage_fsdp_bytes(cfg, L, s, reduce_bytes=rb, lora_rank=lora_rank, num_stages=ns)

@@ -53,7 +53,9 @@ stay on the device. On CUDA the process group then gets a gloo backend for host 
 (``cpu:gloo,cuda:nccl``, as torchtitan does), for the gradient norm of host shards.
 
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
-``torchrun --nproc-per-node 1`` runs the parallel path on one rank (FSDP2 over one rank, bf16 mixed precision).
+``torchrun --nproc-per-node 1`` runs the parallel path on one rank: FSDP2 over that rank where it holds the fp32
+masters or offloads, else (``--optimizer adamw-bf16``, no ``--offload``) the model as it is, as in one process
+(``kernels_torch.parallel.parallelize.fsdp_only_copies``: FSDP2 would only copy there).
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ class TrainParallel:
         bf16_masters: bool = False,
         offload: str = "none",
         ep_overlap: str = "none",
+        shard_one_rank: bool = False,
     ):
         from kernels_torch.parallel.mesh import ParallelDims
         from kernels_torch.parallel.pipeline import SCHEDULES, V_SCHEDULES, parse_stage_layout
@@ -228,6 +231,9 @@ class TrainParallel:
         self.reduce_dtype, self.reshard_after_forward = reduce_dtype, reshard_after_forward
         self.bf16_masters = bf16_masters  # the trainable bf16 parameters stay bf16 shards (a bf16 optimizer)
         self.offload = offload
+        # FSDP2 even on a one-rank layout where it would only copy (ParallelPolicy.shard_one_rank; benchmarks only)
+        self.shard_one_rank = shard_one_rank
+        self.sharded = False  # whether setup applied FSDP2 (parallelize's Parallelized.sharded)
         self.rank, self.mesh, self.ctx, self.pipe, self.n_microbatches = 0, None, None, None, 1
         self.module: nn.Module | None = None  # what trains, after setup: the model or this rank's stages
         self.replicated: list[nn.Parameter] = []
@@ -367,7 +373,7 @@ class TrainParallel:
                 raise
             flag = "--pp-layout" if self.pp_counts is not None else "--pp"
             raise ValueError(f"{flag}: {str(e).removeprefix('pipeline: ')}") from None
-        self.ctx, self.pipe, self.module = done.ctx, done.pipe, done.module
+        self.ctx, self.pipe, self.module, self.sharded = done.ctx, done.pipe, done.module, done.sharded
         self.replicated = [p for p in self.module.parameters() if p in ignored and p.requires_grad]
 
     def _policy(self, model: nn.Module, args):
@@ -401,6 +407,7 @@ class TrainParallel:
             offload=self.offload,
             ep_overlap=self.ep_overlap,
             gradient_divide_factor=1.0,
+            shard_one_rank=self.shard_one_rank,
             pipeline=PipelineSpec(
                 schedule=self.pp_schedule,
                 layer_counts=None if self.pp_counts is None else tuple(self.pp_counts),

@@ -377,7 +377,9 @@ class Trainer:
     def layout(self) -> dict[str, Any]:
         """The parallel layout this launch runs (``run.json``'s ``layout``): the world size, ``dp``, ``cp``, ``ep``,
         ``pp``, the pipeline schedule and its layer counts per stage (None without ``--pp``), the micro-batches a
-        ``dp`` group runs per step, and the process group backend (None in one process)."""
+        ``dp`` group runs per step, the process group backend (None in one process), and ``fsdp2``: whether FSDP2
+        wraps the model (False in one process, and on one rank where it would only copy:
+        ``kernels_torch.parallel.parallelize.fsdp_only_copies``)."""
         par = self.par
         return {
             "world": par.pp_size * par.dp_size * par.cp_size,
@@ -389,6 +391,7 @@ class Trainer:
             "pp_layout": None if par.pipe is None else [len(r) for r in par.pipe.layout],
             "microbatches_per_dp_group": self.accum // par.dp_size,
             "backend": ("nccl" if par.device == "cuda" else "gloo") if par.enabled else None,
+            "fsdp2": par.sharded,
         }
 
     def _load_latest(self) -> None:
