@@ -5,6 +5,7 @@ calibration file matches the benchmark results it names, the command line, and `
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -94,9 +95,28 @@ def _sharded(cfg, layout: P.Layout, stage: int, rank: int, dtype=torch.float32, 
         nbytes = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
         out["grad_bytes"] = sum(nbytes(p.grad) for p in graded)
         out["optimizer_bytes"] = sum(nbytes(t) for st in opt.state.values() for k, t in st.items() if k != "step")
+        out["pinned"] = _pinned_blocks(model, {id(p) for p in graded})
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _pinned_blocks(model, graded_ids: set) -> dict:
+    """What ``--offload cpu`` pins of a sharded model, in elements: FSDP2 pins each parameter's padded shard
+    (``FSDPParam.padded_sharded_param_size``) on its own and its gradient's, and torch's host allocator rounds each
+    block up to a power of two; by role (trainable, graded, frozen)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {"trainable": 0, "graded": 0, "frozen": 0}
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group else ():
+            n = math.prod(fp.padded_sharded_param_size)
+            block = 1 << (n - 1).bit_length()
+            p = fp.sharded_param
+            out["trainable" if p.requires_grad else "frozen"] += block
+            out["graded"] += block if id(p) in graded_ids else 0
+    return out
 
 
 @pytest.mark.parametrize(
@@ -121,6 +141,8 @@ def test_rank_numel_equals_sharded_meta_model(preset, layers, layout, stage, ran
     assert (got["dense"], got["experts"]) == (want["dense"], want["experts"])
     sb = P.state_bytes(want, "adamw-fp32")  # fp32 masters (the trainer's FSDP2 shards), fp32 gradients and moments
     assert (sb["params"], sb["grads"], sb["optimizer"]) == (got["bytes"], got["grad_bytes"], got["optimizer_bytes"])
+    # --offload cpu: the pinned host blocks, a power of two each
+    assert P.pinned_numel(cfg, layout, stage) == got["pinned"]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-linear"])
@@ -163,6 +185,7 @@ def test_lora_numel_equals_sharded_meta_model():
         assert got["trainable"] == want["trainable"] == want["lora"]
         sb = P.state_bytes(want, "adamw-fp32")  # adapters fp32 with AdamW; the base frozen (no gradient, no state)
         assert (sb["grads"], sb["optimizer"]) == (got["grad_bytes"], got["optimizer_bytes"])
+        assert P.pinned_numel(cfg, layout, 0, lora_rank=4) == got["pinned"]
 
 
 @pytest.mark.parametrize("preset,seq_len", [("tiny", 100), ("tiny", 8192), ("tiny-linear", 300), ("k3.1-pro", 32768)])
@@ -238,6 +261,8 @@ ONE_RANK_ROWS = [
     ("train_step_e16_torchrun_always_fp32_fp32_h100.json", "always"),
     ("train_step_e16_torchrun_never_bf16_bf16_h100.json", "never"),
     ("train_step_e112_torchrun_h200.json", "auto"),
+    ("h100_2026-12-06_lease4/train_step_e16_torchrun.json", "auto"),  # no FSDP2: one rank, bf16 masters
+    ("h100_2026-12-06_lease4/train_step_e16_torchrun_fsdp.json", "auto"),  # the same with FSDP2 forced
 ]
 TOL_PEAK = 0.05  # the planner's peak within 5% of each measured one-rank peak
 

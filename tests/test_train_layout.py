@@ -182,7 +182,7 @@ def test_a_compiled_run_resumes_without_compile_and_says_it_compiles(tmp_path, c
     rec = json.loads((run / "run.json").read_text())
     assert rec["args"]["compile"] is False and [x["start_step"] for x in rec["launches"]] == [0, 2]
     assert rec["layout"] == {"world": 1, "dp": 1, "cp": 1, "ep": 1, "pp": 1, "pp_schedule": None, "pp_layout": None,
-                             "microbatches_per_dp_group": 1, "backend": None}  # fmt: skip
+                             "microbatches_per_dp_group": 1, "backend": None, "fsdp2": False}  # fmt: skip
 
 
 COMMON = (

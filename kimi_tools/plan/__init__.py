@@ -123,7 +123,14 @@ from kimi_tools.plan.layout import (
     stage_ranges,
     trainer_fsdp,
 )
-from kimi_tools.plan.params import layer_fsdp_bytes, lora_specs, rank_numel, stage_fsdp_bytes, state_bytes
+from kimi_tools.plan.params import (
+    layer_fsdp_bytes,
+    lora_specs,
+    pinned_numel,
+    rank_numel,
+    stage_fsdp_bytes,
+    state_bytes,
+)
 from kimi_tools.plan.render import COMMANDS_NOTE, HEADER, render_markdown, train_command
 from kimi_tools.plan.schedule import PLANNED_SCHEDULES, W_SHARE, bubble, inflight_states, replay_bubble
 from kimi_tools.plan.search import evaluate, plan, schedule_refusal
@@ -173,6 +180,7 @@ __all__ = [
     "plan",
     "plan_args",
     "policy_bytes",
+    "pinned_numel",
     "rank_numel",
     "render_docs",
     "render_markdown",

@@ -190,6 +190,52 @@ def _fsdp_unit(cfg: KimiConfig, layer: int | None, n_dc: int, ep: int, efsdp: in
     return gathered, graded
 
 
+def _pow2ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+@functools.lru_cache(maxsize=4096)
+def pinned_numel(
+    cfg: KimiConfig, layout: Layout, stage: int, *, lora_rank: int | None = None, num_stages: int | None = None
+) -> dict[str, int]:
+    """Host elements one rank of pipeline stage ``stage`` pins under ``--offload cpu`` (FSDP2's
+    ``CPUOffloadPolicy(pin_memory=True)``): ``trainable`` (the trainable shards FSDP2 manages), ``graded`` (their
+    gradients, copied to pinned host memory by each reduce), ``frozen`` (a LoRA base's shards). FSDP2 pins each
+    parameter's padded shard on its own (``padded_sharded_param.pin_memory()``: ``torch.chunk`` rows, dense over
+    ``dp x cp``, the experts' ``E / ep`` rows over ``efsdp``, :func:`_fsdp_unit`'s padding), and torch's caching host
+    allocator rounds every pinned block up to a power of two: a 5 GiB shard holds 8 GiB (measured on the H100
+    machine, torch 2.11: 5, 3 and 1.2 GiB pinned took 8, 4 and 2 GiB; ``benchmarks/README.md``). So each tensor counts
+    its shard's elements rounded up to a power of two (the bytes per element, 2 or 4, are one too). The tensors the
+    checkpoint keeps fp32 stay on the device, whole (FSDP2 ignores them)."""
+    ns = num_stages or layout.pp
+    n_dc = layout.dp * layout.cp
+    glob_specs, per = layout_specs(cfg)
+    # the embedding on the first stage, the other global tensors on the last (as rank_numel)
+    specs = [s for s in glob_specs if ((stage == 0) if s.name == "model.embed_tokens.weight" else (stage == ns - 1))]
+    for i in stage_ranges(cfg, ns)[stage]:
+        specs += list(per[i]) + (lora_specs(cfg, lora_rank).get(i, []) if lora_rank else [])
+    out = {"trainable": 0, "graded": 0, "frozen": 0}
+    for s in specs:
+        lora = ".lora_" in s.name
+        if s.dtype == "float32" and not lora:  # FSDP2 leaves them whole on the device
+            continue
+        inner = math.prod(s.shape[1:])
+        if is_expert(s.name):
+            rows = s.shape[0] // layout.ep
+            split = len(s.shape) > 1 and s.shape[1] % layout.efsdp == 0
+            shard = rows * inner // layout.efsdp if split else -(-rows // layout.efsdp) * inner
+        else:
+            shard = -(-s.shape[0] // n_dc) * inner
+        pinned = _pow2ceil(shard)
+        if lora_rank and not lora:
+            out["frozen"] += pinned
+            continue
+        out["trainable"] += pinned
+        if _gets_gradient(s.name):
+            out["graded"] += pinned
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def stage_fsdp_bytes(
     cfg: KimiConfig, layout: Layout, stage: int, *, reduce_bytes: int = 4, lora_rank=None, num_stages: int | None = None
@@ -234,6 +280,25 @@ def layer_fsdp_bytes(cfg: KimiConfig, layout: Layout, *, reshard: str = "auto", 
     return sum(units) * GATHER_BYTES
 
 
+def graded_numel(n: dict) -> tuple[int, int]:
+    """The trainable elements of :func:`rank_numel`'s counts ``n`` that the LM loss gives a gradient, (low-precision,
+    fp32): the others (the DSA indexer, layer 0's attention-side mix) keep their weights but get no gradient, no
+    AdamW moments and no optimizer time (torch's optimizers make state on a tensor's first gradient)."""
+    low = n["trainable"] - n["trainable_fp32"]
+    return low - n.get("nograd", 0), n["trainable_fp32"] - n.get("nograd_fp32", 0)
+
+
+def fp32_state_bytes(n: dict) -> dict[str, int]:
+    """The part of :func:`state_bytes` in the tensors FSDP2 leaves whole (the checkpoint's fp32 ones, the fixed
+    bias, a LoRA base's fp32 tensors): fp32 weights, gradients and moments, on the device under any offload."""
+    graded_fp32 = graded_numel(n)[1]
+    return {
+        "params": (n["trainable_fp32"] + n["frozen_fp32"] + n["fixed"]) * 4,
+        "grads": graded_fp32 * 4,
+        "optimizer": graded_fp32 * 8,
+    }
+
+
 def state_bytes(n: dict, optimizer: str) -> dict[str, int]:
     """Bytes of a rank's sharded parameters, gradients and optimizer states from :func:`rank_numel`'s counts under
     ``optimizer`` (:data:`OPTIMIZERS`): the tensors the checkpoint keeps fp32 stay fp32 under either policy (fp32
@@ -242,9 +307,7 @@ def state_bytes(n: dict, optimizer: str) -> dict[str, int]:
     pb, gb, ob = OPTIMIZERS[optimizer]
     low = n["trainable"] - n["trainable_fp32"]
     frozen = (n["frozen"] - n["frozen_fp32"]) * FROZEN_BYTES + n["frozen_fp32"] * 4
-    # trainable tensors the LM loss gives no gradient keep their weights (and masters) but get no sharded gradient
-    # from FSDP2 and no AdamW moments (torch's optimizers make state on a tensor's first gradient)
-    graded_low, graded_fp32 = low - n.get("nograd", 0), n["trainable_fp32"] - n.get("nograd_fp32", 0)
+    graded_low, graded_fp32 = graded_numel(n)  # the others keep their weights but no gradient and no moments
     return {
         "params": low * pb + n["trainable_fp32"] * 4 + frozen + n["fixed"] * 4,
         "grads": graded_low * gb + graded_fp32 * 4,

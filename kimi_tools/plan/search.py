@@ -11,6 +11,7 @@ from kimi_tools.plan.activations import held_per_microbatch, layer_inputs_bytes
 from kimi_tools.plan.calibration import Calibration, load_calibration
 from kimi_tools.plan.layout import (
     ACT_OFFLOAD,
+    FROZEN_BYTES,
     GATHER_BYTES,
     GB,
     OPTIMIZERS,
@@ -21,7 +22,16 @@ from kimi_tools.plan.layout import (
     stage_ranges,
     trainer_fsdp,
 )
-from kimi_tools.plan.params import layer_fsdp_bytes, rank_numel, stage_fsdp_bytes, state_bytes, unsharded_numel
+from kimi_tools.plan.params import (
+    fp32_state_bytes,
+    graded_numel,
+    layer_fsdp_bytes,
+    pinned_numel,
+    rank_numel,
+    stage_fsdp_bytes,
+    state_bytes,
+    unsharded_numel,
+)
 from kimi_tools.plan.schedule import (
     PLANNED_SCHEDULES,
     V_SCHEDULES,
@@ -233,17 +243,25 @@ def evaluate(
         # the activation peak comes when the backward starts: the sharded gradients exist only after a first
         # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end)
         grads_held = sb["grads"] if on_gpu and fsdp == "layer" and m > 1 else 0
+        # under --offload cpu the shards FSDP2 manages, their gradients and moments live on the host (the shards and
+        # gradients pinned, each block a power of two: pinned_numel); the fp32 tensors it leaves whole stay here
+        dev = sb if on_gpu else fp32_state_bytes(n)
         mem = {
-            "params": sb["params"] if on_gpu else 0,
-            "grads": sb["grads"] if on_gpu else 0,
-            "optimizer": sb["optimizer"] if on_gpu else 0,
+            "params": dev["params"],
+            "grads": dev["grads"],
+            "optimizer": dev["optimizer"],
             "gathered": gathered,
             "activations": act,
         }
         mem["backward_peak"] = mem["params"] + mem["optimizer"] + gathered + act + grads_held
         mem["step_peak"] = mem["params"] + mem["grads"] + mem["optimizer"]
         mem["total"] = max(mem["backward_peak"], mem["step_peak"])
-        host = (0 if on_gpu else sum(sb.values())) + host_act
+        host = host_act
+        if not on_gpu:
+            pn = [pinned_numel(cfg, L, s, lora_rank=lora_rank, num_stages=ns) for s in held_stages]
+            pinned = {key: sum(x[key] for x in pn) for key in pn[0]}
+            host += pinned["trainable"] * pb + pinned["frozen"] * FROZEN_BYTES + pinned["graded"] * gb
+            host += sb["optimizer"] - dev["optimizer"]  # the moments (pageable: exact)
         comm = {key: sum(x["comm"][key] for x in st) for key in st[0]["comm"]}
         t = {key: sum(x[key] for x in st) for key in ("t_comp", "t_a2a", "t_shown", "t_pp", "t_off", "t_fwd", "t_fsdp")}
         f, f_rec = sum(x["f"] for x in st), sum(x["f_rec"] for x in st)
@@ -267,7 +285,7 @@ def evaluate(
     pipeline = busy + bub
     fsdp_exposed = max(max(0.0, x["t_fsdp"] - m * x["t_comp"]) for x in ranks)
     # the optimizer steps only the tensors that get a gradient (params.state_bytes)
-    tr = max(x["n"]["trainable"] - x["n"].get("nograd", 0) - x["n"].get("nograd_fp32", 0) for x in ranks)
+    tr = max(sum(graded_numel(x["n"])) for x in ranks)
     if policy.offload == "none":
         t_opt = tr * (pb + gb + 2 * ob + pb) / (hw.hbm_gbps * GB)  # read p, g, m, v; write p, m, v
     else:
