@@ -241,10 +241,14 @@ def build_rank(a, row: dict):
     return par, module, masters, build_optimizer(masters, a)
 
 
-def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, seed: int = 0) -> dict:
+def rehearse(
+    preset: str, row: dict, device: str, lora_rank: int | None = None, seed: int = 0, progress: dict | None = None
+) -> dict:
     """Build the rank of ``row`` (a ``kimi plan`` layout; ``lora_rank`` is read from its command) on ``device``,
     run its in-flight micro-batches' forwards and backwards and one optimizer step, and return the prediction
-    beside the measurement (bytes, milliseconds).
+    beside the measurement (bytes, milliseconds). ``progress`` (a dict, filled as it goes): ``phase`` (``build``,
+    ``forward N``, ``backward N``, ``timed``, ``optimizer``) and, on CUDA, ``after_build_bytes`` (allocated once
+    the rank is built: its parameters and whatever it keeps), so that an out-of-memory error says where it came.
 
     Raises:
         ValueError: a layout with ``cp`` > 1 (not rehearsed: module docstring)."""
@@ -260,6 +264,8 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     s = row["worst_stage"]
+    progress = {} if progress is None else progress
+    progress["phase"] = "build"
     with tempfile.TemporaryDirectory() as tmp, fake_group(L["world"], s * L["dp"] * L["cp"]):
         a = train_args(row, device, tmp)
         cfg = load_config(a.preset)
@@ -269,6 +275,7 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, 
         if cuda:  # the step's peak from here: the build's transient buffers (the drawn shards) released
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            progress["after_build_bytes"] = torch.cuda.memory_allocated()
         stage = par.pipe.stages[0] if par.pipe is not None else None
         T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size
         inflight = min(L["pp"] - s, row["microbatches"])
@@ -298,15 +305,21 @@ def rehearse(preset: str, row: dict, device: str, lora_rank: int | None = None, 
                 torch.cuda.synchronize()
 
         with LoopbackExperts.installed():
-            outs = [forward() for _ in range(inflight)]  # 1F1B warm-up: the in-flight forwards
-            for out in outs:
+            outs = []
+            for i in range(inflight):  # 1F1B warm-up: the in-flight forwards
+                progress["phase"] = f"forward {i}"
+                outs.append(forward())
+            for i, out in enumerate(outs):
+                progress["phase"] = f"backward {i}"
                 backward(out)
             del outs
             sync()
+            progress["phase"] = "timed"
             t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
             backward(forward())
             sync()
             ms = (time.perf_counter() - t0) * 1e3
+            progress["phase"] = "optimizer"
             masters.grads_to_masters()
             step_optimizer(optimizer, a, 1, par.rank)
             optimizer.zero_grad(set_to_none=True)
@@ -384,11 +397,13 @@ def main(argv=None) -> int:
         if args.plan_only:
             report["runs"][run] = {"status": "planned", "row": row}
             continue
+        progress: dict = {}
         try:
-            res = rehearse(args.preset, row, args.device, lora)
+            res = rehearse(args.preset, row, args.device, lora, progress=progress)
             res["status"] = "ok"
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as e:
             res = {"status": "oom", "peak_bytes": torch.cuda.max_memory_allocated(), "command": row["command"]}
+            res |= {"progress": progress, "predicted_total": row["memory"]["total"], "error": str(e).split("\n")[0]}
         report["runs"][run] = res
         print(json.dumps(res), flush=True)
     if args.out:
