@@ -18,8 +18,11 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   (:data:`OPTIMIZERS`): ``adamw-fp32`` = fp32 masters (4) + fp32 gradients (4) + two fp32 moments (8), FSDP2's
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``adamw-bf16`` = bf16 parameters, gradients and
   moments (2 + 2 + 4; ``kimi train --optimizer adamw-bf16``: an AdamW with stochastic rounding);
-  ``--offload cpu`` keeps all three on the host (``kimi train --offload cpu``: FSDP2 ``CPUOffloadPolicy``). The
-  tensors the checkpoint keeps in fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the
+  ``--offload cpu`` keeps all three on the host (``kimi train --offload cpu``: FSDP2 ``CPUOffloadPolicy``), the
+  shards and gradients in pinned blocks that torch's host allocator rounds up to powers of two, one per tensor
+  (:func:`pinned_numel`; the moments pageable, exact; the fp32 tensors below stay on the device). Activation offload
+  pins through the same allocator; its host bytes are counted exact (not rounded). The tensors the checkpoint keeps
+  in fp32 (``A_log``, ``dt_bias``, convs, ...) stay fp32 under either policy; the
   router's ``e_score_correction_bias`` has no gradient and no state (:func:`state_bytes`). LoRA: the frozen base in bf16
   (2 B, no gradient, no state), the adapters (``kimi_tools.lora.DEFAULT_TARGETS``: attention projections) trained
   under the policy.
