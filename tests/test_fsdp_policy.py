@@ -25,8 +25,8 @@ def _model(tied: bool = False, dtype=torch.float64):
     return KimiK3Model(cfg).to(dtype), cfg
 
 
-def _ids(cfg, T: int = 33):
-    g = torch.Generator().manual_seed(1)
+def _ids(cfg, T: int = 33, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, T + 1), generator=g)
     return ids[:, :T], ids[:, 1:]
 
@@ -73,7 +73,7 @@ def _policy_worker(rank: int, world: int, factor: float) -> None:
     loss_r = ref.loss(ids, labels) / labels.numel()
     loss_r.backward()
 
-    # FSDP2 forced at one rank too (an fp64 model's would be kept anyway: its reduce is fp64, parallelize's rule)
+    # FSDP2 forced at one rank too (this test measures its one-rank reduce; unforced, parallelize leaves it out)
     policy = ParallelPolicy(gradient_divide_factor=factor, shard_one_rank=True)
     assert parallelize(model, init_mesh(dp=world), policy).sharded
     layers = list(model.model.layers)
@@ -162,9 +162,12 @@ def test_fsdp_only_copies_on_one_rank_without_masters():
     }
     for why, (mesh, policy) in kept.items():
         assert not fsdp_only_copies(model, mesh, policy, ignored), why
+    assert not fsdp_only_copies(model, one, ParallelPolicy(**bf16, reduce_dtype=torch.float16), ignored)  # rounds
     fp32_model, _ = _model(dtype=torch.float32)  # a bf16 reduce would round its fp32 gradients
     assert not fsdp_only_copies(fp32_model, one, ParallelPolicy(reduce_dtype=torch.bfloat16))
     assert fsdp_only_copies(fp32_model, one, ParallelPolicy(reduce_dtype=torch.float32, gradient_divide_factor=1.0))
+    fp64_model, _ = _model()  # apply_fsdp reduces an fp64 model in fp64 whatever the policy says: a copy
+    assert fsdp_only_copies(fp64_model, one, ParallelPolicy(reduce_dtype=torch.float32, gradient_divide_factor=1.0))
 
 
 def _one_rank_worker(rank: int, world: int) -> None:
@@ -175,33 +178,38 @@ def _one_rank_worker(rank: int, world: int) -> None:
     from kernels_torch.parallel.parallelize import ParallelPolicy, parallelize
 
     mesh = init_mesh(dp=1)
-    bf16 = dict(param_dtype=torch.bfloat16, master_dtype=None, reduce_dtype=torch.bfloat16, gradient_divide_factor=1.0)
-    grads, losses = {}, {}
-    for forced in (False, True):
-        model, cfg, ignored = _bf16_model()
-        before = dict(model.named_parameters())
-        done = parallelize(model, mesh, ParallelPolicy(**bf16, shard_one_rank=forced), ignored_params=ignored)
-        assert done.sharded == forced
-        assert any(isinstance(m, FSDPModule) for m in model.modules()) == forced
-        if not forced:  # the model as it was: the same parameter objects
-            assert dict(model.named_parameters()) == before
-        ids, labels = _ids(cfg)
-        loss = model.loss(ids, labels) / labels.numel()
-        loss.backward()
-        losses[forced] = loss.detach().float()
-        full = lambda g: g.full_tensor() if isinstance(g, DTensor) else g
-        grads[forced] = {n: full(p.grad).float() for n, p in model.named_parameters() if p.grad is not None}
-    # FSDP2 at one rank computes the same: its gathers and reduce are copies (bf16 reduce of bf16 gradients); a
-    # gradient summed from several uses (the embedding's) is summed in another order there: one bf16 rounding apart
-    assert rel(losses[False], losses[True]) == 0.0, losses
-    assert set(grads[False]) == set(grads[True])
-    bad = {n: rel(grads[False][n], grads[True][n]) for n in grads[True]}
-    bad = {n: e for n, e in bad.items() if e > TOL_ONE_RANK_GRAD}
-    assert not bad, bad
+    full = lambda g: g.full_tensor() if isinstance(g, DTensor) else g  # noqa: E731
+    for reduce in (torch.bfloat16, torch.float32):  # kimi train's --reduce-dtype bf16 and fp32 (its default)
+        policy = dict(param_dtype=torch.bfloat16, master_dtype=None, reduce_dtype=reduce, gradient_divide_factor=1.0)
+        grads, losses = {}, {}
+        for forced in (False, True):
+            model, cfg, ignored = _bf16_model()
+            before = dict(model.named_parameters())
+            done = parallelize(model, mesh, ParallelPolicy(**policy, shard_one_rank=forced), ignored_params=ignored)
+            assert done.sharded == forced
+            assert any(isinstance(m, FSDPModule) for m in model.modules()) == forced
+            if not forced:  # the model as it was: the same parameter objects
+                assert dict(model.named_parameters()) == before
+            losses[forced] = []
+            for seed in (1, 2):  # two micro-batches, their gradients accumulated
+                ids, labels = _ids(cfg, seed=seed)
+                loss = model.loss(ids, labels) / labels.numel()
+                loss.backward()
+                losses[forced].append(loss.detach().float())
+            grads[forced] = {n: full(p.grad).float() for n, p in model.named_parameters() if p.grad is not None}
+        # FSDP2 at one rank computes the same: its gathers and reduce are copies (bf16 gradients through a bf16 or
+        # fp32 reduce); a gradient summed from several uses (the embedding's) or over the micro-batches is summed in
+        # another order or precision there: about one bf16 rounding apart
+        assert all(rel(a, b) == 0.0 for a, b in zip(losses[False], losses[True])), losses
+        assert set(grads[False]) == set(grads[True])
+        bad = {n: rel(grads[False][n], grads[True][n]) for n in grads[True]}
+        bad = {n: e for n, e in bad.items() if e > TOL_ONE_RANK_GRAD}
+        assert not bad, (reduce, bad)
 
 
 @pytest.mark.distributed
 def test_one_rank_without_masters_runs_the_model_as_it_is():
     """On one rank with bf16 parameters stepped as they are (no masters), ``parallelize`` leaves the model
-    unwrapped (the same parameters), and its loss and gradients equal FSDP2's forced over that rank bit for bit."""
+    unwrapped (the same parameters); over two micro-batches, with a bf16 and an fp32 reduce, its losses equal
+    FSDP2's forced over that rank bit for bit and its gradients within ``TOL_ONE_RANK_GRAD``."""
     run_workers(_one_rank_worker, 1)

@@ -294,6 +294,20 @@ def test_one_rank_peak_within_5_percent_of_measured(name, reshard):
     assert abs(got / row["peak_gib"] - 1) <= TOL_PEAK, (name, got, row["peak_gib"])
 
 
+def test_one_rank_unwrapped_holds_its_gradients_across_micro_batches():
+    """On one GPU under adamw-bf16 the trainer leaves FSDP2 out (``fsdp="none"``: nothing gathered); with more
+    than one micro-batch per step the whole bf16 gradients are held from the first backward on, so the backward's
+    peak grows by them, and by nothing else."""
+    cfg, cal, T = P.calibration_config(16, 8), P.load_calibration(), 8192
+    peak = {}
+    for m in (1, 4):
+        r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(optimizer="adamw-bf16"), P.Hardware(), cal, seq_len=T,
+                       global_batch=m * T)  # fmt: skip
+        assert r["policy"]["fsdp"] == "none" and r["memory"]["gathered"] == 0
+        peak[m] = r["memory"]["backward_peak"]
+    assert peak[4] - peak[1] == r["memory"]["grads"] > 0
+
+
 def test_reshard_policy_moves_the_peak_as_measured():
     """The gathered units at the backward's start, against the measured differences of the one-rank rows with
     bf16 masters: "auto" holds the last layer and the root, "always" one unit, "never" every unit (exact to the

@@ -203,11 +203,13 @@ def fsdp_only_copies(
     """Whether FSDP2 on ``mesh`` under ``policy`` would only copy: one rank (``pp x dp x cp`` = 1), no sharded
     masters in another dtype than the compute dtype (``param_dtype`` None, or ``master_dtype`` None: the
     optimizer steps the parameters themselves), no parameter offload, no gradient divide factor (None or 1.0), and
-    a ``reduce_dtype`` no narrower than any parameter FSDP2 would manage (its reduce would round the gradients).
+    a reduce dtype (``reduce_dtype``; fp64 for an fp64 model, as ``apply_fsdp`` forces) that holds every value of
+    each parameter dtype FSDP2 would manage (the same dtype or a wider float: else its reduce would round).
     Then every ``fully_shard`` unit's all-gather copies its shard into a buffer and out, and its reduce copies the
     gradient in and out (6 % of the 4-layer step on an H100: ``benchmarks/README.md``, benchmark 5 under torchrun),
-    for no sharding; :func:`parallelize` leaves the model as it is, which computes what FSDP2 would (the same
-    parameters in the same dtype, the same gradients). torchtitan's rule is the same
+    for no sharding; :func:`parallelize` leaves the model as it is, which computes what FSDP2 would: the same
+    parameters in the same dtype, the same loss, gradients equal up to the order in which a parameter used more than
+    once sums its bf16 parts (``tests/test_fsdp_policy.py``). torchtitan's rule is the same
     (``ParallelDims.fsdp_enabled``: ``dp_shard > 1 or cp > 1``). ``policy.shard_one_rank`` forces FSDP2."""
     if policy.shard_one_rank or mesh.dims.world_size != 1 or policy.offload != "none":
         return False
@@ -216,8 +218,17 @@ def fsdp_only_copies(
     if policy.param_dtype is not None and policy.master_dtype is not None:
         return False  # FSDP2 holds the masters (fp32) and gathers the compute dtype's copies
     ignored = set(ignored_params or ())
-    widths = {p.dtype.itemsize for p in model.parameters() if p not in ignored}
-    return policy.reduce_dtype is None or all(policy.reduce_dtype.itemsize >= w for w in widths)
+    dtypes = {p.dtype for p in model.parameters() if p not in ignored}
+    reduce = torch.float64 if torch.float64 in dtypes else policy.reduce_dtype  # apply_fsdp forces fp64 there
+    return all(reduce is None or reduce == d or reduce in _EXACT_REDUCE.get(d, ()) for d in dtypes)
+
+
+# the reduce dtypes a gradient of each dtype goes through and back unchanged (a wider format holding every value)
+_EXACT_REDUCE = {
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
 
 
 def _apply_fsdp(model: nn.Module, pipe, mesh: ParallelMesh, policy: ParallelPolicy, ignored_params) -> None:

@@ -180,7 +180,8 @@ def _fsdp_unit(cfg: KimiConfig, layer: int | None, n_dc: int, ep: int, efsdp: in
         inner = math.prod(s.shape[1:])
         if is_expert(s.name):
             rows = s.shape[0] // ep
-            split = len(s.shape) > 1 and s.shape[1] % efsdp == 0
+            # ep 1: the experts are in the layer's unit, dim 0 like any parameter (_expert_placement needs ep > 1)
+            split = ep > 1 and len(s.shape) > 1 and s.shape[1] % efsdp == 0
             g = s.numel // ep if split else -(-rows // efsdp) * efsdp * inner
         else:
             g = -(-s.shape[0] // n_dc) * n_dc * inner
@@ -204,7 +205,8 @@ def pinned_numel(
     parameter's padded shard on its own (``padded_sharded_param.pin_memory()``: ``torch.chunk`` rows, dense over
     ``dp x cp``, the experts' ``E / ep`` rows over ``efsdp``, :func:`_fsdp_unit`'s padding), and torch's caching host
     allocator rounds every pinned block up to a power of two: a 5 GiB shard holds 8 GiB (measured on the H100
-    machine, torch 2.11: 5, 3 and 1.2 GiB pinned took 8, 4 and 2 GiB; ``benchmarks/README.md``). So each tensor counts
+    machine, torch 2.11: 5, 3 and 1.2 GiB pinned took 8, 4 and 2 GiB;
+    ``benchmarks/results/h100_2026-12-06_lease4/pinned_probe.txt``). So each tensor counts
     its shard's elements rounded up to a power of two (the bytes per element, 2 or 4, are one too). The tensors the
     checkpoint keeps fp32 stay on the device, whole (FSDP2 ignores them)."""
     ns = num_stages or layout.pp
@@ -222,7 +224,7 @@ def pinned_numel(
         inner = math.prod(s.shape[1:])
         if is_expert(s.name):
             rows = s.shape[0] // layout.ep
-            split = len(s.shape) > 1 and s.shape[1] % layout.efsdp == 0
+            split = layout.ep > 1 and len(s.shape) > 1 and s.shape[1] % layout.efsdp == 0  # as _fsdp_unit
             shard = rows * inner // layout.efsdp if split else -(-rows // layout.efsdp) * inner
         else:
             shard = -(-s.shape[0] // n_dc) * inner

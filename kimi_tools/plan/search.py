@@ -241,8 +241,9 @@ def evaluate(
         act = sum(peak[j] * st[j]["dev_mb"] for j in range(len(st))) + max(x["ws"] for x in st)
         host_act = max(sum(c[j] * st[j]["host_mb"] for j in range(len(st))) for c in counts)
         # the activation peak comes when the backward starts: the sharded gradients exist only after a first
-        # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end)
-        grads_held = sb["grads"] if on_gpu and fsdp == "layer" and m > 1 else 0
+        # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end);
+        # unwrapped ("none") the whole gradients accumulate from the first micro-batch's backward on
+        grads_held = sb["grads"] if on_gpu and fsdp in ("layer", "none") and m > 1 else 0
         # under --offload cpu the shards FSDP2 manages, their gradients and moments live on the host (the shards and
         # gradients pinned, each block a power of two: pinned_numel); the fp32 tensors it leaves whole stay here
         dev = sb if on_gpu else fp32_state_bytes(n)

@@ -54,8 +54,8 @@ stay on the device. On CUDA the process group then gets a gloo backend for host 
 
 Without ``torchrun`` :class:`TrainParallel` is a no-op and ``--cp``, ``--ep``, ``--dp`` must be 1 (or absent);
 ``torchrun --nproc-per-node 1`` runs the parallel path on one rank: FSDP2 over that rank where it holds the fp32
-masters or offloads, else (``--optimizer adamw-bf16``, no ``--offload``) the model as it is, as in one process
-(``kernels_torch.parallel.parallelize.fsdp_only_copies``: FSDP2 would only copy there).
+masters or offloads, else (``--optimizer adamw-bf16`` or an fp32 model, no ``--offload``) the model as it is, as in
+one process (``kernels_torch.parallel.parallelize.fsdp_only_copies``: FSDP2 would only copy there).
 """
 
 from __future__ import annotations
