@@ -174,11 +174,13 @@ def render_docs() -> str:
         "in flight) and which a pipeline's first stage does not hold; and the planner counted no stage "
         "input or output. With that run's own head counted, its prediction is 68.9 GB (measured 1.06x). The "
         "planner now counts each in-flight micro-batch's received and sent states and the last stage's head "
-        "(`held_per_microbatch`); the rehearsal as the trainer's rank has not run on a GPU yet (its first attempt, "
-        "on an H100 on 2026-12-05, stopped at the optimizer for want of torchao on the machine). It plans for the "
-        "machine it runs on: the card's memory and 90% of the host's available memory (`--host-memory`), since an "
-        "offloading layout keeps the rank's states on the host (planned for 80 GB cards, full fine-tuning: 174 GB "
-        "per rank at 128 GPUs, 99 GB at 256)."
+        "(`held_per_microbatch`); the rehearsal as the trainer's rank has not run through on a GPU yet (on an H100: "
+        "on 2026-12-05 it stopped at the optimizer for want of torchao on the machine; on 2026-12-06 the full "
+        "layout at 256 GPUs ran out of GPU memory at 78.6 GB against 43.8 GB predicted, not explained yet, and the "
+        "LoRA layout out of host memory, as pinned host blocks round up to powers of two, which the planner now "
+        "counts: `pinned_numel`). It plans for the machine it runs on: the card's memory and 90% of the host's "
+        "available memory (`--host-memory`), since an offloading layout keeps the rank's states on the host, in "
+        "pinned blocks (planned for 80 GB cards, full fine-tuning: 238 GB per rank at 128 GPUs, 125 GB at 256)."
     )
     out += [
         "",
