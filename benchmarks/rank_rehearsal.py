@@ -241,14 +241,55 @@ def build_rank(a, row: dict):
     return par, module, masters, build_optimizer(masters, a)
 
 
+# the project's own packages: a live allocation is charged to its innermost frame in one of them
+PROJECT_DIRS = ("kernels_torch/", "kimi_tools/", "kimi/", "benchmarks/")
+
+
+def live_by_place(snapshot: dict, top: int = 15) -> list[dict]:
+    """The live CUDA allocations of ``snapshot`` (``torch.cuda.memory._snapshot()`` with the history recorded,
+    "Understanding CUDA Memory Usage" in torch's docs) grouped by where they were made: the innermost stack frame in
+    :data:`PROJECT_DIRS` (``"kernels_torch/moe.py:120 forward"``), else the innermost frame, else ``"unrecorded"``
+    (allocated while no history was kept). Returns ``[{"place", "gb", "blocks"}]``, the ``top`` largest, GB = 1e9 B."""
+    by: dict[str, list[int]] = {}
+    for seg in snapshot.get("segments", []):
+        for block in seg.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            place = "unrecorded"
+            for f in frames:
+                name = f.get("filename", "")
+                hit = next((name[name.rindex(d) :] for d in PROJECT_DIRS if d in name), None)
+                if hit is not None:
+                    place = f"{hit}:{f.get('line')} {f.get('name')}"
+                    break
+            else:
+                if frames:
+                    place = f"{frames[0].get('filename')}:{frames[0].get('line')} {frames[0].get('name')}"
+            acc = by.setdefault(place, [0, 0])
+            acc[0] += block["size"]
+            acc[1] += 1
+    rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"place": k, "gb": v[0] / 1e9, "blocks": v[1]} for k, v in rows]
+
+
 def rehearse(
-    preset: str, row: dict, device: str, lora_rank: int | None = None, seed: int = 0, progress: dict | None = None
+    preset: str,
+    row: dict,
+    device: str,
+    lora_rank: int | None = None,
+    seed: int = 0,
+    progress: dict | None = None,
+    memory_history: bool = False,
 ) -> dict:
     """Build the rank of ``row`` (a ``kimi plan`` layout; ``lora_rank`` is read from its command) on ``device``,
     run its in-flight micro-batches' forwards and backwards and one optimizer step, and return the prediction
     beside the measurement (bytes, milliseconds). ``progress`` (a dict, filled as it goes): ``phase`` (``build``,
     ``forward N``, ``backward N``, ``timed``, ``optimizer``) and, on CUDA, ``after_build_bytes`` (allocated once
     the rank is built: its parameters and whatever it keeps), so that an out-of-memory error says where it came.
+    ``memory_history`` (CUDA): record each allocation's Python stack (``torch.cuda.memory._record_memory_history``)
+    from the build through the in-flight micro-batches, stopped before the timed one (the recording slows the host),
+    so that an out-of-memory error's live blocks can be charged to their places (:func:`live_by_place`).
 
     Raises:
         ValueError: a layout with ``cp`` > 1 (not rehearsed: module docstring)."""
@@ -266,6 +307,8 @@ def rehearse(
     s = row["worst_stage"]
     progress = {} if progress is None else progress
     progress["phase"] = "build"
+    if memory_history and cuda:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)
     with tempfile.TemporaryDirectory() as tmp, fake_group(L["world"], s * L["dp"] * L["cp"]):
         a = train_args(row, device, tmp)
         cfg = load_config(a.preset)
@@ -315,6 +358,8 @@ def rehearse(
             del outs
             sync()
             progress["phase"] = "timed"
+            if memory_history and cuda:  # the timed micro-batch without the recording's host cost
+                torch.cuda.memory._record_memory_history(enabled=None)
             t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
             backward(forward())
             sync()
@@ -399,11 +444,15 @@ def main(argv=None) -> int:
             continue
         progress: dict = {}
         try:
-            res = rehearse(args.preset, row, args.device, lora, progress=progress)
+            res = rehearse(args.preset, row, args.device, lora, progress=progress, memory_history=args.device == "cuda")
             res["status"] = "ok"
         except torch.OutOfMemoryError as e:
             res = {"status": "oom", "peak_bytes": torch.cuda.max_memory_allocated(), "command": row["command"]}
             res |= {"progress": progress, "predicted_total": row["memory"]["total"], "error": str(e).split("\n")[0]}
+            res["live_by_place"] = live_by_place(torch.cuda.memory._snapshot())  # what held the card when it failed
+        finally:
+            if args.device == "cuda":
+                torch.cuda.memory._record_memory_history(enabled=None)
         report["runs"][run] = res
         print(json.dumps(res), flush=True)
     if args.out:

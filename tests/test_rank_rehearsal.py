@@ -70,3 +70,35 @@ def test_rank_rehearsal_refuses_context_parallelism():
     row = {"layout": {"pp": 1, "dp": 2, "cp": 2, "ep": 1, "world": 4}}
     with pytest.raises(ValueError, match="cp 2: context parallelism is not rehearsed"):
         _bench().rehearse("tiny", row, "cpu")
+
+
+def test_live_by_place_charges_blocks_to_the_projects_frames():
+    """An out-of-memory row's breakdown: live blocks grouped by their innermost frame in the project's packages
+    (else the innermost frame, else "unrecorded"), largest first; freed and inactive blocks left out."""
+    mod = _bench()
+    torch_frame = {"filename": "/venv/torch/nn/functional.py", "line": 7, "name": "linear"}
+    moe = {"filename": "/root/repo/kernels_torch/moe.py", "line": 120, "name": "forward"}
+    snap = {
+        "segments": [
+            {
+                "blocks": [
+                    {"size": 3_000_000_000, "state": "active_allocated", "frames": [torch_frame, moe]},
+                    {"size": 1_000_000_000, "state": "active_allocated", "frames": [moe]},
+                    {"size": 9_000_000_000, "state": "inactive", "frames": [moe]},
+                ]
+            },  # fmt: skip
+            {
+                "blocks": [
+                    {"size": 2_000_000_000, "state": "active_allocated", "frames": [torch_frame]},
+                    {"size": 500_000_000, "state": "active_allocated"},
+                ]
+            },  # fmt: skip
+        ]
+    }
+    got = mod.live_by_place(snap)
+    assert got == [
+        {"place": "kernels_torch/moe.py:120 forward", "gb": 4.0, "blocks": 2},
+        {"place": "/venv/torch/nn/functional.py:7 linear", "gb": 2.0, "blocks": 1},
+        {"place": "unrecorded", "gb": 0.5, "blocks": 1},
+    ]
+    assert mod.live_by_place(snap, top=1) == got[:1]
