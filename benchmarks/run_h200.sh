@@ -67,9 +67,9 @@
 #   rank_rehearsal  benchmarks/rank_rehearsal.py: one rank of kimi plan's layouts at real dimensions, built by the
 #                trainer's code on torch's fake process group, against the planner's memory and time
 #                (REHEARSAL_ARGS, default "--seq-len 8192"; planned for 80 GB on an H100, 141 GB on an H200, and for
-#                90% of the machine's available host memory: on a 128 GB machine no layout that offloads its states
-#                fits an 80 GB card (pinned host blocks round up to powers of two); on an H200 full fine-tuning at
-#                256 GPUs and LoRA at 64, neither offloading its states; adamw-bf16 needs torchao: fp8_wheels first)
+#                90% of the machine's available host memory (pinned host blocks round up to powers of two): on an
+#                H100 of a 128 GB machine full fine-tuning at 512 GPUs and no LoRA layout, on an H200 full at 256
+#                GPUs and LoRA at 64, none offloading its states; adamw-bf16 needs torchao: fp8_wheels first)
 #   offload_copy (not in the default STEPS): benchmarks/offload_copy.py, the host copy rate of kimi train's
 #                --offload-activations (device -> pinned host on a side stream, back, and beside bf16 matmuls), 1 MB
 #                to 1 GB

@@ -124,6 +124,7 @@ def _pinned_blocks(model, graded_ids: set) -> dict:
     [
         ("tiny", None, P.Layout(pp=1, dp=2, cp=1, ep=2), 0, 1),
         ("tiny", None, P.Layout(pp=1, dp=3, cp=1, ep=1), 0, 2),  # 3 ranks: uneven chunks, the last rank short
+        ("tiny", None, P.Layout(pp=1, dp=16, cp=1, ep=2), 0, 3),  # experts split on dim 1: 4 rows over efsdp 8
         ("tiny", None, P.Layout(pp=3, dp=2, cp=2, ep=2), 1, 3),
         ("tiny", None, P.Layout(pp=3, dp=4, cp=1, ep=4), 2, 2),
         ("tiny", None, P.Layout(pp=1, dp=1, cp=2, ep=1), 0, 0),

@@ -180,7 +180,7 @@ def render_docs() -> str:
         "LoRA layout out of host memory, as pinned host blocks round up to powers of two, which the planner now "
         "counts: `pinned_numel`). It plans for the machine it runs on: the card's memory and 90% of the host's "
         "available memory (`--host-memory`), since an offloading layout keeps the rank's states on the host, in "
-        "pinned blocks (planned for 80 GB cards, full fine-tuning: 238 GB per rank at 128 GPUs, 125 GB at 256)."
+        "pinned blocks (planned for 80 GB cards, full fine-tuning: 238 GB per rank at 128 GPUs, 119 GB at 256)."
     )
     out += [
         "",

@@ -59,24 +59,24 @@ _FIXED = ("e_score_correction_bias",)
 @functools.lru_cache(maxsize=4096)
 def _groups(
     cfg: KimiConfig, layer: int | None, lora_rank: int | None
-) -> tuple[tuple[str, str, int, int, bool, int], ...]:
+) -> tuple[tuple[str, str, int, int, bool, int, int], ...]:
     """Parameters of ``layer`` (None: the global ones) as ``(kind, flag, dim-0 rows, elements per row, graded,
-    count)`` with kind "dense", "experts" (stacks, rows = E), "embed" or "lora" (``lora_rank``'s adapters), flag
+    dim 1, count)`` with kind "dense", "experts" (stacks, rows = E), "embed" or "lora" (``lora_rank``'s adapters), flag
     "fixed" (no gradient: :data:`_FIXED`), "fp32" (kept fp32 by the checkpoint and ``kernels_torch.model.cast_model``)
     or "", and graded whether the LM loss gives it a gradient (:func:`_gets_gradient`); equal shapes merged."""
     glob, per = layout_specs(cfg)
-    counts: dict[tuple[str, str, int, int], int] = {}
+    counts: dict[tuple, int] = {}
     specs = list(glob) if layer is None else list(per[layer])
     for s in specs:
         kind = "experts" if is_expert(s.name) else "dense"
         if s.name == "model.embed_tokens.weight":  # the first stage's; the other globals are the last stage's
             kind = "embed"
         flag = "fixed" if s.name.endswith(_FIXED) else "fp32" if s.dtype == "float32" else ""
-        key = (kind, flag, s.shape[0], math.prod(s.shape[1:]), _gets_gradient(s.name))
+        key = (kind, flag, s.shape[0], math.prod(s.shape[1:]), _gets_gradient(s.name), _dim1(s.shape))
         counts[key] = counts.get(key, 0) + 1
     if lora_rank and layer is not None:
         for s in lora_specs(cfg, lora_rank).get(layer, []):
-            key = ("lora", "", s.shape[0], math.prod(s.shape[1:]), True)
+            key = ("lora", "", s.shape[0], math.prod(s.shape[1:]), True, _dim1(s.shape))
             counts[key] = counts.get(key, 0) + 1
     return tuple((*k, c) for k, c in counts.items())
 
@@ -116,13 +116,13 @@ def rank_numel(
     def dense_rows(flag, rows):  # the fp32 tensors (and the fixed fp32 bias) are whole on every rank
         return rows if flag in ("fp32", "fixed") else shard_rows(rows, n_dc, dp_cp_coord)
 
-    for kind, flag, rows, inner, graded, count in _groups(cfg, None, None):
+    for kind, flag, rows, inner, graded, _, count in _groups(cfg, None, None):
         if (stage == 0) if kind == "embed" else (stage == ns - 1):
             add(kind, flag, count * dense_rows(flag, rows) * inner, graded)
     for i in ranges[stage]:
-        for kind, flag, rows, inner, graded, count in _groups(cfg, i, lora_rank):
+        for kind, flag, rows, inner, graded, dim1, count in _groups(cfg, i, lora_rank):
             if kind == "experts":
-                add(kind, flag, count * shard_rows(rows // layout.ep, layout.efsdp, efsdp_coord) * inner, graded)
+                add(kind, flag, count * _expert_numel(rows, inner, dim1, layout.ep, layout.efsdp, efsdp_coord), graded)
             else:
                 add(kind, flag, count * dense_rows(flag, rows) * inner, graded)
     base = tot["dense"] + tot["experts"] - tot["fixed"]
@@ -140,13 +140,39 @@ def unsharded_numel(
     """Elements one rank gathers of ``layer`` (its ``E / ep`` experts): dense, experts, lora; for the globals,
     ``stage_of_glob`` "first" (the embedding) or "last" (the rest)."""
     out = {"dense": 0, "experts": 0, "lora": 0}
-    for kind, _, rows, inner, _, count in _groups(cfg, layer, lora_rank):
+    for kind, _, rows, inner, _, _, count in _groups(cfg, layer, lora_rank):
         if layer is None:
             if (kind == "embed") != (stage_of_glob == "first"):
                 continue
             kind = "dense"
         out[kind] += count * (rows // ep if kind == "experts" else rows) * inner
     return out
+
+
+def _dim1(shape: tuple[int, ...]) -> int:
+    return shape[1] if len(shape) > 1 else 1
+
+
+def _expert_numel(rows: int, inner: int, dim1: int, ep: int, efsdp: int, coord: int | None = None) -> int:
+    """Elements of an expert stack ``[rows = E, dim1, ...]`` (``inner`` elements per expert) that FSDP2 gives
+    ``efsdp`` coordinate ``coord`` of this rank's ``E / ep`` experts; ``coord`` None: the padded shard it allocates
+    on every coordinate. Under expert parallelism along dim 1 when ``efsdp`` divides it (even shards,
+    ``kernels_torch.parallel.fsdp._expert_placement``), else along dim 0 in ``torch.chunk`` rows (at ep 1 the
+    experts are in the layer's unit, dim 0 like any parameter)."""
+    local = rows // ep
+    if ep > 1 and dim1 % efsdp == 0:
+        return local * inner // efsdp
+    return (-(-local // efsdp) if coord is None else shard_rows(local, efsdp, coord)) * inner
+
+
+def _padded_shard(spec: TensorSpec, n_dc: int, ep: int, efsdp: int) -> tuple[int, int]:
+    """(elements of the padded shard FSDP2 allocates for ``spec`` on each rank, the ranks it is sharded over): an
+    expert stack over ``efsdp`` (:func:`_expert_numel`), any other parameter in ``torch.chunk`` rows over the
+    ``n_dc = dp x cp`` ranks."""
+    inner = math.prod(spec.shape[1:])
+    if is_expert(spec.name):
+        return _expert_numel(spec.shape[0], inner, _dim1(spec.shape), ep, efsdp), efsdp
+    return -(-spec.shape[0] // n_dc) * inner, n_dc
 
 
 def _gets_gradient(name: str) -> bool:
@@ -177,15 +203,8 @@ def _fsdp_unit(cfg: KimiConfig, layer: int | None, n_dc: int, ep: int, efsdp: in
         lora = ".lora_" in s.name
         if s.dtype == "float32" and not lora:  # ignored by FSDP2 (a LoRA adapter is an fp32 master, gathered bf16)
             continue
-        inner = math.prod(s.shape[1:])
-        if is_expert(s.name):
-            rows = s.shape[0] // ep
-            # ep 1: the experts are in the layer's unit, dim 0 like any parameter (_expert_placement needs ep > 1)
-            split = ep > 1 and len(s.shape) > 1 and s.shape[1] % efsdp == 0
-            g = s.numel // ep if split else -(-rows // efsdp) * efsdp * inner
-        else:
-            g = -(-s.shape[0] // n_dc) * n_dc * inner
-        gathered += g
+        shard, ways = _padded_shard(s, n_dc, ep, efsdp)
+        gathered += shard * ways
         if (lora or not lora_rank) and _gets_gradient(s.name):
             graded += s.numel // ep if is_expert(s.name) else s.numel
     return gathered, graded
@@ -221,14 +240,7 @@ def pinned_numel(
         lora = ".lora_" in s.name
         if s.dtype == "float32" and not lora:  # FSDP2 leaves them whole on the device
             continue
-        inner = math.prod(s.shape[1:])
-        if is_expert(s.name):
-            rows = s.shape[0] // layout.ep
-            split = layout.ep > 1 and len(s.shape) > 1 and s.shape[1] % layout.efsdp == 0  # as _fsdp_unit
-            shard = rows * inner // layout.efsdp if split else -(-rows // layout.efsdp) * inner
-        else:
-            shard = -(-s.shape[0] // n_dc) * inner
-        pinned = _pow2ceil(shard)
+        pinned = _pow2ceil(_padded_shard(s, n_dc, layout.ep, layout.efsdp)[0])
         if lora_rank and not lora:
             out["frozen"] += pinned
             continue
