@@ -168,6 +168,10 @@ def test_fsdp_only_copies_on_one_rank_without_masters():
     assert fsdp_only_copies(fp32_model, one, ParallelPolicy(reduce_dtype=torch.float32, gradient_divide_factor=1.0))
     fp64_model, _ = _model()  # apply_fsdp reduces an fp64 model in fp64 whatever the policy says: a copy
     assert fsdp_only_copies(fp64_model, one, ParallelPolicy(reduce_dtype=torch.float32, gradient_divide_factor=1.0))
+    from kernels_torch.parallel.parallelize import parallelize
+
+    with pytest.raises(ValueError, match="shard_one_rank: got True without a mesh"):  # one process: no FSDP2 to force
+        parallelize(model, None, ParallelPolicy(shard_one_rank=True))
 
 
 def _one_rank_worker(rank: int, world: int) -> None:

@@ -128,7 +128,7 @@ def parallelize(
     Raises:
         ValueError: the model's experts already expert-parallel over another mesh (``fsdp.check_expert_layout``);
             parameters outside ``param_dtype`` not ignored (``fsdp.check_ignored``); ``compile_backend`` with a mesh
-            (compiled blocks were not tried under FSDP2); ``offload`` outside :data:`OFFLOAD_POLICIES`; and those of
+            (compiled blocks were not tried under FSDP2); ``shard_one_rank`` without a mesh; ``offload`` outside :data:`OFFLOAD_POLICIES`; and those of
             ``recompute_layers`` and ``offload_activations`` (bad modes, kinds); the pipeline's (bad sizes or stage
             layouts), prefixed ``pipeline: ``.
     """
@@ -139,6 +139,8 @@ def parallelize(
     policy = ParallelPolicy() if policy is None else policy
     if policy.offload not in OFFLOAD_POLICIES:
         raise ValueError(f"offload: got {policy.offload!r}, expected one of {list(OFFLOAD_POLICIES)}")
+    if mesh is None and policy.shard_one_rank:
+        raise ValueError("shard_one_rank: got True without a mesh, expected a mesh (one process runs no FSDP2)")
     if mesh is not None and policy.compile_backend is not None:
         raise ValueError(
             f"compile_backend: got {policy.compile_backend!r} with a mesh, expected None (compiled blocks were not "

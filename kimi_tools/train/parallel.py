@@ -158,6 +158,7 @@ class TrainParallel:
             given += [f"--reduce-dtype {reduce_dtype}"] * (reduce_dtype != "fp32")
             given += [f"--reshard-after-forward {reshard_after_forward}"] * (reshard_after_forward != "auto")
             given += [f"--offload {offload}"] * (offload != "none")  # FSDP2's CPUOffloadPolicy
+            given += ["shard_one_rank"] * shard_one_rank  # FSDP2 forced on one rank (the benchmark's --shard-one-rank)
             if given:
                 raise ValueError(
                     f"{' '.join(given)}: given in one process, expected a launch under torchrun (torchrun "
