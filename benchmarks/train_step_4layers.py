@@ -443,9 +443,7 @@ def main() -> int:
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "fp8": args.fp8,
             "compile": comp,
-            "parallel": None
-            if par is None
-            else f"torchrun, {par.dims.describe()}, FSDP2 bf16 / {args.masters} masters",
+            "parallel": None if par is None else f"torchrun, {par.dims.describe()}",  # its FSDP2 named after setup
             "fsdp_policy": None
             if par is None
             else {
