@@ -238,3 +238,97 @@ def test_train_refuses_v_schedule_misfits():
     par.check_accum(5, 40, 40)  # any count from the stages up (no rounds of pp, as Interleaved1F1B's)
     with pytest.raises(ValueError, match=r"--pp 2 --pp-schedule DualPipeV runs 4 stages\) at 4 or more each; "):
         par.check_accum(2, 40, 40)
+
+
+# ------------------------------------------------------------------------------------------------ overlap_f_b
+
+
+def _check_turns(trace: list[str], where: str) -> list[str]:
+    """The interleaving of one overlapped action's turns (``Pipeline.overlap_trace``, events ``"<party> <what>"``,
+    ``"<party> end"``): every all-to-all a party issues is waited for by that party later, and, while the other
+    party has not ended, only after the other party ran (an event of it between the issue and the wait). Returns
+    the errors."""
+    errors, overlapped = [], 0
+    ended: set[str] = set()
+    for i, ev in enumerate(trace):
+        party, what = ev.split(" ", 1)
+        if what == "end":
+            ended.add(party)
+            continue
+        if " issue " not in what:
+            continue
+        other = "B" if party == "F" else "F"
+        wait = f"{party} {what.replace(' issue ', ' wait ')}"
+        j = next((j for j in range(i + 1, len(trace)) if trace[j] == wait), None)
+        if j is None:
+            errors.append(f"{where}: {ev!r} at {i} never waited for")
+        elif other not in ended:
+            if not any(e.startswith(f"{other} ") for e in trace[i + 1 : j]):
+                errors.append(f"{where}: {ev!r} at {i} waited for at {j} with no event of party {other} between")
+            overlapped += 1
+    return errors if overlapped else errors + [f"{where}: no transfer travelled while the other party ran"]
+
+
+def _fb_worker(rank: int, world: int, ref_path: str, runs) -> None:
+    """pp2 x ep2 on 4 ranks as :func:`_ep_worker`, DualPipeV with ``overlap_f_b`` (its OVERLAP_F_B actions' forward
+    and backward taking turns at the expert all-to-alls), the MoE layers in ``overlap`` mode, the layers recomputed
+    or not: the loss and every gradient of 3 steps and the evaluation against one process; the turns of the
+    overlapped actions (:func:`_check_turns`), recorded at the first step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kernels_torch.activation_memory import recompute_layers
+    from kernels_torch.parallel.expert import shard_experts
+    from kernels_torch.parallel.pipeline import Pipeline
+
+    ref = torch.load(ref_path)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    pp, ep_mesh = mesh["pp"], mesh["ep"]
+    errors = []
+    for overlap, recompute in runs:
+        model = _model()
+        ep = shard_experts(model, ep_mesh.get_group(), overlap=overlap)
+        if recompute is not None:
+            recompute_layers(model, recompute)
+        pipe = Pipeline(model, pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group(),
+                        schedule="DualPipeV", stages_per_rank=2, overlap_f_b=True)  # fmt: skip
+        del model
+        where = f"rank {rank} (pp {pp.get_local_rank()}, ep {ep.rank}) overlap {overlap} recompute {recompute}"
+        actions, trace = [], []
+
+        def traced(step_fn):  # the first step's overlapped actions, each its own trace
+            def step(*a, **kw):
+                if not actions:
+                    pipe.overlap_trace = trace
+                try:
+                    return step_fn(*a, **kw)
+                finally:
+                    if pipe.overlap_trace is not None:
+                        actions.append(list(trace))
+                    pipe.overlap_trace = None
+
+            return step
+
+        pipe.step = traced(pipe.step)
+        rows = slice(M // 2 * ep.rank, M // 2 * (ep.rank + 1))
+        errors += _run(pipe, rows, ref, where, ep.group, slice(ep.local_experts.start, ep.local_experts.stop))
+        # split the first step's trace into its actions (each ends with both parties' "end")
+        one, n_actions = [], 0
+        for ev in actions[0]:
+            one.append(ev)
+            if sum(e.endswith(" end") for e in one) == 2:
+                errors += _check_turns(one, f"{where} action {n_actions}")
+                one, n_actions = [], n_actions + 1
+        if n_actions != 3:  # 2 M - 3 pp + r + 1 on rank r, one fewer on the last rank: 3 on both ranks
+            errors.append(f"{where}: {n_actions} overlapped actions in a step, expected 3")
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
+
+
+@pytest.mark.distributed
+def test_pp2_ep2_dualpipev_overlap_f_b_matches_one_process(reference):
+    """pp2 x ep2 under DualPipeV with ``Pipeline(overlap_f_b=True)``: each OVERLAP_F_B action's forward and backward
+    take turns at the all-to-alls: one chunk a layer (``overlap="fb"``), and two chunks inside each layer
+    (``"fb+chunks"``) with whole-layer recomputation (the backward replays its layers' forward all-to-alls in its
+    turns): the ep-summed loss and every gradient of 3 steps and the evaluation equal one process; in each
+    overlapped action a transfer issued by one party is waited for only after the other party ran."""
+    run_workers(_fb_worker, 4, reference, [("fb", None), ("fb+chunks", "layer")])

@@ -83,13 +83,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from kernels_torch.common import compute_dtype
+from kernels_torch.parallel.fb_overlap import active_turns, pass_turn
 from kernels_torch.moe import KimiMoE
 from kernels_torch.params import load_canonical
 from kimi.layout import EXPERT_PROJECTIONS
 
-__all__ = ["OVERLAPS", "experts_per_rank", "all_to_all", "ExpertParallel", "shard_experts"]
+__all__ = ["OVERLAPS", "FB_OVERLAPS", "experts_per_rank", "all_to_all", "ExpertParallel", "shard_experts"]
 
-OVERLAPS = ("none", "chunks")  # ExpertParallel.overlap: no overlap, or the two-chunk overlap (module docstring)
+# ExpertParallel.overlap: no overlap; the two-chunk overlap inside each layer; across micro-batches (one chunk, the
+# turn handed to the other micro-batch at each transfer inside DualPipeV's overlapped actions); both (module docstring)
+OVERLAPS = ("none", "chunks", "fb", "fb+chunks")
+FB_OVERLAPS = ("fb", "fb+chunks")  # the modes that hand the turn over (kernels_torch.parallel.fb_overlap)
 
 _EXPERT_KEY = re.compile(r"(^|\.)experts\.(\d+)\.")  # a canonical per-expert name
 _STACK_KEY = re.compile(r"(^|\.)experts\.w[123]$")  # a stacked name (kimi.layout.stacked_layout)
@@ -178,6 +182,18 @@ def _routed_experts_ep(moe: KimiMoE, ep: ExpertParallel, z: torch.Tensor, ids: t
     return _weighted_sum(back, plan, weights, compute_dtype(z))
 
 
+def _routed_experts_fb(moe: KimiMoE, ep: ExpertParallel, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """``KimiMoE.routed_experts`` under expert parallelism with the overlap across micro-batches (``overlap="fb"``):
+    :func:`_routed_experts_ep`'s steps with its two all-to-alls as :class:`_Transfer` s, each handing the turn to the
+    other micro-batch of an overlapped forward + backward between its issue and its wait (forward and backward).
+    ``z`` ``[N, Dl]``, ``ids`` / ``weights`` ``[N, k]`` -> ``[N, Dl]`` fp32 (fp64 for fp64 z)."""
+    (plan,) = _plans(ep, [ids], moe.config.num_experts)
+    recv = _Transfer(ep, plan.recv_splits, plan.send_splits, "dispatch").start(z[plan.tok]).finish()  # [R, Dl]
+    y = moe.experts.rows_forward(recv, plan.row_expert)  # [R, Dl] in z's dtype
+    back = _Transfer(ep, plan.send_splits, plan.recv_splits, "combine").start(y).finish()  # [N k, Dl]
+    return _weighted_sum(back, plan, weights, compute_dtype(z))
+
+
 class _Transfer:
     """One all-to-all of the two-chunk overlap, in flight between :meth:`start` and :meth:`finish`, forward and
     backward: ``x`` ``[sum(in_splits), ...]`` -> ``[sum(out_splits), ...]`` over ``group`` (``dist.all_to_all_single``,
@@ -192,12 +208,22 @@ class _Transfer:
 
     def __init__(self, ep: ExpertParallel, out_splits: list[int], in_splits: list[int], name: str):
         self.group, self.trace, self.name = ep.group, ep.trace, name
+        self.fb = ep.overlap in FB_OVERLAPS  # hand the turn over after each issue (inside an overlapped action)
         self.out_splits, self.in_splits = out_splits, in_splits
         self.work = self.out = self.sent = self.token = None
 
     def log(self, what: str) -> None:
         if self.trace is not None:
             self.trace.append(f"{what} {self.name}")
+        turns = active_turns() if self.fb else None
+        if turns is not None:
+            turns.log(f"{what} {self.name}")
+
+    def issued(self) -> None:
+        """After an issue: with an ``fb`` mode, inside an overlapped forward + backward, the other micro-batch
+        computes while this transfer travels (``kernels_torch.parallel.fb_overlap.pass_turn``)."""
+        if self.fb:
+            pass_turn()
 
     def start(self, x: torch.Tensor) -> _Transfer:
         self.token = _Start.apply(x, self)
@@ -216,6 +242,7 @@ class _Start(torch.autograd.Function):
         t.work = dist.all_to_all_single(t.out, x, t.out_splits, t.in_splits, group=t.group, async_op=True)
         t.log("forward issue")
         ctx.t = t
+        t.issued()
         return x.new_empty(0)  # the token: links this node to _Finish's
 
     @staticmethod
@@ -246,6 +273,7 @@ class _Finish(torch.autograd.Function):
         t.sent = grad
         t.work = dist.all_to_all_single(t.out, grad, t.in_splits, t.out_splits, group=t.group, async_op=True)
         t.log("backward issue")
+        t.issued()
         return grad.new_zeros(0), None
 
 
@@ -353,7 +381,6 @@ class ExpertParallel:
                 setattr(m.experts, w, nn.Parameter(dt, requires_grad=old.requires_grad))
             m.experts.expert_ids = self.local_experts
             m.experts.ep_mesh = self.mesh
-            m.routed_experts = functools.partial(_routed_experts_ep, m, self)
         self.trace: list[str] | None = None
         self.overlap = overlap
 
@@ -366,8 +393,12 @@ class ExpertParallel:
     def overlap(self, mode: str) -> None:
         _check_overlap(mode)
         self._overlap = mode
+        routed = _routed_experts_fb if mode == "fb" else _routed_experts_ep
         for m in self._layers:
-            m.routed_and_shared = functools.partial(_routed_and_shared_chunks, m, self) if mode == "chunks" else None
+            m.routed_experts = functools.partial(routed, m, self)
+            chunks = mode in ("chunks", "fb+chunks")
+            m.routed_and_shared = functools.partial(_routed_and_shared_chunks, m, self) if chunks else None
+            m.expert_overlap = mode  # read by Pipeline(overlap_f_b=True)
 
     def owner(self, expert: int) -> int:
         """The EP rank that owns global expert id ``expert``."""

@@ -467,6 +467,31 @@ class _ScaledNLL:
         return nll * self.scale
 
 
+def _check_overlap_f_b(model: nn.Module, schedule: str, context) -> None:
+    """Refuse ``Pipeline(overlap_f_b=True)`` where it cannot run (one line naming the value and what it needs)."""
+    from kernels_torch.moe import KimiMoE
+    from kernels_torch.parallel.expert import FB_OVERLAPS
+
+    if schedule != "DualPipeV":
+        raise ValueError(
+            f"overlap_f_b: got True with schedule {schedule!r}, expected DualPipeV (the schedule whose OVERLAP_F_B "
+            "actions pair one micro-batch's forward with another's backward)"
+        )
+    if context is not None:
+        raise ValueError(
+            "overlap_f_b: got True with context parallelism, expected context=None (ContextParallel keeps one "
+            "current shard, which two micro-batches taking turns inside a layer would overwrite)"
+        )
+    modes = sorted({str(getattr(m, "expert_overlap", "not expert-parallel")) for m in model.modules()
+                    if isinstance(m, KimiMoE)})  # fmt: skip
+    if not modes or any(m not in FB_OVERLAPS for m in modes):
+        raise ValueError(
+            f"overlap_f_b: got True with MoE layers {modes or 'absent'}, expected every MoE layer expert-parallel "
+            f"with overlap in {list(FB_OVERLAPS)} (shard_experts(..., overlap='fb'): the turn passes at its "
+            "all-to-alls)"
+        )
+
+
 class Pipeline:
     """One rank's part of a pipeline-parallel :class:`kernels_torch.model.KimiK3Model`: its stage modules and a
     ``torch.distributed.pipelining`` schedule over the ``pp`` ranks of ``group``.
@@ -486,11 +511,17 @@ class Pipeline:
             context-parallel group, or None. With it, :meth:`step` takes this rank's shard of every row (ids and
             labels ``[R, T_r]``) and the rows' **global** ``cu_seqlens`` (required), and each stage sets the shard
             of the micro-batch it runs.
+        overlap_f_b: under ``DualPipeV``, run each ``OVERLAP_F_B`` action's forward and backward on two threads
+            taking turns at the expert all-to-alls (``kernels_torch.parallel.fb_overlap``), one micro-batch's
+            transfers travelling while the other computes; the MoE layers must be expert-parallel in an ``fb``
+            overlap mode (``shard_experts(..., overlap="fb")`` or ``"fb+chunks"``). :attr:`overlap_trace`: None, or
+            a list that receives the turns' events of every overlapped action.
 
     Raises:
         ValueError: an unknown schedule, ``stages_per_rank`` not matching it, sizes that are not positive, or
             ``pp_rank`` outside ``[0, pp_size)``; fewer than ``2 pp_size`` micro-batches under ``DualPipeV``;
-            :func:`stage_layout` / :func:`split_stage` errors.
+            :func:`stage_layout` / :func:`split_stage` errors; ``overlap_f_b`` with another schedule than
+            ``DualPipeV``, with ``context``, or with a MoE layer that is not expert-parallel in an ``fb`` mode.
     """
 
     def __init__(
@@ -507,6 +538,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         mla_form: str = "expanded",
         context=None,
+        overlap_f_b: bool = False,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule: got {schedule!r}, expected one of {list(SCHEDULES)}")
@@ -526,6 +558,10 @@ class Pipeline:
                 f"n_microbatches: got {n_microbatches} with DualPipeV on {pp_size} ranks, expected at least its "
                 f"{2 * pp_size} stages"
             )
+        if overlap_f_b:
+            _check_overlap_f_b(model, schedule, context)
+        self.overlap_f_b = bool(overlap_f_b)
+        self.overlap_trace: list[str] | None = None  # kernels_torch.parallel.fb_overlap.Turns' events, if a list
         self.config = model.config
         self.pp_size, self.pp_rank, self.group = pp_size, pp_rank, group
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
@@ -621,7 +657,17 @@ class Pipeline:
             )  # fmt: skip
         cls = get_schedule_class(name)
         kw = dict(n_microbatches=n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
-        return cls(pstages, **kw) if len(self.stages) > 1 or name in _MULTI else cls(pstages[0], **kw)
+        schedule = cls(pstages, **kw) if len(self.stages) > 1 or name in _MULTI else cls(pstages[0], **kw)
+        if self.overlap_f_b and name == "DualPipeV":
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+            from kernels_torch.parallel.fb_overlap import overlap_f_b
+
+            def callback(action, ctx):  # the trace read at each action: settable after the schedule is built
+                overlap_f_b(action, ctx, trace=self.overlap_trace)
+
+            schedule.register_custom_function(OVERLAP_F_B, callback)
+        return schedule
 
     def _global_length(self, cu_seqlens, T_local: int) -> int:
         """The rows' global length under context parallelism (the end of the first row's offsets), checked against
