@@ -69,11 +69,11 @@ def test_overlap_refused_in_one_line():
     from kernels_torch.parallel.expert import shard_experts
     from kimi_tools.train.parallel import TrainParallel
 
-    with pytest.raises(ValueError, match=r"^--ep-overlap: got 'chunks' with --ep 1, expected none, or chunks with"):
+    with pytest.raises(ValueError, match=r"^--ep-overlap: got 'chunks' with --ep 1, expected none, or chunks, fb"):
         TrainParallel(1, "cpu", ep_overlap="chunks")
     with pytest.raises(ValueError, match=r"^--ep-overlap: got 'pairs' with --ep 2"):
         TrainParallel(1, "cpu", ep=2, world=2, ep_overlap="pairs")
-    with pytest.raises(ValueError, match=r"^overlap: got 'both', expected one of \['none', 'chunks'\]"):
+    with pytest.raises(ValueError, match=r"^overlap: got 'both', expected one of \['none', 'chunks', 'fb', 'fb\+"):
         shard_experts(KimiMoE(load_config("tiny")), overlap="both")
 
 
@@ -83,8 +83,8 @@ def test_cli_refuses_overlap_without_ep(tmp_path, capsys):
     argv = ["train", "--preset", "tiny", "--layers", "2", "--steps", "1", "--data", "kimi/data/alice_ch1.txt"]
     assert main([*argv, "--ep-overlap", "chunks", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("--ep-overlap: got 'chunks' with --ep 1, expected none, or chunks with --ep > 1 (it "
-                            "overlaps the expert all-to-all with compute)"), err  # fmt: skip
+    assert err[-1].endswith("--ep-overlap: got 'chunks' with --ep 1, expected none, or chunks, fb or fb+chunks with "
+                            "--ep > 1 (they overlap the expert all-to-all with compute)"), err  # fmt: skip
     assert not (tmp_path / "run").exists()
 
 

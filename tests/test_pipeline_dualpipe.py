@@ -332,3 +332,149 @@ def test_pp2_ep2_dualpipev_overlap_f_b_matches_one_process(reference):
     turns): the ep-summed loss and every gradient of 3 steps and the evaluation equal one process; in each
     overlapped action a transfer issued by one party is waited for only after the other party ran."""
     run_workers(_fb_worker, 4, reference, [("fb", None), ("fb+chunks", "layer")])
+
+
+# the trainer: 8 tiny layers in two AttnRes blocks of 4 cut "0,4,4,0" (rank 0 holds the embedding's stage and the
+# head's, no MoE layer: its overlapped actions run the backward after the forward; rank 1 the two stages of 4 layers,
+# MoE from layer 1), 2 ranks of dp x ep per stage, 8 micro-batches a step (4 per dp group, as DualPipeV needs)
+TRAIN = (
+    "--preset tiny --layers 8 --steps 2 --seq-len 40 --micro-batch-tokens 40 --batch-tokens 320 --eval-tokens 40 "
+    "--eval-every 0 --warmup-steps 1 --lr 3e-3 --quiet --no-plot --pp 2 --pp-layout 0,4,4,0 --pp-schedule DualPipeV "
+    "--ep 2"
+).split()
+TRAIN_TOL = {"loss": 1e-6, "grad_norm": 1e-5, "eval_loss": 1e-6}  # the same sums in the same order: seen 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_dualpipev_ep_overlap_fb_equals_plain(tmp_path):
+    """``kimi train --pp 2 --ep 2 --pp-schedule DualPipeV --ep-overlap fb`` (4 gloo ranks: pp 2 x dp 2, ep 2, FSDP2
+    over dp) equals the same run without the overlap: the loss and gradient norm of each step and the eval losses."""
+    from test_train_parallel import _records, _short_documents, _torchrun
+
+    data = _short_documents(tmp_path / "docs.jsonl")
+    outs = {}
+    for overlap in ("none", "fb"):
+        outs[overlap] = tmp_path / overlap
+        r = _torchrun(4, [*TRAIN, "--ep-overlap", overlap, "--data", str(data), "--out", str(outs[overlap])])
+        assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _records(outs["none"]), _records(outs["fb"])
+    assert sorted(got) == sorted(want) == [0, 1, 2], (sorted(got), sorted(want))
+    compared = 0
+    for step in want:
+        for key, tol in TRAIN_TOL.items():
+            a, b = got[step].get(key), want[step].get(key)
+            assert (a is None) == (b is None), (step, key, a, b)
+            if b is not None:
+                assert abs(a - b) <= tol * abs(b), (step, key, a, b)
+                compared += 1
+    assert compared >= 5, compared  # losses and gradient norms of steps 1, 2; eval losses of steps 0, 2
+
+
+def test_train_refuses_ep_overlap_fb_misfits():
+    """``--ep-overlap fb`` / ``fb+chunks`` outside DualPipeV with ``--pp`` > 1, or with ``--cp`` > 1, refused in one
+    line naming the flags; ``Pipeline(overlap_f_b=True)`` likewise outside DualPipeV or without ``fb`` MoE layers."""
+    from kernels_torch.parallel.pipeline import Pipeline
+    from kimi_tools.train.parallel import TrainParallel
+
+    with pytest.raises(ValueError, match=r"^--ep-overlap: got 'fb' with --ep 1, expected none, or chunks, fb or fb"):
+        TrainParallel(1, "cpu", pp=2, pp_schedule="DualPipeV", world=2, ep_overlap="fb")
+    with pytest.raises(ValueError, match=r"^--ep-overlap: got 'fb' with --pp 2 --pp-schedule 1F1B, expected --pp > 1 "):
+        TrainParallel(1, "cpu", pp=2, ep=2, world=4, ep_overlap="fb")
+    with pytest.raises(ValueError, match=r"^--ep-overlap: got 'fb\+chunks' with --pp 1 --pp-schedule 1F1B, expect"):
+        TrainParallel(1, "cpu", ep=2, world=2, ep_overlap="fb+chunks")
+    with pytest.raises(ValueError, match=r"^--ep-overlap: got 'fb' with --cp 2, expected --cp 1 \(context"):
+        TrainParallel(2, "cpu", pp=2, ep=2, pp_schedule="DualPipeV", world=4, ep_overlap="fb")
+    model = _model()
+    with pytest.raises(ValueError, match=r"^overlap_f_b: got True with schedule 'ZBVZeroBubble', expected DualPipeV"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=2,
+                 overlap_f_b=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^overlap_f_b: got True with MoE layers \['not expert-parallel'\], expec"):
+        Pipeline(model, pp_size=2, pp_rank=0, n_microbatches=4, schedule="DualPipeV", stages_per_rank=2,
+                 overlap_f_b=True)  # fmt: skip
+
+
+class _FakeStage:
+    """A stage of the fake runtime of :func:`test_overlap_f_b_turns_and_failures`: its forward and backward log
+    their steps and hand the turn over ``turns`` times (as an MoE layer's all-to-alls do), or raise at ``fail``."""
+
+    def __init__(self, index, log, turns, fail=None):
+        self.stage_index, self.is_first, self.is_last = index, index == 0, index == 3
+        self.device, self.log, self.turns, self.fail = torch.device("cpu"), log, turns, fail
+
+    def _steps(self, what):
+        from kernels_torch.parallel.fb_overlap import pass_turn
+
+        for k in range(self.turns):
+            if self.fail == (what, k):
+                raise ValueError(f"{what} failed at {k}")
+            self.log.append(f"{what} {k}")
+            pass_turn()
+        self.log.append(f"{what} done")
+
+    def forward_one_chunk(self, mb, args, kwargs, save_forward_output=True):
+        self._steps("F")
+        return torch.ones(1)
+
+    def backward_one_chunk(self, mb, loss=None, full_backward=True, last_backward=False):
+        self._steps("B")
+
+    def get_local_bwd_output(self, mb):
+        return ()
+
+    def set_local_bwd_input(self, grads, mb):
+        pass
+
+    def set_local_fwd_input(self, out, mb):
+        pass
+
+
+def test_overlap_f_b_turns_and_failures():
+    """``fb_overlap.overlap_f_b`` on a fake runtime (no processes): the forward and the backward alternate at each
+    hand-over, exactly one running at a time; a party with fewer hand-overs ends and the other runs on alone; an
+    exception in either party is raised by the callback (the other party stopped, never left waiting), and a
+    hand-over without the turn is refused."""
+    import threading
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B, _Action
+
+    from kernels_torch.parallel import fb_overlap
+
+    def run(f_turns, b_turns, fail=None):
+        log = []
+        stages = [_FakeStage(1, log, f_turns, fail), _FakeStage(2, log, b_turns, fail)]
+        schedule = SimpleNamespace(
+            _stages=stages, fwd_recv_ops={}, bwd_recv_ops={(2, 0): []}, backward_counter=Counter(),
+            _n_microbatches=4, _assert_unsharded=lambda st: None, _maybe_get_loss=lambda st, mb: None,
+            _maybe_compute_loss=lambda st, out, targets, mb: None,
+        )  # fmt: skip
+        action = _Action(-1, OVERLAP_F_B, None, (_Action(1, FORWARD, 1), _Action(2, FULL_BACKWARD, 0)))
+        schedule.fwd_recv_ops[(1, 1)] = []
+        ctx = SimpleNamespace(schedule_ref=schedule, arg_mbs=[()] * 4, kwarg_mbs=[{}] * 4, target_mbs=None)
+        fb_overlap.overlap_f_b(action, ctx)
+        assert fb_overlap.active_turns() is None
+        return log
+
+    assert run(3, 3) == ["F 0", "B 0", "F 1", "B 1", "F 2", "B 2", "F done", "B done"]
+    assert run(1, 3) == ["F 0", "B 0", "F done", "B 1", "B 2", "B done"]  # the forward ends first
+    assert run(3, 0) == ["F 0", "B done", "F 1", "F 2", "F done"]  # a backward without hand-over
+    for fail in (("B", 1), ("F", 2), ("B", 0), ("F", 0)):
+        with pytest.raises(ValueError, match=rf"^{fail[0]} failed at {fail[1]}$"):
+            run(3, 3, fail)
+        assert fb_overlap.active_turns() is None
+    with pytest.raises(RuntimeError, match=r"^overlapped forward \+ backward: party B reached a hand-over without "):
+        turns = fb_overlap.Turns()  # this thread is F and holds the turn; another thread hands over
+        err = []
+
+        def other():
+            try:
+                turns.pass_turn()
+            except RuntimeError as e:
+                err.append(e)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        raise err[0]

@@ -83,8 +83,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from kernels_torch.common import compute_dtype
-from kernels_torch.parallel.fb_overlap import active_turns, pass_turn
 from kernels_torch.moe import KimiMoE
+from kernels_torch.parallel.fb_overlap import active_turns, pass_turn
 from kernels_torch.params import load_canonical
 from kimi.layout import EXPERT_PROJECTIONS
 

@@ -69,7 +69,8 @@ class ParallelPolicy:
             ``full_layers`` and ``kinds``.
         offload_activations, offload_kinds: ``offload_activations``'s mode (``"none"``) and kinds.
         compile_backend: ``compile_blocks``'s backend (None: not compiled).
-        ep_overlap: expert parallelism's all-to-alls, ``"none"`` or ``"chunks"`` (``shard_experts(overlap=)``).
+        ep_overlap: expert parallelism's all-to-alls, ``"none"``, ``"chunks"``, ``"fb"`` or ``"fb+chunks"``
+            (``shard_experts(overlap=)``; the ``fb`` modes also ``Pipeline(overlap_f_b=True)``, under DualPipeV).
         pipeline: the pipeline's schedule and cut (with ``mesh.dims.pp`` > 1).
         shard_one_rank: apply FSDP2 on a one-rank layout even where it would only copy (:func:`fsdp_only_copies`;
             to measure its cost there, ``benchmarks/train_step_4layers.py --shard-one-rank``).
@@ -178,6 +179,7 @@ def parallelize(
                     group=mesh["pp"].get_group(),
                     device=mesh.device_type,
                     context=ctx,
+                    overlap_f_b=policy.ep_overlap in ("fb", "fb+chunks"),
                 )
             except ValueError as e:  # the stage cut (sizes, layer counts): named as the pipeline's
                 raise ValueError(f"pipeline: {e}") from None

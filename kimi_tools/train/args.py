@@ -440,9 +440,12 @@ class TrainArgs:
         default="none",
         metadata=arg(
             "with --ep > 1: chunks cuts each MoE layer's tokens in two, one chunk's all-to-all travelling while the "
-            "other's experts run, forward and backward (default %(default)s; kernels_torch/parallel/expert.py)",
+            "other's experts run, forward and backward; fb (--pp > 1 --pp-schedule DualPipeV, --cp 1) runs each "
+            "overlapped forward + backward action of the schedule as two threads taking turns at the all-to-alls, one "
+            "micro-batch's transfers travelling while the other micro-batch computes; fb+chunks both (default "
+            "%(default)s; kernels_torch/parallel/expert.py, fb_overlap.py)",
             numbers=False,
-            choices=("none", "chunks"),
+            choices=("none", "chunks", "fb", "fb+chunks"),
         ),
     )
     # FSDP2 policies: they change the speed and memory of a step, and (--reduce-dtype bf16) the rounding of the

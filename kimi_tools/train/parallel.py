@@ -109,7 +109,8 @@ class TrainParallel:
             pp_layout: ``--pp-schedule``, ``--pp-layout`` (the text). device: ``cpu`` (gloo) or ``cuda`` (NCCL).
             world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1). offload: ``--offload`` (``none``
             or ``cpu``).
-            ep_overlap: ``--ep-overlap`` (``none`` or ``chunks``: ``ParallelPolicy.ep_overlap``).
+            ep_overlap: ``--ep-overlap`` (``none``, ``chunks``, ``fb`` or ``fb+chunks``:
+            ``ParallelPolicy.ep_overlap``).
 
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
@@ -121,7 +122,8 @@ class TrainParallel:
             dividing ``--dp x --cp``; at :meth:`setup`, ``--ep`` not dividing the model's routed experts, or a model
             without MoE layer; at :meth:`check_accum`, a step's micro-batch count that is not a multiple of ``--dp``,
             or fewer per ``dp`` group than stages (1F1B, Interleaved1F1B, DualPipeV, ZBVZeroBubble); ``--ep-overlap`` other than ``none`` /
-            ``chunks``, or ``chunks`` with ``--ep 1``.
+            ``chunks`` / ``fb`` / ``fb+chunks``, or not ``none`` with ``--ep 1``; ``fb`` / ``fb+chunks`` without ``--pp``
+            > 1 ``--pp-schedule DualPipeV`` or with ``--cp`` > 1.
     """
 
     closed_group = False  # a process group of this process was closed by close()
@@ -165,10 +167,21 @@ class TrainParallel:
                     "--nproc-per-node N -m kimi_tools.cli train ...)"
                 )
         pp_schedule = pp_schedule or "1F1B"  # (None: --pp-schedule not given)
-        if ep_overlap not in ("none", "chunks") or (ep_overlap != "none" and ep == 1):
+        if ep_overlap not in ("none", "chunks", "fb", "fb+chunks") or (ep_overlap != "none" and ep == 1):
             raise ValueError(
-                f"--ep-overlap: got {ep_overlap!r} with --ep {ep}, expected none, or chunks with --ep > 1 (it overlaps "
-                "the expert all-to-all with compute)"
+                f"--ep-overlap: got {ep_overlap!r} with --ep {ep}, expected none, or chunks, fb or fb+chunks with "
+                "--ep > 1 (they overlap the expert all-to-all with compute)"
+            )
+        if ep_overlap in ("fb", "fb+chunks") and (pp == 1 or pp_schedule != "DualPipeV"):
+            raise ValueError(
+                f"--ep-overlap: got {ep_overlap!r} with --pp {pp} --pp-schedule {pp_schedule}, expected --pp > 1 "
+                "--pp-schedule DualPipeV (fb overlaps one micro-batch's all-to-all with another's compute inside its "
+                "overlapped forward + backward actions)"
+            )
+        if ep_overlap in ("fb", "fb+chunks") and cp > 1:
+            raise ValueError(
+                f"--ep-overlap: got {ep_overlap!r} with --cp {cp}, expected --cp 1 (context parallelism keeps one "
+                "current shard, which two micro-batches taking turns inside a layer would overwrite)"
             )
         self.ep_overlap = ep_overlap
         if pp_schedule not in SCHEDULES:
