@@ -63,8 +63,19 @@ results differ by rounding (fp64: to 1e-12; ``tests/test_ep_overlap.py``). ``Exp
 order of the transfers' events. With FSDP2 over ``efsdp`` the experts' unit runs twice per layer (one
 ``rows_forward`` per chunk): with ``efsdp`` > 1 and resharding after the forward, its all-gather runs twice.
 
-Not implemented: capacity limits / token dropping (this is dropless, variable counts), overlap across
-micro-batches (DualPipe), a reader that fetches only the local experts from a checkpoint directory
+**Across micro-batches** (``overlap="fb"``, ``kimi train --ep-overlap fb``; ``"fb+chunks"`` with the two chunks
+above): the layer's dispatch and combine are :class:`_Transfer` s of the whole ``N`` tokens, and after each issue
+(forward, and the reverse issues of the backward) the turn is handed to the other micro-batch of a DualPipeV
+``OVERLAP_F_B`` action (``kernels_torch.parallel.fb_overlap``, registered by
+``kernels_torch.parallel.pipeline.Pipeline(overlap_f_b=True)``): the transfer travels while the other micro-batch
+computes, and is waited for when the turn comes back. Outside such an action (the schedule's other actions, the
+evaluation, no pipeline) the hand-over is a no-op and ``"fb"`` runs as ``"none"`` (the same numbers: the same rows
+in the same order, ``dist.all_to_all_single(async_op=True)`` waited at once). ``"fb+chunks"`` hands the turn over
+at each of the two chunks' transfers. With ``trace`` set, the events also go to the action's
+``Pipeline.overlap_trace`` as ``"F forward issue dispatch"``, ``"B backward wait combine"`` (``F`` the forward
+party, ``B`` the backward one).
+
+Not implemented: capacity limits / token dropping (this is dropless, variable counts), a reader that fetches only the local experts from a checkpoint directory
 (``load_full_state_dict`` takes full tensors; ``kernels_torch.params.load_canonical`` streams canonical pairs and
 skips other ranks' experts).
 """
@@ -321,8 +332,9 @@ class ExpertParallel:
     Args:
         model: the module holding the MoE layers. group: the EP process group (default: the world group; its
             1-D mesh is made with ``DeviceMesh.from_group``). mesh: the 1-D ``ep`` DeviceMesh instead of a group.
-        overlap: ``"none"`` (one dispatch, the experts, one combine) or ``"chunks"`` (the two-chunk overlap of the
-            module docstring; every rank of the group must use the same).
+        overlap: ``"none"`` (one dispatch, the experts, one combine), ``"chunks"`` (the two-chunk overlap of the
+            module docstring), ``"fb"`` (one chunk, the turn handed to the other micro-batch of a DualPipeV
+            overlapped action at each transfer) or ``"fb+chunks"`` (both); every rank of the group must use the same.
 
     Attributes:
         model, group, mesh, rank, world; experts_per_rank (``E / world``); local_experts (``range`` of this rank's
@@ -386,7 +398,7 @@ class ExpertParallel:
 
     @property
     def overlap(self) -> str:
-        """``"none"`` or ``"chunks"``: how every MoE layer runs its all-to-alls (module docstring)."""
+        """One of :data:`OVERLAPS`: how every MoE layer runs its all-to-alls (module docstring)."""
         return self._overlap
 
     @overlap.setter
@@ -449,6 +461,6 @@ def shard_experts(
 ) -> ExpertParallel:
     """Make every MoE layer of ``model`` expert-parallel over ``mesh`` (a 1-D ``ep`` mesh, e.g.
     ``kernels_torch.parallel.mesh.ParallelMesh['ep']``) or ``group`` (default the world group), its all-to-alls
-    overlapped with compute as ``overlap`` says (``"none"`` or ``"chunks"``): see :class:`ExpertParallel` (which
+    overlapped with compute as ``overlap`` says (one of :data:`OVERLAPS`): see :class:`ExpertParallel` (which
     this returns; its errors)."""
     return ExpertParallel(model, group, mesh=mesh, overlap=overlap)

@@ -41,15 +41,24 @@ A layer recomputed in the backward (``torch.utils.checkpoint``) is then replayed
 micro-batch (correct: its context shard is restored each time, ``context.recompute_context``; the compute is paid
 twice). DualPipeV needs at least ``2 pp`` micro-batches (torch's rule, checked here); its steady state pairs one
 micro-batch's forward on one stage with another's full backward on the other stage as one ``OVERLAP_F_B`` action.
-**That action runs its forward, then its backward, one after the other**: torch's runtime takes a callback for it
-(``register_custom_function(OVERLAP_F_B, ...)``; torchtitan's runs the backward on a second thread with barriers
-at each MoE dispatch and combine, so that one micro-batch's all-to-all travels while the other's experts compute),
-and none is registered here, so the expert all-to-all of one micro-batch is **not** hidden behind the other's
-compute: the V schedules give their smaller bubble, and ``kernels_torch.parallel.expert``'s ``overlap="chunks"``
-(two chunks inside each MoE layer) is the overlap that runs, under these schedules too. Tested on gloo in fp64
-(``tests/test_pipeline_dualpipe.py``): pp2 (both), pp2 x ep2 under DualPipeV (the all-to-alls plain and in two
-chunks), pp2 x cp2 with recomputation (both); ``kimi train --pp 2 --pp-schedule DualPipeV`` in
-``tests/test_train_pipeline.py``. The evaluation runs
+By default **that action runs its forward, then its backward**. With ``Pipeline(overlap_f_b=True)`` (``kimi train
+--ep-overlap fb``; the MoE layers expert-parallel in ``overlap="fb"`` or ``"fb+chunks"``) the callback
+``kernels_torch.parallel.fb_overlap.overlap_f_b`` is registered for it: the forward on the calling thread and the
+backward on a second thread, taking turns (exactly one runs at a time) at every expert all-to-all, each party
+handing the turn over after issuing an asynchronous transfer and before waiting for it, so one micro-batch's
+dispatch and combine (forward, or their reverses in the backward, also those of a layer recomputed there) travel
+while the other micro-batch computes; every rank issues its collectives in one order (that module's docstring).
+What stays exposed: the actions that are not ``OVERLAP_F_B`` (the warm-up forwards, the zero-bubble ``I`` / ``W``
+parts, the cool-down backwards, the last rank's first steady-state pair), about half of a rank's ``4 M``
+stage-micro-batch actions once ``M >> pp`` (``2 M - 3 pp + r + 1`` overlapped actions on rank ``r``, one fewer on
+the last), and the all-to-alls of a stage without MoE layer or of the party left alone once the other has ended.
+It holds no activation beyond the schedule's, and at most one more all-to-all's send and receive buffers
+(``fb_overlap``'s docstring). Refused with another schedule or with context parallelism (whose one
+current shard the two parties would overwrite). Tested on gloo in fp64 (``tests/test_pipeline_dualpipe.py``):
+pp2 (both), pp2 x ep2 under DualPipeV (the all-to-alls plain, in two chunks, and with ``overlap_f_b``: one chunk,
+and two chunks with whole layers recomputed, the turns' order checked), pp2 x cp2 with recomputation (both);
+``kimi train --pp 2 --pp-schedule DualPipeV`` in ``tests/test_train_pipeline.py``, with ``--ep 2 --ep-overlap fb``
+against the run without it in ``tests/test_pipeline_dualpipe.py``. The evaluation runs
 ``ZBVZeroBubble``'s ``eval`` (forward only, any micro-batch count) on the same V placement.
 
 Usage (one rank of a ``pp``-rank group; every rank passes the whole step batch)::
@@ -98,7 +107,7 @@ The other dimensions, and what remains:
   ``dp x cp`` the ``ContextParallel`` takes a group of its own, as ``kernels_torch.parallel.parallelize.parallelize`` makes
   (``own_cp_group``).
 * ``kimi train --pp N [--pp-layout 12,24,24,33] [--pp-schedule ...]`` (any of :data:`SCHEDULES`) is wired with
-  ``--dp``, ``--cp``, ``--ep`` (``--ep-overlap chunks`` too) and ``--dtype bfloat16`` (``kimi_tools.train.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
+  ``--dp``, ``--cp``, ``--ep`` (``--ep-overlap chunks`` too; ``fb`` / ``fb+chunks`` under DualPipeV) and ``--dtype bfloat16`` (``kimi_tools.train.parallel``; tested on gloo in ``tests/test_train_pipeline.py``: the
   evaluation through :meth:`Pipeline.evaluate`; clipping by the squared norms summed over ``pp``; the export
   written per rank from its stages, ``kernels_torch.parallel.export.export_sharded`` on :meth:`Pipeline.rank_module`;
   the model built on ``meta``, each rank materialising and reading only its stages' shards). Remaining: LoRA, FP8
@@ -108,7 +117,9 @@ The other dimensions, and what remains:
   "Reducing Activation Recomputation in Large Transformer Models", section 4.2.3); the sent state grows with depth
   (see above). Interleaved1F1B needs ``n_microbatches`` divisible by ``max(1, n_microbatches // pp)`` (its
   rounds; torch's rule, raised by torch). Under the V schedules a stage holds ``L / (2 pp)`` layers; replaying
-  torch's action order (communication free, ``OVERLAP_F_B`` as its forward then its backward) every rank peaks at
+  torch's action order (communication free, ``OVERLAP_F_B`` as its forward then its backward; under
+  ``overlap_f_b`` the backward frees while the forward allocates, so the peak is no higher) every
+  rank peaks at
   ``2 pp + 1`` stage-micro-batches of activations in flight under DualPipeV (``2 pp`` under ZBVZeroBubble):
   ``pp + 1/2`` micro-batches of a one-stage-per-rank stage, on every rank (1F1B: ``pp - r`` on rank ``r``).
 """
