@@ -3,8 +3,12 @@ per rank, rank ``r`` holding stages ``r`` and ``2 pp - 1 - r``) through ``kernel
 equal one process: the loss and every gradient of 3 AdamW steps, gloo processes in fp64, at pp2 (both schedules,
 the 4 stages cut at AttnRes block boundaries) and at pp2 x ep2 (the routed experts split over ep, their all-to-alls
 inside the stages of the backward-input / backward-weight split and of the overlapped forward + backward actions;
-also with ``overlap="chunks"``); the evaluation (forward only, one micro-batch) equals the one-process loss. Without
-processes: the V placement and the refusals of what the V schedules cannot run.
+also with ``overlap="chunks"``), and under ``Pipeline(overlap_f_b=True)`` (each overlapped action's forward and
+backward taking turns at the all-to-alls: ``overlap="fb"``, ``"fb+chunks"``, ``"fb"`` with whole layers recomputed;
+the turns' order checked from ``Pipeline.overlap_trace``); the evaluation (forward only, one micro-batch) equals the
+one-process loss; ``kimi train --ep-overlap fb`` under DualPipeV equals the same run without it. Without
+processes: the V placement and the refusals of what the V schedules and the overlap cannot run; the turns of
+``fb_overlap.overlap_f_b`` on a fake runtime (alternation, a party ending first, failures of either party).
 
 The model: tiny with AttnRes blocks of 2 layers over 8 layers, so that the four stages of pp2 hold a block each and
 later stages receive 2, 3 and 4 stacked sources (``tests/test_pipeline.py``'s model); 8 rows of packed documents a
@@ -327,11 +331,18 @@ def _fb_worker(rank: int, world: int, ref_path: str, runs) -> None:
 @pytest.mark.distributed
 def test_pp2_ep2_dualpipev_overlap_f_b_matches_one_process(reference):
     """pp2 x ep2 under DualPipeV with ``Pipeline(overlap_f_b=True)``: each OVERLAP_F_B action's forward and backward
-    take turns at the all-to-alls: one chunk a layer (``overlap="fb"``), and two chunks inside each layer
-    (``"fb+chunks"``) with whole-layer recomputation (the backward replays its layers' forward all-to-alls in its
-    turns): the ep-summed loss and every gradient of 3 steps and the evaluation equal one process; in each
+    take turns at the all-to-alls, one chunk a layer (``overlap="fb"``) and two chunks inside each layer
+    (``"fb+chunks"``): the ep-summed loss and every gradient of 3 steps and the evaluation equal one process; in each
     overlapped action a transfer issued by one party is waited for only after the other party ran."""
-    run_workers(_fb_worker, 4, reference, [("fb", None), ("fb+chunks", "layer")])
+    run_workers(_fb_worker, 4, reference, [("fb", None), ("fb+chunks", None)])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_ep2_dualpipev_overlap_f_b_recompute_matches_one_process(reference):
+    """As above (``overlap="fb"``) with whole layers recomputed: the backward party replays its layers' forward
+    all-to-alls inside its turns and hands the turn over at them too."""
+    run_workers(_fb_worker, 4, reference, [("fb", "layer")])
 
 
 # the trainer: 8 tiny layers in two AttnRes blocks of 4 cut "0,4,4,0" (rank 0 holds the embedding's stage and the
