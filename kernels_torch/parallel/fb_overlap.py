@@ -46,8 +46,10 @@ in the order they were issued.
 ``I``/``W`` backward parts, the cool-down's full backwards, and on the last rank the first steady-state pair (torch
 runs it as a separate F and B to shorten the bubble) run alone, their all-to-alls exposed (or hidden in part by
 ``overlap="fb+chunks"``'s two chunks inside the layer). Per rank ``r`` of ``pp`` and ``M`` micro-batches a step,
-torch's action list holds ``2 M - 3 pp + r + 1`` ``OVERLAP_F_B`` actions (one fewer on the last rank), of the ``4 M``
-stage-micro-batch forwards and backwards of the rank: about half of them overlap once ``M >> pp``.
+torch's action list holds ``K = 2 M - 3 pp + r + 1`` ``OVERLAP_F_B`` actions (one fewer on the last rank; checked
+against ``ScheduleDualPipeV``'s lists for pp 2 to 8): ``K`` of the rank's ``2 M`` stage-micro-batch forwards and
+``K`` of its ``2 M`` backwards run in pairs, the other ``2 M - K`` of each (``3 pp - r - 1``, one more on the last
+rank) alone, so nearly all once ``M >> pp`` (pp 4, M 16: 21 to 23 of 32).
 
 **Memory.** No activation beyond the schedule's: in the sequential order the forward's activations are all alive
 when the backward starts; taking turns, the backward frees its micro-batch's while the forward allocates, so the

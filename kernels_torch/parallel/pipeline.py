@@ -49,9 +49,9 @@ handing the turn over after issuing an asynchronous transfer and before waiting 
 dispatch and combine (forward, or their reverses in the backward, also those of a layer recomputed there) travel
 while the other micro-batch computes; every rank issues its collectives in one order (that module's docstring).
 What stays exposed: the actions that are not ``OVERLAP_F_B`` (the warm-up forwards, the zero-bubble ``I`` / ``W``
-parts, the cool-down backwards, the last rank's first steady-state pair), about half of a rank's ``4 M``
-stage-micro-batch actions once ``M >> pp`` (``2 M - 3 pp + r + 1`` overlapped actions on rank ``r``, one fewer on
-the last), and the all-to-alls of a stage without MoE layer or of the party left alone once the other has ended.
+parts, the cool-down backwards, the last rank's first steady-state pair: ``3 pp - r - 1`` of rank ``r``'s ``2 M``
+stage-micro-batch forwards and as many of its backwards, one more on the last rank, the other ``2 M - 3 pp + r + 1``
+of each running in ``OVERLAP_F_B`` pairs), and the all-to-alls of a stage without MoE layer or of the party left alone once the other has ended.
 It holds no activation beyond the schedule's, and at most one more all-to-all's send and receive buffers
 (``fb_overlap``'s docstring). Refused with another schedule or with context parallelism (whose one
 current shard the two parties would overwrite). Tested on gloo in fp64 (``tests/test_pipeline_dualpipe.py``):
