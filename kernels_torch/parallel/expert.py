@@ -75,8 +75,8 @@ at each of the two chunks' transfers. With ``trace`` set, the events also go to 
 ``Pipeline.overlap_trace`` as ``"F forward issue dispatch"``, ``"B backward wait combine"`` (``F`` the forward
 party, ``B`` the backward one).
 
-Not implemented: capacity limits / token dropping (this is dropless, variable counts), a reader that fetches only the local experts from a checkpoint directory
-(``load_full_state_dict`` takes full tensors; ``kernels_torch.params.load_canonical`` streams canonical pairs and
+Not implemented: capacity limits / token dropping (this is dropless, variable counts), a reader that fetches only
+the local experts from a checkpoint directory (``load_full_state_dict`` takes full tensors; ``kernels_torch.params.load_canonical`` streams canonical pairs and
 skips other ranks' experts).
 """
 
@@ -206,7 +206,7 @@ def _routed_experts_fb(moe: KimiMoE, ep: ExpertParallel, z: torch.Tensor, ids: t
 
 
 class _Transfer:
-    """One all-to-all of the two-chunk overlap, in flight between :meth:`start` and :meth:`finish`, forward and
+    """One all-to-all of the overlapped paths (two chunks, or across micro-batches), in flight between :meth:`start` and :meth:`finish`, forward and
     backward: ``x`` ``[sum(in_splits), ...]`` -> ``[sum(out_splits), ...]`` over ``group`` (``dist.all_to_all_single``,
     ``async_op=True``: on NCCL its own stream, on gloo its worker threads).
 

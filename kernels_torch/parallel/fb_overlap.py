@@ -51,6 +51,13 @@ against ``ScheduleDualPipeV``'s lists for pp 2 to 8): ``K`` of the rank's ``2 M`
 ``K`` of its ``2 M`` backwards run in pairs, the other ``2 M - K`` of each (``3 pp - r - 1``, one more on the last
 rank) alone, so nearly all once ``M >> pp`` (pp 4, M 16: 21 to 23 of 32).
 
+**torch's runtime.** The callback re-states what torch 2.13's ``_PipelineScheduleRuntime._step_microbatches``
+does for one ``FORWARD`` and one ``FULL_BACKWARD`` action (its ``_perform_action`` is a closure a callback cannot
+call), through the runtime's private members (``fwd_recv_ops``, ``bwd_recv_ops``, ``backward_counter``,
+``_maybe_compute_loss``, ``_maybe_get_loss``, ``_assert_unsharded``): a torch upgrade must check them. No
+``loss_kwargs`` reach the loss and the last stage's output is not kept (``return_outputs=False``, as
+``Pipeline.step`` runs the schedule).
+
 **Memory.** No activation beyond the schedule's: in the sequential order the forward's activations are all alive
 when the backward starts; taking turns, the backward frees its micro-batch's while the forward allocates, so the
 peak is no higher. What it adds is the other party's transfer in flight at a hand-over: at most one more
