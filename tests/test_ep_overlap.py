@@ -359,3 +359,74 @@ def test_planner_counts_the_overlap_the_trainer_runs():
     assert P.evaluate(cfg, one, P.Policy(), P.Hardware(), cal, overlap_a2a=True, **kw) == P.evaluate(
         cfg, one, P.Policy(), P.Hardware(), cal, **kw
     )
+
+
+def test_pair_time_replays_two_parties_taking_turns():
+    """``kimi_tools.plan.schedule.pair_time``: one ``OVERLAP_F_B`` pair as ``fb_overlap`` runs it, worked by hand
+    (each party's compute in equal parts at its hand-overs, one transfer on the network at a time), and its bounds:
+    every transfer hidden, or none (the forward then the backward)."""
+    from kimi_tools.plan.schedule import pair_time
+
+    assert pair_time(10.0, 1, 10.0, 1, 1.0) == 20.0  # each transfer behind the other's 5-unit part
+    assert pair_time(0.0, 1, 0.0, 1, 1.0) == 2.0  # nothing to hide behind: the two transfers in a row
+    # F: part 1, issue (travels 1 -> 3); B: part 1 (-> 2), issue (waits for the link: 3 -> 5); F waits 3, part 1
+    # (-> 4), ends; B waits 5, part 1 (-> 6): 2 of the 4 units of transfer hidden
+    assert pair_time(2.0, 1, 2.0, 1, 2.0) == 6.0
+    assert pair_time(3.0, 4, 5.0, 0, 0.0) == pytest.approx(8.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        c_f, c_b, t_x = (torch.rand(3, generator=gen) * 10).tolist()
+        n_f, n_b = torch.randint(0, 12, (2,), generator=gen).tolist()
+        t = pair_time(c_f, n_f, c_b, n_b, t_x)
+        assert c_f + c_b - 1e-9 <= t <= c_f + c_b + (n_f + n_b) * t_x + 1e-9
+    with pytest.raises(ValueError, match="pair_time: got c_f=-1"):
+        pair_time(-1.0, 1, 1.0, 1, 1.0)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5])
+def test_overlap_pairs_are_torchs_overlap_actions(pp):
+    """``overlap_pairs``: per rank ``2 m - 3 pp + r + 1`` ``OVERLAP_F_B`` pairs (one fewer on the last rank), each a
+    forward and a full backward on the rank's two stages of the V."""
+    from kimi_tools.plan.schedule import overlap_pairs, rank_stages
+
+    for m in (2 * pp, 3 * pp + 1):
+        for r, pairs in enumerate(overlap_pairs(pp, m)):
+            assert sum(n for *_, n in pairs) == 2 * m - 3 * pp + r + 1 - (r == pp - 1), (pp, m, r, pairs)
+            for f, b, _ in pairs:
+                assert {f, b} == set(rank_stages("DualPipeV", pp, r))
+
+
+def test_planner_counts_fb_pairs_only_under_dualpipev():
+    """``evaluate(overlap_a2a="fb")`` (``kimi train --ep-overlap fb``): under DualPipeV with ep > 1 and cp 1 the
+    pairs hide part of the all-to-all (the busy time drops by exactly ``all_to_all_hidden_in_pairs``, the bubble,
+    computed from the actions without a partner, stays) and the rank holds one more transfer's buffers; the row's
+    command carries the flag. Under 1F1B, or with cp > 1 (the trainer refuses fb there), nothing is counted; with
+    transfers that take no time nothing is hidden; an unknown mode is refused."""
+    from kimi_tools import plan as P
+
+    cfg = load_config("k3.1-pro")
+    cal = P.load_calibration()
+    kw = dict(seq_len=8192, global_batch=1 << 24)
+    L = P.Layout(pp=2, dp=128, cp=1, ep=64)
+    policy = P.Policy(optimizer="adamw-bf16", recompute="full")
+    plain = P.evaluate(cfg, L, policy, P.Hardware(), cal, schedule="DualPipeV", **kw)
+    fb = P.evaluate(cfg, L, policy, P.Hardware(), cal, schedule="DualPipeV", overlap_a2a="fb", **kw)
+    assert (plain["ep_overlap"], fb["ep_overlap"]) == ("none", "fb")
+    t, tp = fb["time"], plain["time"]
+    assert tp["all_to_all_hidden_in_pairs"] == 0.0 < t["all_to_all_hidden_in_pairs"]
+    assert tp["busy"] - t["busy"] == pytest.approx(t["all_to_all_hidden_in_pairs"], rel=1e-9)
+    assert t["bubble"] == tp["bubble"] and t["step"] < tp["step"]
+    Dl = cfg.routed_expert_hidden_size
+    extra = fb["memory"]["activations"] - plain["memory"]["activations"]
+    assert extra == 2 * 8192 * cfg.num_experts_per_token * Dl * 2
+    assert "--ep-overlap fb" in " ".join(P.train_command(fb, preset="k3.1-pro", seq_len=8192))
+    free = P.Hardware(nvlink_gbps=1e12, ib_gbps=1e12)  # transfers of no time: nothing to hide
+    assert P.evaluate(cfg, L, policy, free, cal, schedule="DualPipeV", overlap_a2a="fb", **kw)["time"][
+        "all_to_all_hidden_in_pairs"
+    ] == pytest.approx(0.0, abs=1e-6)
+    for where in (dict(schedule="1F1B"), dict(schedule="DualPipeV", layout=P.Layout(pp=2, dp=64, cp=2, ep=64))):
+        lay = where.pop("layout", L)
+        none = P.evaluate(cfg, lay, policy, P.Hardware(), cal, **where, **kw)
+        assert P.evaluate(cfg, lay, policy, P.Hardware(), cal, overlap_a2a="fb", **where, **kw) == none
+    with pytest.raises(ValueError, match="overlap_a2a: got 'pairs'"):
+        P.evaluate(cfg, L, policy, P.Hardware(), cal, schedule="DualPipeV", overlap_a2a="pairs", **kw)

@@ -931,12 +931,13 @@ def test_v_bubble_formula_and_replay(schedule):
         PS.replay_bubble(schedule, 2, 1.0, 1.0, 1.0, m=3)
 
 
-def test_v_row_counts_every_rank_in_flight_and_recomputes_twice():
+def test_v_row_counts_every_rank_in_flight_and_recomputes_per_split_backward():
     """A V row's activations are its worst rank's peak over the micro-batches torch's schedule keeps in flight on
     BOTH of its stages (2 pp + 1 under DualPipeV, 2 pp under ZBVZeroBubble, on every rank, against 1F1B's pp on rank
     0 and 1 on the last), each stage's per-micro-batch bytes exact under whole-layer recomputation
-    (``held_per_microbatch``); its recomputation is paid twice (the split backward replays it), so the recomputed
-    compute over the V's stages is twice 1F1B's; its bubble is (pp - 1) F of one V stage."""
+    (``held_per_microbatch``); its recomputation is paid twice in a split backward (each part replays it), once in a
+    full one (DualPipeV's steady state and cool-down), stage by stage as torch's action list says; its bubble is
+    (pp - 1) F of one V stage."""
     from kimi_tools.plan import schedule as PS
 
     cfg = load_config("tiny-linear").truncated(4)  # 4 layers, blocks of one: pp 2 runs 2 or 4 stages
@@ -962,14 +963,24 @@ def test_v_row_counts_every_rank_in_flight_and_recomputes_twice():
             want = max(want, max(c[0] * held[0] + c[1] * held[1] for c in states[rank]) + ws)
         assert r["memory"]["activations"] == pytest.approx(want, rel=1e-12)
         assert sum(r["inflight"]) == total or r["worst_rank"] == 0  # rank 0's peak may keep fewer on its head stage
-        # recomputation twice: the V's extra compute over its stages is twice 1F1B's over the same layers
-        extra_v = sum(rows[sched, "full"]["time"]["stage_compute_per_microbatch"]) - sum(
-            rows[sched, "none"]["time"]["stage_compute_per_microbatch"]
-        )
-        extra_1 = sum(rows["1F1B", "full"]["time"]["stage_compute_per_microbatch"]) - sum(
-            rows["1F1B", "none"]["time"]["stage_compute_per_microbatch"]
-        )
-        assert extra_1 > 0 and extra_v == pytest.approx(2 * extra_1, rel=1e-9)
+        # recomputation twice in a split backward: ZBVZeroBubble splits every backward, so its extra compute over
+        # its stages is twice 1F1B's over the same layers; DualPipeV runs most backwards whole (once), stage by
+        # stage as torch's action list says (1 + I / m passes)
+        extra = {
+            x: [
+                a - b for a, b in zip(*(rows[x, rc]["time"]["stage_compute_per_microbatch"] for rc in ("full", "none")))
+            ]
+            for x in ("1F1B", "DualPipeV", "ZBVZeroBubble")
+        }
+        assert sum(extra["1F1B"]) > 0 and sum(extra["ZBVZeroBubble"]) == pytest.approx(2 * sum(extra["1F1B"]), rel=1e-9)
+        n_split = [
+            sum(kind == "I" and st == s for ops in PS._actions(sched, pp, m) for st, kind, _ in ops) for s in range(4)
+        ]
+        passes = [1 + n / m for n in n_split]
+        assert passes == list(PS.stage_recompute_passes(sched, pp, m))
+        assert (min(passes), max(passes)) == ((2.0, 2.0) if sched == "ZBVZeroBubble" else (1.125, 1.25)), passes
+        for s in range(4):
+            assert extra[sched][s] == pytest.approx(passes[s] / 2 * extra["ZBVZeroBubble"][s], rel=1e-9)
         # bubble: (pp - 1) x the forward of one V stage (a third of the model FLOPs' time), W = I = B / 2
         none = rows[sched, "none"]
         comp = none["time"]["stage_compute_per_microbatch"]

@@ -77,8 +77,12 @@ searched per layout among 1F1B, DualPipeV and ZBVZeroBubble): 1F1B's bubble mult
 ``r`` and ``2 pp - 1 - r``), its bubble replayed from torch's action lists with each stage's backward split into
 equal input and weight parts (an assumption: not measured), its micro-batches in flight on every rank
 (``2 pp + 1`` stage-micro-batches under DualPipeV, ``2 pp`` under ZBVZeroBubble), at least ``2 pp`` micro-batches a
-step, and a recomputed block's forward (and its all-to-all) paid twice, once in each part of the split backward;
-no all-to-all overlap is counted for them beyond ``--ep-overlap chunks``; the optimizer step reads and writes its states at HBM (or host)
+step, and a recomputed block's forward (and its all-to-all) paid twice in each backward split into input and
+weight parts, once in a full one (counted per stage from torch's action lists); under DualPipeV with
+``--overlap-a2a`` also ``kimi train --ep-overlap fb`` (and ``fb+chunks``): in each ``OVERLAP_F_B`` pair of torch's
+list the forward of one micro-batch and the full backward of another take turns at the all-to-alls, each transfer
+travelling while the other party computes (:func:`~kimi_tools.plan.schedule.pair_time`), plus one transfer's
+buffers; the optimizer step reads and writes its states at HBM (or host)
 bandwidth. MFU = model FLOPs per token (``kimi.flops.estimate_flops``) x tokens/s/GPU / the GPU's dense bf16 peak.
 The rates are k3.1-pro's: for a narrower preset the times are upper bounds (``kimi plan`` says so).
 

@@ -49,7 +49,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--layout", metavar="PP,DP,CP,EP", help="evaluate this one layout only (pp x dp x cp = --gpus, ep | dp x cp)"
     )
     p.add_argument(
-        "--overlap-a2a", action="store_true", help="the all-to-all as kimi train --ep-overlap chunks runs it"
+        "--overlap-a2a",
+        action="store_true",
+        help="the all-to-all overlapped as kimi train --ep-overlap runs it: chunks, and under DualPipeV also fb and "
+        "fb+chunks (the faster counted)",
     )
     p.add_argument("--top", type=positive_int, default=8, help="rows shown (default 8)")
     p.add_argument("--json", action="store_true", help="print every layout as one JSON list")

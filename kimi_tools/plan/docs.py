@@ -129,7 +129,7 @@ def _schedules(rows: list[dict], hw: Hardware, cal: Calibration) -> str:
         )
     out.append(
         "The V schedules' bubble is their replay of torch's order with W = I = B / 2 (not measured); a layer "
-        "recomputed in the backward runs twice in their split backward."
+        "recomputed in the backward runs twice in their split backward, once in a full one."
     )
     return " ".join(out)
 
@@ -148,8 +148,8 @@ def render_docs() -> str:
         "sequences, 2^24 tokens per step, 8 GPUs per node; each pipeline layout under the best of 1F1B, DualPipeV "
         "and ZBVZeroBubble (`kimi_tools/plan/schedule.py`: the V schedules' 2 pp stages at AttnRes block boundaries, "
         "their bubble replayed from torch's action lists with the backward's weight part assumed half of it, their "
-        "in-flight micro-batches on every rank, at least 2 pp micro-batches, recomputation paid twice; no "
-        "all-to-all overlap beyond `--ep-overlap chunks`). Per-rank parameter, gradient and optimizer bytes are "
+        "in-flight micro-batches on every rank, at least 2 pp micro-batches, recomputation paid twice in a split "
+        "backward and once in a full one). Per-rank parameter, gradient and optimizer bytes are "
         "the meta model sharded as the trainer shards it (`tests/test_plan.py` builds each layout on `meta` with "
         "torch's fake process group and compares); activations are counted per layer "
         "region and policy from the config's widths and scaled to the measured 4-layer steps, each layout tried "
@@ -304,9 +304,10 @@ def render_docs() -> str:
         "micro-batch (6 x with the MoE recomputed), (ep - 8) / ep of it across nodes once ep > 8, at 40 GB/s per GPU; "
         f"unhidden it adds {extra_txt} to the compute time of the best full fine-tuning layouts above. `kimi train --ep-overlap chunks` "
         "hides at most half of it (the first dispatch and last combine of each layer stay exposed) and runs the "
-        "experts at half the rows; hiding the rest needs another micro-batch's compute behind it (DualPipeV's "
-        "`OVERLAP_F_B` action with a callback that runs the two side by side: none is registered, so the planner "
-        "counts the V schedules' smaller bubble and their memory but no overlap).",
+        "experts at half the rows; hiding the rest needs another micro-batch's compute behind it: `--ep-overlap fb` "
+        "under DualPipeV (its `OVERLAP_F_B` pairs take turns at the all-to-alls, counted with `--overlap-a2a`), "
+        "which needs a pipeline, and no pipeline layout fits here: under pp, torch's `PipelineStage` keeps the whole "
+        "stage gathered and its gradients unsharded until the step's end (item 4).",
         f"4. **States**: fp32 AdamW needs 16 B per parameter ({n_params * 16 / 1e12:.1f} TB): on 256 H200s the states "
         f"alone are {n_params * 16 / 256 / GB:.0f} GB per GPU, so 256 GPUs need bf16 states (8 B per parameter, "
         f"{n_params * 8 / 256 / GB:.0f} GB per GPU) and 64 GPUs fit only LoRA (the frozen bf16 base is "

@@ -79,8 +79,8 @@ def train_command(
     --recompute-mode attn|mlp|layer``), the activation offload (``--offload-activations``), a reshard policy other
     than the trainer's default (``--reshard-after-forward``); LoRA,
     FP8; the optimizer and offload policies where they differ from the trainer's defaults (``--optimizer
-    adamw-bf16`` with ``--reduce-dtype bf16``, ``--offload cpu``); ``--ep-overlap chunks`` where the row counted it
-    (``--overlap-a2a``). ``DATA`` and ``OUT`` are placeholders."""
+    adamw-bf16`` with ``--reduce-dtype bf16``, ``--offload cpu``); ``--ep-overlap chunks``, ``fb`` or ``fb+chunks`` where
+    the row counted it (``--overlap-a2a``). ``DATA`` and ``OUT`` are placeholders."""
     L, p = row["layout"], row["policy"]
     world = L["world"]
     per_node = max(d for d in divisors(world) if d <= max(1, gpus_per_node))
@@ -111,6 +111,6 @@ def train_command(
         cmd += ["--optimizer", p["optimizer"], "--reduce-dtype", "bf16"]
     if p["offload"] != "none":
         cmd += ["--offload", p["offload"]]
-    if row.get("ep_overlap") == "chunks":
-        cmd += ["--ep-overlap", "chunks"]
+    if row.get("ep_overlap", "none") != "none":
+        cmd += ["--ep-overlap", row["ep_overlap"]]
     return cmd

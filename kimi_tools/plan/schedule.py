@@ -37,8 +37,17 @@ torch's ``ScheduleDualPipeV`` refuses fewer, ``ScheduleZBVZeroBubble`` runs the 
 again by the weight backward (``torch.utils.checkpoint`` under torch's split backward): its recompute forward, and
 its all-to-all with it, is paid twice per micro-batch (:func:`recompute_passes`).
 
-No all-to-all overlap is counted for the V schedules beyond ``kimi train --ep-overlap chunks``: DualPipeV's
-``OVERLAP_F_B`` action runs its forward, then its backward (no overlap callback is registered).
+Not every backward of a V is split: DualPipeV runs most of its backwards whole (``B``: its steady state and its
+cool-down), only the warm-up's zero-bubble parts as ``I`` and ``W``; ZBVZeroBubble splits them all. The recompute
+passes are therefore counted per stage from torch's action lists (:func:`stage_recompute_passes`: 1 per full
+backward, 2 per split one).
+
+**The all-to-all of one micro-batch behind another's compute** (``kimi train --ep-overlap fb``, DualPipeV only:
+``kernels_torch.parallel.fb_overlap``): each ``OVERLAP_F_B`` action of torch's list (:func:`overlap_pairs`) runs one
+stage's forward and the other stage's full backward as two parties taking turns at each expert all-to-all, so each
+transfer travels while the other party computes. :func:`pair_time` replays one such pair (the compute between two
+hand-overs taken equal within a party, one transfer on the network at a time); the actions outside the pairs
+(DualPipeV's warm-up and cool-down) keep their all-to-alls exposed.
 """
 
 from __future__ import annotations
@@ -80,9 +89,96 @@ def min_microbatches(schedule: str, pp: int) -> int:
 
 
 def recompute_passes(schedule: str | None) -> int:
-    """How many times a recomputed region's forward runs again in a micro-batch's backward: 2 under a V schedule (the
-    input and the weight backward each replay it), else 1."""
+    """How many times a recomputed region's forward runs again in a split backward: 2 under a V schedule (the input
+    and the weight backward each replay it), else 1 (a full backward replays it once); a V's mean per stage from its
+    action list: :func:`stage_recompute_passes`."""
     return 2 if schedule in V_SCHEDULES else 1
+
+
+@functools.lru_cache(maxsize=256)
+def stage_recompute_passes(schedule: str | None, pp: int, m: int) -> tuple[float, ...]:
+    """Per stage, the mean number of times a recomputed region's forward runs again in a micro-batch's backward over
+    a step of ``m`` micro-batches: 1 for a full backward (``B``), 2 for one split into ``I`` and ``W`` (each replays
+    it), counted in torch's action lists (:func:`_actions`); ``(1.0,) * pp`` for 1F1B (and ``(1.0,)`` without a
+    pipeline, ``schedule`` None). DualPipeV, pp 4, m 16: between 1.25 and 1.44 per stage; ZBVZeroBubble: 2.
+
+    Raises:
+        ValueError: as :func:`inflight_states`."""
+    if schedule is None:
+        return (1.0,)
+    inflight_states(schedule, pp, m)  # checks the schedule, pp and m
+    if schedule not in V_SCHEDULES:
+        return (1.0,) * pp
+    split = [0] * (2 * pp)
+    for ops in _actions(schedule, pp, m):
+        for s, kind, _ in ops:
+            split[s] += kind == "I"
+    return tuple(1.0 + n / m for n in split)
+
+
+@functools.lru_cache(maxsize=256)
+def overlap_pairs(pp: int, m: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Per rank of ``ScheduleDualPipeV`` on ``pp`` ranks with ``m`` micro-batches, its ``OVERLAP_F_B`` actions
+    counted by stages: ``((forward stage, backward stage, count), ...)``: the forward of one micro-batch and the full
+    backward of another that ``kimi train --ep-overlap fb`` runs as two parties taking turns
+    (``kernels_torch.parallel.fb_overlap``). ``2 m - 3 pp + r + 1`` pairs on rank ``r`` (one fewer on the last).
+
+    Raises:
+        ValueError: as :func:`inflight_states` (``m`` below ``2 pp``)."""
+    inflight_states("DualPipeV", pp, m)
+    from torch.distributed.pipelining import schedules as S
+
+    out = []
+    for r in range(pp):
+        counts: dict[tuple[int, int], int] = {}
+        for a in _rank_actions("DualPipeV", pp, m, r):
+            if a is not None and a.computation_type.value == "OVERLAP_F_B":
+                f, b = a.sub_actions
+                if (f.computation_type, b.computation_type) != (S.FORWARD, S.FULL_BACKWARD):
+                    raise AssertionError(f"DualPipeV rank {r}: OVERLAP_F_B of {f} and {b}, expected F and B")
+                key = (f.stage_index, b.stage_index)
+                counts[key] = counts.get(key, 0) + 1
+        out.append(tuple((f, b, n) for (f, b), n in sorted(counts.items())))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def pair_time(c_f: float, n_f: int, c_b: float, n_b: int, t_x: float) -> float:
+    """The time of one ``OVERLAP_F_B`` action run as two parties taking turns (``kernels_torch.parallel.fb_overlap``):
+    the forward party computes ``c_f`` in ``n_f + 1`` equal parts, issuing one transfer of ``t_x`` after each part
+    but the last (its ``n_f`` dispatches and combines); the backward party likewise (``c_b``, ``n_b``: its reverse
+    transfers and those of its recomputed layers). The forward party starts; at each issue the turn passes to the
+    other party, which first waits for its own transfer in flight (if any), then computes its next part; a party
+    that has ended leaves the other to run alone, waiting for each of its transfers at once. Transfers share the
+    network one at a time (a transfer starts when the previous one ends). Returns the action's time (the unit of the
+    inputs): between ``c_f + c_b`` (every transfer hidden) and ``c_f + c_b + (n_f + n_b) t_x`` (none hidden, the
+    time of the forward then the backward).
+
+    Raises:
+        ValueError: a negative time or count."""
+    if min(c_f, c_b, t_x) < 0 or min(n_f, n_b) < 0:
+        raise ValueError(f"pair_time: got c_f={c_f}, n_f={n_f}, c_b={c_b}, n_b={n_b}, t_x={t_x}, expected >= 0")
+    part = {"F": c_f / (n_f + 1), "B": c_b / (n_b + 1)}
+    issues, done_parts = {"F": n_f, "B": n_b}, {"F": 0, "B": 0}
+    pending: dict[str, float | None] = {"F": None, "B": None}
+    clock = net = 0.0
+    ended: set[str] = set()
+    turn = "F"
+    while len(ended) < 2:
+        other = "B" if turn == "F" else "F"
+        if pending[turn] is not None:  # its transfer must have arrived before it computes on
+            clock = max(clock, pending[turn])
+            pending[turn] = None
+        clock += part[turn]
+        done_parts[turn] += 1
+        if done_parts[turn] <= issues[turn]:  # it issues a transfer and hands the turn over
+            net = max(clock, net) + t_x
+            pending[turn] = net
+            turn = turn if other in ended else other
+        else:
+            ended.add(turn)
+            turn = other
+    return clock
 
 
 def bubble(schedule: str, pp: int, F: float, B: float, W: float | None = None) -> float:
@@ -138,22 +234,27 @@ def inflight_states(schedule: str, pp: int, m: int) -> tuple[tuple[tuple[int, ..
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
-def _actions(schedule: str, pp: int, m: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
-    """Per rank, torch's compute actions of a V schedule as ``(stage, kind, micro-batch)``, kind "F", "I", "W" or
-    "B" (full backward), in order; ``OVERLAP_F_B`` as its forward then its backward (what runs without a callback):
-    ``ScheduleDualPipeV`` / ``ScheduleZBVZeroBubble._calculate_single_rank_operations``, built without stages."""
+def _rank_actions(schedule: str, pp: int, m: int, r: int) -> list:
+    """torch's action list of rank ``r`` (``_Action`` or None), ``ScheduleDualPipeV`` /
+    ``ScheduleZBVZeroBubble._calculate_single_rank_operations``, built without stages or a process group."""
     from torch.distributed.pipelining import schedules as S
 
     cls = {"DualPipeV": S.ScheduleDualPipeV, "ZBVZeroBubble": S.ScheduleZBVZeroBubble}[schedule]
+    sched = object.__new__(cls)  # the action list only: no stage, no process group
+    sched.pp_group_size, sched._n_microbatches = pp, m
+    sched.num_stages = sched._num_stages = 2 * pp
+    sched.n_local_stages = 2
+    return sched._calculate_single_rank_operations(r)
+
+
+@functools.lru_cache(maxsize=64)
+def _actions(schedule: str, pp: int, m: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Per rank, torch's compute actions of a V schedule as ``(stage, kind, micro-batch)``, kind "F", "I", "W" or
+    "B" (full backward), in order; ``OVERLAP_F_B`` as its forward then its backward (:func:`_rank_actions`)."""
     out = []
     for r in range(pp):
-        sched = object.__new__(cls)  # the action list only: no stage, no process group
-        sched.pp_group_size, sched._n_microbatches = pp, m
-        sched.num_stages = sched._num_stages = 2 * pp
-        sched.n_local_stages = 2
         flat = []
-        for a in sched._calculate_single_rank_operations(r):
+        for a in _rank_actions(schedule, pp, m, r):
             if a is None:
                 continue
             for b in a.sub_actions if a.computation_type.value == "OVERLAP_F_B" else (a,):

@@ -40,9 +40,11 @@ from kimi_tools.plan.schedule import (
     inflight_states,
     min_microbatches,
     num_stages,
+    overlap_pairs,
+    pair_time,
     rank_stages,
-    recompute_passes,
     replay_bubble,
+    stage_recompute_passes,
 )
 from kimi_tools.plan.timing import a2a_time, layer_flops, ring_bandwidth
 
@@ -76,6 +78,10 @@ def stage_static(cfg: KimiConfig, L: Layout, lora_rank: int | None, num_stages: 
     return tuple(out)
 
 
+# kimi train --ep-overlap (kernels_torch.parallel.expert.OVERLAPS)
+EP_OVERLAPS = ("none", "chunks", "fb", "fb+chunks")
+
+
 def evaluate(
     cfg: KimiConfig,
     layout: Layout,
@@ -86,7 +92,7 @@ def evaluate(
     seq_len: int,
     global_batch: int,
     lora_rank: int | None = None,
-    overlap_a2a: bool = False,
+    overlap_a2a: bool | str = False,
     schedule: str = "1F1B",
 ) -> dict:
     """One layout under one policy and pipeline schedule: per-rank bytes (worst rank), communication per step,
@@ -95,7 +101,11 @@ def evaluate(
     Args:
         seq_len: tokens per sequence (one micro-batch row, cut over ``cp``). global_batch: tokens per optimizer
             step; micro-batches per pipeline ``m = max(1, global_batch // (dp x seq_len))``.
-        overlap_a2a: the all-to-all as ``kimi train --ep-overlap chunks`` runs it (module docstring; ep > 1 only).
+        overlap_a2a: the all-to-all overlap ``kimi train --ep-overlap`` runs (:data:`EP_OVERLAPS`; True:
+            ``"chunks"``, False: ``"none"``): ``chunks`` (ep > 1), ``fb`` or ``fb+chunks`` (DualPipeV, ep > 1,
+            cp 1: one micro-batch's all-to-all behind another's compute in each ``OVERLAP_F_B`` pair,
+            :func:`~kimi_tools.plan.schedule.pair_time`; elsewhere ``fb`` counts nothing and ``fb+chunks`` as
+            ``chunks``); the row's ``ep_overlap`` says what was counted.
         schedule: ``kimi train --pp-schedule`` for ``pp`` > 1, one of
             :data:`~kimi_tools.plan.schedule.PLANNED_SCHEDULES` (ignored at ``pp`` = 1):
             1F1B (``pp`` stages) or a V (``2 pp`` stages, two per rank; its bubble, its in-flight micro-batches on
@@ -112,9 +122,13 @@ def evaluate(
 
     Raises:
         ValueError: a policy's FSDP other than the trainer's; a schedule outside ``PLANNED_SCHEDULES``, a V
-            schedule with fewer than ``2 pp`` micro-batches or ``2 pp`` not dividing the AttnRes blocks.
+            schedule with fewer than ``2 pp`` micro-batches or ``2 pp`` not dividing the AttnRes blocks; an
+            ``overlap_a2a`` outside :data:`EP_OVERLAPS`.
     """
     L = layout
+    mode = ("chunks" if overlap_a2a else "none") if isinstance(overlap_a2a, bool) else overlap_a2a
+    if mode not in EP_OVERLAPS:
+        raise ValueError(f"overlap_a2a: got {overlap_a2a!r}, expected a bool or one of {list(EP_OVERLAPS)}")
     fsdp = trainer_fsdp(L.pp, L.world, policy.optimizer, policy.offload)
     # on one rank "layer" is what the trainer runs with FSDP2 forced (ParallelPolicy.shard_one_rank, the benchmark's)
     if policy.fsdp not in ("auto", fsdp) and not (fsdp == "none" and policy.fsdp == "layer"):
@@ -137,7 +151,7 @@ def evaluate(
             )
         inflight = inflight_states(sched, L.pp, m)
         rank_of = [rank_stages(sched, L.pp, r) for r in range(L.pp)]
-    passes = recompute_passes(sched)
+    stage_passes = stage_recompute_passes(sched, L.pp, m) if sched else (1.0,)
     T = seq_len // L.cp
     pb, gb, ob = OPTIMIZERS[policy.optimizer]
     rb = 4 if policy.optimizer == "adamw-fp32" else 2  # reduce-scatter dtype
@@ -148,15 +162,16 @@ def evaluate(
     # chunks, so the experts run half the rows per expert (the calibrated rate there); the first dispatch and the
     # last combine of a layer (and their reverses) stay exposed, half the all-to-all; the other half travels while
     # the routed experts compute and shows only where it outlasts them
-    chunks = bool(overlap_a2a and L.ep > 1 and rows)
+    chunks = bool(mode in ("chunks", "fb+chunks") and L.ep > 1 and rows)
+    # fb: the trainer's --ep-overlap fb under DualPipeV (kernels_torch.parallel.fb_overlap), counted per OVERLAP_F_B
+    # pair below; the trainer refuses it elsewhere (and with cp > 1), where it counts nothing here
+    fb = bool(mode.startswith("fb") and sched == "DualPipeV" and L.ep > 1 and L.cp == 1 and rows)
     slow = cal.expert_slowdown(rows / 2 if chunks else rows, policy.recompute) if rows else 1.0
     ranges = stage_ranges(cfg, ns)
     n_dc = L.dp * L.cp
     D, k = cfg.hidden_size, cfg.num_experts_per_token
     Dl = cfg.routed_expert_hidden_size or D
     block = cfg.attn_res_block_size or 1
-    # dispatch + combine, fwd, bwd (+ the recomputed, once per recompute pass)
-    a2a_units = 4 + 2 * passes if policy.recompute in ("mlp", "full") else 4
     stages = []
     static = stage_static(cfg, L, lora_rank, ns)
     rate = cal.tflops["none"] * 1e12  # every policy's work runs at the measured rate; recomputation adds work
@@ -164,6 +179,9 @@ def evaluate(
     v_turn = L.pp if sched in V_SCHEDULES else None  # the V's stage that its predecessor hands over in memory
     for s, layers in enumerate(ranges):
         n, sizes, full, moe = static[s]
+        passes = stage_passes[s] if sched in V_SCHEDULES else 1.0
+        # dispatch + combine, fwd, bwd (+ the recomputed, once per recompute pass)
+        a2a_units = 4 + 2 * passes if policy.recompute in ("mlp", "full") else 4
         if fsdp == "none":  # one rank, the parameters in their compute dtype: nothing gathered
             gathered = 0
         elif fsdp == "layer":
@@ -223,9 +241,19 @@ def evaluate(
         t_pp = pp_bytes / m / ring_bandwidth(2, n_dc, hw)
         # the forward's part of the micro-batch: its compute, its dispatch and combine, its send, its copies' excess
         t_fwd = t_model * fwd_share + t_shown * 2 / a2a_units + t_pp / 2 + t_off_fwd
+        # an OVERLAP_F_B party's parts: the forward's compute and transfers, the full backward's (one recompute pass)
+        rec_units = 2 if policy.recompute in ("mlp", "full") else 0
+        x_f = x_b = None
+        if fb:  # a stage without MoE layers hands nothing over but its compute still hides the other's transfers
+            t_x = t_shown / (moe * a2a_units) if moe else 0.0  # one transfer, as much of it as shows outside a pair
+            c_f = t_model * fwd_share
+            c_b = t_model * (1 - fwd_share) + (t_comp - t_model) / passes
+            x_f = (c_f, 2 * moe, t_x)
+            x_b = (c_b, (2 + rec_units) * moe, t_x)
         stages.append(
             dict(n=n, gathered=gathered, dev_mb=dev_mb, host_mb=host_mb, comm=comm, t_comp=t_comp, t_a2a=t_a2a)
             | dict(t_shown=t_shown, t_fsdp=t_fsdp, t_pp=t_pp, t_off=t_off, t_fwd=t_fwd, f=f_stage, f_rec=f_rec)
+            | dict(x_f=x_f, x_b=x_b)
             | {"ws": cal.working_set(cfg, layers, T, policy.recompute)}
         )
     ranks = []
@@ -239,6 +267,9 @@ def evaluate(
         counts = inflight[r]
         peak = max(counts, key=lambda c: sum(c[j] * st[j]["dev_mb"] for j in range(len(st))))
         act = sum(peak[j] * st[j]["dev_mb"] for j in range(len(st))) + max(x["ws"] for x in st)
+        pairs = overlap_pairs(L.pp, m)[r] if fb else ()
+        if pairs:  # the other party's transfer in flight at a hand-over: its send and receive buffers (bf16)
+            act += 2 * T * k * Dl * 2
         host_act = max(sum(c[j] * st[j]["host_mb"] for j in range(len(st))) for c in counts)
         # the activation peak comes when the backward starts: the sharded gradients exist only after a first
         # micro-batch's reduce (none under "stage", whose gradients stay unsharded in `gathered` until the end);
@@ -266,10 +297,18 @@ def evaluate(
         comm = {key: sum(x["comm"][key] for x in st) for key in st[0]["comm"]}
         t = {key: sum(x[key] for x in st) for key in ("t_comp", "t_a2a", "t_shown", "t_pp", "t_off", "t_fwd", "t_fsdp")}
         f, f_rec = sum(x["f"] for x in st), sum(x["f_rec"] for x in st)
+        # each OVERLAP_F_B pair takes pair_time where the forward then the backward took their sum
+        hidden = 0.0
+        for sf, sb, count in pairs:
+            (c_f, n_f, x_f), (c_b, n_b, x_b) = stages[sf]["x_f"], stages[sb]["x_b"]
+            t_x = max(x_f, x_b)  # one size of transfer on the rank's links (the stages' alike)
+            apart = c_f + n_f * x_f + c_b + n_b * x_b
+            hidden += count * max(0.0, apart - pair_time(c_f, n_f, c_b, n_b, t_x))
+        t_micro = t["t_comp"] + t["t_shown"] + t["t_pp"] + t["t_off"]
         ranks.append(
             dict(rank=r, stages=held_stages, mem=mem, host=host, host_act=host_act, comm=comm, n=n, peak=peak)
             | t
-            | {"t_micro": t["t_comp"] + t["t_shown"] + t["t_pp"] + t["t_off"], "share": f / (f + f_rec)}
+            | {"t_micro": t_micro - hidden / m, "t_apart": t_micro, "share": f / (f + f_rec)}
         )
     worst = max(ranks, key=lambda x: x["mem"]["total"])
     slowest = max(ranks, key=lambda x: x["t_micro"])
@@ -279,7 +318,7 @@ def evaluate(
         bub = 0.0
     elif sched in V_SCHEDULES:  # one of the 2 pp stages: the slowest rank's two stages' mean, I = W = B / 2
         F = slowest["t_fwd"] / 2
-        B = t_micro / 2 - F
+        B = slowest["t_apart"] / 2 - F  # its warm-up and cool-down run no pair
         bub = replay_bubble(sched, L.pp, F, B * (1 - W_SHARE), B * W_SHARE)
     else:
         bub = bubble(sched, L.pp, slowest["t_fwd"], t_micro - slowest["t_fwd"])
@@ -304,7 +343,7 @@ def evaluate(
         "microbatches": m,
         "tokens_per_microbatch_per_rank": T,
         "rows_per_expert": rows,
-        "ep_overlap": "chunks" if chunks else "none",
+        "ep_overlap": ("fb+chunks" if chunks else "fb") if fb else ("chunks" if chunks else "none"),
         "expert_slowdown": slow,
         "global_batch_tokens": tokens,
         "worst_rank": worst["rank"],
@@ -321,6 +360,8 @@ def evaluate(
             "stage_compute_per_microbatch": [x["t_comp"] for x in stages],
             "all_to_all_per_microbatch": max(x["t_a2a"] for x in ranks),
             "all_to_all_exposed_per_microbatch": max(x["t_shown"] for x in ranks),
+            # the slowest rank's all-to-all hidden per step in DualPipeV's OVERLAP_F_B pairs (--ep-overlap fb)
+            "all_to_all_hidden_in_pairs": m * (slowest["t_apart"] - slowest["t_micro"]),
             "pipeline_send_per_microbatch": max(x["t_pp"] for x in ranks),
             "offload_copy_per_microbatch": max(x["t_off"] for x in ranks),
             # the model FLOPs' share of the slowest rank's work (recomputation adds the rest)
@@ -389,6 +430,17 @@ def _pipeline_refusal(lora_rank: int | None, fp8: str | None) -> str | None:
     except ValueError as e:
         return "kimi train " + str(e).replace("--pp 2 with", "refuses --pp > 1 with", 1)
     return None
+
+
+def _overlaps(overlap_a2a: bool, L: Layout, schedule: str) -> tuple[str, ...]:
+    """The ``kimi train --ep-overlap`` modes :func:`plan` tries for layout ``L`` under ``schedule``: ``none``
+    without ``overlap_a2a``; else ``chunks``, and under DualPipeV (``L.pp`` > 1, ep > 1, cp 1) also ``fb`` and
+    ``fb+chunks``."""
+    if not overlap_a2a:
+        return ("none",)
+    if L.pp > 1 and schedule == "DualPipeV" and L.ep > 1 and L.cp == 1:
+        return ("chunks", "fb", "fb+chunks")
+    return ("chunks",)
 
 
 def plan(
@@ -484,7 +536,7 @@ def plan(
                 best = None
                 for opt in optimizers:
                     for off in offloads:
-                        for sched in runs:
+                        for sched, mode in [(x, o) for x in runs for o in _overlaps(overlap_a2a, L, x)]:
                             for rc, ao in POLICIES:
                                 r = evaluate(
                                     cfg,
@@ -495,7 +547,7 @@ def plan(
                                     seq_len=seq_len,
                                     global_batch=global_batch,
                                     lora_rank=lora_rank,
-                                    overlap_a2a=overlap_a2a,
+                                    overlap_a2a=mode,
                                     schedule=sched,
                                 )
                                 if best is None:
