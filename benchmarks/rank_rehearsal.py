@@ -273,6 +273,50 @@ def live_by_place(snapshot: dict, top: int = 15) -> list[dict]:
     return [{"place": k, "gb": v[0] / 1e9, "blocks": v[1]} for k, v in rows]
 
 
+def _decoder_layers(module: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(model index, layer)`` of the decoder layers under ``module``: the first ``layers`` container (a whole
+    model's ``model.layers`` list, or a pipeline stage's ``ModuleDict`` keyed by the model index)."""
+    for name, layers in module.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(layers, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            return [(int(k), m) for k, m in layers.items()] if hasattr(layers, "items") else list(enumerate(layers))
+    return []
+
+
+def track_phases(module: torch.nn.Module, progress: dict, cuda: bool) -> list:
+    """Name the rehearsal's phase per decoder layer and the head in ``progress["phase"]``, so that an out-of-memory
+    error names the layer: ``"<step> layer i"`` when layer ``i``'s forward starts (``<step>`` the phase the
+    rehearsal set, e.g. ``forward 0``), ``"<step> backward layer i"`` when its gradient arrives (its recomputation,
+    which reruns the layer's forward without the module's hooks, included), ``"<step> head"`` from the final norm on
+    (the output and the loss). On CUDA each change appends ``[phase, allocated, peak so far]`` (bytes:
+    ``torch.cuda.memory_allocated`` and ``max_memory_allocated`` as the new phase starts) to ``progress["trail"]``:
+    the peak grew in the phase before the row where it changed. Returns the hook handles."""
+    progress.setdefault("trail", [])
+
+    def mark(name: str) -> None:
+        step = progress.get("step", progress.get("phase", ""))
+        progress["phase"] = f"{step} {name}"
+        if cuda:
+            progress["trail"].append(
+                [progress["phase"], torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()]
+            )
+
+    handles = []
+    for i, layer in _decoder_layers(module):
+
+        def pre(mod, args, i=i):
+            mark(f"layer {i}")
+
+        def bpre(mod, grad, i=i):
+            mark(f"backward layer {i}")
+
+        handles.append(layer.register_forward_pre_hook(pre))
+        handles.append(layer.register_full_backward_pre_hook(bpre))
+    norms = [m for name, m in module.named_modules() if name.split(".")[-1] == "norm" and name.count(".") <= 1]
+    if norms:  # the final norm: the head (output mix done, the loss next)
+        handles.append(norms[0].register_forward_pre_hook(lambda mod, args: mark("head")))
+    return handles
+
+
 def rehearse(
     preset: str,
     row: dict,
@@ -285,8 +329,9 @@ def rehearse(
     """Build the rank of ``row`` (a ``kimi plan`` layout; ``lora_rank`` is read from its command) on ``device``,
     run its in-flight micro-batches' forwards and backwards and one optimizer step, and return the prediction
     beside the measurement (bytes, milliseconds). ``progress`` (a dict, filled as it goes): ``phase`` (``build``,
-    ``forward N``, ``backward N``, ``timed``, ``optimizer``) and, on CUDA, ``after_build_bytes`` (allocated once
-    the rank is built: its parameters and whatever it keeps), so that an out-of-memory error says where it came.
+    ``forward N``, ``backward N``, ``timed``, ``optimizer``; within a step the decoder layer, :func:`track_phases`)
+    and, on CUDA, ``after_build_bytes`` (allocated once the rank is built: its parameters and whatever it keeps) and
+    ``trail`` (allocated and peak bytes as each phase starts), so that an out-of-memory error says where it came.
     ``memory_history`` (CUDA): record each allocation's Python stack (``torch.cuda.memory._record_memory_history``)
     from the build through the in-flight micro-batches, stopped before the timed one (the recording slows the host),
     so that an out-of-memory error's live blocks can be charged to their places (:func:`live_by_place`).
@@ -306,7 +351,7 @@ def rehearse(
         torch.cuda.reset_peak_memory_stats()
     s = row["worst_stage"]
     progress = {} if progress is None else progress
-    progress["phase"] = "build"
+    progress["phase"] = progress["step"] = "build"
     if memory_history and cuda:
         torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)
     with tempfile.TemporaryDirectory() as tmp, fake_group(L["world"], s * L["dp"] * L["cp"]):
@@ -320,6 +365,7 @@ def rehearse(
             torch.cuda.reset_peak_memory_stats()
             progress["after_build_bytes"] = torch.cuda.memory_allocated()
         stage = par.pipe.stages[0] if par.pipe is not None else None
+        track_phases(module if stage is None else stage, progress, cuda)
         T, D = row["tokens_per_microbatch_per_rank"], cfg.hidden_size
         inflight = min(L["pp"] - s, row["microbatches"])
         first = stage is None or stage.is_first
@@ -350,21 +396,21 @@ def rehearse(
         with LoopbackExperts.installed():
             outs = []
             for i in range(inflight):  # 1F1B warm-up: the in-flight forwards
-                progress["phase"] = f"forward {i}"
+                progress["phase"] = progress["step"] = f"forward {i}"
                 outs.append(forward())
             for i, out in enumerate(outs):
-                progress["phase"] = f"backward {i}"
+                progress["phase"] = progress["step"] = f"backward {i}"
                 backward(out)
             del outs
             sync()
-            progress["phase"] = "timed"
+            progress["phase"] = progress["step"] = "timed"
             if memory_history and cuda:  # the timed micro-batch without the recording's host cost
                 torch.cuda.memory._record_memory_history(enabled=None)
             t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
             backward(forward())
             sync()
             ms = (time.perf_counter() - t0) * 1e3
-            progress["phase"] = "optimizer"
+            progress["phase"] = progress["step"] = "optimizer"
             masters.grads_to_masters()
             step_optimizer(optimizer, a, 1, par.rank)
             optimizer.zero_grad(set_to_none=True)

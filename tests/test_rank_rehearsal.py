@@ -102,3 +102,32 @@ def test_live_by_place_charges_blocks_to_the_projects_frames():
         {"place": "unrecorded", "gb": 0.5, "blocks": 1},
     ]
     assert mod.live_by_place(snap, top=1) == got[:1]
+
+
+def test_rank_rehearsal_names_each_layer_phase():
+    """``progress["phase"]`` names the decoder layer as the rehearsal goes (an out-of-memory error then says where it
+    came): each layer's forward and its backward, and the head, within the step that runs them."""
+    mod = _bench()
+    cfg, cal = load_config("tiny"), P.load_calibration()
+    row = P.evaluate(
+        cfg, P.Layout(pp=3, dp=1, cp=1, ep=1), P.Policy(recompute="full"), P.Hardware(), cal, seq_len=64,
+        global_batch=256,
+    )  # fmt: skip
+    row["command"] = " ".join(P.train_command(row, preset="tiny", seq_len=64))
+
+    class Log(dict):
+        def __setitem__(self, key, value):
+            if key == "phase":
+                self.setdefault("seen", []).append(value)
+            super().__setitem__(key, value)
+
+    s = 2  # the last stage: its layers and the head
+    progress = Log()
+    mod.rehearse("tiny", {**row, "worst_stage": s}, "cpu", progress=progress)
+    layers = range(*row["stages"][s])
+    seen = progress["seen"]
+    for i in layers:
+        for phase in (f"forward 0 layer {i}", f"backward 0 backward layer {i}", f"timed backward layer {i}"):
+            assert phase in seen, (phase, seen)
+    assert "forward 0 head" in seen and seen.index("forward 0 head") > seen.index(f"forward 0 layer {layers[-1]}")
+    assert seen[-1] == "optimizer"
