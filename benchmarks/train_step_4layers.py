@@ -199,26 +199,40 @@ def allocator_counts(before: dict, after: dict) -> dict:
 
 
 def planner_prediction(
-    cfg, T: int, recompute, compare: bool, optimizer: str = "adamw-fp32", reshard: str = "auto", fsdp: str = "auto"
+    cfg,
+    T: int,
+    recompute,
+    compare: bool,
+    optimizer: str = "adamw-fp32",
+    reshard: str = "auto",
+    fsdp: str = "auto",
+    act_offload: str = "none",
 ) -> dict | None:
     """``kimi plan``'s prediction for this row's one-rank layout (pp1 dp1 cp1 ep1, one micro-batch of ``T``): its
     memory by kind (bytes -> GiB) and step time; ``compare_gib``: its total less the optimizer states, which this
     benchmark does not allocate. ``optimizer``: the planner's policy the row runs (``--masters bf16``: ``adamw-bf16``,
     bf16 weights and gradients); ``reshard``: the row's ``--reshard-after-forward`` (the planner's ``Policy.reshard``,
     which moves the gathered units at the peak); ``fsdp``: the planner's FSDP policy ("auto": the trainer's for the
-    layout; "layer" for a ``--shard-one-rank`` row, FSDP2 forced). ``compare``: a ``--parallel`` row (the
-    one-process row holds no masters whatever the optimizer); an error is recorded in place of the prediction."""
+    layout; "layer" for a ``--shard-one-rank`` row, FSDP2 forced); ``act_offload``: the row's
+    ``--offload-activations`` (the planner's ``Policy.act_offload``: ``activations`` is then what stays on the GPU,
+    ``host_activations_gib`` what goes to the host, ``offload_copy_s`` the copies' time per step). ``compare``: a
+    ``--parallel`` row (the one-process row holds no masters whatever the optimizer); an error is recorded in place of
+    the prediction."""
     try:
         from kimi_tools import plan as P
 
         mode = {False: "none", "mlp": "mlp", "attn": "attn", "layer": "full"}[recompute]
         hw = P.Hardware(gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
-        r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), P.Policy(optimizer=optimizer, recompute=mode, reshard=reshard, fsdp=fsdp), hw, P.load_calibration(),
-                       seq_len=T, global_batch=T)  # fmt: skip
+        policy = P.Policy(optimizer=optimizer, recompute=mode, reshard=reshard, fsdp=fsdp, act_offload=act_offload)
+        r = P.evaluate(cfg, P.Layout(1, 1, 1, 1), policy, hw, P.load_calibration(), seq_len=T, global_batch=T)
     except Exception as e:  # noqa: BLE001 - the prediction is a record, not the measurement
         return {"error": f"{type(e).__name__}: {e}"[:200]}
     mem = {k: v / 2**30 for k, v in r["memory"].items() if isinstance(v, (int, float))}
     out = {"memory_gib": mem, "step_s": r["time"].get("step"), "policy": r["policy"]}
+    out |= {
+        "host_activations_gib": r["host_activations"] / 2**30,
+        "offload_copy_s": r["time"]["offload_copy_per_microbatch"],
+    }
     if compare:
         out["compare_gib"] = mem.get("total", 0.0) - mem.get("optimizer", 0.0)
     return out
@@ -493,6 +507,7 @@ def main() -> int:
                 optimizer,
                 args.reshard_after_forward,
                 "layer" if args.shard_one_rank else "auto",
+                args.offload_activations,
             )
             if args.profile:
                 tag = f"{T}_{backend}" + ("_compiled" if comp else "")
