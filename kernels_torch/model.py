@@ -49,16 +49,32 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
-def _unaliased(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or, when ``t`` is a view of the whole of another tensor (same shape, strides, offset and
-    dtype), that tensor. The AttnRes blocks pass through every layer; under FSDP2 the layer's inputs arrive as
-    views that its pre-forward hook makes of the caller's tensors (``RegisterPostBackwardFunction``), and a wrapped
-    module that returns a view gets FSDP2's warning (an in-place op on it would skip the all-gather hook). Returning
-    the caller's own tensor is the same value; its gradient from later layers reaches it directly."""
-    b = t._base
-    if b is None or b.shape != t.shape or b.stride() != t.stride() or b.dtype != t.dtype:
-        return t
-    return b if b.storage_offset() == t.storage_offset() else t
+class _PassOn(torch.autograd.Function):
+    """The identity: a tensor that shares ``x``'s storage (``x.detach()``, not a view of it) with a gradient node of
+    its own, whose backward passes the gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _passed_on(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The AttnRes blocks a layer hands on to the next: each the same values as the layer received, as a tensor of
+    its own (:class:`_PassOn`: no copy). Under FSDP2 a layer's inputs arrive as views that its pre-forward hook
+    makes (``RegisterPostBackwardFunction``, whose backward reshards the layer and reduces its gradients once the
+    gradients of all those views are complete) and FSDP2 hooks every output of the layer to gather its parameters
+    for the backward (its pre-backward). Handing on those views would hold the layer's post-backward until every
+    later layer's backward is done (a later layer reads the block); handing on the caller's tensors would fire the
+    layer's pre-backward again once the block's whole gradient is complete, at the block's first layer, after its
+    post-backward: the layer's parameters gathered a second time and held until the backward ends. A tensor of the
+    layer's own is read only by the next layer: its gradient is complete, and the layer's pre-backward fires, when
+    the next layer's backward is done, as for the partial sum ``p``. No view is returned either (FSDP2 warns about
+    a wrapped module returning a view: an in-place op on it would skip the all-gather hook)."""
+    return [_PassOn.apply(b) for b in blocks]
 
 
 class DecoderLayer(nn.Module):
@@ -145,7 +161,7 @@ class DecoderLayer(nn.Module):
         p = a if restart else p + a
         m, mlp_aux = self.feed_forward(self.mix("mlp", blocks + [p]), want_aux)
         p = p + m
-        blocks = [_unaliased(b) for b in blocks]
+        blocks = _passed_on(blocks)
         return blocks, p, {"attn_out": a, "mlp_out": m, "residual": p, **aux, **mlp_aux}
 
 
@@ -161,17 +177,25 @@ class _Backbone(nn.Module):
             self.output_attn_res_norm = _Weight(c.hidden_size)
             self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
 
-    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", on_layer=None, step=None):
+    def forward(self, input_ids, cu_seqlens=None, mla_form="expanded", on_layer=None, step=None, keep_aux=True):
+        """``(final hidden states [B, T, D], auxes)``: ``auxes`` one dict per layer (its intermediates and its inputs
+        ``input_p`` / ``input_blocks``), or ``[]`` without ``keep_aux``. Without it each layer's aux is dropped as the
+        layer returns: under whole-layer recomputation its tensors (the attention and MLP outputs, the MoE selection
+        scores, the DSA top-k) are outputs of the checkpoint, not saved activations, and kept they would stay on the
+        device until the forward ends (K3.1 Pro at 8192 tokens: 0.32 GB per MoE layer beside its 0.117 GB partial
+        sum; the expert ids are a slice of a [T, E] int64 storage)."""
         p = self.embed_tokens(input_ids)
         blocks: list[torch.Tensor] = []
         auxes = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             p_in, blocks_in = p, tuple(blocks)
             blocks, p, aux = layer(blocks, p, cu_seqlens, mla_form, step)
-            aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
-            auxes.append(aux)
+            if keep_aux:
+                aux.update(input_p=p_in, input_blocks=blocks_in)  # the layer's inputs, for layer-local comparisons
+                auxes.append(aux)
+            del aux, p_in, blocks_in
             if on_layer is not None:
-                on_layer(len(auxes) - 1)
+                on_layer(i)
         if self.config.has_attn_res:
             p = attn_res_mix(
                 blocks + [p],
@@ -227,7 +251,7 @@ class KimiK3Model(nn.Module):
             return self._deprecated_call(input_ids, cu_seqlens, mla_form, return_aux, on_layer, deprecated)
         check_token_ids(input_ids, self.config.vocab_size)  # [B, T] int32/int64 in [0, vocab)
         _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
-        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer, None)
+        h, auxes = self.model(input_ids, cu_seqlens, mla_form, on_layer, None, keep_aux=return_aux)
         logits = self.logits(h)
         return (logits, auxes) if return_aux else logits
 
@@ -272,7 +296,7 @@ class KimiK3Model(nn.Module):
         ):
             raise ValueError(f"loss_chunk_size: got {chunk_size!r}, expected a positive int or None")  # before it too
         _warn_past_max_positions(input_ids.shape[1], cu_seqlens, self.config.max_position_embeddings)
-        h, _ = self.model(input_ids, cu_seqlens, mla_form, on_layer, None)  # [B, T, D]
+        h, _ = self.model(input_ids, cu_seqlens, mla_form, on_layer, None, keep_aux=False)  # [B, T, D]
         head = None if self.config.tie_word_embeddings else self.lm_head
         w = self.output_weight()  # [vocab, D]
         h, y = h.reshape(-1, h.shape[-1]), labels.to(h.device).reshape(-1)  # [B*T, D], [B*T]
