@@ -44,17 +44,23 @@ def test_rank_rehearsal_full_and_lora(tmp_path):
         assert run["measured"]["peak_bytes"] is None and run["measured"]["ms_per_microbatch"] > 0
 
 
+def _tiny_pp3_row() -> dict:
+    """``kimi plan``'s row of the tiny preset on a pp 3 layout (whole layers recomputed, 64-token sequences, 4
+    micro-batches), with its ``kimi train`` command."""
+    row = P.evaluate(
+        load_config("tiny"), P.Layout(pp=3, dp=1, cp=1, ep=1), P.Policy(recompute="full"), P.Hardware(),
+        P.load_calibration(), seq_len=64, global_batch=256,
+    )  # fmt: skip
+    row["command"] = " ".join(P.train_command(row, preset="tiny", seq_len=64))
+    return row
+
+
 def test_rank_rehearsal_each_stage_of_a_pipeline():
     """``rehearse`` on every stage of a pp 3 tiny layout (the fake group's rank in that stage): the first stage takes
     token ids, the later ones a received state, the last ends with the loss; each compares its own stage's predicted
     compute (not the slowest stage's)."""
     mod = _bench()
-    cfg, cal = load_config("tiny"), P.load_calibration()
-    row = P.evaluate(
-        cfg, P.Layout(pp=3, dp=1, cp=1, ep=1), P.Policy(recompute="full"), P.Hardware(), cal, seq_len=64,
-        global_batch=256,
-    )  # fmt: skip
-    row["command"] = " ".join(P.train_command(row, preset="tiny", seq_len=64))
+    row = _tiny_pp3_row()
     per_stage = row["time"]["stage_compute_per_microbatch"]
     assert len(set(per_stage)) == 3  # the stages differ: a wrong stage's prediction shows
     for s in range(3):
@@ -108,12 +114,7 @@ def test_rank_rehearsal_names_each_layer_phase():
     """``progress["phase"]`` names the decoder layer as the rehearsal goes (an out-of-memory error then says where it
     came): each layer's forward and its backward, and the head, within the step that runs them."""
     mod = _bench()
-    cfg, cal = load_config("tiny"), P.load_calibration()
-    row = P.evaluate(
-        cfg, P.Layout(pp=3, dp=1, cp=1, ep=1), P.Policy(recompute="full"), P.Hardware(), cal, seq_len=64,
-        global_batch=256,
-    )  # fmt: skip
-    row["command"] = " ".join(P.train_command(row, preset="tiny", seq_len=64))
+    row = _tiny_pp3_row()
 
     class Log(dict):
         def __setitem__(self, key, value):
