@@ -100,7 +100,7 @@ def stage_recompute_passes(schedule: str | None, pp: int, m: int) -> tuple[float
     """Per stage, the mean number of times a recomputed region's forward runs again in a micro-batch's backward over
     a step of ``m`` micro-batches: 1 for a full backward (``B``), 2 for one split into ``I`` and ``W`` (each replays
     it), counted in torch's action lists (:func:`_actions`); ``(1.0,) * pp`` for 1F1B (and ``(1.0,)`` without a
-    pipeline, ``schedule`` None). DualPipeV, pp 4, m 16: between 1.25 and 1.44 per stage; ZBVZeroBubble: 2.
+    pipeline, ``schedule`` None). DualPipeV, pp 4, m 16: between 1.125 and 1.25 per stage; ZBVZeroBubble: 2.
 
     Raises:
         ValueError: as :func:`inflight_states`."""
