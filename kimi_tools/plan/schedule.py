@@ -35,7 +35,7 @@ Each V schedule needs ``m >= 2 pp`` micro-batches per step and data-parallel gro
 torch's ``ScheduleDualPipeV`` refuses fewer, ``ScheduleZBVZeroBubble`` runs the missing ones as bubbles and
 ``kimi train`` refuses them). With recomputation, a layer recomputed in the backward is replayed by the input and
 again by the weight backward (``torch.utils.checkpoint`` under torch's split backward): its recompute forward, and
-its all-to-all with it, is paid twice per micro-batch (:func:`recompute_passes`).
+its all-to-all with it, is paid twice in a split backward and once in a full one (:func:`stage_recompute_passes`).
 
 Not every backward of a V is split: DualPipeV runs most of its backwards whole (``B``: its steady state and its
 cool-down), only the warm-up's zero-bubble parts as ``I`` and ``W``; ZBVZeroBubble splits them all. The recompute
@@ -86,13 +86,6 @@ def min_microbatches(schedule: str, pp: int) -> int:
     """The fewest micro-batches per step and data-parallel group ``kimi train`` runs ``schedule`` with: one per
     stage (``kimi_tools.train.parallel.TrainParallel.stages_needed``): ``pp`` or ``2 pp``."""
     return num_stages(schedule, pp)
-
-
-def recompute_passes(schedule: str | None) -> int:
-    """How many times a recomputed region's forward runs again in a split backward: 2 under a V schedule (the input
-    and the weight backward each replay it), else 1 (a full backward replays it once); a V's mean per stage from its
-    action list: :func:`stage_recompute_passes`."""
-    return 2 if schedule in V_SCHEDULES else 1
 
 
 @functools.lru_cache(maxsize=256)
