@@ -273,6 +273,42 @@ def live_by_place(snapshot: dict, top: int = 15) -> list[dict]:
     return [{"place": k, "gb": v[0] / 1e9, "blocks": v[1]} for k, v in rows]
 
 
+@contextlib.contextmanager
+def _profiled(on: bool):
+    """``torch.profiler`` over CPU and CUDA activities while ``on``, else nothing (yields ``None``)."""
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield prof
+
+
+def profile_tables(prof, top: int = 25) -> dict:
+    """The timed micro-batch's operators from a ``torch.profiler`` run: the ``top`` by self CUDA time and by self CPU
+    time, each ``{"name", "calls", "self_cuda_ms", "self_cpu_ms"}``, and the totals (ms): where a step slower than
+    the planner's spends its time (kernels, host copies, or the host itself)."""
+    events = prof.key_averages()
+
+    def row(e) -> dict:
+        cuda_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        return {
+            "name": e.key,
+            "calls": e.count,
+            "self_cuda_ms": cuda_us / 1e3,
+            "self_cpu_ms": e.self_cpu_time_total / 1e3,
+        }
+
+    rows = [row(e) for e in events]
+    return {
+        "self_cuda_ms_total": sum(r["self_cuda_ms"] for r in rows),
+        "self_cpu_ms_total": sum(r["self_cpu_ms"] for r in rows),
+        "by_cuda": sorted(rows, key=lambda r: -r["self_cuda_ms"])[:top],
+        "by_cpu": sorted(rows, key=lambda r: -r["self_cpu_ms"])[:top],
+    }
+
+
 def _decoder_layers(module: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     """``(model index, layer)`` of the decoder layers under ``module``: the first ``layers`` container (a whole
     model's ``model.layers`` list, or a pipeline stage's ``ModuleDict`` keyed by the model index)."""
@@ -325,6 +361,7 @@ def rehearse(
     seed: int = 0,
     progress: dict | None = None,
     memory_history: bool = False,
+    profile: bool = False,
 ) -> dict:
     """Build the rank of ``row`` (a ``kimi plan`` layout; ``lora_rank`` is read from its command) on ``device``,
     run its in-flight micro-batches' forwards and backwards and one optimizer step, and return the prediction
@@ -407,8 +444,9 @@ def rehearse(
             if memory_history and cuda:  # the timed micro-batch without the recording's host cost
                 torch.cuda.memory._record_memory_history(enabled=None)
             t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
-            backward(forward())
-            sync()
+            with _profiled(profile and cuda) as prof:
+                backward(forward())
+                sync()
             ms = (time.perf_counter() - t0) * 1e3
             progress["phase"] = progress["step"] = "optimizer"
             masters.grads_to_masters()
@@ -436,6 +474,7 @@ def rehearse(
             "compute_ms_per_microbatch": row["time"]["stage_compute_per_microbatch"][s] * 1e3,
         },
         "measured": {"peak_bytes": peak, "ms_per_microbatch": ms},
+        **({"profile": profile_tables(prof)} if prof is not None else {}),
         "peak_over_predicted": peak / mem["total"] if peak else None,
         "cluster": {
             "gpus": L["world"],
@@ -463,6 +502,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--plan-only", action="store_true", help="print the chosen layouts, materialise nothing")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the timed micro-batch under torch.profiler (CUDA) and add its top operators to each run's result",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.gpu_memory is None:  # the planner's card: an 80 GB H100 or a 141 GB H200
@@ -489,8 +533,11 @@ def main(argv=None) -> int:
             report["runs"][run] = {"status": "planned", "row": row}
             continue
         progress: dict = {}
+        cuda = args.device == "cuda"
         try:
-            res = rehearse(args.preset, row, args.device, lora, progress=progress, memory_history=args.device == "cuda")
+            res = rehearse(
+                args.preset, row, args.device, lora, progress=progress, memory_history=cuda, profile=args.profile
+            )
             res["status"] = "ok"
         except torch.OutOfMemoryError as e:
             res = {"status": "oom", "peak_bytes": torch.cuda.max_memory_allocated(), "command": row["command"]}

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kimi.config import load_config
 from kimi_tools import plan as P
@@ -132,3 +133,19 @@ def test_rank_rehearsal_names_each_layer_phase():
             assert phase in seen, (phase, seen)
     assert "forward 0 head" in seen and seen.index("forward 0 head") > seen.index(f"forward 0 layer {layers[-1]}")
     assert seen[-1] == "optimizer"
+
+
+def test_profile_tables_rank_operators_by_self_time():
+    """The rehearsal's ``--profile`` tables: operators of a profiled run, the heaviest first, with their totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mod = _bench()
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            (a @ b).relu()
+    got = mod.profile_tables(prof, top=2)
+    assert len(got["by_cpu"]) == 2 and got["by_cpu"][0]["self_cpu_ms"] >= got["by_cpu"][1]["self_cpu_ms"]
+    assert {r["name"] for r in got["by_cpu"]} & {"aten::mm", "aten::matmul", "aten::relu", "aten::clamp_min"}
+    assert got["self_cpu_ms_total"] >= sum(r["self_cpu_ms"] for r in got["by_cpu"])
+    assert got["self_cuda_ms_total"] == 0.0
