@@ -73,6 +73,9 @@
 #   offload_copy (not in the default STEPS): benchmarks/offload_copy.py, the host copy rate of kimi train's
 #                --offload-activations (device -> pinned host on a side stream, back, and beside bf16 matmuls), 1 MB
 #                to 1 GB
+#   host_optimizer (not in the default STEPS): benchmarks/host_optimizer.py, the host side of --offload cpu: the
+#                trainer's optimizer step on host tensors (adamw-bf16, adamw-fp32) and FSDP2's gradient copy to the
+#                host, first and accumulating (HOST_OPT_ARGS, default "--numel 2e9"; torchao from fp8_wheels)
 #   tests_offload (not in the default STEPS): tests/gpu/test_gpu_offload.py, activation offload on CUDA equal to
 #                none (side-stream copies to pinned memory and back)
 #   train_step_offload (not in the default STEPS): benchmark 5 at 16 experts, 8K, under each activation policy of
@@ -281,6 +284,8 @@ run_step() {  # run_step NAME: one step of the list above
     save_autotune ;;
   situ_glu) step situ_glu 300 python3 benchmarks/situ_glu.py --out "$dir/situ_glu.json" ;;
   tests_offload) step tests_offload 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_offload.py ;;
+  host_optimizer) step host_optimizer 600 python3 benchmarks/host_optimizer.py ${HOST_OPT_ARGS:---numel 2e9} \
+    --out "$dir/host_optimizer.json" ;;
   offload_copy) step offload_copy 300 python3 benchmarks/offload_copy.py --out "$dir/offload_copy.json" ;;
   train_step_offload)  # benchmark 5's 8K row under each recompute:offload policy (none:none is the baseline)
     for pol in ${ACT_POLICIES:-none:none attn:none mlp:attn attn:mlp none:all}; do
