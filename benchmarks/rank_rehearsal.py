@@ -30,7 +30,9 @@ backwards; one more micro-batch is timed alone; then the optimizer step (the tra
 ``step_optimizer``, ``to_model``). The first stage takes token ids, a later one a random received state ``[M, 1,
 T, D]``; a stage before the last returns the state it sends and gets a random gradient of it; the last stage ends
 with the summed NLL. Writes one JSON (``--out``): the layout, the command, the planner's prediction beside the
-measurement (peak memory on CUDA; ``null`` on CPU), their ratio, the predicted cluster tokens/s per GPU and MFU.
+measurement (peak memory on CUDA, ``null`` on CPU; the timed micro-batch against the planner's compute plus its
+offload costs per micro-batch; the optimizer step's seconds), their ratio, the predicted cluster tokens/s per GPU
+and MFU. ``--profile`` adds the timed micro-batch's heaviest operators (``torch.profiler``).
 
     python benchmarks/rank_rehearsal.py --seq-len 8192 --out benchmarks/results/rank_rehearsal.json
     python benchmarks/rank_rehearsal.py --preset tiny --device cpu --clusters 4 --lora-gpus 4 --gpu-memory 1  # smoke
@@ -449,11 +451,13 @@ def rehearse(
                 sync()
             ms = (time.perf_counter() - t0) * 1e3
             progress["phase"] = progress["step"] = "optimizer"
+            t0 = time.perf_counter()
             masters.grads_to_masters()
             step_optimizer(optimizer, a, 1, par.rank)
             optimizer.zero_grad(set_to_none=True)
             masters.to_model()
             sync()
+            optimizer_s = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() if cuda else None
         held = {"params": _local_bytes(module.parameters()), "optimizer": _local_bytes(_states(optimizer))}
     mem = row["memory"]
@@ -472,8 +476,12 @@ def rehearse(
             **{k: mem[k] for k in ("params", "grads", "optimizer", "gathered", "activations")},
             "total": mem["total"],
             "compute_ms_per_microbatch": row["time"]["stage_compute_per_microbatch"][s] * 1e3,
+            # the timed micro-batch adds its gradient to the in-flight ones' (a later micro-batch of the step)
+            "offload_ms_per_microbatch": row["time"]["offload_copy_per_microbatch"] * 1e3
+            + row["time"].get("offload_grad_accumulate", 0.0) / max(1, row["microbatches"] - 1) * 1e3,
+            "optimizer_s": row["time"]["optimizer"],
         },
-        "measured": {"peak_bytes": peak, "ms_per_microbatch": ms},
+        "measured": {"peak_bytes": peak, "ms_per_microbatch": ms, "optimizer_s": optimizer_s},
         **({"profile": profile_tables(prof)} if prof is not None else {}),
         "peak_over_predicted": peak / mem["total"] if peak else None,
         "cluster": {

@@ -393,6 +393,34 @@ def test_host_memory_bounds_offloaded_states(capsys):
     assert "--host-memory: got 0.0, expected a positive number" in capsys.readouterr().err
 
 
+def test_states_on_the_host_cost_their_measured_host_time(capsys):
+    """Under ``--offload cpu`` the optimizer steps on the host at the measured seconds per 10^9 parameters, and each
+    micro-batch after a step's first pays FSDP2's blocking gradient copy to the host (``fsdp layer``: reduced every
+    micro-batch); a pipeline's ``stage`` policy reduces once per step and pays none (calibration ``host_offload``,
+    ``benchmarks/host_optimizer.py``)."""
+    from kimi_tools.plan.calibration import load_calibration
+    from kimi_tools.plan.layout import OPTIMIZERS, Hardware
+    from kimi_tools.plan.params import graded_numel
+
+    cal, hw = load_calibration(), Hardware()
+    assert cal.host_optimizer_s_per_gparam["adamw-bf16"] > 10 * cal.host_optimizer_s_per_gparam["adamw-fp32"] > 0
+    assert cal.grad_accumulate_s_per_gb > 0 and cal.host_offload_source.startswith("measured: benchmarks/")
+    for argv in (["--layout", "1,128,1,64"], ["--layout", "1,256,1,64", "--gpu-memory", "80"]):
+        row = _plan_json(capsys, "--gpus", argv[1].split(",")[1], *argv, "--top", "1")["layouts"][0]
+        pol, t, m = row["policy"], row["time"], row["microbatches"]
+        assert pol["offload"] == "cpu" and pol["fsdp"] == "layer" and m > 1, row["policy"]
+        pb, gb, _ = OPTIMIZERS[pol["optimizer"]]
+        tr = sum(graded_numel(row["numel"]))
+        host = tr / 1e9 * cal.host_optimizer_s_per_gparam[pol["optimizer"]]
+        assert math.isclose(t["optimizer"], host + tr * (pb + gb) / (hw.pcie_gbps * 1e9), rel_tol=1e-9)
+        assert math.isclose(t["offload_grad_accumulate"], (m - 1) * tr * gb / 1e9 * cal.grad_accumulate_s_per_gb)
+        parts = t["busy"] + t["bubble"] + t["fsdp_exposed"] + t["optimizer"] + t["offload_grad_accumulate"]
+        assert math.isclose(t["step"], parts, rel_tol=1e-9)
+    staged = _plan_json(capsys, "--gpus", "128", "--layout", "8,8,2,16", "--top", "1")["layouts"][0]
+    assert staged["policy"]["fsdp"] == "stage" and staged["policy"]["offload"] == "cpu"
+    assert staged["time"]["offload_grad_accumulate"] == 0.0
+
+
 def test_doc_is_current():
     """``docs/scaling.md``'s generated section is what ``kimi plan`` prints now (regenerate:
     ``python -m kimi_tools.plan --write-docs``)."""

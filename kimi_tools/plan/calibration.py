@@ -37,6 +37,12 @@ class Calibration:
         host_copy_gbps: the host copy rate of activation offload, GB/s per direction: a measured
             ``benchmarks/offload_copy.py`` result when ``host_copy.file`` names one, else the datasheet's.
         host_copy_source: where :attr:`host_copy_gbps` comes from ("datasheet, not measured: ..." or the file).
+        host_optimizer_s_per_gparam: {optimizer: seconds per 10^9 parameters} of the trainer's optimizer step on
+            host tensors (``--offload cpu``), from a ``benchmarks/host_optimizer.py`` result named by
+            ``host_offload.file``; empty without one.
+        grad_accumulate_s_per_gb: seconds per GB of gradient of FSDP2's copy to the host when a micro-batch's
+            gradient adds to the last one's (blocking, into pageable memory, then a host add); 0 without a file.
+        host_offload_source: where the two above come from.
     """
 
     tflops: dict
@@ -47,6 +53,9 @@ class Calibration:
     host_ratio: dict = field(default_factory=dict)
     host_copy_gbps: float = 64.0
     host_copy_source: str = ""
+    host_optimizer_s_per_gparam: dict = field(default_factory=dict)
+    grad_accumulate_s_per_gb: float = 0.0
+    host_offload_source: str = ""
     _memo: dict = field(
         default_factory=dict, init=False, repr=False, compare=False
     )  # layer_bytes / working_set results
@@ -122,6 +131,18 @@ def _host_copy(doc: dict, root: Path) -> tuple[float, str]:
     return hc.get("datasheet_gbps", 64.0), "datasheet, not measured: " + hc.get("datasheet", "")
 
 
+def _host_offload(doc: dict, root: Path) -> tuple[dict, float, str]:
+    """``(seconds per 10^9 parameters per optimizer, seconds per GB of accumulating gradient copy, source)`` from the
+    file's ``host_offload`` (a ``benchmarks/host_optimizer.py`` result), else ``({}, 0.0, "not measured")``."""
+    name = doc.get("host_offload", {}).get("file")
+    if not name:
+        return {}, 0.0, "not measured"
+    res = json.loads((root / name).read_text())
+    rates = {k: v["s_per_gparam"] for k, v in res.get("optimizer", {}).items()}
+    acc = res.get("grad_accumulate", {}).get("accumulate_s_per_gb", 0.0)
+    return rates, acc, f"measured: {name} ({res['device']}, {res['threads']} host threads)"
+
+
 def load_calibration(fp8: str | None = None, path: Path = CALIBRATION_FILE) -> Calibration:
     """The calibration for bf16 (``fp8=None``) or an FP8 recipe from ``path``.
 
@@ -154,10 +175,12 @@ def load_calibration(fp8: str | None = None, path: Path = CALIBRATION_FILE) -> C
         raise ValueError(f"--fp8: got {fp8!r}, no calibration points for it; calibrated: {have}")
     dens = tuple((q["rows_per_expert"], q["tflops"]) for q in doc.get("expert_density", {}).get("points", []))
     ratio = dict(doc.get("activation_offload", {}).get("host_ratio", {}))
-    rate, rate_src = _host_copy(doc, Path(path).resolve().parents[2])
+    root = Path(path).resolve().parents[2]
+    rate, rate_src = _host_copy(doc, root)
+    host_opt, host_acc, host_src = _host_offload(doc, root)
     tflops["full"] = tflops["none"] * 3 / 4  # one more forward per three units of work, at the "none" rate
     scale = math.exp(sum(math.log(x) for x in scales) / len(scales))
-    return Calibration(tflops, scale, src, rows, dens, ratio, rate, rate_src)
+    return Calibration(tflops, scale, src, rows, dens, ratio, rate, rate_src, host_opt, host_acc, host_src)
 
 
 CALIBRATION_LAYERS = 4  # the calibration steps' model: k3.1-pro's first 4 layers (calibration.json "about")

@@ -222,6 +222,14 @@ def render_docs() -> str:
         f"{cal.host_copy_gbps:.1f} GB/s ({cal.host_copy_source}); the forward's copies hidden behind the forward, "
         "the backward's exposed"
     )
+    if cal.host_optimizer_s_per_gparam:
+        rates = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(cal.host_optimizer_s_per_gparam.items()))
+        out.append(
+            f"* states on the host (`--offload cpu`): the optimizer step per 10^9 host parameters ({rates}) and "
+            f"FSDP2's gradient copy to the host when a micro-batch adds to the last one's gradient, "
+            f"{cal.grad_accumulate_s_per_gb:.3f} s per GB (blocking, into pageable memory; under `fsdp layer` every "
+            f"micro-batch after a step's first), both exposed ({cal.host_offload_source})"
+        )
     d = json.loads(CALIBRATION_FILE.read_text())["expert_density"]
     pts = "; ".join(f"{p['rows_per_expert']:,.0f} rows per expert: {p['tflops']:.0f} TFLOP/s" for p in d["points"])
     out.append(f"* routed experts against their density: {pts} ({d['file']}, {d['date']}, {d['commit']})")

@@ -326,11 +326,18 @@ def evaluate(
     fsdp_exposed = max(max(0.0, x["t_fsdp"] - m * x["t_comp"]) for x in ranks)
     # the optimizer steps only the tensors that get a gradient (params.state_bytes)
     tr = max(sum(graded_numel(x["n"])) for x in ranks)
+    t_acc = 0.0
     if policy.offload == "none":
         t_opt = tr * (pb + gb + 2 * ob + pb) / (hw.hbm_gbps * GB)  # read p, g, m, v; write p, m, v
     else:
-        t_opt = tr * (pb + gb + 2 * ob + pb) / (hw.host_gbps * GB) + tr * (pb + gb) / (hw.pcie_gbps * GB)
-    step = pipeline + fsdp_exposed + t_opt
+        # the host step at its measured rate (else host memory's bandwidth), and the shards' gradients down and
+        # parameters up the host link
+        rate = cal.host_optimizer_s_per_gparam.get(policy.optimizer)
+        t_host = tr / 1e9 * rate if rate is not None else tr * (pb + gb + 2 * ob + pb) / (hw.host_gbps * GB)
+        t_opt = t_host + tr * (pb + gb) / (hw.pcie_gbps * GB)
+        if fsdp == "layer":  # reduced every micro-batch: each after the first adds to a gradient on the host
+            t_acc = (m - 1) * tr * gb / GB * cal.grad_accumulate_s_per_gb
+    step = pipeline + fsdp_exposed + t_opt + t_acc
     tokens = L.dp * m * seq_len
     tps = tokens / step / L.world
     f_tok = fl.total  # = kimi.flops.estimate_flops(cfg, seq_len)["flops_per_token"] (2/3 of the matmuls for LoRA)
@@ -370,6 +377,8 @@ def evaluate(
             "bubble": bub,
             "fsdp_exposed": fsdp_exposed,
             "optimizer": t_opt,
+            # --offload cpu: FSDP2's blocking gradient copies to the host, per step (calibration's host_offload)
+            "offload_grad_accumulate": t_acc,
             "step": step,
         },
         "tokens_per_s_per_gpu": tps,
