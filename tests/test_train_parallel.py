@@ -31,6 +31,12 @@ TOL = {"loss": 1e-5, "grad_norm": 3e-4, "eval_loss": 1e-5, "kl": 1e-5, "masters"
 # (seen: 1.1% of layer 0's down_proj with the fp32 tensors summed outside FSDP2); exactness is checked above, each
 # export equal to its own run's masters rounded once.
 EXPORT_FLIPS = 0.03
+# Four layers: no AttnRes block boundary inside (blocks of 4). At six layers cp 2 (fp32) and bf16 ep 2 leave the
+# one-process run by rounding alone: their step-1 gradients agree (fp32: 1.3e-5, bf16: 3e-3), but AdamW's first step
+# (m / sqrt(v) = g / |g|) gives an element whose gradient cancels to 1e-5 of its parts a full-lr update or none, as
+# rounding decides (cp 2: step-2 loss 3.1e-5 off at --lr 3e-3, 7e-7 at 3e-4), and bf16 one process with its step-1
+# gradients rounded differently (x (1 + 2e-3 N(0, 1))) is 5-11% off at step 3. The layouts across a block boundary:
+# exactly, fp64, in test_fsdp.py (cp 2) and test_mesh.py (bf16 dp 2 x ep 2), and dp 2 here.
 COMMON = (
     "--preset tiny --layers 4 --steps 3 --seq-len 40 --micro-batch-tokens 40 --batch-tokens 80 --eval-tokens 40 "
     "--eval-every 0 --warmup-steps 1 --lr 3e-3 --quiet --no-plot"
