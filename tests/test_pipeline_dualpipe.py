@@ -231,7 +231,8 @@ def _dp_worker(rank: int, world: int, ref_path: str, runs) -> None:
     (:func:`_layer_state`): under ``"layer"`` at most one layer gathered (torchtitan's reshard policy keeps the last
     layer's copy from its forward to its backward), and sharded gradients (this rank's ``Shard(0)`` block) accumulated
     from an earlier micro-batch's backward before the step's end; under ``"stage"`` the opposite, the whole stage
-    gathered and no sharded gradient until the step's end."""
+    gathered and no sharded gradient until the step's end. After the steps an evaluation (forward only) leaves every
+    unit resharded."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from kernels_torch.parallel.pipeline import Pipeline, shard_stages
@@ -266,6 +267,11 @@ def _dp_worker(rank: int, world: int, ref_path: str, runs) -> None:
                     errors.append(str(e))
             opt.step()
             opt.zero_grad()
+        with torch.no_grad():  # a forward alone leaves no unit gathered: the parameters stay the optimizer's
+            ids, labels, cus = (x[rows] for x in _batch(0))
+            pipe.evaluate(ids, labels, cus, n_tokens=1, n_microbatches=len(cus))
+        if any(not isinstance(p, DTensor) for p in pipe.parameters()):
+            errors.append(f"{where}: a unit left gathered after the evaluation")
         most, grads, wrong = max(x[0] for x in seen), max(x[1] for x in seen), sum(x[2] for x in seen)
         whole = any(x[0] == x[3] > 1 for x in seen)  # a stage of several layers found wholly gathered
         if fsdp == "layer" and not (most <= 1 and grads > 0 and wrong == 0):

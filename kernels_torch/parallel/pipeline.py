@@ -781,7 +781,8 @@ class Pipeline:
         backward, no gradient, any micro-batch count) of one batch through the pipeline, in ``n_microbatches``
         micro-batches (1: the batch whole): the arguments and the returned loss as :meth:`step`'s
         (``n_tokens=1`` gives the summed NLL). Run it under ``torch.no_grad()`` and the stage modules' ``eval()``
-        for an evaluation; a schedule is built for each new shape and kept.
+        for an evaluation; a schedule is built for each new shape and kept. Sharded stages (:func:`shard_stages`)
+        are resharded after it.
 
         Raises:
             ValueError: as :meth:`step`; ``n_microbatches`` not a positive int.
@@ -826,6 +827,15 @@ class Pipeline:
         args = (input_ids.to(self.device),) if self.stages[0].is_first else ()
         run = schedule.step if backward else schedule.eval
         run(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
+        if not backward and self.fsdp is not None:
+            # a forward without a backward leaves the units that keep their forward's copy gathered (the stage
+            # module's root, the last layer), and then their gathered tensors, not the sharded ones the optimizer
+            # steps, are the modules' parameters; torch's runtime reshards an FSDPModule stage after its actions,
+            # the per-layer policy's stages (behind _LayerUnits) are resharded here
+            from kernels_torch.parallel.fsdp import reshard
+
+            for st in self.stages:
+                reshard(st)
         loss_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         loss = torch.stack(losses).sum().detach() if has_last else torch.zeros((), dtype=loss_dtype, device=self.device)
         last_rank = self.stage_ranks[-1]
