@@ -242,11 +242,14 @@ def render_docs() -> str:
             hidden, _ = run_plan(plan_args(gpus, lora, overlap_a2a=True))
             out += [
                 "",
-                f"With the all-to-all overlapped as `kimi train --ep-overlap chunks` runs it (two chunks per MoE "
-                f"layer: the experts at half the rows, the first dispatch and last combine exposed): best "
+                f"With the all-to-all overlapped as `kimi train --ep-overlap` runs it (`chunks`: two chunks per MoE "
+                f"layer, the experts at half the rows, the first dispatch and last combine exposed; under DualPipeV "
+                f"also `fb` and `fb+chunks`, one micro-batch's transfers behind another's compute): best "
                 f"{hidden[0]['layout']['pp']}/{hidden[0]['layout']['dp']}/{hidden[0]['layout']['cp']}/"
-                f"{hidden[0]['layout']['ep']} (pp/dp/cp/ep), {hidden[0]['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
-                f"MFU {hidden[0]['mfu']:.1%}.",
+                f"{hidden[0]['layout']['ep']} (pp/dp/cp/ep)"
+                + (f" under {hidden[0]['schedule']}" if hidden[0]["schedule"] else "")
+                + f" with `--ep-overlap {hidden[0]['ep_overlap']}`, {hidden[0]['tflops_per_gpu']:.0f} TFLOP/s per "
+                f"GPU, MFU {hidden[0]['mfu']:.1%}.",
             ]
             if not lora:
                 best_full[gpus] = (rows[0], hidden[0])
@@ -273,7 +276,9 @@ def render_docs() -> str:
             f"| this plan: K3.1 Pro, {gpus:,} H200, bf16, {p['optimizer']}, recompute {p['recompute']}"
             + (f", activation offload {p['act_offload']}" if p["act_offload"] != "none" else "")
             + " "
-            f"| {r['tflops_per_gpu']:.0f} ({h['tflops_per_gpu']:.0f} with --ep-overlap chunks) "
+            f"| {r['tflops_per_gpu']:.0f} ({h['tflops_per_gpu']:.0f} with --ep-overlap {h['ep_overlap']}"
+            + (f" at pp {h['layout']['pp']} under {h['schedule']}" if h["schedule"] else "")
+            + ") "
             f"| {r['mfu']:.1%} ({h['mfu']:.1%}) | `kimi plan --gpus {gpus}` |"
         )
     none = cal.tflops["none"] / hw.peak_tflops
