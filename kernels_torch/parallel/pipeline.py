@@ -84,7 +84,9 @@ dimensions as the whole model is: :func:`shard_stages` (``kernels_torch.parallel
 of ``parallelize``) puts one ``fully_shard`` on every decoder layer a rank holds and one on each stage module
 (embedding on the first; output mix, norm and ``lm_head`` on the last) over the rank's ``dp x cp`` ranks
 (``ParallelMesh["dp_cp"]``, or a 1-D data-parallel mesh), the routed experts over ``efsdp``, bf16 with fp32 masters
-and the parameters in another dtype (the checkpoint's fp32 tensors) left out as ``ignored_params``; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
+and the parameters in another dtype (the checkpoint's fp32 tensors) left out as ``ignored_params``; by default (``fsdp="layer"``) each unit reshards after its forward and backward
+and reduce-scatters every micro-batch, as without a pipeline, or (``fsdp="stage"``) ``PipelineStage`` holds the
+whole stage gathered and the reduce-scatter until a stage's last micro-batch. Each rank
 passes its own data-parallel rows and ``n_tokens`` = the targets summed over the data-parallel ranks (the
 reduce-scatter sums). :meth:`Pipeline.rank_module` gives DCP the rank's stages under the one-process names, so a
 state saved at one ``pp x dp`` loads at another or in one process (tested: pp2 x dp2 -> pp4 and -> one process,
