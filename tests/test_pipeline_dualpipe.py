@@ -206,6 +206,102 @@ def test_pp2_cp2_v_schedules_recompute_match_one_process(tmp_path):
     run_workers(_cp_worker, 4, str(path), runs, CARRY_CUS, 2, 1)
 
 
+def _layer_state(stage) -> tuple[int, int, int, int]:
+    """What a stage's FSDP2 layer units hold now, read from the parameters they register (FSDP2 registers each
+    unit's sharded DTensors while it is resharded, its gathered plain tensors while it is gathered): (layers
+    gathered, parameters holding a sharded gradient, gradients that are not this rank's ``Shard(0)`` block, the
+    stage's layers)."""
+    gathered = sharded = wrong = 0
+    for layer in stage.model.layers.values():
+        params = [p for p in layer.parameters() if p.requires_grad]
+        gathered += any(not isinstance(p, DTensor) for p in params)
+        for p in params:
+            if isinstance(p, DTensor) and p.grad is not None:
+                sharded += 1
+                g = p.grad
+                wrong += not (isinstance(g, DTensor) and g.to_local().shape == p.to_local().shape)
+    return gathered, sharded, wrong, len(stage.model.layers)
+
+
+def _dp_worker(rank: int, world: int, ref_path: str, runs) -> None:
+    """pp2 x dp2 on 4 ranks (mesh ``(pp, dp)``), the stages FSDP2-sharded over dp (``shard_stages``): each run
+    ``(schedule, fsdp)`` in turn from the same initial weights, each dp rank 4 of the 8 rows (4 micro-batches: one per
+    stage of a V), the loss weighted by the global target count. Checks the dp-summed loss and every gathered gradient
+    of 3 steps against one process, and what the layer units hold at the start of every micro-batch's forward
+    (:func:`_layer_state`): under ``"layer"`` at most one layer gathered (torchtitan's reshard policy keeps the last
+    layer's copy from its forward to its backward), and sharded gradients (this rank's ``Shard(0)`` block) accumulated
+    from an earlier micro-batch's backward before the step's end; under ``"stage"`` the opposite, the whole stage
+    gathered and no sharded gradient until the step's end. After the steps an evaluation (forward only) leaves every
+    unit resharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kernels_torch.parallel.pipeline import Pipeline, shard_stages
+
+    ref = torch.load(ref_path)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    errors = []
+    for schedule, fsdp in runs:
+        pipe = Pipeline(_model(), pp_size=2, pp_rank=pp.get_local_rank(), n_microbatches=M // 2, group=pp.get_group(),
+                        schedule=schedule, stages_per_rank=1 if schedule == "1F1B" else 2)  # fmt: skip
+        shard_stages(pipe, dp, fsdp=fsdp)
+        seen: list[tuple[int, int, int, int]] = []
+        for st in pipe.stages:
+            st.register_forward_pre_hook(lambda mod, args: seen.append(_layer_state(mod)))
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, weight_decay=0.1)
+        where = f"rank {rank} (pp {pp.get_local_rank()}, dp {dp.get_local_rank()}) {schedule} fsdp={fsdp}"
+        rows = slice(M // 2 * dp.get_local_rank(), M // 2 * (dp.get_local_rank() + 1))
+        for step in range(STEPS):
+            ids, labels, cus = _batch(step)
+            loss = pipe.step(ids[rows], labels[rows], cus[rows], n_tokens=int((labels != -100).sum()))
+            dist.all_reduce(loss, group=dp.get_group())
+            try:
+                check_rel(f"{where} step {step} loss", loss, ref["loss"][step], TOL["loss"])
+            except AssertionError as e:
+                errors.append(str(e))
+            for k, p in pipe.named_parameters():
+                got = torch.zeros_like(p).full_tensor() if p.grad is None else p.grad.full_tensor()
+                try:
+                    check_rel(f"{where} step {step} {k}.grad", got, ref["grad"][step][k], TOL["grad"])
+                except AssertionError as e:
+                    errors.append(str(e))
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():  # a forward alone leaves no unit gathered: the parameters stay the optimizer's
+            ids, labels, cus = (x[rows] for x in _batch(0))
+            pipe.evaluate(ids, labels, cus, n_tokens=1, n_microbatches=len(cus))
+        if any(not isinstance(p, DTensor) for p in pipe.parameters()):
+            errors.append(f"{where}: a unit left gathered after the evaluation")
+        most, grads, wrong = max(x[0] for x in seen), max(x[1] for x in seen), sum(x[2] for x in seen)
+        whole = any(x[0] == x[3] > 1 for x in seen)  # a stage of several layers found wholly gathered
+        if fsdp == "layer" and not (most <= 1 and grads > 0 and wrong == 0):
+            errors.append(f"{where}: {most} layers gathered, {grads} sharded gradients ({wrong} not the rank's "
+                          "block) at a forward's start; expected at most 1, some, 0")  # fmt: skip
+        if fsdp == "stage" and not (whole and grads == 0):
+            errors.append(f"{where}: no stage found wholly gathered ({most} layers at most), {grads} sharded "
+                          "gradients before the step's end; expected a whole stage, 0")  # fmt: skip
+    if errors:
+        raise AssertionError("\n".join(errors[:20]))
+
+
+@pytest.mark.distributed
+def test_pp2_dp2_layer_fsdp_matches_one_process_and_reshards(reference):
+    """pp2 x dp2 under 1F1B, the stages' FSDP2 units per layer (``shard_stages(fsdp="layer")``, ``kimi train``'s
+    default) and per stage (torch's ``PipelineStage`` no-sync): both equal one process (loss and every gradient of 3
+    steps); per layer, every micro-batch's backward leaves the units resharded and their gradients reduce-scattered
+    into sharded ones (at most one layer gathered at any forward's start, sharded gradients before the step's end),
+    which the stage policy does not (the whole stage gathered, no sharded gradient until the step's end)."""
+    run_workers(_dp_worker, 4, reference, [("1F1B", "layer"), ("1F1B", "stage")])
+
+
+@pytest.mark.distributed
+def test_pp2_dp2_v_schedules_fsdp_match_one_process(reference):
+    """pp2 x dp2 under the V schedules: per layer (DualPipeV, ZBVZeroBubble: the split backwards run whole) and per
+    stage (DualPipeV: the layers kept gathered after their forward, which a split backward needs) equal one process,
+    loss and every gradient of 3 steps, with the units' state of the policy (as the 1F1B test)."""
+    run_workers(_dp_worker, 4, reference, [("DualPipeV", "layer"), ("ZBVZeroBubble", "layer"), ("DualPipeV", "stage")])
+
+
 # ------------------------------------------------------------------------------------------------ no processes
 
 

@@ -548,11 +548,11 @@ PP_M = 4  # micro-batches per pipeline and step
 PP_T = 32  # tokens per micro-batch
 
 
-def _pipeline_held_worker(rank: int, world: int, groups, out: str) -> None:
+def _pipeline_held_worker(rank: int, world: int, groups, out: str, pp_fsdp: str) -> None:
     """One rank of the pipeline trainer at pp 2 x dp 2 x ep 2 (``kimi_tools.train.parallel.TrainParallel``: its setup,
-    its ``Pipeline`` step), tiny preset cut to 8 layers, bf16: the largest number of bytes FSDP2 holds unsharded
-    in this rank's stage before each micro-batch's forward of a step, and the all-gathers and reduce-scatters
-    that step issues."""
+    its ``Pipeline`` step) under ``--pp-fsdp pp_fsdp``, tiny preset cut to 8 layers, bf16: the largest number of
+    bytes FSDP2 holds unsharded in this rank's stage before each micro-batch's forward of a step, and the
+    all-gathers and reduce-scatters that step issues."""
 
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
 
@@ -573,7 +573,7 @@ def _pipeline_held_worker(rank: int, world: int, groups, out: str) -> None:
     fsdp_group.foreach_all_gather = counted("all_gather", gather)
     fsdp_group.foreach_reduce = counted("reduce_scatter", reduce)
     try:
-        par = TrainParallel(1, "cpu", dp=2, pp=2, ep=2)
+        par = TrainParallel(1, "cpu", dp=2, pp=2, ep=2, pp_fsdp=pp_fsdp)
         cfg = load_config("tiny").truncated(8)
         torch.manual_seed(0)
         model = cast_model(KimiK3Model(cfg), torch.bfloat16)
@@ -604,6 +604,9 @@ def _pipeline_held_worker(rank: int, world: int, groups, out: str) -> None:
             "units": len(groups),  # the units holding parameters (each reduce-scatters once)
             "gathers_expected": sum(PP_M + 1 if g._reshard_after_forward else 1 for g in sharded),
             "gathers_most": len(sharded) * (PP_M + 1),
+            # per layer: a unit resharded after its forward gathers for each forward and each backward
+            "layer_gathers_least": sum(2 * PP_M for g in sharded if g._reshard_after_forward),
+            "layer_gathers_most": len(sharded) * 2 * PP_M,
             **calls,
         }
         torch.save(got, f"{out}.{rank}")
@@ -616,18 +619,19 @@ def _pipeline_held_worker(rank: int, world: int, groups, out: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_stage_fsdp_bytes_equal_what_the_pipeline_trainer_holds(tmp_path):
-    """Under ``--pp`` the trainer keeps every FSDP2 unit of a stage gathered from a micro-batch's backward on, with
-    the gradients unsharded in fp32 until the step's end (torch's ``PipelineStage``): the planner's
+    """Under ``--pp --pp-fsdp stage`` the trainer keeps every FSDP2 unit of a stage gathered from a micro-batch's
+    backward on, with the gradients unsharded in fp32 until the step's end (torch's ``PipelineStage``): the planner's
     :func:`kimi_tools.plan.stage_fsdp_bytes` equals the bytes measured before each forward on every rank of pp 2 x
     dp 2 x ep 2, exactly, and it is the whole stage, not one layer; each unit is gathered ``m + 1`` times a step
     (``evaluate``'s count; once, a unit that keeps its gathered copy after its forward) and reduce-scattered once."""
     from helpers import spawn
 
-    spawn(_pipeline_held_worker, 4, str(tmp_path / "held"))
+    spawn(_pipeline_held_worker, 4, str(tmp_path / "held"), "stage")
     cfg = load_config("tiny").truncated(8)
     layout = P.Layout(pp=2, dp=2, cp=1, ep=2)
     cal = P.load_calibration()
-    row = P.evaluate(cfg, layout, P.Policy(), P.Hardware(), cal, seq_len=PP_T, global_batch=2 * PP_M * PP_T)
+    kw = dict(seq_len=PP_T, global_batch=2 * PP_M * PP_T)
+    row = P.evaluate(cfg, layout, P.Policy(fsdp="stage"), P.Hardware(), cal, **kw)
     assert row["policy"]["fsdp"] == "stage" and row["microbatches"] == PP_M
     for rank in range(4):
         got = torch.load(tmp_path / f"held.{rank}")
@@ -637,13 +641,86 @@ def test_stage_fsdp_bytes_equal_what_the_pipeline_trainer_holds(tmp_path):
         assert got["all_gather"] == got["gathers_expected"] <= got["gathers_most"], got
         assert got["reduce_scatter"] == got["units"], got
     # one layer's share (the per-layer policy's count) is far from what the stage holds
-    one_layer = P.evaluate(cfg, P.Layout(pp=1, dp=2, cp=1, ep=2), P.Policy(), P.Hardware(), cal, seq_len=PP_T,
-                           global_batch=2 * PP_M * PP_T)["memory"]["gathered"]  # fmt: skip
-    assert P.stage_fsdp_bytes(cfg, layout, 0) > 2 * one_layer
+    one_layer = P.evaluate(cfg, P.Layout(pp=1, dp=2, cp=1, ep=2), P.Policy(), P.Hardware(), cal, **kw)
+    assert P.stage_fsdp_bytes(cfg, layout, 0) > 2 * one_layer["memory"]["gathered"]
     # the worst stage's gathered bytes are the stage policy's, and the reduce dtype sets the gradients' bytes
     assert row["memory"]["gathered"] == P.stage_fsdp_bytes(cfg, layout, row["worst_stage"])
-    with pytest.raises(ValueError, match="fsdp: got 'layer' with pp=2"):
-        P.evaluate(cfg, layout, P.Policy(fsdp="layer"), P.Hardware(), cal, seq_len=PP_T, global_batch=256)
+    with pytest.raises(ValueError, match=r"fsdp: got 'none' with pp=2 on 4 GPU\(s\) under adamw-fp32, expected one of"):
+        P.evaluate(cfg, layout, P.Policy(fsdp="none"), P.Hardware(), cal, **kw)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_layer_fsdp_bytes_bound_what_the_pipeline_trainer_holds(tmp_path):
+    """Under ``--pp --pp-fsdp layer`` (the default) the pipeline trainer's units behave as without a pipeline: before
+    each micro-batch's forward of a step a rank of pp 2 x dp 2 x ep 2 holds at most what the planner counts for its
+    stage (:func:`kimi_tools.plan.layer_fsdp_bytes` with ``stage``: the units kept from their forward to their
+    backward, the stage's last layer and its root; on the first stage, whose micro-batches' forwards run before
+    their backwards under 1F1B, exactly that), never an unsharded gradient; each unit is reduce-scattered every
+    micro-batch (``m`` a step, where the stage policy reduces once) and gathered at most ``2 m`` times (``evaluate``'s
+    count; exactly ``2 m`` a unit resharded after its forward)."""
+    from helpers import spawn
+
+    spawn(_pipeline_held_worker, 4, str(tmp_path / "held"), "layer")
+    cfg = load_config("tiny").truncated(8)
+    layout = P.Layout(pp=2, dp=2, cp=1, ep=2)
+    cal = P.load_calibration()
+    row = P.evaluate(cfg, layout, P.Policy(), P.Hardware(), cal, seq_len=PP_T, global_batch=2 * PP_M * PP_T)
+    assert row["policy"]["fsdp"] == "layer" and row["microbatches"] == PP_M
+    for rank in range(4):
+        got = torch.load(tmp_path / f"held.{rank}")
+        want = P.layer_fsdp_bytes(cfg, layout, stage=got["stage"])
+        assert got["held"] <= want and (got["stage"] == 1 or got["held"] == want), (rank, got, want)
+        assert got["held"] < P.stage_fsdp_bytes(cfg, layout, got["stage"]) / 4, got
+        assert got["after_step"] == 0
+        assert got["layer_gathers_least"] <= got["all_gather"] <= got["layer_gathers_most"], got
+        assert got["reduce_scatter"] == got["units"] * PP_M, got
+    assert row["memory"]["gathered"] == P.layer_fsdp_bytes(cfg, layout, stage=row["worst_stage"])
+
+
+def test_pp_fsdp_policies_count_their_collectives_and_memory():
+    """Worked by hand for pp 2 x dp 4 (tiny, 8 layers in two stages of 4, fp32 AdamW, 4 micro-batches a step):
+    ``--pp-fsdp layer`` gathers each unit twice a micro-batch (forward, backward) and reduce-scatters it every
+    micro-batch, ``stage`` gathers it ``m + 1 = 5`` times under 1F1B (once under a V, whose runtime gathers the
+    stage once and keeps it) and reduces once: all-gather bytes 8 : 5, reduce-scatter 4 : 1 (1 : 1 a unit's
+    bytes, ``3 / 4`` of them leaving the rank); gathered memory one layer and the root (layer) against every unit
+    and its fp32 gradient (stage), with the sharded gradients held between micro-batches (layer) or not (stage). The
+    search tries both at pp > 1 and the row's command spells its ``--pp-fsdp``."""
+    cfg = load_config("tiny").truncated(8)
+    cal = P.load_calibration()
+    L, m, T = P.Layout(2, 4, 1, 1), 4, 64
+    kw = dict(seq_len=T, global_batch=L.dp * m * T)
+    rows = {f: P.evaluate(cfg, L, P.Policy(fsdp=f), P.Hardware(), cal, **kw) for f in ("layer", "stage")}
+    lay, st = rows["layer"], rows["stage"]
+    assert lay["microbatches"] == st["microbatches"] == m and lay["worst_stage"] == st["worst_stage"]
+    assert lay["comm"]["all_gather"] == pytest.approx(st["comm"]["all_gather"] * 2 * m / (m + 1), rel=1e-12)
+    assert lay["comm"]["reduce_scatter"] == pytest.approx(st["comm"]["reduce_scatter"] * m, rel=1e-12)
+    s = lay["worst_stage"]
+    assert lay["memory"]["gathered"] == P.layer_fsdp_bytes(cfg, L, stage=s)
+    assert st["memory"]["gathered"] == P.stage_fsdp_bytes(cfg, L, s)
+    # by hand: one unit of each of the stage's 4 layers (the same widths) and the root's, bf16, fp32 gradients
+    from kimi_tools.plan.search import stage_static
+
+    n, sizes, full, moe = stage_static(cfg, L, None, 2)[s]
+    trained, gathered = full["train_dense"] + full["train_experts"], full["dense"] + full["experts"]  # ep 1: alike
+    assert st["comm"]["reduce_scatter"] == pytest.approx(trained * 4 * 3 / 4, rel=1e-12)
+    assert st["comm"]["all_gather"] == pytest.approx(gathered * 2 * 3 / 4 * (m + 1), rel=1e-12)
+    for r, grads in ((lay, lay["memory"]["grads"]), (st, 0)):  # the sharded gradients of earlier micro-batches
+        mem = r["memory"]
+        rest = mem["backward_peak"] - mem["gathered"] - mem["activations"]
+        assert rest == pytest.approx(mem["params"] + mem["optimizer"] + grads, rel=1e-12)
+    cfg4 = load_config("tiny-linear").truncated(4)  # 4 blocks of one layer: pp 2 runs a V of 4 stages
+    v = P.evaluate(cfg4, L, P.Policy(fsdp="stage"), P.Hardware(), cal, schedule="DualPipeV", **kw)
+    one = P.evaluate(cfg4, L, P.Policy(fsdp="stage"), P.Hardware(), cal, schedule="1F1B", **kw)
+    full4 = [stage_static(cfg4, L, None, 4)[x][2] for x in v["worst_rank_stages"]]
+    v_units = sum(f["dense"] + f["experts"] for f in full4)
+    assert v["comm"]["all_gather"] == pytest.approx(v_units * 2 * 3 / 4, rel=1e-12)
+    assert v["comm"]["all_gather"] < one["comm"]["all_gather"]
+    out = P.plan(cfg, 8, P.Hardware(gpu_memory_gb=1, reserve_gb=0), seq_len=T, global_batch=L.dp * m * T)
+    assert {r["policy"]["fsdp"] for r in out if r["layout"]["pp"] == 1} <= {"layer", "none"}
+    for r in (r for r in out if r["layout"]["pp"] > 1):
+        cmd = " ".join(P.train_command(r, preset="tiny", seq_len=T))
+        assert f"--pp-fsdp {r['policy']['fsdp']} " in cmd and r["policy"]["fsdp"] in ("layer", "stage")
 
 
 # ------------------------------------------------------------------------------ the kimi train command of a row
@@ -693,6 +770,7 @@ def test_planned_command_runs_with_the_planned_layout(tmp_path, capsys):
         "pp": L["pp"], "dp": L["dp"], "cp": L["cp"], "ep": L["ep"], "pp_schedule": "1F1B", "pp_layout": "4,4",
         "seq_len": 64, "micro_batch_tokens": 64, "batch_tokens": row["global_batch_tokens"], "dtype": "bfloat16",
         "recompute": row["policy"]["recompute"] != "none", "preset": "tiny", "layers": 8,
+        "pp_fsdp": row["policy"]["fsdp"],
     }  # fmt: skip
     assert {k: ran[k] for k in want} == want
     assert row["global_batch_tokens"] == L["dp"] * row["microbatches"] * 64
@@ -721,7 +799,7 @@ def test_command_spells_each_policy(capsys):
             "torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m kimi_tools.cli "
             "train --preset k3.1-pro --data DATA --out OUT --device cuda --backend cudnn --dtype bfloat16 --seq-len "
             "8192 --micro-batch-tokens 8192 --batch-tokens 16777216 --pp 8 --pp-schedule 1F1B --pp-layout "
-            "12,12,12,12,12,12,12,9 --dp 16 --cp 1 --ep 16"
+            "12,12,12,12,12,12,12,9 --pp-fsdp layer --dp 16 --cp 1 --ep 16"
         ), cmd
         assert cmd.endswith(" --ep 16" + (" " + flags if flags else "")), cmd
     # every row of a plan carries its command; a bf16 / offloaded one spells those flags
@@ -977,7 +1055,11 @@ def test_v_row_counts_every_rank_in_flight_and_recomputes_per_split_backward():
     rows = {}
     for sched in ("1F1B", "DualPipeV", "ZBVZeroBubble"):
         for rc in ("none", "full"):
-            rows[sched, rc] = P.evaluate(cfg, layout, P.Policy(recompute=rc), hw, cal, schedule=sched, **kw)
+            rows[sched, rc] = P.evaluate(
+                cfg, layout, P.Policy(recompute=rc, fsdp="stage"), hw, cal, schedule=sched, **kw
+            )
+            # kimi train's default --pp-fsdp layer runs each split backward whole: recomputed once, no weight part
+            rows[sched, rc, "layer"] = P.evaluate(cfg, layout, P.Policy(recompute=rc), hw, cal, schedule=sched, **kw)
     for sched, total in (("DualPipeV", 2 * pp + 1), ("ZBVZeroBubble", 2 * pp)):
         r = rows[sched, "full"]
         assert r["schedule"] == sched and r["stages"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
@@ -1021,6 +1103,21 @@ def test_v_row_counts_every_rank_in_flight_and_recomputes_per_split_backward():
         F_v = sum(none["time"]["stage_compute_per_microbatch"][s] for s in PS.rank_stages(sched, pp, slowest)) / 6
         want = PS.replay_bubble(sched, pp, F_v, (t - F_v) / 2, (t - F_v) / 2)
         assert full["time"]["bubble"] == pytest.approx(want, rel=1e-5)
+        # per layer: every backward whole, so the recomputation is 1F1B's and the replay's weight part is zero
+        lay = {rc: rows[sched, rc, "layer"] for rc in ("none", "full")}
+        assert lay["full"]["policy"]["fsdp"] == "layer"
+        extra_layer = [
+            a - b for a, b in zip(*(lay[rc]["time"]["stage_compute_per_microbatch"] for rc in ("full", "none")))
+        ]
+        assert sum(extra_layer) == pytest.approx(sum(extra["1F1B"]), rel=1e-9)
+        comp = lay["full"]["time"]["stage_compute_per_microbatch"]
+        slowest = max(range(pp), key=lambda k: sum(comp[s] for s in PS.rank_stages(sched, pp, k)))
+        t = sum(comp[s] for s in PS.rank_stages(sched, pp, slowest)) / 2
+        F_v = (
+            sum(lay["none"]["time"]["stage_compute_per_microbatch"][s] for s in PS.rank_stages(sched, pp, slowest)) / 6
+        )
+        want = PS.replay_bubble(sched, pp, F_v, t - F_v, 0.0)
+        assert lay["full"]["time"]["bubble"] == pytest.approx(want, rel=1e-5)
     one = rows["1F1B", "none"]
     assert one["time"]["bubble"] == pytest.approx((pp - 1) * max(one["time"]["stage_compute_per_microbatch"]), rel=1e-6)
     one = rows["1F1B", "full"]

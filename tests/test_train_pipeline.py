@@ -138,6 +138,15 @@ def test_pipeline_flags_refused_in_one_line():
         TrainParallel(1, "cpu", pp=2, pp_layout="4,4,0", world=4)
     with pytest.raises(ValueError, match=r"^--pp-schedule: got 'ZB', expected one of"):
         TrainParallel(1, "cpu", pp=2, pp_schedule="ZB", world=4)
+    with pytest.raises(ValueError, match=r"^--pp-fsdp: got 'stage' with --pp 1, expected one of \['layer', 'stage'\]"):
+        TrainParallel(1, "cpu", pp_fsdp="stage", world=4)
+    with pytest.raises(ValueError, match=r"^--pp-fsdp: got 'unit' with --pp 2, expected one of"):
+        TrainParallel(1, "cpu", pp=2, pp_fsdp="unit", world=4)
+    from kimi_tools.train.args import TrainArgs, resolve
+
+    with pytest.raises(ValueError, match=r"^--pp-fsdp: got 'layer' without --pp, expected --pp N > 1 too"):
+        resolve(TrainArgs(out="o", data=["d"], preset="tiny", pp_fsdp="layer"))
+    assert resolve(TrainArgs(out="o", data=["d"], preset="tiny", pp=2)).pp_fsdp == "layer"  # the default
     if "RANK" not in os.environ:  # one process (not under torchrun)
         with pytest.raises(ValueError, match=r"^--pp 2: given in one process, expected a launch under torchrun"):
             TrainParallel(1, "cpu", pp=2)

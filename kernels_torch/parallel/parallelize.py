@@ -43,12 +43,14 @@ OFFLOAD_POLICIES = ("none", "cpu")  # FSDP2's parameter offload: none, or CPUOff
 class PipelineSpec:
     """How the ``pp`` ranks cut and run the model (:class:`kernels_torch.parallel.pipeline.Pipeline`):
     ``schedule`` (``SCHEDULES``), ``layer_counts`` (layers per stage, None: the AttnRes blocks dealt evenly),
-    ``stages_per_rank`` (2 or more under Interleaved1F1B, 2 under DualPipeV and ZBVZeroBubble), ``n_microbatches`` (per step and data-parallel group)."""
+    ``stages_per_rank`` (2 or more under Interleaved1F1B, 2 under DualPipeV and ZBVZeroBubble), ``n_microbatches`` (per step and data-parallel group),
+    ``fsdp`` (the stages' FSDP2 policy, ``"layer"`` or ``"stage"``: ``pipeline.shard_stages``)."""
 
     schedule: str = "1F1B"
     layer_counts: tuple[int, ...] | None = None
     stages_per_rank: int = 1
     n_microbatches: int = 1
+    fsdp: str = "layer"
 
 
 @dataclass(frozen=True)
@@ -257,4 +259,4 @@ def _apply_fsdp(model: nn.Module, pipe, mesh: ParallelMesh, policy: ParallelPoli
     else:
         from kernels_torch.parallel.pipeline import shard_stages
 
-        shard_stages(pipe, mesh, **kw)
+        shard_stages(pipe, mesh, fsdp=policy.pipeline.fsdp, **kw)

@@ -84,7 +84,9 @@ dimensions as the whole model is: :func:`shard_stages` (``kernels_torch.parallel
 of ``parallelize``) puts one ``fully_shard`` on every decoder layer a rank holds and one on each stage module
 (embedding on the first; output mix, norm and ``lm_head`` on the last) over the rank's ``dp x cp`` ranks
 (``ParallelMesh["dp_cp"]``, or a 1-D data-parallel mesh), the routed experts over ``efsdp``, bf16 with fp32 masters
-and the parameters in another dtype (the checkpoint's fp32 tensors) left out as ``ignored_params``; ``PipelineStage`` holds the reduce-scatter until a stage's last micro-batch. Each rank
+and the parameters in another dtype (the checkpoint's fp32 tensors) left out as ``ignored_params``; by default (``fsdp="layer"``) each unit reshards after its forward and backward
+and reduce-scatters every micro-batch, as without a pipeline, or (``fsdp="stage"``) ``PipelineStage`` holds the
+whole stage gathered and the reduce-scatter until a stage's last micro-batch. Each rank
 passes its own data-parallel rows and ``n_tokens`` = the targets summed over the data-parallel ranks (the
 reduce-scatter sums). :meth:`Pipeline.rank_module` gives DCP the rank's stages under the one-process names, so a
 state saved at one ``pp x dp`` loads at another or in one process (tested: pp2 x dp2 -> pp4 and -> one process,
@@ -151,12 +153,16 @@ __all__ = [
     "pack_cu_seqlens",
     "unpack_cu_seqlens",
     "Pipeline",
+    "PP_FSDP",
     "shard_stages",
 ]
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble")
 V_SCHEDULES = ("DualPipeV", "ZBVZeroBubble")  # two stages per rank in a V: rank r holds stages r and 2 pp - 1 - r
 _MULTI = ("Interleaved1F1B", *V_SCHEDULES)  # schedules with several stages per rank
+# the FSDP2 policies of a rank's stages (shard_stages; kimi train --pp-fsdp): "layer" every unit on its own, as
+# without a pipeline; "stage" torch's PipelineStage holding the whole stage gathered until the step's end
+PP_FSDP = ("layer", "stage")
 
 
 # ------------------------------------------------------------------------------------------------ layout
@@ -448,16 +454,32 @@ def unpack_cu_seqlens(row: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def _stage_class():
-    """torch's ``PipelineStage``, made to hand no gradient between two stages of one rank in a forward-only run.
+    """torch's ``PipelineStage``, made to hand no gradient between two stages of one rank in a forward-only run, and
+    to run a split backward whole where asked (``whole_backward``).
 
     In a V placement the last rank holds two adjacent stages, and torch's runtime passes the input gradient of the
     later one to the earlier one in memory after each backward action (``get_local_bwd_output`` /
     ``set_local_bwd_input``), also under ``eval()``, where the stages have no backward and those two calls raise
     ("can't steal_bwd_input if this stage doesn't have backward"); the backward actions themselves are skipped. Here
-    the hand-over is skipped with them (no gradient exists), so that the V schedules' ``eval`` runs."""
+    the hand-over is skipped with them (no gradient exists), so that the V schedules' ``eval`` runs.
+
+    ``whole_backward`` (the per-layer FSDP2 policy under a V schedule, :func:`shard_stages`): an input-only backward
+    (``BACKWARD_INPUT``, ``full_backward=False``) runs as the stage's full backward, and the weight backward
+    (``BACKWARD_WEIGHT``) of that micro-batch does nothing. torch's split collects the weights' autograd nodes from
+    ``submod.parameters()`` when the input part runs and computes their gradients later from saved intermediate
+    gradients; a layer unit that reshards after its forward and its backward holds its sharded parameters, not the
+    gathered ones the graph used, at both moments, so the split would lose the weight gradients (and a weight part
+    after the unit's reduce-scatter could not join it). Run whole, the weight gradients are computed while each unit
+    is gathered and reduce-scattered by its own post-backward hook, as in any other backward. The schedule's order
+    stays torch's; the weight work moves from the ``W`` action to the ``I`` action."""
     from torch.distributed.pipelining import PipelineStage
 
     class _Stage(PipelineStage):
+        def __init__(self, *args, whole_backward: bool = False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.whole_backward = whole_backward
+            self._whole: set[int] = set()  # micro-batches whose split backward ran whole
+
         def get_local_bwd_output(self, mb_index):
             return super().get_local_bwd_output(mb_index) if self.has_backward else ()
 
@@ -465,7 +487,40 @@ def _stage_class():
             if self.has_backward:
                 super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            if self.whole_backward and not full_backward and self.has_backward:
+                self._whole.add(bwd_chunk_id)
+                full_backward = True
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            if bwd_chunk_id in self._whole:
+                self._whole.discard(bwd_chunk_id)
+                return
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
     return _Stage
+
+
+class _LayerUnits(nn.Module):
+    """What ``PipelineStage`` runs under the per-layer FSDP2 policy (:func:`shard_stages` ``fsdp="layer"``): the
+    stage module (an FSDP2 unit itself, its layers units of their own) behind a module that is not one, so that
+    torch's pipelining leaves FSDP2 alone. torch's ``PipelineStage`` turns resharding after the backward and the
+    gradient reduce-scatter off (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``) on a
+    stage module that is an ``FSDPModule``, until its ``perform_reduce_grad`` at the step's end, and its runtime
+    gathers every unit of such a stage before the stage's first action (``UNSHARD``); here every unit keeps FSDP2's
+    own behaviour, as without a pipeline: gathered in its pre-forward and pre-backward hooks, resharded after its
+    forward (torchtitan's policy: not the last layer nor the root, ``apply_fsdp``) and after its backward, its
+    gradient reduce-scattered in its post-backward hook and accumulated sharded, every micro-batch; FSDP2's final
+    callback (queued by the stage's root unit in each backward) waits for the reductions. Parameter names gain the
+    prefix ``stage.`` here only (``PipelineStage`` reads ``parameters()``, never names)."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args, **kwargs):
+        return self.stage(*args, **kwargs)
 
 
 class _ScaledNLL:
@@ -588,6 +643,7 @@ class Pipeline:
         self.dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype
         self._loss_fn = _ScaledNLL()
         self._schedules: dict[tuple, object] = {}
+        self.fsdp: str | None = None  # the FSDP2 policy of shard_stages (PP_FSDP), None: the stages not sharded
 
     @property
     def _eval_schedule(self) -> str:
@@ -661,9 +717,11 @@ class Pipeline:
             else:
                 out = torch.empty(sources_after(self.config, r.stop), rows_per_mb, T, D, dtype=dt, device=dev)
             out.requires_grad_(True)
+            layer = self.fsdp == "layer"  # FSDP2 per layer: the stage module hidden from torch's no-sync
             pstages.append(
                 _stage_class()(
-                    st, s, self.num_stages, dev, input_args=inp, output_args=out, group=self.group
+                    _LayerUnits(st) if layer else st, s, self.num_stages, dev, input_args=inp, output_args=out,
+                    group=self.group, whole_backward=layer and name in V_SCHEDULES,
                 )
             )  # fmt: skip
         cls = get_schedule_class(name)
@@ -725,7 +783,8 @@ class Pipeline:
         backward, no gradient, any micro-batch count) of one batch through the pipeline, in ``n_microbatches``
         micro-batches (1: the batch whole): the arguments and the returned loss as :meth:`step`'s
         (``n_tokens=1`` gives the summed NLL). Run it under ``torch.no_grad()`` and the stage modules' ``eval()``
-        for an evaluation; a schedule is built for each new shape and kept.
+        for an evaluation; a schedule is built for each new shape and kept. Sharded stages (:func:`shard_stages`)
+        are resharded after it.
 
         Raises:
             ValueError: as :meth:`step`; ``n_microbatches`` not a positive int.
@@ -770,6 +829,15 @@ class Pipeline:
         args = (input_ids.to(self.device),) if self.stages[0].is_first else ()
         run = schedule.step if backward else schedule.eval
         run(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
+        if not backward and self.fsdp is not None:
+            # a forward without a backward leaves the units that keep their forward's copy gathered (the stage
+            # module's root, the last layer), and then their gathered tensors, not the sharded ones the optimizer
+            # steps, are the modules' parameters; torch's runtime reshards an FSDPModule stage after its actions,
+            # the per-layer policy's stages (behind _LayerUnits) are resharded here
+            from kernels_torch.parallel.fsdp import reshard
+
+            for st in self.stages:
+                reshard(st)
         loss_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         loss = torch.stack(losses).sum().detach() if has_last else torch.zeros((), dtype=loss_dtype, device=self.device)
         last_rank = self.stage_ranks[-1]
@@ -789,16 +857,36 @@ def shard_stages(
     ignored_params: set[nn.Parameter] | None = None,
     master_dtype: torch.dtype | None = torch.float32,
     offload_policy=None,
+    fsdp: str = "layer",
 ) -> None:
     """FSDP2 over the ranks of one pipeline coordinate that hold the same stages, as
     ``kernels_torch.parallel.parallelize.parallelize`` shards a whole model (the same code:
     ``kernels_torch.parallel.fsdp.apply_fsdp``): ``fully_shard`` on every decoder layer of this rank's stages and on
     each stage module (its embedding, or its final norm, output mix and ``lm_head``) over the flattened ``dp x cp``
     ranks, and under expert parallelism on each MoE layer's routed experts over ``efsdp``. Call it before the
-    optimizer is built and before the first :meth:`Pipeline.step`; ``PipelineStage`` then holds the gradient
-    reduce-scatter until each stage's last micro-batch. Context and expert parallelism are attached to the whole
-    model before it is split (``ContextParallel`` passed as ``Pipeline(context=)``; ``shard_experts(model,
+    optimizer is built and before the first :meth:`Pipeline.step`. Context and expert parallelism are attached to the
+    whole model before it is split (``ContextParallel`` passed as ``Pipeline(context=)``; ``shard_experts(model,
     mesh=mesh["ep"])``): the stages share its layer instances.
+
+    ``fsdp`` (:data:`PP_FSDP`, ``kimi train --pp-fsdp``) says what a micro-batch's backward does with the units:
+
+    * ``"layer"`` (default): as without a pipeline. ``PipelineStage`` runs the stage module behind a module that is
+      not an FSDP2 unit (:class:`_LayerUnits`), so every unit is gathered in its own pre-forward / pre-backward hook,
+      resharded after its forward (``reshard_after_forward``) and after its backward, and its gradient is
+      reduce-scattered in its post-backward hook and accumulated sharded, every micro-batch: at most a layer (and
+      the units kept from the forward) gathered and no unsharded gradient between micro-batches. Per step and
+      unit: ``2 m`` all-gathers (``m + 1`` for one that keeps its forward's copy) and ``m`` reduce-scatters. Under a
+      V schedule each split backward runs whole at its input part (:func:`_stage_class`'s ``whole_backward``: a
+      split cannot give weight gradients to units resharded in between).
+    * ``"stage"``: torch's own handling of a stage module that is an ``FSDPModule``: from a micro-batch's
+      backward to the step's end every unit of the stage stays gathered (``set_reshard_after_backward(False)``),
+      its gradients accumulate unsharded in the reduce dtype (``set_requires_gradient_sync(False)``) and are
+      reduce-scattered once, at the step's end (``perform_reduce_grad``): ``m + 1`` all-gathers and one
+      reduce-scatter per unit and step, the whole stage's gathered parameters and fp32 gradients held. Under a V
+      schedule (torch's runtime gathers every unit of the stage before its first action and keeps them) the layers
+      do not reshard after their forward (``reshard_after_forward`` becomes ``"never"``): a layer resharded there
+      held its sharded parameters when the split backward's input part collected the weights, and its weight
+      gradients were lost.
 
     The reduce-scatter **sums** by default (divide factor 1): every rank's loss must already be divided by the
     global target count, i.e. ``pipe.step(..., n_tokens=<targets summed over mesh's ranks>)``.
@@ -812,11 +900,12 @@ def shard_stages(
             offload_policy: as ``kernels_torch.parallel.parallelize.parallelize`` (with ``bfloat16``: the trainable bf16
             parameters become ``master_dtype`` masters, the stages' parameters in another dtype must be ignored; fp64
             parameters reduce in fp64), except that the divide factor defaults to 1.0 (None: the mesh's ``dp``).
+        fsdp: ``"layer"`` or ``"stage"`` (above).
 
     Raises:
-        ValueError: ``mesh`` a DeviceMesh that is not 1-D; the stages already sharded; the experts expert-parallel
-            over another mesh than ``mesh["ep"]`` (or under a 1-D mesh); parameters outside ``param_dtype`` not
-            in ``ignored_params``.
+        ValueError: ``fsdp`` outside :data:`PP_FSDP`; ``mesh`` a DeviceMesh that is not 1-D; the stages already
+            sharded; the experts expert-parallel over another mesh than ``mesh["ep"]`` (or under a 1-D mesh);
+            parameters outside ``param_dtype`` not in ``ignored_params``.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
@@ -824,6 +913,8 @@ def shard_stages(
     from kernels_torch.moe import KimiMoE
     from kernels_torch.parallel.fsdp import apply_fsdp, check_expert_layout
 
+    if fsdp not in PP_FSDP:
+        raise ValueError(f"fsdp: got {fsdp!r}, expected one of {list(PP_FSDP)}")
     if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
         raise ValueError(f"mesh: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}, expected the 1-D data-parallel mesh")
     if any(isinstance(m, FSDPModule) for st in pipe.stages for m in st.modules()):
@@ -847,6 +938,8 @@ def shard_stages(
     warnings.filterwarnings(
         "ignore", message=r"FSDP2-wrapped module \(FSDPDecoderLayer\) returned a view tensor", category=UserWarning
     )
+    if fsdp == "stage" and pipe.schedule_name in V_SCHEDULES:
+        reshard_after_forward = "never"  # the runtime keeps the V's stages gathered; a split needs them so (above)
     apply_fsdp(
         layers, list(pipe.stages), mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward, gradient_divide_factor=gradient_divide_factor,
@@ -854,4 +947,5 @@ def shard_stages(
     )  # fmt: skip
     if param_dtype is not None:
         pipe.dtype = param_dtype  # the activations sent between stages
+    pipe.fsdp = fsdp
     pipe._schedules.clear()  # the PipelineStages wrap the (now sharded) stage modules: rebuild

@@ -27,9 +27,10 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   (2 B, no gradient, no state), the adapters (``kimi_tools.lora.DEFAULT_TARGETS``: attention projections) trained
   under the policy.
 * **gathered**: FSDP2's unsharded working set, under the policy the trainer runs for the layout
-  (:func:`trainer_fsdp`). ``fsdp="layer"`` (no pipeline: ZeRO-3, ``reshard_after_forward=True``, gradients
-  reduce-scattered every micro-batch): two layers' bf16 parameters (the current and the prefetched) and one layer's
-  fp32 unsharded gradients. ``fsdp="stage"`` (``pp`` > 1: torch's ``PipelineStage`` turns resharding after the
+  (:func:`trainer_fsdp`; at ``pp`` > 1 both of ``kimi train --pp-fsdp``, :func:`pp_fsdp_policies`). ``fsdp="layer"``
+  (the default, with or without a pipeline: ZeRO-3, ``reshard_after_forward=True``, gradients reduce-scattered every
+  micro-batch and held sharded): the units kept gathered from their forward to their backward (:func:`layer_fsdp_bytes`,
+  per stage under pp). ``fsdp="stage"`` (``--pp-fsdp stage``: torch's ``PipelineStage`` turns resharding after the
   backward and gradient sync off until the step's last backward): every unit of the stage gathered in bf16, with
   FSDP2's padding, and the gradients of its trained parameters unsharded in the reduce dtype
   (:func:`stage_fsdp_bytes`, measured on the pipeline trainer by ``tests/test_plan.py``). ``fsdp="none"`` (one GPU
@@ -50,15 +51,17 @@ Per rank (the worst stage, FSDP coordinate 0, which holds the largest chunks), i
   (:func:`~kimi_tools.plan.schedule.inflight_states`); ``T = seq_len / cp`` tokens per rank.
 * **the peak** comes when a backward starts (all activations in flight, no layer's gradient yet): parameters,
   optimizer states, FSDP2's gathered units then (:func:`layer_fsdp_bytes` by ``--reshard-after-forward``;
-  :func:`stage_fsdp_bytes` under pp), the activations, and the sharded gradients only where an earlier micro-batch
-  of the step made them (pp = 1, more than one micro-batch); or at the optimizer step (parameters, gradients and
+  :func:`stage_fsdp_bytes` under ``--pp-fsdp stage``), the activations, and the sharded gradients only where an
+  earlier micro-batch of the step made them ("layer", more than one micro-batch); or at the optimizer step (parameters, gradients and
   states), whichever is larger (``memory["total"]``).
 
 Communication per step per rank (bytes a rank sends/receives; rings move ``(n - 1) / n`` of the gathered size):
-FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``): ``"layer"`` two gathers and a
-reduce per layer and micro-batch; ``"stage"`` ``m + 1`` gathers of each unit per step (a forward after a backward
-finds the unit gathered and reshards it, the next backward gathers it again; a unit that does not reshard after its
-forward gathers once, so this is the most) and one reduce; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
+FSDP all-gathers (bf16) and reduce-scatters (fp32; bf16 under ``adamw-bf16``): ``"layer"`` two gathers (its
+forward's, its backward's, which a recomputed forward shares) and a reduce per layer and micro-batch, with or
+without a pipeline; ``"stage"`` ``m + 1`` gathers of each unit per step under 1F1B (a forward after a backward finds
+the unit gathered and reshards it, the next backward gathers it again; a unit that does not reshard after its
+forward gathers once, so this is the most), one under a V schedule (torch's runtime gathers the stage once and the
+trainer keeps its layers gathered, ``shard_stages``), and one reduce; the MoE all-to-all in the latent width ``Dl`` (dispatch ``T k Dl`` x 2 B, combine the same; the backward
 the same again, and once more when the MoE block is recomputed), ``(ep - 1) / ep`` of it leaving the rank; pipeline
 sends between stages (the hidden state and the AttnRes blocks stored so far, ``(b + 1) x D x 2`` B per token,
 forward and backward).
@@ -126,6 +129,7 @@ from kimi_tools.plan.layout import (
     Hardware,
     Layout,
     Policy,
+    pp_fsdp_policies,
     shard_rows,
     stage_ranges,
     trainer_fsdp,
@@ -201,4 +205,5 @@ __all__ = [
     "state_bytes",
     "train_command",
     "trainer_fsdp",
+    "pp_fsdp_policies",
 ]

@@ -122,16 +122,26 @@ class Policy:
 
 
 def trainer_fsdp(pp: int, world: int | None = None, optimizer: str = "adamw-fp32", offload: str = "none") -> str:
-    """The FSDP policy ``kimi train`` runs at ``pp`` stages of a ``world``-rank layout: "layer" without a pipeline
-    (one unit per layer, resharded after its forward, gradients reduce-scattered every micro-batch), "stage" with one
-    (torch's ``PipelineStage`` sets ``reshard_after_backward`` and ``requires_gradient_sync`` off until the step's
-    last backward: every unit of the stage stays gathered from a micro-batch's backward on, its gradients accumulate
-    unsharded in the reduce dtype and are reduce-scattered once per step; ``tests/test_plan.py`` measures it), "none"
-    on one rank under ``adamw-bf16`` without ``offload`` (no fp32 masters to shard: FSDP2 would only copy, and the
-    trainer leaves the model as it is, ``kernels_torch.parallel.parallelize.fsdp_only_copies``)."""
+    """The FSDP policy ``kimi train`` runs by default at ``pp`` stages of a ``world``-rank layout: "layer" (one unit
+    per layer, resharded after its forward and its backward, gradients reduce-scattered every micro-batch and held
+    sharded), with or without a pipeline (``--pp-fsdp layer``, the default: ``kernels_torch.parallel.pipeline
+    .shard_stages`` hides the stage module from torch's ``PipelineStage`` no-sync, and a V schedule's split backward
+    runs whole); "none" on one rank under ``adamw-bf16`` without ``offload`` (no fp32 masters to shard: FSDP2 would
+    only copy, and the trainer leaves the model as it is, ``kernels_torch.parallel.parallelize.fsdp_only_copies``).
+    The other policy of a pipeline, "stage" (``--pp-fsdp stage``: torch's ``PipelineStage`` sets
+    ``reshard_after_backward`` and ``requires_gradient_sync`` off until the step's last backward, so every unit of
+    the stage stays gathered from a micro-batch's backward on, its gradients accumulate unsharded in the reduce dtype
+    and are reduce-scattered once per step; ``tests/test_plan.py`` measures it), is what :func:`pp_fsdp_policies`
+    adds at ``pp`` > 1."""
     if world == 1 and optimizer == "adamw-bf16" and offload == "none":
         return "none"
-    return "layer" if pp == 1 else "stage"
+    return "layer"
+
+
+def pp_fsdp_policies(pp: int) -> tuple[str, ...]:
+    """The FSDP policies ``kimi train`` runs at ``pp`` stages (``--pp-fsdp``): "layer" and "stage" with a pipeline,
+    the trainer's own (:func:`trainer_fsdp`) without."""
+    return ("layer", "stage") if pp > 1 else ("auto",)
 
 
 def shard_rows(rows: int, n: int, coord: int) -> int:

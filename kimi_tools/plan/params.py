@@ -255,7 +255,7 @@ def stage_fsdp_bytes(
     cfg: KimiConfig, layout: Layout, stage: int, *, reduce_bytes: int = 4, lora_rank=None, num_stages: int | None = None
 ) -> int:
     """Bytes FSDP2 holds unsharded on a rank of pipeline stage ``stage`` under the trainer's "stage" policy
-    (:func:`trainer_fsdp`, ``pp`` > 1) from the first backward of a step to its end: every unit of the stage (its
+    (``kimi train --pp-fsdp stage``, ``pp`` > 1) from the first backward of a step to its end: every unit of the stage (its
     layers, their routed experts, the stage module's root) gathered in bf16 (:func:`_fsdp_unit`, with FSDP2's
     padding) and the gradients of its trained parameters, unsharded, in the reduce dtype (``reduce_bytes``: 4 for
     fp32, 2 for bf16). ``num_stages``: as :func:`rank_numel`. ``tests/test_plan.py`` measures it on the pipeline
@@ -272,19 +272,36 @@ def stage_fsdp_bytes(
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_fsdp_bytes(cfg: KimiConfig, layout: Layout, *, reshard: str = "auto", lora_rank=None) -> int:
-    """Bytes FSDP2 holds gathered on a rank without a pipeline (the "layer" policy) when its backward starts, the
-    step's activation peak, by the reshard policy (``kimi train --reshard-after-forward``,
-    ``kernels_torch.parallel.fsdp.apply_fsdp``): "auto" the units that keep their gathered copy from the forward to
-    the backward (the last decoder layer and the root), "always" the largest unit (one at a time), "never" every
-    unit. No gradient is unsharded yet (the step starts with none: ``zero_grad(set_to_none=True)``). On one H100
-    (4 real-dimension layers, 16 experts, 8K tokens, bf16 masters) these are the measured peaks over the one-process
+def layer_fsdp_bytes(
+    cfg: KimiConfig,
+    layout: Layout,
+    *,
+    reshard: str = "auto",
+    lora_rank=None,
+    stage: int | None = None,
+    num_stages: int | None = None,
+) -> int:
+    """Bytes FSDP2 holds gathered on a rank under the "layer" policy when a backward starts, the step's activation
+    peak, by the reshard policy (``kimi train --reshard-after-forward``, ``kernels_torch.parallel.fsdp.apply_fsdp``):
+    "auto" the units that keep their gathered copy from the forward to the backward (the last decoder layer and the
+    root), "always" the largest unit (one at a time), "never" every unit. No gradient is unsharded then: the step
+    starts with none (``zero_grad(set_to_none=True)``) and each earlier micro-batch's backward left its gradients
+    reduce-scattered. ``stage`` None: the whole model (no pipeline); else pipeline stage ``stage`` of
+    ``num_stages`` (None: ``layout.pp``) under ``kimi train --pp-fsdp layer``: its own layers, its root (the final
+    norm, output mix and ``lm_head`` on the last stage; nothing on another, whose embedding is a unit of its own),
+    the embedding on the first; the "auto" units are the stage's last layer and its root (a rank's two V stages each
+    count theirs: a backward of one starts while the other's last layer may be held). On one H100 (4 real-dimension
+    layers, 16 experts, 8K tokens, bf16 masters) the whole model's are the measured peaks over the one-process
     step's: 3.96, 2.19 and 12.63 GiB (``benchmarks/results/train_step_e16_torchrun_*_h100.json``)."""
     n_dc = layout.dp * layout.cp
-    L = cfg.num_hidden_layers
-    layers = [_fsdp_unit(cfg, i, n_dc, layout.ep, layout.efsdp, lora_rank, "")[0] for i in range(L)]
-    root = _fsdp_unit(cfg, None, n_dc, 1, 1, None, "last")[0]
-    embed = _fsdp_unit(cfg, None, n_dc, 1, 1, None, "first")[0]
+    if stage is None:
+        held, first, last = range(cfg.num_hidden_layers), True, True
+    else:
+        ns = num_stages or layout.pp
+        held, first, last = stage_ranges(cfg, ns)[stage], stage == 0, stage == ns - 1
+    layers = [_fsdp_unit(cfg, i, n_dc, layout.ep, layout.efsdp, lora_rank, "")[0] for i in held]
+    root = _fsdp_unit(cfg, None, n_dc, 1, 1, None, "last")[0] if last else 0
+    embed = _fsdp_unit(cfg, None, n_dc, 1, 1, None, "first")[0] if first else 0
     if reshard == "auto":
         units = layers[-1:] + [root]
     elif reshard == "always":

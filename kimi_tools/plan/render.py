@@ -72,8 +72,9 @@ def train_command(
     """The ``torchrun ... -m kimi_tools.cli train ...`` command (argv) that runs ``row`` (an :func:`evaluate`
     result): ``torchrun --standalone`` on one node, else ``--nnodes N`` with a c10d rendezvous at ``HOST:29500``
     (``N`` the fewest nodes of at most ``gpus_per_node`` ranks that divide the world); the layout (``--pp``, with
-    the row's ``--pp-schedule`` and its ``--pp-layout``: the layers of each of its stages, ``pp`` for 1F1B, ``2 pp``
-    for DualPipeV and ZBVZeroBubble, as ``kimi train`` checks them; ``--dp``, ``--cp``, ``--ep``); one ``--seq-len``
+    the row's ``--pp-schedule``, its ``--pp-layout``: the layers of each of its stages, ``pp`` for 1F1B, ``2 pp``
+    for DualPipeV and ZBVZeroBubble, as ``kimi train`` checks them, and its ``--pp-fsdp``, ``layer`` or ``stage``,
+    spelled out though ``layer`` is the default); ``--dp``, ``--cp``, ``--ep``); one ``--seq-len``
     sequence per micro-batch (``--micro-batch-tokens``) and the planned tokens per step (``--batch-tokens`` =
     ``dp x micro-batches x seq_len``); bf16 on the cudnn backend; the recomputation (``--recompute
     --recompute-mode attn|mlp|layer``), the activation offload (``--offload-activations``), a reshard policy other
@@ -96,6 +97,7 @@ def train_command(
     if L["pp"] > 1:
         counts = ",".join(str(b - a) for a, b in row["stages"])
         cmd += ["--pp", str(L["pp"]), "--pp-schedule", row.get("schedule") or "1F1B", "--pp-layout", counts]
+        cmd += ["--pp-fsdp", p["fsdp"]]
     cmd += ["--dp", str(L["dp"]), "--cp", str(L["cp"]), "--ep", str(L["ep"])]
     if p["recompute"] != "none":
         cmd += ["--recompute", "--recompute-mode", {"full": "layer"}.get(p["recompute"], p["recompute"])]

@@ -19,6 +19,7 @@ from kimi_tools.plan.layout import (
     Hardware,
     Layout,
     Policy,
+    pp_fsdp_policies,
     stage_ranges,
     trainer_fsdp,
 )
@@ -130,11 +131,13 @@ def evaluate(
     if mode not in EP_OVERLAPS:
         raise ValueError(f"overlap_a2a: got {overlap_a2a!r}, expected a bool or one of {list(EP_OVERLAPS)}")
     fsdp = trainer_fsdp(L.pp, L.world, policy.optimizer, policy.offload)
-    # on one rank "layer" is what the trainer runs with FSDP2 forced (ParallelPolicy.shard_one_rank, the benchmark's)
-    if policy.fsdp not in ("auto", fsdp) and not (fsdp == "none" and policy.fsdp == "layer"):
+    # on one rank "layer" is what the trainer runs with FSDP2 forced (ParallelPolicy.shard_one_rank, the benchmark's);
+    # with a pipeline "stage" too (kimi train --pp-fsdp stage)
+    runs = {"auto", fsdp} | ({"layer"} if fsdp == "none" else set()) | set(pp_fsdp_policies(L.pp))
+    if policy.fsdp not in runs:
         raise ValueError(
             f"fsdp: got {policy.fsdp!r} with pp={L.pp} on {L.world} GPU(s) under {policy.optimizer}, expected "
-            f"{fsdp!r}, the policy the trainer runs there (trainer_fsdp)"
+            f"one of {sorted(runs - {'auto'})}, the policies the trainer runs there (trainer_fsdp, pp_fsdp_policies)"
         )
     fsdp = fsdp if policy.fsdp == "auto" else policy.fsdp
     policy = dataclasses.replace(policy, fsdp=fsdp)
@@ -151,7 +154,10 @@ def evaluate(
             )
         inflight = inflight_states(sched, L.pp, m)
         rank_of = [rank_stages(sched, L.pp, r) for r in range(L.pp)]
-    stage_passes = stage_recompute_passes(sched, L.pp, m) if sched else (1.0,)
+    # "layer" under a V schedule: each split backward runs whole at its input part (pipeline.shard_stages), so a
+    # recomputed layer replays once and the weight part is no work of its own
+    whole = fsdp == "layer" and sched in V_SCHEDULES
+    stage_passes = (1.0,) * ns if whole or not sched else stage_recompute_passes(sched, L.pp, m)
     T = seq_len // L.cp
     pb, gb, ob = OPTIMIZERS[policy.optimizer]
     rb = 4 if policy.optimizer == "adamw-fp32" else 2  # reduce-scatter dtype
@@ -185,7 +191,8 @@ def evaluate(
         if fsdp == "none":  # one rank, the parameters in their compute dtype: nothing gathered
             gathered = 0
         elif fsdp == "layer":
-            gathered = layer_fsdp_bytes(cfg, L, reshard=policy.reshard, lora_rank=lora_rank)
+            where = {} if sched is None else {"stage": s, "num_stages": ns}
+            gathered = layer_fsdp_bytes(cfg, L, reshard=policy.reshard, lora_rank=lora_rank, **where)
         else:
             gathered = stage_fsdp_bytes(cfg, L, s, reduce_bytes=rb, lora_rank=lora_rank, num_stages=ns)
         first, last = s == 0, s == ns - 1
@@ -198,12 +205,14 @@ def evaluate(
             dev, host_mb = cal.layer_bytes(cfg, layers, T, policy.recompute, policy.act_offload)
             dev_mb = dev + held - inputs
         # communication per step (bytes per rank)
-        # "layer": a forward and a backward gather per micro-batch, a reduce-scatter per micro-batch; "stage": each
+        # "layer" (with or without a pipeline): a forward and a backward gather per micro-batch (a layer
+        # recomputed in the backward runs under the backward's), a reduce-scatter per micro-batch; "stage": each
         # forward after a backward finds the units still gathered and reshards them (reshard_after_forward), so
-        # 1F1B and GPipe gather once per micro-batch's backward plus once for the first forward, m + 1, and reduce
-        # once (measured in tests/test_plan.py); a unit that keeps its gathered copy after the forward (FSDP2's
-        # reshard policy: torchtitan's leaves the last layer and the root) gathers once: m + 1 is the most
-        gathers = 2 * m if fsdp == "layer" else m + 1
+        # 1F1B gathers once per micro-batch's backward plus once for the first forward, m + 1, and reduces once
+        # (measured in tests/test_plan.py); a unit that keeps its gathered copy after the forward (FSDP2's reshard
+        # policy: torchtitan's leaves the last layer and the root) gathers once: m + 1 is the most. A V schedule's
+        # runtime gathers its stages once a step and shard_stages keeps their layers gathered after the forward: 1
+        gathers = 2 * m if fsdp == "layer" else (1 if sched in V_SCHEDULES else m + 1)
         reduces = m if fsdp == "layer" else 1
         f_dc, f_ef = (n_dc - 1) / n_dc, (L.efsdp - 1) / L.efsdp
         ag_d = full["dense"] * GATHER_BYTES * f_dc * gathers
@@ -319,7 +328,8 @@ def evaluate(
     elif sched in V_SCHEDULES:  # one of the 2 pp stages: the slowest rank's two stages' mean, I = W = B / 2
         F = slowest["t_fwd"] / 2
         B = slowest["t_apart"] / 2 - F  # its warm-up and cool-down run no pair
-        bub = replay_bubble(sched, L.pp, F, B * (1 - W_SHARE), B * W_SHARE)
+        w = 0.0 if whole else W_SHARE  # "layer": the split's weight part runs inside its input part
+        bub = replay_bubble(sched, L.pp, F, B * (1 - w), B * w)
     else:
         bub = bubble(sched, L.pp, slowest["t_fwd"], t_micro - slowest["t_fwd"])
     pipeline = busy + bub
@@ -472,8 +482,9 @@ def plan(
     """Every layout of ``gpus`` GPUs (``pp`` dividing the AttnRes blocks, ``cp`` in ``cps`` dividing ``seq_len``,
     ``ep`` dividing ``dp x cp`` and the expert count) that ``kimi train`` runs, each with the fastest policy
     (recompute mode and, at ``pp`` > 1, the pipeline schedule among ``schedules`` that runs there
-    (:func:`schedule_refusal`), then the first of ``optimizers`` x ``offloads`` in order; the FSDP policy the
-    trainer's for the layout, :func:`trainer_fsdp`) that fits, the row's ``schedule`` saying which; layouts where none fits come with their smallest-memory policy and
+    (:func:`schedule_refusal`) and ``--pp-fsdp`` layer or stage (:func:`pp_fsdp_policies`), then the first of
+    ``optimizers`` x ``offloads`` in order; without a pipeline the FSDP policy the trainer's for the layout,
+    :func:`trainer_fsdp`) that fits, the row's ``schedule`` saying which; layouts where none fits come with their smallest-memory policy and
     ``fits`` false. Sorted: fitting first, then by predicted MFU (descending).
 
     A step is ``m = global_batch // (dp x seq_len)`` micro-batches of one sequence per pipeline (rounded down: the
@@ -543,14 +554,16 @@ def plan(
                         dropped.append((L.name(), why))
                     continue
                 best = None
+                fsdps = pp_fsdp_policies(pp)
                 for opt in optimizers:
                     for off in offloads:
-                        for sched, mode in [(x, o) for x in runs for o in _overlaps(overlap_a2a, L, x)]:
+                        combos = [(x, o, f) for x in runs for o in _overlaps(overlap_a2a, L, x) for f in fsdps]
+                        for sched, mode, fsdp in combos:
                             for rc, ao in POLICIES:
                                 r = evaluate(
                                     cfg,
                                     L,
-                                    Policy(opt, off, rc, act_offload=ao),
+                                    Policy(opt, off, rc, fsdp=fsdp, act_offload=ao),
                                     hw,
                                     cal,
                                     seq_len=seq_len,

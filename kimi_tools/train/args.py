@@ -469,6 +469,18 @@ class TrainArgs:
             choices=("auto", "always", "never"),
         ),
     )
+    pp_fsdp: str | None = field(
+        default=None,
+        metadata=arg(
+            "with --pp > 1: what a micro-batch's backward does with the stage's FSDP2 units (default layer: each "
+            "unit resharded after its forward and its backward and its gradient reduce-scattered every "
+            "micro-batch, as without --pp; a V schedule's split backward runs whole; stage: torch's PipelineStage "
+            "keeps the whole stage gathered and its gradients unsharded until the step's end, reduced once: more "
+            "memory, fewer collectives; kernels_torch/parallel/pipeline.py shard_stages)",
+            numbers=False,
+            choices=("layer", "stage"),
+        ),
+    )
     # where the shards live changes no number (tests/test_optim_policy.py): run control, so a run resumes either way
     offload: str = field(
         default="none",
@@ -647,13 +659,14 @@ def resolve(args: TrainArgs) -> TrainArgs:
             f"--batch-tokens: got {a.batch_tokens}, expected a positive multiple of --micro-batch-tokens "
             f"{a.micro_batch_tokens}"
         )
-    for flag, v in (("--pp-schedule", a.pp_schedule), ("--pp-layout", a.pp_layout)):
+    for flag, v in (("--pp-schedule", a.pp_schedule), ("--pp-layout", a.pp_layout), ("--pp-fsdp", a.pp_fsdp)):
         if v is not None and a.pp == 1:  # it would be ignored: no pipeline
             raise ValueError(
                 f"{flag}: got {v!r} without --pp, expected --pp N > 1 too (pipeline stages under torchrun)"
             )
     if a.pp > 1:
         a.pp_schedule = a.pp_schedule or "1F1B"
+        a.pp_fsdp = a.pp_fsdp or "layer"
     if a.stop_after is not None and not 1 <= a.stop_after <= a.steps:
         raise ValueError(f"--stop-after: got {a.stop_after}, expected a step in [1, {a.steps}] (--steps)")
     for name in ("eval_every", "warmup_steps"):

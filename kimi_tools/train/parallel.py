@@ -35,7 +35,9 @@ and expert parallelism over ``ep`` as above, then is cut into this rank's stages
 (``kernels_torch.parallel.pipeline.Pipeline`` over the ``pp`` group, the ``ContextParallel`` as its ``context``),
 which FSDP2 shards as ``parallelize`` shards a whole model (``shard_stages``, the same
 ``kernels_torch.parallel.fsdp.apply_fsdp``: over the ``dp x cp`` ranks of its pipeline coordinate, the experts over
-``efsdp``, bf16 with fp32 masters and the fp32 tensors left out); the loop trains ``pipe.rank_module()`` (the stages
+``efsdp``, bf16 with fp32 masters and the fp32 tensors left out; ``--pp-fsdp layer``, the default, runs every unit
+as without a pipeline, resharded after its forward and backward and reduce-scattered every micro-batch; ``stage``
+keeps the stage gathered until the step's end as torch's ``PipelineStage`` does); the loop trains ``pipe.rank_module()`` (the stages
 under the one-process names: DCP states resume under another ``--pp`` or in one process). A step runs the ``dp``
 group's micro-batches through the schedule, each rank its ``cp`` shard of every row with the rows' global
 ``cu_seqlens`` (:meth:`TrainParallel.pipeline_step`; the replicated gradients summed over the ``dp x cp`` ranks of
@@ -110,7 +112,8 @@ class TrainParallel:
             world: the world size (default ``$WORLD_SIZE`` under torchrun, else 1). offload: ``--offload`` (``none``
             or ``cpu``).
             ep_overlap: ``--ep-overlap`` (``none``, ``chunks``, ``fb`` or ``fb+chunks``:
-            ``ParallelPolicy.ep_overlap``).
+            ``ParallelPolicy.ep_overlap``). pp_fsdp: ``--pp-fsdp`` (``layer`` or ``stage``, None: ``layer``; what a
+            micro-batch's backward does with the stages' FSDP2 units, ``kernels_torch.parallel.pipeline.shard_stages``).
 
     Raises:
         ValueError (one line naming the flags and values; before any process group is made): a size < 1;
@@ -145,9 +148,10 @@ class TrainParallel:
         offload: str = "none",
         ep_overlap: str = "none",
         shard_one_rank: bool = False,
+        pp_fsdp: str | None = None,
     ):
         from kernels_torch.parallel.mesh import ParallelDims
-        from kernels_torch.parallel.pipeline import SCHEDULES, V_SCHEDULES, parse_stage_layout
+        from kernels_torch.parallel.pipeline import PP_FSDP, SCHEDULES, V_SCHEDULES, parse_stage_layout
 
         self.enabled = under_torchrun() or int(os.environ.get("WORLD_SIZE", "1")) > 1 if world is None else True
         world = (int(os.environ.get("WORLD_SIZE", "1")) if self.enabled else 1) if world is None else world
@@ -184,6 +188,12 @@ class TrainParallel:
                 "current shard, which two micro-batches taking turns inside a layer would overwrite)"
             )
         self.ep_overlap = ep_overlap
+        if pp_fsdp is not None and (pp_fsdp not in PP_FSDP or pp == 1):
+            raise ValueError(
+                f"--pp-fsdp: got {pp_fsdp!r} with --pp {pp}, expected one of {list(PP_FSDP)} with --pp > 1 (the FSDP2 "
+                "policy of pipeline stages)"
+            )
+        self.pp_fsdp = pp_fsdp or "layer"
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"--pp-schedule: got {pp_schedule!r}, expected one of {list(SCHEDULES)}")
         self.pp_counts = None
@@ -265,6 +275,7 @@ class TrainParallel:
             a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout,
             reduce_dtype=a.reduce_dtype, reshard_after_forward=a.reshard_after_forward,
             bf16_masters=a.optimizer == "adamw-bf16", offload=a.offload, ep_overlap=a.ep_overlap, world=world,
+            pp_fsdp=a.pp_fsdp,
         )  # fmt: skip
 
     @property
@@ -427,6 +438,7 @@ class TrainParallel:
                 layer_counts=None if self.pp_counts is None else tuple(self.pp_counts),
                 stages_per_rank=self.stages_per_rank,
                 n_microbatches=self.n_microbatches,
+                fsdp=self.pp_fsdp,
             ),
             **memory,
         )

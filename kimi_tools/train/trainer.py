@@ -205,7 +205,7 @@ class Trainer:
         self.par = par = TrainParallel(
             a.cp, a.device, dp=a.dp, ep=a.ep, pp=a.pp, pp_schedule=a.pp_schedule, pp_layout=a.pp_layout,
             reduce_dtype=a.reduce_dtype, reshard_after_forward=a.reshard_after_forward, bf16_masters=low_precision,
-            offload=a.offload, ep_overlap=a.ep_overlap,
+            offload=a.offload, ep_overlap=a.ep_overlap, pp_fsdp=a.pp_fsdp,
         )  # fmt: skip  # torchrun: one mesh; else a no-op
         par.check_pipeline(a, lora=self.lora_settings is not None)
         if a.compile and par.enabled:
