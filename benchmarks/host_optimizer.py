@@ -1,5 +1,5 @@
 """The host side of ``kimi train --offload cpu``, measured: the optimizer step on host tensors, and FSDP2's gradient
-copy to the host when a micro-batch's gradient adds to the last one's.
+copy to the host when a micro-batch's gradient adds to the last one's (FSDP2's own way, and the trainer's).
 
 Under ``--offload cpu`` FSDP2 (``CPUOffloadPolicy``) keeps each rank's parameter shards, their gradients and the
 optimizer states in host memory, so two host costs enter the step that the device's rates do not give:
@@ -10,8 +10,11 @@ optimizer states in host memory, so two host costs enter the step that the devic
   as seconds per 10^9 parameters, using ``torch.get_num_threads()`` host threads.
 * ``grad_accumulate`` (CUDA only): FSDP2's reduce-scattered gradient going to the host. The first micro-batch of a
   step copies it by a ``non_blocking`` copy into pinned memory; every later one (a gradient already there to add to)
-  copies it blocking into new pageable memory and adds on the host (torch's ``foreach_reduce``). Both are timed per
-  10^9 bytes of bf16 gradient: ``first_s_per_gb`` and ``accumulate_s_per_gb``.
+  copies it blocking into new pageable memory and adds on the host (torch's ``foreach_reduce``). The trainer takes
+  the host gradients out of ``.grad`` between micro-batches (``kernels_torch.parallel.fsdp.HostGradSums``), so every
+  micro-batch copies the first way and then adds on the host into a held pinned accumulator. The three are timed per
+  10^9 bytes of bf16 gradient: ``first_s_per_gb``, ``accumulate_s_per_gb`` (FSDP2's later micro-batches) and
+  ``taken_s_per_gb`` (the trainer's later micro-batches: the first kind of copy, the wait, the host add).
 
 Writes ``{"device", "torch", "threads", "date", "optimizer": {name: {"s_per_gparam", ...}}, "grad_accumulate": ...}``
 to ``--out`` and prints a table.
@@ -72,10 +75,12 @@ def optimizer_step(name: str, numel: float, steps: int) -> dict:
 def grad_accumulate(gb: float, repeats: int) -> dict:
     """FSDP2's two host copies of a reduce-scattered bf16 gradient of ``gb`` GB (in tensors of a layer's shapes):
     the first micro-batch's (non-blocking, into pinned memory) and a later one's (blocking, into new pageable memory,
-    then added on the host)."""
+    then added on the host); and the trainer's later micro-batch under ``HostGradSums`` (the first kind of copy,
+    then added on the host into the held pinned sums)."""
     dev = [t.cuda() for t in _tensors(gb * 1e9 / 2, torch.bfloat16)]
     nbytes = sum(t.numel() * 2 for t in dev)
     acc = [t.to("cpu") for t in dev]
+    held = [t.to("cpu").pin_memory() for t in dev]  # HostGradSums' accumulator: the first micro-batch's pinned copy
 
     def first():
         out = [t.to("cpu", non_blocking=True) for t in dev]
@@ -86,8 +91,12 @@ def grad_accumulate(gb: float, repeats: int) -> dict:
         for h, t in zip(acc, dev):
             h += t.to("cpu")
 
+    def taken():
+        for h, t in zip(held, first()):  # first(): the copies and the wait (FSDP2's finalize_backward)
+            h.add_(t)
+
     res = {"gb": nbytes / 1e9}
-    for name, fn in (("first", first), ("accumulate", later)):
+    for name, fn in (("first", first), ("accumulate", later), ("taken", taken)):
         times = []
         for r in range(repeats + 1):
             torch.cuda.synchronize()
@@ -126,7 +135,7 @@ def main(argv=None) -> int:
         r = report["grad_accumulate"] = grad_accumulate(args.grad_gb, args.steps)
         print(
             f"grad to host {r['gb']:.1f} GB: first {r['first_s_per_gb']:.3f} s/GB, accumulate "
-            f"{r['accumulate_s_per_gb']:.3f} s/GB",
+            f"{r['accumulate_s_per_gb']:.3f} s/GB, taken {r['taken_s_per_gb']:.3f} s/GB",
             flush=True,
         )
     if args.out:

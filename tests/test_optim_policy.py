@@ -4,8 +4,8 @@ that ``kimi plan`` picks, runnable.
 - ``adamw-bf16`` (torchao's AdamW with bf16 stochastic rounding: bf16 weights, gradients and moments, no fp32
   masters) stays within a derived bound of fp32 AdamW over 20 steps on the tiny preset, and the same bound refuses
   torchao's AdamW with round-to-nearest (:func:`test_adamw_bf16_within_a_derived_bound_of_fp32_adamw`).
-- ``--offload cpu`` (FSDP2's ``CPUOffloadPolicy``) at dp 2 gives the run without offload bit for bit, across a
-  save and resume.
+- ``--offload cpu`` (FSDP2's ``CPUOffloadPolicy``) at dp 2, several micro-batches per rank, gives the run without
+  offload bit for bit, across a save and resume.
 - ``adamw-bf16`` under torchrun with dp 2, ep 2, pp 2, cp 2 and LoRA (with and without offload) gives the
   one-process ``adamw-bf16`` run within bf16's tolerance; its resume state holds bf16 weights and moments (no fp32
   master) and resumes on another layout.
@@ -308,8 +308,10 @@ def test_policies_reach_fsdp2(tmp_path):
 def test_offload_cpu_at_dp2_equals_no_offload_and_resumes(tmp_path, data):
     """dp 2 with ``--offload cpu`` (the shards, gradients and AdamW state on the host; on gloo, a CPU run, the
     offload is a copy) gives the run without offload bit for bit: losses, gradient norms, eval losses and the
-    export. A resume state saved without offload resumes into offloaded shards and reaches the same step 3."""
-    base = [*COMMON, "--data", str(data)]
+    export. A resume state saved without offload resumes into offloaded shards and reaches the same step 3. Three
+    micro-batches per rank and step: under offload the trainer sums the host gradients outside ``.grad`` between
+    them (``kernels_torch.parallel.fsdp.HostGradSums``), bit for bit FSDP2's own accumulation."""
+    base = [*COMMON, "--batch-tokens", "240", "--data", str(data)]
     off, ref = tmp_path / "off", tmp_path / "ref"
     r = _torchrun(2, [*base, "--offload", "cpu", "--out", str(off)])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -380,31 +380,39 @@ def test_cli(capsys):
 
 
 def test_host_memory_bounds_offloaded_states(capsys):
-    """``--host-memory`` is the host each rank may fill with offloaded states: the layout whose states need 174 GB
-    per rank on the host (k3.1-pro, 128 GPUs, dp 128 ep 64) fits with the default 250 GB and not with 150 GB;
-    a non-positive value is refused in one line."""
+    """``--host-memory`` is the host each rank may fill with offloaded states: the layout whose states need 313 GB
+    per rank on the host (k3.1-pro, 128 GPUs, dp 128 ep 64, the trainer's held gradient sums included) fits with
+    400 GB and not with the default 250 GB; a non-positive value is refused in one line."""
     from kimi_tools.cli import main
 
     argv = ["--gpus", "128", "--layout", "1,128,1,64", "--top", "1"]
-    row = _plan_json(capsys, *argv)["layouts"][0]
-    assert row["fits"] and row["policy"]["offload"] == "cpu" and 150e9 < row["host_memory"] <= 250e9
-    assert not _plan_json(capsys, *argv, "--host-memory", "150")["layouts"][0]["fits"]
+    row = _plan_json(capsys, *argv, "--host-memory", "400")["layouts"][0]
+    assert row["fits"] and row["policy"]["offload"] == "cpu" and 250e9 < row["host_memory"] <= 400e9
+    assert not _plan_json(capsys, *argv)["layouts"][0]["fits"]
     assert main(["plan", "--gpus", "8", "--host-memory", "0"]) == 2
     assert "--host-memory: got 0.0, expected a positive number" in capsys.readouterr().err
 
 
 def test_states_on_the_host_cost_their_measured_host_time(capsys):
     """Under ``--offload cpu`` the optimizer steps on the host at the measured seconds per 10^9 parameters, and each
-    micro-batch after a step's first pays FSDP2's blocking gradient copy to the host (``fsdp layer``: reduced every
-    micro-batch); a pipeline's ``stage`` policy reduces once per step and pays none (calibration ``host_offload``,
-    ``benchmarks/host_optimizer.py``)."""
+    micro-batch after a step's first pays the trainer's gradient path (``fsdp layer``: reduced every micro-batch;
+    ``HostGradSums``: FSDP2's non-blocking copy, measured, then the host add into the held sums, at host memory's
+    rate while the file has no ``taken_s_per_gb``; one more set of pinned host gradients); a pipeline's ``stage``
+    policy reduces once per step and pays none (calibration ``host_offload``, ``benchmarks/host_optimizer.py``)."""
+    import dataclasses
+
     from kimi_tools.plan.calibration import load_calibration
     from kimi_tools.plan.layout import OPTIMIZERS, Hardware
-    from kimi_tools.plan.params import graded_numel
+    from kimi_tools.plan.params import graded_numel, pinned_numel
 
     cal, hw = load_calibration(), Hardware()
     assert cal.host_optimizer_s_per_gparam["adamw-bf16"] > 10 * cal.host_optimizer_s_per_gparam["adamw-fp32"] > 0
     assert cal.grad_accumulate_s_per_gb > 0 and cal.host_offload_source.startswith("measured: benchmarks/")
+    assert 0 < cal.grad_first_s_per_gb < cal.grad_accumulate_s_per_gb / 10 and cal.grad_taken_s_per_gb_measured is None
+    taken = cal.grad_first_s_per_gb + 3 / hw.host_gbps  # read two gradients, write one, at host memory's rate
+    assert cal.grad_taken_s_per_gb(hw.host_gbps) == taken and "add" in cal.host_offload_source
+    measured = dataclasses.replace(cal, grad_taken_s_per_gb_measured=0.05)  # a file with the trainer's rate
+    assert measured.grad_taken_s_per_gb(hw.host_gbps) == 0.05
     for argv in (["--layout", "1,128,1,64"], ["--layout", "1,256,1,64", "--gpu-memory", "80"]):
         row = _plan_json(capsys, "--gpus", argv[1].split(",")[1], *argv, "--top", "1")["layouts"][0]
         pol, t, m = row["policy"], row["time"], row["microbatches"]
@@ -413,7 +421,15 @@ def test_states_on_the_host_cost_their_measured_host_time(capsys):
         tr = sum(graded_numel(row["numel"]))
         host = tr / 1e9 * cal.host_optimizer_s_per_gparam[pol["optimizer"]]
         assert math.isclose(t["optimizer"], host + tr * (pb + gb) / (hw.pcie_gbps * 1e9), rel_tol=1e-9)
-        assert math.isclose(t["offload_grad_accumulate"], (m - 1) * tr * gb / 1e9 * cal.grad_accumulate_s_per_gb)
+        assert math.isclose(t["offload_grad_accumulate"], (m - 1) * tr * gb / 1e9 * taken)
+        # the held sums: one more set of pinned host gradients than the same layout with one micro-batch per step
+        lay = P.Layout(*(row["layout"][k] for k in ("pp", "dp", "cp", "ep")))
+        one = P.evaluate(
+            load_config("k3.1-pro"), lay, P.Policy(**pol), hw, cal, seq_len=8192, global_batch=lay.dp * 8192
+        )
+        assert one["microbatches"] == 1 and lay.pp == 1
+        extra = pinned_numel(load_config("k3.1-pro"), lay, 0)["graded"] * gb
+        assert math.isclose(row["host_memory"] - one["host_memory"], extra, rel_tol=1e-9), (row["host_memory"], extra)
         parts = t["busy"] + t["bubble"] + t["fsdp_exposed"] + t["optimizer"] + t["offload_grad_accumulate"]
         assert math.isclose(t["step"], parts, rel_tol=1e-9)
     staged = _plan_json(capsys, "--gpus", "128", "--layout", "8,8,2,16", "--top", "1")["layouts"][0]

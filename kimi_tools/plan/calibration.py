@@ -42,7 +42,11 @@ class Calibration:
             ``host_offload.file``; empty without one.
         grad_accumulate_s_per_gb: seconds per GB of gradient of FSDP2's copy to the host when a micro-batch's
             gradient adds to the last one's (blocking, into pageable memory, then a host add); 0 without a file.
-        host_offload_source: where the two above come from.
+            The trainer avoids it (:meth:`grad_taken_s_per_gb`).
+        grad_first_s_per_gb: seconds per GB of FSDP2's copy when the parameter has no gradient yet (non-blocking,
+            into pinned memory); 0 without a file. grad_taken_s_per_gb_measured: the file's ``taken_s_per_gb``
+            (that copy, then the host add into the trainer's held sums), or None.
+        host_offload_source: where the rates above come from.
     """
 
     tflops: dict
@@ -56,9 +60,22 @@ class Calibration:
     host_optimizer_s_per_gparam: dict = field(default_factory=dict)
     grad_accumulate_s_per_gb: float = 0.0
     host_offload_source: str = ""
+    grad_first_s_per_gb: float = 0.0
+    grad_taken_s_per_gb_measured: float | None = None
     _memo: dict = field(
         default_factory=dict, init=False, repr=False, compare=False
     )  # layer_bytes / working_set results
+
+    def grad_taken_s_per_gb(self, host_gbps: float) -> float:
+        """Seconds per GB of gradient of each micro-batch of a step after the first under ``--offload cpu``: the
+        trainer takes the host gradients out of ``.grad`` between micro-batches
+        (``kernels_torch.parallel.fsdp.HostGradSums``), so FSDP2 copies each one non-blocking into pinned memory
+        (:attr:`grad_first_s_per_gb`) and the trainer adds it on the host into the held sums. The measured
+        ``taken_s_per_gb`` when the file has it, else the copy plus the add at host memory's rate ``host_gbps`` (GB/s:
+        read two gradients, write one, ``3 / host_gbps``; not measured); 0 without a file."""
+        if self.grad_taken_s_per_gb_measured is not None:
+            return self.grad_taken_s_per_gb_measured
+        return self.grad_first_s_per_gb + 3 / host_gbps if self.grad_first_s_per_gb else 0.0
 
     def layer_bytes(self, cfg: KimiConfig, layers: range, T: int, recompute: str, offload: str = "none"):
         """``(device, host)`` activation bytes of ``layers`` of ``cfg`` for ``T`` tokens under a recompute and an
@@ -131,16 +148,24 @@ def _host_copy(doc: dict, root: Path) -> tuple[float, str]:
     return hc.get("datasheet_gbps", 64.0), "datasheet, not measured: " + hc.get("datasheet", "")
 
 
-def _host_offload(doc: dict, root: Path) -> tuple[dict, float, str]:
-    """``(seconds per 10^9 parameters per optimizer, seconds per GB of accumulating gradient copy, source)`` from the
-    file's ``host_offload`` (a ``benchmarks/host_optimizer.py`` result), else ``({}, 0.0, "not measured")``."""
+def _host_offload(doc: dict, root: Path) -> tuple[dict, float, str, dict]:
+    """``(seconds per 10^9 parameters per optimizer, seconds per GB of FSDP2's accumulating gradient copy, source,
+    {"grad_first_s_per_gb", "grad_taken_s_per_gb_measured"}: the trainer's gradient copy rates)`` from the file's
+    ``host_offload`` (a ``benchmarks/host_optimizer.py`` result), else ``({}, 0.0, "not measured", {})``."""
     name = doc.get("host_offload", {}).get("file")
     if not name:
-        return {}, 0.0, "not measured"
+        return {}, 0.0, "not measured", {}
     res = json.loads((root / name).read_text())
     rates = {k: v["s_per_gparam"] for k, v in res.get("optimizer", {}).items()}
-    acc = res.get("grad_accumulate", {}).get("accumulate_s_per_gb", 0.0)
-    return rates, acc, f"measured: {name} ({res['device']}, {res['threads']} host threads)"
+    g = res.get("grad_accumulate", {})
+    taken = {
+        "grad_first_s_per_gb": g.get("first_s_per_gb", 0.0),
+        "grad_taken_s_per_gb_measured": g.get("taken_s_per_gb"),
+    }
+    src = f"measured: {name} ({res['device']}, {res['threads']} host threads)"
+    if taken["grad_taken_s_per_gb_measured"] is None:
+        src += "; the host add into the trainer's held gradient sums not measured: host memory's rate"
+    return rates, g.get("accumulate_s_per_gb", 0.0), src, taken
 
 
 def load_calibration(fp8: str | None = None, path: Path = CALIBRATION_FILE) -> Calibration:
@@ -177,10 +202,10 @@ def load_calibration(fp8: str | None = None, path: Path = CALIBRATION_FILE) -> C
     ratio = dict(doc.get("activation_offload", {}).get("host_ratio", {}))
     root = Path(path).resolve().parents[2]
     rate, rate_src = _host_copy(doc, root)
-    host_opt, host_acc, host_src = _host_offload(doc, root)
+    host_opt, host_acc, host_src, taken = _host_offload(doc, root)
     tflops["full"] = tflops["none"] * 3 / 4  # one more forward per three units of work, at the "none" rate
     scale = math.exp(sum(math.log(x) for x in scales) / len(scales))
-    return Calibration(tflops, scale, src, rows, dens, ratio, rate, rate_src, host_opt, host_acc, host_src)
+    return Calibration(tflops, scale, src, rows, dens, ratio, rate, rate_src, host_opt, host_acc, host_src, **taken)
 
 
 CALIBRATION_LAYERS = 4  # the calibration steps' model: k3.1-pro's first 4 layers (calibration.json "about")

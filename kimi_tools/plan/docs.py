@@ -228,10 +228,13 @@ def render_docs() -> str:
     if cal.host_optimizer_s_per_gparam:
         rates = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(cal.host_optimizer_s_per_gparam.items()))
         out.append(
-            f"* states on the host (`--offload cpu`): the optimizer step per 10^9 host parameters ({rates}) and "
-            f"FSDP2's gradient copy to the host when a micro-batch adds to the last one's gradient, "
-            f"{cal.grad_accumulate_s_per_gb:.3f} s per GB (blocking, into pageable memory; under `fsdp layer` every "
-            f"micro-batch after a step's first), both exposed ({cal.host_offload_source})"
+            f"* states on the host (`--offload cpu`): the optimizer step per 10^9 host parameters ({rates}) and, "
+            f"under `fsdp layer`, each micro-batch's gradient after a step's first: the trainer takes the host "
+            f"gradients out of `.grad` between micro-batches, so FSDP2 copies each non-blocking into pinned memory "
+            f"({cal.grad_first_s_per_gb:.3f} s per GB) and the trainer adds it into the held sums on the host, "
+            f"{cal.grad_taken_s_per_gb(hw.host_gbps):.3f} s per GB in all (FSDP2's own accumulating copy, "
+            f"blocking into pageable memory: {cal.grad_accumulate_s_per_gb:.3f} s per GB), both exposed "
+            f"({cal.host_offload_source})"
         )
     d = json.loads(CALIBRATION_FILE.read_text())["expert_density"]
     pts = "; ".join(f"{p['rows_per_expert']:,.0f} rows per expert: {p['tflops']:.0f} TFLOP/s" for p in d["points"])

@@ -302,6 +302,8 @@ def evaluate(
             pn = [pinned_numel(cfg, L, s, lora_rank=lora_rank, num_stages=ns) for s in held_stages]
             pinned = {key: sum(x[key] for x in pn) for key in pn[0]}
             host += pinned["trainable"] * pb + pinned["frozen"] * FROZEN_BYTES + pinned["graded"] * gb
+            if fsdp == "layer" and m > 1:  # the trainer's held gradient sums beside a micro-batch's (HostGradSums)
+                host += pinned["graded"] * gb
             host += sb["optimizer"] - dev["optimizer"]  # the moments (pageable: exact)
         comm = {key: sum(x["comm"][key] for x in st) for key in st[0]["comm"]}
         t = {key: sum(x[key] for x in st) for key in ("t_comp", "t_a2a", "t_shown", "t_pp", "t_off", "t_fwd", "t_fsdp")}
@@ -345,8 +347,8 @@ def evaluate(
         rate = cal.host_optimizer_s_per_gparam.get(policy.optimizer)
         t_host = tr / 1e9 * rate if rate is not None else tr * (pb + gb + 2 * ob + pb) / (hw.host_gbps * GB)
         t_opt = t_host + tr * (pb + gb) / (hw.pcie_gbps * GB)
-        if fsdp == "layer":  # reduced every micro-batch: each after the first adds to a gradient on the host
-            t_acc = (m - 1) * tr * gb / GB * cal.grad_accumulate_s_per_gb
+        if fsdp == "layer":  # reduced every micro-batch: each after the first added on the host to the held sums
+            t_acc = (m - 1) * tr * gb / GB * cal.grad_taken_s_per_gb(hw.host_gbps)
     step = pipeline + fsdp_exposed + t_opt + t_acc
     tokens = L.dp * m * seq_len
     tps = tokens / step / L.world
@@ -387,7 +389,8 @@ def evaluate(
             "bubble": bub,
             "fsdp_exposed": fsdp_exposed,
             "optimizer": t_opt,
-            # --offload cpu: FSDP2's blocking gradient copies to the host, per step (calibration's host_offload)
+            # --offload cpu: the gradient copies to the host and host adds after a step's first micro-batch, per step
+            # (the trainer's HostGradSums; calibration's host_offload)
             "offload_grad_accumulate": t_acc,
             "step": step,
         },

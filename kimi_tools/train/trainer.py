@@ -263,6 +263,12 @@ class Trainer:
             materialise(model, a, cfg, partial=par.pipe is not None, adapters=adapters)  # each rank its own shards
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
+        self.host_sums = None  # --offload cpu: the host gradients summed outside .grad between micro-batches
+        if a.offload == "cpu" and par.pipe is None:  # (the pipeline reduces once per step: nothing to accumulate)
+            from kernels_torch.parallel.fsdp import HostGradSums, offloaded_params
+
+            held = offloaded_params(model)
+            self.host_sums = HostGradSums(held) if held else None
         self.masters = MasterWeights(model, low_precision=low_precision, replicated=par.replicated)
         self.optimizer = build_optimizer(self.masters, a)
         self.scheduler = build_scheduler(
@@ -466,13 +472,23 @@ class Trainer:
         if par.pipe is not None:  # --pp: this dp group's micro-batches through the pipeline schedule
             step_loss = par.pipeline_step(par.local(batches), n_tgt)
         else:
-            for b in par.local(batches):  # torchrun: this dp group's micro-batches
-                w = b.num_targets / n_tgt if n_tgt else 0.0
-                loss, m = par.loss(stage, model, b.to(a.device))
-                (loss * w).backward()
-                step_loss += float(loss.detach()) * w
-                for key, v in m.items():
-                    extra[key] = extra.get(key, 0.0) + float(v) * w
+            local = par.local(batches)  # torchrun: this dp group's micro-batches
+            # --offload cpu: the host gradients are taken out of .grad after each backward but the last (so that
+            # FSDP2 copies each one the fast way, kernels_torch.parallel.fsdp.HostGradSums) and given back after it
+            sums = self.host_sums if len(local) > 1 else None
+            try:
+                for i, b in enumerate(local):
+                    w = b.num_targets / n_tgt if n_tgt else 0.0
+                    loss, m = par.loss(stage, model, b.to(a.device))
+                    (loss * w).backward()
+                    if sums is not None and i < len(local) - 1:
+                        sums.take()
+                    step_loss += float(loss.detach()) * w
+                    for key, v in m.items():
+                        extra[key] = extra.get(key, 0.0) + float(v) * w
+            finally:
+                if sums is not None:
+                    sums.give_back()
             par.reduce_replicated()
             par.reshard(model)  # units a no-grad forward left gathered (the distillation stages' teacher pass)
             step_loss = par.sum_all(step_loss)
