@@ -302,6 +302,17 @@ def render_docs() -> str:
         for r, _ in best_full.values()
     ]
     extra_txt = f"{min(extra):.0%} to {max(extra):.0%}" if extra else "-"
+    best = [h["mfu"] for _, h in best_full.values()]
+    cap = cal.tflops["full"] / hw.peak_tflops
+    best_txt = ", ".join(f"{m:.1%}" for m in best) or "-"
+    gap_txt = (
+        f"{(cap - max(best)) * 100:.1f} to {(cap - min(best)) * 100:.1f}"
+        if len(best) > 1
+        else (f"{(cap - best[0]) * 100:.1f}" if best else "-")
+    )
+    moe = next(i for i in range(k31.num_hidden_layers) if i >= k31.first_k_dense_replace)
+    moe_none = cal.layer_bytes(k31, range(moe, moe + 1), 8192, "none")[0]
+    moe_mlp = cal.layer_bytes(k31, range(moe, moe + 1), 8192, "mlp")[0]
     out += [
         "",
         "### What bounds the MFU",
@@ -336,9 +347,17 @@ def render_docs() -> str:
         f"{n_params * 8 / 256 / GB:.0f} GB per GPU) and 64 GPUs fit only LoRA (the frozen bf16 base is "
         f"{n_params * 2 / 64 / GB:.0f} GB per GPU).",
         "",
-        "So the goal of 35% MFU (bf16, full fine-tuning) needs the all-to-all hidden and less than full "
-        "recomputation, which needs more memory per layer-micro-batch than a rank has left (a measured host copy "
-        "rate may change the offload's part); the tables give what the code as it stands would reach.",
+        f"So no layout reaches 35% MFU (bf16, full fine-tuning) with these kernels: whole-layer recomputation caps "
+        f"the compute at {cal.tflops['full'] / hw.peak_tflops:.1%} of the peak (item 2) even with every collective "
+        f"hidden and no bubble, and the best rows above ({best_txt}) stand {gap_txt} points below that cap. "
+        f"Recomputing less needs room a rank does not have at 8K tokens: a MoE layer keeps {moe_none / GB:.1f} GB "
+        f"per micro-batch without recomputation and {moe_mlp / GB:.1f} GB with its MoE block recomputed, against "
+        f"the {hw.gpu_memory_gb - hw.reserve_gb:g} GB usable less {n_params * 8 / 256 / GB:.0f} GB of bf16 AdamW "
+        "states per GPU at 256 GPUs; moving the states to the host (`--offload cpu`) frees those but not enough "
+        "for the layers of a stage, and costs the host's optimizer step (the calibration above). 35% needs a "
+        "faster compute rate (the compiled cudnn path, FP8 matmuls) or a recomputation that replays fewer FLOPs "
+        "for the bytes it frees than whole layers do; the "
+        "tables give what the code as it stands would reach.",
         "",
         END,
     ]
