@@ -23,7 +23,7 @@ expert all-to-all returns each row to its sender, so that this rank's local expe
 tokens routed to expert ``e`` of every rank: ``T k ep / E`` rows per expert on average, the count the real
 all-to-all delivers when every rank routes alike. Those stand-ins are copies on the device: the measured time is the
 stage's compute plus those copies, never the network's. Context parallelism (``cp`` > 1) exchanges key/value state
-whose values matter: not rehearsed (refused).
+whose values matter: not rehearsed (refused); nor are the V schedules' ranks, which hold two stages each (refused).
 
 Run: the ``min(pp - s, m)`` micro-batches stage ``s`` holds in flight under 1F1B run their forwards, then their
 backwards; one more micro-batch is timed alone; then the optimizer step (the trainer's ``grads_to_masters``,
@@ -383,6 +383,11 @@ def rehearse(
     L = row["layout"]
     if L["cp"] > 1:
         raise ValueError(f"rank_rehearsal: layout cp {L['cp']}: context parallelism is not rehearsed (expected cp 1)")
+    if len(row.get("worst_rank_stages", ())) > 1:  # a V schedule: the rank holds stages r and 2 pp - 1 - r
+        raise ValueError(
+            f"rank_rehearsal: schedule {row.get('schedule')}: the rank holds stages {row['worst_rank_stages']}, and "
+            "the rehearsal runs one stage per rank (expected a schedule with one stage per rank: 1F1B, or pp 1)"
+        )
     torch.manual_seed(seed)
     cuda = device == "cuda"
     if cuda:

@@ -79,6 +79,14 @@ def test_rank_rehearsal_refuses_context_parallelism():
         _bench().rehearse("tiny", row, "cpu")
 
 
+def test_rank_rehearsal_refuses_two_stages_per_rank():
+    """A V schedule's row (each rank holds two stages) is refused in one line: rehearsing one of them would
+    understate the rank."""
+    row = {"layout": {"pp": 2, "dp": 1, "cp": 1, "ep": 1, "world": 2}, "schedule": "DualPipeV"}
+    with pytest.raises(ValueError, match=r"schedule DualPipeV: the rank holds stages \[0, 3\]"):
+        _bench().rehearse("tiny", {**row, "worst_rank_stages": [0, 3], "worst_stage": 0}, "cpu")
+
+
 def test_live_by_place_charges_blocks_to_the_projects_frames():
     """An out-of-memory row's breakdown: live blocks grouped by their innermost frame in the project's packages
     (else the innermost frame, else "unrecorded"), largest first; freed and inactive blocks left out."""
