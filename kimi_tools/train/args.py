@@ -391,7 +391,7 @@ class TrainArgs:
     dp: int | None = field(
         default=None,
         metadata=arg(
-            "data-parallel ranks under torchrun (default: the world size / --cp); --dp x --cp = the world size",
+            "data-parallel ranks under torchrun (default: the world size / (--pp x --cp)); --pp x --dp x --cp = the world size",
             numbers=False,
             type=positive_int,
         ),

@@ -370,8 +370,11 @@ def build_optimizer(masters: MasterWeights, a: TrainArgs) -> torch.optim.Optimiz
 def _torchao_adamw():
     """torchao's AdamW class (``torchao.optim._AdamW`` in torchao 0.17 and 0.18; ``AdamW`` in releases that make it
     public), the one with ``bf16_stochastic_round``."""
+    from kernels_torch.fp8 import quiet_torchao_import
+
     try:
-        import torchao.optim as ao_optim
+        with quiet_torchao_import():  # its optional CUDA extensions log a failed load on a CPU machine
+            import torchao.optim as ao_optim
     except ImportError as e:
         raise ImportError(
             f"--optimizer adamw-bf16: needs torchao (pip install 'torchao>=0.17,<0.19'), got: {e}"
