@@ -62,12 +62,14 @@ from kimi_tools import plan as P  # noqa: E402
 def choose(
     preset: str, gpus: int, seq_len: int, lora_rank: int | None, gpu_memory: float, host_memory: float = 250.0
 ) -> dict | None:
-    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs without context parallelism, or None;
-    ``host_memory``: GB of host memory the rank may use (offloaded states)."""
+    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs that :func:`rehearse` runs (no context
+    parallelism, one stage per rank: no V schedule), or None; ``host_memory``: GB of host memory the rank may use
+    (offloaded states)."""
     args = P._args(gpus, lora_rank, seq_len=seq_len, preset=preset, gpu_memory=gpu_memory, reserve=0.05 * gpu_memory,
                    host_memory=host_memory)  # fmt: skip
     rows, _ = P.run_plan(args)
-    return next((r for r in rows if r["fits"] and r["layout"]["cp"] == 1), None)
+    runs = (r for r in rows if r["fits"] and r["layout"]["cp"] == 1 and len(r.get("worst_rank_stages", ())) <= 1)
+    return next(runs, None)
 
 
 def available_host_gb() -> float:

@@ -157,3 +157,18 @@ def test_profile_tables_rank_operators_by_self_time():
     assert {r["name"] for r in got["by_cpu"]} & {"aten::mm", "aten::matmul", "aten::relu", "aten::clamp_min"}
     assert got["self_cpu_ms_total"] >= sum(r["self_cpu_ms"] for r in got["by_cpu"])
     assert got["self_cuda_ms_total"] == 0.0
+
+
+def test_choose_skips_rows_the_rehearsal_refuses(monkeypatch):
+    """``choose`` takes the plan's best fitting row that ``rehearse`` runs: a row with context parallelism or a V
+    schedule's (two stages per rank) is passed over for the next fitting one, not chosen and then refused."""
+    mod = _bench()
+
+    def row(name: str, cp: int, stages: list[int], fits: bool = True) -> dict:
+        return {"name": name, "fits": fits, "layout": {"cp": cp}, "worst_rank_stages": stages}
+
+    rows = [row("unfit", 1, [0], fits=False), row("cp2", 2, [0]), row("v", 1, [0, 3]), row("1f1b", 1, [1])]
+    monkeypatch.setattr(mod.P, "run_plan", lambda args: (rows, []))
+    assert mod.choose("tiny", 4, 64, None, 1.0)["name"] == "1f1b"
+    monkeypatch.setattr(mod.P, "run_plan", lambda args: (rows[:3], []))
+    assert mod.choose("tiny", 4, 64, None, 1.0) is None
