@@ -26,7 +26,8 @@ stage's compute plus those copies, never the network's. Context parallelism (``c
 whose values matter: not rehearsed (refused); nor are the V schedules' ranks, which hold two stages each (refused).
 
 Run: the ``min(pp - s, m)`` micro-batches stage ``s`` holds in flight under 1F1B run their forwards, then their
-backwards; one more micro-batch is timed alone; then the optimizer step (the trainer's ``grads_to_masters``,
+backwards; one more micro-batch is timed alone (under ``--offload cpu`` without a pipeline each backward is followed
+by the trainer's take of the host gradients out of ``.grad``, ``kernels_torch.parallel.fsdp.HostGradSums``); then the optimizer step (the trainer's ``grads_to_masters``,
 ``step_optimizer``, ``to_model``). The first stage takes token ids, a later one a random received state ``[M, 1,
 T, D]``; a stage before the last returns the state it sends and gets a random gradient of it; the last stage ends
 with the summed NLL. Writes one JSON (``--out``): the layout, the command, the planner's prediction beside the
@@ -416,6 +417,12 @@ def rehearse(
         inflight = min(L["pp"] - s, row["microbatches"])
         first = stage is None or stage.is_first
         last = stage is None or stage.is_last
+        sums = None  # --offload cpu without a pipeline: the trainer's held host gradient sums (Trainer.train_step)
+        if a.offload == "cpu" and par.pipe is None and row["microbatches"] > 1:
+            from kernels_torch.parallel import fsdp
+
+            held = fsdp.offloaded_params(module)
+            sums = fsdp.HostGradSums(held) if held else None
 
         def forward():
             """One micro-batch: ids on the first stage, else a received state ``[M, 1, T, D]``; the summed NLL on
@@ -447,6 +454,8 @@ def rehearse(
             for i, out in enumerate(outs):
                 progress["phase"] = progress["step"] = f"backward {i}"
                 backward(out)
+                if sums is not None:  # a micro-batch before the step's last: its host gradients taken out of .grad
+                    sums.take()
             del outs
             sync()
             progress["phase"] = progress["step"] = "timed"
@@ -455,8 +464,12 @@ def rehearse(
             t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
             with _profiled(profile and cuda) as prof:
                 backward(forward())
+                if sums is not None:  # a later micro-batch of the step: FSDP2's fast copy, then the host add
+                    sums.take()
                 sync()
             ms = (time.perf_counter() - t0) * 1e3
+            if sums is not None:  # the step's gradients back in .grad (the last micro-batch's add not timed)
+                sums.give_back()
             progress["phase"] = progress["step"] = "optimizer"
             t0 = time.perf_counter()
             masters.grads_to_masters()
