@@ -26,8 +26,9 @@ stage's compute plus those copies, never the network's. Context parallelism (``c
 whose values matter: not rehearsed (refused); nor are the V schedules' ranks, which hold two stages each (refused).
 
 Run: the ``min(pp - s, m)`` micro-batches stage ``s`` holds in flight under 1F1B run their forwards, then their
-backwards; one more micro-batch is timed alone (under ``--offload cpu`` without a pipeline each backward is followed
-by the trainer's take of the host gradients out of ``.grad``, ``kernels_torch.parallel.fsdp.HostGradSums``); then the optimizer step (the trainer's ``grads_to_masters``,
+backwards; one more micro-batch is timed alone (under ``--offload cpu``, but for ``--pp-fsdp stage``, each
+backward is followed by the trainer's take of the host gradients out of ``.grad``,
+``kernels_torch.parallel.fsdp.HostGradSums``); then the optimizer step (the trainer's ``grads_to_masters``,
 ``step_optimizer``, ``to_model``). The first stage takes token ids, a later one a random received state ``[M, 1,
 T, D]``; a stage before the last returns the state it sends and gets a random gradient of it; the last stage ends
 with the summed NLL. Writes one JSON (``--out``): the layout, the command, the planner's prediction beside the
@@ -417,8 +418,8 @@ def rehearse(
         inflight = min(L["pp"] - s, row["microbatches"])
         first = stage is None or stage.is_first
         last = stage is None or stage.is_last
-        sums = None  # --offload cpu without a pipeline: the trainer's held host gradient sums (Trainer.train_step)
-        if a.offload == "cpu" and par.pipe is None and row["microbatches"] > 1:
+        sums = None  # --offload cpu: the trainer's held host gradient sums (Trainer; a pipeline's: Pipeline.host_sums)
+        if a.offload == "cpu" and (par.pipe is None or par.pipe.fsdp == "layer") and row["microbatches"] > 1:
             from kernels_torch.parallel import fsdp
 
             held = fsdp.offloaded_params(module)
