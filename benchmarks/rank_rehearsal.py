@@ -26,7 +26,9 @@ stage's compute plus those copies, never the network's. Context parallelism (``c
 whose values matter: not rehearsed (refused); nor are the V schedules' ranks, which hold two stages each (refused).
 
 Run: the ``min(pp - s, m)`` micro-batches stage ``s`` holds in flight under 1F1B run their forwards, then their
-backwards; one more micro-batch is timed alone; then the optimizer step (the trainer's ``grads_to_masters``,
+backwards; one more micro-batch is timed alone (under ``--offload cpu``, but for ``--pp-fsdp stage``, each
+backward is followed by the trainer's take of the host gradients out of ``.grad``,
+``kernels_torch.parallel.fsdp.HostGradSums``); then the optimizer step (the trainer's ``grads_to_masters``,
 ``step_optimizer``, ``to_model``). The first stage takes token ids, a later one a random received state ``[M, 1,
 T, D]``; a stage before the last returns the state it sends and gets a random gradient of it; the last stage ends
 with the summed NLL. Writes one JSON (``--out``): the layout, the command, the planner's prediction beside the
@@ -62,12 +64,14 @@ from kimi_tools import plan as P  # noqa: E402
 def choose(
     preset: str, gpus: int, seq_len: int, lora_rank: int | None, gpu_memory: float, host_memory: float = 250.0
 ) -> dict | None:
-    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs without context parallelism, or None;
-    ``host_memory``: GB of host memory the rank may use (offloaded states)."""
+    """The best fitting layout of ``kimi plan`` on ``gpus`` GPUs that :func:`rehearse` runs (no context
+    parallelism, one stage per rank: no V schedule), or None; ``host_memory``: GB of host memory the rank may use
+    (offloaded states)."""
     args = P._args(gpus, lora_rank, seq_len=seq_len, preset=preset, gpu_memory=gpu_memory, reserve=0.05 * gpu_memory,
                    host_memory=host_memory)  # fmt: skip
     rows, _ = P.run_plan(args)
-    return next((r for r in rows if r["fits"] and r["layout"]["cp"] == 1), None)
+    runs = (r for r in rows if r["fits"] and r["layout"]["cp"] == 1 and len(r.get("worst_rank_stages", ())) <= 1)
+    return next(runs, None)
 
 
 def available_host_gb() -> float:
@@ -414,6 +418,12 @@ def rehearse(
         inflight = min(L["pp"] - s, row["microbatches"])
         first = stage is None or stage.is_first
         last = stage is None or stage.is_last
+        sums = None  # --offload cpu: the trainer's held host gradient sums (Trainer; a pipeline's: Pipeline.host_sums)
+        if a.offload == "cpu" and (par.pipe is None or par.pipe.fsdp == "layer") and row["microbatches"] > 1:
+            from kernels_torch.parallel import fsdp
+
+            held = fsdp.offloaded_params(module)
+            sums = fsdp.HostGradSums(held) if held else None
 
         def forward():
             """One micro-batch: ids on the first stage, else a received state ``[M, 1, T, D]``; the summed NLL on
@@ -445,6 +455,8 @@ def rehearse(
             for i, out in enumerate(outs):
                 progress["phase"] = progress["step"] = f"backward {i}"
                 backward(out)
+                if sums is not None:  # a micro-batch before the step's last: its host gradients taken out of .grad
+                    sums.take()
             del outs
             sync()
             progress["phase"] = progress["step"] = "timed"
@@ -453,8 +465,12 @@ def rehearse(
             t0 = time.perf_counter()  # one more micro-batch, timed alone (the steady state's forward + backward)
             with _profiled(profile and cuda) as prof:
                 backward(forward())
+                if sums is not None:  # a later micro-batch of the step: FSDP2's fast copy, then the host add
+                    sums.take()
                 sync()
             ms = (time.perf_counter() - t0) * 1e3
+            if sums is not None:  # the step's gradients back in .grad (the last micro-batch's add not timed)
+                sums.give_back()
             progress["phase"] = progress["step"] = "optimizer"
             t0 = time.perf_counter()
             masters.grads_to_masters()

@@ -157,3 +157,51 @@ def test_profile_tables_rank_operators_by_self_time():
     assert {r["name"] for r in got["by_cpu"]} & {"aten::mm", "aten::matmul", "aten::relu", "aten::clamp_min"}
     assert got["self_cpu_ms_total"] >= sum(r["self_cpu_ms"] for r in got["by_cpu"])
     assert got["self_cuda_ms_total"] == 0.0
+
+
+def test_choose_skips_rows_the_rehearsal_refuses(monkeypatch):
+    """``choose`` takes the plan's best fitting row that ``rehearse`` runs: a row with context parallelism or a V
+    schedule's (two stages per rank) is passed over for the next fitting one, not chosen and then refused."""
+    mod = _bench()
+
+    def row(name: str, cp: int, stages: list[int], fits: bool = True) -> dict:
+        return {"name": name, "fits": fits, "layout": {"cp": cp}, "worst_rank_stages": stages}
+
+    rows = [row("unfit", 1, [0], fits=False), row("cp2", 2, [0]), row("v", 1, [0, 3]), row("1f1b", 1, [1])]
+    monkeypatch.setattr(mod.P, "run_plan", lambda args: (rows, []))
+    assert mod.choose("tiny", 4, 64, None, 1.0)["name"] == "1f1b"
+    monkeypatch.setattr(mod.P, "run_plan", lambda args: (rows[:3], []))
+    assert mod.choose("tiny", 4, 64, None, 1.0) is None
+
+
+def test_rank_rehearsal_holds_host_gradients_as_the_trainer_does(monkeypatch):
+    """Under ``--offload cpu`` without a pipeline the trainer takes the host gradients out of ``.grad`` after each
+    micro-batch's backward but the last (``kernels_torch.parallel.fsdp.HostGradSums``), so that FSDP2 copies each
+    one the fast way: the rehearsal does so too (its timed micro-batch, a later one of the step, is compared with the
+    planner's cost of that path), taking the in-flight and the timed micro-batch's gradients and giving them back
+    before the optimizer step."""
+    from kernels_torch.parallel import fsdp
+
+    calls = []
+
+    class Recording(fsdp.HostGradSums):
+        def take(self):
+            calls.append(("take", sum(p.grad is not None for p in self.params)))
+            super().take()
+
+        def give_back(self):
+            calls.append(("give_back", len(self.held)))
+            super().give_back()
+
+    monkeypatch.setattr(fsdp, "HostGradSums", Recording)
+    row = P.evaluate(
+        load_config("tiny"), P.Layout(pp=1, dp=2, cp=1, ep=1), P.Policy(offload="cpu"), P.Hardware(),
+        P.load_calibration(), seq_len=64, global_batch=256,
+    )  # fmt: skip
+    assert row["microbatches"] > 1
+    row["command"] = " ".join(P.train_command(row, preset="tiny", seq_len=64))
+    assert "--offload cpu" in row["command"]
+    res = _bench().rehearse("tiny", row, "cpu")
+    assert res["measured"]["ms_per_microbatch"] > 0
+    assert [c[0] for c in calls] == ["take", "take", "give_back"], calls
+    assert all(n > 0 for _, n in calls), calls  # gradients were there to take, and held

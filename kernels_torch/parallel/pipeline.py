@@ -475,9 +475,10 @@ def _stage_class():
     from torch.distributed.pipelining import PipelineStage
 
     class _Stage(PipelineStage):
-        def __init__(self, *args, whole_backward: bool = False, **kwargs):
+        def __init__(self, *args, whole_backward: bool = False, after_backward=None, **kwargs):
             super().__init__(*args, **kwargs)
             self.whole_backward = whole_backward
+            self.after_backward = after_backward  # called after each backward action (Pipeline.host_sums)
             self._whole: set[int] = set()  # micro-batches whose split backward ran whole
 
         def get_local_bwd_output(self, mb_index):
@@ -491,7 +492,10 @@ def _stage_class():
             if self.whole_backward and not full_backward and self.has_backward:
                 self._whole.add(bwd_chunk_id)
                 full_backward = True
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            if self.after_backward is not None:
+                self.after_backward()
+            return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
             if bwd_chunk_id in self._whole:
@@ -644,6 +648,10 @@ class Pipeline:
         self._loss_fn = _ScaledNLL()
         self._schedules: dict[tuple, object] = {}
         self.fsdp: str | None = None  # the FSDP2 policy of shard_stages (PP_FSDP), None: the stages not sharded
+        # under CPUOffloadPolicy and fsdp "layer" (a reduce-scatter every micro-batch): a
+        # kernels_torch.parallel.fsdp.HostGradSums taking the host gradients out of .grad after each backward action
+        # (so that FSDP2 copies each one non-blocking) and giving them back after the step; None: FSDP2 accumulates
+        self.host_sums = None
 
     @property
     def _eval_schedule(self) -> str:
@@ -721,7 +729,7 @@ class Pipeline:
             pstages.append(
                 _stage_class()(
                     _LayerUnits(st) if layer else st, s, self.num_stages, dev, input_args=inp, output_args=out,
-                    group=self.group, whole_backward=layer and name in V_SCHEDULES,
+                    group=self.group, whole_backward=layer and name in V_SCHEDULES, after_backward=self._take_host_grads,
                 )
             )  # fmt: skip
         cls = get_schedule_class(name)
@@ -737,6 +745,10 @@ class Pipeline:
 
             schedule.register_custom_function(OVERLAP_F_B, callback)
         return schedule
+
+    def _take_host_grads(self) -> None:
+        if self.host_sums is not None:
+            self.host_sums.take()
 
     def _global_length(self, cu_seqlens, T_local: int) -> int:
         """The rows' global length under context parallelism (the end of the first row's offsets), checked against
@@ -828,7 +840,11 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (input_ids.to(self.device),) if self.stages[0].is_first else ()
         run = schedule.step if backward else schedule.eval
-        run(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
+        try:
+            run(*args, target=labels.to(self.device), losses=losses, return_outputs=False, **kwargs)
+        finally:
+            if backward and self.host_sums is not None:
+                self.host_sums.give_back()  # the step's summed host gradients back in .grad
         if not backward and self.fsdp is not None:
             # a forward without a backward leaves the units that keep their forward's copy gathered (the stage
             # module's root, the last layer), and then their gathered tensors, not the sharded ones the optimizer
@@ -877,7 +893,10 @@ def shard_stages(
       the units kept from the forward) gathered and no unsharded gradient between micro-batches. Per step and
       unit: ``2 m`` all-gathers (``m + 1`` for one that keeps its forward's copy) and ``m`` reduce-scatters. Under a
       V schedule each split backward runs whole at its input part (:func:`_stage_class`'s ``whole_backward``: a
-      split cannot give weight gradients to units resharded in between).
+      split cannot give weight gradients to units resharded in between). Under ``CPUOffloadPolicy`` set
+      :attr:`Pipeline.host_sums` (``kernels_torch.parallel.fsdp.HostGradSums`` of the offloaded parameters): it
+      takes the host gradients out of ``.grad`` after each backward action and gives them back after the step, so
+      that FSDP2 copies each micro-batch's gradient to the host non-blocking, not blocking with a host add.
     * ``"stage"``: torch's own handling of a stage module that is an ``FSDPModule``: from a micro-batch's
       backward to the step's end every unit of the stage stays gathered (``set_reshard_after_backward(False)``),
       its gradients accumulate unsharded in the reduce dtype (``set_requires_gradient_sync(False)``) and are

@@ -151,13 +151,34 @@ def _host_copy(doc: dict, root: Path) -> tuple[float, str]:
 def _host_offload(doc: dict, root: Path) -> tuple[dict, float, str, dict]:
     """``(seconds per 10^9 parameters per optimizer, seconds per GB of FSDP2's accumulating gradient copy, source,
     {"grad_first_s_per_gb", "grad_taken_s_per_gb_measured"}: the trainer's gradient copy rates)`` from the file's
-    ``host_offload`` (a ``benchmarks/host_optimizer.py`` result), else ``({}, 0.0, "not measured", {})``."""
+    ``host_offload`` (a ``benchmarks/host_optimizer.py`` result), else ``({}, 0.0, "not measured", {})``. A result
+    without ``grad_accumulate`` (a run without CUDA) counts no gradient copies, as without a file.
+
+    Raises:
+        ValueError (one line naming ``host_offload.file``): the file missing or not JSON, or a key the result always
+            has (``device``, ``threads``, each optimizer's ``s_per_gparam``, ``grad_accumulate``'s
+            ``first_s_per_gb`` and ``accumulate_s_per_gb``) missing."""
     name = doc.get("host_offload", {}).get("file")
     if not name:
         return {}, 0.0, "not measured", {}
-    res = json.loads((root / name).read_text())
+    what = f"calibration host_offload.file: got {name!r}"
+    try:
+        res = json.loads((root / name).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{what}, expected a readable benchmarks/host_optimizer.py result (JSON): {e}") from None
+    need = [k for k in ("device", "threads") if k not in res]
+    need += [f"optimizer.{k}.s_per_gparam" for k, v in res.get("optimizer", {}).items() if "s_per_gparam" not in v]
+    if "grad_accumulate" in res:
+        need += [
+            f"grad_accumulate.{k}" for k in ("first_s_per_gb", "accumulate_s_per_gb") if k not in res["grad_accumulate"]
+        ]
+    if need:
+        raise ValueError(f"{what}, a result without {', '.join(need)}; expected a benchmarks/host_optimizer.py result")
     rates = {k: v["s_per_gparam"] for k, v in res.get("optimizer", {}).items()}
-    g = res.get("grad_accumulate", {})
+    if "grad_accumulate" not in res:
+        src = f"measured: {name} ({res['device']}, {res['threads']} host threads); no gradient copies measured: not counted"
+        return rates, 0.0, src, {}
+    g = res["grad_accumulate"]
     taken = {
         "grad_first_s_per_gb": g.get("first_s_per_gb", 0.0),
         "grad_taken_s_per_gb_measured": g.get("taken_s_per_gb"),
@@ -172,7 +193,8 @@ def load_calibration(fp8: str | None = None, path: Path = CALIBRATION_FILE) -> C
     """The calibration for bf16 (``fp8=None``) or an FP8 recipe from ``path``.
 
     Raises:
-        ValueError: no calibration point for that recipe (naming the recipes that have one)."""
+        ValueError: no calibration point for that recipe (naming the recipes that have one); a damaged
+            ``host_offload.file`` result (:func:`_host_offload`)."""
     doc = json.loads(Path(path).read_text())
     key = "bf16" if fp8 is None else f"fp8-{fp8}"
     tflops, src, rows = {}, {}, {}

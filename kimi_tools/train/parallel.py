@@ -51,8 +51,8 @@ Optimizer and offload policies: under ``--optimizer adamw-bf16`` the trainable b
 then held in bf16), stepped by torchao's AdamW with bf16 moments (``kimi_tools.train.weights.build_optimizer``).
 ``--offload cpu`` passes FSDP2's ``CPUOffloadPolicy`` (pinned host memory on CUDA) to every unit: the shards, their
 gradients and the optimizer state live on the host, and the optimizer steps there; the tensors FSDP2 leaves whole
-stay on the device. Between the micro-batches of a step (without ``--pp``) the trainer holds the host gradients
-outside ``.grad`` (``kernels_torch.parallel.fsdp.HostGradSums``), so that FSDP2 copies each one to the host
+stay on the device. Between the micro-batches of a step (with ``--pp``, under ``--pp-fsdp layer``: after each
+backward action of the schedule, ``Pipeline.host_sums``) the trainer holds the host gradients outside ``.grad`` (``kernels_torch.parallel.fsdp.HostGradSums``), so that FSDP2 copies each one to the host
 non-blocking into pinned memory, not blocking with a host add; the sums are FSDP2's own bit for bit. On CUDA the process group then gets a gloo backend for host tensors beside NCCL
 (``cpu:gloo,cuda:nccl``, as torchtitan does), for the gradient norm of host shards.
 
