@@ -418,12 +418,8 @@ def rehearse(
         inflight = min(L["pp"] - s, row["microbatches"])
         first = stage is None or stage.is_first
         last = stage is None or stage.is_last
-        sums = None  # --offload cpu: the trainer's held host gradient sums (Trainer; a pipeline's: Pipeline.host_sums)
-        if a.offload == "cpu" and (par.pipe is None or par.pipe.fsdp == "layer") and row["microbatches"] > 1:
-            from kernels_torch.parallel import fsdp
-
-            held = fsdp.offloaded_params(module)
-            sums = fsdp.HostGradSums(held) if held else None
+        # --offload cpu: the trainer's held host gradient sums (Trainer; a pipeline's: Pipeline.host_sums)
+        sums = par.host_grad_sums(module, a.offload) if row["microbatches"] > 1 else None
 
         def forward():
             """One micro-batch: ids on the first stage, else a received state ``[M, 1, T, D]``; the summed NLL on

@@ -121,8 +121,8 @@ class Policy:
             )
 
 
-def trainer_fsdp(pp: int, world: int | None = None, optimizer: str = "adamw-fp32", offload: str = "none") -> str:
-    """The FSDP policy ``kimi train`` runs by default at ``pp`` stages of a ``world``-rank layout: "layer" (one unit
+def trainer_fsdp(world: int | None = None, optimizer: str = "adamw-fp32", offload: str = "none") -> str:
+    """The FSDP policy ``kimi train`` runs by default on a ``world``-rank layout: "layer" (one unit
     per layer, resharded after its forward and its backward, gradients reduce-scattered every micro-batch and held
     sharded), with or without a pipeline (``--pp-fsdp layer``, the default: ``kernels_torch.parallel.pipeline
     .shard_stages`` hides the stage module from torch's ``PipelineStage`` no-sync, and a V schedule's split backward

@@ -130,7 +130,7 @@ def evaluate(
     mode = ("chunks" if overlap_a2a else "none") if isinstance(overlap_a2a, bool) else overlap_a2a
     if mode not in EP_OVERLAPS:
         raise ValueError(f"overlap_a2a: got {overlap_a2a!r}, expected a bool or one of {list(EP_OVERLAPS)}")
-    fsdp = trainer_fsdp(L.pp, L.world, policy.optimizer, policy.offload)
+    fsdp = trainer_fsdp(L.world, policy.optimizer, policy.offload)
     # on one rank "layer" is what the trainer runs with FSDP2 forced (ParallelPolicy.shard_one_rank, the benchmark's);
     # with a pipeline "stage" too (kimi train --pp-fsdp stage)
     runs = {"auto", fsdp} | ({"layer"} if fsdp == "none" else set()) | set(pp_fsdp_policies(L.pp))

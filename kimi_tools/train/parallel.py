@@ -513,6 +513,18 @@ class TrainParallel:
 
             reshard(model)
 
+    def host_grad_sums(self, model: nn.Module, offload: str):
+        """The held host gradient sums of ``model``'s FSDP2-offloaded parameters
+        (``kernels_torch.parallel.fsdp.HostGradSums``) where FSDP2 reduces every micro-batch under ``--offload cpu``
+        (no pipeline, or ``--pp-fsdp layer``); None elsewhere (``--pp-fsdp stage`` reduces once per step) or when
+        FSDP2 offloads nothing."""
+        if offload != "cpu" or (self.pipe is not None and self.pipe.fsdp != "layer"):
+            return None
+        from kernels_torch.parallel.fsdp import HostGradSums, offloaded_params
+
+        held = offloaded_params(model)
+        return HostGradSums(held) if held else None
+
     def sum_pp(self, x: float) -> float:
         """Sum over this rank's pipeline group (a count of parameters: each rank holds its stages')."""
         return x if self.pipe is None else self._sum([x], self.mesh["pp"].get_group())[0]

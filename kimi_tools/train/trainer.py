@@ -263,15 +263,10 @@ class Trainer:
             materialise(model, a, cfg, partial=par.pipe is not None, adapters=adapters)  # each rank its own shards
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("--freeze/--stage: no parameter is left to train")
-        self.host_sums = None  # --offload cpu: the host gradients summed outside .grad between micro-batches
-        # (--pp-fsdp stage reduces once per step: nothing to accumulate; layer every micro-batch, inside the schedule)
-        if a.offload == "cpu" and (par.pipe is None or par.pipe.fsdp == "layer"):
-            from kernels_torch.parallel.fsdp import HostGradSums, offloaded_params
-
-            held = offloaded_params(model)
-            self.host_sums = HostGradSums(held) if held else None
-            if par.pipe is not None:  # taken after each backward action, given back after the schedule's step
-                par.pipe.host_sums, self.host_sums = self.host_sums, None
+        # --offload cpu: the host gradients summed outside .grad between micro-batches
+        self.host_sums = par.host_grad_sums(model, a.offload)
+        if par.pipe is not None:  # taken after each backward action, given back after the schedule's step
+            par.pipe.host_sums, self.host_sums = self.host_sums, None
         self.masters = MasterWeights(model, low_precision=low_precision, replicated=par.replicated)
         self.optimizer = build_optimizer(self.masters, a)
         self.scheduler = build_scheduler(
